@@ -1,0 +1,1 @@
+"""mambakit: Mamba selective state space models in PyTorch and Triton."""

@@ -1,0 +1,244 @@
+"""Pure tensor ops of a Mamba layer and the one place where a backend is chosen.
+
+`backend="auto"` picks Triton for CUDA tensors when Triton is importable, else
+the PyTorch reference. The environment variable MAMBAKIT_BACKEND (`reference` |
+`triton`), read at every call, overrides "auto". `"triton"` on CPU tensors runs
+the kernels under the Triton interpreter (TRITON_INTERPRET=1 must be set before
+the kernels are first imported); that is how CI tests them.
+
+Every input is checked here, before any kernel launches.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from ._checks import check_same_dtype, check_seq_idx, check_tensor
+from .causal_conv1d.reference import causal_conv1d_reference, causal_conv1d_update_reference
+from .rms_norm.reference import rms_norm_reference
+from .selective_scan.reference import (
+    selective_scan_reference,
+    selective_state_update_reference,
+)
+
+__all__ = [
+    "selective_scan",
+    "causal_conv1d",
+    "rms_norm",
+    "selective_state_update",
+    "causal_conv1d_update",
+    "resolve_backend",
+]
+
+BACKENDS = ("auto", "reference", "triton")
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_backend(backend: str, x: torch.Tensor) -> str:
+    """The backend an op on `x` runs with: "reference" or "triton"."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        env = os.environ.get("MAMBAKIT_BACKEND", "").strip().lower()
+        if env and env not in ("reference", "triton"):
+            raise ValueError(
+                f"MAMBAKIT_BACKEND must be 'reference' or 'triton', got {env!r}"
+            )
+        if env:
+            backend = env
+        elif x.is_cuda and triton_available() and x.dtype in _TRITON_DTYPES:
+            backend = "triton"
+        else:
+            backend = "reference"
+    if backend == "triton":
+        if not triton_available():
+            raise RuntimeError("backend='triton' needs the triton package (pip install triton)")
+        if x.dtype not in _TRITON_DTYPES:
+            if os.environ.get("MAMBAKIT_BACKEND") and x.dtype == torch.float64:
+                return "reference"  # float64 oracle runs stay on the reference
+            raise TypeError(f"backend='triton' supports f32, bf16 and f16 inputs, got {x.dtype}")
+        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(
+                "backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before import"
+            )
+    return backend
+
+
+def selective_scan(
+    u: torch.Tensor,
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    delta_bias: torch.Tensor | None = None,
+    delta_softplus: bool = True,
+    initial_state: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    return_final_state: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Selective scan over u, delta, z [B, T, D] and B, C [B, T, N] (see DESIGN.md section 1).
+
+    A [D, N], D and delta_bias [D] are f32 (f64 on the oracle path); initial_state
+    [B, D, N] f32; seq_idx [B, T] int32 resets the state where it changes. Returns y
+    [B, T, D] in u.dtype, and the final state [B, D, N] f32 when return_final_state.
+    """
+    check_tensor("u", u, (None, None, None), last_dim_contiguous=True)
+    Bsz, T, Dn = u.shape
+    dev = u.device
+    check_tensor("delta", delta, (Bsz, T, Dn), device=dev, last_dim_contiguous=True)
+    check_tensor("A", A, (Dn, None), device=dev)
+    N = A.shape[1]
+    if N > 256:
+        raise ValueError(f"A: d_state must be at most 256, got {N}")
+    check_tensor("B", B, (Bsz, T, N), device=dev, last_dim_contiguous=True)
+    check_tensor("C", C, (Bsz, T, N), device=dev, last_dim_contiguous=True)
+    acts = {"u": u, "delta": delta, "B": B, "C": C}
+    if z is not None:
+        check_tensor("z", z, (Bsz, T, Dn), device=dev, last_dim_contiguous=True)
+        acts["z"] = z
+    check_same_dtype(acts)
+    if D is not None:
+        check_tensor("D", D, (Dn,), device=dev)
+    if delta_bias is not None:
+        check_tensor("delta_bias", delta_bias, (Dn,), device=dev)
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, (Bsz, Dn, N), device=dev)
+    if seq_idx is not None:
+        check_seq_idx(seq_idx, Bsz, T, dev)
+    args = (u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, seq_idx)
+    if resolve_backend(backend, u) == "triton":
+        from .selective_scan import selective_scan_triton
+
+        return selective_scan_triton(*args, return_final_state=return_final_state)
+    return selective_scan_reference(*args, return_final_state=return_final_state)
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    activation: str | None = "silu",
+    return_final_state: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv over x [B, T, D] with weight [D, K], optional SiLU.
+
+    initial_state / final state: [B, K-1, D], the last K-1 inputs, oldest first.
+    """
+    check_tensor("x", x, (None, None, None), last_dim_contiguous=True)
+    Bsz, T, Dn = x.shape
+    dev = x.device
+    check_tensor("weight", weight, (Dn, None), device=dev)
+    K = weight.shape[1]
+    if K < 2:
+        raise ValueError(f"weight: d_conv must be at least 2, got {K}")
+    if bias is not None:
+        check_tensor("bias", bias, (Dn,), device=dev)
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state, (Bsz, K - 1, Dn), device=dev)
+    if seq_idx is not None:
+        check_seq_idx(seq_idx, Bsz, T, dev)
+    if activation not in (None, "silu"):
+        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+    args = (x, weight, bias, initial_state, seq_idx, activation)
+    if resolve_backend(backend, x) == "triton":
+        from .causal_conv1d import causal_conv1d_triton
+
+        return causal_conv1d_triton(*args, return_final_state=return_final_state)
+    return causal_conv1d_reference(*args, return_final_state=return_final_state)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-5,
+    residual: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, residual_out): residual_out = x + residual in f32, out = rmsnorm(residual_out)."""
+    check_tensor("x", x, None, last_dim_contiguous=True)
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dim")
+    Dn = x.shape[-1]
+    check_tensor("weight", weight, (Dn,), device=x.device)
+    if residual is not None:
+        check_tensor("residual", residual, tuple(x.shape), device=x.device)
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    if out_dtype is not None and out_dtype not in _TRITON_DTYPES + (torch.float64,):
+        raise TypeError(f"out_dtype must be a float dtype, got {out_dtype}")
+    if resolve_backend(backend, x) == "triton":
+        from .rms_norm import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, residual, out_dtype)
+    return rms_norm_reference(x, weight, eps, residual, out_dtype)
+
+
+def selective_state_update(
+    ssm_state: torch.Tensor,
+    u: torch.Tensor,
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    delta_bias: torch.Tensor | None = None,
+    delta_softplus: bool = True,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """One decode step of the scan: updates ssm_state [B, D, N] in place, returns y [B, D]."""
+    check_tensor("u", u, (None, None), last_dim_contiguous=True)
+    Bsz, Dn = u.shape
+    check_tensor("ssm_state", ssm_state, (Bsz, Dn, None), device=u.device)
+    N = ssm_state.shape[2]
+    check_tensor("delta", delta, (Bsz, Dn), device=u.device)
+    check_tensor("A", A, (Dn, N), device=u.device)
+    check_tensor("B", B, (Bsz, N), device=u.device, last_dim_contiguous=True)
+    check_tensor("C", C, (Bsz, N), device=u.device, last_dim_contiguous=True)
+    args = (ssm_state, u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+    if resolve_backend(backend, u) == "triton":
+        from .selective_scan import selective_state_update_triton
+
+        return selective_state_update_triton(*args)
+    return selective_state_update_reference(*args)
+
+
+def causal_conv1d_update(
+    conv_state: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = "silu",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """One decode step of the conv: shifts x [B, D] into conv_state [B, K-1, D] in place."""
+    check_tensor("x", x, (None, None), last_dim_contiguous=True)
+    Bsz, Dn = x.shape
+    check_tensor("weight", weight, (Dn, None), device=x.device)
+    K = weight.shape[1]
+    check_tensor("conv_state", conv_state, (Bsz, K - 1, Dn), device=x.device)
+    args = (conv_state, x, weight, bias, activation)
+    if resolve_backend(backend, x) == "triton":
+        from .causal_conv1d import causal_conv1d_update_triton
+
+        return causal_conv1d_update_triton(*args)
+    return causal_conv1d_update_reference(*args)

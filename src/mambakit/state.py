@@ -1,0 +1,112 @@
+"""MambaState: the recurrent state of a whole model, in two stacked f32 buffers.
+
+Layout (DESIGN.md section 2), L layers, B rows, K = d_conv, D = d_inner, N = d_state:
+    conv: [L, B, K-1, D]  the last K-1 conv inputs x_in, oldest first
+    ssm:  [L, B, D, N]    the SSM state h
+
+The buffers keep their addresses under `reset_`, `copy_` and `step()`, so a
+CUDA graph captured on a state stays valid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class MambaState:
+    conv: torch.Tensor  # [L, B, K-1, D]
+    ssm: torch.Tensor  # [L, B, D, N]
+
+    def __post_init__(self) -> None:
+        if self.conv.dim() != 4 or self.ssm.dim() != 4:
+            raise ValueError(
+                f"MambaState.conv and .ssm must be 4-d, got shapes "
+                f"{tuple(self.conv.shape)} and {tuple(self.ssm.shape)}"
+            )
+        if self.conv.shape[:2] != self.ssm.shape[:2] or self.conv.shape[3] != self.ssm.shape[2]:
+            raise ValueError(
+                f"MambaState.conv {tuple(self.conv.shape)} and .ssm {tuple(self.ssm.shape)} "
+                "disagree on n_layers, batch or d_inner"
+            )
+        if self.conv.device != self.ssm.device:
+            raise ValueError(
+                f"MambaState.conv is on {self.conv.device} but .ssm on {self.ssm.device}"
+            )
+
+    @classmethod
+    def zeros(
+        cls,
+        n_layers: int,
+        batch_size: int,
+        d_inner: int,
+        d_state: int,
+        d_conv: int,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> MambaState:
+        conv = torch.zeros(n_layers, batch_size, d_conv - 1, d_inner, device=device, dtype=dtype)
+        ssm = torch.zeros(n_layers, batch_size, d_inner, d_state, device=device, dtype=dtype)
+        return cls(conv, ssm)
+
+    @property
+    def n_layers(self) -> int:
+        return self.ssm.shape[0]
+
+    @property
+    def batch_size(self) -> int:
+        return self.ssm.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.ssm.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.ssm.dtype
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv [B, K-1, D], ssm [B, D, N]) of layer i, as views."""
+        return self.conv[i], self.ssm[i]
+
+    def detach(self) -> MambaState:
+        """The same values cut from the autograd graph (the TBPTT boundary)."""
+        return MambaState(self.conv.detach(), self.ssm.detach())
+
+    def clone(self) -> MambaState:
+        return MambaState(self.conv.clone(), self.ssm.clone())
+
+    def to(self, *args, **kwargs) -> MambaState:
+        return MambaState(self.conv.to(*args, **kwargs), self.ssm.to(*args, **kwargs))
+
+    def copy_(self, other: MambaState) -> MambaState:
+        """Overwrite in place (keeps addresses for CUDA graphs)."""
+        self.conv.copy_(other.conv)
+        self.ssm.copy_(other.ssm)
+        return self
+
+    def zero_(self) -> MambaState:
+        self.conv.zero_()
+        self.ssm.zero_()
+        return self
+
+    def reset_(self, mask: torch.Tensor) -> MambaState:
+        """Zero the rows where `mask` [B] is True (episode ends), without a host sync.
+
+        In place when the state carries no gradient (buffers keep their addresses);
+        when it does, the buffers are replaced by masked copies so autograd stays exact.
+        """
+        if mask.dim() != 1 or mask.shape[0] != self.batch_size:
+            raise ValueError(
+                f"reset_ mask must have shape [{self.batch_size}], got {tuple(mask.shape)}"
+            )
+        m = mask.to(device=self.device, dtype=torch.bool).view(1, -1, 1, 1)
+        if self.conv.requires_grad or self.ssm.requires_grad:
+            self.conv = self.conv.masked_fill(m, 0.0)
+            self.ssm = self.ssm.masked_fill(m, 0.0)
+        else:
+            self.conv.masked_fill_(m, 0.0)
+            self.ssm.masked_fill_(m, 0.0)
+        return self
