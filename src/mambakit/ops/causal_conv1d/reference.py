@@ -84,4 +84,4 @@ def causal_conv1d_update_reference(
     if activation == "silu":
         out = F.silu(out)
     conv_state.copy_(window[:, 1:])
-    return out.to(x.dtype)
+    return out.to(x.dtype).contiguous()

@@ -1,0 +1,13 @@
+"""Checkpoint formats: Hugging Face MambaForCausalLM and the original state-spaces one."""
+
+from .config import CheckpointError, config_from_json, config_to_hf_json
+from .io import load_pretrained, read_state_dict, save_pretrained
+
+__all__ = [
+    "CheckpointError",
+    "config_from_json",
+    "config_to_hf_json",
+    "load_pretrained",
+    "read_state_dict",
+    "save_pretrained",
+]

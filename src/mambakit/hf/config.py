@@ -1,0 +1,145 @@
+"""config.json <-> MambaConfig, for the Hugging Face and the original state-spaces formats."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..config import MambaConfig
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be read as a Mamba-1 model."""
+
+
+def _refuse_relatives(cfg: dict[str, Any]) -> None:
+    model_type = cfg.get("model_type")
+    if model_type == "falcon_mamba":
+        raise CheckpointError(
+            "config.json: model_type 'falcon_mamba' (FalconMamba adds RMSNorms on B, C and dt "
+            "inside the mixer) is not supported; loading it as Mamba-1 would be silently wrong"
+        )
+    if model_type == "mamba2" or (cfg.get("ssm_cfg") or {}).get("layer") == "Mamba2":
+        raise CheckpointError("config.json: this is a Mamba-2 model; mambakit implements Mamba-1")
+    if model_type not in (None, "mamba"):
+        raise CheckpointError(f"config.json: model_type {model_type!r} is not a Mamba-1 model")
+    if cfg.get("attn_layer_idx"):
+        raise CheckpointError(
+            "config.json: attn_layer_idx lists attention layers (a hybrid model); "
+            "mambakit supports pure Mamba-1 stacks only"
+        )
+    if cfg.get("d_intermediate"):
+        raise CheckpointError(
+            "config.json: d_intermediate > 0 adds MLP layers; mambakit supports pure Mamba-1"
+        )
+
+
+def _require(cfg: dict[str, Any], key: str) -> Any:
+    if key not in cfg:
+        raise CheckpointError(f"config.json: missing field {key!r}")
+    return cfg[key]
+
+
+def config_from_json(cfg: dict[str, Any]) -> tuple[MambaConfig, str]:
+    """(MambaConfig, format) where format is "hf" or "state-spaces"."""
+    if not isinstance(cfg, dict):
+        raise CheckpointError("config.json must hold a JSON object")
+    _refuse_relatives(cfg)
+    if "hidden_size" in cfg:
+        d_model = _require(cfg, "hidden_size")
+        expand = cfg.get("expand", 2)
+        inter = cfg.get("intermediate_size")
+        if inter is not None and inter != expand * d_model:
+            raise CheckpointError(
+                f"config.json: intermediate_size {inter} != expand {expand} * hidden_size {d_model}"
+            )
+        rank = cfg.get("time_step_rank", "auto")
+        out = MambaConfig(
+            d_model=d_model,
+            n_layers=_require(cfg, "num_hidden_layers"),
+            vocab_size=_require(cfg, "vocab_size"),
+            d_state=cfg.get("state_size", 16),
+            d_conv=cfg.get("conv_kernel", 4),
+            expand=expand,
+            dt_rank=math.ceil(d_model / 16) if rank == "auto" else rank,
+            rms_norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+            conv_bias=cfg.get("use_conv_bias", True),
+            bias=cfg.get("use_bias", False),
+            tie_embeddings=cfg.get("tie_word_embeddings", True),
+            pad_vocab_size_multiple=1,
+            dt_min=cfg.get("time_step_min", 0.001),
+            dt_max=cfg.get("time_step_max", 0.1),
+            dt_init_floor=cfg.get("time_step_floor", 1e-4),
+            dt_scale=cfg.get("time_step_scale", 1.0),
+            dt_init=cfg.get("time_step_init_scheme", "random"),
+            initializer_range=cfg.get("initializer_range", 0.02),
+            rescale_prenorm_residual=cfg.get("rescale_prenorm_residual", True),
+            extra={k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg},
+        )
+        return out, "hf"
+    if "d_model" in cfg:
+        ssm = cfg.get("ssm_cfg") or {}
+        if cfg.get("rms_norm", True) is False:
+            raise CheckpointError("config.json: rms_norm false (LayerNorm) is not supported")
+        vocab = _require(cfg, "vocab_size")
+        mult = cfg.get("pad_vocab_size_multiple", 8)
+        out = MambaConfig(
+            d_model=cfg["d_model"],
+            n_layers=_require(cfg, "n_layer"),
+            vocab_size=vocab,
+            d_state=ssm.get("d_state", 16),
+            d_conv=ssm.get("d_conv", 4),
+            expand=ssm.get("expand", 2),
+            dt_rank=ssm.get("dt_rank", "auto"),
+            conv_bias=ssm.get("conv_bias", True),
+            bias=ssm.get("bias", False),
+            tie_embeddings=cfg.get("tie_embeddings", True),
+            pad_vocab_size_multiple=mult,
+            dt_min=ssm.get("dt_min", 0.001),
+            dt_max=ssm.get("dt_max", 0.1),
+            dt_init_floor=ssm.get("dt_init_floor", 1e-4),
+            dt_scale=ssm.get("dt_scale", 1.0),
+            dt_init=ssm.get("dt_init", "random"),
+            rms_norm_eps=cfg.get("norm_epsilon", 1e-5),
+        )
+        return out, "state-spaces"
+    raise CheckpointError(
+        "config.json: neither a Hugging Face Mamba config (hidden_size, ...) nor a "
+        "state-spaces one (d_model, n_layer, ...)"
+    )
+
+
+def config_to_hf_json(cfg: MambaConfig) -> dict[str, Any]:
+    """The config.json that transformers' MambaForCausalLM reads."""
+    out: dict[str, Any] = {
+        "architectures": ["MambaForCausalLM"],
+        "model_type": "mamba",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "state_size": cfg.d_state,
+        "num_hidden_layers": cfg.n_layers,
+        "expand": cfg.expand,
+        "intermediate_size": cfg.d_inner,
+        "conv_kernel": cfg.d_conv,
+        "time_step_rank": cfg.dt_rank,
+        "layer_norm_epsilon": cfg.rms_norm_eps,
+        "use_bias": cfg.bias,
+        "use_conv_bias": cfg.conv_bias,
+        "residual_in_fp32": True,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "time_step_min": cfg.dt_min,
+        "time_step_max": cfg.dt_max,
+        "time_step_floor": cfg.dt_init_floor,
+        "time_step_scale": cfg.dt_scale,
+        "time_step_init_scheme": cfg.dt_init,
+        "initializer_range": cfg.initializer_range,
+        "rescale_prenorm_residual": cfg.rescale_prenorm_residual,
+        "hidden_act": "silu",
+        "use_cache": True,
+        "torch_dtype": "float32",
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "pad_token_id": 0,
+    }
+    out.update({k: v for k, v in cfg.extra.items() if k.endswith("_token_id")})
+    return out

@@ -1,0 +1,80 @@
+"""Pre-norm residual block: r_{l+1} = r_l + mixer(rmsnorm(r_l)), the residual kept in f32.
+
+The add and the norm are fused (`rms_norm(x, w, residual=r)` returns the new
+residual and the normed input of the mixer), as in mamba_ssm's fused add-norm.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import MambaConfig
+from ..ops import rms_norm
+from .init import no_weight_decay
+from .mixer import Mamba
+
+
+class RMSNorm(nn.Module):
+    """x * rsqrt(mean(x^2) + eps) * weight, statistics in f32."""
+
+    def __init__(self, d: int, eps: float = 1e-5, device=None, dtype=None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = no_weight_decay(nn.Parameter(torch.ones(d, device=device, dtype=dtype)))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed in out_dtype, residual_out = x + residual in f32)."""
+        return rms_norm(x, self.weight, self.eps, residual=residual, out_dtype=out_dtype)
+
+
+class MambaBlock(nn.Module):
+    def __init__(self, cfg: MambaConfig, layer_idx: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, device=device, dtype=dtype)
+        self.mixer = Mamba(
+            cfg.d_model,
+            d_state=cfg.d_state,
+            d_conv=cfg.d_conv,
+            expand=cfg.expand,
+            dt_rank=cfg.dt_rank,
+            dt_min=cfg.dt_min,
+            dt_max=cfg.dt_max,
+            dt_init=cfg.dt_init,
+            dt_scale=cfg.dt_scale,
+            dt_init_floor=cfg.dt_init_floor,
+            conv_bias=cfg.conv_bias,
+            bias=cfg.bias,
+            layer_idx=layer_idx,
+            device=device,
+            dtype=dtype,
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [B, T, M], the previous mixer's output (or the input)
+        residual: torch.Tensor | None,  # [B, T, M] f32, None before the first block
+        compute_dtype: torch.dtype,
+        conv_state: torch.Tensor | None = None,
+        ssm_state: torch.Tensor | None = None,
+        seq_idx: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        normed, residual = self.norm(hidden, residual, compute_dtype)
+        out, state = self.mixer(normed, conv_state, ssm_state, seq_idx, return_state=True)
+        return out, residual, state
+
+    def step(
+        self,
+        hidden: torch.Tensor,  # [B, M]
+        residual: torch.Tensor | None,
+        compute_dtype: torch.dtype,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        normed, residual = self.norm(hidden, residual, compute_dtype)
+        return self.mixer.step(normed, conv_state, ssm_state), residual

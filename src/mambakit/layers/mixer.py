@@ -1,0 +1,141 @@
+"""The Mamba mixer layer (selective SSM block of the paper, Figure 3).
+
+B batch, T time, M = d_model, D = d_inner = expand * M, N = d_state, K = d_conv,
+R = dt_rank. Parameter names and shapes equal Hugging Face `MambaMixer` and
+mamba_ssm `Mamba`, so state dicts map one to one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import causal_conv1d, causal_conv1d_update, selective_scan, selective_state_update
+from ..ops._checks import check_tensor
+from .init import init_A_log, init_dt_proj, no_weight_decay
+
+
+class Mamba(nn.Module):
+    """Selective SSM mixer: [B, T, M] -> [B, T, M], with its recurrent state in and out.
+
+    A drop-in for `mamba_ssm.Mamba`: `y = mixer(x)`. With `return_state=True` it
+    also takes the state of this layer, conv [B, K-1, D] and ssm [B, D, N]
+    (both f32), and returns the final one, differentiable.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_state: int = 16,
+        d_conv: int = 4,
+        expand: int = 2,
+        dt_rank: int | str = "auto",
+        dt_min: float = 0.001,
+        dt_max: float = 0.1,
+        dt_init: str = "random",
+        dt_scale: float = 1.0,
+        dt_init_floor: float = 1e-4,
+        conv_bias: bool = True,
+        bias: bool = False,
+        layer_idx: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        for name, v in (("d_model", d_model), ("d_state", d_state), ("expand", expand)):
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"Mamba: {name} must be a positive int, got {v!r}")
+        if not isinstance(d_conv, int) or d_conv < 2:
+            raise ValueError(f"Mamba: d_conv must be an int >= 2, got {d_conv!r}")
+        self.d_model = d_model
+        self.d_state = d_state
+        self.d_conv = d_conv
+        self.d_inner = expand * d_model
+        self.dt_rank = math.ceil(d_model / 16) if dt_rank == "auto" else dt_rank
+        if not isinstance(self.dt_rank, int) or self.dt_rank <= 0:
+            raise ValueError(f"Mamba: dt_rank must be 'auto' or a positive int, got {dt_rank!r}")
+        self.layer_idx = layer_idx
+        fk = {"device": device, "dtype": dtype}
+        D, N, R = self.d_inner, d_state, self.dt_rank
+
+        self.in_proj = nn.Linear(d_model, 2 * D, bias=bias, **fk)
+        self.conv1d = nn.Conv1d(D, D, d_conv, groups=D, padding=d_conv - 1, bias=conv_bias, **fk)
+        self.x_proj = nn.Linear(D, R + 2 * N, bias=False, **fk)
+        self.dt_proj = nn.Linear(R, D, bias=True, **fk)
+        self.A_log = no_weight_decay(nn.Parameter(torch.empty(D, N, **fk)))
+        self.D = no_weight_decay(nn.Parameter(torch.ones(D, **fk)))
+        self.out_proj = nn.Linear(D, d_model, bias=bias, **fk)
+        no_weight_decay(self.dt_proj.bias)
+        init_A_log(self.A_log)
+        init_dt_proj(self.dt_proj, R, dt_min, dt_max, dt_init, dt_scale, dt_init_floor)
+
+    def _ssm_params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A = -exp(A_log), D and the dt bias, in f32 (f64 for a float64 model)."""
+        f = torch.float64 if self.A_log.dtype == torch.float64 else torch.float32
+        A = -torch.exp(self.A_log.to(f))  # [D, N]
+        return A, self.D.to(f), self.dt_proj.bias.to(f)
+
+    def _split_x_dbl(self, x_dbl: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        R, N = self.dt_rank, self.d_state
+        return x_dbl[..., :R], x_dbl[..., R : R + N], x_dbl[..., R + N :]
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, M]
+        conv_state: torch.Tensor | None = None,  # [B, K-1, D]
+        ssm_state: torch.Tensor | None = None,  # [B, D, N]
+        seq_idx: torch.Tensor | None = None,  # [B, T] int32
+        return_state: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        check_tensor("x", x, (None, None, self.d_model))
+        xz = self.in_proj(x)  # [B, T, 2D]
+        x_in, z = xz[..., : self.d_inner], xz[..., self.d_inner :]
+        conv_w = self.conv1d.weight.squeeze(1)  # [D, K]
+        u, conv_out = causal_conv1d(
+            x_in,
+            conv_w,
+            self.conv1d.bias,
+            initial_state=conv_state,
+            seq_idx=seq_idx,
+            activation="silu",
+            return_final_state=True,
+        )
+        dt_r, B, C = self._split_x_dbl(self.x_proj(u))  # [B, T, R], [B, T, N], [B, T, N]
+        delta = F.linear(dt_r, self.dt_proj.weight)  # [B, T, D]; bias and softplus in the scan
+        A, D, dt_bias = self._ssm_params()
+        y, ssm_out = selective_scan(
+            u,
+            delta,
+            A,
+            B,
+            C,
+            D=D,
+            z=z,
+            delta_bias=dt_bias,
+            delta_softplus=True,
+            initial_state=ssm_state,
+            seq_idx=seq_idx,
+            return_final_state=True,
+        )
+        out = self.out_proj(y)
+        return (out, (conv_out, ssm_out)) if return_state else out
+
+    def step(
+        self,
+        x: torch.Tensor,  # [B, M]
+        conv_state: torch.Tensor,  # [B, K-1, D], updated in place
+        ssm_state: torch.Tensor,  # [B, D, N], updated in place
+    ) -> torch.Tensor:
+        """One timestep of decode: the states advance in place; returns [B, M]."""
+        xz = self.in_proj(x)  # [B, 2D]
+        x_in, z = xz[:, : self.d_inner], xz[:, self.d_inner :]
+        conv_w = self.conv1d.weight.squeeze(1)
+        u = causal_conv1d_update(conv_state, x_in, conv_w, self.conv1d.bias, "silu")
+        dt_r, B, C = self._split_x_dbl(self.x_proj(u))
+        delta = F.linear(dt_r, self.dt_proj.weight)
+        A, D, dt_bias = self._ssm_params()
+        y = selective_state_update(ssm_state, u, delta, A, B, C, D, z, dt_bias, True)
+        return self.out_proj(y)

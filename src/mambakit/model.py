@@ -1,0 +1,236 @@
+"""MambaBackbone (float inputs or token ids -> hidden states) and MambaLM (tied LM head).
+
+B batch, T time, M = d_model, V = vocab. Every forward takes the recurrent state
+of all layers (`MambaState`, or None for zeros) and returns the final one,
+differentiable w.r.t. the parameters and the state passed in. `step()` advances
+one timestep: in place when no gradient is being recorded (decode, RL acting),
+functionally (a new state, the old one untouched) when one is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import MambaConfig
+from .layers.block import MambaBlock, RMSNorm
+from .layers.init import init_model_weights
+from .ops._checks import check_seq_idx, check_tensor
+from .state import MambaState
+
+
+def compute_dtype(param_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype of GEMM inputs and stored activations: autocast's when it is on."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return param_dtype
+
+
+class MambaBackbone(nn.Module):
+    """Input (ids via `embeddings`, or floats via the optional `input_proj`) -> layers -> norm_f."""
+
+    def __init__(
+        self, cfg: MambaConfig, embeddings: bool = False, device=None, dtype=None
+    ) -> None:
+        super().__init__()
+        if not isinstance(cfg, MambaConfig):
+            raise TypeError(f"cfg must be a MambaConfig, got {type(cfg).__name__}")
+        self.config = cfg
+        fk = {"device": device, "dtype": dtype}
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model, **fk) if embeddings else None
+        self.input_proj = (
+            nn.Linear(cfg.input_dim, cfg.d_model, **fk)
+            if cfg.input_dim is not None and not embeddings
+            else None
+        )
+        self.layers = nn.ModuleList(MambaBlock(cfg, i, **fk) for i in range(cfg.n_layers))
+        self.norm_f = RMSNorm(cfg.d_model, cfg.rms_norm_eps, **fk)
+        init_model_weights(
+            self, cfg.n_layers, cfg.initializer_range, cfg.rescale_prenorm_residual
+        )
+
+    @property
+    def _param(self) -> torch.Tensor:
+        return self.norm_f.weight
+
+    def init_state(self, batch_size: int, device=None) -> MambaState:
+        """Zero state for `batch_size` rows: f32 (f64 for a float64 model), on the model's device."""
+        if not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        cfg = self.config
+        p = self._param
+        dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        return MambaState.zeros(
+            cfg.n_layers,
+            batch_size,
+            cfg.d_inner,
+            cfg.d_state,
+            cfg.d_conv,
+            device=device or p.device,
+            dtype=dtype,
+        )
+
+    def _check_state(self, state: MambaState, batch: int, device: torch.device) -> None:
+        if not isinstance(state, MambaState):
+            raise TypeError(f"state must be a MambaState or None, got {type(state).__name__}")
+        cfg = self.config
+        want_conv = (cfg.n_layers, batch, cfg.d_conv - 1, cfg.d_inner)
+        want_ssm = (cfg.n_layers, batch, cfg.d_inner, cfg.d_state)
+        if tuple(state.conv.shape) != want_conv:
+            raise ValueError(
+                f"state.conv must have shape {list(want_conv)}, got {list(state.conv.shape)}"
+            )
+        if tuple(state.ssm.shape) != want_ssm:
+            raise ValueError(
+                f"state.ssm must have shape {list(want_ssm)}, got {list(state.ssm.shape)}"
+            )
+        if state.device != device:
+            raise ValueError(f"state is on {state.device} but the input is on {device}")
+        if state.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"state must be float32 (or float64), got {state.dtype}")
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """r_0: embeddings(ids), input_proj(x) or x itself."""
+        cfg = self.config
+        if self.embeddings is not None:
+            if x.dtype not in (torch.int64, torch.int32):
+                raise TypeError(f"input_ids must be an int64 or int32 tensor, got {x.dtype}")
+            if not x.is_cuda and x.numel() and (x.min() < 0 or x.max() >= cfg.vocab_size):
+                raise ValueError(
+                    f"input_ids must lie in [0, {cfg.vocab_size}), got values in "
+                    f"[{int(x.min())}, {int(x.max())}]"
+                )
+            return self.embeddings(x)
+        width = cfg.input_dim if self.input_proj is not None else cfg.d_model
+        check_tensor("x", x, (*x.shape[:-1], width), device=self._param.device)
+        return self.input_proj(x) if self.input_proj is not None else x
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T] ids or [B, T, input_dim or M] floats
+        state: MambaState | None = None,
+        seq_idx: torch.Tensor | None = None,  # [B, T] int32
+    ) -> tuple[torch.Tensor, MambaState]:
+        """(hidden [B, T, M] in the compute dtype, final MambaState)."""
+        want_dim = 2 if self.embeddings is not None else 3
+        name = "input_ids" if self.embeddings is not None else "x"
+        if not isinstance(x, torch.Tensor) or x.dim() != want_dim:
+            got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must be a {want_dim}-d tensor [B, T{', F' * (want_dim == 3)}]"
+                             f", got {got}")
+        if x.device != self._param.device:
+            raise ValueError(f"{name} is on {x.device} but the model is on {self._param.device}")
+        Bsz, T = x.shape[:2]
+        if T == 0:
+            raise ValueError(f"{name} must have at least one timestep")
+        if state is not None:
+            self._check_state(state, Bsz, x.device)
+        if seq_idx is not None:
+            check_seq_idx(seq_idx, Bsz, T, x.device)
+        h = self.embed(x)
+        cdt = compute_dtype(self._param.dtype, x.device)
+        residual = None
+        convs, ssms = [], []
+        for i, layer in enumerate(self.layers):
+            conv0, ssm0 = (None, None) if state is None else state.layer(i)
+            h, residual, (conv, ssm) = layer(h, residual, cdt, conv0, ssm0, seq_idx)
+            convs.append(conv)
+            ssms.append(ssm)
+        out, _ = self.norm_f(h, residual, cdt)
+        return out, MambaState(torch.stack(convs), torch.stack(ssms))
+
+    def step(self, x: torch.Tensor, state: MambaState) -> tuple[torch.Tensor, MambaState]:
+        """One timestep: x [B] ids or [B, input_dim or M] -> (hidden [B, M], state)."""
+        want_dim = 1 if self.embeddings is not None else 2
+        if not isinstance(x, torch.Tensor) or x.dim() != want_dim:
+            got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"step input must be a {want_dim}-d tensor, got {got}")
+        self._check_state(state, x.shape[0], x.device)
+        if torch.is_grad_enabled() and (
+            self._param.requires_grad or state.conv.requires_grad or state.ssm.requires_grad
+        ):
+            out, new_state = self.forward(x.unsqueeze(1), state)
+            return out[:, 0], new_state
+        h = self.embed(x)
+        cdt = compute_dtype(self._param.dtype, x.device)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            conv, ssm = state.layer(i)
+            h, residual = layer.step(h, residual, cdt, conv, ssm)
+        out, _ = self.norm_f(h, residual, cdt)
+        return out, state
+
+
+@dataclass
+class MambaLMOutput:
+    logits: torch.Tensor  # [B, T, V] in the compute dtype
+    loss: torch.Tensor | None = None  # mean next-token cross-entropy (f32) when labels given
+    state: MambaState | None = None  # final state of every layer
+
+
+class MambaLM(nn.Module):
+    """Mamba language model: backbone with token embeddings and a (tied) LM head."""
+
+    def __init__(self, cfg: MambaConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.backbone = MambaBackbone(cfg, embeddings=True, device=device, dtype=dtype)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device=device,
+                                 dtype=dtype)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
+
+    def init_state(self, batch_size: int, device=None) -> MambaState:
+        return self.backbone.init_state(batch_size, device)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        state: MambaState | None = None,
+        seq_idx: torch.Tensor | None = None,  # [B, T] int32
+        labels: torch.Tensor | None = None,  # [B, T], -100 ignored
+    ) -> MambaLMOutput:
+        """Labels are shifted inside: logits at t predict labels at t+1. With `seq_idx`,
+        the first token of a document is not predicted from the previous document."""
+        hidden, state = self.backbone(input_ids, state, seq_idx)
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
+                got = list(labels.shape) if isinstance(labels, torch.Tensor) else labels
+                raise ValueError(f"labels must have shape {list(input_ids.shape)}, got {got}")
+            target = labels[:, 1:].long()
+            if seq_idx is not None:
+                target = target.masked_fill(seq_idx[:, 1:] != seq_idx[:, :-1], -100)
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), target.flatten(), ignore_index=-100
+            )
+        return MambaLMOutput(logits=logits, loss=loss, state=state)
+
+    def step(self, input_ids: torch.Tensor, state: MambaState) -> tuple[torch.Tensor, MambaState]:
+        """ids [B] -> (logits [B, V], state advanced one token)."""
+        hidden, state = self.backbone.step(input_ids, state)
+        return self.lm_head(hidden), state
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, device=None, dtype: torch.dtype | None = None
+    ) -> MambaLM:
+        """Load a Hugging Face (`model.safetensors`, sharded or not) or state-spaces
+        (`pytorch_model.bin`) checkpoint directory."""
+        from .hf import load_pretrained
+
+        return load_pretrained(cls, path, device=device, dtype=dtype)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write the Hugging Face format (config.json + model.safetensors), atomically."""
+        from .hf import save_pretrained
+
+        save_pretrained(self, path)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
