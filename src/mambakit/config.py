@@ -69,7 +69,9 @@ class MambaConfig:
         if self.dt_init_floor <= 0:
             raise ValueError(f"MambaConfig.dt_init_floor must be > 0, got {self.dt_init_floor}")
         if self.dt_init not in ("random", "constant"):
-            raise ValueError(f"MambaConfig.dt_init must be 'random' or 'constant', got {self.dt_init!r}")
+            raise ValueError(
+                f"MambaConfig.dt_init must be 'random' or 'constant', got {self.dt_init!r}"
+            )
         if self.d_state > 256:
             raise ValueError(f"MambaConfig.d_state must be at most 256, got {self.d_state}")
         if self.vocab_size % self.pad_vocab_size_multiple:

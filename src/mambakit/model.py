@@ -33,9 +33,7 @@ def compute_dtype(param_dtype: torch.dtype, device: torch.device) -> torch.dtype
 class MambaBackbone(nn.Module):
     """Input (ids via `embeddings`, or floats via the optional `input_proj`) -> layers -> norm_f."""
 
-    def __init__(
-        self, cfg: MambaConfig, embeddings: bool = False, device=None, dtype=None
-    ) -> None:
+    def __init__(self, cfg: MambaConfig, embeddings: bool = False, device=None, dtype=None) -> None:
         super().__init__()
         if not isinstance(cfg, MambaConfig):
             raise TypeError(f"cfg must be a MambaConfig, got {type(cfg).__name__}")
@@ -49,9 +47,7 @@ class MambaBackbone(nn.Module):
         )
         self.layers = nn.ModuleList(MambaBlock(cfg, i, **fk) for i in range(cfg.n_layers))
         self.norm_f = RMSNorm(cfg.d_model, cfg.rms_norm_eps, **fk)
-        init_model_weights(
-            self, cfg.n_layers, cfg.initializer_range, cfg.rescale_prenorm_residual
-        )
+        init_model_weights(self, cfg.n_layers, cfg.initializer_range, cfg.rescale_prenorm_residual)
 
     @property
     def _param(self) -> torch.Tensor:
@@ -120,8 +116,9 @@ class MambaBackbone(nn.Module):
         name = "input_ids" if self.embeddings is not None else "x"
         if not isinstance(x, torch.Tensor) or x.dim() != want_dim:
             got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"{name} must be a {want_dim}-d tensor [B, T{', F' * (want_dim == 3)}]"
-                             f", got {got}")
+            raise ValueError(
+                f"{name} must be a {want_dim}-d tensor [B, T{', F' * (want_dim == 3)}], got {got}"
+            )
         if x.device != self._param.device:
             raise ValueError(f"{name} is on {x.device} but the model is on {self._param.device}")
         Bsz, T = x.shape[:2]
@@ -179,8 +176,9 @@ class MambaLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.backbone = MambaBackbone(cfg, embeddings=True, device=device, dtype=dtype)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device=device,
-                                 dtype=dtype)
+        self.lm_head = nn.Linear(
+            cfg.d_model, cfg.vocab_size, bias=False, device=device, dtype=dtype
+        )
         if cfg.tie_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
 

@@ -53,9 +53,7 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
     if backend == "auto":
         env = os.environ.get("MAMBAKIT_BACKEND", "").strip().lower()
         if env and env not in ("reference", "triton"):
-            raise ValueError(
-                f"MAMBAKIT_BACKEND must be 'reference' or 'triton', got {env!r}"
-            )
+            raise ValueError(f"MAMBAKIT_BACKEND must be 'reference' or 'triton', got {env!r}")
         if env:
             backend = env
         elif x.is_cuda and triton_available() and x.dtype in _TRITON_DTYPES:

@@ -1,0 +1,94 @@
+"""One decode timestep of the causal conv1d: a Triton kernel that updates the state in place.
+
+B batch, D channels, K = d_conv taps. The state [B, K-1, D] holds the last K-1
+inputs, oldest first. One step forms the window [state; x_t] [B, K, D], returns
+act(bias + sum_k weight[:, k] * window[:, k]) and shifts the window's last K-1
+rows back into the state.
+
+Each program owns all K-1 rows of its channels, loads them before it stores, so
+the in-place shift needs no second buffer. The launch is not autotuned (an
+autotuner re-runs the kernel, shifting the state twice), never reads a value
+back to the host and allocates only its output, so it can be captured in a
+CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _conv_update_kernel(
+    p_state,
+    p_x,
+    p_w,
+    p_b,
+    p_out,
+    D,
+    stride_sb,
+    stride_sk,
+    stride_sd,
+    stride_xb,
+    stride_wd,
+    stride_wk,
+    stride_ob,
+    K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    pid_d = tl.program_id(0)
+    pid_b = tl.program_id(1).to(tl.int64)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    p_s = p_state + pid_b * stride_sb + offs_d * stride_sd
+    b_x = tl.load(p_x + pid_b * stride_xb + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    acc = b_x * tl.load(p_w + offs_d * stride_wd + (K - 1) * stride_wk, mask=mask_d, other=0.0).to(
+        tl.float32
+    )
+    if HAS_BIAS:
+        acc += tl.load(p_b + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    # window row k is state row k (k < K-1); the state becomes window rows 1..K-1
+    b_prev = tl.load(p_s, mask=mask_d, other=0.0)
+    for k in tl.static_range(K - 1):
+        b_w = tl.load(p_w + offs_d * stride_wd + k * stride_wk, mask=mask_d, other=0.0)
+        acc += b_prev.to(tl.float32) * b_w.to(tl.float32)
+        if k < K - 2:
+            b_next = tl.load(p_s + (k + 1) * stride_sk, mask=mask_d, other=0.0)
+            tl.store(p_s + k * stride_sk, b_next, mask=mask_d)
+            b_prev = b_next
+    tl.store(p_s + (K - 2) * stride_sk, b_x.to(p_state.dtype.element_ty), mask=mask_d)
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    tl.store(p_out + pid_b * stride_ob + offs_d, acc.to(p_out.dtype.element_ty), mask=mask_d)
+
+
+def conv_update(
+    conv_state: torch.Tensor,  # [B, K-1, D], updated in place
+    x: torch.Tensor,  # [B, D], stride 1 in D
+    weight: torch.Tensor,  # [D, K]
+    bias: torch.Tensor | None,  # [D]
+    silu: bool,
+    out: torch.Tensor | None = None,  # [B, D] in x.dtype; allocated when None
+) -> torch.Tensor:
+    Bsz, D = x.shape
+    K = weight.shape[1]
+    if out is None:
+        out = torch.empty((Bsz, D), device=x.device, dtype=x.dtype)
+    if Bsz == 0 or D == 0:
+        return out
+    BLOCK_D = min(256, triton.next_power_of_2(D))
+    grid = (triton.cdiv(D, BLOCK_D), Bsz)
+    _conv_update_kernel[grid](
+        conv_state, x, weight, bias if bias is not None else weight, out,
+        D,
+        *conv_state.stride(),
+        x.stride(0),
+        weight.stride(0), weight.stride(1),
+        out.stride(0),
+        K=K, BLOCK_D=BLOCK_D, HAS_BIAS=bias is not None, SILU=silu,
+        num_warps=4 if BLOCK_D >= 256 else 1,
+    )  # fmt: skip
+    return out
