@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# d_model / n_layers of the released state-spaces/mamba checkpoints (d_state 16, d_conv 4, expand 2).
+# d_model / n_layers of the released state-spaces/mamba checkpoints
+# (all with d_state 16, d_conv 4, expand 2).
 _RELEASED = {
     "130m": (768, 24),
     "370m": (1024, 48),

@@ -54,7 +54,7 @@ class MambaBackbone(nn.Module):
         return self.norm_f.weight
 
     def init_state(self, batch_size: int, device=None) -> MambaState:
-        """Zero state for `batch_size` rows: f32 (f64 for a float64 model), on the model's device."""
+        """Zero state for `batch_size` rows: f32 (f64 for a float64 model) on the model device."""
         if not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         cfg = self.config
