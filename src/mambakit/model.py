@@ -145,7 +145,11 @@ class MambaBackbone(nn.Module):
         want_dim = 1 if self.embeddings is not None else 2
         if not isinstance(x, torch.Tensor) or x.dim() != want_dim:
             got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"step input must be a {want_dim}-d tensor, got {got}")
+            name = "input_ids" if self.embeddings is not None else "x"
+            shape = "[B]" if want_dim == 1 else "[B, F]"
+            raise ValueError(f"step: {name} must be a {want_dim}-d tensor {shape}, got {got}")
+        if x.device != self._param.device:
+            raise ValueError(f"step: input is on {x.device} but the model on {self._param.device}")
         self._check_state(state, x.shape[0], x.device)
         if torch.is_grad_enabled() and (
             self._param.requires_grad or state.conv.requires_grad or state.ssm.requires_grad
@@ -201,11 +205,19 @@ class MambaLM(nn.Module):
             if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
                 got = list(labels.shape) if isinstance(labels, torch.Tensor) else labels
                 raise ValueError(f"labels must have shape {list(input_ids.shape)}, got {got}")
+            if labels.dtype not in (torch.int64, torch.int32):
+                raise TypeError(f"labels must be an int64 or int32 tensor, got {labels.dtype}")
+            if labels.device != input_ids.device:
+                raise ValueError(
+                    f"labels are on {labels.device} but input_ids on {input_ids.device}"
+                )
             target = labels[:, 1:].long()
             if seq_idx is not None:
                 target = target.masked_fill(seq_idx[:, 1:] != seq_idx[:, :-1], -100)
             loss = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), target.flatten(), ignore_index=-100
+                logits[:, :-1].flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
+                target.flatten(),
+                ignore_index=-100,
             )
         return MambaLMOutput(logits=logits, loss=loss, state=state)
 

@@ -133,7 +133,8 @@ def config_to_hf_json(cfg: MambaConfig) -> dict[str, Any]:
         "time_step_scale": cfg.dt_scale,
         "time_step_init_scheme": cfg.dt_init,
         "initializer_range": cfg.initializer_range,
-        "rescale_prenorm_residual": cfg.rescale_prenorm_residual,
+        # an init-time flag: transformers applies it again to loaded weights, so never write true
+        "rescale_prenorm_residual": False,
         "hidden_act": "silu",
         "use_cache": True,
         "torch_dtype": "float32",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,19 +105,25 @@ def load_pretrained(cls, path, device=None, dtype: torch.dtype | None = None):
     return model.to(dtype=dtype)
 
 
-def _atomic_write(target: Path, write) -> None:
-    """Write through `write(tmp_path)` into a temporary file beside target, then rename."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
+def _atomic_write(files: dict[Path, Callable[[str], None]]) -> None:
+    """Write every file through `write(tmp_path)` to a temporary name beside it; only when
+    all are complete, rename them into place (a failed write leaves the old files)."""
+    tmps: dict[Path, str] = {}
     try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
+        for target, write in files.items():
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+            os.close(fd)
+            tmps[target] = tmp
+            write(tmp)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for tmp in tmps.values():
+            if os.path.exists(tmp):
+                os.unlink(tmp)
         raise
+    for target, tmp in tmps.items():
+        os.replace(tmp, target)
 
 
 def save_pretrained(model, path) -> None:
@@ -128,7 +135,8 @@ def save_pretrained(model, path) -> None:
         sd.pop("lm_head.weight", None)  # transformers writes tied checkpoints without it
     cfg_json = json.dumps(config_to_hf_json(cfg), indent=2) + "\n"
     _atomic_write(
-        path / "model.safetensors",
-        lambda tmp: save_file(sd, tmp, metadata={"format": "pt"}),
+        {
+            path / "model.safetensors": lambda tmp: save_file(sd, tmp, metadata={"format": "pt"}),
+            path / "config.json": lambda tmp: Path(tmp).write_text(cfg_json),
+        }
     )
-    _atomic_write(path / "config.json", lambda tmp: Path(tmp).write_text(cfg_json))

@@ -50,6 +50,10 @@ class Mamba(nn.Module):
                 raise ValueError(f"Mamba: {name} must be a positive int, got {v!r}")
         if not isinstance(d_conv, int) or d_conv < 2:
             raise ValueError(f"Mamba: d_conv must be an int >= 2, got {d_conv!r}")
+        if not (0 < dt_min <= dt_max):
+            raise ValueError(f"Mamba: need 0 < dt_min <= dt_max, got {dt_min}, {dt_max}")
+        if dt_init_floor <= 0:
+            raise ValueError(f"Mamba: dt_init_floor must be > 0, got {dt_init_floor}")
         self.d_model = d_model
         self.d_state = d_state
         self.d_conv = d_conv
@@ -91,6 +95,13 @@ class Mamba(nn.Module):
         return_state: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         check_tensor("x", x, (None, None, self.d_model))
+        Bsz = x.shape[0]
+        if conv_state is not None:
+            check_tensor(
+                "conv_state", conv_state, (Bsz, self.d_conv - 1, self.d_inner), device=x.device
+            )
+        if ssm_state is not None:
+            check_tensor("ssm_state", ssm_state, (Bsz, self.d_inner, self.d_state), device=x.device)
         xz = self.in_proj(x)  # [B, T, 2D]
         x_in, z = xz[..., : self.d_inner], xz[..., self.d_inner :]
         conv_w = self.conv1d.weight.squeeze(1)  # [D, K]

@@ -47,6 +47,11 @@ def _(x, weight, bias, initial_state, seq_idx, silu, return_final_state):
     return out, x.new_empty(fshape, dtype=torch.float32)
 
 
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    """A fresh placeholder for an absent gradient (custom op outputs may not alias)."""
+    return like.new_empty((0,), dtype=torch.float32)
+
+
 @torch.library.custom_op("mambakit::causal_conv1d_bwd", mutates_args=())
 def _conv_bwd_op(
     dout: torch.Tensor | None,
@@ -62,25 +67,23 @@ def _conv_bwd_op(
     from .kernels import conv_bwd
 
     dx, dw, db, dinit = conv_bwd(dout, dfinal, x, weight, bias, initial_state, seq_idx, silu)
-    empty = x.new_empty((0,), dtype=torch.float32)
     return (
         dx,
         dw.to(weight.dtype),
-        db.to(bias.dtype) if db is not None else empty,
-        dinit.to(initial_state.dtype) if dinit is not None else empty,
+        db.to(bias.dtype) if db is not None else _empty(x),
+        dinit.to(initial_state.dtype) if dinit is not None else _empty(x),
     )
 
 
 @_conv_bwd_op.register_fake
 def _(dout, dfinal, x, weight, bias, initial_state, seq_idx, silu):
-    empty = x.new_empty((0,), dtype=torch.float32)
     return (
         torch.empty_like(x, memory_format=torch.contiguous_format),
         torch.empty_like(weight, memory_format=torch.contiguous_format),
-        torch.empty_like(bias) if bias is not None else empty,
+        torch.empty_like(bias) if bias is not None else _empty(x),
         torch.empty_like(initial_state, memory_format=torch.contiguous_format)
         if initial_state is not None
-        else empty,
+        else _empty(x),
     )
 
 

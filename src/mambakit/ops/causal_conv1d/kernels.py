@@ -29,35 +29,25 @@ import triton
 import triton.language as tl
 
 
+# fmt: off
 @triton.jit
 def _load_src(
-    p_x,
-    p_init,
-    pos,
-    offs_d,
-    mask_d,
-    T,
-    stride_xt,
-    stride_it,
-    stride_id,
-    K: tl.constexpr,
-    HAS_INIT: tl.constexpr,
+    p_x, p_init, pos, offs_d, mask_d, T, stride_xt, stride_it, stride_id,
+    K: tl.constexpr, HAS_INIT: tl.constexpr,
 ):
     """The conv input at times pos [BT] and channels offs_d [BD], in f32."""
     in_x = (pos >= 0) & (pos < T)
     t_x = tl.where(in_x, pos, 0)
     b_x = tl.load(
         p_x + t_x[:, None] * stride_xt + offs_d[None, :],
-        mask=in_x[:, None] & mask_d[None, :],
-        other=0.0,
+        mask=in_x[:, None] & mask_d[None, :], other=0.0,
     ).to(tl.float32)
     if HAS_INIT:
         in_s = (pos < 0) & (pos >= 1 - K)
         t_s = tl.where(in_s, pos + K - 1, 0)
         b_x += tl.load(
             p_init + t_s[:, None] * stride_it + offs_d[None, :] * stride_id,
-            mask=in_s[:, None] & mask_d[None, :],
-            other=0.0,
+            mask=in_s[:, None] & mask_d[None, :], other=0.0,
         ).to(tl.float32)
     return b_x
 
@@ -71,43 +61,21 @@ def _load_seq(p_seq, pos, T, stride_st):
 
 @triton.jit
 def _conv_pre(
-    p_x,
-    p_init,
-    p_w,
-    p_b,
-    p_seq,
-    q,
-    seq_q,
-    offs_d,
-    mask_d,
-    T,
-    stride_xt,
-    stride_it,
-    stride_id,
-    stride_wd,
-    stride_wk,
-    stride_st,
-    K: tl.constexpr,
-    BT: tl.constexpr,
-    BD: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_INIT: tl.constexpr,
-    HAS_SEQ: tl.constexpr,
+    p_x, p_init, p_w, p_b, p_seq, q, seq_q, offs_d, mask_d, T,
+    stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st,
+    K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
 ):
     """Pre-activation conv output at times q [BT] (any q; the caller masks q outside [0, T))."""
     acc = tl.zeros([BT, BD], dtype=tl.float32)
     for k in tl.static_range(K):
         pos = q - (K - 1 - k)
-        b_x = _load_src(
-            p_x, p_init, pos, offs_d, mask_d, T, stride_xt, stride_it, stride_id, K, HAS_INIT
-        )
+        b_x = _load_src(p_x, p_init, pos, offs_d, mask_d, T, stride_xt, stride_it, stride_id, K, HAS_INIT)
         if HAS_SEQ:
             if k < K - 1:
                 same = _load_seq(p_seq, pos, T, stride_st) == seq_q
                 b_x = tl.where(same[:, None], b_x, 0.0)
-        b_w = tl.load(p_w + offs_d * stride_wd + k * stride_wk, mask=mask_d, other=0.0).to(
-            tl.float32
-        )
+        b_w = tl.load(p_w + offs_d * stride_wd + k * stride_wk, mask=mask_d, other=0.0).to(tl.float32)
         acc += b_x * b_w[None, :]
     if HAS_BIAS:
         acc += tl.load(p_b + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
@@ -116,42 +84,22 @@ def _conv_pre(
 
 @triton.jit
 def _conv_fwd_kernel(
-    p_x,
-    p_w,
-    p_b,
-    p_init,
-    p_seq,
-    p_out,
-    p_final,
-    T,
-    D,
-    stride_xb,
-    stride_xt,
-    stride_wd,
-    stride_wk,
-    stride_ib,
-    stride_it,
-    stride_id,
-    stride_sb,
-    stride_st,
-    stride_ob,
-    stride_ot,
-    stride_fb,
-    stride_ft,
-    K: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_INIT: tl.constexpr,
-    HAS_SEQ: tl.constexpr,
-    SILU: tl.constexpr,
-    STORE_FINAL: tl.constexpr,
+    p_x, p_w, p_b, p_init, p_seq, p_out, p_final,
+    T, D,
+    stride_xb, stride_xt,
+    stride_wd, stride_wk,
+    stride_ib, stride_it, stride_id,
+    stride_sb, stride_st,
+    stride_ob, stride_ot,
+    stride_fb, stride_ft,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
+    SILU: tl.constexpr, STORE_FINAL: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
     pid_b = tl.program_id(2).to(tl.int64)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # t * stride may pass 2^31
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_t = offs_t < T
     mask_d = offs_d < D
@@ -163,28 +111,9 @@ def _conv_fwd_kernel(
     if HAS_SEQ:
         seq_t = _load_seq(p_seq, offs_t, T, stride_st)
     acc = _conv_pre(
-        p_x,
-        p_init,
-        p_w,
-        p_b,
-        p_seq,
-        offs_t,
-        seq_t,
-        offs_d,
-        mask_d,
-        T,
-        stride_xt,
-        stride_it,
-        stride_id,
-        stride_wd,
-        stride_wk,
-        stride_st,
-        K,
-        BLOCK_T,
-        BLOCK_D,
-        HAS_BIAS,
-        HAS_INIT,
-        HAS_SEQ,
+        p_x, p_init, p_w, p_b, p_seq, offs_t, seq_t, offs_d, mask_d, T,
+        stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st,
+        K, BLOCK_T, BLOCK_D, HAS_BIAS, HAS_INIT, HAS_SEQ,
     )
     if SILU:
         acc = acc / (1.0 + tl.exp(-acc))
@@ -196,10 +125,8 @@ def _conv_fwd_kernel(
             # final state row j = the input at time T-(K-1)+j, zero outside the last document
             offs_j = tl.arange(0, BLOCK_K)
             mask_j = offs_j < K - 1
-            pos = T - (K - 1) + offs_j
-            b_f = _load_src(
-                p_x, p_init, pos, offs_d, mask_d, T, stride_xt, stride_it, stride_id, K, HAS_INIT
-            )
+            pos = (T - (K - 1) + offs_j).to(tl.int64)
+            b_f = _load_src(p_x, p_init, pos, offs_d, mask_d, T, stride_xt, stride_it, stride_id, K, HAS_INIT)
             if HAS_SEQ:
                 seq_last = tl.load(p_seq + (T - 1) * stride_st)
                 same = _load_seq(p_seq, pos, T, stride_st) == seq_last
@@ -210,67 +137,26 @@ def _conv_fwd_kernel(
 
 @triton.jit
 def _conv_dc(
-    p_x,
-    p_init,
-    p_w,
-    p_b,
-    p_seq,
-    p_dout,
-    q,
-    offs_d,
-    mask_d,
-    T,
-    stride_xt,
-    stride_it,
-    stride_id,
-    stride_wd,
-    stride_wk,
-    stride_st,
-    stride_gt,
-    stride_gd,
-    K: tl.constexpr,
-    BT: tl.constexpr,
-    BD: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_INIT: tl.constexpr,
-    HAS_SEQ: tl.constexpr,
-    SILU: tl.constexpr,
+    p_x, p_init, p_w, p_b, p_seq, p_dout, q, offs_d, mask_d, T,
+    stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st, stride_gt, stride_gd,
+    K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr,
 ):
     """dL/dc at times q [BT]: dout through the activation; zero outside [0, T)."""
     in_q = (q >= 0) & (q < T)
     t_q = tl.where(in_q, q, 0)
     dc = tl.load(
         p_dout + t_q[:, None] * stride_gt + offs_d[None, :] * stride_gd,
-        mask=in_q[:, None] & mask_d[None, :],
-        other=0.0,
+        mask=in_q[:, None] & mask_d[None, :], other=0.0,
     ).to(tl.float32)
     if SILU:
         seq_q = q
         if HAS_SEQ:
             seq_q = _load_seq(p_seq, q, T, stride_st)
         c = _conv_pre(
-            p_x,
-            p_init,
-            p_w,
-            p_b,
-            p_seq,
-            q,
-            seq_q,
-            offs_d,
-            mask_d,
-            T,
-            stride_xt,
-            stride_it,
-            stride_id,
-            stride_wd,
-            stride_wk,
-            stride_st,
-            K,
-            BT,
-            BD,
-            HAS_BIAS,
-            HAS_INIT,
-            HAS_SEQ,
+            p_x, p_init, p_w, p_b, p_seq, q, seq_q, offs_d, mask_d, T,
+            stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st,
+            K, BT, BD, HAS_BIAS, HAS_INIT, HAS_SEQ,
         )
         sig = 1.0 / (1.0 + tl.exp(-c))
         dc = dc * sig * (1.0 + c * (1.0 - sig))
@@ -279,35 +165,11 @@ def _conv_dc(
 
 @triton.jit
 def _conv_dx(
-    p_x,
-    p_init,
-    p_w,
-    p_b,
-    p_seq,
-    p_dout,
-    p_dfinal,
-    s,
-    dc0,
-    offs_d,
-    mask_d,
-    T,
-    stride_xt,
-    stride_it,
-    stride_id,
-    stride_wd,
-    stride_wk,
-    stride_st,
-    stride_gt,
-    stride_gd,
-    stride_ft,
-    stride_fd,
-    K: tl.constexpr,
-    BT: tl.constexpr,
-    BD: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_INIT: tl.constexpr,
-    HAS_SEQ: tl.constexpr,
-    SILU: tl.constexpr,
+    p_x, p_init, p_w, p_b, p_seq, p_dout, p_dfinal, s, dc0, offs_d, mask_d, T,
+    stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st, stride_gt, stride_gd,
+    stride_ft, stride_fd,
+    K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr,
     HAS_DFINAL: tl.constexpr,
 ):
     """dL/d input at times s [BT] (negative s: the initial state), given dc0 = dL/dc at s."""
@@ -319,31 +181,9 @@ def _conv_dx(
     for j in tl.static_range(1, K):
         q = s + j
         dc = _conv_dc(
-            p_x,
-            p_init,
-            p_w,
-            p_b,
-            p_seq,
-            p_dout,
-            q,
-            offs_d,
-            mask_d,
-            T,
-            stride_xt,
-            stride_it,
-            stride_id,
-            stride_wd,
-            stride_wk,
-            stride_st,
-            stride_gt,
-            stride_gd,
-            K,
-            BT,
-            BD,
-            HAS_BIAS,
-            HAS_INIT,
-            HAS_SEQ,
-            SILU,
+            p_x, p_init, p_w, p_b, p_seq, p_dout, q, offs_d, mask_d, T,
+            stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st, stride_gt, stride_gd,
+            K, BT, BD, HAS_BIAS, HAS_INIT, HAS_SEQ, SILU,
         )
         if HAS_SEQ:
             same = _load_seq(p_seq, q, T, stride_st) == seq_s
@@ -359,52 +199,25 @@ def _conv_dx(
         j_f = tl.where(in_f, j_f, 0)
         acc += tl.load(
             p_dfinal + j_f[:, None] * stride_ft + offs_d[None, :] * stride_fd,
-            mask=in_f[:, None] & mask_d[None, :],
-            other=0.0,
+            mask=in_f[:, None] & mask_d[None, :], other=0.0,
         ).to(tl.float32)
     return acc
 
 
 @triton.jit
 def _conv_bwd_kernel(
-    p_x,
-    p_w,
-    p_b,
-    p_init,
-    p_seq,
-    p_dout,
-    p_dfinal,
-    p_dx,
-    p_dinit,
-    p_dw_part,
-    p_db_part,
-    T,
-    D,
-    N_TBLK,
-    stride_xb,
-    stride_xt,
-    stride_wd,
-    stride_wk,
-    stride_ib,
-    stride_it,
-    stride_id,
-    stride_sb,
-    stride_st,
-    stride_gb,
-    stride_gt,
-    stride_gd,
-    stride_fb,
-    stride_ft,
-    stride_fd,
-    K: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    HAS_INIT: tl.constexpr,
-    HAS_SEQ: tl.constexpr,
-    SILU: tl.constexpr,
-    HAS_DFINAL: tl.constexpr,
+    p_x, p_w, p_b, p_init, p_seq, p_dout, p_dfinal,
+    p_dx, p_dinit, p_dw_part, p_db_part,
+    T, D, N_TBLK,
+    stride_xb, stride_xt,
+    stride_wd, stride_wk,
+    stride_ib, stride_it, stride_id,
+    stride_sb, stride_st,
+    stride_gb, stride_gt, stride_gd,
+    stride_fb, stride_ft, stride_fd,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
+    SILU: tl.constexpr, HAS_DFINAL: tl.constexpr,
 ):
     # dx, dinit: contiguous [B, T, D], [B, K-1, D]; partials: [B, n_chunks, K, D], [B, n_chunks, D]
     pid_c = tl.program_id(0)
@@ -423,66 +236,18 @@ def _conv_bwd_kernel(
     b_dw = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
     b_db = tl.zeros([BLOCK_D], dtype=tl.float32)
     for i in range(N_TBLK):
-        s = (pid_c * N_TBLK + i) * BLOCK_T + tl.arange(0, BLOCK_T)
+        s = ((pid_c * N_TBLK + i) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         mask_s = s < T
         dc0 = _conv_dc(
-            p_x,
-            p_init,
-            p_w,
-            p_b,
-            p_seq,
-            p_dout,
-            s,
-            offs_d,
-            mask_d,
-            T,
-            stride_xt,
-            stride_it,
-            stride_id,
-            stride_wd,
-            stride_wk,
-            stride_st,
-            stride_gt,
-            stride_gd,
-            K,
-            BLOCK_T,
-            BLOCK_D,
-            HAS_BIAS,
-            HAS_INIT,
-            HAS_SEQ,
-            SILU,
+            p_x, p_init, p_w, p_b, p_seq, p_dout, s, offs_d, mask_d, T,
+            stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st, stride_gt, stride_gd,
+            K, BLOCK_T, BLOCK_D, HAS_BIAS, HAS_INIT, HAS_SEQ, SILU,
         )
         b_dx = _conv_dx(
-            p_x,
-            p_init,
-            p_w,
-            p_b,
-            p_seq,
-            p_dout,
-            p_dfinal,
-            s,
-            dc0,
-            offs_d,
-            mask_d,
-            T,
-            stride_xt,
-            stride_it,
-            stride_id,
-            stride_wd,
-            stride_wk,
-            stride_st,
-            stride_gt,
-            stride_gd,
-            stride_ft,
-            stride_fd,
-            K,
-            BLOCK_T,
-            BLOCK_D,
-            HAS_BIAS,
-            HAS_INIT,
-            HAS_SEQ,
-            SILU,
-            HAS_DFINAL,
+            p_x, p_init, p_w, p_b, p_seq, p_dout, p_dfinal, s, dc0, offs_d, mask_d, T,
+            stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st, stride_gt, stride_gd,
+            stride_ft, stride_fd,
+            K, BLOCK_T, BLOCK_D, HAS_BIAS, HAS_INIT, HAS_SEQ, SILU, HAS_DFINAL,
         )
         p_o = p_dx + pid_b * T * D + s[:, None] * D + offs_d[None, :]
         tl.store(p_o, b_dx.to(p_dx.dtype.element_ty), mask=mask_s[:, None] & mask_d[None, :])
@@ -493,9 +258,7 @@ def _conv_bwd_kernel(
             seq_s = _load_seq(p_seq, s, T, stride_st)
         for k in tl.static_range(K):
             pos = s - (K - 1 - k)
-            b_x = _load_src(
-                p_x, p_init, pos, offs_d, mask_d, T, stride_xt, stride_it, stride_id, K, HAS_INIT
-            )
+            b_x = _load_src(p_x, p_init, pos, offs_d, mask_d, T, stride_xt, stride_it, stride_id, K, HAS_INIT)
             if HAS_SEQ:
                 if k < K - 1:
                     same = _load_seq(p_seq, pos, T, stride_st) == seq_s
@@ -512,39 +275,14 @@ def _conv_bwd_kernel(
             s_h = tl.arange(0, BLOCK_K) - (K - 1)  # the initial state's times
             dc_h = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
             b_di = _conv_dx(
-                p_x,
-                p_init,
-                p_w,
-                p_b,
-                p_seq,
-                p_dout,
-                p_dfinal,
-                s_h,
-                dc_h,
-                offs_d,
-                mask_d,
-                T,
-                stride_xt,
-                stride_it,
-                stride_id,
-                stride_wd,
-                stride_wk,
-                stride_st,
-                stride_gt,
-                stride_gd,
-                stride_ft,
-                stride_fd,
-                K,
-                BLOCK_K,
-                BLOCK_D,
-                HAS_BIAS,
-                HAS_INIT,
-                HAS_SEQ,
-                SILU,
-                HAS_DFINAL,
+                p_x, p_init, p_w, p_b, p_seq, p_dout, p_dfinal, s_h, dc_h, offs_d, mask_d, T,
+                stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st, stride_gt, stride_gd,
+                stride_ft, stride_fd,
+                K, BLOCK_K, BLOCK_D, HAS_BIAS, HAS_INIT, HAS_SEQ, SILU, HAS_DFINAL,
             )
             p_o = p_dinit + pid_b * (K - 1) * D + (s_h[:, None] + K - 1) * D + offs_d[None, :]
             tl.store(p_o, b_di, mask=(s_h < 0)[:, None] & mask_d[None, :])
+# fmt: on
 
 
 # ---------------------------------------------------------------------------- launchers
@@ -575,6 +313,7 @@ def conv_fwd(
     """(out [B, T, D] in x.dtype, final_state [B, K-1, D] f32, or an empty tensor)."""
     Bsz, T, D = x.shape
     K = weight.shape[1]
+    bias = bias.contiguous() if bias is not None else None
     out = torch.empty((Bsz, T, D), device=x.device, dtype=x.dtype)
     if return_final_state:
         final = torch.empty((Bsz, K - 1, D), device=x.device, dtype=torch.float32)
@@ -620,6 +359,7 @@ def conv_bwd(
     Bsz, T, D = x.shape
     K = weight.shape[1]
     dev = x.device
+    bias = bias.contiguous() if bias is not None else None
     dx = torch.empty((Bsz, T, D), device=dev, dtype=x.dtype)
     dinit = (
         torch.empty((Bsz, K - 1, D), device=dev, dtype=torch.float32)

@@ -82,7 +82,7 @@ def conv_update(
     BLOCK_D = min(256, triton.next_power_of_2(D))
     grid = (triton.cdiv(D, BLOCK_D), Bsz)
     _conv_update_kernel[grid](
-        conv_state, x, weight, bias if bias is not None else weight, out,
+        conv_state, x, weight, bias.contiguous() if bias is not None else weight, out,
         D,
         *conv_state.stride(),
         x.stride(0),

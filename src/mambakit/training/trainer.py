@@ -1,0 +1,491 @@
+"""TrainConfig and Trainer: one engine for language models and small recurrent models.
+
+A step draws `grad_accum` batches; each batch (dict of [B, T, ...] tensors) is
+cut along time into chunks of `tbptt_len`. The final MambaState of a chunk is
+the initial state of the next; the graph is kept across `tbptt_grad_chunks`
+chunks (0: across all of them, which is full BPTT) and the state is detached
+after each backward. The loss is a sum over tokens divided by the step's
+token count, so a chunked step has the same gradient as the unchunked one.
+
+Precision follows DESIGN.md section 4: f32 master weights, autocast to bf16 or
+f16 for GEMMs and activations, `torch.amp.GradScaler` for f16 (an overflow
+skips the step and is counted). `cuda_graph=True` captures forward, backward
+and the optimizer step once and replays them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..state import MambaState
+from .checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from .optim import WarmupCosine, make_optimizer
+
+Batch = dict[str, torch.Tensor]
+LossFn = Callable[[nn.Module, Batch, MambaState | None], tuple[torch.Tensor, MambaState]]
+PRECISIONS = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000  # optimizer steps
+    batch_size: int = 8  # rows per micro-batch
+    seqlen: int = 256  # timesteps per row
+    tbptt_len: int | None = None  # chunk length for truncated BPTT (None: the whole row)
+    tbptt_grad_chunks: int = 1  # chunks per backward; 0 keeps the graph across all chunks
+    grad_accum: int = 1  # micro-batches per optimizer step
+    lr: float = 3e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # final lr = min_lr_ratio * lr (cosine)
+    warmup_steps: int = 50
+    weight_decay: float = 0.1  # not applied to norms, biases, A_log, D, dt bias
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global-norm clipping (0: off)
+    precision: str = "auto"  # bf16 | f16 | f32 | auto (bf16 on CUDA, f32 on CPU)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    cuda_graph: bool = False  # capture forward + backward + optimizer step and replay it
+    compile: bool = False  # torch.compile the model
+    deterministic: bool = False  # bit-reproducible runs (DESIGN.md section 5)
+    seed: int = 0
+    log_every: int = 10  # steps between metric lines
+    eval_every: int = 100  # steps between validation losses (0: only at the end)
+    eval_batches: int = 8
+    ckpt_every: int = 0  # steps between checkpoints (0: only at the end)
+    keep_last: int = 2  # checkpoints kept on disk
+    max_seconds: float | None = None  # stop (and checkpoint) after this much training time
+    run_dir: str | None = None  # where checkpoints and metrics go (None: nowhere)
+
+    def __post_init__(self) -> None:
+        positive = (
+            "steps",
+            "batch_size",
+            "seqlen",
+            "grad_accum",
+            "log_every",
+            "eval_batches",
+            "keep_last",
+        )
+        for name in positive:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"TrainConfig.{name} must be a positive int, got {v!r}")
+        for name in ("tbptt_grad_chunks", "warmup_steps", "eval_every", "ckpt_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"TrainConfig.{name} must be an int >= 0, got {v!r}")
+        if self.tbptt_len is not None and (
+            not isinstance(self.tbptt_len, int) or self.tbptt_len <= 0
+        ):
+            raise ValueError(
+                f"TrainConfig.tbptt_len must be a positive int or None, got {self.tbptt_len!r}"
+            )
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"TrainConfig.lr must be a positive number, got {self.lr!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"TrainConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("TrainConfig.weight_decay and grad_clip must be >= 0")
+        if self.precision not in ("auto", *PRECISIONS):
+            raise ValueError(
+                f"TrainConfig.precision must be auto, bf16, f16 or f32, got {self.precision!r}"
+            )
+        if self.max_seconds is not None and self.max_seconds <= 0:
+            raise ValueError(f"TrainConfig.max_seconds must be > 0, got {self.max_seconds}")
+
+
+def count_targets(batch: Batch) -> torch.Tensor:
+    """Tokens a batch's loss averages over: valid targets, else every (row, timestep)."""
+    if "targets" in batch:
+        return (batch["targets"] != -100).sum()
+    first = next(iter(batch.values()))
+    return torch.tensor(first.shape[0] * first.shape[1], device=first.device)
+
+
+def lm_loss(model: nn.Module, batch: Batch, state: MambaState | None):
+    """Summed next-token cross-entropy of a MambaLM; targets are already shifted."""
+    out = model(batch["input_ids"], state=state, seq_idx=batch.get("seq_idx"))
+    loss = F.cross_entropy(
+        out.logits.flatten(0, 1).float(),
+        batch["targets"].flatten(),
+        ignore_index=-100,
+        reduction="sum",
+    )
+    return loss, out.state
+
+
+def split_time(batch: Batch, chunk: int | None) -> list[Batch]:
+    T = next(iter(batch.values())).shape[1]
+    if chunk is None or chunk >= T:
+        return [batch]
+    return [{k: v[:, t : t + chunk] for k, v in batch.items()} for t in range(0, T, chunk)]
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(spec)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"TrainConfig.device is {spec!r} but no CUDA device is available")
+    return dev
+
+
+class Trainer:
+    """Train `model` on batches from `train_data` (an object with `next()` -> Batch and,
+    to be checkpointed, `state_dict()` / `load_state_dict()`), with `loss_fn`
+    (default: `lm_loss`) returning (summed loss, final state)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: TrainConfig,
+        train_data,
+        val_batches: list[Batch] | None = None,
+        loss_fn: LossFn = lm_loss,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.cfg = config
+        self.device = resolve_device(config.device)
+        prec = config.precision
+        if prec == "auto":
+            prec = "bf16" if self.device.type == "cuda" else "f32"
+        self.precision = prec
+        if config.cuda_graph and self.device.type != "cuda":
+            raise ValueError("TrainConfig.cuda_graph needs a CUDA device")
+        if config.cuda_graph and prec == "f16":
+            raise ValueError(
+                "TrainConfig.cuda_graph does not support f16 (dynamic loss scaling syncs the "
+                "host); use bf16"
+            )
+        if config.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+        torch.manual_seed(config.seed)
+        self.model = model.to(self.device)
+        self.train_data = train_data
+        self.val_batches = val_batches or []
+        self.loss_fn = loss_fn
+        self.log = log
+        self.forward_model = torch.compile(self.model) if config.compile else self.model
+        self.optimizer = make_optimizer(
+            self.model,
+            config.lr,
+            config.weight_decay,
+            config.betas,
+            config.eps,
+            capturable=config.cuda_graph,
+        )
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, WarmupCosine(config.warmup_steps, config.steps, config.min_lr_ratio)
+        )
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=prec == "f16")
+        self.step = 0
+        self.skipped_steps = 0
+        self.tokens_seen = 0
+        self.run_dir = Path(config.run_dir) if config.run_dir else None
+        self._graph = None
+        self._static: dict[str, Any] = {}
+
+    # -- one optimizer step -------------------------------------------------------------
+
+    def _autocast(self):
+        if self.precision == "f32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=PRECISIONS[self.precision])
+
+    def _forward_backward(self, batches: list[Batch]) -> torch.Tensor:
+        """Accumulate gradients of the step's mean loss; returns the loss (a tensor)."""
+        k = self.cfg.tbptt_grad_chunks
+        total = torch.zeros((), device=self.device)
+        for batch in batches:
+            n_total = count_targets(batch).clamp(min=1) * len(batches)
+            chunks = split_time(batch, self.cfg.tbptt_len)
+            state, acc = None, None
+            for i, chunk in enumerate(chunks):
+                with self._autocast():
+                    loss_sum, state = self.loss_fn(self.forward_model, chunk, state)
+                part = loss_sum / n_total
+                acc = part if acc is None else acc + part
+                if (k and (i + 1) % k == 0) or i == len(chunks) - 1:
+                    self.scaler.scale(acc).backward()
+                    total = total + acc.detach()
+                    acc = None
+                    state = state.detach() if state is not None else None
+        return total
+
+    def _optimizer_step(self) -> torch.Tensor:
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.scaler.unscale_(self.optimizer)
+        if self.cfg.grad_clip > 0:
+            norm = nn.utils.clip_grad_norm_(params, self.cfg.grad_clip, foreach=True)
+        else:
+            norm = torch.linalg.vector_norm(
+                torch.stack(
+                    [torch.linalg.vector_norm(p.grad) for p in params if p.grad is not None]
+                )
+            )
+        self.scaler.step(self.optimizer)
+        return norm
+
+    def _eager_step(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = self._forward_backward(batches)
+        scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        if self.scaler.is_enabled():
+            norm = self._optimizer_step()
+            self.scaler.update()
+            if self.scaler.get_scale() < scale_before:
+                self.skipped_steps += 1  # inf/nan gradients: GradScaler skipped the update
+        else:
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            norm = (
+                nn.utils.clip_grad_norm_(params, self.cfg.grad_clip, foreach=True)
+                if self.cfg.grad_clip > 0
+                else nn.utils.clip_grad_norm_(params, float("inf"), foreach=True)
+            )
+            if torch.isfinite(norm):
+                self.optimizer.step()
+            else:
+                self.skipped_steps += 1  # non-finite guard: never apply a NaN update
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, norm
+
+    def _graph_step(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._graph is None:
+            self._capture(batches)
+        for src_batch, dst_batch in zip(batches, self._static["batches"]):
+            for key, v in src_batch.items():
+                dst_batch[key].copy_(v, non_blocking=True)
+        self._graph.replay()
+        return self._static["loss"], self._static["norm"]
+
+    def _graph_body(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = self._forward_backward(batches)
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        norm = nn.utils.clip_grad_norm_(
+            params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf"), foreach=True
+        )
+        self.optimizer.step()
+        return loss, norm
+
+    def _capture(self, batches: list[Batch]) -> None:
+        """Warm up on a side stream, restore weights and optimizer state, capture one step."""
+        static = [{k: v.clone() for k, v in b.items()} for b in batches]
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        saved_params = [p.detach().clone() for p in params]
+        saved_state = {
+            id(p): {k: v.clone() for k, v in self.optimizer.state[p].items()}
+            for p in params
+            if p in self.optimizer.state
+        }
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                self.optimizer.zero_grad(set_to_none=True)
+                self._graph_body(static)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.no_grad():  # the warm-up steps must not count: put everything back
+            for p, saved in zip(params, saved_params):
+                p.copy_(saved)
+            for p in params:
+                for k, v in self.optimizer.state[p].items():
+                    if id(p) in saved_state:
+                        v.copy_(saved_state[id(p)][k])
+                    else:
+                        v.zero_()
+        self.optimizer.zero_grad(set_to_none=True)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            loss, norm = self._graph_body(static)
+        self._graph = graph
+        self._static = {"batches": static, "loss": loss, "norm": norm}
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step on fresh batches; returns (loss, grad norm) as tensors."""
+        self.model.train()
+        batches = [
+            {k: v.to(self.device, non_blocking=True) for k, v in self.train_data.next().items()}
+            for _ in range(self.cfg.grad_accum)
+        ]
+        if self.cfg.cuda_graph:
+            loss, norm = self._graph_step(batches)
+        else:
+            loss, norm = self._eager_step(batches)
+        self.schedule.step()
+        self.step += 1
+        self.tokens_seen += sum(int(count_targets(b)) for b in batches)
+        return loss, norm
+
+    # -- evaluation, checkpoints, the loop ---------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        if not self.val_batches:
+            return None
+        self.model.eval()
+        total, count = 0.0, 0
+        for batch in self.val_batches:
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            with self._autocast():
+                loss_sum, _ = self.loss_fn(self.model, batch, None)
+            total += float(loss_sum)
+            count += int(count_targets(batch))
+        self.model.train()
+        return total / max(count, 1)
+
+    def trainer_state(self) -> dict[str, Any]:
+        state = {
+            "step": self.step,
+            "skipped_steps": self.skipped_steps,
+            "tokens_seen": self.tokens_seen,
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "rng_cpu": torch.get_rng_state(),
+            "train_config": {k: v for k, v in asdict(self.cfg).items() if k != "betas"},
+        }
+        if self.device.type == "cuda":
+            state["rng_cuda"] = torch.cuda.get_rng_state(self.device)
+        if hasattr(self.train_data, "state_dict"):
+            state["data"] = self.train_data.state_dict()
+        return state
+
+    def save(self) -> Path:
+        if self.run_dir is None:
+            raise ValueError("TrainConfig.run_dir is not set: nowhere to save a checkpoint")
+        return save_checkpoint(
+            self.run_dir, self.step, self.model, self.trainer_state(), self.cfg.keep_last
+        )
+
+    def resume(self, path: str | Path | None = None) -> bool:
+        """Continue from a checkpoint folder, or the latest one in run_dir; False if none."""
+        if path is None:
+            if self.run_dir is None:
+                raise ValueError("resume: no path given and TrainConfig.run_dir is not set")
+            path = latest_checkpoint(self.run_dir)
+            if path is None:
+                return False
+        path = Path(path)
+        from safetensors.torch import load_file
+
+        weights = load_file(str(path / "model.safetensors"))
+        own = self.model.state_dict()
+        with torch.no_grad():
+            for k, v in weights.items():
+                if k not in own:
+                    raise ValueError(f"resume: checkpoint tensor {k!r} is not in the model")
+                own[k].copy_(v)
+        st = load_trainer_state(path, self.device)
+        self.optimizer.load_state_dict(st["optimizer"])
+        self.schedule.load_state_dict(st["schedule"])
+        self.scaler.load_state_dict(st["scaler"])
+        torch.set_rng_state(st["rng_cpu"].cpu())
+        if "rng_cuda" in st and self.device.type == "cuda":
+            torch.cuda.set_rng_state(st["rng_cuda"].cpu(), self.device)
+        if "data" in st and hasattr(self.train_data, "load_state_dict"):
+            self.train_data.load_state_dict(st["data"])
+        self.step = int(st["step"])
+        self.skipped_steps = int(st["skipped_steps"])
+        self.tokens_seen = int(st["tokens_seen"])
+        self._graph = None
+        return True
+
+    def fit(self, progress: bool = True) -> dict[str, Any]:
+        """Train to `cfg.steps` (or `max_seconds`); log, evaluate and checkpoint on the way."""
+        cfg = self.cfg
+        metrics_file = None
+        if self.run_dir is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            metrics_file = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115
+        bar = _progress_bar(cfg.steps, self.step) if progress else None
+        t_start = time.perf_counter()
+        t_log, tok_log = t_start, self.tokens_seen
+        last: dict[str, Any] = {}
+        try:
+            while self.step < cfg.steps:
+                loss, norm = self.train_step()
+                elapsed = time.perf_counter() - t_start
+                done = self.step >= cfg.steps or (
+                    cfg.max_seconds is not None and elapsed >= cfg.max_seconds
+                )
+                record: dict[str, Any] = {}
+                if self.step % cfg.log_every == 0 or done:
+                    now = time.perf_counter()
+                    record = {
+                        "step": self.step,
+                        "loss": float(loss),
+                        "grad_norm": float(norm),
+                        "lr": self.schedule.get_last_lr()[0],
+                        "tokens_per_s": (self.tokens_seen - tok_log) / max(now - t_log, 1e-9),
+                        "tokens": self.tokens_seen,
+                        "elapsed_s": elapsed,
+                        "skipped_steps": self.skipped_steps,
+                    }
+                    t_log, tok_log = now, self.tokens_seen
+                if (cfg.eval_every and self.step % cfg.eval_every == 0) or done:
+                    val = self.evaluate()
+                    if val is not None:
+                        record = record or {"step": self.step, "elapsed_s": elapsed}
+                        record["val_loss"] = val
+                if record:
+                    last.update(record)
+                    if metrics_file:
+                        metrics_file.write(json.dumps(record) + "\n")
+                        metrics_file.flush()
+                    if bar is not None:
+                        bar.update(record)
+                if self.run_dir is not None and cfg.ckpt_every and self.step % cfg.ckpt_every == 0:
+                    self.save()
+                if done:
+                    break
+        finally:
+            if bar is not None:
+                bar.close()
+            if metrics_file:
+                metrics_file.close()
+        if self.run_dir is not None:
+            self.save()
+        return last
+
+
+class _progress_bar:
+    """tqdm when installed, else a line per update."""
+
+    def __init__(self, total: int, start: int) -> None:
+        try:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=start, dynamic_ncols=True, unit="step")
+        except ImportError:
+            self._bar = None
+        self._pos = start
+
+    def update(self, r: dict[str, Any]) -> None:
+        parts = []
+        if "loss" in r:
+            parts.append(f"loss {r['loss']:.3f}")
+        if "val_loss" in r:
+            parts.append(f"val {r['val_loss']:.3f}")
+        if "tokens_per_s" in r:
+            parts.append(f"{r['tokens_per_s']:,.0f} tok/s")
+        if self._bar is not None:
+            self._bar.update(r["step"] - self._pos)
+            self._bar.set_postfix_str(", ".join(parts))
+        else:
+            print(f"step {r['step']}: " + ", ".join(parts), flush=True)
+        self._pos = r["step"]
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

@@ -1,0 +1,118 @@
+"""MambaState: layout, zeros, detach, clone, reset_, to; init_state of the models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mambakit import MambaBackbone, MambaLM, MambaState
+
+
+def test_zeros_layout():
+    s = MambaState.zeros(n_layers=3, batch_size=2, d_inner=10, d_state=4, d_conv=3)
+    assert s.conv.shape == (3, 2, 2, 10)
+    assert s.ssm.shape == (3, 2, 10, 4)
+    assert s.conv.dtype == torch.float32 and s.ssm.dtype == torch.float32
+    assert s.conv.abs().sum() == 0 and s.ssm.abs().sum() == 0
+    assert (s.n_layers, s.batch_size) == (3, 2)
+    conv1, ssm1 = s.layer(1)
+    assert conv1.shape == (2, 2, 10) and ssm1.shape == (2, 10, 4)
+    conv1.fill_(1.0)  # layer() returns views
+    assert s.conv[1].eq(1).all() and s.conv[0].eq(0).all()
+
+
+@pytest.mark.parametrize("model_cls", [MambaLM, MambaBackbone])
+def test_init_state_shapes_dtype(tiny_config, model_cls):
+    cfg = tiny_config(d_model=12, n_layers=3, d_state=5, d_conv=4, expand=2)
+    model = model_cls(cfg)
+    s = model.init_state(4)
+    assert isinstance(s, MambaState)
+    assert s.conv.shape == (3, 4, 3, 24) and s.ssm.shape == (3, 4, 24, 5)
+    assert s.dtype == torch.float32 and s.conv.dtype == torch.float32
+    assert s.conv.abs().sum() == 0 and s.ssm.abs().sum() == 0
+    assert s.device == next(model.parameters()).device
+    s64 = model.double().init_state(2)
+    assert s64.conv.dtype == torch.float64 and s64.ssm.dtype == torch.float64
+
+
+def test_invalid_construction_names_the_problem():
+    with pytest.raises(ValueError, match="4-d"):
+        MambaState(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4, 5))
+    with pytest.raises(ValueError, match="disagree"):
+        MambaState(torch.zeros(2, 3, 1, 4), torch.zeros(2, 2, 4, 5))
+    with pytest.raises(ValueError, match="disagree"):
+        MambaState(torch.zeros(2, 3, 1, 4), torch.zeros(2, 3, 6, 5))
+
+
+def test_clone_is_independent():
+    s = MambaState(torch.randn(2, 3, 1, 4), torch.randn(2, 3, 4, 5))
+    c = s.clone()
+    torch.testing.assert_close(c.conv, s.conv)
+    torch.testing.assert_close(c.ssm, s.ssm)
+    c.conv.zero_()
+    c.ssm.zero_()
+    assert s.conv.abs().sum() > 0 and s.ssm.abs().sum() > 0
+
+
+def test_to_dtype():
+    s = MambaState(torch.randn(1, 2, 1, 3), torch.randn(1, 2, 3, 2))
+    d = s.to(torch.float64)
+    assert d.conv.dtype == torch.float64 and d.ssm.dtype == torch.float64
+    torch.testing.assert_close(d.ssm.float(), s.ssm)
+
+
+def test_reset_zeros_only_masked_rows_in_place():
+    s = MambaState(torch.randn(2, 4, 2, 3) + 5, torch.randn(2, 4, 3, 2) + 5)
+    before = s.clone()
+    ptrs = (s.conv.data_ptr(), s.ssm.data_ptr())
+    mask = torch.tensor([True, False, False, True])
+    out = s.reset_(mask)
+    assert out is s
+    assert (s.conv.data_ptr(), s.ssm.data_ptr()) == ptrs
+    for b in range(4):
+        if mask[b]:
+            assert s.conv[:, b].eq(0).all() and s.ssm[:, b].eq(0).all()
+        else:
+            torch.testing.assert_close(s.conv[:, b], before.conv[:, b], rtol=0, atol=0)
+            torch.testing.assert_close(s.ssm[:, b], before.ssm[:, b], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="mask"):
+        s.reset_(torch.tensor([True, False]))
+
+
+def test_reset_with_grad_keeps_gradient_of_unmasked_rows():
+    conv = torch.randn(1, 3, 1, 2, requires_grad=True)
+    ssm = torch.randn(1, 3, 2, 2, requires_grad=True)
+    s = MambaState(conv * 1.0, ssm * 1.0)
+    s.reset_(torch.tensor([False, True, False]))
+    (s.conv.sum() + s.ssm.sum()).backward()
+    assert conv.grad[:, 1].eq(0).all() and ssm.grad[:, 1].eq(0).all()
+    assert conv.grad[:, [0, 2]].eq(1).all() and ssm.grad[:, [0, 2]].eq(1).all()
+
+
+def test_detach_cuts_the_graph(seed, tiny_config):
+    model = MambaLM(tiny_config())
+    ids = torch.randint(0, 24, (2, 6))
+    out = model(ids)
+    assert out.state.ssm.requires_grad and out.state.conv.requires_grad
+    d = out.state.detach()
+    assert not d.ssm.requires_grad and not d.conv.requires_grad
+    torch.testing.assert_close(d.ssm, out.state.ssm.detach(), rtol=0, atol=0)
+
+    # a loss on the next chunk fed with the detached state: gradients come from that
+    # chunk alone, the same as when the state is a fresh constant tensor
+    ids2 = torch.randint(0, 24, (2, 5))
+    model.zero_grad()
+    model(ids2, state=d).logits.pow(2).sum().backward()
+    g_detached = {k: p.grad.clone() for k, p in model.named_parameters()}
+    model.zero_grad()
+    const = MambaState(out.state.conv.detach().clone(), out.state.ssm.detach().clone())
+    model(ids2, state=const).logits.pow(2).sum().backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(g_detached[k], p.grad, rtol=0, atol=0, msg=k)
+
+    # without detaching, the first chunk's weights see the second chunk's loss
+    model.zero_grad()
+    out = model(ids)
+    model(ids2, state=out.state).logits.pow(2).sum().backward()
+    differs = [k for k, p in model.named_parameters() if not torch.allclose(p.grad, g_detached[k])]
+    assert differs
