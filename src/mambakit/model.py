@@ -226,6 +226,18 @@ class MambaLM(nn.Module):
         hidden, state = self.backbone.step(input_ids, state)
         return self.lm_head(hidden), state
 
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 64, **kwargs) -> torch.Tensor:
+        """Prefill the prompt in parallel, then decode with step(); see mambakit.inference."""
+        from .inference import generate
+
+        return generate(self, input_ids, max_new_tokens=max_new_tokens, **kwargs)
+
+    def stream(self, input_ids: torch.Tensor, max_new_tokens: int = 64, **kwargs):
+        """Like generate, but yields each new token [B] as it is produced."""
+        from .inference import stream
+
+        return stream(self, input_ids, max_new_tokens=max_new_tokens, **kwargs)
+
     @classmethod
     def from_pretrained(
         cls, path: str | Path, device=None, dtype: torch.dtype | None = None

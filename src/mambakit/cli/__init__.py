@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
-from . import demo
+SUBCOMMANDS = ("demo", "train", "generate", "bench")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mambakit", description=__doc__)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (demo,):
+    for name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            continue  # a subcommand not shipped in this build
         module.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command is None:
