@@ -11,7 +11,6 @@ Every input is checked here, before any kernel launches.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -37,13 +36,18 @@ BACKENDS = ("auto", "reference", "triton")
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@functools.cache
+_TRITON: list[bool] = []
+
+
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    if not _TRITON:
+        try:
+            import triton  # noqa: F401
+
+            _TRITON.append(True)
+        except ImportError:
+            _TRITON.append(False)
+    return _TRITON[0]
 
 
 def resolve_backend(backend: str, x: torch.Tensor) -> str:
@@ -178,7 +182,11 @@ def rms_norm(
     Dn = x.shape[-1]
     check_tensor("weight", weight, (Dn,), device=x.device)
     if residual is not None:
-        check_tensor("residual", residual, tuple(x.shape), device=x.device)
+        check_tensor(
+            "residual", residual, tuple(x.shape), device=x.device, last_dim_contiguous=True
+        )
+        if residual.dtype == torch.float64 and x.dtype != torch.float64:
+            backend = "reference"  # an f64 residual asks for the f64 oracle path
     if not eps > 0:
         raise ValueError(f"eps must be > 0, got {eps}")
     if out_dtype is not None and out_dtype not in _TRITON_DTYPES + (torch.float64,):
@@ -212,6 +220,11 @@ def selective_state_update(
     check_tensor("A", A, (Dn, N), device=u.device)
     check_tensor("B", B, (Bsz, N), device=u.device, last_dim_contiguous=True)
     check_tensor("C", C, (Bsz, N), device=u.device, last_dim_contiguous=True)
+    for name, t in (("D", D), ("delta_bias", delta_bias)):
+        if t is not None:
+            check_tensor(name, t, (Dn,), device=u.device)
+    if z is not None:
+        check_tensor("z", z, (Bsz, Dn), device=u.device, last_dim_contiguous=True)
     args = (ssm_state, u, delta, A, B, C, D, z, delta_bias, delta_softplus)
     if resolve_backend(backend, u) == "triton":
         from .selective_scan import selective_state_update_triton
@@ -234,6 +247,10 @@ def causal_conv1d_update(
     check_tensor("weight", weight, (Dn, None), device=x.device)
     K = weight.shape[1]
     check_tensor("conv_state", conv_state, (Bsz, K - 1, Dn), device=x.device)
+    if bias is not None:
+        check_tensor("bias", bias, (Dn,), device=x.device)
+    if activation not in (None, "silu"):
+        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
     args = (conv_state, x, weight, bias, activation)
     if resolve_backend(backend, x) == "triton":
         from .causal_conv1d import causal_conv1d_update_triton

@@ -171,6 +171,8 @@ def rms_fwd(
     x2 = _rows(x, D)
     M = x2.shape[0]
     res2 = _rows(residual, D) if residual is not None else None
+    if res2 is not None and D > 1 and res2.stride(1) != 1:
+        res2 = res2.contiguous()  # the kernel reads rows with stride 1
     out = torch.empty(x.shape, device=x.device, dtype=out_dtype)
     rout = torch.empty(x.shape, device=x.device, dtype=torch.float32)
     rstd = torch.empty((M,), device=x.device, dtype=torch.float32)
