@@ -314,17 +314,16 @@ class Trainer:
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on fresh batches; returns (loss, grad norm) as tensors."""
         self.model.train()
-        batches = [
-            {k: v.to(self.device, non_blocking=True) for k, v in self.train_data.next().items()}
-            for _ in range(self.cfg.grad_accum)
-        ]
+        host = [self.train_data.next() for _ in range(self.cfg.grad_accum)]
+        n_tokens = sum(int(count_targets(b)) for b in host)  # counted before the copy: no sync
+        batches = [{k: v.to(self.device, non_blocking=True) for k, v in b.items()} for b in host]
         if self.cfg.cuda_graph:
             loss, norm = self._graph_step(batches)
         else:
             loss, norm = self._eager_step(batches)
         self.schedule.step()
         self.step += 1
-        self.tokens_seen += sum(int(count_targets(b)) for b in batches)
+        self.tokens_seen += n_tokens
         return loss, norm
 
     # -- evaluation, checkpoints, the loop ---------------------------------------------------
