@@ -39,10 +39,10 @@ def _scan_pairs(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return a, b
 
 
-def _scan_group(
-    a: torch.Tensor, b: torch.Tensor, C: torch.Tensor, h: torch.Tensor
+def _scan_states(
+    a: torch.Tensor, b: torch.Tensor, h: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """h_t = a_t h_{t-1} + b_t over [B, T, D, N] from h [B, D, N]; returns (y [B, T, D], h_T)."""
+    """h_t = a_t h_{t-1} + b_t over [B, T, D, N] from h [B, D, N]: (h_all [B, T, D, N], h_T)."""
     Bsz, T, D, N = a.shape
     L = min(CHUNK, T)
     nc = -(-T // L)
@@ -56,9 +56,78 @@ def _scan_group(
         h_in.append(h)
         h = torch.addcmul(b_cum[:, c, -1], a_cum[:, c, -1], h)
     h_all = torch.addcmul(b_cum, a_cum, torch.stack(h_in, dim=1).unsqueeze(2))
-    h_all = h_all.view(Bsz, nc * L, D, N)[:, :T]
-    y = torch.einsum("btdn,btn->btd", h_all, C)
-    return y, h
+    return h_all.view(Bsz, nc * L, D, N)[:, :T], h
+
+
+def _group_size(Bsz: int, D: int, N: int) -> int:
+    group = CHUNK
+    while group < 2048 and 2 * group * Bsz * D * N <= GROUP_ELEMENTS:
+        group *= 2
+    return group
+
+
+def _decay(dt: torch.Tensor, A: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    a = torch.exp(dt[..., None] * A)  # [B, t, D, N]
+    return a if keep is None else a * keep[..., None, None]
+
+
+class _Scan(torch.autograd.Function):
+    """The core recurrence with a hand-written backward (DESIGN.md section 6).
+
+    Inputs: dt [B, T, D] (after softplus), x = dt * u [B, T, D], A [D, N],
+    B, C [B, T, N], keep [B, T] (0 at document starts) or None, h0 [B, D, N].
+    Outputs: y_t = sum_n h_t C_t [B, T, D] and h_T. Only the states at group
+    boundaries are kept; the backward recomputes each group's states, then runs
+    the reverse scan g_h_t = C_t gy_t + a_{t+1} g_h_{t+1} with the same machinery.
+    """
+
+    @staticmethod
+    def forward(ctx, dt, x, A, Bm, C, keep, h0):
+        T = dt.shape[1]
+        group = _group_size(dt.shape[0], A.shape[0], A.shape[1])
+        h, ys, h_bounds = h0, [], []
+        for t0 in range(0, T, group):
+            sl = slice(t0, min(T, t0 + group))
+            h_bounds.append(h)
+            a = _decay(dt[:, sl], A, None if keep is None else keep[:, sl])
+            h_all, h = _scan_states(a, x[:, sl, :, None] * Bm[:, sl, None, :], h)
+            ys.append(torch.einsum("btdn,btn->btd", h_all, C[:, sl]))
+        ctx.save_for_backward(dt, x, A, Bm, C, keep, *h_bounds)
+        ctx.group = group
+        return torch.cat(ys, dim=1), h
+
+    @staticmethod
+    def backward(ctx, gy, g_hT):
+        dt, x, A, Bm, C, keep, *h_bounds = ctx.saved_tensors
+        T = dt.shape[1]
+        group = ctx.group
+        if gy is None:
+            gy = torch.zeros_like(x)
+        g_dt, g_x = torch.empty_like(dt), torch.empty_like(x)
+        g_B, g_C = torch.empty_like(Bm), torch.empty_like(C)
+        g_A = torch.zeros_like(A)
+        # G: dL/dh at the end of the current group, from everything after it
+        G = g_hT if g_hT is not None else torch.zeros_like(h_bounds[0])
+        starts = list(range(0, T, group))
+        for gi in reversed(range(len(starts))):
+            sl = slice(starts[gi], min(T, starts[gi] + group))
+            a = _decay(dt[:, sl], A, None if keep is None else keep[:, sl])
+            xs, Bs, Cs, gys = x[:, sl], Bm[:, sl], C[:, sl], gy[:, sl]
+            h_all, _ = _scan_states(a, xs[..., None] * Bs[:, :, None, :], h_bounds[gi])
+            # reverse scan in flipped time: g_h_t = c_t + a_{t+1} g_h_{t+1}, g_h_last = c_last + G
+            c = gys[..., None] * Cs[:, :, None, :]  # [B, t, D, N]
+            a_next = torch.cat([a[:, 1:], torch.ones_like(a[:, :1])], dim=1)
+            g_h, _ = _scan_states(a_next.flip(1), c.flip(1), G)
+            g_h = g_h.flip(1)
+            h_prev = torch.cat([h_bounds[gi].unsqueeze(1), h_all[:, :-1]], dim=1)
+            dz = g_h * h_prev * a  # dL/d(dt A) through a = exp(dt A) (keep folded into a)
+            g_dt[:, sl] = torch.einsum("btdn,dn->btd", dz, A)
+            g_A += torch.einsum("btdn,btd->dn", dz, dt[:, sl])
+            g_x[:, sl] = torch.einsum("btdn,btn->btd", g_h, Bs)
+            g_B[:, sl] = torch.einsum("btdn,btd->btn", g_h, xs)
+            g_C[:, sl] = torch.einsum("btdn,btd->btn", h_all, gys)
+            G = a[:, 0] * g_h[:, 0]  # the carry past the group's first step
+        return g_dt, g_x, g_A, g_B, g_C, None, G
 
 
 def selective_scan_reference(
@@ -84,29 +153,16 @@ def selective_scan_reference(
         dt = dt + delta_bias.to(f)
     if delta_softplus:
         dt = F.softplus(dt)
-    Af, Bf, Cf = A.to(f), B.to(f), C.to(f)
     keep = None
     if seq_idx is not None:  # 0 where a new document starts at t
         keep = torch.ones(Bsz, T, device=u.device, dtype=f)
         keep[:, 1:] = (seq_idx[:, 1:] == seq_idx[:, :-1]).to(f)
-    h = (
+    h0 = (
         initial_state.to(f)
         if initial_state is not None
         else torch.zeros(Bsz, Dn, N, device=u.device, dtype=f)
     )
-    group = CHUNK
-    while group < 2048 and 2 * group * Bsz * Dn * N <= GROUP_ELEMENTS:
-        group *= 2
-    ys = []
-    for t0 in range(0, T, group):
-        sl = slice(t0, min(T, t0 + group))
-        a = torch.exp(dt[:, sl, :, None] * Af)  # [B, t, D, N]
-        if keep is not None:
-            a = a * keep[:, sl, None, None]
-        b = (dt[:, sl] * uf[:, sl])[..., None] * Bf[:, sl, None, :]  # [B, t, D, N]
-        y, h = _scan_group(a, b, Cf[:, sl], h)
-        ys.append(y)
-    y = torch.cat(ys, dim=1) if len(ys) > 1 else ys[0]
+    y, h = _Scan.apply(dt, dt * uf, A.to(f), B.to(f), C.to(f), keep, h0)
     if D is not None:
         y = y + uf * D.to(f)
     if z is not None:
