@@ -50,10 +50,12 @@ def make_inputs(Bsz, T, Dn, N, dtype, device="cuda", grad=False):
     return inp
 
 
-def bench(fn, grad_to_none=None):
+def bench(fn, rep=200, grad_to_none=None):
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=50, rep=300, grad_to_none=grad_to_none, return_mode="median")
+    return triton.testing.do_bench(
+        fn, warmup=25, rep=rep, grad_to_none=grad_to_none, return_mode="median"
+    )
 
 
 def counts(Bsz, T, Dn, N, elt, backward: bool):
@@ -116,7 +118,12 @@ def time_ours(shape, dtype):
     saved = Dn * N * 4 / CHUNK
     out.append(
         record(
-            "forward+backward", "mambakit", shape, dtype, ms, True,
+            "forward+backward",
+            "mambakit",
+            shape,
+            dtype,
+            ms,
+            True,
             dict(peak_extra_mb=peak / 2**20, saved_bytes_per_token=saved),
         )  # fmt: skip
     )
@@ -169,25 +176,39 @@ def sweep(shape, dtype):
     a = [inp[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")]
     gy = torch.randn(Bsz, T, Dn, device="cuda", dtype=dtype)
     rows = []
-    fwd_cfgs = [dict(SEQUENTIAL=True, BLOCK_D=bd, num_warps=w) for bd, w in
-                [(16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]]
-    fwd_cfgs += [dict(SEQUENTIAL=False, BLOCK_D=bd, num_warps=w) for bd, w in
-                 [(8, 4), (16, 4), (16, 8), (32, 8)]]  # fmt: skip
-    for chunk in (16, 32):
-        for cfg in fwd_cfgs:
+    fwd_cfgs = {
+        16: [(32, 4), (16, 2), (64, 8)],
+        8: [(32, 4), (16, 2)],
+        4: [(32, 4)],
+    }
+    bwd_cfgs = {  # (BLOCK_D, num_warps, maxnreg): the backward is register-bound
+        16: [(32, 8, None), (16, 4, None), (16, 4, 168)],
+        8: [(16, 4, None), (16, 8, None), (16, 4, 128), (8, 2, None)],
+        4: [(16, 4, None), (8, 4, None), (32, 8, None)],
+    }
+    for chunk in fwd_cfgs:
+        for bd, w in fwd_cfgs[chunk]:
+            cfg = dict(SEQUENTIAL=True, BLOCK_D=bd, num_warps=w)
             try:
-                ms = bench(lambda: K.scan_fwd(*a, True, None, None, True, chunk, config=cfg))
+                ms = bench(
+                    lambda c=chunk, f=cfg: K.scan_fwd(*a, True, None, None, True, c, config=f), 100
+                )
             except Exception as e:  # a config that does not compile is reported, not fatal
                 ms = float("nan")
                 print("fwd", chunk, cfg, "failed:", type(e).__name__, str(e)[:200])
             rows.append(dict(kernel="fwd", chunk=chunk, **cfg, time_ms=ms))
             print(rows[-1], flush=True)
         _, _, states = K.scan_fwd(*a, True, None, None, True, chunk)
-        for bd, w in [(4, 4), (8, 4), (8, 8), (16, 4), (16, 8), (32, 8)]:
+        for bd, w, mr in bwd_cfgs[chunk]:
             cfg = dict(BLOCK_D=bd, num_warps=w)
+            if mr:
+                cfg["maxnreg"] = mr
             try:
                 ms = bench(
-                    lambda: K.scan_bwd(gy, None, *a, True, None, None, states, chunk, config=cfg)
+                    lambda c=chunk, f=cfg, st=states: K.scan_bwd(
+                        gy, None, *a, True, None, None, st, c, config=f
+                    ),
+                    100,
                 )
             except Exception as e:
                 ms = float("nan")
@@ -214,7 +235,9 @@ def main():
             records += time_reference(shape, dtype)
     if args.sweep:
         sweep_rows = sweep(shapes[0], dtype)
-    hdr = f"{'shape':<18} {'impl':<20} {'workload':<23} {'ms':>8} {'GB/s':>7} {'bytes':>6} {'exp':>6}"
+    hdr = (
+        f"{'shape':<18} {'impl':<20} {'workload':<23} {'ms':>8} {'GB/s':>7} {'bytes':>6} {'exp':>6}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in records:
@@ -229,7 +252,11 @@ def main():
         print(f"peak extra memory fwd+bwd {r['peak_extra_mb']:.0f} MiB; "
               f"saved {r['saved_bytes_per_token']:.0f} B/token")  # fmt: skip
     with open(args.out, "w") as f:
-        json.dump(dict(device=torch.cuda.get_device_name(), records=records, sweep=sweep_rows), f, indent=1)
+        json.dump(
+            dict(device=torch.cuda.get_device_name(), records=records, sweep=sweep_rows),
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

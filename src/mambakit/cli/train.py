@@ -72,7 +72,9 @@ def _model_config(args) -> MambaConfig:
 
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
-    steps = args.steps or (3000 if device.type == "cuda" else 600)
+    steps = args.steps if args.steps is not None else (3000 if device.type == "cuda" else 600)
+    if steps <= 0:
+        raise SystemExit(f"--steps must be positive, got {steps}")
     tokenizer = load_tokenizer(args.tokenizer)
     cfg = _model_config(args)
     if tokenizer.vocab_size > cfg.vocab_size:

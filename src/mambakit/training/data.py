@@ -149,8 +149,10 @@ def build_splits(
         val_docs, train_docs = docs, docs  # one document: validate on it too (said in the log)
     else:
         pick = val_every // 2
-        val_docs = [d for i, d in enumerate(docs) if i % val_every == pick] or docs[-1:]
+        val_docs = [d for i, d in enumerate(docs) if i % val_every == pick]
         train_docs = [d for i, d in enumerate(docs) if i % val_every != pick]
+        if not val_docs:  # fewer documents than the rule needs: hold out the last one
+            val_docs, train_docs = docs[-1:], docs[:-1]
     train = pack_documents(train_docs, tokenizer, seqlen)
     val = pack_documents(val_docs, tokenizer, seqlen)
     if len(train) == 0:

@@ -95,8 +95,10 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.lr must be a positive number, got {self.lr!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"TrainConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError("TrainConfig.weight_decay and grad_clip must be >= 0")
+        for name in ("weight_decay", "grad_clip", "eps"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"TrainConfig.{name} must be a finite number >= 0, got {v!r}")
         if self.precision not in ("auto", *PRECISIONS):
             raise ValueError(
                 f"TrainConfig.precision must be auto, bf16, f16 or f32, got {self.precision!r}"
@@ -116,8 +118,9 @@ def count_targets(batch: Batch) -> torch.Tensor:
 def lm_loss(model: nn.Module, batch: Batch, state: MambaState | None):
     """Summed next-token cross-entropy of a MambaLM; targets are already shifted."""
     out = model(batch["input_ids"], state=state, seq_idx=batch.get("seq_idx"))
+    logits = out.logits.flatten(0, 1)
     loss = F.cross_entropy(
-        out.logits.flatten(0, 1).float(),
+        logits.to(torch.promote_types(logits.dtype, torch.float32)),
         batch["targets"].flatten(),
         ignore_index=-100,
         reduction="sum",
@@ -208,11 +211,14 @@ class Trainer:
         """Accumulate gradients of the step's mean loss; returns the loss (a tensor)."""
         k = self.cfg.tbptt_grad_chunks
         total = torch.zeros((), device=self.device)
+        n_total = sum(count_targets(b) for b in batches).clamp(min=1)  # every token weighs 1
         for batch in batches:
-            n_total = count_targets(batch).clamp(min=1) * len(batches)
             chunks = split_time(batch, self.cfg.tbptt_len)
             state, acc = None, None
             for i, chunk in enumerate(chunks):
+                if state is not None and "seq_idx" in chunk:
+                    # a document that starts exactly at the chunk boundary gets no carried state
+                    state.reset_(chunk["seq_idx"][:, 0] != chunks[i - 1]["seq_idx"][:, -1])
                 with self._autocast():
                     loss_sum, state = self.loss_fn(self.forward_model, chunk, state)
                 part = loss_sum / n_total
@@ -317,6 +323,7 @@ class Trainer:
         host = [self.train_data.next() for _ in range(self.cfg.grad_accum)]
         n_tokens = sum(int(count_targets(b)) for b in host)  # counted before the copy: no sync
         batches = [{k: v.to(self.device, non_blocking=True) for k, v in b.items()} for b in host]
+        self.last_lr = self.schedule.get_last_lr()[0]
         if self.cfg.cuda_graph:
             loss, norm = self._graph_step(batches)
         else:
@@ -380,14 +387,31 @@ class Trainer:
 
         weights = load_file(str(path / "model.safetensors"))
         own = self.model.state_dict()
+        tied = getattr(getattr(self.model, "config", None), "tie_embeddings", False)
+        expected = {k for k in own if not (tied and k == "lm_head.weight")}
+        extra, missing = sorted(set(weights) - set(own)), sorted(expected - set(weights))
+        if extra or missing:
+            raise ValueError(
+                f"resume: checkpoint {path} does not fit the model: tensors not in the model "
+                f"{extra}, model tensors missing from it {missing}"
+            )
+        for k, v in weights.items():
+            if tuple(v.shape) != tuple(own[k].shape):
+                raise ValueError(
+                    f"resume: tensor {k!r} has shape {list(v.shape)} in {path}, "
+                    f"the model has {list(own[k].shape)}"
+                )
         with torch.no_grad():
             for k, v in weights.items():
-                if k not in own:
-                    raise ValueError(f"resume: checkpoint tensor {k!r} is not in the model")
                 own[k].copy_(v)
         st = load_trainer_state(path, self.device)
         self.optimizer.load_state_dict(st["optimizer"])
         self.schedule.load_state_dict(st["schedule"])
+        # the schedule follows this run's config (a resumed run may extend steps or change lr)
+        self.schedule.lr_lambdas[0].__dict__.update(
+            WarmupCosine(self.cfg.warmup_steps, self.cfg.steps, self.cfg.min_lr_ratio).__dict__
+        )
+        self.schedule.base_lrs = [self.cfg.lr for _ in self.optimizer.param_groups]
         self.scaler.load_state_dict(st["scaler"])
         torch.set_rng_state(st["rng_cpu"].cpu())
         if "rng_cuda" in st and self.device.type == "cuda":
@@ -406,7 +430,8 @@ class Trainer:
         metrics_file = None
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            metrics_file = open(self.run_dir / "metrics.jsonl", "a")  # noqa: SIM115
+            mode = "a" if self.step > 0 else "w"  # a fresh run starts a fresh file
+            metrics_file = open(self.run_dir / "metrics.jsonl", mode)  # noqa: SIM115
         bar = _progress_bar(cfg.steps, self.step) if progress else None
         t_start = time.perf_counter()
         t_log, tok_log = t_start, self.tokens_seen
@@ -425,7 +450,7 @@ class Trainer:
                         "step": self.step,
                         "loss": float(loss),
                         "grad_norm": float(norm),
-                        "lr": self.schedule.get_last_lr()[0],
+                        "lr": self.last_lr,
                         "tokens_per_s": (self.tokens_seen - tok_log) / max(now - t_log, 1e-9),
                         "tokens": self.tokens_seen,
                         "elapsed_s": elapsed,

@@ -59,7 +59,19 @@ def _(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, seq_id
 
 @torch.library.custom_op("mambakit::selective_scan_bwd", mutates_args=(), schema=_BWD_SCHEMA)
 def _scan_bwd(
-    gy, g_final, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, seq_idx,
+    gy,
+    g_final,
+    u,
+    delta,
+    A,
+    B,
+    C,
+    D,
+    z,
+    delta_bias,
+    delta_softplus,
+    initial_state,
+    seq_idx,
     states,
 ):
     from .kernels import scan_bwd
@@ -74,7 +86,19 @@ def _scan_bwd(
 
 @_scan_bwd.register_fake
 def _(
-    gy, g_final, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, seq_idx,
+    gy,
+    g_final,
+    u,
+    delta,
+    A,
+    B,
+    C,
+    D,
+    z,
+    delta_bias,
+    delta_softplus,
+    initial_state,
+    seq_idx,
     states,
 ):
     e = u.new_empty(0)
@@ -88,9 +112,7 @@ def _(
         D.new_empty(D.shape, dtype=f32) if D is not None else e,
         z.new_empty(z.shape) if z is not None else e,
         delta_bias.new_empty(delta_bias.shape, dtype=f32) if delta_bias is not None else e,
-        initial_state.new_empty(initial_state.shape, dtype=f32)
-        if initial_state is not None
-        else e,
+        initial_state.new_empty(initial_state.shape, dtype=f32) if initial_state is not None else e,
     )
 
 

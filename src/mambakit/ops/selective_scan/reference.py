@@ -83,6 +83,11 @@ class _Scan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, dt, x, A, Bm, C, keep, h0):
+        with torch.autocast(dt.device.type, enabled=False):  # the scan is f32 (f64) throughout
+            return _Scan._forward(ctx, dt, x, A, Bm, C, keep, h0)
+
+    @staticmethod
+    def _forward(ctx, dt, x, A, Bm, C, keep, h0):
         T = dt.shape[1]
         group = _group_size(dt.shape[0], A.shape[0], A.shape[1])
         h, ys, h_bounds = h0, [], []
@@ -98,7 +103,14 @@ class _Scan(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy, g_hT):
+        with torch.autocast(gy.device.type if gy is not None else "cpu", enabled=False):
+            return _Scan._backward(ctx, gy, g_hT)
+
+    @staticmethod
+    def _backward(ctx, gy, g_hT):
         dt, x, A, Bm, C, keep, *h_bounds = ctx.saved_tensors
+        gy = gy.to(dt.dtype) if gy is not None else None
+        g_hT = g_hT.to(dt.dtype) if g_hT is not None else None
         T = dt.shape[1]
         group = ctx.group
         if gy is None:

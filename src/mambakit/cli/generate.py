@@ -1,0 +1,185 @@
+"""`mambakit generate`: continue a prompt with a local checkpoint, streaming text as it comes.
+
+--model takes a checkpoint folder (Hugging Face `config.json` + weights, a
+state-spaces folder) or a training run folder `runs/<name>/`, whose `latest`
+file names the newest `step_XXXXXXX/` checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..model import MambaLM
+from ..training.data import ByteTokenizer, HFTokenizer, load_tokenizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="stream a continuation of --prompt from a checkpoint")
+    p.add_argument("--model", required=True, help="checkpoint folder or runs/<name>/ folder")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1: off")
+    p.add_argument("--min-p", type=float, default=0.0, help="0: off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1: off")
+    p.add_argument(
+        "--eos-token-id",
+        type=int,
+        default=None,
+        help="stop at this token (default: the checkpoint's eos_token_id if any; -1: never)",
+    )
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *_DTYPES],
+        help="weights dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="'byte' or a tokenizer.json / its folder (default: found in the checkpoint)",
+    )
+    p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly on CUDA")
+    p.set_defaults(run=run)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint folder, following a run folder's `latest` file."""
+    path = Path(path)
+    if not path.is_dir():
+        raise SystemExit(f"generate: --model {str(path)!r} is not a folder")
+    latest = path / "latest"
+    if latest.is_file() and not (path / "config.json").is_file():
+        ckpt = path / latest.read_text().strip()
+        if not ckpt.is_dir():
+            raise SystemExit(f"generate: {latest} names {ckpt.name!r}, which does not exist")
+        return ckpt
+    return path
+
+
+def find_tokenizer(spec: str | None, ckpt: Path, vocab_size: int):
+    """--tokenizer; else tokenizer.json or tokenizer.txt ('byte') in the checkpoint or its
+    run folder; else bytes when the vocabulary is 256."""
+    if spec is not None:
+        return load_tokenizer(spec)
+    for folder in (ckpt, ckpt.parent):
+        if (folder / "tokenizer.json").is_file():
+            return HFTokenizer(folder / "tokenizer.json")
+        txt = folder / "tokenizer.txt"
+        if txt.is_file():
+            name = txt.read_text().strip()
+            if name != "byte":
+                raise SystemExit(f"generate: {txt} names tokenizer {name!r}; only 'byte' is known")
+            return ByteTokenizer()
+    if vocab_size == 256:
+        return ByteTokenizer()
+    raise SystemExit(
+        f"generate: no tokenizer.json or tokenizer.txt in {str(ckpt)!r} and the vocabulary "
+        f"({vocab_size}) is not bytes; pass --tokenizer PATH/tokenizer.json (or 'byte')"
+    )
+
+
+class TextStream:
+    """Turns token ids into text as they arrive, holding back what is not yet whole:
+    an incomplete UTF-8 sequence (bytes) or a piece the tokenizer decodes to U+FFFD."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int]) -> None:
+        self.tok = tokenizer
+        self.byte = isinstance(tokenizer, ByteTokenizer)
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.ids = list(prompt_ids)
+        # decode a few prompt tokens along, so word-initial spaces come out right
+        self.prefix = max(0, len(self.ids) - 4)
+        self.read = len(self.ids)
+
+    def push(self, token: int) -> str:
+        if self.byte:
+            return self.utf8.decode(bytes([token]))
+        self.ids.append(token)
+        before = self.tok.decode(self.ids[self.prefix : self.read])
+        text = self.tok.decode(self.ids[self.prefix :])
+        if len(text) > len(before) and not text.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return text[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        if self.byte:
+            return self.utf8.decode(b"", final=True)
+        text = self.tok.decode(self.ids[self.prefix :])
+        return text[len(self.tok.decode(self.ids[self.prefix : self.read])) :]
+
+
+def run(args: argparse.Namespace) -> int:
+    device = torch.device(args.device)
+    dtype = _DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    ckpt = resolve_checkpoint(args.model)
+    model = MambaLM.from_pretrained(ckpt, device=device, dtype=dtype).eval()
+    vocab = model.config.vocab_size
+    tokenizer = find_tokenizer(args.tokenizer, ckpt, vocab)
+    eos = args.eos_token_id
+    if eos is None:
+        eos = model.config.extra.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+    if eos is not None and (eos < 0 or eos >= vocab):
+        eos = None
+    prompt_ids = tokenizer.encode(args.prompt)
+    if not prompt_ids:
+        raise SystemExit("generate: the prompt encodes to no tokens")
+    if max(prompt_ids) >= vocab:
+        raise SystemExit(
+            f"generate: the tokenizer gives ids up to {max(prompt_ids)} but the model's "
+            f"vocabulary is {vocab}: pass the checkpoint's tokenizer with --tokenizer"
+        )
+    ids = torch.tensor([prompt_ids], device=device)
+    tokens = model.stream(
+        ids,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        eos_token_id=eos,
+        seed=args.seed,
+        cuda_graph=False if args.no_cuda_graph else "auto",
+    )
+    out = TextStream(tokenizer, prompt_ids)
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    n = 0
+    t0 = time.perf_counter()
+    t_first = None
+    for tok in tokens:
+        token = int(tok[0])
+        if t_first is None:
+            t_first = time.perf_counter()
+        n += 1
+        if token == eos:
+            break
+        sys.stdout.write(out.push(token))
+        sys.stdout.flush()
+    sys.stdout.write(out.flush() + "\n")
+    sys.stdout.flush()
+    t1 = time.perf_counter()
+    if n:
+        decode = t1 - t_first
+        rate = (n - 1) / decode if n > 1 and decode > 0 else float("nan")
+        print(
+            f"[{n} tokens in {t1 - t0:.2f} s: prefill + first token {(t_first - t0) * 1e3:.0f} ms"
+            f" ({len(prompt_ids)} prompt tokens), then {rate:,.1f} tokens/s]",
+            file=sys.stderr,
+        )
+    return 0

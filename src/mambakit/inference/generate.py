@@ -1,0 +1,434 @@
+"""generate / stream: prefill the prompt with the parallel forward, then decode with step().
+
+B batch, T prompt length (the longest), V vocabulary, L_b the prompt length of row b.
+
+Ragged prompts (rows of different lengths) are prefilled in ONE parallel
+forward, exactly: the batch is left-aligned to the end (row b gets T - L_b
+filler tokens in front of its prompt) and `seq_idx` marks the filler as
+document 0 and the prompt as document 1. A change of `seq_idx` zeroes both the
+conv history and the SSM state (DESIGN.md section 1), so every row's final
+state and last logits are those of its prompt run alone from a zero state,
+and all rows end at the same time step, ready to decode together. Plain left
+padding without the reset would be wrong for a recurrent model: the filler
+would leak into the state. The cost is the filler tokens (sum of T - L_b),
+one forward instead of one per distinct length.
+
+Long prompts are prefilled in chunks of `prefill_chunk` timesteps with the
+state carried (bounded activation memory); only the last position's hidden
+state goes through the LM head.
+
+Decode: one step is `model.step(tok, state)` + `sampling.sample` + bookkeeping
+(eos, repetition mask, output column), all on the device, with no host sync;
+on CUDA it is captured once per (batch size, sampling settings) in a CUDA
+graph and replayed (cuda_graph.py). `generate` syncs only every
+`EOS_CHECK_EVERY` tokens to stop early when every row has emitted eos;
+`stream` hands each token to the caller, so it syncs per token.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from ..state import MambaState
+from .cuda_graph import capture, graph_cache, params_signature, static_mode, use_cuda_graph
+from .sampling import SamplingConfig, sample
+
+EOS_CHECK_EVERY = 16  # tokens between host checks of "has every row emitted eos?"
+GRAPH_MIN_CAPACITY = 256  # a captured decoder holds room for at least this many new tokens
+_SEED_LIMIT = 1 << 63
+
+
+class _Prompts:
+    """Prompts as one left-padded batch: ids [B, T], lengths L_b, and how to return them."""
+
+    def __init__(self, ids: torch.Tensor, lengths: list[int], as_list: bool) -> None:
+        self.ids = ids  # [B, T] int64, row b's prompt in ids[b, T - L_b:]
+        self.lengths = lengths
+        self.as_list = as_list  # return a list of 1-d tensors (ragged input)
+        self.ragged = len(set(lengths)) > 1
+
+    @property
+    def batch(self) -> int:
+        return self.ids.shape[0]
+
+    def row(self, b: int) -> torch.Tensor:
+        return self.ids[b, self.ids.shape[1] - self.lengths[b] :]
+
+
+def _check_ids_tensor(name: str, t: torch.Tensor, dim: int) -> None:
+    if t.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise TypeError(f"{name} must hold integer token ids (int64 or int32), got {t.dtype}")
+    if t.dim() != dim:
+        raise ValueError(f"{name} must be a {dim}-d tensor, got shape {list(t.shape)}")
+
+
+def _prompts(input_ids, prompt_lengths, device: torch.device, vocab: int) -> _Prompts:
+    if isinstance(input_ids, torch.Tensor):
+        _check_ids_tensor("input_ids", input_ids, 2)
+        Bsz, T = input_ids.shape
+        if Bsz == 0 or T == 0:
+            raise ValueError(f"input_ids must have at least one row and token, got {[Bsz, T]}")
+        ids = input_ids.to(device=device, dtype=torch.int64)
+        if prompt_lengths is None:
+            lengths, as_list = [T] * Bsz, False
+        else:
+            if isinstance(prompt_lengths, torch.Tensor):
+                prompt_lengths = prompt_lengths.tolist()
+            if not isinstance(prompt_lengths, Sequence) or len(prompt_lengths) != Bsz:
+                raise ValueError(f"prompt_lengths must hold {Bsz} lengths (one per row)")
+            lengths = []
+            for n in prompt_lengths:
+                if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= T:
+                    raise ValueError(f"prompt_lengths must be ints in [1, {T}], got {n!r}")
+                lengths.append(n)
+            as_list = True
+            # right-padded in, left-padded inside: shift each row's prompt to the end
+            pos = torch.arange(T, device=device)
+            shift = torch.tensor([T - n for n in lengths], device=device)
+            src = (pos[None, :] - shift[:, None]).clamp(min=0)  # [B, T]
+            ids = ids.gather(1, src)
+    elif isinstance(input_ids, Sequence) and not isinstance(input_ids, str):
+        if prompt_lengths is not None:
+            raise ValueError("prompt_lengths goes with a padded [B, T] tensor, not with a list")
+        if len(input_ids) == 0:
+            raise ValueError("input_ids must hold at least one prompt")
+        rows = []
+        for i, r in enumerate(input_ids):
+            if isinstance(r, torch.Tensor):
+                _check_ids_tensor(f"input_ids[{i}]", r, 1)
+            elif isinstance(r, Sequence) and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in r
+            ):
+                r = torch.tensor(list(r), dtype=torch.int64)
+            else:
+                raise TypeError(f"input_ids[{i}] must be a 1-d tensor or a list of ints")
+            if r.numel() == 0:
+                raise ValueError(f"input_ids[{i}] is empty: every prompt needs a token")
+            rows.append(r.to(device=device, dtype=torch.int64))
+        lengths = [r.numel() for r in rows]
+        T = max(lengths)
+        ids = torch.zeros(len(rows), T, dtype=torch.int64, device=device)
+        for b, r in enumerate(rows):
+            ids[b, T - r.numel() :] = r
+        as_list = True
+    else:
+        raise TypeError(
+            "input_ids must be a [B, T] tensor of token ids or a list of 1-d prompts, "
+            f"got {type(input_ids).__name__}"
+        )
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"input_ids must lie in [0, {vocab}), got values in [{lo}, {hi}]")
+    return _Prompts(ids, lengths, as_list)
+
+
+def _row_seeds(seed, batch: int) -> list[int]:
+    """Row b draws from seed + b (or seed[b]); no seed: a base drawn from torch's global RNG."""
+    if seed is None:
+        base = int(torch.randint(0, 1 << 62, (1,)).item())
+        return [base + b for b in range(batch)]
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        if not 0 <= seed < _SEED_LIMIT - batch:
+            raise ValueError(f"seed must be an int in [0, 2**63 - batch), got {seed}")
+        return [seed + b for b in range(batch)]
+    if isinstance(seed, Sequence) and not isinstance(seed, str):
+        seeds = list(seed)
+        if len(seeds) != batch or not all(
+            isinstance(s, int) and not isinstance(s, bool) and 0 <= s < _SEED_LIMIT for s in seeds
+        ):
+            raise ValueError(f"seed as a list must hold {batch} ints in [0, 2**63)")
+        return seeds
+    raise TypeError(f"seed must be None, an int or a list of ints, got {type(seed).__name__}")
+
+
+def _prefill(model, prompts: _Prompts, chunk: int) -> tuple[torch.Tensor, MambaState]:
+    """(logits at each row's last prompt token [B, V], state after the prompt)."""
+    ids = prompts.ids
+    Bsz, T = ids.shape
+    seq_idx = pad = None
+    if prompts.ragged:
+        pad = torch.tensor([T - n for n in prompts.lengths], device=ids.device)  # [B]
+        seq_idx = (torch.arange(T, device=ids.device)[None, :] >= pad[:, None]).to(torch.int32)
+    backbone = getattr(model, "backbone", None)
+    state = None
+    for s in range(0, T, chunk):
+        e = min(T, s + chunk)
+        part = seq_idx[:, s:e].contiguous() if seq_idx is not None else None
+        if state is not None and pad is not None:
+            # a prompt that starts exactly at s sees no seq_idx change in this chunk
+            state.reset_(pad == s)
+        if backbone is not None:
+            hidden, state = backbone(ids[:, s:e].contiguous(), state, part)
+        else:
+            out = model(ids[:, s:e].contiguous(), state=state, seq_idx=part)
+            state = out.state
+    if backbone is not None:
+        return model.lm_head(hidden[:, -1]), state
+    return out.logits[:, -1], state
+
+
+def _dead_ref():
+    return None
+
+
+class _Decoder:
+    """Static buffers of one decode loop and the step that advances them in place."""
+
+    def __init__(
+        self, model, batch: int, vocab: int, cfg: SamplingConfig, capacity: int, device
+    ) -> None:
+        self.model = weakref.proxy(model)  # the per-model graph cache must not keep it alive
+        self.cfg = cfg
+        self.capacity = capacity
+        self.state: MambaState = model.init_state(batch)
+        i64 = dict(dtype=torch.int64, device=device)
+        self.tok = torch.zeros(batch, **i64)  # [B] the last token, input of the next step
+        self.step = torch.zeros(1, **i64)  # number of the token being drawn
+        self.seeds = torch.zeros(batch, **i64)  # [B]
+        self.out = torch.zeros(batch, capacity, **i64)  # [B, capacity] new tokens
+        rep = cfg.repetition_penalty != 1.0
+        self.seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device) if rep else None
+        eos = cfg.eos_token_id is not None
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=device) if eos else None
+        self.graph = None
+        self.signature: tuple = ()
+        self.owner = _dead_ref  # the _Run using the buffers (weakref)
+
+    def load(self, state: MambaState, prompts: _Prompts, seeds: list[int]) -> None:
+        self.state.copy_(state)
+        self.step.zero_()
+        self.seeds.copy_(torch.tensor(seeds, dtype=torch.int64))
+        if self.seen is not None:
+            self.seen.zero_()
+            ids = prompts.ids
+            if prompts.ragged:  # filler positions repeat the row's last token
+                T = ids.shape[1]
+                pos = torch.arange(T, device=ids.device)[None, :]
+                start = torch.tensor([T - n for n in prompts.lengths], device=ids.device)
+                ids = torch.where(pos >= start[:, None], ids, ids[:, -1:])
+            self.seen.scatter_(1, ids, True)
+        if self.finished is not None:
+            self.finished.zero_()
+
+    def emit(self, logits: torch.Tensor) -> None:
+        """Sample from logits [B, V] and record the token; no host sync."""
+        nxt = sample(logits, self.cfg, self.seeds, self.step, self.seen)
+        if self.finished is not None:
+            nxt = torch.where(self.finished, self.cfg.eos_token_id, nxt)
+            self.finished |= nxt == self.cfg.eos_token_id
+        self.tok.copy_(nxt)
+        self.out.index_copy_(1, self.step, nxt[:, None])
+        if self.seen is not None:
+            self.seen.scatter_(1, nxt[:, None], True)
+        self.step += 1
+
+    def decode_step(self) -> None:
+        logits, _ = self.model.step(self.tok, self.state)
+        self.emit(logits)
+
+    def advance(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.decode_step()
+
+    def all_finished(self) -> bool:
+        return self.finished is not None and bool(self.finished.all())
+
+
+def _decoder(model, prompts: _Prompts, cfg: SamplingConfig, n_new: int, graphs: bool) -> _Decoder:
+    """A decoder for this batch size: captured and cached per model on CUDA, fresh otherwise."""
+    Bsz, device = prompts.batch, prompts.ids.device
+    vocab = model.config.vocab_size
+    if not graphs:
+        return _Decoder(model, Bsz, vocab, cfg, max(n_new, 1), device)
+    cache = graph_cache(model)
+    sig = params_signature(model)
+    entry = cache.get((Bsz, cfg))
+    busy = entry is not None and entry.owner() is not None and entry.owner().active
+    if entry is not None and not busy and entry.capacity >= n_new and entry.signature == sig:
+        return entry
+    capacity = max(GRAPH_MIN_CAPACITY, 1 << math.ceil(math.log2(max(n_new, 1))))
+    if not busy:
+        cache.pop((Bsz, cfg), None)  # free the old buffers before allocating new ones
+    dec = _Decoder(model, Bsz, vocab, cfg, capacity, device)
+    dec.signature = sig
+    dec.graph, _ = capture(dec.decode_step, warmup=2, pool=cache["pool"])
+    if not busy:  # a second, interleaved run of the same shape gets a graph of its own
+        cache[(Bsz, cfg)] = dec
+    return dec
+
+
+class _Run:
+    """One generation: prefill, then tokens one at a time. Each method runs without
+    autograd; `stream`'s generator yields between them, so the caller's grad mode is
+    never changed while it holds a token."""
+
+    def __init__(self, model, input_ids, max_new_tokens, kw) -> None:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        chunk = kw.pop("prefill_chunk")
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+            raise ValueError(f"prefill_chunk must be a positive int, got {chunk!r}")
+        seed, prompt_lengths, cuda_graph = (
+            kw.pop("seed"),
+            kw.pop("prompt_lengths"),
+            kw.pop("cuda_graph"),
+        )
+        self.cfg = SamplingConfig(**kw)
+        vocab = model.config.vocab_size
+        if self.cfg.eos_token_id is not None and self.cfg.eos_token_id >= vocab:
+            raise ValueError(
+                f"eos_token_id must be < vocab_size {vocab}, got {self.cfg.eos_token_id}"
+            )
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.graphs = use_cuda_graph(cuda_graph, self.device)
+        self.n_new = max_new_tokens
+        self.chunk = chunk
+        with static_mode():
+            self.prompts = _prompts(input_ids, prompt_lengths, self.device, vocab)
+        self.seeds = _row_seeds(seed, self.prompts.batch)
+        self.n_done = 0
+        self.dec: _Decoder | None = None
+        self.active = False
+
+    @static_mode()
+    def first(self) -> torch.Tensor:
+        logits, state = _prefill(self.model, self.prompts, self.chunk)
+        self.dec = _decoder(self.model, self.prompts, self.cfg, self.n_new, self.graphs)
+        self.dec.owner = weakref.ref(self)
+        self.active = True
+        self.dec.load(state, self.prompts, self.seeds)
+        self.dec.emit(logits)
+        self.n_done = 1
+        return self.dec.tok
+
+    @static_mode()
+    def next(self) -> torch.Tensor:
+        self.dec.advance()
+        self.n_done += 1
+        return self.dec.tok
+
+    @static_mode()
+    def result(self):
+        """Prompts + new tokens: [B, T + n] for a tensor prompt, else a list of 1-d tensors.
+        When every row emitted eos, n stops at the step where the last row did."""
+        self.active = False
+        p = self.prompts
+        n = self.n_done
+        new = self.dec.out[:, :n].clone() if self.dec is not None else p.ids[:, :0]
+        if n and self.dec.all_finished():
+            first_eos = (new == self.cfg.eos_token_id).int().argmax(dim=1)  # [B]
+            new = new[:, : int(first_eos.max()) + 1]
+        if p.as_list:
+            return [torch.cat([p.row(b), new[b]]) for b in range(p.batch)]
+        return torch.cat([p.ids, new], dim=1)
+
+
+def _options(temperature, top_k, top_p, min_p, repetition_penalty, eos_token_id, seed,
+             prompt_lengths, cuda_graph, prefill_chunk) -> dict:  # fmt: skip
+    return dict(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        eos_token_id=eos_token_id,
+        seed=seed,
+        prompt_lengths=prompt_lengths,
+        cuda_graph=cuda_graph,
+        prefill_chunk=prefill_chunk,
+    )
+
+
+def generate(
+    model,
+    input_ids: torch.Tensor | Sequence,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    eos_token_id: int | None = None,
+    seed: int | Sequence[int] | None = None,
+    prompt_lengths: Sequence[int] | torch.Tensor | None = None,
+    cuda_graph: bool | str = "auto",
+    prefill_chunk: int = 8192,
+) -> torch.Tensor | list[torch.Tensor]:
+    """Continue each prompt by up to `max_new_tokens` tokens.
+
+    input_ids: a [B, T] tensor of token ids (every row a full prompt); or a
+        right-padded [B, T] tensor with `prompt_lengths` [B]; or a list of 1-d
+        tensors / lists of ints (prompts of any lengths). Ragged prompts are
+        prefilled together and exactly (module docstring: left-aligned to the
+        end, `seq_idx` resets the state where each prompt starts).
+    Returns: for a tensor without `prompt_lengths`, a LongTensor [B, T + n];
+        otherwise a list of B 1-d LongTensors, row b = its prompt + its n new
+        tokens. n = max_new_tokens, or fewer when every row emitted
+        `eos_token_id` (then n ends at the step where the last row did; a row
+        that finished earlier is filled with eos).
+    Sampling: `temperature` 0 is greedy; else softmax(logits / temperature)
+        restricted by `top_k` (0: off), `top_p` (nucleus; 1: off) and `min_p`
+        (0: off), after the CTRL `repetition_penalty` (1: off) on tokens in the
+        row's prompt or output. Ties at the k-th score keep exactly k tokens.
+    seed: row b draws from its own counter-based stream seed + b (or seed[b] for
+        a list), so its tokens do not depend on the other rows: a row in a batch
+        seeded s gives what it gives alone seeded s + b. The global RNG is only
+        read (to draw a base seed) when seed is None, never reseeded.
+    cuda_graph: "auto" (on CUDA), True or False: capture model step + sampling
+        once per batch size and settings, replay per token.
+    prefill_chunk: the prompt is prefilled in pieces of at most this many steps.
+    """
+    opts = _options(temperature, top_k, top_p, min_p, repetition_penalty, eos_token_id, seed,
+                    prompt_lengths, cuda_graph, prefill_chunk)  # fmt: skip
+    run = _Run(model, input_ids, max_new_tokens, opts)
+    if run.n_new > 0:
+        run.first()
+        while run.n_done < run.n_new:
+            if run.n_done % EOS_CHECK_EVERY == 0 and run.dec.all_finished():
+                break
+            run.next()
+    return run.result()
+
+
+def stream(
+    model,
+    input_ids: torch.Tensor | Sequence,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    eos_token_id: int | None = None,
+    seed: int | Sequence[int] | None = None,
+    prompt_lengths: Sequence[int] | torch.Tensor | None = None,
+    cuda_graph: bool | str = "auto",
+    prefill_chunk: int = 8192,
+) -> Iterator[torch.Tensor]:
+    """Like `generate` (same arguments and tokens), but yields each new step's tokens
+    [B] (LongTensor on the model's device) as soon as they are drawn; stops after the
+    step where every row has emitted eos. Arguments are checked at the call."""
+    opts = _options(temperature, top_k, top_p, min_p, repetition_penalty, eos_token_id, seed,
+                    prompt_lengths, cuda_graph, prefill_chunk)  # fmt: skip
+    run = _Run(model, input_ids, max_new_tokens, opts)
+    return _stream(run)
+
+
+def _stream(run: _Run) -> Iterator[torch.Tensor]:
+    if run.n_new == 0:
+        return
+    try:
+        yield run.first().clone()
+        while run.n_done < run.n_new and not run.dec.all_finished():
+            yield run.next().clone()
+    finally:
+        run.active = False

@@ -1,0 +1,352 @@
+"""Text data: tokenizers, reading files, packing into rows with seq_idx, the validation
+split, the shuffled row sampler and its cursor."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from mambakit.training import (
+    ByteTokenizer,
+    HFTokenizer,
+    PackedRows,
+    RowBatches,
+    build_splits,
+    default_corpus_files,
+    eval_batches,
+    load_tokenizer,
+    read_documents,
+)
+from mambakit.training.data import RowSampler, pack_documents
+
+# -- tokenizers -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text", ["", "hello, world\n", "naïve café — 日本語 🐍", "tabs\tand\r\nnewlines\x00"]
+)
+def test_byte_tokenizer_round_trip(text):
+    tok = ByteTokenizer()
+    ids = tok.encode(text)
+    assert ids == list(text.encode("utf-8"))
+    assert all(0 <= i < 256 for i in ids) and tok.vocab_size == 256
+    assert tok.decode(ids) == text
+    assert tok.decode(torch.tensor(ids)) == text  # tensors of ids decode too
+
+
+def test_byte_tokenizer_decodes_a_cut_character_without_raising():
+    ids = ByteTokenizer().encode("é")[:1]
+    assert ByteTokenizer().decode(ids) == "\ufffd"
+
+
+def test_load_tokenizer_byte():
+    assert isinstance(load_tokenizer("byte"), ByteTokenizer)
+    assert isinstance(load_tokenizer(None), ByteTokenizer)
+
+
+def write_bpe_tokenizer(path: Path) -> Path:
+    """A tiny byte-level BPE trained on a few strings with the `tokenizers` package."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    corpus = ["def f(x):\n    return x + 1\n", "the quick brown fox", "def g(): pass"] * 5
+    tok.train_from_iterator(corpus, trainer=trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    return path / "tokenizer.json"
+
+
+def test_hf_tokenizer_from_file_and_folder(tmp_path):
+    file = write_bpe_tokenizer(tmp_path / "tok")
+    for spec in (file, file.parent, str(file)):
+        tok = load_tokenizer(spec)
+        assert isinstance(tok, HFTokenizer)
+        text = "def f(x):\n    return the fox\n"
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+        assert len(ids) < len(text.encode())  # merges were learned and are used
+        assert 256 < tok.vocab_size <= 300
+        assert max(ids) < tok.vocab_size
+
+
+def test_hf_tokenizer_packs_rows(tmp_path):
+    tok = load_tokenizer(write_bpe_tokenizer(tmp_path / "tok"))
+    docs = ["def f(x):\n    return x + 1\n" * 3, "the quick brown fox " * 4]
+    rows = pack_documents(docs, tok, seqlen=5)
+    assert rows.tokens.tolist() == tok.encode(docs[0]) + tok.encode(docs[1])
+    assert len(rows) == (rows.tokens.numel() - 1) // 5
+
+
+def test_hf_tokenizer_missing_file_names_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_tokenizer(tmp_path / "nowhere" / "tokenizer.json")
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        load_tokenizer(tmp_path)  # a folder without one
+
+
+# -- reading documents ----------------------------------------------------------------------
+
+
+def test_read_documents_files_and_folders(tmp_path):
+    folder = tmp_path / "corpus"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "b.txt").write_text("bee")
+    (folder / "a.py").write_text("print('a')")
+    (folder / "sub" / "c.md").write_text("# see")
+    (folder / "image.png").write_bytes(b"\x89PNG\r\n")  # not a text suffix: ignored
+    (folder / "binary.txt").write_bytes(b"\xff\xfe\x00bad")  # not UTF-8 inside a folder: skipped
+    (folder / "empty.txt").write_text("")  # empty: dropped
+    single = tmp_path / "single.txt"
+    single.write_text("one")
+    docs = read_documents([folder, single])
+    names = [Path(n).relative_to(tmp_path).as_posix() for n, _ in docs]
+    assert names == ["corpus/a.py", "corpus/b.txt", "corpus/sub/c.md", "single.txt"]
+    assert [t for _, t in docs] == ["print('a')", "bee", "# see", "one"]
+
+
+def test_read_documents_missing_path(tmp_path):
+    missing = tmp_path / "no_such_file.txt"
+    with pytest.raises(FileNotFoundError, match="no_such_file.txt"):
+        read_documents([missing])
+
+
+def test_read_documents_non_utf8_file_named_explicitly(tmp_path):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("café".encode("latin-1"))
+    with pytest.raises(ValueError, match="latin1.txt.*UTF-8"):
+        read_documents([bad])
+
+
+def test_read_documents_empty_folder(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="empty"):
+        read_documents([tmp_path / "empty"])
+    (tmp_path / "only_images").mkdir()
+    (tmp_path / "only_images" / "x.png").write_bytes(b"\x89PNG")
+    with pytest.raises(ValueError, match="only_images.*no text files"):
+        read_documents([tmp_path / "only_images"])
+
+
+def test_read_documents_all_empty(tmp_path):
+    (tmp_path / "a.txt").write_text("")
+    with pytest.raises(ValueError, match="empty"):
+        read_documents([tmp_path / "a.txt"])
+
+
+def test_default_corpus_is_the_stdlib_top_level():
+    files = default_corpus_files()
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    assert files == sorted(files) and len(files) > 50
+    assert all(f.parent == stdlib and f.suffix == ".py" for f in files)
+    assert stdlib / "os.py" in files
+    assert read_documents(files[:2]) == read_documents(None)[:2]  # None -> the default
+
+
+# -- packing --------------------------------------------------------------------------------
+
+
+def expected_row(stream: list[int], doc: list[int], r: int, S: int):
+    """Row r written out by hand: the slice, its shifted targets, its document indices."""
+    tok, dd = stream[r * S : r * S + S + 1], doc[r * S : r * S + S + 1]
+    targets = [tok[t + 1] if dd[t + 1] == dd[t] else -100 for t in range(S)]
+    seq_idx, cur = [], 0
+    for t in range(S):
+        if t > 0 and dd[t] != dd[t - 1]:
+            cur += 1
+        seq_idx.append(cur)
+    return tok[:S], targets, seq_idx
+
+
+@pytest.mark.parametrize("S", [4, 7, 16])
+def test_packing_targets_and_seq_idx(S):
+    docs = ["abc", "defghij", "k", "lmnopqrstuvwxyz", "0123", "56", "789abcdefghijklmnop"]
+    tok = ByteTokenizer()
+    rows = pack_documents(docs, tok, S)
+    stream = [i for d in docs for i in tok.encode(d)]
+    doc = [k for k, d in enumerate(docs) for _ in d]
+    assert rows.tokens.tolist() == stream
+    assert len(rows) == (len(stream) - 1) // S
+    batch = rows.rows(torch.arange(len(rows)))
+    assert batch["input_ids"].dtype == torch.int64 and batch["seq_idx"].dtype == torch.int32
+    for r in range(len(rows)):
+        ids, targets, seq_idx = expected_row(stream, doc, r, S)
+        assert batch["input_ids"][r].tolist() == ids
+        assert batch["targets"][r].tolist() == targets
+        assert batch["seq_idx"][r].tolist() == seq_idx
+    # every token but the first of a document is a target somewhere (stride S, rows S + 1)
+    n_targets = int((batch["targets"] != -100).sum())
+    covered = len(rows) * S
+    boundaries = sum(1 for t in range(1, covered + 1) if doc[t] != doc[t - 1])
+    assert n_targets == covered - boundaries
+
+
+def test_packing_a_row_inside_one_document():
+    rows = pack_documents(["x" * 40], ByteTokenizer(), 8)
+    b = rows.rows(torch.tensor([2]))
+    assert (b["seq_idx"] == 0).all() and (b["targets"] != -100).all()
+
+
+def test_packed_rows_feed_the_model_consistently():
+    """A packed row with seq_idx gives the same per-document losses as the documents
+    run one by one (the contract the targets' -100s and seq_idx exist for)."""
+    from mambakit import MambaConfig, MambaLM
+    from mambakit.training import lm_loss
+
+    torch.manual_seed(0)
+    model = MambaLM(MambaConfig(d_model=16, n_layers=2, vocab_size=256, d_state=4)).double()
+    docs = ["hello there", "general kenobi!", "abc"]
+    rows = PackedRows(*_stream(docs), seqlen=len("".join(docs)) - 1)
+    batch = rows.rows(torch.tensor([0]))
+    with torch.no_grad():
+        packed, _ = lm_loss(model, batch, None)
+        alone = 0.0
+        for d in docs:
+            ids = torch.tensor([list(d.encode())])
+            one = {"input_ids": ids[:, :-1], "targets": ids[:, 1:]}
+            alone += float(lm_loss(model, one, None)[0])
+    assert float(packed) == pytest.approx(alone, rel=1e-6)  # lm_loss sums in f32
+
+
+def _stream(docs):
+    tok = ByteTokenizer()
+    ids = [i for d in docs for i in tok.encode(d)]
+    doc = [k for k, d in enumerate(docs) for _ in tok.encode(d)]
+    return torch.tensor(ids), torch.tensor(doc)
+
+
+# -- the validation split -------------------------------------------------------------------
+
+
+def write_docs(folder: Path, n: int) -> list[str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    texts = []
+    for i in range(n):
+        text = f"<document {i:03d}> " + "lorem ipsum " * (2 + i % 3)
+        (folder / f"doc_{i:03d}.txt").write_text(text)
+        texts.append(text)
+    return texts
+
+
+def decoded_docs(rows: PackedRows) -> list[str]:
+    tok = ByteTokenizer()
+    out = []
+    for k in rows.doc.unique().tolist():
+        out.append(tok.decode(rows.tokens[rows.doc == k].tolist()))
+    return out
+
+
+def test_validation_split_rule(tmp_path):
+    texts = write_docs(tmp_path / "c", 45)
+    train, val = build_splits([tmp_path / "c"], ByteTokenizer(), seqlen=16)
+    want_val = [t for i, t in enumerate(texts) if i % 20 == 10]  # documents 10, 30
+    assert decoded_docs(val) == want_val
+    assert decoded_docs(train) == [t for i, t in enumerate(texts) if i % 20 != 10]
+    train5, val5 = build_splits([tmp_path / "c"], ByteTokenizer(), seqlen=16, val_every=5)
+    assert decoded_docs(val5) == [t for i, t in enumerate(texts) if i % 5 == 2]
+    assert len(decoded_docs(train5)) == 45 - 9
+
+
+@pytest.mark.parametrize("n_docs", [2, 5, 10])
+def test_small_corpus_validation_is_held_out(tmp_path, n_docs):
+    """Fewer documents than the rule needs: one is still held out, and it is NOT trained on
+    (a validation loss measured on training text would mislead)."""
+    texts = write_docs(tmp_path / "c", n_docs)
+    train, val = build_splits([tmp_path / "c"], ByteTokenizer(), seqlen=8)
+    assert len(decoded_docs(val)) >= 1
+    assert not set(decoded_docs(val)) & set(decoded_docs(train))
+    assert sorted(decoded_docs(val) + decoded_docs(train)) == sorted(texts)
+
+
+def test_split_errors(tmp_path):
+    (tmp_path / "short.txt").write_text("tiny")
+    with pytest.raises(ValueError, match="seqlen"):
+        build_splits([tmp_path / "short.txt"], ByteTokenizer(), seqlen=1)
+    with pytest.raises(ValueError, match="training tokens"):
+        build_splits([tmp_path / "short.txt"], ByteTokenizer(), seqlen=64)
+
+
+def test_eval_batches_are_the_first_rows_in_order():
+    rows = pack_documents(["abcdefghijklmnopqrstuvwxyz" * 3], ByteTokenizer(), 4)
+    n = len(rows)
+    batches = eval_batches(rows, batch_size=3, n_batches=2)
+    got = torch.cat([b["input_ids"] for b in batches])
+    assert got.tolist() == rows.rows(torch.arange(6))["input_ids"].tolist()
+    many = eval_batches(rows, batch_size=5, n_batches=100)
+    assert sum(b["input_ids"].shape[0] for b in many) == n
+    assert (
+        torch.cat([b["input_ids"] for b in many]).tolist()
+        == rows.rows(torch.arange(n))["input_ids"].tolist()
+    )
+
+
+# -- sampling rows --------------------------------------------------------------------------
+
+
+def test_row_sampler_covers_each_row_once_per_epoch():
+    s = RowSampler(12, batch_size=4, seed=3)
+    epochs = []
+    for _ in range(3):
+        epochs.append(torch.cat([s.next() for _ in range(3)]).tolist())
+    for e in epochs:
+        assert sorted(e) == list(range(12))
+    assert epochs[0] != epochs[1]  # reshuffled every epoch
+    assert s.state_dict()["epoch"] == 2
+
+
+def test_row_sampler_with_a_remainder_never_repeats_within_an_epoch():
+    s = RowSampler(10, batch_size=4, seed=0)
+    seen = []
+    for _ in range(2 * 5):  # 2 batches of 4 per epoch; the 2 left over wait for a reshuffle
+        seen.append(s.next())
+    for epoch in range(5):
+        e = torch.cat(seen[2 * epoch : 2 * epoch + 2]).tolist()
+        assert len(set(e)) == 8
+
+
+def test_row_sampler_depends_on_the_seed_only():
+    a = [RowSampler(20, 5, seed=1).next().tolist() for _ in range(2)]
+    b = RowSampler(20, 5, seed=2).next().tolist()
+    assert a[0] == a[1] and a[0] != b
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3, 5], ids=lambda k: f"after{k}")
+def test_row_sampler_state_round_trip(k):
+    a = RowSampler(9, batch_size=3, seed=7)
+    for _ in range(k):
+        a.next()
+    sd = a.state_dict()
+    b = RowSampler(9, batch_size=3, seed=7)
+    b.load_state_dict(dict(sd))
+    assert b.state_dict() == sd
+    for _ in range(7):
+        assert torch.equal(a.next(), b.next())
+
+
+def test_row_batches_state_round_trip():
+    rows = pack_documents(["the quick brown fox jumps over the lazy dog " * 5], ByteTokenizer(), 8)
+    a = RowBatches(rows, 3, seed=4)
+    for _ in range(4):
+        a.next()
+    b = RowBatches(rows, 3, seed=4)
+    b.load_state_dict(a.state_dict())
+    for _ in range(6):
+        x, y = a.next(), b.next()
+        assert x.keys() == y.keys() == {"input_ids", "targets", "seq_idx"}
+        for key in x:
+            assert torch.equal(x[key], y[key])
+
+
+def test_row_sampler_errors():
+    with pytest.raises(ValueError, match="batch_size 5 exceeds the 4 rows"):
+        RowSampler(4, batch_size=5, seed=0)
+    s = RowSampler(9, batch_size=3, seed=0)
+    with pytest.raises(ValueError, match="9 rows.*taken on 8"):
+        s.load_state_dict({"epoch": 0, "offset": 3, "n_rows": 8})
