@@ -176,45 +176,26 @@ def sweep(shape, dtype):
     a = [inp[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")]
     gy = torch.randn(Bsz, T, Dn, device="cuda", dtype=dtype)
     rows = []
-    fwd_cfgs = {
-        16: [(32, 4), (16, 2), (64, 8)],
-        8: [(32, 4), (16, 2)],
-        4: [(32, 4)],
-    }
-    bwd_cfgs = {  # (BLOCK_D, num_warps, maxnreg): the backward is register-bound
-        16: [(32, 8, None), (16, 4, None), (16, 4, 168)],
-        8: [(16, 4, None), (16, 8, None), (16, 4, 128), (8, 2, None)],
-        4: [(16, 4, None), (8, 4, None), (32, 8, None)],
-    }
-    for chunk in fwd_cfgs:
-        for bd, w in fwd_cfgs[chunk]:
-            cfg = dict(SEQUENTIAL=True, BLOCK_D=bd, num_warps=w)
-            try:
-                ms = bench(
-                    lambda c=chunk, f=cfg: K.scan_fwd(*a, True, None, None, True, c, config=f), 100
-                )
-            except Exception as e:  # a config that does not compile is reported, not fatal
-                ms = float("nan")
-                print("fwd", chunk, cfg, "failed:", type(e).__name__, str(e)[:200])
-            rows.append(dict(kernel="fwd", chunk=chunk, **cfg, time_ms=ms))
-            print(rows[-1], flush=True)
-        _, _, states = K.scan_fwd(*a, True, None, None, True, chunk)
-        for bd, w, mr in bwd_cfgs[chunk]:
-            cfg = dict(BLOCK_D=bd, num_warps=w)
-            if mr:
-                cfg["maxnreg"] = mr
-            try:
-                ms = bench(
-                    lambda c=chunk, f=cfg, st=states: K.scan_bwd(
-                        gy, None, *a, True, None, None, st, c, config=f
-                    ),
-                    100,
-                )
-            except Exception as e:
-                ms = float("nan")
-                print("bwd", chunk, cfg, "failed:", type(e).__name__, str(e)[:200])
-            rows.append(dict(kernel="bwd", chunk=chunk, **cfg, time_ms=ms))
-            print(rows[-1], flush=True)
+    for bd in (16, 32, 64):
+        for w in (1, 2, 4):
+            for kind in ("fwd", "bwd"):
+                cfg = {"BLOCK_D": bd, "num_warps" if kind == "fwd" else "bwd_warps": w}
+                try:
+                    if kind == "fwd":
+                        fn = lambda f=cfg: K.scan_fwd(  # noqa: E731
+                            *a, True, None, None, True, 16, config_override=f
+                        )
+                    else:
+                        _, _, st = K.scan_fwd(*a, True, None, None, True, 16)
+                        fn = lambda f=cfg, st=st: K.scan_bwd(  # noqa: E731
+                            gy, None, *a, True, None, None, st, 16, config_override=f
+                        )
+                    ms = bench(fn, 50)
+                except Exception as e:  # a config that does not compile is reported, not fatal
+                    ms = float("nan")
+                    print(kind, cfg, "failed:", type(e).__name__, str(e)[:200])
+                rows.append(dict(kernel=kind, **cfg, time_ms=ms))
+                print(rows[-1], flush=True)
     return rows
 
 

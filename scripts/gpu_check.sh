@@ -7,32 +7,32 @@ set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"tests scan model decode train"}
+STAGES=${STAGES:-"scan model tests train decode"}
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
   python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } 2>&1 | tee "$LOG"
 stage() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
-if stage tests; then
-  echo "== pytest -m gpu" | tee -a "$LOG"
-  timeout 240 python -m pytest -m gpu -q -x --no-header -p no:cacheprovider tests 2>&1 | tail -40 | tee -a "$LOG"
-fi
 if stage scan; then
   echo "== bench_scan" | tee -a "$LOG"
-  timeout 150 python benchmarks/bench_scan.py --out "$OUT/bench_scan.json" 2>&1 | tee -a "$LOG"
+  timeout ${T_SCAN:-150} python benchmarks/bench_scan.py --out "$OUT/bench_scan.json" ${SCAN_ARGS:-} 2>&1 | tee -a "$LOG"
 fi
 if stage model; then
   echo "== bench_model" | tee -a "$LOG"
-  timeout 200 python benchmarks/bench_model.py --out "$OUT/bench_model.json" \
+  timeout ${T_MODEL:-120} python benchmarks/bench_model.py --out "$OUT/bench_model.json" \
     --profile "$OUT/profile_train_step.txt" 2>&1 | tee -a "$LOG"
 fi
-if stage decode; then
-  echo "== bench_decode" | tee -a "$LOG"
-  timeout 150 python benchmarks/bench_decode.py --out "$OUT/bench_decode.json" 2>&1 | tee -a "$LOG"
+if stage tests; then
+  echo "== pytest -m gpu" | tee -a "$LOG"
+  timeout ${T_TESTS:-150} python -m pytest -m gpu -q -x --no-header -p no:cacheprovider tests 2>&1 | tail -40 | tee -a "$LOG"
 fi
 if stage train; then
   echo "== gpu_train_check" | tee -a "$LOG"
-  timeout 200 python scripts/gpu_train_check.py --out "$OUT/train_check.json" 2>&1 | tee -a "$LOG"
+  timeout ${T_TRAIN:-110} python scripts/gpu_train_check.py --out "$OUT/train_check.json" 2>&1 | tee -a "$LOG"
+fi
+if stage decode; then
+  echo "== bench_decode" | tee -a "$LOG"
+  timeout ${T_DECODE:-90} python benchmarks/bench_decode.py --out "$OUT/bench_decode.json" 2>&1 | tee -a "$LOG"
 fi
 echo "== done" | tee -a "$LOG"

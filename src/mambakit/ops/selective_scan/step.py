@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import LOG2E, _sigmoid, _softplus
+from .kernels import LOG2E, _softplus
 
 
 @triton.jit
@@ -77,7 +77,7 @@ def _state_update_kernel(
         y += tl.load(D_ptr + d * s_D, mask=md, other=0.0).to(tl.float32) * u
     if HAS_Z:
         zv = tl.load(z_ptr + b * s_z_b + d * s_z_d, mask=md, other=0.0).to(tl.float32)
-        y = y * zv * _sigmoid(zv)
+        y = y * zv * tl.sigmoid(zv)
     tl.store(y_ptr + b * s_y_b + d, y.to(y_ptr.dtype.element_ty), mask=md)
 
 
