@@ -7,13 +7,20 @@ set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"scan model tests train decode"}
+STAGES=${STAGES:-"sweep scan model tests train decode"}
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
   python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } 2>&1 | tee "$LOG"
 stage() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+if stage sweep; then
+  echo "== scan_sweep" | tee -a "$LOG"
+  timeout ${T_SWEEP:-120} python scripts/scan_sweep.py --out "$OUT/scan_sweep.json" 2>&1 | tee -a "$LOG" "$OUT/sweep.txt"
+  best=$(tail -n 1 "$OUT/sweep.txt")
+  case "$best" in "{"*) export MAMBAKIT_SCAN_CONFIG="$best"; echo "scan config: $best" | tee -a "$LOG" ;; esac
+  rm -f "$OUT/sweep.txt"
+fi
 if stage scan; then
   echo "== bench_scan" | tee -a "$LOG"
   timeout ${T_SCAN:-150} python benchmarks/bench_scan.py --out "$OUT/bench_scan.json" ${SCAN_ARGS:-} 2>&1 | tee -a "$LOG"
@@ -25,11 +32,11 @@ if stage model; then
 fi
 if stage tests; then
   echo "== pytest -m gpu" | tee -a "$LOG"
-  timeout ${T_TESTS:-150} python -m pytest -m gpu -q -x --no-header -p no:cacheprovider tests 2>&1 | tail -40 | tee -a "$LOG"
+  timeout ${T_TESTS:-150} python -m pytest -m gpu -q --no-header -p no:cacheprovider ${TEST_PATHS:-tests} 2>&1 | tail -40 | tee -a "$LOG"
 fi
 if stage train; then
   echo "== gpu_train_check" | tee -a "$LOG"
-  timeout ${T_TRAIN:-110} python scripts/gpu_train_check.py --out "$OUT/train_check.json" 2>&1 | tee -a "$LOG"
+  timeout ${T_TRAIN:-110} python scripts/gpu_train_check.py --steps ${TRAIN_STEPS:-200} --out "$OUT/train_check.json" 2>&1 | tee -a "$LOG"
 fi
 if stage decode; then
   echo "== bench_decode" | tee -a "$LOG"

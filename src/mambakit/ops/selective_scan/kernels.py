@@ -25,12 +25,15 @@ Backward, three launches (g_h_t = C_t gy_t + a_{t+1} g_h_{t+1}, reversed):
 Each program computes exponentials with exp2 (log2(e) folded into A).
 """
 
+import json
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 CHUNK = 16  # the backward body below is unrolled for exactly this many steps
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 MAX_BLOCK_N = 32  # states per program; larger N is split over programs
 
 # fmt: off
@@ -465,6 +468,9 @@ def config(N: int, Dn: int, interpret: bool, override: dict | None = None) -> di
             BLOCK_E=256,
             CB=16,
         )
+    env = os.environ.get("MAMBAKIT_SCAN_CONFIG")  # a tuning knob: JSON of the keys above
+    if env:
+        cfg.update(json.loads(env))
     cfg.update(override or {})
     return cfg
 
@@ -591,7 +597,7 @@ def scan_bwd(
     N = A.shape[1]
     dev = u.device
     cfg = config(N, Dn, not u.is_cuda, config_override)
-    bd, bn = cfg["BLOCK_D"], cfg["BLOCK_N"]
+    bd, bn = cfg.get("BWD_BLOCK_D", cfg["BLOCK_D"]), cfg["BLOCK_N"]
     nb, nc, ndb = triton.cdiv(N, bn), triton.cdiv(T, CHUNK), triton.cdiv(Dn, bd)
     f32 = torch.float32
     A = A.contiguous()
