@@ -162,7 +162,7 @@ class MambaBackbone(nn.Module):
         for i, layer in enumerate(self.layers):
             conv, ssm = state.layer(i)
             h, residual = layer.step(h, residual, cdt, conv, ssm)
-        out, _ = self.norm_f(h, residual, cdt)
+        out, _ = self.norm_f(h, residual, cdt, validate=False)
         return out, state
 
 

@@ -39,14 +39,14 @@ def add_parser(sub) -> None:
     p.add_argument("--tbptt-len", type=int, default=None, help="chunk length of truncated BPTT")
     p.add_argument("--tbptt-grad-chunks", type=int, default=1)
     p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--steps", type=int, default=None, help="default: 600 on CPU, 3000 on GPU")
+    p.add_argument("--steps", type=int, default=None, help="default: 280 on CPU, 3000 on GPU")
     p.add_argument("--max-minutes", type=float, default=None, help="stop after this long")
     p.add_argument("--lr", type=float, default=4e-3)
     p.add_argument("--warmup-steps", type=int, default=30)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--ckpt-every", type=int, default=0)
     p.add_argument("--cuda-graph", action="store_true")
     p.add_argument("--compile", action="store_true")
@@ -72,7 +72,7 @@ def _model_config(args) -> MambaConfig:
 
 def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
-    steps = args.steps if args.steps is not None else (3000 if device.type == "cuda" else 600)
+    steps = args.steps if args.steps is not None else (3000 if device.type == "cuda" else 280)
     if steps <= 0:
         raise SystemExit(f"--steps must be positive, got {steps}")
     tokenizer = load_tokenizer(args.tokenizer)

@@ -28,9 +28,12 @@ class RMSNorm(nn.Module):
         x: torch.Tensor,
         residual: torch.Tensor | None = None,
         out_dtype: torch.dtype | None = None,
+        validate: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(normed in out_dtype, residual_out = x + residual in f32)."""
-        return rms_norm(x, self.weight, self.eps, residual=residual, out_dtype=out_dtype)
+        return rms_norm(
+            x, self.weight, self.eps, residual=residual, out_dtype=out_dtype, validate=validate
+        )
 
 
 class MambaBlock(nn.Module):
@@ -76,5 +79,5 @@ class MambaBlock(nn.Module):
         conv_state: torch.Tensor,
         ssm_state: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        normed, residual = self.norm(hidden, residual, compute_dtype)
+        normed, residual = self.norm(hidden, residual, compute_dtype, validate=False)
         return self.mixer.step(normed, conv_state, ssm_state), residual

@@ -77,10 +77,22 @@ class Mamba(nn.Module):
         init_dt_proj(self.dt_proj, R, dt_min, dt_max, dt_init, dt_scale, dt_init_floor)
 
     def _ssm_params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A = -exp(A_log), D and the dt bias, in f32 (f64 for a float64 model)."""
+        """A = -exp(A_log), D and the dt bias, in f32 (f64 for a float64 model).
+
+        Without autograd (decode) they are cached until A_log, D or the bias change
+        (their version counters move), so a decode step does not recompute them."""
         f = torch.float64 if self.A_log.dtype == torch.float64 else torch.float32
-        A = -torch.exp(self.A_log.to(f))  # [D, N]
-        return A, self.D.to(f), self.dt_proj.bias.to(f)
+        params = (self.A_log, self.D, self.dt_proj.bias)
+        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+            return -torch.exp(self.A_log.to(f)), self.D.to(f), self.dt_proj.bias.to(f)
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        cache = self.__dict__.get("_ssm_cache")
+        if cache is None or cache[0] != key:
+            with torch.no_grad():
+                values = (-torch.exp(self.A_log.to(f)), self.D.to(f), self.dt_proj.bias.to(f))
+            cache = (key, values)
+            self.__dict__["_ssm_cache"] = cache
+        return cache[1]
 
     def _split_x_dbl(self, x_dbl: torch.Tensor) -> tuple[torch.Tensor, ...]:
         R, N = self.dt_rank, self.d_state
@@ -144,9 +156,12 @@ class Mamba(nn.Module):
         xz = self.in_proj(x)  # [B, 2D]
         x_in, z = xz[:, : self.d_inner], xz[:, self.d_inner :]
         conv_w = self.conv1d.weight.squeeze(1)
-        u = causal_conv1d_update(conv_state, x_in, conv_w, self.conv1d.bias, "silu")
+        # the backbone checked the state; the per-op checks would cost more than the math here
+        u = causal_conv1d_update(conv_state, x_in, conv_w, self.conv1d.bias, "silu", validate=False)
         dt_r, B, C = self._split_x_dbl(self.x_proj(u))
         delta = F.linear(dt_r, self.dt_proj.weight)
         A, D, dt_bias = self._ssm_params()
-        y = selective_state_update(ssm_state, u, delta, A, B, C, D, z, dt_bias, True)
+        y = selective_state_update(
+            ssm_state, u, delta, A, B, C, D, z, dt_bias, True, validate=False
+        )
         return self.out_proj(y)

@@ -174,8 +174,18 @@ def rms_norm(
     residual: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     backend: str = "auto",
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, residual_out): residual_out = x + residual in f32, out = rmsnorm(residual_out)."""
+    """(out, residual_out): residual_out = x + residual in f32, out = rmsnorm(residual_out).
+
+    `validate=False` skips the input checks, for callers that checked already (the
+    model's decode step, where they would cost more than the arithmetic)."""
+    if not validate:
+        if resolve_backend(backend, x) == "triton":
+            from .rms_norm import rms_norm_triton
+
+            return rms_norm_triton(x, weight, eps, residual, out_dtype)
+        return rms_norm_reference(x, weight, eps, residual, out_dtype)
     check_tensor("x", x, None, last_dim_contiguous=True)
     if x.dim() < 1:
         raise ValueError("x must have at least one dim")
@@ -210,8 +220,18 @@ def selective_state_update(
     delta_bias: torch.Tensor | None = None,
     delta_softplus: bool = True,
     backend: str = "auto",
+    validate: bool = True,
 ) -> torch.Tensor:
-    """One decode step of the scan: updates ssm_state [B, D, N] in place, returns y [B, D]."""
+    """One decode step of the scan: updates ssm_state [B, D, N] in place, returns y [B, D].
+
+    `validate=False` skips the input checks (see rms_norm)."""
+    args = (ssm_state, u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+    if not validate:
+        if resolve_backend(backend, u) == "triton":
+            from .selective_scan import selective_state_update_triton
+
+            return selective_state_update_triton(*args)
+        return selective_state_update_reference(*args)
     check_tensor("u", u, (None, None), last_dim_contiguous=True)
     Bsz, Dn = u.shape
     check_tensor("ssm_state", ssm_state, (Bsz, Dn, None), device=u.device)
@@ -240,8 +260,17 @@ def causal_conv1d_update(
     bias: torch.Tensor | None = None,
     activation: str | None = "silu",
     backend: str = "auto",
+    validate: bool = True,
 ) -> torch.Tensor:
-    """One decode step of the conv: shifts x [B, D] into conv_state [B, K-1, D] in place."""
+    """One decode step of the conv: shifts x [B, D] into conv_state [B, K-1, D] in place.
+
+    `validate=False` skips the input checks (see rms_norm)."""
+    if not validate:
+        if resolve_backend(backend, x) == "triton":
+            from .causal_conv1d import causal_conv1d_update_triton
+
+            return causal_conv1d_update_triton(conv_state, x, weight, bias, activation)
+        return causal_conv1d_update_reference(conv_state, x, weight, bias, activation)
     check_tensor("x", x, (None, None), last_dim_contiguous=True)
     Bsz, Dn = x.shape
     check_tensor("weight", weight, (Dn, None), device=x.device)

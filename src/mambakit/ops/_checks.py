@@ -22,7 +22,14 @@ def check_tensor(
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if shape is not None:
-        if t.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, t.shape)):
+        bad = t.dim() != len(shape)
+        if not bad:
+            got = t.shape
+            for i, s in enumerate(shape):  # a plain loop: this runs on every decode step
+                if s is not None and s != got[i]:
+                    bad = True
+                    break
+        if bad:
             want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
             raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
     if dtypes is not None and t.dtype not in dtypes:

@@ -77,11 +77,11 @@ def causal_conv1d_update_reference(
 ) -> torch.Tensor:
     """One timestep of the conv (decode): shifts `x` into `conv_state` in place, returns [B, D]."""
     f = conv_state.dtype
-    window = torch.cat([conv_state, x.to(f).unsqueeze(1)], dim=1)  # [B, K, D]
-    out = torch.einsum("bkd,dk->bd", window, weight.to(f))
+    window = torch.cat([conv_state, (x if x.dtype == f else x.to(f)).unsqueeze(1)], dim=1)
+    conv_state.copy_(window[:, 1:])  # window: [B, K, D]
+    out = (window * (weight if weight.dtype == f else weight.to(f)).t()).sum(1)
     if bias is not None:
-        out = out + bias.to(f)
+        out = out + bias
     if activation == "silu":
         out = F.silu(out)
-    conv_state.copy_(window[:, 1:])
-    return out.to(x.dtype).contiguous()
+    return out if out.dtype == x.dtype else out.to(x.dtype)
