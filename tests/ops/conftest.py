@@ -27,3 +27,26 @@ def seed() -> int:
 @pytest.fixture
 def device() -> str:
     return DEVICE
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """torch.empty returns NaN-filled float tensors, so an element a kernel never writes fails."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.fixture
+def deterministic():
+    """torch.use_deterministic_algorithms(True) for one test: no mambakit op may raise under it."""
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(prev)

@@ -43,29 +43,6 @@ def assert_close(name: str, got: torch.Tensor, ref: torch.Tensor) -> None:
     assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e} ({got.dtype})"
 
 
-@pytest.fixture
-def nan_empty(monkeypatch):
-    """torch.empty returns NaN-filled float tensors, so an element a kernel never writes fails."""
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
-
-
-@pytest.fixture
-def deterministic():
-    """torch.use_deterministic_algorithms(True) for one test: no mambakit op may raise under it."""
-    prev = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(prev)
-
-
 def make_seq_idx(Bsz: int, T: int, n_docs: int, gen: torch.Generator) -> torch.Tensor | None:
     """[B, T] int32, non-decreasing, n_docs documents per row (row 0's last one is 1 step)."""
     if n_docs == 0:
