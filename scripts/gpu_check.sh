@@ -16,7 +16,7 @@ LOG="$OUT/gpu_check.log"
 stage() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 if stage sweep; then
   echo "== scan_sweep" | tee -a "$LOG"
-  timeout ${T_SWEEP:-120} python scripts/scan_sweep.py --out "$OUT/scan_sweep.json" 2>&1 | tee -a "$LOG" "$OUT/sweep.txt"
+  timeout ${T_SWEEP:-240} python scripts/scan_sweep.py --out "$OUT/scan_sweep.json" 2>&1 | tee -a "$LOG" "$OUT/sweep.txt"
   best=$(tail -n 1 "$OUT/sweep.txt")
   case "$best" in '{"'*) export MAMBAKIT_SCAN_CONFIG="$best"; echo "scan config: $best" | tee -a "$LOG" ;; esac
   rm -f "$OUT/sweep.txt"

@@ -210,6 +210,24 @@ def test_sum_loss(c: Case, seed):
     check_case(c, sum_loss=True)
 
 
+def test_backward_quarters_equals_default(seed):
+    """The backward's 4-step variant (fewer registers) gives the default's gradients."""
+    from mambakit.ops.selective_scan import kernels as K
+
+    c = Case(T=37)
+    inp = make_inputs(c)
+    args = [inp[k] for k in ARGS]
+    _, _, states = K.scan_fwd(*args, True, inp["initial_state"], inp["seq_idx"], True, 16)
+    gy = torch.randn(c.Bsz, c.T, c.Dn)
+    gT = torch.randn(c.Bsz, c.Dn, c.N)
+    common = (gy, gT, *args, True, inp["initial_state"], inp["seq_idx"], states, 16)
+    full = K.scan_bwd(*common)
+    quarters = K.scan_bwd(*common, config_override={"BWD_QUARTERS": True})
+    for a, b in zip(full, quarters):
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
 def test_saved_chunk_states(seed):
     """The forward's saved states are the true states at every chunk start (16 steps)."""
     from mambakit.ops.selective_scan import kernels as K

@@ -344,10 +344,14 @@ def _bwd_chunk_kernel(
     s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b, s_z_t, s_seq_b, s_seq_t,
     s_dy_b, s_dy_t, s_dy_d,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    HAS_SEQ: tl.constexpr, SPLIT_N: tl.constexpr,
+    HAS_SEQ: tl.constexpr, SPLIT_N: tl.constexpr, QUARTERS: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """Every gradient of one chunk (16 steps): states recomputed into registers, then reversed."""
+    """Every gradient of one chunk (16 steps): states recomputed into registers, then reversed.
+
+    QUARTERS keeps 4 states at a time instead of 16 (ptxas, sm_90a, BLOCK_D 8, 1 warp: 225
+    registers and no spills, against 255 registers and 652 bytes of spills), at the price
+    of recomputing 24 steps."""
     pid_d = tl.program_id(0)
     c = tl.program_id(1)
     b = (tl.program_id(2) % Bsz).to(tl.int64)
@@ -397,39 +401,56 @@ def _bwd_chunk_kernel(
     s_dy = s_dy_t
     s_seq = s_seq_t
     c0 = c * 16
-    # the 16 states of the chunk, h0 ... h15, kept in registers (CHUNK = 16, unrolled by hand)
-    h0 = _recompute(c0 + 0, h, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
-    h1 = _recompute(c0 + 1, h0, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
-    h2 = _recompute(c0 + 2, h1, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
-    h3 = _recompute(c0 + 3, h2, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
-    h4 = _recompute(c0 + 4, h3, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
-    h5 = _recompute(c0 + 5, h4, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
-    h6 = _recompute(c0 + 6, h5, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
-    h7 = _recompute(c0 + 7, h6, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
-    h8 = _recompute(c0 + 8, h7, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
-    h9 = _recompute(c0 + 9, h8, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
-    h10 = _recompute(c0 + 10, h9, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
-    h11 = _recompute(c0 + 11, h10, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
-    h12 = _recompute(c0 + 12, h11, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
-    h13 = _recompute(c0 + 13, h12, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
-    h14 = _recompute(c0 + 14, h13, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
-    h15 = _recompute(c0 + 15, h14, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
-    G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 15, h15, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
-    G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 14, h14, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
-    G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 13, h13, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
-    G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 12, h12, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
-    G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 11, h11, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
-    G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 10, h10, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
-    G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 9, h9, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
-    G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 8, h8, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
-    G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 7, h7, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
-    G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 6, h6, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
-    G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 5, h5, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
-    G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 4, h4, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
-    G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 3, h3, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
-    G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 2, h2, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
-    G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 1, h1, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
-    G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 0, h0, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
+    if QUARTERS:
+        # 4 steps at a time, last quarter first: recompute up to the quarter (a loop, few
+        # registers), keep its 4 states, walk them back; 24 extra steps, no 16-state block
+        for qi in range(4):
+            q0 = c0 + 12 - 4 * qi
+            hq = h
+            for i in range(12 - 4 * qi):
+                hq = _recompute(c0 + i, hq, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
+            h0 = _recompute(q0 + 0, hq, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
+            h1 = _recompute(q0 + 1, h0, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
+            h2 = _recompute(q0 + 2, h1, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
+            h3 = _recompute(q0 + 3, h2, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
+            G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(q0 + 3, h3, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
+            G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(q0 + 2, h2, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
+            G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(q0 + 1, h1, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
+            G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(q0 + 0, h0, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
+    else:
+        # the 16 states of the chunk, h0 ... h15, kept in registers (CHUNK = 16, unrolled by hand)
+        h0 = _recompute(c0 + 0, h, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
+        h1 = _recompute(c0 + 1, h0, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
+        h2 = _recompute(c0 + 2, h1, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
+        h3 = _recompute(c0 + 3, h2, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
+        h4 = _recompute(c0 + 4, h3, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
+        h5 = _recompute(c0 + 5, h4, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
+        h6 = _recompute(c0 + 6, h5, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
+        h7 = _recompute(c0 + 7, h6, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
+        h8 = _recompute(c0 + 8, h7, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
+        h9 = _recompute(c0 + 9, h8, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
+        h10 = _recompute(c0 + 10, h9, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
+        h11 = _recompute(c0 + 11, h10, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
+        h12 = _recompute(c0 + 12, h11, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
+        h13 = _recompute(c0 + 13, h12, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
+        h14 = _recompute(c0 + 14, h13, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
+        h15 = _recompute(c0 + 15, h14, T, p_dt, s_dt, p_u, s_u, p_B, s_B, p_seq, s_seq, md, mn, A2, bias, HAS_BIAS, SOFTPLUS, HAS_SEQ)
+        G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 15, h15, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
+        G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 14, h14, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
+        G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 13, h13, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
+        G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 12, h12, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
+        G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 11, h11, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
+        G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 10, h10, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
+        G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 9, h9, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
+        G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 8, h8, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
+        G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 7, h7, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
+        G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 6, h6, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
+        G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 5, h5, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
+        G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 4, h4, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
+        G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 3, h3, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
+        G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 2, h2, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
+        G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 1, h1, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
+        G, a_next, dA_acc, dD_acc, db_acc = _reverse_step(c0 + 0, h0, G, a_next, dA_acc, dD_acc, db_acc, T, pid_n, p_dt, s_dt, p_u, s_u, p_B, s_B, p_C, s_C, p_z, s_z, p_dy, s_dy, p_seq, s_seq, p_du, p_ddt, p_dz, p_ys, s_o, p_dB, p_dC, s_p, md, mn, A2, A, bias, Dv, HAS_BIAS, SOFTPLUS, HAS_SEQ, HAS_D, HAS_Z, SPLIT_N)
     off_part = (b * nc + c) * Dn + d  # [B, nc, D] partials
     tl.store(dA_ptr + off_state, dA_acc, mask=mdn)
     tl.store(db_ptr + pid_n * Bsz * nc * Dn + off_part, db_acc, mask=md)
@@ -697,6 +718,7 @@ def scan_bwd(
         *s_dy,
         HAS_D=D is not None,
         SPLIT_N=nb > 1,
+        QUARTERS=bool(cfg.get("BWD_QUARTERS", False)),
         **common,
     )
     if nb > 1:
