@@ -79,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = _model_config(args)
     if tokenizer.vocab_size > cfg.vocab_size:
         cfg = MambaConfig.from_dict({**cfg.to_dict(), "vocab_size": tokenizer.vocab_size})
+    if getattr(tokenizer, "path", None) is None:  # bytes: no special tokens (0 would be NUL)
+        cfg.extra.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
     run_dir = Path(args.runs_dir) / args.name
     if run_dir.exists() and not args.resume and (run_dir / "latest").exists():
         raise SystemExit(
@@ -134,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     minutes = (time.perf_counter() - t0) / 60
     ckpt = run_dir / (run_dir / "latest").read_text().strip()
     _save_tokenizer(tokenizer, ckpt)
+    _save_tokenizer(tokenizer, run_dir)  # beside every checkpoint of the run, too
     png = plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png", f"{args.name}: {args.preset}")
     val = last.get("val_loss")
     print(
