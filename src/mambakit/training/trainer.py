@@ -323,7 +323,8 @@ class Trainer:
         host = [self.train_data.next() for _ in range(self.cfg.grad_accum)]
         n_tokens = sum(int(count_targets(b)) for b in host)  # counted before the copy: no sync
         batches = [{k: v.to(self.device, non_blocking=True) for k, v in b.items()} for b in host]
-        self.last_lr = self.schedule.get_last_lr()[0]
+        # the lr this step uses, on the host (with cuda_graph the group's lr is a device tensor)
+        self.last_lr = self.cfg.lr * self.schedule.lr_lambdas[0](self.schedule.last_epoch)
         if self.cfg.cuda_graph:
             loss, norm = self._graph_step(batches)
         else:
