@@ -39,13 +39,15 @@ def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def train_step_fn(model, ids, kind: str):
+    targets = torch.roll(ids, -1, 1)
+    targets[:, -1] = -100
+
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            if kind == "mambakit":
-                logits = model(ids).logits
+            if kind == "mambakit":  # the training path: the head's logits are never whole
+                loss = model.loss_sum(ids, targets)[0] / targets.numel()
             else:  # transformers / mamba_ssm
-                logits = model(ids).logits
-            loss = _loss(logits, ids)
+                loss = _loss(model(ids).logits, ids)
         loss.backward()
         for p in model.parameters():
             p.grad = None

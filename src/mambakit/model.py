@@ -19,6 +19,7 @@ from torch import nn
 from .config import MambaConfig
 from .layers.block import MambaBlock, RMSNorm
 from .layers.init import init_model_weights
+from .layers.loss import linear_cross_entropy
 from .ops._checks import check_seq_idx, check_tensor
 from .state import MambaState
 
@@ -220,6 +221,18 @@ class MambaLM(nn.Module):
                 ignore_index=-100,
             )
         return MambaLMOutput(logits=logits, loss=loss, state=state)
+
+    def loss_sum(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        targets: torch.Tensor,  # [B, T], already shifted (-100 ignored)
+        state: MambaState | None = None,
+        seq_idx: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, MambaState]:
+        """(summed next-token cross-entropy, final state) without materialising the logits:
+        the head's logits are computed and dropped chunk by chunk (training)."""
+        hidden, state = self.backbone(input_ids, state, seq_idx)
+        return linear_cross_entropy(hidden, self.lm_head.weight, targets), state
 
     def step(self, input_ids: torch.Tensor, state: MambaState) -> tuple[torch.Tensor, MambaState]:
         """ids [B] -> (logits [B, V], state advanced one token)."""

@@ -117,6 +117,9 @@ def count_targets(batch: Batch) -> torch.Tensor:
 
 def lm_loss(model: nn.Module, batch: Batch, state: MambaState | None):
     """Summed next-token cross-entropy of a MambaLM; targets are already shifted."""
+    loss_sum = getattr(model, "loss_sum", None)
+    if loss_sum is not None:  # a MambaLM: the logits are never held whole
+        return loss_sum(batch["input_ids"], batch["targets"], state, batch.get("seq_idx"))
     out = model(batch["input_ids"], state=state, seq_idx=batch.get("seq_idx"))
     logits = out.logits.flatten(0, 1)
     loss = F.cross_entropy(
