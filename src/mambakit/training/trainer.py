@@ -32,6 +32,7 @@ from torch import nn
 from ..state import MambaState
 from .checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from .optim import WarmupCosine, make_optimizer
+from .report import ProgressBar
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[nn.Module, Batch, MambaState | None], tuple[torch.Tensor, MambaState]]
@@ -436,7 +437,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             mode = "a" if self.step > 0 else "w"  # a fresh run starts a fresh file
             metrics_file = open(self.run_dir / "metrics.jsonl", mode)  # noqa: SIM115
-        bar = _progress_bar(cfg.steps, self.step) if progress else None
+        bar = ProgressBar(cfg.steps, self.step) if progress else None
         t_start = time.perf_counter()
         t_log, tok_log = t_start, self.tokens_seen
         last: dict[str, Any] = {}
@@ -485,35 +486,3 @@ class Trainer:
         if self.run_dir is not None:
             self.save()
         return last
-
-
-class _progress_bar:
-    """tqdm when installed, else a line per update."""
-
-    def __init__(self, total: int, start: int) -> None:
-        try:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total, initial=start, dynamic_ncols=True, unit="step")
-        except ImportError:
-            self._bar = None
-        self._pos = start
-
-    def update(self, r: dict[str, Any]) -> None:
-        parts = []
-        if "loss" in r:
-            parts.append(f"loss {r['loss']:.3f}")
-        if "val_loss" in r:
-            parts.append(f"val {r['val_loss']:.3f}")
-        if "tokens_per_s" in r:
-            parts.append(f"{r['tokens_per_s']:,.0f} tok/s")
-        if self._bar is not None:
-            self._bar.update(r["step"] - self._pos)
-            self._bar.set_postfix_str(", ".join(parts))
-        else:
-            print(f"step {r['step']}: " + ", ".join(parts), flush=True)
-        self._pos = r["step"]
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
