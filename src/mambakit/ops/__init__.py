@@ -180,27 +180,21 @@ def rms_norm(
 
     `validate=False` skips the input checks, for callers that checked already (the
     model's decode step, where they would cost more than the arithmetic)."""
-    if not validate:
-        if resolve_backend(backend, x) == "triton":
-            from .rms_norm import rms_norm_triton
-
-            return rms_norm_triton(x, weight, eps, residual, out_dtype)
-        return rms_norm_reference(x, weight, eps, residual, out_dtype)
-    check_tensor("x", x, None, last_dim_contiguous=True)
-    if x.dim() < 1:
-        raise ValueError("x must have at least one dim")
-    Dn = x.shape[-1]
-    check_tensor("weight", weight, (Dn,), device=x.device)
-    if residual is not None:
-        check_tensor(
-            "residual", residual, tuple(x.shape), device=x.device, last_dim_contiguous=True
-        )
-        if residual.dtype == torch.float64 and x.dtype != torch.float64:
-            backend = "reference"  # an f64 residual asks for the f64 oracle path
-    if not eps > 0:
-        raise ValueError(f"eps must be > 0, got {eps}")
-    if out_dtype is not None and out_dtype not in _TRITON_DTYPES + (torch.float64,):
-        raise TypeError(f"out_dtype must be a float dtype, got {out_dtype}")
+    if validate:
+        check_tensor("x", x, None, last_dim_contiguous=True)
+        if x.dim() < 1:
+            raise ValueError("x must have at least one dim")
+        check_tensor("weight", weight, (x.shape[-1],), device=x.device)
+        if residual is not None:
+            check_tensor(
+                "residual", residual, tuple(x.shape), device=x.device, last_dim_contiguous=True
+            )
+        if not eps > 0:
+            raise ValueError(f"eps must be > 0, got {eps}")
+        if out_dtype is not None and out_dtype not in _TRITON_DTYPES + (torch.float64,):
+            raise TypeError(f"out_dtype must be a float dtype, got {out_dtype}")
+    if residual is not None and residual.dtype == torch.float64 and x.dtype != torch.float64:
+        backend = "reference"  # an f64 residual asks for the f64 oracle path
     if resolve_backend(backend, x) == "triton":
         from .rms_norm import rms_norm_triton
 
@@ -225,26 +219,20 @@ def selective_state_update(
     """One decode step of the scan: updates ssm_state [B, D, N] in place, returns y [B, D].
 
     `validate=False` skips the input checks (see rms_norm)."""
-    args = (ssm_state, u, delta, A, B, C, D, z, delta_bias, delta_softplus)
-    if not validate:
-        if resolve_backend(backend, u) == "triton":
-            from .selective_scan import selective_state_update_triton
-
-            return selective_state_update_triton(*args)
-        return selective_state_update_reference(*args)
-    check_tensor("u", u, (None, None), last_dim_contiguous=True)
-    Bsz, Dn = u.shape
-    check_tensor("ssm_state", ssm_state, (Bsz, Dn, None), device=u.device)
-    N = ssm_state.shape[2]
-    check_tensor("delta", delta, (Bsz, Dn), device=u.device)
-    check_tensor("A", A, (Dn, N), device=u.device)
-    check_tensor("B", B, (Bsz, N), device=u.device, last_dim_contiguous=True)
-    check_tensor("C", C, (Bsz, N), device=u.device, last_dim_contiguous=True)
-    for name, t in (("D", D), ("delta_bias", delta_bias)):
-        if t is not None:
-            check_tensor(name, t, (Dn,), device=u.device)
-    if z is not None:
-        check_tensor("z", z, (Bsz, Dn), device=u.device, last_dim_contiguous=True)
+    if validate:
+        check_tensor("u", u, (None, None), last_dim_contiguous=True)
+        Bsz, Dn = u.shape
+        check_tensor("ssm_state", ssm_state, (Bsz, Dn, None), device=u.device)
+        N = ssm_state.shape[2]
+        check_tensor("delta", delta, (Bsz, Dn), device=u.device)
+        check_tensor("A", A, (Dn, N), device=u.device)
+        check_tensor("B", B, (Bsz, N), device=u.device, last_dim_contiguous=True)
+        check_tensor("C", C, (Bsz, N), device=u.device, last_dim_contiguous=True)
+        for name, t in (("D", D), ("delta_bias", delta_bias)):
+            if t is not None:
+                check_tensor(name, t, (Dn,), device=u.device)
+        if z is not None:
+            check_tensor("z", z, (Bsz, Dn), device=u.device, last_dim_contiguous=True)
     args = (ssm_state, u, delta, A, B, C, D, z, delta_bias, delta_softplus)
     if resolve_backend(backend, u) == "triton":
         from .selective_scan import selective_state_update_triton
@@ -265,21 +253,16 @@ def causal_conv1d_update(
     """One decode step of the conv: shifts x [B, D] into conv_state [B, K-1, D] in place.
 
     `validate=False` skips the input checks (see rms_norm)."""
-    if not validate:
-        if resolve_backend(backend, x) == "triton":
-            from .causal_conv1d import causal_conv1d_update_triton
-
-            return causal_conv1d_update_triton(conv_state, x, weight, bias, activation)
-        return causal_conv1d_update_reference(conv_state, x, weight, bias, activation)
-    check_tensor("x", x, (None, None), last_dim_contiguous=True)
-    Bsz, Dn = x.shape
-    check_tensor("weight", weight, (Dn, None), device=x.device)
-    K = weight.shape[1]
-    check_tensor("conv_state", conv_state, (Bsz, K - 1, Dn), device=x.device)
-    if bias is not None:
-        check_tensor("bias", bias, (Dn,), device=x.device)
-    if activation not in (None, "silu"):
-        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+    if validate:
+        check_tensor("x", x, (None, None), last_dim_contiguous=True)
+        Bsz, Dn = x.shape
+        check_tensor("weight", weight, (Dn, None), device=x.device)
+        K = weight.shape[1]
+        check_tensor("conv_state", conv_state, (Bsz, K - 1, Dn), device=x.device)
+        if bias is not None:
+            check_tensor("bias", bias, (Dn,), device=x.device)
+        if activation not in (None, "silu"):
+            raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
     args = (conv_state, x, weight, bias, activation)
     if resolve_backend(backend, x) == "triton":
         from .causal_conv1d import causal_conv1d_update_triton
