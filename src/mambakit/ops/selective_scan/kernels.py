@@ -113,15 +113,10 @@ def _gate_grad(t, T, p_dy, s_dy, p_z, s_z, md, HAS_Z: tl.constexpr):
 
 
 @triton.jit
-def _fwd_chunk_kernel(
-    u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr,
-    S_ptr, hloc_ptr, P_ptr, y_ptr,
-    T, Dn, N, Bsz, nc,
-    s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b, s_z_t, s_seq_b, s_seq_t,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    HAS_SEQ: tl.constexpr, FINAL: tl.constexpr, SPLIT_N: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-):
+def _program_block(A_ptr, bias_ptr, Dn, N, Bsz, HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """This program's (chunk, row, channel block, state block) on the grid (D blocks, chunks,
+    rows x state blocks), its masks, A [BLOCK_D, BLOCK_N] and the dt bias [BLOCK_D]."""
     pid_d = tl.program_id(0)
     c = tl.program_id(1)
     b = (tl.program_id(2) % Bsz).to(tl.int64)
@@ -131,10 +126,27 @@ def _fwd_chunk_kernel(
     md = d < Dn
     mn = n < N
     mdn = md[:, None] & mn[None, :]
-    A2 = tl.load(A_ptr + d[:, None] * N + n[None, :], mask=mdn, other=0.0) * 1.4426950408889634
+    A = tl.load(A_ptr + d[:, None] * N + n[None, :], mask=mdn, other=0.0)
     bias = tl.zeros([BLOCK_D], tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + d, mask=md, other=0.0)
+    return pid_d, c, b, pid_n, d, n, md, mn, mdn, A, bias
+
+
+@triton.jit
+def _fwd_chunk_kernel(
+    u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr,
+    S_ptr, hloc_ptr, P_ptr, y_ptr,
+    T, Dn, N, Bsz, nc,
+    s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b, s_z_t, s_seq_b, s_seq_t,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    HAS_SEQ: tl.constexpr, FINAL: tl.constexpr, SPLIT_N: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_d, c, b, pid_n, d, n, md, mn, mdn, A, bias = _program_block(
+        A_ptr, bias_ptr, Dn, N, Bsz, HAS_BIAS, BLOCK_D, BLOCK_N
+    )
+    A2 = A * 1.4426950408889634
     p_u = u_ptr + b * s_u_b + d
     p_dt = dt_ptr + b * s_dt_b + d
     p_B = B_ptr + b * s_B_b + n
@@ -221,19 +233,10 @@ def _bwd_local_kernel(
     CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Reverse recurrence of one chunk from a zero carry: W_c = a_first g_first, P_c."""
-    pid_d = tl.program_id(0)
-    c = tl.program_id(1)
-    b = (tl.program_id(2) % Bsz).to(tl.int64)
-    pid_n = tl.program_id(2) // Bsz
-    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    md = d < Dn
-    mn = n < N
-    mdn = md[:, None] & mn[None, :]
-    A2 = tl.load(A_ptr + d[:, None] * N + n[None, :], mask=mdn, other=0.0) * 1.4426950408889634
-    bias = tl.zeros([BLOCK_D], tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + d, mask=md, other=0.0)
+    pid_d, c, b, pid_n, d, n, md, mn, mdn, A, bias = _program_block(
+        A_ptr, bias_ptr, Dn, N, Bsz, HAS_BIAS, BLOCK_D, BLOCK_N
+    )
+    A2 = A * 1.4426950408889634
     p_u = u_ptr + b * s_u_b + d
     p_dt = dt_ptr + b * s_dt_b + d
     p_B = B_ptr + b * s_B_b + n
@@ -352,20 +355,10 @@ def _bwd_chunk_kernel(
     QUARTERS keeps 4 states at a time instead of 16 (ptxas, sm_90a, BLOCK_D 8, 1 warp: 225
     registers and no spills, against 255 registers and 652 bytes of spills), at the price
     of recomputing 24 steps."""
-    pid_d = tl.program_id(0)
-    c = tl.program_id(1)
-    b = (tl.program_id(2) % Bsz).to(tl.int64)
-    pid_n = tl.program_id(2) // Bsz
-    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    md = d < Dn
-    mn = n < N
-    mdn = md[:, None] & mn[None, :]
-    A = tl.load(A_ptr + d[:, None] * N + n[None, :], mask=mdn, other=0.0)
+    pid_d, c, b, pid_n, d, n, md, mn, mdn, A, bias = _program_block(
+        A_ptr, bias_ptr, Dn, N, Bsz, HAS_BIAS, BLOCK_D, BLOCK_N
+    )
     A2 = A * 1.4426950408889634
-    bias = tl.zeros([BLOCK_D], tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + d, mask=md, other=0.0)
     Dv = tl.zeros([BLOCK_D], tl.float32)
     if HAS_D:
         Dv = tl.load(D_ptr + d, mask=_in_range(md, pid_n, 1), other=0.0)
