@@ -210,39 +210,43 @@ def test_sum_loss(c: Case, seed):
     check_case(c, sum_loss=True)
 
 
-def test_backward_quarters_equals_default(seed):
-    """The backward's 4-step variant (fewer registers) gives the default's gradients."""
+@pytest.mark.parametrize("per", [1, 3], ids=["seg1", "seg3"])
+def test_segments_equal_whole_sequence(per: int, seed):
+    """Time cut into segments (carries between them) gives the single-segment results."""
     from mambakit.ops.selective_scan import kernels as K
 
-    c = Case(T=37)
+    c = Case(T=45, N=3)
     inp = make_inputs(c)
     args = [inp[k] for k in ARGS]
-    _, _, states = K.scan_fwd(*args, True, inp["initial_state"], inp["seq_idx"], True, 16)
+    h0, seq = inp["initial_state"], inp["seq_idx"]
     gy = torch.randn(c.Bsz, c.T, c.Dn)
     gT = torch.randn(c.Bsz, c.Dn, c.N)
-    common = (gy, gT, *args, True, inp["initial_state"], inp["seq_idx"], states, 16)
-    full = K.scan_bwd(*common)
-    quarters = K.scan_bwd(*common, config_override={"BWD_QUARTERS": True})
-    for a, b in zip(full, quarters):
+    outs = []
+    for cfg in ({"SEG_CHUNKS": per}, {"SEG_CHUNKS": 0, "MIN_PROGRAMS": 0}):
+        y, hT, states = K.scan_fwd(*args, True, h0, seq, True, config_override=cfg)
+        grads = K.scan_bwd(gy, gT, *args, True, h0, seq, states, config_override=cfg)
+        outs.append((y, hT, states, *grads))
+    for a, b in zip(*outs):
         if a is not None:
-            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_saved_chunk_states(seed):
-    """The forward's saved states are the true states at every chunk start (16 steps)."""
+def test_saved_tile_states(seed):
+    """The forward's saved states are the true states at every time-tile start."""
     from mambakit.ops.selective_scan import kernels as K
 
     c = Case(T=37)
     inp = make_inputs(c)
     args = [inp[k] for k in ARGS]
-    y, hT, states = K.scan_fwd(*args, True, inp["initial_state"], inp["seq_idx"], True, 16)
+    tc = K.state_chunk(DEVICE == "cuda")
+    y, hT, states = K.scan_fwd(*args, True, inp["initial_state"], inp["seq_idx"], True)
     yo, hTo = oracle(*args, True, inp["initial_state"], inp["seq_idx"])
     assert rel(y, yo) < TOL[F32] and rel(hT, hTo) < TOL[F32]
-    assert states.shape == (c.Bsz, 3, c.Dn, c.N)
+    assert states.shape == (c.Bsz, -(-c.T // tc), c.Dn, c.N)
     torch.testing.assert_close(states[:, 0], inp["initial_state"])
-    for k, t in ((1, 16), (2, 32)):
-        first = [a[:, :t] if a is not None and a.dim() == 3 else a for a in args]
-        _, h_t = oracle(*first, True, inp["initial_state"], inp["seq_idx"][:, :t])
+    for k in range(1, states.shape[1]):
+        first = [a[:, : k * tc] if a is not None and a.dim() == 3 else a for a in args]
+        _, h_t = oracle(*first, True, inp["initial_state"], inp["seq_idx"][:, : k * tc])
         assert rel(states[:, k], h_t) < TOL[F32]
 
 
@@ -352,7 +356,7 @@ def test_no_grad_forward_keeps_no_states(seed):
 
     inp = make_inputs(Case(T=40, seq=False))
     args = [inp[k] for k in ARGS]
-    _, _, states = K.scan_fwd(*args, True, inp["initial_state"], None, False, 16)
+    _, _, states = K.scan_fwd(*args, True, inp["initial_state"], None, False)
     assert states.numel() == 0
 
 

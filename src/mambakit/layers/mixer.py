@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import causal_conv1d, causal_conv1d_update, selective_scan, selective_state_update
+from ..ops import causal_conv1d_update, selective_state_update
 from ..ops._checks import check_tensor
 from .init import init_A_log, init_dt_proj, no_weight_decay
+from .inner import mamba_inner
 
 
 class Mamba(nn.Module):
@@ -115,34 +116,20 @@ class Mamba(nn.Module):
         if ssm_state is not None:
             check_tensor("ssm_state", ssm_state, (Bsz, self.d_inner, self.d_state), device=x.device)
         xz = self.in_proj(x)  # [B, T, 2D]
-        x_in, z = xz[..., : self.d_inner], xz[..., self.d_inner :]
-        conv_w = self.conv1d.weight.squeeze(1)  # [D, K]
-        u, conv_out = causal_conv1d(
-            x_in,
-            conv_w,
-            self.conv1d.bias,
-            initial_state=conv_state,
-            seq_idx=seq_idx,
-            activation="silu",
-            return_final_state=True,
-        )
-        dt_r, B, C = self._split_x_dbl(self.x_proj(u))  # [B, T, R], [B, T, N], [B, T, N]
-        delta = F.linear(dt_r, self.dt_proj.weight)  # [B, T, D]; bias and softplus in the scan
         A, D, dt_bias = self._ssm_params()
-        y, ssm_out = selective_scan(
-            u,
-            delta,
-            A,
-            B,
-            C,
+        y, conv_out, ssm_out = mamba_inner(
+            xz,
+            conv_weight=self.conv1d.weight.squeeze(1),  # [D, K]
+            conv_bias=self.conv1d.bias,
+            x_proj_weight=self.x_proj.weight,
+            dt_proj_weight=self.dt_proj.weight,
+            A=A,
             D=D,
-            z=z,
-            delta_bias=dt_bias,
-            delta_softplus=True,
-            initial_state=ssm_state,
+            dt_bias=dt_bias,
+            conv_state=conv_state,
+            ssm_state=ssm_state,
             seq_idx=seq_idx,
-            return_final_state=True,
-        )
+        )  # y [B, T, D]
         out = self.out_proj(y)
         return (out, (conv_out, ssm_out)) if return_state else out
 

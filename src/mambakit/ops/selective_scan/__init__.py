@@ -11,8 +11,6 @@ Shapes: B batch, T time, D = d_inner, N = d_state.
 
 import torch
 
-CHUNK = 16  # timesteps between saved states; the backward recomputes within a chunk
-
 _FWD_SCHEMA = (
     "(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z, "
     "Tensor? delta_bias, bool delta_softplus, Tensor? initial_state, Tensor? seq_idx, "
@@ -30,8 +28,11 @@ _STEP_SCHEMA = (
 )
 
 
-def _nchunks(T: int) -> int:
-    return -(-T // CHUNK)
+def _ntiles(T: int, is_cuda: bool) -> int:
+    """How many tile-start states the forward saves (the backward recomputes inside a tile)."""
+    from .kernels import state_chunk
+
+    return -(-T // state_chunk(is_cuda))
 
 
 @torch.library.custom_op("mambakit::selective_scan_fwd", mutates_args=(), schema=_FWD_SCHEMA)
@@ -42,7 +43,7 @@ def _scan_fwd(
 
     return scan_fwd(
         u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, seq_idx,
-        save_states, CHUNK,
+        save_states,
     )  # fmt: skip
 
 
@@ -53,7 +54,7 @@ def _(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, seq_id
     f32 = torch.float32
     y = u.new_empty(Bsz, T, Dn)
     hT = u.new_empty(Bsz, Dn, N, dtype=f32)
-    states = u.new_empty((Bsz, _nchunks(T), Dn, N) if save_states else (0,), dtype=f32)
+    states = u.new_empty((Bsz, _ntiles(T, u.is_cuda), Dn, N) if save_states else (0,), dtype=f32)
     return y, hT, states
 
 
@@ -78,7 +79,7 @@ def _scan_bwd(
 
     grads = scan_bwd(
         gy, g_final, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state,
-        seq_idx, states, CHUNK,
+        seq_idx, states,
     )  # fmt: skip
     # custom ops return tensors only: an absent input's gradient is an empty tensor
     return tuple(g if g is not None else u.new_empty(0) for g in grads)
@@ -208,4 +209,4 @@ def selective_state_update_triton(
     return _state_update(ssm_state, u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus))
 
 
-__all__ = ["selective_scan_triton", "selective_state_update_triton", "CHUNK"]
+__all__ = ["selective_scan_triton", "selective_state_update_triton"]

@@ -1,0 +1,246 @@
+"""The mixer between in_proj and out_proj: conv -> x_proj -> dt_proj -> selective scan.
+
+B batch, T time, D = d_inner, N = d_state, K = d_conv, R = dt_rank.
+
+    x_in, z    = split(xz)                          xz [B, T, 2D], the in_proj output
+    u          = silu(conv(x_in))                   [B, T, D]
+    dt_r, B, C = split(u @ W_x^T, [R, N, N])        x_dbl [B, T, R + 2N]
+    delta      = dt_r @ W_dt^T                      [B, T, D]; bias and softplus in the scan
+    y          = scan(u, delta, A, B, C, D, z)      [B, T, D], gated by silu(z)
+
+On the Triton backend one autograd node covers all of it and chooses what the
+backward keeps: xz, x_dbl and the scan's chunk-start states. It recomputes
+u (one conv launch) and delta (a [B T, R] x [R, D] GEMM) instead of storing
+two [B, T, D] activations, as mamba_ssm's `mamba_inner_fn` (checkpoint_lvl=1)
+does. The reference backend composes the ops, each with its own autograd; it
+is the CPU path and the oracle of the fused node.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from ..ops import causal_conv1d, resolve_backend, selective_scan
+from ..ops._checks import check_seq_idx
+
+
+def mamba_inner(
+    xz: torch.Tensor,  # [B, T, 2D]
+    *,
+    conv_weight: torch.Tensor,  # [D, K]
+    conv_bias: torch.Tensor | None,  # [D]
+    x_proj_weight: torch.Tensor,  # [R + 2N, D]
+    dt_proj_weight: torch.Tensor,  # [D, R]
+    A: torch.Tensor,  # [D, N] f32, = -exp(A_log)
+    D: torch.Tensor,  # [D] f32
+    dt_bias: torch.Tensor,  # [D] f32
+    conv_state: torch.Tensor | None = None,  # [B, K-1, D]
+    ssm_state: torch.Tensor | None = None,  # [B, D, N]
+    seq_idx: torch.Tensor | None = None,  # [B, T] int32
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y [B, T, D] in xz.dtype, final conv state [B, K-1, D], final ssm state [B, D, N]).
+
+    The projections run in xz.dtype (the autocast dtype when in_proj ran under
+    autocast); the states are f32 (f64 on the float64 oracle path).
+    """
+    if resolve_backend(backend, xz) != "triton":
+        return mamba_inner_unfused(
+            xz,
+            conv_weight=conv_weight,
+            conv_bias=conv_bias,
+            x_proj_weight=x_proj_weight,
+            dt_proj_weight=dt_proj_weight,
+            A=A,
+            D=D,
+            dt_bias=dt_bias,
+            conv_state=conv_state,
+            ssm_state=ssm_state,
+            seq_idx=seq_idx,
+            backend=backend,
+        )
+    if seq_idx is not None:  # the fused node calls the custom ops directly, past their checks
+        check_seq_idx(seq_idx, xz.shape[0], xz.shape[1], xz.device)
+    weights = (conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias)
+    inputs = (xz, *weights, conv_state, ssm_state)
+    train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    return _FusedInner.apply(xz, *weights, conv_state, ssm_state, seq_idx, train)
+
+
+def mamba_inner_unfused(
+    xz: torch.Tensor,
+    *,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    x_proj_weight: torch.Tensor,
+    dt_proj_weight: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    conv_state: torch.Tensor | None = None,
+    ssm_state: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`mamba_inner` as a chain of ops, each saving its own inputs (u and delta included)."""
+    Dn, N = A.shape
+    R = dt_proj_weight.shape[1]
+    x_in, z = xz[..., :Dn], xz[..., Dn:]
+    u, conv_out = causal_conv1d(
+        x_in,
+        conv_weight,
+        conv_bias,
+        initial_state=conv_state,
+        seq_idx=seq_idx,
+        activation="silu",
+        return_final_state=True,
+        backend=backend,
+    )
+    dt_r, B, C = F.linear(u, x_proj_weight).split([R, N, N], dim=-1)
+    delta = F.linear(dt_r, dt_proj_weight)
+    y, ssm_out = selective_scan(
+        u,
+        delta,
+        A,
+        B,
+        C,
+        D=D,
+        z=z,
+        delta_bias=dt_bias,
+        delta_softplus=True,
+        initial_state=ssm_state,
+        seq_idx=seq_idx,
+        return_final_state=True,
+        backend=backend,
+    )
+    return y, conv_out, ssm_out
+
+
+def _projections(
+    u: torch.Tensor,  # [B, T, D]
+    x_dbl: torch.Tensor | None,  # [B, T, R + 2N], or None to compute it from u
+    x_proj_weight: torch.Tensor,
+    dt_proj_weight: torch.Tensor,
+    N: int,
+) -> tuple[torch.Tensor, ...]:
+    """(x_dbl, dt_r, B, C, delta) in u.dtype, bit-identical in the forward and the backward.
+
+    Autocast is off and the weights are cast by hand, so both passes run the same GEMMs
+    whatever autocast state the backward runs under."""
+    R = dt_proj_weight.shape[1]
+    with torch.autocast(u.device.type, enabled=False):
+        if x_dbl is None:
+            x_dbl = F.linear(u, x_proj_weight.to(u.dtype))
+        dt_r, B, C = x_dbl.split([R, N, N], dim=-1)
+        delta = F.linear(dt_r, dt_proj_weight.to(u.dtype))
+    return x_dbl, dt_r, B, C, delta
+
+
+class _FusedInner(torch.autograd.Function):
+    """One autograd node over conv, x_proj, dt_proj and the scan (Triton custom ops).
+
+    Saved per token: xz (2D), x_dbl (R + 2N) in the compute dtype and the scan's
+    chunk-start states (4 D N / CHUNK bytes); u and delta are recomputed."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        xz,
+        conv_weight,
+        conv_bias,
+        x_proj_weight,
+        dt_proj_weight,
+        A,
+        D,
+        dt_bias,
+        conv_state,
+        ssm_state,
+        seq_idx,
+        train: bool,
+    ):
+        Dn, N = A.shape
+        x_in, z = xz[..., :Dn], xz[..., Dn:]
+        u, conv_out = torch.ops.mambakit.causal_conv1d_fwd(
+            x_in, conv_weight, conv_bias, conv_state, seq_idx, True, True
+        )
+        x_dbl, _, B, C, delta = _projections(u, None, x_proj_weight, dt_proj_weight, N)
+        y, ssm_out, states = torch.ops.mambakit.selective_scan_fwd(
+            u, delta, A, B, C, D, z, dt_bias, True, ssm_state, seq_idx, train
+        )
+        if train:
+            ctx.save_for_backward(
+                xz,
+                x_dbl,
+                conv_weight,
+                conv_bias,
+                x_proj_weight,
+                dt_proj_weight,
+                A,
+                D,
+                dt_bias,
+                conv_state,
+                ssm_state,
+                seq_idx,
+                states,
+            )
+        ctx.set_materialize_grads(False)
+        return y, conv_out, ssm_out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, gy, g_conv_out, g_ssm_out):
+        (
+            xz,
+            x_dbl,
+            conv_weight,
+            conv_bias,
+            x_proj_weight,
+            dt_proj_weight,
+            A,
+            D,
+            dt_bias,
+            conv_state,
+            ssm_state,
+            seq_idx,
+            states,
+        ) = ctx.saved_tensors
+        Dn, N = A.shape
+        x_in, z = xz[..., :Dn], xz[..., Dn:]
+        u, _ = torch.ops.mambakit.causal_conv1d_fwd(
+            x_in, conv_weight, conv_bias, conv_state, seq_idx, True, False
+        )
+        _, dt_r, B, C, delta = _projections(u, x_dbl, x_proj_weight, dt_proj_weight, N)
+        if gy is None:
+            gy = torch.zeros_like(u)
+        du, ddelta, dA, dB, dC, dD, dz, d_dt_bias, d_ssm_state = (
+            torch.ops.mambakit.selective_scan_bwd(
+                gy, g_ssm_out, u, delta, A, B, C, D, z, dt_bias, True, ssm_state, seq_idx, states
+            )
+        )
+        # the GEMMs' backward in the compute dtype, as autograd runs them on the unfused chain
+        cdt = u.dtype
+        with torch.autocast(u.device.type, enabled=False):
+            d_dt_r = ddelta @ dt_proj_weight.to(cdt)  # [B, T, R]
+            d_dt_proj_weight = ddelta.flatten(0, 1).t() @ dt_r.flatten(0, 1)  # [D, R]
+            g_x_dbl = torch.cat([d_dt_r, dB, dC], dim=-1)  # [B, T, R + 2N]
+            d_x_proj_weight = g_x_dbl.flatten(0, 1).t() @ u.flatten(0, 1)  # [R + 2N, D]
+            du = du + g_x_dbl @ x_proj_weight.to(cdt)
+        dx_in, d_conv_weight, d_conv_bias, d_conv_state = torch.ops.mambakit.causal_conv1d_bwd(
+            du, g_conv_out, x_in, conv_weight, conv_bias, conv_state, seq_idx, True
+        )
+        return (
+            torch.cat([dx_in, dz], dim=-1),
+            d_conv_weight,
+            d_conv_bias if conv_bias is not None else None,
+            d_x_proj_weight.to(x_proj_weight.dtype),
+            d_dt_proj_weight.to(dt_proj_weight.dtype),
+            dA,
+            dD,
+            d_dt_bias,
+            d_conv_state if conv_state is not None else None,
+            d_ssm_state if ssm_state is not None else None,
+            None,
+            None,
+        )
