@@ -6,10 +6,9 @@ section 7): bytes / copy rate and exponentials / exp2 rate, each over the
 measured time (1.0 = at that bound). mamba_ssm's `selective_scan_fn` is timed
 in the same run when importable; the PyTorch reference once at the first shape.
 
-    python benchmarks/bench_scan.py --out scan.json [--sweep]
+    python benchmarks/bench_scan.py --out scan.json
 
-`--sweep` also times the kernels' launch configurations (block sizes, warps,
-chunk length, forward body) so the fixed defaults can be chosen from data.
+Launch configurations are timed by scripts/scan_sweep.py.
 """
 
 from __future__ import annotations
@@ -113,9 +112,9 @@ def time_ours(shape, dtype):
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     ms = bench(fb, grad_to_none=leaves)
-    from mambakit.ops.selective_scan import CHUNK
+    from mambakit.ops.selective_scan.kernels import state_chunk
 
-    saved = Dn * N * 4 / CHUNK
+    saved = Dn * N * 4 / state_chunk(True)
     out.append(
         record(
             "forward+backward",
@@ -167,55 +166,20 @@ def time_reference(shape, dtype):
     return [record("forward (inference)", "reference (PyTorch)", shape, dtype, ms, False)]
 
 
-def sweep(shape, dtype):
-    """Launch configurations of the kernels, timed directly through the launchers."""
-    from mambakit.ops.selective_scan import kernels as K
-
-    Bsz, T, Dn, N = shape
-    inp = make_inputs(*shape, dtype)
-    a = [inp[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")]
-    gy = torch.randn(Bsz, T, Dn, device="cuda", dtype=dtype)
-    rows = []
-    for bd in (16, 32, 64):
-        for w in (1, 2, 4):
-            for kind in ("fwd", "bwd"):
-                cfg = {"BLOCK_D": bd, "num_warps" if kind == "fwd" else "bwd_warps": w}
-                try:
-                    if kind == "fwd":
-                        fn = lambda f=cfg: K.scan_fwd(  # noqa: E731
-                            *a, True, None, None, True, 16, config_override=f
-                        )
-                    else:
-                        _, _, st = K.scan_fwd(*a, True, None, None, True, 16)
-                        fn = lambda f=cfg, st=st: K.scan_bwd(  # noqa: E731
-                            gy, None, *a, True, None, None, st, 16, config_override=f
-                        )
-                    ms = bench(fn, 50)
-                except Exception as e:  # a config that does not compile is reported, not fatal
-                    ms = float("nan")
-                    print(kind, cfg, "failed:", type(e).__name__, str(e)[:200])
-                rows.append(dict(kernel=kind, **cfg, time_ms=ms))
-                print(rows[-1], flush=True)
-    return rows
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_scan.json", help="JSON output path")
-    ap.add_argument("--sweep", action="store_true", help="also time launch configurations")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_scan.py needs a CUDA device")
     dtype = torch.bfloat16
     shapes = [(8, 2048, 1536, 16), (1, 65536, 1536, 16)]
-    records, sweep_rows = [], []
+    records = []
     for i, shape in enumerate(shapes):
         records += time_ours(shape, dtype)
         records += time_mamba_ssm(shape, dtype)
         if i == 0:
             records += time_reference(shape, dtype)
-    if args.sweep:
-        sweep_rows = sweep(shapes[0], dtype)
     hdr = (
         f"{'shape':<18} {'impl':<20} {'workload':<23} {'ms':>8} {'GB/s':>7} {'bytes':>6} {'exp':>6}"
     )
@@ -234,7 +198,7 @@ def main():
               f"saved {r['saved_bytes_per_token']:.0f} B/token")  # fmt: skip
     with open(args.out, "w") as f:
         json.dump(
-            dict(device=torch.cuda.get_device_name(), records=records, sweep=sweep_rows),
+            dict(device=torch.cuda.get_device_name(), records=records),
             f,
             indent=1,
         )

@@ -1,6 +1,9 @@
 """Time the scan kernels' launch configurations at 8x2048x1536x16 bf16; print the best as JSON.
 
 PYTHONPATH=src python scripts/scan_sweep.py --out sweep.json   # last line: the best config
+
+Forward and backward are timed separately (the backward's tile TC sets how often the forward
+saves states, so each backward config gets states saved at its own TC).
 """
 
 from __future__ import annotations
@@ -13,17 +16,35 @@ import triton.testing
 
 from mambakit.ops.selective_scan import kernels as K
 
-FWD = [
-    dict(BLOCK_D=32, num_warps=4),
-    dict(BLOCK_D=16, num_warps=1),
-    dict(BLOCK_D=32, num_warps=1),
-    dict(BLOCK_D=64, num_warps=2),
+FWD = [  # FWD_TC, BLOCK_D, num_warps, STAGES
+    (2, 32, 1, 2),
+    (2, 32, 1, 1),
+    (1, 32, 1, 2),
+    (4, 32, 1, 2),
+    (2, 16, 1, 2),
+    (4, 16, 1, 2),
+    (8, 16, 1, 2),
+    (2, 64, 2, 2),
+    (16, 16, 4, 1),
 ]
-BWD = [
-    dict(BWD_BLOCK_D=16, bwd_warps=1),
-    dict(BWD_BLOCK_D=8, bwd_warps=1),
-    dict(BWD_BLOCK_D=16, bwd_warps=2),
+BWD = [  # TC, BWD_BLOCK_D, bwd_warps, STAGES
+    (2, 8, 1, 2),
+    (2, 8, 1, 1),
+    (4, 8, 1, 2),
+    (4, 4, 1, 2),
+    (2, 16, 1, 2),
+    (2, 4, 1, 2),
+    (8, 8, 1, 2),
+    (1, 16, 1, 2),
 ]
+
+
+def timed(fn) -> float:
+    try:
+        return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
+    except Exception as e:  # a config that does not compile or run is reported, not fatal
+        print("  failed:", type(e).__name__, str(e)[:300], flush=True)
+        return float("inf")
 
 
 def main() -> None:
@@ -34,49 +55,43 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     bf = torch.bfloat16
     r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
-    u, dt, z = (r(Bsz, T, Dn).to(bf) for _ in range(3))
+    xz = r(Bsz, T, 2 * Dn).to(bf)
+    u, z = xz[..., :Dn], xz[..., Dn:]
+    dt = (r(Bsz, T, Dn) * 0.1).to(bf)
     xb = r(Bsz, T, 2 * N).to(bf)
     B, C = xb[..., :N], xb[..., N:]
-    A = -torch.rand(Dn, N, device="cuda", generator=g) * 16
+    A = -torch.arange(1, N + 1, device="cuda", dtype=torch.float32).repeat(Dn, 1)
     D, bias = r(Dn), r(Dn) * 0.1 - 4
     a = (u, dt, A, B, C, D, z, bias)
     gy = r(Bsz, T, Dn).to(bf)
     rows = []
-    for cfg in FWD:
-        ms = triton.testing.do_bench(
-            lambda c=cfg: K.scan_fwd(*a, True, None, None, True, 16, config_override=c),
-            warmup=5,
-            rep=50,
-            return_mode="median",
-        )
-        rows.append({"kernel": "fwd", **cfg, "ms": ms})
+    for tc, bd, w, st in FWD:
+        c = dict(FWD_TC=tc, BLOCK_D=bd, num_warps=w, STAGES=st)
+        ms = timed(lambda c=c: K.scan_fwd(*a, True, None, None, True, config_override=c))
+        rows.append({"kernel": "fwd", **c, "ms": ms})
+        print(rows[-1], flush=True)
+    for tc, bd, w, st in BWD:
+        c = dict(TC=tc, BWD_BLOCK_D=bd, bwd_warps=w, STAGES=st)
+        try:
+            _, _, states = K.scan_fwd(*a, True, None, None, True, config_override={"TC": tc})
+            ms = timed(
+                lambda c=c, st=states: K.scan_bwd(
+                    gy, None, *a, True, None, None, st, config_override=c
+                )
+            )
+        except Exception as e:
+            print("  failed:", type(e).__name__, str(e)[:300], flush=True)
+            ms = float("inf")
+        rows.append({"kernel": "bwd", **c, "ms": ms})
         print(rows[-1], flush=True)
     best_f = min((r for r in rows if r["kernel"] == "fwd"), key=lambda r: r["ms"])
-    _, _, st = K.scan_fwd(*a, True, None, None, True, 16)
-    for cfg in BWD:
-        c = dict(cfg)
-        try:
-            ms = triton.testing.do_bench(
-                lambda c=c: K.scan_bwd(gy, None, *a, True, None, None, st, 16, config_override=c),
-                warmup=3,
-                rep=50,
-                return_mode="median",
-            )
-        except Exception as e:  # a config that does not compile (registers) is reported
-            print("bwd", cfg, "failed:", type(e).__name__, str(e)[:200])
-            ms = float("inf")
-        rows.append({"kernel": "bwd", **cfg, "ms": ms})
-        print(rows[-1], flush=True)
     best_b = min((r for r in rows if r["kernel"] == "bwd"), key=lambda r: r["ms"])
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
-    pick = {
-        "BLOCK_D": best_f["BLOCK_D"],
-        "num_warps": best_f["num_warps"],
-        "BWD_BLOCK_D": best_b["BWD_BLOCK_D"],
-        "bwd_warps": best_b["bwd_warps"],
-    }
+    print("best fwd", best_f, "best bwd", best_b, flush=True)
+    pick = {k: best_f[k] for k in ("FWD_TC", "BLOCK_D", "num_warps")}
+    pick.update({k: best_b[k] for k in ("TC", "BWD_BLOCK_D", "bwd_warps", "STAGES")})
     print(json.dumps(pick))
 
 

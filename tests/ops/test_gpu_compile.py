@@ -24,7 +24,7 @@ MODULES = [
 ]
 CONSTS = {  # representative values of the kernels' constexpr parameters
     "BLOCK_D": 32, "BLOCK_N": 16, "BLOCK_E": 64, "BLOCK_T": 16, "BLOCK_K": 4, "BLOCK_M": 4,
-    "CHUNK": 16, "CB": 8, "K": 4,
+    "CHUNK": 16, "CB": 8, "K": 4, "TC": 4, "TS": 2, "STAGES": 2,
 }  # fmt: skip
 
 

@@ -210,9 +210,14 @@ def test_sum_loss(c: Case, seed):
     check_case(c, sum_loss=True)
 
 
-@pytest.mark.parametrize("per", [1, 3], ids=["seg1", "seg3"])
-def test_segments_equal_whole_sequence(per: int, seed):
-    """Time cut into segments (carries between them) gives the single-segment results."""
+@pytest.mark.parametrize(
+    "cfg",
+    [{"SEG_CHUNKS": 1}, {"SEG_CHUNKS": 3}, {"FWD_TC": 8, "TC": 2, "SEG_CHUNKS": 2}],
+    ids=["seg1", "seg3", "fwd-tile-8-bwd-tile-2"],
+)
+def test_tilings_and_segments_agree(cfg: dict, seed):
+    """Other time tiles, and time cut into segments (with carries between them), give the
+    results of one segment per row."""
     from mambakit.ops.selective_scan import kernels as K
 
     c = Case(T=45, N=3)
@@ -222,10 +227,12 @@ def test_segments_equal_whole_sequence(per: int, seed):
     gy = torch.randn(c.Bsz, c.T, c.Dn)
     gT = torch.randn(c.Bsz, c.Dn, c.N)
     outs = []
-    for cfg in ({"SEG_CHUNKS": per}, {"SEG_CHUNKS": 0, "MIN_PROGRAMS": 0}):
-        y, hT, states = K.scan_fwd(*args, True, h0, seq, True, config_override=cfg)
-        grads = K.scan_bwd(gy, gT, *args, True, h0, seq, states, config_override=cfg)
-        outs.append((y, hT, states, *grads))
+    for override in (cfg, {"SEG_CHUNKS": 0, "MIN_PROGRAMS": 0}):
+        y, hT, states = K.scan_fwd(*args, True, h0, seq, True, config_override=override)
+        tc = K.config(c.N, c.Dn, DEVICE != "cuda", override)["TC"]
+        assert states.shape == (c.Bsz, -(-c.T // tc), c.Dn, c.N)
+        grads = K.scan_bwd(gy, gT, *args, True, h0, seq, states, config_override=override)
+        outs.append((y, hT, *grads))
     for a, b in zip(*outs):
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

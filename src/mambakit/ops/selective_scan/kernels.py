@@ -3,7 +3,7 @@
 B batch, T time, D = d_inner, N = d_state, TC = the time tile (config "TC").
 A program owns one row, one block of channels, one block of states and one
 segment of time; it walks its segment one tile of TC steps at a time, holding
-the [TC, BLOCK_D, BLOCK_N] decays and inputs of a tile in registers and
+the [TC, BLOCK_N, BLOCK_D] decays and inputs of a tile in registers and
 resolving the recurrence inside the tile with `tl.associative_scan` over time.
 Each exponential is computed once per pass. Only the state between tiles is
 carried from one iteration to the next.
@@ -75,7 +75,7 @@ def _combine_rev(k_r, c_r, f_r, k_l, c_l, f_l):
 
 @triton.jit
 def _row(x, rows, r):
-    """Row r of a [TC, BD, BN] tile as [BD, BN]."""
+    """Row r of a [TC, BN, BD] tile as [BN, BD]."""
     return tl.sum(tl.where((rows == r)[:, None, None], x, 0.0), axis=0)
 
 
@@ -83,7 +83,7 @@ def _row(x, rows, r):
 def _program_block(A_ptr, bias_ptr, Dn, N, Bsz, HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr):
     """This program's (segment, row, channel block, state block) on the grid (D blocks,
-    segments, rows x state blocks), its masks, A [BLOCK_D, BLOCK_N] and the dt bias [BLOCK_D]."""
+    segments, rows x state blocks), its masks, A [BLOCK_N, BLOCK_D] and the dt bias [BLOCK_D]."""
     pid_d = tl.program_id(0)
     s = tl.program_id(1)
     b = (tl.program_id(2) % Bsz).to(tl.int64)
@@ -92,8 +92,8 @@ def _program_block(A_ptr, bias_ptr, Dn, N, Bsz, HAS_BIAS: tl.constexpr, BLOCK_D:
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     md = d < Dn
     mn = n < N
-    mdn = md[:, None] & mn[None, :]
-    A = tl.load(A_ptr + d[:, None] * N + n[None, :], mask=mdn, other=0.0)
+    mdn = mn[:, None] & md[None, :]  # [BLOCK_N, BLOCK_D]: channels along the lanes
+    A = tl.load(A_ptr + d[None, :] * N + n[:, None], mask=mdn, other=0.0)
     bias = tl.zeros([BLOCK_D], tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + d, mask=md, other=0.0)
@@ -105,7 +105,7 @@ def _tile_decay(
     t, mt, b, d, md, dt_ptr, s_dt_b, s_dt_t, seq_ptr, s_seq_b, s_seq_t, A2, bias,
     HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_SEQ: tl.constexpr,
 ):
-    """Tile rows t [TC]: mask [TC, BD], raw delta (+ bias), delta, a_t [TC, BD, BN]. Rows past
+    """Tile rows t [TC]: mask [TC, BD], raw delta (+ bias), delta, a_t [TC, BN, BD]. Rows past
     T are identities (delta 0: a = 1, b = 0)."""
     m2 = mt[:, None] & md[None, :]
     t64 = t.to(tl.int64)
@@ -118,7 +118,7 @@ def _tile_decay(
     else:
         dt = raw
     dt = tl.where(m2, dt, 0.0)
-    a = tl.exp2(dt[:, :, None] * A2[None, :, :])
+    a = tl.exp2(dt[:, None, :] * A2[None, :, :])
     if HAS_SEQ:
         first = mt & (t > 0)
         cur = tl.load(seq_ptr + b * s_seq_b + t64 * s_seq_t, mask=first, other=0)
@@ -156,31 +156,32 @@ def _tile_gate(dy_ptr, s_dy_b, s_dy_t, s_dy_d, z_ptr, s_z_b, s_z_t, b, t, d, m2,
 def _fwd_kernel(
     u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr,
     h0_ptr, states_ptr, hT_ptr, hloc_ptr, P_ptr, y_ptr,
-    T, Dn, N, Bsz, nc, nseg, seg_chunks,
+    T, Dn, N, Bsz, nc, ns, nseg, seg_chunks,
     s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b, s_z_t, s_seq_b, s_seq_t,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_H0: tl.constexpr, LOCAL: tl.constexpr, SAVE: tl.constexpr,
-    SPLIT_N: tl.constexpr, TC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_N: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):
     """One segment of one row, tile by tile. LOCAL: from a zero state, only the segment's end
-    state and decay product; else y, the tile-start states (SAVE) and h_T (last segment)."""
+    state and decay product; else y, the state every TS steps (SAVE) and h_T (last segment)."""
     pid_d, s, b, pid_n, d, n, md, mn, mdn, A, bias = _program_block(
         A_ptr, bias_ptr, Dn, N, Bsz, HAS_BIAS, BLOCK_D, BLOCK_N
     )
     A2 = A * LOG2E
     rows = tl.arange(0, TC)
-    off_seg = ((b * nseg + s) * Dn + d[:, None]) * N + n[None, :]  # [B, nseg, D, N]
+    off_seg = ((b * nseg + s) * Dn + d[None, :]) * N + n[:, None]  # [B, nseg, D, N]
     if HAS_H0:
         h = tl.load(h0_ptr + off_seg, mask=mdn, other=0.0)
     else:
-        h = tl.zeros([BLOCK_D, BLOCK_N], tl.float32)
-    p = tl.full([BLOCK_D, BLOCK_N], 1.0, tl.float32)
+        h = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    p = tl.full([BLOCK_N, BLOCK_D], 1.0, tl.float32)
     Dv = tl.zeros([BLOCK_D], tl.float32)
     if HAS_D:
         Dv = tl.load(D_ptr + d, mask=_in_range(md, pid_n, 1), other=0.0)
     y_base = y_ptr + (pid_n * Bsz + b) * T * Dn  # [nb, B, T, D] (nb = 1: [B, T, D])
     c0 = s * seg_chunks
-    for i in range(seg_chunks):
+    for i in tl.range(seg_chunks, num_stages=STAGES):
         c = c0 + i  # past the last tile (c >= nc) every row is masked: an identity
         t = c * TC + rows
         mt = t < T
@@ -190,17 +191,29 @@ def _fwd_kernel(
         )
         u = _tile_rows(u_ptr, s_u_b, s_u_t, b, t, d, m2)
         Bt = _tile_rows(B_ptr, s_B_b, s_B_t, b, t, n, mt[:, None] & mn[None, :])
-        bx = (dt * u)[:, :, None] * Bt[:, None, :]
-        if SAVE:
-            off_c = ((b * nc + c) * Dn + d[:, None]) * N + n[None, :]  # [B, nc, D, N]
-            tl.store(states_ptr + off_c, h, mask=_in_range(mdn, c, nc))
+        bx = (dt * u)[:, None, :] * Bt[:, :, None]
         pa, pb = tl.associative_scan((a, bx), 0, _combine)
         hs = pb + pa * h[None, :, :]
+        if SAVE:  # the state every TS steps (the backward's tile), [B, ns, D, N]
+            if TC <= TS:
+                c_s = (c * TC) // TS
+                off_c = ((b * ns + c_s) * Dn + d[None, :]) * N + n[:, None]
+                m_s = _in_range(_in_range(mdn, c_s, ns), (c * TC) % TS, 1)
+                tl.store(states_ptr + off_c, h, mask=m_s)
+            else:
+                for k in tl.static_range(TC // TS):
+                    c_s = c * (TC // TS) + k
+                    off_c = ((b * ns + c_s) * Dn + d[None, :]) * N + n[:, None]
+                    if k == 0:
+                        hk = h
+                    else:
+                        hk = _row(hs, rows, k * TS - 1)
+                    tl.store(states_ptr + off_c, hk, mask=_in_range(mdn, c_s, ns))
         if LOCAL:
             p = p * _row(pa, rows, TC - 1)
         else:
             Ct = _tile_rows(C_ptr, s_C_b, s_C_t, b, t, n, mt[:, None] & mn[None, :])
-            y = tl.sum(hs * Ct[:, None, :], axis=2)
+            y = tl.sum(hs * Ct[:, :, None], axis=1)
             if not SPLIT_N:  # the whole of y is here: finish it
                 if HAS_D:
                     y += Dv[None, :] * u
@@ -213,7 +226,7 @@ def _fwd_kernel(
         tl.store(hloc_ptr + off_seg, h, mask=mdn)
         tl.store(P_ptr + off_seg, p, mask=mdn)
     else:
-        off_T = (b * Dn + d[:, None]) * N + n[None, :]
+        off_T = (b * Dn + d[None, :]) * N + n[:, None]
         tl.store(hT_ptr + off_T, h, mask=_in_range(mdn, nseg - 1 - s, 1))  # the last segment
 
 
@@ -288,7 +301,7 @@ def _bwd_local_kernel(
     T, Dn, N, Bsz, nseg, seg_chunks,
     s_dt_b, s_dt_t, s_C_b, s_C_t, s_z_b, s_z_t, s_seq_b, s_seq_t, s_dy_b, s_dy_t, s_dy_d,
     HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_SEQ: tl.constexpr,
-    TC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    TC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):
     """A segment's reverse recurrence from a zero carry: W = a_first g_first, and the segment's
     decay product P (the carry into its end reaches its start times P)."""
@@ -297,11 +310,11 @@ def _bwd_local_kernel(
     )
     A2 = A * LOG2E
     rows = tl.arange(0, TC)
-    ones = tl.full([TC, BLOCK_D, BLOCK_N], 1.0, tl.float32)
-    G = tl.zeros([BLOCK_D, BLOCK_N], tl.float32)
-    p = tl.full([BLOCK_D, BLOCK_N], 1.0, tl.float32)
+    ones = tl.full([TC, BLOCK_N, BLOCK_D], 1.0, tl.float32)
+    G = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    p = tl.full([BLOCK_N, BLOCK_D], 1.0, tl.float32)
     c0 = s * seg_chunks
-    for i in range(seg_chunks):
+    for i in tl.range(seg_chunks, num_stages=STAGES):
         c = c0 + seg_chunks - 1 - i
         t = c * TC + rows
         mt = t < T
@@ -314,13 +327,13 @@ def _bwd_local_kernel(
         )
         Ct = _tile_rows(C_ptr, s_C_b, s_C_t, b, t, n, mt[:, None] & mn[None, :])
         k, g, _f = tl.associative_scan(
-            (ones, Ct[:, None, :] * gy[:, :, None], a), 0, _combine_rev, reverse=True
+            (ones, Ct[:, :, None] * gy[:, None, :], a), 0, _combine_rev, reverse=True
         )
         a0 = _row(a, rows, 0)
         k0 = _row(k, rows, 0)
         G = a0 * (_row(g, rows, 0) + k0 * G)
         p = p * a0 * k0
-    off_seg = ((b * nseg + s) * Dn + d[:, None]) * N + n[None, :]
+    off_seg = ((b * nseg + s) * Dn + d[None, :]) * N + n[:, None]
     tl.store(W_ptr + off_seg, G, mask=mdn)
     tl.store(P_ptr + off_seg, p, mask=mdn)
 
@@ -334,7 +347,7 @@ def _bwd_kernel(
     s_dy_b, s_dy_t, s_dy_d,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_G: tl.constexpr, HAS_H0: tl.constexpr, SPLIT_N: tl.constexpr,
-    TC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    TC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Every gradient of one segment, tiles last to first: states by a forward scan from the
     saved tile-start state, adjoints by a reverse scan from the carry G."""
@@ -343,22 +356,22 @@ def _bwd_kernel(
     )
     A2 = A * LOG2E
     rows = tl.arange(0, TC)
-    ones = tl.full([TC, BLOCK_D, BLOCK_N], 1.0, tl.float32)
-    off_seg = ((b * nseg + s) * Dn + d[:, None]) * N + n[None, :]  # [B, nseg, D, N]
+    ones = tl.full([TC, BLOCK_N, BLOCK_D], 1.0, tl.float32)
+    off_seg = ((b * nseg + s) * Dn + d[None, :]) * N + n[:, None]  # [B, nseg, D, N]
     if HAS_G:
         G = tl.load(gin_ptr + off_seg, mask=mdn, other=0.0)
     else:
-        G = tl.zeros([BLOCK_D, BLOCK_N], tl.float32)
+        G = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     Dv = tl.zeros([BLOCK_D], tl.float32)
     if HAS_D:
         Dv = tl.load(D_ptr + d, mask=_in_range(md, pid_n, 1), other=0.0)
-    dA_acc = tl.zeros([BLOCK_D, BLOCK_N], tl.float32)
+    dA_acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dD_acc = tl.zeros([BLOCK_D], tl.float32)
     db_acc = tl.zeros([BLOCK_D], tl.float32)
     out_base = (pid_n * Bsz + b) * T * Dn  # [nb, B, T, D] (nb = 1: [B, T, D])
     part_base = (pid_d * Bsz + b) * T * N  # [n_dblocks, B, T, N]
     c0 = s * seg_chunks
-    for i in range(seg_chunks):
+    for i in tl.range(seg_chunks, num_stages=STAGES):
         c = c0 + seg_chunks - 1 - i
         t = c * TC + rows
         t64 = t.to(tl.int64)
@@ -375,18 +388,18 @@ def _bwd_kernel(
             dy_ptr, s_dy_b, s_dy_t, s_dy_d, z_ptr, s_z_b, s_z_t, b, t, d, m2, HAS_Z
         )
         dtu = dt * u
-        bx = dtu[:, :, None] * Bt[:, None, :]
-        off_c = ((b * nc + c) * Dn + d[:, None]) * N + n[None, :]  # [B, nc, D, N]
+        bx = dtu[:, None, :] * Bt[:, :, None]
+        off_c = ((b * nc + c) * Dn + d[None, :]) * N + n[:, None]  # [B, nc, D, N]
         h0 = tl.load(states_ptr + off_c, mask=_in_range(mdn, c, nc), other=0.0)
         pa, pb = tl.associative_scan((a, bx), 0, _combine)
         hs = pb + pa * h0[None, :, :]  # h_t
         k, g, _f = tl.associative_scan(
-            (ones, Ct[:, None, :] * gy[:, :, None], a), 0, _combine_rev, reverse=True
+            (ones, Ct[:, :, None] * gy[:, None, :], a), 0, _combine_rev, reverse=True
         )
         x = g + k * G[None, :, :]  # g_t = dL/dh_t
         G = _row(a, rows, 0) * _row(x, rows, 0)  # the carry into the previous tile
         if HAS_Z:
-            ys = tl.sum(hs * Ct[:, None, :], axis=2)
+            ys = tl.sum(hs * Ct[:, :, None], axis=1)
             if SPLIT_N:  # y needs every state block: dz is finished outside
                 tl.store(ys_ptr + out_base + t64[:, None] * Dn + d[None, :], ys, mask=m2)
             else:
@@ -395,8 +408,8 @@ def _bwd_kernel(
                 dz = dy * ys * sz * (1.0 + z * (1.0 - sz))
                 tl.store(dz_ptr + out_base + t64[:, None] * Dn + d[None, :], dz, mask=m2)
         xhb = x * (hs - bx)  # g_t a_t h_{t-1}
-        xB = tl.sum(x * Bt[:, None, :], axis=2)
-        ddt = u * xB + tl.sum(xhb * A[None, :, :], axis=2)
+        xB = tl.sum(x * Bt[:, :, None], axis=1)
+        ddt = u * xB + tl.sum(xhb * A[None, :, :], axis=1)
         du = dt * xB
         if HAS_D:
             du += Dv[None, :] * gy  # Dv is 0 outside the first state block
@@ -407,16 +420,16 @@ def _bwd_kernel(
         tl.store(du_ptr + out_base + t64[:, None] * Dn + d[None, :], du, mask=m2)
         tl.store(ddt_ptr + out_base + t64[:, None] * Dn + d[None, :], ddt, mask=m2)
         off_p = part_base + t64[:, None] * N + n[None, :]
-        tl.store(dB_ptr + off_p, tl.sum(x * dtu[:, :, None], axis=1), mask=mtn)
-        tl.store(dC_ptr + off_p, tl.sum(hs * gy[:, :, None], axis=1), mask=mtn)
-        dA_acc += tl.sum(xhb * dt[:, :, None], axis=0)
+        tl.store(dB_ptr + off_p, tl.sum(x * dtu[:, None, :], axis=2), mask=mtn)
+        tl.store(dC_ptr + off_p, tl.sum(hs * gy[:, None, :], axis=2), mask=mtn)
+        dA_acc += tl.sum(xhb * dt[:, None, :], axis=0)
     tl.store(dA_ptr + off_seg, dA_acc, mask=mdn)  # [B, nseg, D, N] partials
     off_part = (b * nseg + s) * Dn + d  # [B, nseg, D] partials
     tl.store(db_ptr + pid_n * Bsz * nseg * Dn + off_part, db_acc, mask=md)
     if HAS_D:
         tl.store(dD_ptr + off_part, dD_acc, mask=_in_range(md, pid_n, 1))
     if HAS_H0:  # after the first segment, G is dL/d initial_state
-        off_0 = (b * Dn + d[:, None]) * N + n[None, :]
+        off_0 = (b * Dn + d[None, :]) * N + n[:, None]
         tl.store(dh0_ptr + off_0, G, mask=_in_range(mdn, s, 1))
 
 
@@ -432,17 +445,21 @@ def _new(shape, dtype, device) -> torch.Tensor:
 def config(N: int, Dn: int, interpret: bool, override: dict | None = None) -> dict:
     """Launch parameters (fixed, never autotuned, so reruns are bit-identical).
 
-    TC: time tile (the saved states are 4 D N / TC bytes per token); BLOCK_D / BWD_BLOCK_D:
-    channels per program; SEG_CHUNKS: tiles per segment (0: the whole sequence, cut only when
-    rows x channel blocks give fewer than MIN_PROGRAMS programs; None there: 2 per SM)."""
+    FWD_TC / TC: the forward's / the backward's time tile; the forward saves the state every
+    TC steps (4 D N / TC bytes per token). BLOCK_D / BWD_BLOCK_D: channels per program (along
+    the lanes; the states of a channel stay in one thread, so sums over N need no shuffles).
+    STAGES: software-pipelining depth of the tile loop. SEG_CHUNKS: tiles per segment (0: the
+    whole sequence, cut only when rows x channel blocks give fewer than MIN_PROGRAMS programs;
+    None there: 2 per SM)."""
     bn = min(triton.next_power_of_2(N), MAX_BLOCK_N)
     p2 = triton.next_power_of_2(Dn)
     if interpret:  # small tiles, and segments of two tiles so the carries run in every test
-        cfg = dict(TC=8, BLOCK_D=min(8, p2), BWD_BLOCK_D=min(8, p2), BLOCK_N=bn, num_warps=1,
-                   bwd_warps=1, BLOCK_E=64, CB=8, SEG_CHUNKS=2, MIN_PROGRAMS=0)  # fmt: skip
+        cfg = dict(FWD_TC=4, TC=8, BLOCK_D=min(8, p2), BWD_BLOCK_D=min(8, p2), BLOCK_N=bn,
+                   num_warps=1, bwd_warps=1, STAGES=1, BLOCK_E=64, CB=8, SEG_CHUNKS=2,
+                   MIN_PROGRAMS=0)  # fmt: skip
     else:
-        cfg = dict(TC=16, BLOCK_D=min(16, p2), BWD_BLOCK_D=min(16, p2), BLOCK_N=bn,
-                   num_warps=4, bwd_warps=4, BLOCK_E=256, CB=16, SEG_CHUNKS=0,
+        cfg = dict(FWD_TC=2, TC=2, BLOCK_D=min(32, p2), BWD_BLOCK_D=min(8, p2), BLOCK_N=bn,
+                   num_warps=1, bwd_warps=1, STAGES=2, BLOCK_E=256, CB=16, SEG_CHUNKS=0,
                    MIN_PROGRAMS=None)  # fmt: skip
     env = os.environ.get("MAMBAKIT_SCAN_CONFIG")  # a tuning knob: JSON of the keys above
     if env:
@@ -452,7 +469,7 @@ def config(N: int, Dn: int, interpret: bool, override: dict | None = None) -> di
 
 
 def state_chunk(is_cuda: bool) -> int:
-    """Timesteps between the states the forward saves (the time tile)."""
+    """Timesteps between the states the forward saves (the backward's time tile)."""
     return config(1, 1, not is_cuda)["TC"]
 
 
@@ -510,14 +527,15 @@ def scan_fwd(
     save_states: bool,
     config_override: dict | None = None,
 ):
-    """(y [B, T, D] in u.dtype, final state [B, D, N] f32, tile-start states [B, T/TC, D, N]
-    or an empty tensor)."""
+    """(y [B, T, D] in u.dtype, final state [B, D, N] f32, the states at every TC-th step
+    [B, T/TC, D, N] or an empty tensor)."""
     Bsz, T, Dn = u.shape
     N = A.shape[1]
     dev = u.device
     cfg = config(N, Dn, not u.is_cuda, config_override)
-    tc, bd, bn = cfg["TC"], cfg["BLOCK_D"], cfg["BLOCK_N"]
+    tc, ts, bd, bn = cfg["FWD_TC"], cfg["TC"], cfg["BLOCK_D"], cfg["BLOCK_N"]
     nb, nc, ndb = triton.cdiv(N, bn), triton.cdiv(T, tc), triton.cdiv(Dn, bd)
+    ns = triton.cdiv(T, ts)
     nseg, per = _segments(nc, Bsz * ndb * nb, cfg, dev)
     f32 = torch.float32
     A = A.contiguous()
@@ -530,13 +548,15 @@ def scan_fwd(
         HAS_SEQ=seq_idx is not None,
         SPLIT_N=nb > 1,
         TC=tc,
+        TS=ts,
         BLOCK_D=bd,
         BLOCK_N=bn,
+        STAGES=cfg["STAGES"],
         num_warps=cfg["num_warps"],
     )
     grid = (ndb, nseg, Bsz * nb)
     ins = (u, delta, A, B, C, _opt(D, A), _opt(z, u), _opt(delta_bias, A), _opt(seq_idx, A))
-    sizes = (T, Dn, N, Bsz, nc, nseg, per, *_strides(u, delta, B, C, z, seq_idx))
+    sizes = (T, Dn, N, Bsz, nc, ns, nseg, per, *_strides(u, delta, B, C, z, seq_idx))
     hT = _new((Bsz, Dn, N), f32, dev)
     start = h0
     if nseg > 1:  # each segment's summary, then the start state of every segment
@@ -560,7 +580,7 @@ def scan_fwd(
             CB=cfg["CB"],
         )
         del hloc, P
-    states = _new((Bsz, nc, Dn, N), f32, dev) if save_states else _new((0,), f32, dev)
+    states = _new((Bsz, ns, Dn, N), f32, dev) if save_states else _new((0,), f32, dev)
     y = _new((Bsz, T, Dn), u.dtype, dev) if nb == 1 else _new((nb, Bsz, T, Dn), f32, dev)
     _fwd_kernel[grid](
         *ins, _opt(start, A), _opt(states, A), hT, A, A, y, *sizes,
@@ -617,6 +637,7 @@ def scan_bwd(
         TC=tc,
         BLOCK_D=bd,
         BLOCK_N=bn,
+        STAGES=cfg["STAGES"],
         num_warps=cfg["bwd_warps"],
     )
     grid = (ndb, nseg, Bsz * nb)
