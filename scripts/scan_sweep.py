@@ -16,26 +16,19 @@ import triton.testing
 
 from mambakit.ops.selective_scan import kernels as K
 
-FWD = [  # FWD_TC, BLOCK_D, num_warps, STAGES
-    (2, 32, 1, 2),
-    (2, 32, 1, 1),
-    (1, 32, 1, 2),
-    (4, 32, 1, 2),
-    (2, 16, 1, 2),
-    (4, 16, 1, 2),
+FWD = [  # FWD_TC, BLOCK_D, num_warps, STAGES (session 2's first sweep: 8 / 16 / 1 / 2 best)
     (8, 16, 1, 2),
-    (2, 64, 2, 2),
-    (16, 16, 4, 1),
-]
-BWD = [  # TC, BWD_BLOCK_D, bwd_warps, STAGES
-    (2, 8, 1, 2),
-    (2, 8, 1, 1),
-    (4, 8, 1, 2),
-    (4, 4, 1, 2),
-    (2, 16, 1, 2),
-    (2, 4, 1, 2),
+    (8, 16, 1, 3),
+    (16, 16, 1, 2),
+    (8, 32, 1, 2),
+    (16, 8, 1, 2),
     (8, 8, 1, 2),
-    (1, 16, 1, 2),
+]
+BWD = [  # TC, BWD_BLOCK_D, bwd_warps, STAGES (first sweep: 4 / 8 / 1 / 2 best)
+    (4, 8, 1, 2),
+    (4, 8, 1, 3),
+    (8, 4, 1, 2),
+    (2, 8, 1, 3),
 ]
 
 
@@ -45,6 +38,49 @@ def timed(fn) -> float:
     except Exception as e:  # a config that does not compile or run is reported, not fatal
         print("  failed:", type(e).__name__, str(e)[:300], flush=True)
         return float("inf")
+
+
+def shape_inputs(Bsz, T, Dn=1536, N=16):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    bf = torch.bfloat16
+    xz = torch.randn(Bsz, T, 2 * Dn, device="cuda", generator=g).to(bf)
+    xb = torch.randn(Bsz, T, 2 * N, device="cuda", generator=g).to(bf)
+    dt = (torch.randn(Bsz, T, Dn, device="cuda", generator=g) * 0.1).to(bf)
+    A = -torch.arange(1, N + 1, device="cuda", dtype=torch.float32).repeat(Dn, 1)
+    D = torch.ones(Dn, device="cuda")
+    bias = torch.full((Dn,), -4.0, device="cuda")
+    a = (xz[..., :Dn], dt, A, xb[..., :N], xb[..., N:], D, xz[..., Dn:], bias)
+    return a, torch.randn(Bsz, T, Dn, device="cuda", generator=g).to(bf)
+
+
+def min_programs(pick: dict, rows: list) -> int | None:
+    """The segment threshold (programs below which time is cut into segments), chosen by
+    the sum over shapes of time / best time for that shape."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    options = [None, 4 * sms, 8 * sms, 16 * sms]
+    shapes = [(8, 2048), (1, 65536), (1, 4096)]
+    times = {}
+    for Bsz, T in shapes:
+        a, gy = shape_inputs(Bsz, T)
+        for mp in options:
+            c = dict(pick, MIN_PROGRAMS=mp)
+            f = timed(lambda c=c, a=a: K.scan_fwd(*a, True, None, None, True, config_override=c))
+            _, _, st = K.scan_fwd(*a, True, None, None, True, config_override=c)
+            b = timed(
+                lambda c=c, a=a, st=st, gy=gy: K.scan_bwd(
+                    gy, None, *a, True, None, None, st, config_override=c
+                )
+            )
+            times[(Bsz, T, mp)] = f + b
+            row = {"kernel": "segments", "shape": f"{Bsz}x{T}", "MIN_PROGRAMS": mp}
+            rows.append({**row, "fwd_ms": f, "bwd_ms": b})
+            print(rows[-1], flush=True)
+        del a, gy
+    score = {
+        mp: sum(times[(b, t, mp)] / min(times[(b, t, o)] for o in options) for b, t in shapes)
+        for mp in options
+    }
+    return min(options, key=lambda mp: score[mp])
 
 
 def main() -> None:
@@ -92,6 +128,10 @@ def main() -> None:
     print("best fwd", best_f, "best bwd", best_b, flush=True)
     pick = {k: best_f[k] for k in ("FWD_TC", "BLOCK_D", "num_warps")}
     pick.update({k: best_b[k] for k in ("TC", "BWD_BLOCK_D", "bwd_warps", "STAGES")})
+    pick["MIN_PROGRAMS"] = min_programs(pick, rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
     print(json.dumps(pick))
 
 

@@ -24,7 +24,9 @@ class Mamba(nn.Module):
 
     A drop-in for `mamba_ssm.Mamba`: `y = mixer(x)`. With `return_state=True` it
     also takes the state of this layer, conv [B, K-1, D] and ssm [B, D, N]
-    (both f32), and returns the final one, differentiable.
+    (both f32), and returns the final one, differentiable. Between in_proj and
+    out_proj it runs `mamba_inner` (layers/inner.py), which on the Triton backend is
+    one autograd node that recomputes the conv output and delta in the backward.
     """
 
     def __init__(
