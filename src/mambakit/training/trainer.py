@@ -113,7 +113,8 @@ def count_targets(batch: Batch) -> torch.Tensor:
     if "targets" in batch:
         return (batch["targets"] != -100).sum()
     first = next(iter(batch.values()))
-    return torch.tensor(first.shape[0] * first.shape[1], device=first.device)
+    # a fill, not a host-to-device copy: this runs inside CUDA-graph capture too
+    return torch.full((), first.shape[0] * first.shape[1], device=first.device)
 
 
 def lm_loss(model: nn.Module, batch: Batch, state: MambaState | None):
