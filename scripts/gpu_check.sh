@@ -28,7 +28,7 @@ fi
 if stage model; then
   echo "== bench_model" | tee -a "$LOG"
   timeout ${T_MODEL:-120} python benchmarks/bench_model.py --out "$OUT/bench_model.json" \
-    --profile "$OUT/profile_train_step.txt" 2>&1 | tee -a "$LOG"
+    --profile "$OUT/profile_train_step.txt" ${MODEL_ARGS:-} 2>&1 | tee -a "$LOG"
 fi
 if stage tests; then
   echo "== pytest -m gpu" | tee -a "$LOG"
@@ -40,6 +40,6 @@ if stage train; then
 fi
 if stage decode; then
   echo "== bench_decode" | tee -a "$LOG"
-  timeout ${T_DECODE:-90} python benchmarks/bench_decode.py --out "$OUT/bench_decode.json" 2>&1 | tee -a "$LOG"
+  timeout ${T_DECODE:-90} python benchmarks/bench_decode.py --out "$OUT/bench_decode.json" ${DECODE_ARGS:-} 2>&1 | tee -a "$LOG"
 fi
 echo "== done" | tee -a "$LOG"

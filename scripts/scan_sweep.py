@@ -16,19 +16,18 @@ import triton.testing
 
 from mambakit.ops.selective_scan import kernels as K
 
-FWD = [  # FWD_TC, BLOCK_D, num_warps, STAGES (session 2's first sweep: 8 / 16 / 1 / 2 best)
-    (8, 16, 1, 2),
+FWD = [  # FWD_TC, BLOCK_D, num_warps, FWD_STAGES (session 2's sweeps: 8 / 16 / 1 / 3 best)
     (8, 16, 1, 3),
-    (16, 16, 1, 2),
-    (8, 32, 1, 2),
-    (16, 8, 1, 2),
-    (8, 8, 1, 2),
+    (8, 16, 1, 4),
+    (16, 16, 1, 3),
+    (8, 32, 1, 3),
 ]
 BWD = [  # TC, BWD_BLOCK_D, bwd_warps, STAGES (first sweep: 4 / 8 / 1 / 2 best)
     (4, 8, 1, 2),
     (4, 8, 1, 3),
-    (8, 4, 1, 2),
-    (2, 8, 1, 3),
+    (8, 8, 1, 2),
+    (2, 8, 1, 2),
+    (4, 16, 1, 2),
 ]
 
 
@@ -53,17 +52,16 @@ def shape_inputs(Bsz, T, Dn=1536, N=16):
     return a, torch.randn(Bsz, T, Dn, device="cuda", generator=g).to(bf)
 
 
-def min_programs(pick: dict, rows: list) -> int | None:
+def min_programs(pick: dict, rows: list) -> int:
     """The segment threshold (programs below which time is cut into segments), chosen by
     the sum over shapes of time / best time for that shape."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    options = [None, 4 * sms, 8 * sms, 16 * sms]
+    options = [2, 4, 8, 16]
     shapes = [(8, 2048), (1, 65536), (1, 4096)]
     times = {}
     for Bsz, T in shapes:
         a, gy = shape_inputs(Bsz, T)
         for mp in options:
-            c = dict(pick, MIN_PROGRAMS=mp)
+            c = dict(pick, MIN_PROGRAMS_PER_SM=mp)
             f = timed(lambda c=c, a=a: K.scan_fwd(*a, True, None, None, True, config_override=c))
             _, _, st = K.scan_fwd(*a, True, None, None, True, config_override=c)
             b = timed(
@@ -72,7 +70,7 @@ def min_programs(pick: dict, rows: list) -> int | None:
                 )
             )
             times[(Bsz, T, mp)] = f + b
-            row = {"kernel": "segments", "shape": f"{Bsz}x{T}", "MIN_PROGRAMS": mp}
+            row = {"kernel": "segments", "shape": f"{Bsz}x{T}", "MIN_PROGRAMS_PER_SM": mp}
             rows.append({**row, "fwd_ms": f, "bwd_ms": b})
             print(rows[-1], flush=True)
         del a, gy
@@ -102,7 +100,7 @@ def main() -> None:
     gy = r(Bsz, T, Dn).to(bf)
     rows = []
     for tc, bd, w, st in FWD:
-        c = dict(FWD_TC=tc, BLOCK_D=bd, num_warps=w, STAGES=st)
+        c = dict(FWD_TC=tc, BLOCK_D=bd, num_warps=w, FWD_STAGES=st)
         ms = timed(lambda c=c: K.scan_fwd(*a, True, None, None, True, config_override=c))
         rows.append({"kernel": "fwd", **c, "ms": ms})
         print(rows[-1], flush=True)
@@ -126,9 +124,9 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
     print("best fwd", best_f, "best bwd", best_b, flush=True)
-    pick = {k: best_f[k] for k in ("FWD_TC", "BLOCK_D", "num_warps")}
+    pick = {k: best_f[k] for k in ("FWD_TC", "BLOCK_D", "num_warps", "FWD_STAGES")}
     pick.update({k: best_b[k] for k in ("TC", "BWD_BLOCK_D", "bwd_warps", "STAGES")})
-    pick["MIN_PROGRAMS"] = min_programs(pick, rows)
+    pick["MIN_PROGRAMS_PER_SM"] = min_programs(pick, rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

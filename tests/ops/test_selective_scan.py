@@ -195,6 +195,7 @@ CASES = [
     Case(T=17, D=False, z=False, bias=False, h0=False, seq=False),  # final-state grad only
     Case(Bsz=1, T=20, Dn=3, N=40),  # N split over two state blocks
     Case(strided=True, dtype=BF16),
+    Case(T=32, Dn=8, N=4, dtype=BF16),  # whole tiles: the kernels drop their masks
 ]
 
 
