@@ -201,6 +201,9 @@ def decode_table(args, device: torch.device) -> list[dict]:
             if B == 1 and device.type == "cuda":
                 extra["roofline_us_per_token"] = bound_us
             out.append(record(wl, impl, B, new, total, prefill, args.dtype, shapes, **extra))
+            r = out[-1]  # progress, in case a later row does not finish
+            print(f"  {impl} batch {B}: {r['tokens_per_s']:,.0f} tokens/s, "
+                  f"{r['us_per_token']:.1f} us/token, {kernels} kernels/step", flush=True)  # fmt: skip
         if device.type == "cuda" and not args.no_peers:
             for name, fn in (
                 ("mamba_ssm cg=True", bench_mamba_ssm),

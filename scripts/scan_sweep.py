@@ -16,19 +16,20 @@ import triton.testing
 
 from mambakit.ops.selective_scan import kernels as K
 
-FWD = [  # FWD_TC, BLOCK_D, num_warps, FWD_STAGES (session 2's sweeps: 8 / 16 / 1 / 3 best)
-    (8, 16, 1, 3),
-    (8, 16, 1, 4),
-    (16, 16, 1, 3),
-    (8, 32, 1, 3),
+FWD = [  # FWD_TC, BLOCK_D, num_warps, FWD_STAGES, fwd_maxnreg (earlier sweeps: 8 / 32 / 1 / 3)
+    (8, 32, 1, 3, None),
+    (4, 32, 1, 3, None),
+    (8, 16, 1, 3, None),
+    (8, 16, 1, 3, 168),
 ]
-BWD = [  # TC, BWD_BLOCK_D, bwd_warps, STAGES (first sweep: 4 / 8 / 1 / 2 best)
-    (4, 8, 1, 2),
-    (4, 8, 1, 3),
-    (8, 8, 1, 2),
-    (2, 8, 1, 2),
-    (4, 16, 1, 2),
+BWD = [  # TC, BWD_BLOCK_D, bwd_warps, STAGES, bwd_maxnreg (earlier sweeps: 4 / 8 / 1 / 2)
+    (4, 8, 1, 2, None),
+    (4, 8, 1, 2, 168),
+    (4, 8, 1, 2, 192),
+    (2, 8, 1, 2, 168),
+    (8, 8, 1, 2, 192),
 ]
+SEGMENTS = [(2, 8), (2, 16), (1, 8), (4, 8)]  # (SEG_BELOW_PER_SM, SEG_TARGET_PER_SM)
 
 
 def timed(fn) -> float:
@@ -52,16 +53,16 @@ def shape_inputs(Bsz, T, Dn=1536, N=16):
     return a, torch.randn(Bsz, T, Dn, device="cuda", generator=g).to(bf)
 
 
-def min_programs(pick: dict, rows: list) -> int:
-    """The segment threshold (programs below which time is cut into segments), chosen by
-    the sum over shapes of time / best time for that shape."""
-    options = [2, 4, 8, 16]
+def segments(pick: dict, rows: list) -> tuple[int, int]:
+    """When to cut time into segments (programs per SM below which, and how many to aim for),
+    chosen by the sum over shapes of time / best time for that shape."""
+    options = SEGMENTS
     shapes = [(8, 2048), (1, 65536), (1, 4096)]
     times = {}
     for Bsz, T in shapes:
         a, gy = shape_inputs(Bsz, T)
         for mp in options:
-            c = dict(pick, MIN_PROGRAMS_PER_SM=mp)
+            c = dict(pick, SEG_BELOW_PER_SM=mp[0], SEG_TARGET_PER_SM=mp[1])
             f = timed(lambda c=c, a=a: K.scan_fwd(*a, True, None, None, True, config_override=c))
             _, _, st = K.scan_fwd(*a, True, None, None, True, config_override=c)
             b = timed(
@@ -70,7 +71,7 @@ def min_programs(pick: dict, rows: list) -> int:
                 )
             )
             times[(Bsz, T, mp)] = f + b
-            row = {"kernel": "segments", "shape": f"{Bsz}x{T}", "MIN_PROGRAMS_PER_SM": mp}
+            row = {"kernel": "segments", "shape": f"{Bsz}x{T}", "below_target_per_sm": mp}
             rows.append({**row, "fwd_ms": f, "bwd_ms": b})
             print(rows[-1], flush=True)
         del a, gy
@@ -99,13 +100,13 @@ def main() -> None:
     a = (u, dt, A, B, C, D, z, bias)
     gy = r(Bsz, T, Dn).to(bf)
     rows = []
-    for tc, bd, w, st in FWD:
-        c = dict(FWD_TC=tc, BLOCK_D=bd, num_warps=w, FWD_STAGES=st)
+    for tc, bd, w, st, r in FWD:
+        c = dict(FWD_TC=tc, BLOCK_D=bd, num_warps=w, FWD_STAGES=st, fwd_maxnreg=r)
         ms = timed(lambda c=c: K.scan_fwd(*a, True, None, None, True, config_override=c))
         rows.append({"kernel": "fwd", **c, "ms": ms})
         print(rows[-1], flush=True)
-    for tc, bd, w, st in BWD:
-        c = dict(TC=tc, BWD_BLOCK_D=bd, bwd_warps=w, STAGES=st)
+    for tc, bd, w, st, r in BWD:
+        c = dict(TC=tc, BWD_BLOCK_D=bd, bwd_warps=w, STAGES=st, bwd_maxnreg=r)
         try:
             _, _, states = K.scan_fwd(*a, True, None, None, True, config_override={"TC": tc})
             ms = timed(
@@ -124,9 +125,10 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
     print("best fwd", best_f, "best bwd", best_b, flush=True)
-    pick = {k: best_f[k] for k in ("FWD_TC", "BLOCK_D", "num_warps", "FWD_STAGES")}
-    pick.update({k: best_b[k] for k in ("TC", "BWD_BLOCK_D", "bwd_warps", "STAGES")})
-    pick["MIN_PROGRAMS_PER_SM"] = min_programs(pick, rows)
+    pick = {k: best_f[k] for k in ("FWD_TC", "BLOCK_D", "num_warps", "FWD_STAGES", "fwd_maxnreg")}
+    pick.update({k: best_b[k] for k in ("TC", "BWD_BLOCK_D", "bwd_warps", "STAGES", "bwd_maxnreg")})
+    below, target = segments(pick, rows)
+    pick.update(SEG_BELOW_PER_SM=below, SEG_TARGET_PER_SM=target)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

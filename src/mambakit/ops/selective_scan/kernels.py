@@ -470,24 +470,27 @@ def config(N: int, Dn: int, interpret: bool, override: dict | None = None) -> di
     FWD_TC / TC: the forward's / the backward's time tile; the forward saves the state every
     TC steps (4 D N / TC bytes per token). BLOCK_D / BWD_BLOCK_D: channels per program (along
     the lanes; the states of a channel stay in one thread, so sums over N need no shuffles).
-    FWD_STAGES / STAGES: software-pipelining depth of the tile loops. SEG_CHUNKS: tiles per
-    segment (0: the whole sequence, cut only when rows x channel blocks give fewer than
-    MIN_PROGRAMS programs; None there: MIN_PROGRAMS_PER_SM per SM)."""
+    FWD_STAGES / STAGES: software-pipelining depth of the tile loops; fwd_maxnreg /
+    bwd_maxnreg: a register cap (more programs per SM). SEG_CHUNKS: tiles per segment (0: the
+    whole sequence, cut only when rows x channel blocks give fewer than MIN_PROGRAMS programs,
+    by default SEG_BELOW_PER_SM per SM, and then into enough segments for SEG_TARGET_PER_SM
+    programs per SM)."""
     bn = min(triton.next_power_of_2(N), MAX_BLOCK_N)
     p2 = triton.next_power_of_2(Dn)
     if interpret:  # small tiles, and segments of two tiles so the carries run in every test
         cfg = dict(FWD_TC=4, TC=8, BLOCK_D=min(8, p2), BWD_BLOCK_D=min(8, p2), BLOCK_N=bn,
                    num_warps=1, bwd_warps=1, FWD_STAGES=1, STAGES=1, BLOCK_E=64, CB=8, SEG_CHUNKS=2,
-                   MIN_PROGRAMS=0)  # fmt: skip
+                   MIN_PROGRAMS=0, SEG_TARGET_PER_SM=0)  # fmt: skip
     else:
         # measured on the H200 at 8x2048x1536x16 bf16 (scripts/scan_sweep.py): forward tile 8 x
         # 16 channels, 1 warp, 3 stages 0.422 ms (tile 2: 1.41; tile 16 / 4 warps: 1.52);
         # backward tile 4 x 8 channels, 1 warp, 2.22 ms (tile 2: 2.39; tile 8: 2.88; 4
         # channels: 5.04). Segments below 8 programs per SM: 1x65536 fwd+bwd 17.5 ms instead of
         # 42.2 (2 per SM), 8x2048 unchanged.
-        cfg = dict(FWD_TC=8, TC=4, BLOCK_D=min(16, p2), BWD_BLOCK_D=min(8, p2), BLOCK_N=bn,
+        cfg = dict(FWD_TC=8, TC=4, BLOCK_D=min(32, p2), BWD_BLOCK_D=min(8, p2), BLOCK_N=bn,
                    num_warps=1, bwd_warps=1, FWD_STAGES=3, STAGES=2, BLOCK_E=256, CB=16,
-                   SEG_CHUNKS=0, MIN_PROGRAMS=None, MIN_PROGRAMS_PER_SM=8)  # fmt: skip
+                   SEG_CHUNKS=0, MIN_PROGRAMS=None, SEG_BELOW_PER_SM=2,
+                   SEG_TARGET_PER_SM=8)  # fmt: skip
     env = os.environ.get("MAMBAKIT_SCAN_CONFIG")  # a tuning knob: JSON of the keys above
     if env:
         cfg.update(json.loads(env))
@@ -509,11 +512,12 @@ def _segments(nc: int, programs: int, cfg: dict, device: torch.device) -> tuple[
     """(segments, tiles per segment) for nc tiles and `programs` programs per segment."""
     per = cfg.get("SEG_CHUNKS") or 0
     if per <= 0:
-        target = cfg.get("MIN_PROGRAMS")
-        if target is None:
-            per_sm = cfg.get("MIN_PROGRAMS_PER_SM", 8)
-            target = per_sm * _sm_count(device.index or 0) if device.type == "cuda" else 0
-        nseg = 1 if programs >= target else min(nc, triton.cdiv(target, programs))
+        sms = _sm_count(device.index or 0) if device.type == "cuda" else 0
+        below = cfg.get("MIN_PROGRAMS")
+        if below is None:
+            below = cfg.get("SEG_BELOW_PER_SM", 2) * sms
+        target = max(below, cfg.get("SEG_TARGET_PER_SM", 8) * sms)
+        nseg = 1 if programs >= below else min(nc, triton.cdiv(target, programs))
         per = triton.cdiv(nc, nseg)
     per = max(1, min(per, nc))
     return triton.cdiv(nc, per), per
@@ -522,6 +526,10 @@ def _segments(nc: int, programs: int, cfg: dict, device: torch.device) -> tuple[
 def _even(T, Dn, N, tc, bd, bn, whole_segments) -> bool:
     """Every tile of every program lies inside the tensors: the kernels drop their masks."""
     return T % tc == 0 and Dn % bd == 0 and N % bn == 0 and whole_segments
+
+
+def _maxnreg(n: int | None) -> dict:
+    return {} if not n else {"maxnreg": int(n)}
 
 
 def _opt(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -587,6 +595,7 @@ def scan_fwd(
         STAGES=cfg["FWD_STAGES"],
         EVEN=_even(T, Dn, N, tc, bd, bn, nseg * per == nc),
         num_warps=cfg["num_warps"],
+        **_maxnreg(cfg.get("fwd_maxnreg")),
     )
     grid = (ndb, nseg, Bsz * nb)
     ins = (u, delta, A, B, C, _opt(D, A), _opt(z, u), _opt(delta_bias, A), _opt(seq_idx, A))
@@ -674,6 +683,7 @@ def scan_bwd(
         STAGES=cfg["STAGES"],
         EVEN=_even(T, Dn, N, tc, bd, bn, nseg * per == nc),
         num_warps=cfg["bwd_warps"],
+        **_maxnreg(cfg.get("bwd_maxnreg")),
     )
     grid = (ndb, nseg, Bsz * nb)
     strides = _strides(u, delta, B, C, z, seq_idx)
