@@ -202,8 +202,8 @@ def decode_table(args, device: torch.device) -> list[dict]:
                 extra["roofline_us_per_token"] = bound_us
             out.append(record(wl, impl, B, new, total, prefill, args.dtype, shapes, **extra))
             r = out[-1]  # progress, in case a later row does not finish
-            print(f"  {impl} batch {B}: {r['tokens_per_s']:,.0f} tokens/s, "
-                  f"{r['us_per_token']:.1f} us/token, {kernels} kernels/step", flush=True)  # fmt: skip
+            tps, us = r["tokens_per_s"], r["us_per_token"]
+            print(f"  {impl} batch {B}: {tps:,.0f} tokens/s, {us:.1f} us/token", flush=True)
         if device.type == "cuda" and not args.no_peers:
             for name, fn in (
                 ("mamba_ssm cg=True", bench_mamba_ssm),
