@@ -18,18 +18,17 @@ from mambakit.ops.selective_scan import kernels as K
 
 FWD = [  # FWD_TC, BLOCK_D, num_warps, FWD_STAGES, fwd_maxnreg (earlier sweeps: 8 / 32 / 1 / 3)
     (8, 32, 1, 3, None),
-    (4, 32, 1, 3, None),
-    (8, 16, 1, 3, None),
     (8, 16, 1, 3, 168),
 ]
-BWD = [  # TC, BWD_BLOCK_D, bwd_warps, STAGES, bwd_maxnreg (earlier sweeps: 4 / 8 / 1 / 2)
-    (4, 8, 1, 2, None),
-    (4, 8, 1, 2, 168),
-    (4, 8, 1, 2, 192),
-    (2, 8, 1, 2, 168),
-    (8, 8, 1, 2, 192),
+BWD = [  # the backward in one kernel (TC 4 / 8 channels best so far), or two (SPLIT_BWD)
+    dict(TC=4, BWD_BLOCK_D=8, bwd_warps=1, STAGES=2, SPLIT_BWD=False),
+    dict(TC=4, BWD_BLOCK_D=16, bwd_warps=1, STAGES=2, SPLIT_BWD=True, STATE_BLOCK_D=16),
+    dict(TC=4, BWD_BLOCK_D=16, bwd_warps=1, STAGES=2, SPLIT_BWD=True, STATE_BLOCK_D=32),
+    dict(TC=2, BWD_BLOCK_D=32, bwd_warps=1, STAGES=2, SPLIT_BWD=True, STATE_BLOCK_D=32),
+    dict(TC=2, BWD_BLOCK_D=16, bwd_warps=1, STAGES=2, SPLIT_BWD=True, STATE_BLOCK_D=16),
 ]
-SEGMENTS = [(2, 8), (2, 16), (1, 8), (4, 8)]  # (SEG_BELOW_PER_SM, SEG_TARGET_PER_SM)
+BWD_KEYS = ("TC", "BWD_BLOCK_D", "bwd_warps", "STAGES", "SPLIT_BWD", "STATE_BLOCK_D")
+SEGMENTS = [(2, 8), (2, 16)]  # (SEG_BELOW_PER_SM, SEG_TARGET_PER_SM)
 
 
 def timed(fn) -> float:
@@ -105,8 +104,8 @@ def main() -> None:
         ms = timed(lambda c=c: K.scan_fwd(*a, True, None, None, True, config_override=c))
         rows.append({"kernel": "fwd", **c, "ms": ms})
         print(rows[-1], flush=True)
-    for tc, bd, w, st, r in BWD:
-        c = dict(TC=tc, BWD_BLOCK_D=bd, bwd_warps=w, STAGES=st, bwd_maxnreg=r)
+    for c in BWD:
+        tc = c["TC"]
         try:
             _, _, states = K.scan_fwd(*a, True, None, None, True, config_override={"TC": tc})
             ms = timed(
