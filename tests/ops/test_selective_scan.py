@@ -217,14 +217,12 @@ def test_sum_loss(c: Case, seed):
         {"SEG_CHUNKS": 1},
         {"SEG_CHUNKS": 3},
         {"FWD_TC": 8, "TC": 2, "SEG_CHUNKS": 2},
-        {"SPLIT_BWD": False},
-        {"SPLIT_BWD": True, "STATE_BLOCK_D": 4, "BWD_BLOCK_D": 2},
     ],
-    ids=["seg1", "seg3", "fwd-tile-8-bwd-tile-2", "one-bwd-kernel", "two-bwd-kernels"],
+    ids=["seg1", "seg3", "fwd-tile-8-bwd-tile-2"],
 )
 def test_tilings_and_segments_agree(cfg: dict, seed):
-    """Other time tiles, time cut into segments (with carries between them), and the backward
-    in one or two kernels give the results of one segment per row."""
+    """Other time tiles, and time cut into segments (with carries between them), give the
+    results of one segment per row."""
     from mambakit.ops.selective_scan import kernels as K
 
     c = Case(T=45, N=3)
@@ -234,10 +232,7 @@ def test_tilings_and_segments_agree(cfg: dict, seed):
     gy = torch.randn(c.Bsz, c.T, c.Dn)
     gT = torch.randn(c.Bsz, c.Dn, c.N)
     outs = []
-    for override in (
-        cfg,
-        {"SEG_CHUNKS": 0, "MIN_PROGRAMS": 0, "SPLIT_BWD": not cfg.get("SPLIT_BWD", True)},
-    ):
+    for override in (cfg, {"SEG_CHUNKS": 0, "MIN_PROGRAMS": 0}):
         y, hT, states = K.scan_fwd(*args, True, h0, seq, True, config_override=override)
         tc = K.config(c.N, c.Dn, DEVICE != "cuda", override)["TC"]
         assert states.shape == (c.Bsz, -(-c.T // tc), c.Dn, c.N)

@@ -141,10 +141,15 @@ def _conv_dc(
     stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st, stride_gt, stride_gd,
     K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr,
+    p_dc, stride_ct, FROM_BUF: tl.constexpr,
 ):
-    """dL/dc at times q [BT]: dout through the activation; zero outside [0, T)."""
+    """dL/dc at times q [BT]: dout through the activation; zero outside [0, T). FROM_BUF: read
+    it from p_dc ([T, D] f32 of this row, filled by `_conv_dc_kernel`) instead."""
     in_q = (q >= 0) & (q < T)
     t_q = tl.where(in_q, q, 0)
+    if FROM_BUF:
+        return tl.load(p_dc + t_q[:, None] * stride_ct + offs_d[None, :],
+                       mask=in_q[:, None] & mask_d[None, :], other=0.0)
     dc = tl.load(
         p_dout + t_q[:, None] * stride_gt + offs_d[None, :] * stride_gd,
         mask=in_q[:, None] & mask_d[None, :], other=0.0,
@@ -170,7 +175,7 @@ def _conv_dx(
     stride_ft, stride_fd,
     K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr,
-    HAS_DFINAL: tl.constexpr,
+    HAS_DFINAL: tl.constexpr, p_dc, stride_ct, FROM_BUF: tl.constexpr,
 ):
     """dL/d input at times s [BT] (negative s: the initial state), given dc0 = dL/dc at s."""
     b_w = tl.load(p_w + offs_d * stride_wd + (K - 1) * stride_wk, mask=mask_d, other=0.0)
@@ -183,7 +188,7 @@ def _conv_dx(
         dc = _conv_dc(
             p_x, p_init, p_w, p_b, p_seq, p_dout, q, offs_d, mask_d, T,
             stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st, stride_gt, stride_gd,
-            K, BT, BD, HAS_BIAS, HAS_INIT, HAS_SEQ, SILU,
+            K, BT, BD, HAS_BIAS, HAS_INIT, HAS_SEQ, SILU, p_dc, stride_ct, FROM_BUF,
         )
         if HAS_SEQ:
             same = _load_seq(p_seq, q, T, stride_st) == seq_s
@@ -205,8 +210,38 @@ def _conv_dx(
 
 
 @triton.jit
+def _conv_dc_kernel(
+    p_x, p_w, p_b, p_init, p_seq, p_dout, p_dc,
+    T, D,
+    stride_xb, stride_xt,
+    stride_wd, stride_wk,
+    stride_ib, stride_it, stride_id,
+    stride_sb, stride_st,
+    stride_gb, stride_gt, stride_gd,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr,
+):
+    """dL/dc for every time, once, into p_dc [B, T, D] f32: the backward then reads its K
+    shifted copies instead of recomputing the conv K times."""
+    pid_t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    pid_b = tl.program_id(2).to(tl.int64)
+    q = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    dc = _conv_dc(
+        p_x + pid_b * stride_xb, p_init + pid_b * stride_ib, p_w, p_b, p_seq + pid_b * stride_sb,
+        p_dout + pid_b * stride_gb, q, offs_d, mask_d, T,
+        stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st, stride_gt, stride_gd,
+        K, BLOCK_T, BLOCK_D, HAS_BIAS, HAS_INIT, HAS_SEQ, SILU, p_dc, D, False,
+    )
+    p_o = p_dc + pid_b * T * D + q[:, None] * D + offs_d[None, :]
+    tl.store(p_o, dc, mask=(q < T)[:, None] & mask_d[None, :])
+
+
+@triton.jit
 def _conv_bwd_kernel(
-    p_x, p_w, p_b, p_init, p_seq, p_dout, p_dfinal,
+    p_x, p_w, p_b, p_init, p_seq, p_dout, p_dfinal, p_dc,
     p_dx, p_dinit, p_dw_part, p_db_part,
     T, D, N_TBLK,
     stride_xb, stride_xt,
@@ -217,7 +252,7 @@ def _conv_bwd_kernel(
     stride_fb, stride_ft, stride_fd,
     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
-    SILU: tl.constexpr, HAS_DFINAL: tl.constexpr,
+    SILU: tl.constexpr, HAS_DFINAL: tl.constexpr, FROM_BUF: tl.constexpr,
 ):
     # dx, dinit: contiguous [B, T, D], [B, K-1, D]; partials: [B, n_chunks, K, D], [B, n_chunks, D]
     pid_c = tl.program_id(0)
@@ -232,6 +267,7 @@ def _conv_bwd_kernel(
     p_seq += pid_b * stride_sb
     p_dout += pid_b * stride_gb
     p_dfinal += pid_b * stride_fb
+    p_dc += pid_b * T * D  # FROM_BUF: dL/dc of this row, [T, D] f32
 
     b_dw = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
     b_db = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -241,13 +277,13 @@ def _conv_bwd_kernel(
         dc0 = _conv_dc(
             p_x, p_init, p_w, p_b, p_seq, p_dout, s, offs_d, mask_d, T,
             stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st, stride_gt, stride_gd,
-            K, BLOCK_T, BLOCK_D, HAS_BIAS, HAS_INIT, HAS_SEQ, SILU,
+            K, BLOCK_T, BLOCK_D, HAS_BIAS, HAS_INIT, HAS_SEQ, SILU, p_dc, D, FROM_BUF,
         )
         b_dx = _conv_dx(
             p_x, p_init, p_w, p_b, p_seq, p_dout, p_dfinal, s, dc0, offs_d, mask_d, T,
             stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st, stride_gt, stride_gd,
             stride_ft, stride_fd,
-            K, BLOCK_T, BLOCK_D, HAS_BIAS, HAS_INIT, HAS_SEQ, SILU, HAS_DFINAL,
+            K, BLOCK_T, BLOCK_D, HAS_BIAS, HAS_INIT, HAS_SEQ, SILU, HAS_DFINAL, p_dc, D, FROM_BUF,
         )
         p_o = p_dx + pid_b * T * D + s[:, None] * D + offs_d[None, :]
         tl.store(p_o, b_dx.to(p_dx.dtype.element_ty), mask=mask_s[:, None] & mask_d[None, :])
@@ -278,7 +314,8 @@ def _conv_bwd_kernel(
                 p_x, p_init, p_w, p_b, p_seq, p_dout, p_dfinal, s_h, dc_h, offs_d, mask_d, T,
                 stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st, stride_gt, stride_gd,
                 stride_ft, stride_fd,
-                K, BLOCK_K, BLOCK_D, HAS_BIAS, HAS_INIT, HAS_SEQ, SILU, HAS_DFINAL,
+                K, BLOCK_K, BLOCK_D, HAS_BIAS, HAS_INIT, HAS_SEQ, SILU, HAS_DFINAL, p_dc, D,
+                FROM_BUF,
             )
             p_o = p_dinit + pid_b * (K - 1) * D + (s_h[:, None] + K - 1) * D + offs_d[None, :]
             tl.store(p_o, b_di, mask=(s_h < 0)[:, None] & mask_d[None, :])
@@ -380,11 +417,31 @@ def conv_bwd(
     tblk_per_chunk = min(n_tblk, 4)
     n_chunks = triton.cdiv(n_tblk, tblk_per_chunk)
     dw_part = torch.empty((Bsz, n_chunks, K, D), device=dev, dtype=torch.float32)
+    common = (
+        x.stride(0), x.stride(1),
+        weight.stride(0), weight.stride(1),
+        *_strides(initial_state, 3),
+        *_strides(seq_idx, 2),
+        *dout.stride(),
+    )  # fmt: skip
+    # with the activation, dL/dc costs a K-tap conv: compute it once into a buffer (f32,
+    # B T D 4 bytes, freed on return) rather than K times inside the backward
+    from_buf = bool(silu)
+    dc = torch.empty((Bsz, T, D), device=dev, dtype=torch.float32) if from_buf else x
+    if from_buf:
+        bt, bd = _blocks(T, D, 64, 128)
+        _conv_dc_kernel[(triton.cdiv(T, bt), triton.cdiv(D, bd), Bsz)](
+            x, weight, _opt(bias, weight), _opt(initial_state, x), _opt(seq_idx, x), dout, dc,
+            T, D, *common,
+            K=K, BLOCK_T=bt, BLOCK_D=bd,
+            HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
+            HAS_SEQ=seq_idx is not None, SILU=True, num_warps=4,
+        )  # fmt: skip
     db_part = torch.empty((Bsz, n_chunks, D), device=dev, dtype=torch.float32)
     grid = (n_chunks, triton.cdiv(D, BLOCK_D), Bsz)
     _conv_bwd_kernel[grid](
         x, weight, _opt(bias, weight), _opt(initial_state, x), _opt(seq_idx, x),
-        dout, _opt(dfinal, x),
+        dout, _opt(dfinal, x), dc,
         dx, _opt(dinit, x), dw_part, db_part,
         T, D, tblk_per_chunk,
         x.stride(0), x.stride(1),
@@ -396,7 +453,7 @@ def conv_bwd(
         K=K, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K,
         HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
         HAS_SEQ=seq_idx is not None, SILU=silu, HAS_DFINAL=dfinal is not None,
-        num_warps=4,
+        FROM_BUF=from_buf, num_warps=4,
     )  # fmt: skip
     # fixed-order reductions of the per-program partials (deterministic)
     dw = dw_part.sum(dim=(0, 1)).t().contiguous()  # [D, K]

@@ -383,8 +383,8 @@ def _bwd_kernel(
     s_dy_b, s_dy_t, s_dy_d,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_G: tl.constexpr, HAS_H0: tl.constexpr, SPLIT_N: tl.constexpr,
-    STATE_GRADS: tl.constexpr, TC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr, EVEN: tl.constexpr,
+    TC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
     """Every gradient of one segment, tiles last to first: states by a forward scan from the
     saved tile-start state, adjoints by a reverse scan from the carry G."""
@@ -460,10 +460,9 @@ def _bwd_kernel(
             db_acc += tl.sum(tl.where(m2, ddt, 0.0), axis=0)
         _st(du_ptr + out_base + t64[:, None] * Dn + d[None, :], du, m2, EVEN)
         _st(ddt_ptr + out_base + t64[:, None] * Dn + d[None, :], ddt, m2, EVEN)
-        if STATE_GRADS:  # else _bwd_state_kernel computes them (no sums over lanes here)
-            off_p = part_base + t64[:, None] * N + n[None, :]
-            _st(dB_ptr + off_p, tl.sum(x * dtu[:, None, :], axis=2), mtn, EVEN)
-            _st(dC_ptr + off_p, tl.sum(hs * gy[:, None, :], axis=2), mtn, EVEN)
+        off_p = part_base + t64[:, None] * N + n[None, :]
+        _st(dB_ptr + off_p, tl.sum(x * dtu[:, None, :], axis=2), mtn, EVEN)
+        _st(dC_ptr + off_p, tl.sum(hs * gy[:, None, :], axis=2), mtn, EVEN)
         dA_acc += tl.sum(xhb * dt[:, None, :], axis=0)
     tl.store(dA_ptr + off_seg, dA_acc, mask=mdn)  # [B, nseg, D, N] partials
     off_part = (b * nseg + s) * Dn + d  # [B, nseg, D] partials
@@ -473,75 +472,6 @@ def _bwd_kernel(
     if HAS_H0:  # after the first segment, G is dL/d initial_state
         off_0 = (b * Dn + d[None, :]) * N + n[:, None]
         tl.store(dh0_ptr + off_0, G, mask=_in_range(mdn, s, 1))
-
-
-@triton.jit
-def _bwd_state_kernel(
-    u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, z_ptr, bias_ptr, seq_ptr, dy_ptr, states_ptr, gin_ptr,
-    dB_ptr, dC_ptr,
-    T, Dn, N, Bsz, nc, nseg, seg_chunks,
-    s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b, s_z_t, s_seq_b, s_seq_t,
-    s_dy_b, s_dy_t, s_dy_d,
-    HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_SEQ: tl.constexpr,
-    HAS_G: tl.constexpr, TC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr, EVEN: tl.constexpr,
-):
-    """dB, dC of one segment (partials over channel blocks), tiles last to first. The same
-    recurrences as `_bwd_kernel`, on [TC, BD, BN] tiles: states along the lanes, channels in
-    each thread, so the sums over channels need (almost) no shuffles."""
-    pid_d = tl.program_id(0)
-    s = tl.program_id(1)
-    b = (tl.program_id(2) % Bsz).to(tl.int64)
-    pid_n = tl.program_id(2) // Bsz
-    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    md = d < Dn
-    mn = n < N
-    mdn = md[:, None] & mn[None, :]  # [BLOCK_D, BLOCK_N]
-    A2 = tl.load(A_ptr + d[:, None] * N + n[None, :], mask=mdn, other=0.0) * LOG2E
-    bias = tl.zeros([BLOCK_D], tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + d, mask=md, other=0.0)
-    rows = tl.arange(0, TC)
-    ones = tl.full([TC, BLOCK_D, BLOCK_N], 1.0, tl.float32)
-    off_seg = ((b * nseg + s) * Dn + d[:, None]) * N + n[None, :]
-    if HAS_G:
-        G = tl.load(gin_ptr + off_seg, mask=mdn, other=0.0)
-    else:
-        G = tl.zeros([BLOCK_D, BLOCK_N], tl.float32)
-    part_base = (pid_d * Bsz + b) * T * N  # [n_dblocks, B, T, N]
-    c0 = s * seg_chunks
-    for i in tl.range(seg_chunks, num_stages=STAGES):
-        c = c0 + seg_chunks - 1 - i
-        t = c * TC + rows
-        mt = t < T
-        mtn = mt[:, None] & mn[None, :]
-        m2, _raw, dt = _tile_dt(
-            t, mt, b, d, md, dt_ptr, s_dt_b, s_dt_t, bias, HAS_BIAS, SOFTPLUS, EVEN
-        )
-        a = tl.exp2(dt[:, :, None] * A2[None, :, :])
-        if HAS_SEQ:
-            starts = _doc_starts(t, mt, b, seq_ptr, s_seq_b, s_seq_t)
-            a = tl.where(starts[:, None, None], 0.0, a)
-        u = _tile_rows(u_ptr, s_u_b, s_u_t, b, t, d, m2, EVEN)
-        Bt = _tile_rows(B_ptr, s_B_b, s_B_t, b, t, n, mtn, EVEN)
-        Ct = _tile_rows(C_ptr, s_C_b, s_C_t, b, t, n, mtn, EVEN)
-        _dy, _z, _sz, gy = _tile_gate(
-            dy_ptr, s_dy_b, s_dy_t, s_dy_d, z_ptr, s_z_b, s_z_t, b, t, d, m2, HAS_Z, EVEN
-        )
-        dtu = dt * u
-        bx = dtu[:, :, None] * Bt[:, None, :]
-        off_c = ((b * nc + c) * Dn + d[:, None]) * N + n[None, :]
-        h0 = tl.load(states_ptr + off_c, mask=_in_range(mdn, c, nc), other=0.0)
-        hs_in = tl.where((rows == 0)[:, None, None], bx + a * h0[None, :, :], bx)
-        _pa, hs = tl.associative_scan((a, hs_in), 0, _combine)
-        cc = gy[:, :, None] * Ct[:, None, :]
-        cc = tl.where((rows == TC - 1)[:, None, None], cc + G[None, :, :], cc)
-        _k, x, _f = tl.associative_scan((ones, cc, a), 0, _combine_rev, reverse=True)
-        G = _row(a, rows, 0) * _row(x, rows, 0)
-        off_p = part_base + t.to(tl.int64)[:, None] * N + n[None, :]
-        _st(dB_ptr + off_p, tl.sum(x * dtu[:, :, None], axis=1), mtn, EVEN)
-        _st(dC_ptr + off_p, tl.sum(hs * gy[:, :, None], axis=1), mtn, EVEN)
 
 
 # fmt: on
@@ -560,9 +490,7 @@ def config(N: int, Dn: int, interpret: bool, override: dict | None = None) -> di
     TC steps (4 D N / TC bytes per token). BLOCK_D / BWD_BLOCK_D: channels per program (along
     the lanes; the states of a channel stay in one thread, so sums over N need no shuffles).
     FWD_STAGES / STAGES: software-pipelining depth of the tile loops; fwd_maxnreg /
-    bwd_maxnreg: a register cap (more programs per SM). SPLIT_BWD: the backward's dB, dC come
-    from a second kernel (`_bwd_state_kernel`, STATE_BLOCK_D channels per program, states along
-    the lanes) so neither kernel sums over lanes. SEG_CHUNKS: tiles per segment (0: the
+    bwd_maxnreg: a register cap (more programs per SM). SEG_CHUNKS: tiles per segment (0: the
     whole sequence, cut only when rows x channel blocks give fewer than MIN_PROGRAMS programs,
     by default SEG_BELOW_PER_SM per SM, and then into enough segments for SEG_TARGET_PER_SM
     programs per SM)."""
@@ -571,8 +499,7 @@ def config(N: int, Dn: int, interpret: bool, override: dict | None = None) -> di
     if interpret:  # small tiles, and segments of two tiles so the carries run in every test
         cfg = dict(FWD_TC=4, TC=8, BLOCK_D=min(8, p2), BWD_BLOCK_D=min(8, p2), BLOCK_N=bn,
                    num_warps=1, bwd_warps=1, FWD_STAGES=1, STAGES=1, BLOCK_E=64, CB=8, SEG_CHUNKS=2,
-                   MIN_PROGRAMS=0, SEG_TARGET_PER_SM=0, SPLIT_BWD=True,
-                   STATE_BLOCK_D=min(8, p2), state_warps=1)  # fmt: skip
+                   MIN_PROGRAMS=0, SEG_TARGET_PER_SM=0)  # fmt: skip
     else:
         # measured on the H200 at 8x2048x1536x16 bf16 (scripts/scan_sweep.py): forward tile 8 x
         # 16 channels, 1 warp, 3 stages 0.422 ms (tile 2: 1.41; tile 16 / 4 warps: 1.52);
@@ -582,8 +509,7 @@ def config(N: int, Dn: int, interpret: bool, override: dict | None = None) -> di
         cfg = dict(FWD_TC=8, TC=4, BLOCK_D=min(32, p2), BWD_BLOCK_D=min(8, p2), BLOCK_N=bn,
                    num_warps=1, bwd_warps=1, FWD_STAGES=3, STAGES=2, BLOCK_E=256, CB=16,
                    SEG_CHUNKS=0, MIN_PROGRAMS=None, SEG_BELOW_PER_SM=2,
-                   SEG_TARGET_PER_SM=8, SPLIT_BWD=False, STATE_BLOCK_D=min(32, p2),
-                   state_warps=1)  # fmt: skip
+                   SEG_TARGET_PER_SM=8)  # fmt: skip
     env = os.environ.get("MAMBAKIT_SCAN_CONFIG")  # a tuning knob: JSON of the keys above
     if env:
         cfg.update(json.loads(env))
@@ -815,11 +741,8 @@ def scan_bwd(
         ddt = _new((nb, Bsz, T, Dn), f32, dev)
         dz = None
         ys = _new((nb, Bsz, T, Dn), f32, dev) if z is not None else None
-    split = bool(cfg.get("SPLIT_BWD"))
-    sbd = cfg["STATE_BLOCK_D"] if split else bd
-    nsb = triton.cdiv(Dn, sbd)
-    dBp = _new((nsb, Bsz, T, N), f32, dev)
-    dCp = _new((nsb, Bsz, T, N), f32, dev)
+    dBp = _new((ndb, Bsz, T, N), f32, dev)
+    dCp = _new((ndb, Bsz, T, N), f32, dev)
     dAp = _new((Bsz, nseg, Dn, N), f32, dev)
     dDp = _new((Bsz, nseg, Dn), f32, dev) if D is not None else None
     dbp = _new((nb, Bsz, nseg, Dn), f32, dev)
@@ -830,17 +753,8 @@ def scan_bwd(
         _opt(dDp, A), dbp, _opt(dh0, A),
         T, Dn, N, Bsz, nc, nseg, per, *strides, *s_dy,
         HAS_D=D is not None, HAS_G=gin is not None, HAS_H0=dh0 is not None, SPLIT_N=nb > 1,
-        STATE_GRADS=not split, **common,
+        **common,
     )  # fmt: skip
-    if split:
-        sc = dict(common, BLOCK_D=sbd, num_warps=cfg["state_warps"])
-        sc.pop("maxnreg", None)
-        sc.update(_maxnreg(cfg.get("state_maxnreg")), EVEN=common["EVEN"] and Dn % sbd == 0)
-        _bwd_state_kernel[(nsb, nseg, Bsz * nb)](
-            u, delta, A, B, C, _opt(z, u), _opt(delta_bias, A), _opt(seq_idx, A), gy, states,
-            _opt(gin, A), dBp, dCp, T, Dn, N, Bsz, nc, nseg, per, *strides, *s_dy,
-            HAS_G=gin is not None, **sc,
-        )  # fmt: skip
     if nb > 1:
         du = du.sum(0).to(u.dtype)
         ddt = ddt.sum(0).to(delta.dtype)
