@@ -226,7 +226,8 @@ class _FusedInner(torch.autograd.Function):
             d_dt_proj_weight = ddelta.flatten(0, 1).t() @ dt_r.flatten(0, 1)  # [D, R]
             g_x_dbl = torch.cat([d_dt_r, dB, dC], dim=-1)  # [B, T, R + 2N]
             d_x_proj_weight = g_x_dbl.flatten(0, 1).t() @ u.flatten(0, 1)  # [R + 2N, D]
-            du = du + g_x_dbl @ x_proj_weight.to(cdt)
+            # in place, one rounding: no separate [B, T, D] add
+            du.view(-1, Dn).addmm_(g_x_dbl.flatten(0, 1), x_proj_weight.to(cdt))
         dx_in, d_conv_weight, d_conv_bias, d_conv_state = torch.ops.mambakit.causal_conv1d_bwd(
             du, g_conv_out, x_in, conv_weight, conv_bias, conv_state, seq_idx, True
         )
