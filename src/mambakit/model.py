@@ -20,6 +20,7 @@ from .config import MambaConfig
 from .layers.block import MambaBlock, RMSNorm
 from .layers.init import init_model_weights
 from .layers.loss import linear_cross_entropy
+from .ops import resolve_backend, rms_norm
 from .ops._checks import check_seq_idx, check_tensor
 from .state import MambaState
 
@@ -149,21 +150,26 @@ class MambaBackbone(nn.Module):
             name = "input_ids" if self.embeddings is not None else "x"
             shape = "[B]" if want_dim == 1 else "[B, F]"
             raise ValueError(f"step: {name} must be a {want_dim}-d tensor {shape}, got {got}")
-        if x.device != self._param.device:
-            raise ValueError(f"step: input is on {x.device} but the model on {self._param.device}")
+        param = self._param
+        if x.device != param.device:
+            raise ValueError(f"step: input is on {x.device} but the model on {param.device}")
         self._check_state(state, x.shape[0], x.device)
         if torch.is_grad_enabled() and (
-            self._param.requires_grad or state.conv.requires_grad or state.ssm.requires_grad
+            param.requires_grad or state.conv.requires_grad or state.ssm.requires_grad
         ):
             out, new_state = self.forward(x.unsqueeze(1), state)
             return out[:, 0], new_state
+        # The decode path: a batch-1 CPU step is bound by per-call overhead, so the backend
+        # is resolved once here (not once per op) and each layer's state is a view from one
+        # unbind (not two selects per layer).
         h = self.embed(x)
-        cdt = compute_dtype(self._param.dtype, x.device)
+        cdt = compute_dtype(param.dtype, x.device)
+        backend = resolve_backend("auto", h)
         residual = None
-        for i, layer in enumerate(self.layers):
-            conv, ssm = state.layer(i)
-            h, residual = layer.step(h, residual, cdt, conv, ssm)
-        out, _ = self.norm_f(h, residual, cdt, validate=False)
+        for layer, conv, ssm in zip(self.layers, state.conv.unbind(0), state.ssm.unbind(0)):
+            h, residual = layer.step(h, residual, cdt, conv, ssm, backend)
+        # param is norm_f's weight
+        out, _ = rms_norm(h, param, self.norm_f.eps, residual, cdt, backend, False)
         return out, state
 
 

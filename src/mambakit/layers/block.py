@@ -12,7 +12,7 @@ from torch import nn
 from ..config import MambaConfig
 from ..ops import rms_norm
 from .init import no_weight_decay
-from .mixer import Mamba
+from .mixer import Mamba, _p
 
 
 class RMSNorm(nn.Module):
@@ -78,6 +78,11 @@ class MambaBlock(nn.Module):
         compute_dtype: torch.dtype,
         conv_state: torch.Tensor,
         ssm_state: torch.Tensor,
+        backend: str = "auto",
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        normed, residual = self.norm(hidden, residual, compute_dtype, validate=False)
-        return self.mixer.step(normed, conv_state, ssm_state), residual
+        # the op, not the module: a module call costs a few us, as much as two small ops
+        norm = self._modules["norm"]
+        normed, residual = rms_norm(
+            hidden, _p(norm, "weight"), norm.eps, residual, compute_dtype, backend, False
+        )
+        return self._modules["mixer"].step(normed, conv_state, ssm_state, backend), residual

@@ -140,22 +140,85 @@ class Mamba(nn.Module):
         x: torch.Tensor,  # [B, M]
         conv_state: torch.Tensor,  # [B, K-1, D], updated in place
         ssm_state: torch.Tensor,  # [B, D, N], updated in place
+        backend: str = "auto",
     ) -> torch.Tensor:
         """One timestep of decode: the states advance in place; returns [B, M].
 
-        Plain F.linear calls instead of module calls: at batch 1 on a CPU the step is
-        bound by per-call overhead, not arithmetic."""
-        in_proj, x_proj, out_proj, conv = self.in_proj, self.x_proj, self.out_proj, self.conv1d
-        xz = F.linear(x, in_proj.weight, in_proj.bias)  # [B, 2D]
-        x_in, z = xz[:, : self.d_inner], xz[:, self.d_inner :]
-        # the backbone checked the state; the per-op checks would cost more than the math here
+        At batch 1 on a CPU the step is bound by per-call overhead, not arithmetic: it
+        reads its tensors from `_decode_params` (no module calls or attribute lookups),
+        skips the per-op checks (the backbone checked the state) and runs with the
+        `backend` the caller resolved once for the whole step."""
+        (in_w, x_w, dt_w, out_w), conv_w, (A, D, dt_bias) = self._decode_params()
+        autocast = torch.is_autocast_enabled(x.device.type)
+        mods = self._modules
+        Dn, R, N = self.d_inner, self.dt_rank, self.d_state
+        xz = _project(x, in_w, _p(mods["in_proj"], "bias"), autocast)  # [B, 2D]
         u = causal_conv1d_update(
-            conv_state, x_in, conv.weight.squeeze(1), conv.bias, "silu", validate=False
-        )
-        dt_r, B, C = self._split_x_dbl(F.linear(u, x_proj.weight))
-        delta = F.linear(dt_r, self.dt_proj.weight)
-        A, D, dt_bias = self._ssm_params()
+            conv_state, xz[:, :Dn], conv_w, _p(mods["conv1d"], "bias"), "silu",
+            backend=backend, validate=False,
+        )  # fmt: skip
+        x_dbl = _project(u, x_w, None, autocast)  # [B, R + 2N]
+        delta = _project(x_dbl[:, :R], dt_w, None, autocast)
         y = selective_state_update(
-            ssm_state, u, delta, A, B, C, D, z, dt_bias, True, validate=False
+            ssm_state, u, delta, A, x_dbl[:, R : R + N], x_dbl[:, R + N :], D, xz[:, Dn:],
+            dt_bias, True, backend=backend, validate=False,
+        )  # fmt: skip
+        return _project(y, out_w, _p(mods["out_proj"], "bias"), autocast)
+
+    def _decode_params(self) -> tuple:
+        """((w, w.t()) of in_proj, x_proj, dt_proj, out_proj), conv weight [D, K],
+        (A, D, dt_bias) as `_ssm_params` gives them.
+
+        Read from the parameter dicts (an nn.Module attribute lookup costs about 1 us,
+        as much as one of the step's ops) and, without autograd, cached while every
+        parameter they derive from keeps its identity, storage and version. The cache
+        holds those parameters, so their ids cannot be reused by new ones."""
+        mods = self._modules
+        params = (
+            _p(mods["in_proj"], "weight"),
+            _p(mods["x_proj"], "weight"),
+            _p(mods["dt_proj"], "weight"),
+            _p(mods["out_proj"], "weight"),
+            _p(mods["conv1d"], "weight"),
+            _p(self, "A_log"),
+            _p(self, "D"),
+            _p(mods["dt_proj"], "bias"),
         )
-        return F.linear(y, out_proj.weight, out_proj.bias)
+        # torch.compile traces the parameters themselves: cached views as extra graph
+        # inputs aliasing them would cost it guards and alias handling on every call
+        fresh = torch.is_grad_enabled() or torch.compiler.is_compiling()
+        key = None if fresh else tuple((id(p), p._version, p.data_ptr()) for p in params)
+        cache = self.__dict__.get("_decode_cache")
+        if fresh or cache is None or cache[0] != key:
+            if torch.compiler.is_compiling():  # `_ssm_params`' cache check breaks the graph
+                A_log, D, dt_bias = params[5:]
+                f = torch.float64 if A_log.dtype == torch.float64 else torch.float32
+                ssm = (-torch.exp(A_log.to(f)), D.to(f), dt_bias.to(f))
+            else:
+                ssm = self._ssm_params()
+            values = (tuple((w, w.t()) for w in params[:4]), params[4].squeeze(1), ssm)
+            if fresh:  # nor are tensors that may carry a graph
+                return values
+            cache = (key, params, values)
+            self.__dict__["_decode_cache"] = cache
+        return cache[2]
+
+
+def _p(module: nn.Module, name: str) -> torch.Tensor | None:
+    """module.<name> from its parameter dict, without nn.Module.__getattr__'s cost; a
+    parametrized weight (not in the dict: computed on access) goes through getattr."""
+    params = module._parameters
+    return params[name] if name in params else getattr(module, name)
+
+
+def _project(
+    x: torch.Tensor, w: tuple[torch.Tensor, torch.Tensor], b: torch.Tensor | None, autocast: bool
+) -> torch.Tensor:
+    """F.linear(x, w[0], b) for 2-d x, given w = (weight, weight.t()).
+
+    Without autocast it is the mm / addmm that F.linear runs, called directly: its
+    wrappers (linear, matmul, t) cost as much as a batch-1 GEMM on a CPU. Under
+    autocast F.linear itself, since autocast reuses its cast of a parameter, not of a view."""
+    if autocast:
+        return F.linear(x, w[0], b)
+    return torch.mm(x, w[1]) if b is None else torch.addmm(b, x, w[1])

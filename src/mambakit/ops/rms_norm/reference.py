@@ -26,7 +26,10 @@ def rms_norm_reference(
     r = x if x.dtype == f else x.to(f)  # dtype checks first: .to() costs ~2 us even as a no-op
     if residual is not None:
         r = r + residual
-    ms = (r * r).sum(-1, keepdim=True) * (1.0 / r.shape[-1])  # sum, not mean: fewer CPU cycles
-    out = r * torch.rsqrt(ms + eps) * (weight if weight.dtype == f else weight.to(f))
+    # mean(r^2) + eps as one addcmul on the L2 norm: arithmetic with a Python float
+    # (`ms + eps`) converts the scalar on every call and costs twice a plain op on CPU
+    norm = torch.linalg.vector_norm(r, dim=-1, keepdim=True)
+    ms = torch.addcmul(norm.new_full((1,), eps), norm, norm, value=1.0 / r.shape[-1])
+    out = r * ms.rsqrt_() * (weight if weight.dtype == f else weight.to(f))
     want = out_dtype or x.dtype
     return (out if want == f else out.to(want)), r
