@@ -206,8 +206,8 @@ def selective_state_update_reference(
         dt = F.softplus(dt)
     uf = u if u.dtype == f else u.to(f)
     dA = torch.exp(dt.unsqueeze(-1) * (A if A.dtype == f else A.to(f)))  # [B, D, N]
-    dBu = (dt * uf).unsqueeze(-1) * (B if B.dtype == f else B.to(f)).unsqueeze(1)
-    ssm_state.mul_(dA).add_(dBu)
+    Bf = B if B.dtype == f else B.to(f)
+    ssm_state.mul_(dA).addcmul_((dt * uf).unsqueeze(-1), Bf.unsqueeze(1))  # + delta u B
     y = torch.bmm(ssm_state, (C if C.dtype == f else C.to(f)).unsqueeze(-1)).squeeze(-1)
     if D is not None:
         y = torch.addcmul(y, uf, D)
