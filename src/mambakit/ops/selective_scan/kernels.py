@@ -1,8 +1,9 @@
 """Triton kernels of the selective scan: a time-chunked forward and backward.
 
-B batch, T time, D = d_inner, N = d_state, TC = the time tile (config "TC").
+B batch, T time, D = d_inner, N = d_state; TC = the backward's time tile and
+the interval of the saved states, FWD_TC = the forward's tile (see `config`).
 A program owns one row, one block of channels, one block of states and one
-segment of time; it walks its segment one tile of TC steps at a time, holding
+segment of time; it walks its segment one tile of steps at a time, holding
 the [TC, BLOCK_N, BLOCK_D] decays and inputs of a tile in registers and
 resolving the recurrence inside the tile with `tl.associative_scan` over time.
 Each exponential is computed once per pass. Only the state between tiles is
@@ -16,8 +17,8 @@ segments gives every segment its start (forward) or end (backward) carry.
 Forward (one launch; three with segments):
   [`_fwd_kernel` LOCAL: each segment from a zero state: end state, decay product;
    `_carry_fwd_kernel`: the start state of each segment]
-  `_fwd_kernel`: y_t = sum_n h_t C_t (+ D u_t, * silu(z_t)); the state at every
-  tile start is stored for the backward: 4 D N / TC bytes per token.
+  `_fwd_kernel`: y_t = sum_n h_t C_t (+ D u_t, * silu(z_t)); the state every TC
+  steps is stored for the backward: 4 D N / TC bytes per token.
 Backward (one launch; three with segments). g_t = dL/dh_t satisfies
 g_t = C_t gy_t + a_{t+1} g_{t+1}; inside a tile it is a reverse scan whose
 elements carry their own decay, so a_{t+1} never has to be shifted into row t:
