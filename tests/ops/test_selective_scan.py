@@ -278,6 +278,24 @@ def test_no_unwritten_elements(N: int, seed, monkeypatch):
             assert torch.isfinite(leaf.grad).all(), k
 
 
+def test_empty_sequence_passes_the_state_through(seed):
+    """T = 0: no output rows, final state == initial state, and its gradient reaches the
+    initial state unchanged (as with the reference backend)."""
+    inp = make_inputs(Case(Bsz=2, T=0, Dn=5, N=3, seq=False))
+    args = [inp[k] for k in ARGS]
+    for backend in ("triton", "reference"):
+        h0 = inp["initial_state"].detach().clone().requires_grad_()
+        y, hT = selective_scan(
+            *args, True, h0, None, return_final_state=True, backend=backend
+        )  # fmt: skip
+        assert y.shape == (2, 0, 5) and torch.equal(hT, h0.detach()), backend
+        w = torch.randn_like(hT)
+        (hT * w).sum().backward()
+        assert torch.equal(h0.grad, w), backend
+    _, hT = selective_scan(*args, True, None, None, return_final_state=True, backend="triton")
+    assert torch.equal(hT, torch.zeros_like(hT))
+
+
 def test_deterministic(seed):
     """Two identical runs give bit-identical outputs and gradients."""
     c = Case(dtype=BF16)

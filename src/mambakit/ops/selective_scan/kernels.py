@@ -593,12 +593,16 @@ def scan_fwd(
     Bsz, T, Dn = u.shape
     N = A.shape[1]
     dev = u.device
+    f32 = torch.float32
+    if T == 0 or Bsz == 0:  # nothing to scan: the state passes through
+        hT = initial_state.float().clone() if initial_state is not None else None
+        hT = hT if hT is not None else torch.zeros(Bsz, Dn, N, dtype=f32, device=dev)
+        return u.new_empty(Bsz, T, Dn), hT, _new((Bsz, 0, Dn, N) if save_states else (0,), f32, dev)
     cfg = config(N, Dn, not u.is_cuda, config_override)
     tc, ts, bd, bn = cfg["FWD_TC"], cfg["TC"], cfg["BLOCK_D"], cfg["BLOCK_N"]
     nb, nc, ndb = triton.cdiv(N, bn), triton.cdiv(T, tc), triton.cdiv(Dn, bd)
     ns = triton.cdiv(T, ts)
     nseg, per = _segments(nc, Bsz * ndb * nb, cfg, dev)
-    f32 = torch.float32
     A = A.contiguous()
     h0 = initial_state.contiguous() if initial_state is not None else None
     flags = dict(
@@ -680,6 +684,19 @@ def scan_bwd(
     Bsz, T, Dn = u.shape
     N = A.shape[1]
     dev = u.device
+    if T == 0 or Bsz == 0:  # the final state was the initial state: its gradient passes through
+        z32 = torch.zeros(Dn, dtype=torch.float32, device=dev)
+        dh0 = None
+        if initial_state is not None:
+            dh0 = (
+                g_final.float().clone() if g_final is not None else torch.zeros_like(initial_state)
+            )
+        return (
+            torch.empty_like(u), torch.empty_like(delta), torch.zeros_like(A, dtype=torch.float32),
+            torch.empty_like(B), torch.empty_like(C), z32 if D is not None else None,
+            torch.empty_like(z) if z is not None else None,
+            z32.clone() if delta_bias is not None else None, dh0,
+        )  # fmt: skip
     cfg = config(N, Dn, not u.is_cuda, config_override)
     tc, bd, bn = cfg["TC"], cfg["BWD_BLOCK_D"], cfg["BLOCK_N"]
     nb, nc, ndb = triton.cdiv(N, bn), triton.cdiv(T, tc), triton.cdiv(Dn, bd)

@@ -174,7 +174,10 @@ def selective_scan_reference(
         if initial_state is not None
         else torch.zeros(Bsz, Dn, N, device=u.device, dtype=f)
     )
-    y, h = _Scan.apply(dt, dt * uf, A.to(f), B.to(f), C.to(f), keep, h0)
+    if T == 0:  # nothing to scan: the state passes through (a copy, gradient unchanged)
+        y, h = uf.new_zeros(Bsz, 0, Dn), h0.clone()
+    else:
+        y, h = _Scan.apply(dt, dt * uf, A.to(f), B.to(f), C.to(f), keep, h0)
     if D is not None:
         y = y + uf * D.to(f)
     if z is not None:
