@@ -9,7 +9,7 @@ B batch, T time, D = d_inner, N = d_state, K = d_conv, R = dt_rank.
     y          = scan(u, delta, A, B, C, D, z)      [B, T, D], gated by silu(z)
 
 On the Triton backend one autograd node covers all of it and chooses what the
-backward keeps: xz, x_dbl and the scan's chunk-start states. It recomputes
+backward keeps: xz, x_dbl and the scan's state every TC steps. It recomputes
 u (one conv launch) and delta (a [B T, R] x [R, D] GEMM) instead of storing
 two [B, T, D] activations, as mamba_ssm's `mamba_inner_fn` (checkpoint_lvl=1)
 does. The reference backend composes the ops, each with its own autograd; it
@@ -142,7 +142,7 @@ class _FusedInner(torch.autograd.Function):
     """One autograd node over conv, x_proj, dt_proj and the scan (Triton custom ops).
 
     Saved per token: xz (2D), x_dbl (R + 2N) in the compute dtype and the scan's
-    chunk-start states (4 D N / CHUNK bytes); u and delta are recomputed."""
+    state every TC steps (4 D N / TC bytes, `state_chunk`); u and delta are recomputed."""
 
     @staticmethod
     def forward(

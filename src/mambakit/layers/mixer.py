@@ -97,10 +97,6 @@ class Mamba(nn.Module):
             self.__dict__["_ssm_cache"] = cache
         return cache[1]
 
-    def _split_x_dbl(self, x_dbl: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        R, N = self.dt_rank, self.d_state
-        return x_dbl[..., :R], x_dbl[..., R : R + N], x_dbl[..., R + N :]
-
     def forward(
         self,
         x: torch.Tensor,  # [B, T, M]
