@@ -7,7 +7,7 @@ set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"sweep scan model tests train decode"}
+STAGES=${STAGES:-"sweep scan model tests train decode"}  # also: ncu (not by default)
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -16,10 +16,20 @@ LOG="$OUT/gpu_check.log"
 stage() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 if stage sweep; then
   echo "== scan_sweep" | tee -a "$LOG"
-  timeout ${T_SWEEP:-240} python scripts/scan_sweep.py --out "$OUT/scan_sweep.json" 2>&1 | tee -a "$LOG" "$OUT/sweep.txt"
+  timeout ${T_SWEEP:-240} python scripts/scan_sweep.py --out "$OUT/scan_sweep.json" ${SWEEP_ARGS:-} 2>&1 | tee -a "$LOG" "$OUT/sweep.txt"
   best=$(tail -n 1 "$OUT/sweep.txt")
   case "$best" in '{"'*) export MAMBAKIT_SCAN_CONFIG="$best"; echo "scan config: $best" | tee -a "$LOG" ;; esac
   rm -f "$OUT/sweep.txt"
+fi
+if stage ncu; then  # hardware counters of the scan kernels (stall reasons, occupancy)
+  echo "== ncu" | tee -a "$LOG"
+  for k in ${NCU_KERNELS:-_bwd_kernel _fwd_kernel}; do
+    timeout ${T_NCU:-120} ncu --clock-control none -k "regex:^$k\$" -c 1 --section SpeedOfLight \
+      --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      python scripts/scan_once.py > "$OUT/ncu$k.txt" 2>&1
+    grep -E "Duration|Registers|Achieved Occupancy|Theoretical Occupancy|Issued Ipc|Stall|No Eligible|Warp Cycles|Eligible Warps|Memory Throughput|Compute \(SM\)" "$OUT/ncu$k.txt" | head -40 | tee -a "$LOG"
+  done
 fi
 if stage scan; then
   echo "== bench_scan" | tee -a "$LOG"

@@ -22,10 +22,14 @@ FWD = [  # FWD_TC, BLOCK_D, num_warps, FWD_STAGES, fwd_maxnreg (earlier sweeps: 
 ]
 BWD = [  # the backward (earlier sweeps: TC 4 / 8 channels / 1 warp / 2 stages best; the
     # backward split in two kernels, dB/dC with states on the lanes, measured 3.7-7.9 ms)
-    dict(TC=4, BWD_BLOCK_D=8, bwd_warps=1, STAGES=2),
-    dict(TC=4, BWD_BLOCK_D=8, bwd_warps=1, STAGES=2, bwd_maxnreg=168),
+    dict(TC=4, BWD_BLOCK_D=8, bwd_warps=1, STAGES=2, BWD_PREFETCH=0),
+    dict(TC=4, BWD_BLOCK_D=8, bwd_warps=1, STAGES=1, BWD_PREFETCH=1),
+    dict(TC=4, BWD_BLOCK_D=8, bwd_warps=1, STAGES=2, BWD_PREFETCH=1),
+    dict(TC=4, BWD_BLOCK_D=8, bwd_warps=1, STAGES=1, BWD_PREFETCH=1, bwd_maxnreg=224),
+    dict(TC=2, BWD_BLOCK_D=8, bwd_warps=1, STAGES=1, BWD_PREFETCH=1),
+    dict(TC=4, BWD_BLOCK_D=16, bwd_warps=2, STAGES=1, BWD_PREFETCH=1),
 ]
-BWD_KEYS = ("TC", "BWD_BLOCK_D", "bwd_warps", "STAGES", "bwd_maxnreg")
+BWD_KEYS = ("TC", "BWD_BLOCK_D", "bwd_warps", "STAGES", "bwd_maxnreg", "BWD_PREFETCH")
 SEGMENTS = [(2, 8), (2, 16)]  # (SEG_BELOW_PER_SM, SEG_TARGET_PER_SM)
 
 
@@ -82,6 +86,7 @@ def segments(pick: dict, rows: list) -> tuple[int, int]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--no-segments", action="store_true", help="skip the segment sweep")
     args = ap.parse_args()
     Bsz, T, Dn, N = 8, 2048, 1536, 16
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -124,8 +129,9 @@ def main() -> None:
     print("best fwd", best_f, "best bwd", best_b, flush=True)
     pick = {k: best_f[k] for k in ("FWD_TC", "BLOCK_D", "num_warps", "FWD_STAGES", "fwd_maxnreg")}
     pick.update({k: best_b[k] for k in BWD_KEYS if k in best_b})
-    below, target = segments(pick, rows)
-    pick.update(SEG_BELOW_PER_SM=below, SEG_TARGET_PER_SM=target)
+    if not args.no_segments:
+        below, target = segments(pick, rows)
+        pick.update(SEG_BELOW_PER_SM=below, SEG_TARGET_PER_SM=target)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

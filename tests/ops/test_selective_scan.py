@@ -217,8 +217,9 @@ def test_sum_loss(c: Case, seed):
         {"SEG_CHUNKS": 1},
         {"SEG_CHUNKS": 3},
         {"FWD_TC": 8, "TC": 2, "SEG_CHUNKS": 2},
+        {"BWD_PREFETCH": 0, "SEG_CHUNKS": 3},
     ],
-    ids=["seg1", "seg3", "fwd-tile-8-bwd-tile-2"],
+    ids=["seg1", "seg3", "fwd-tile-8-bwd-tile-2", "no-prefetch"],
 )
 def test_tilings_and_segments_agree(cfg: dict, seed):
     """Other time tiles, and time cut into segments (with carries between them), give the

@@ -119,13 +119,8 @@ def _st(ptrs, value, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _tile_dt(
-    t, mt, b, d, md, dt_ptr, s_dt_b, s_dt_t, bias,
-    HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, EVEN: tl.constexpr,
-):
-    """Tile rows t [TC]: mask [TC, BD], raw delta (+ bias), delta (0 on rows past T)."""
-    m2 = mt[:, None] & md[None, :]
-    raw = _ld(dt_ptr + b * s_dt_b + t.to(tl.int64)[:, None] * s_dt_t + d[None, :], m2, EVEN)
+def _delta_of(raw, m2, bias, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, EVEN: tl.constexpr):
+    """Raw delta [TC, BD] as loaded -> (raw + bias, delta); delta is 0 on rows past T."""
     if HAS_BIAS:
         raw = raw + bias[None, :]
     if SOFTPLUS:
@@ -134,6 +129,18 @@ def _tile_dt(
         dt = raw
     if not EVEN:
         dt = tl.where(m2, dt, 0.0)
+    return raw, dt
+
+
+@triton.jit
+def _tile_dt(
+    t0, rows, mt, b, d, md, dt_ptr, s_dt_b, s_dt_t, bias,
+    HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, EVEN: tl.constexpr,
+):
+    """Tile rows t0 + rows: mask [TC, BD], raw delta (+ bias), delta (0 on rows past T)."""
+    m2 = mt[:, None] & md[None, :]
+    raw = _ld(_tile_ptrs(dt_ptr, s_dt_b, s_dt_t, b, t0, rows, d, 1), m2, EVEN)
+    raw, dt = _delta_of(raw, m2, bias, HAS_BIAS, SOFTPLUS, EVEN)
     return m2, raw, dt
 
 
@@ -149,35 +156,42 @@ def _doc_starts(t, mt, b, seq_ptr, s_seq_b, s_seq_t):
 
 @triton.jit
 def _tile_decay(
-    t, mt, b, d, md, dt_ptr, s_dt_b, s_dt_t, seq_ptr, s_seq_b, s_seq_t, A2, bias,
+    t0, rows, mt, b, d, md, dt_ptr, s_dt_b, s_dt_t, seq_ptr, s_seq_b, s_seq_t, A2, bias,
     HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_SEQ: tl.constexpr, EVEN: tl.constexpr,
 ):
     """_tile_dt, and a_t [TC, BN, BD] (A2 = A^T log2(e), [BN, BD]). Rows past T are identities
     (delta 0: a = 1, b = 0)."""
     m2, raw, dt = _tile_dt(
-        t, mt, b, d, md, dt_ptr, s_dt_b, s_dt_t, bias, HAS_BIAS, SOFTPLUS, EVEN
+        t0, rows, mt, b, d, md, dt_ptr, s_dt_b, s_dt_t, bias, HAS_BIAS, SOFTPLUS, EVEN
     )
     a = tl.exp2(dt[:, None, :] * A2[None, :, :])
     if HAS_SEQ:
-        starts = _doc_starts(t, mt, b, seq_ptr, s_seq_b, s_seq_t)
+        starts = _doc_starts(t0 + rows, mt, b, seq_ptr, s_seq_b, s_seq_t)
         a = tl.where(starts[:, None, None], 0.0, a)
     return m2, raw, dt, a
 
 
 @triton.jit
-def _tile_rows(ptr, s_b, s_t, b, t, cols, mask, EVEN: tl.constexpr):
-    """A [TC, len(cols)] tile of a [B, T, cols] tensor, as f32."""
-    return _ld(ptr + b * s_b + t.to(tl.int64)[:, None] * s_t + cols[None, :], mask, EVEN)
+def _tile_ptrs(ptr, s_b, s_t, b, t0, rows, cols, s_c):
+    """Pointers of the [TC, len(cols)] tile at steps t0 + rows of row b of a [B, T, cols]
+    tensor: a scalar int64 base and int32 offsets that stay the same from tile to tile (so
+    they are computed once, outside the tile loop)."""
+    return (ptr + (b * s_b + t0.to(tl.int64) * s_t)) + (rows[:, None] * s_t + cols[None, :] * s_c)
 
 
 @triton.jit
-def _tile_gate(dy_ptr, s_dy_b, s_dy_t, s_dy_d, z_ptr, s_z_b, s_z_t, b, t, d, m2,
+def _tile_rows(ptr, s_b, s_t, b, t0, rows, cols, mask, EVEN: tl.constexpr):
+    """A [TC, len(cols)] tile of a [B, T, cols] tensor, as f32."""
+    return _ld(_tile_ptrs(ptr, s_b, s_t, b, t0, rows, cols, 1), mask, EVEN)
+
+
+@triton.jit
+def _tile_gate(dy_ptr, s_dy_b, s_dy_t, s_dy_d, z_ptr, s_z_b, s_z_t, b, t0, rows, d, m2,
                HAS_Z: tl.constexpr, EVEN: tl.constexpr):
     """dy, z, sigmoid(z), gy = dy * silu(z) (the gradient reaching y before the gate)."""
-    t64 = t.to(tl.int64)
-    dy = _ld(dy_ptr + b * s_dy_b + t64[:, None] * s_dy_t + d[None, :] * s_dy_d, m2, EVEN)
+    dy = _ld(_tile_ptrs(dy_ptr, s_dy_b, s_dy_t, b, t0, rows, d, s_dy_d), m2, EVEN)
     if HAS_Z:
-        z = _tile_rows(z_ptr, s_z_b, s_z_t, b, t, d, m2, EVEN)
+        z = _tile_rows(z_ptr, s_z_b, s_z_t, b, t0, rows, d, m2, EVEN)
         sz = tl.sigmoid(z)
         gy = dy * z * sz
     else:
@@ -218,14 +232,15 @@ def _fwd_kernel(
     c0 = s * seg_chunks
     for i in tl.range(seg_chunks, num_stages=STAGES):
         c = c0 + i  # past the last tile (c >= nc) every row is masked: an identity
-        t = c * TC + rows
+        t0 = c * TC
+        t = t0 + rows
         mt = t < T
         m2, _raw, dt, a = _tile_decay(
-            t, mt, b, d, md, dt_ptr, s_dt_b, s_dt_t, seq_ptr, s_seq_b, s_seq_t, A2, bias,
+            t0, rows, mt, b, d, md, dt_ptr, s_dt_b, s_dt_t, seq_ptr, s_seq_b, s_seq_t, A2, bias,
             HAS_BIAS, SOFTPLUS, HAS_SEQ, EVEN,
         )
-        u = _tile_rows(u_ptr, s_u_b, s_u_t, b, t, d, m2, EVEN)
-        Bt = _tile_rows(B_ptr, s_B_b, s_B_t, b, t, n, mt[:, None] & mn[None, :], EVEN)
+        u = _tile_rows(u_ptr, s_u_b, s_u_t, b, t0, rows, d, m2, EVEN)
+        Bt = _tile_rows(B_ptr, s_B_b, s_B_t, b, t0, rows, n, mt[:, None] & mn[None, :], EVEN)
         bx = (dt * u)[:, None, :] * Bt[:, :, None]
         # the carried state enters through the first row; the scan's decay products are then
         # only needed for a LOCAL pass (unused, they compile away)
@@ -249,15 +264,15 @@ def _fwd_kernel(
         if LOCAL:
             p = p * _row(pa, rows, TC - 1)
         else:
-            Ct = _tile_rows(C_ptr, s_C_b, s_C_t, b, t, n, mt[:, None] & mn[None, :], EVEN)
+            Ct = _tile_rows(C_ptr, s_C_b, s_C_t, b, t0, rows, n, mt[:, None] & mn[None, :], EVEN)
             y = tl.sum(hs * Ct[:, :, None], axis=1)
             if not SPLIT_N:  # the whole of y is here: finish it
                 if HAS_D:
                     y += Dv[None, :] * u
                 if HAS_Z:
-                    zt = _tile_rows(z_ptr, s_z_b, s_z_t, b, t, d, m2, EVEN)
+                    zt = _tile_rows(z_ptr, s_z_b, s_z_t, b, t0, rows, d, m2, EVEN)
                     y = y * zt * tl.sigmoid(zt)
-            _st(y_base + t.to(tl.int64)[:, None] * Dn + d[None, :], y, m2, EVEN)
+            _st(_tile_ptrs(y_base, 0, Dn, b, t0, rows, d, 1), y, m2, EVEN)
         h = _row(hs, rows, TC - 1)
     if LOCAL:
         tl.store(hloc_ptr + off_seg, h, mask=mdn)
@@ -354,16 +369,17 @@ def _bwd_local_kernel(
     c0 = s * seg_chunks
     for i in tl.range(seg_chunks, num_stages=STAGES):
         c = c0 + seg_chunks - 1 - i
-        t = c * TC + rows
+        t0 = c * TC
+        t = t0 + rows
         mt = t < T
         m2, _raw, _dt, a = _tile_decay(
-            t, mt, b, d, md, dt_ptr, s_dt_b, s_dt_t, seq_ptr, s_seq_b, s_seq_t, A2, bias,
+            t0, rows, mt, b, d, md, dt_ptr, s_dt_b, s_dt_t, seq_ptr, s_seq_b, s_seq_t, A2, bias,
             HAS_BIAS, SOFTPLUS, HAS_SEQ, EVEN,
         )
         _dy, _z, _sz, gy = _tile_gate(
-            dy_ptr, s_dy_b, s_dy_t, s_dy_d, z_ptr, s_z_b, s_z_t, b, t, d, m2, HAS_Z, EVEN
+            dy_ptr, s_dy_b, s_dy_t, s_dy_d, z_ptr, s_z_b, s_z_t, b, t0, rows, d, m2, HAS_Z, EVEN
         )
-        Ct = _tile_rows(C_ptr, s_C_b, s_C_t, b, t, n, mt[:, None] & mn[None, :], EVEN)
+        Ct = _tile_rows(C_ptr, s_C_b, s_C_t, b, t0, rows, n, mt[:, None] & mn[None, :], EVEN)
         cc = Ct[:, :, None] * gy[:, None, :]
         cc = tl.where((rows == TC - 1)[:, None, None], cc + G[None, :, :], cc)  # the carry
         k, g, _f = tl.associative_scan((ones, cc, a), 0, _combine_rev, reverse=True)
@@ -376,6 +392,32 @@ def _bwd_local_kernel(
 
 
 @triton.jit
+def _bwd_loads(
+    c, rows, b, d, n, md, mn, mdn, T, Dn, N, nc, u_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, dy_ptr,
+    states_ptr, s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b, s_z_t, s_dy_b,
+    s_dy_t, s_dy_d, HAS_Z: tl.constexpr, TC: tl.constexpr, EVEN: tl.constexpr,
+):
+    """The inputs of backward tile c, as f32: raw delta, u, B, C, dy, z (dy without z) and
+    the saved state at the tile's start."""
+    t0 = c * TC
+    mt = (t0 + rows) < T
+    m2 = mt[:, None] & md[None, :]
+    mtn = mt[:, None] & mn[None, :]
+    raw = _ld(_tile_ptrs(dt_ptr, s_dt_b, s_dt_t, b, t0, rows, d, 1), m2, EVEN)
+    u = _tile_rows(u_ptr, s_u_b, s_u_t, b, t0, rows, d, m2, EVEN)
+    Bt = _tile_rows(B_ptr, s_B_b, s_B_t, b, t0, rows, n, mtn, EVEN)
+    Ct = _tile_rows(C_ptr, s_C_b, s_C_t, b, t0, rows, n, mtn, EVEN)
+    dy = _ld(_tile_ptrs(dy_ptr, s_dy_b, s_dy_t, b, t0, rows, d, s_dy_d), m2, EVEN)
+    if HAS_Z:
+        z = _tile_rows(z_ptr, s_z_b, s_z_t, b, t0, rows, d, m2, EVEN)
+    else:
+        z = dy
+    off_c = ((b * nc + c) * Dn + d[None, :]) * N + n[:, None]  # [B, nc, D, N]
+    h0 = tl.load(states_ptr + off_c, mask=_in_range(mdn, c, nc), other=0.0)
+    return raw, u, Bt, Ct, dy, z, h0
+
+
+@triton.jit
 def _bwd_kernel(
     u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr, dy_ptr, states_ptr,
     gin_ptr, du_ptr, ddt_ptr, dz_ptr, ys_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, db_ptr, dh0_ptr,
@@ -385,7 +427,7 @@ def _bwd_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_G: tl.constexpr, HAS_H0: tl.constexpr, SPLIT_N: tl.constexpr,
     TC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-    EVEN: tl.constexpr,
+    EVEN: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Every gradient of one segment, tiles last to first: states by a forward scan from the
     saved tile-start state, adjoints by a reverse scan from the carry G."""
@@ -409,26 +451,47 @@ def _bwd_kernel(
     out_base = (pid_n * Bsz + b) * T * Dn  # [nb, B, T, D] (nb = 1: [B, T, D])
     part_base = (pid_d * Bsz + b) * T * N  # [n_dblocks, B, T, N]
     c0 = s * seg_chunks
+    c_last = c0 + seg_chunks - 1
+    if PREFETCH:  # a tile's loads are issued one iteration ahead, behind the previous tile's
+        # arithmetic: few warps per SM are resident at this register count to hide them
+        nx_raw, nx_u, nx_B, nx_C, nx_dy, nx_z, nx_h0 = _bwd_loads(
+            c_last, rows, b, d, n, md, mn, mdn, T, Dn, N, nc, u_ptr, dt_ptr, B_ptr, C_ptr, z_ptr,
+            dy_ptr, states_ptr, s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b,
+            s_z_t, s_dy_b, s_dy_t, s_dy_d, HAS_Z, TC, EVEN,
+        )
     for i in tl.range(seg_chunks, num_stages=STAGES):
-        c = c0 + seg_chunks - 1 - i
-        t = c * TC + rows
-        t64 = t.to(tl.int64)
+        c = c_last - i
+        if PREFETCH:
+            raw, u, Bt, Ct, dy, z, h0 = nx_raw, nx_u, nx_B, nx_C, nx_dy, nx_z, nx_h0
+            nx_raw, nx_u, nx_B, nx_C, nx_dy, nx_z, nx_h0 = _bwd_loads(
+                tl.maximum(c - 1, c0), rows, b, d, n, md, mn, mdn, T, Dn, N, nc, u_ptr, dt_ptr,
+                B_ptr, C_ptr, z_ptr, dy_ptr, states_ptr, s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b,
+                s_B_t, s_C_b, s_C_t, s_z_b, s_z_t, s_dy_b, s_dy_t, s_dy_d, HAS_Z, TC, EVEN,
+            )  # the next tile's (the first tile's again on the last iteration: unused)
+        else:
+            raw, u, Bt, Ct, dy, z, h0 = _bwd_loads(
+                c, rows, b, d, n, md, mn, mdn, T, Dn, N, nc, u_ptr, dt_ptr, B_ptr, C_ptr, z_ptr,
+                dy_ptr, states_ptr, s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t,
+                s_z_b, s_z_t, s_dy_b, s_dy_t, s_dy_d, HAS_Z, TC, EVEN,
+            )
+        t0 = c * TC
+        t = t0 + rows
         mt = t < T
         mtn = mt[:, None] & mn[None, :]
-        m2, raw, dt, a = _tile_decay(
-            t, mt, b, d, md, dt_ptr, s_dt_b, s_dt_t, seq_ptr, s_seq_b, s_seq_t, A2, bias,
-            HAS_BIAS, SOFTPLUS, HAS_SEQ, EVEN,
-        )
-        u = _tile_rows(u_ptr, s_u_b, s_u_t, b, t, d, m2, EVEN)
-        Bt = _tile_rows(B_ptr, s_B_b, s_B_t, b, t, n, mtn, EVEN)
-        Ct = _tile_rows(C_ptr, s_C_b, s_C_t, b, t, n, mtn, EVEN)
-        dy, z, sz, gy = _tile_gate(
-            dy_ptr, s_dy_b, s_dy_t, s_dy_d, z_ptr, s_z_b, s_z_t, b, t, d, m2, HAS_Z, EVEN
-        )
+        m2 = mt[:, None] & md[None, :]
+        raw, dt = _delta_of(raw, m2, bias, HAS_BIAS, SOFTPLUS, EVEN)
+        a = tl.exp2(dt[:, None, :] * A2[None, :, :])
+        if HAS_SEQ:
+            starts = _doc_starts(t, mt, b, seq_ptr, s_seq_b, s_seq_t)
+            a = tl.where(starts[:, None, None], 0.0, a)
+        if HAS_Z:
+            sz = tl.sigmoid(z)
+            gy = dy * z * sz
+        else:
+            sz = dy
+            gy = dy
         dtu = dt * u
         bx = dtu[:, None, :] * Bt[:, :, None]
-        off_c = ((b * nc + c) * Dn + d[None, :]) * N + n[:, None]  # [B, nc, D, N]
-        h0 = tl.load(states_ptr + off_c, mask=_in_range(mdn, c, nc), other=0.0)
         # carries enter through the first (forward) and last (reverse) rows; the scans' decay
         # products are then unused and compile away
         hs_in = tl.where((rows == 0)[:, None, None], bx + a * h0[None, :, :], bx)
@@ -440,12 +503,12 @@ def _bwd_kernel(
         if HAS_Z:
             ys = tl.sum(hs * Ct[:, :, None], axis=1)
             if SPLIT_N:  # y needs every state block: dz is finished outside
-                _st(ys_ptr + out_base + t64[:, None] * Dn + d[None, :], ys, m2, EVEN)
+                _st(_tile_ptrs(ys_ptr + out_base, 0, Dn, b, t0, rows, d, 1), ys, m2, EVEN)
             else:
                 if HAS_D:
                     ys += Dv[None, :] * u
                 dz = dy * ys * sz * (1.0 + z * (1.0 - sz))
-                _st(dz_ptr + out_base + t64[:, None] * Dn + d[None, :], dz, m2, EVEN)
+                _st(_tile_ptrs(dz_ptr + out_base, 0, Dn, b, t0, rows, d, 1), dz, m2, EVEN)
         xhb = x * (hs - bx)  # g_t a_t h_{t-1}
         xB = tl.sum(x * Bt[:, :, None], axis=1)
         ddt = u * xB + tl.sum(xhb * A[None, :, :], axis=1)
@@ -459,11 +522,12 @@ def _bwd_kernel(
             db_acc += tl.sum(ddt, axis=0)
         else:
             db_acc += tl.sum(tl.where(m2, ddt, 0.0), axis=0)
-        _st(du_ptr + out_base + t64[:, None] * Dn + d[None, :], du, m2, EVEN)
-        _st(ddt_ptr + out_base + t64[:, None] * Dn + d[None, :], ddt, m2, EVEN)
-        off_p = part_base + t64[:, None] * N + n[None, :]
-        _st(dB_ptr + off_p, tl.sum(x * dtu[:, None, :], axis=2), mtn, EVEN)
-        _st(dC_ptr + off_p, tl.sum(hs * gy[:, None, :], axis=2), mtn, EVEN)
+        _st(_tile_ptrs(du_ptr + out_base, 0, Dn, b, t0, rows, d, 1), du, m2, EVEN)
+        _st(_tile_ptrs(ddt_ptr + out_base, 0, Dn, b, t0, rows, d, 1), ddt, m2, EVEN)
+        dB_t = tl.sum(x * dtu[:, None, :], axis=2)
+        _st(_tile_ptrs(dB_ptr + part_base, 0, N, b, t0, rows, n, 1), dB_t, mtn, EVEN)
+        dC_t = tl.sum(hs * gy[:, None, :], axis=2)
+        _st(_tile_ptrs(dC_ptr + part_base, 0, N, b, t0, rows, n, 1), dC_t, mtn, EVEN)
         dA_acc += tl.sum(xhb * dt[:, None, :], axis=0)
     tl.store(dA_ptr + off_seg, dA_acc, mask=mdn)  # [B, nseg, D, N] partials
     off_part = (b * nseg + s) * Dn + d  # [B, nseg, D] partials
@@ -499,7 +563,8 @@ def config(N: int, Dn: int, interpret: bool, override: dict | None = None) -> di
     p2 = triton.next_power_of_2(Dn)
     if interpret:  # small tiles, and segments of two tiles so the carries run in every test
         cfg = dict(FWD_TC=4, TC=8, BLOCK_D=min(8, p2), BWD_BLOCK_D=min(8, p2), BLOCK_N=bn,
-                   num_warps=1, bwd_warps=1, FWD_STAGES=1, STAGES=1, BLOCK_E=64, CB=8, SEG_CHUNKS=2,
+                   num_warps=1, bwd_warps=1, FWD_STAGES=1, STAGES=1, BWD_PREFETCH=1, BLOCK_E=64, CB=8,
+                   SEG_CHUNKS=2,
                    MIN_PROGRAMS=0, SEG_TARGET_PER_SM=0)  # fmt: skip
     else:
         # measured on the H200 at 8x2048x1536x16 bf16 (scripts/scan_sweep.py): forward tile 8 x
@@ -508,7 +573,8 @@ def config(N: int, Dn: int, interpret: bool, override: dict | None = None) -> di
         # channels: 5.04). Segments below 8 programs per SM: 1x65536 fwd+bwd 17.5 ms instead of
         # 42.2 (2 per SM), 8x2048 unchanged.
         cfg = dict(FWD_TC=8, TC=4, BLOCK_D=min(32, p2), BWD_BLOCK_D=min(8, p2), BLOCK_N=bn,
-                   num_warps=1, bwd_warps=1, FWD_STAGES=3, STAGES=2, BLOCK_E=256, CB=16,
+                   num_warps=1, bwd_warps=1, FWD_STAGES=3, STAGES=2, BWD_PREFETCH=1,
+                   BLOCK_E=256, CB=16,
                    SEG_CHUNKS=0, MIN_PROGRAMS=None, SEG_BELOW_PER_SM=2,
                    SEG_TARGET_PER_SM=8)  # fmt: skip
     env = os.environ.get("MAMBAKIT_SCAN_CONFIG")  # a tuning knob: JSON of the keys above
@@ -771,7 +837,7 @@ def scan_bwd(
         _opt(dDp, A), dbp, _opt(dh0, A),
         T, Dn, N, Bsz, nc, nseg, per, *strides, *s_dy,
         HAS_D=D is not None, HAS_G=gin is not None, HAS_H0=dh0 is not None, SPLIT_N=nb > 1,
-        **common,
+        PREFETCH=bool(cfg.get("BWD_PREFETCH", 1)), **common,
     )  # fmt: skip
     if nb > 1:
         du = du.sum(0).to(u.dtype)
