@@ -218,8 +218,19 @@ def test_sum_loss(c: Case, seed):
         {"SEG_CHUNKS": 3},
         {"FWD_TC": 8, "TC": 2, "SEG_CHUNKS": 2},
         {"BWD_PREFETCH": 0, "SEG_CHUNKS": 3},
+        {"BWD_RS": 0},
+        {"BWD_BLOCK_D": 16},
+        {"BWD_BLOCK_D": 32},
     ],
-    ids=["seg1", "seg3", "fwd-tile-8-bwd-tile-2", "no-prefetch"],
+    ids=[
+        "seg1",
+        "seg3",
+        "fwd-tile-8-bwd-tile-2",
+        "no-prefetch",
+        "channel-sums-by-tl.sum",
+        "reduce-scatter-16-channels",
+        "reduce-scatter-32-channels",
+    ],
 )
 def test_tilings_and_segments_agree(cfg: dict, seed):
     """Other time tiles, and time cut into segments (with carries between them), give the

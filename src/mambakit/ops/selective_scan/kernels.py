@@ -392,6 +392,88 @@ def _bwd_local_kernel(
 
 
 @triton.jit
+def _shfl_xor(x, M: tl.constexpr, ASM: tl.constexpr):
+    """y[..., d] = x[..., d ^ M] over the last dim of x [V, NL, BD], whose index d is lane bits
+    0.. of the warp: one butterfly shuffle per element on the GPU (ASM), tensor ops otherwise
+    (the interpreter runs no PTX)."""
+    if ASM:
+        xi = x.to(tl.int32, bitcast=True)
+        if M == 1:
+            asm: tl.constexpr = "shfl.sync.bfly.b32 $0, $1, 1, 0x1f, 0xffffffff;"
+        elif M == 2:
+            asm: tl.constexpr = "shfl.sync.bfly.b32 $0, $1, 2, 0x1f, 0xffffffff;"
+        elif M == 4:
+            asm: tl.constexpr = "shfl.sync.bfly.b32 $0, $1, 4, 0x1f, 0xffffffff;"
+        elif M == 8:
+            asm: tl.constexpr = "shfl.sync.bfly.b32 $0, $1, 8, 0x1f, 0xffffffff;"
+        else:
+            asm: tl.constexpr = "shfl.sync.bfly.b32 $0, $1, 16, 0x1f, 0xffffffff;"
+        yi = tl.inline_asm_elementwise(asm, "=r,r", [xi], dtype=tl.int32, is_pure=True, pack=1)
+        return yi.to(tl.float32, bitcast=True)
+    else:
+        V: tl.constexpr = x.shape[0]
+        NL: tl.constexpr = x.shape[1]
+        BD: tl.constexpr = x.shape[2]
+        x5 = tl.permute(tl.reshape(x, [V, NL, BD // (2 * M), 2, M]), (0, 1, 2, 4, 3))
+        lo, hi = tl.split(x5)
+        return tl.reshape(tl.permute(tl.join(hi, lo), (0, 1, 2, 4, 3)), [V, NL, BD])
+
+
+@triton.jit
+def _halve(r, d, M: tl.constexpr, ASM: tl.constexpr):
+    """One reduce-scatter step over lane bit M: lanes with that bit clear keep the first half
+    of their values and receive their partner's first half, the others the second halves."""
+    V: tl.constexpr = r.shape[0]
+    NL: tl.constexpr = r.shape[1]
+    BD: tl.constexpr = r.shape[2]
+    lo, hi = tl.split(tl.permute(tl.reshape(r, [2, V // 2, NL, BD]), (1, 2, 3, 0)))
+    up = ((d & M) != 0)[None, None, :]
+    return tl.where(up, hi, lo) + _shfl_xor(tl.where(up, lo, hi), M, ASM)
+
+
+@triton.jit
+def _store_channel_sum(
+    ptr, p, t0, rows, n, mtn, T, N, pid_n, TC: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, RS: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr,
+):
+    """Store sum_d p[t, n, d] of a [TC, BN, BD] tile at ptr + (t0 + t) N + n.
+
+    RS: the tile's layout has the BD channels on lane bits 0.. and NL = 32 / BD states on the
+    other lanes, the rest in registers; a reduce-scatter (halve the values, swap a half with
+    the partner lane, add) leaves each lane V / BD finished sums, V = TC BN / NL, with log2(BD)
+    levels of V/2 + V/4 + ... shuffles instead of log2(BD) shuffles for every one of V values.
+    Lane (l, d)'s value j is the sum for flat = j + (V / BD) d, flat = t (BN / NL) + n // NL,
+    l = n % NL."""
+    if RS:
+        NL: tl.constexpr = 32 // BLOCK_D
+        NH: tl.constexpr = BLOCK_N // NL
+        V: tl.constexpr = TC * NH
+        VF: tl.constexpr = V // BLOCK_D
+        d = tl.arange(0, BLOCK_D)
+        r = tl.reshape(p, [V, NL, BLOCK_D])
+        if BLOCK_D >= 32:
+            r = _halve(r, d, 16, ASM)
+        if BLOCK_D >= 16:
+            r = _halve(r, d, 8, ASM)
+        if BLOCK_D >= 8:
+            r = _halve(r, d, 4, ASM)
+        if BLOCK_D >= 4:
+            r = _halve(r, d, 2, ASM)
+        if BLOCK_D >= 2:
+            r = _halve(r, d, 1, ASM)
+        flat = tl.arange(0, VF)[:, None, None] + VF * d[None, None, :]
+        tt = flat // NH
+        nn = pid_n * BLOCK_N + (flat % NH) * NL + tl.arange(0, NL)[None, :, None]
+        off = (t0 + tt) * N + nn
+        if EVEN:
+            tl.store(ptr + off, r)
+        else:
+            tl.store(ptr + off, r, mask=((t0 + tt) < T) & (nn < N))
+    else:
+        _st(_tile_ptrs(ptr, 0, N, 0, t0, rows, n, 1), tl.sum(p, axis=2), mtn, EVEN)
+
+
+@triton.jit
 def _bwd_loads(
     c, rows, b, d, n, md, mn, mdn, T, Dn, N, nc, u_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, dy_ptr,
     states_ptr, s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b, s_z_t, s_dy_b,
@@ -427,7 +509,7 @@ def _bwd_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_G: tl.constexpr, HAS_H0: tl.constexpr, SPLIT_N: tl.constexpr,
     TC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
-    EVEN: tl.constexpr, PREFETCH: tl.constexpr,
+    EVEN: tl.constexpr, PREFETCH: tl.constexpr, RS: tl.constexpr, RS_ASM: tl.constexpr,
 ):
     """Every gradient of one segment, tiles last to first: states by a forward scan from the
     saved tile-start state, adjoints by a reverse scan from the carry G."""
@@ -524,10 +606,10 @@ def _bwd_kernel(
             db_acc += tl.sum(tl.where(m2, ddt, 0.0), axis=0)
         _st(_tile_ptrs(du_ptr + out_base, 0, Dn, b, t0, rows, d, 1), du, m2, EVEN)
         _st(_tile_ptrs(ddt_ptr + out_base, 0, Dn, b, t0, rows, d, 1), ddt, m2, EVEN)
-        dB_t = tl.sum(x * dtu[:, None, :], axis=2)
-        _st(_tile_ptrs(dB_ptr + part_base, 0, N, b, t0, rows, n, 1), dB_t, mtn, EVEN)
-        dC_t = tl.sum(hs * gy[:, None, :], axis=2)
-        _st(_tile_ptrs(dC_ptr + part_base, 0, N, b, t0, rows, n, 1), dC_t, mtn, EVEN)
+        _store_channel_sum(dB_ptr + part_base, x * dtu[:, None, :], t0, rows, n, mtn, T, N,
+                           pid_n, TC, BLOCK_N, BLOCK_D, RS, RS_ASM, EVEN)
+        _store_channel_sum(dC_ptr + part_base, hs * gy[:, None, :], t0, rows, n, mtn, T, N,
+                           pid_n, TC, BLOCK_N, BLOCK_D, RS, RS_ASM, EVEN)
         dA_acc += tl.sum(xhb * dt[:, None, :], axis=0)
     tl.store(dA_ptr + off_seg, dA_acc, mask=mdn)  # [B, nseg, D, N] partials
     off_part = (b * nseg + s) * Dn + d  # [B, nseg, D] partials
@@ -555,7 +637,9 @@ def config(N: int, Dn: int, interpret: bool, override: dict | None = None) -> di
     TC steps (4 D N / TC bytes per token). BLOCK_D / BWD_BLOCK_D: channels per program (along
     the lanes; the states of a channel stay in one thread, so sums over N need no shuffles).
     FWD_STAGES / STAGES: software-pipelining depth of the tile loops; fwd_maxnreg /
-    bwd_maxnreg: a register cap (more programs per SM). SEG_CHUNKS: tiles per segment (0: the
+    bwd_maxnreg: a register cap (more programs per SM). BWD_PREFETCH: the backward loads a
+    tile one iteration ahead. BWD_RS: the backward's sums over channels (dB, dC) by a warp
+    reduce-scatter where the layout allows (`_reduce_scatter`). SEG_CHUNKS: tiles per segment (0: the
     whole sequence, cut only when rows x channel blocks give fewer than MIN_PROGRAMS programs,
     by default SEG_BELOW_PER_SM per SM, and then into enough segments for SEG_TARGET_PER_SM
     programs per SM)."""
@@ -563,18 +647,19 @@ def config(N: int, Dn: int, interpret: bool, override: dict | None = None) -> di
     p2 = triton.next_power_of_2(Dn)
     if interpret:  # small tiles, and segments of two tiles so the carries run in every test
         cfg = dict(FWD_TC=4, TC=8, BLOCK_D=min(8, p2), BWD_BLOCK_D=min(8, p2), BLOCK_N=bn,
-                   num_warps=1, bwd_warps=1, FWD_STAGES=1, STAGES=1, BWD_PREFETCH=1, BLOCK_E=64, CB=8,
-                   SEG_CHUNKS=2,
-                   MIN_PROGRAMS=0, SEG_TARGET_PER_SM=0)  # fmt: skip
+                   num_warps=1, bwd_warps=1, FWD_STAGES=1, STAGES=1, BWD_PREFETCH=1, BWD_RS=1,
+                   BLOCK_E=64, CB=8, SEG_CHUNKS=2, MIN_PROGRAMS=0,
+                   SEG_TARGET_PER_SM=0)  # fmt: skip
     else:
         # measured on the H200 at 8x2048x1536x16 bf16 (scripts/scan_sweep.py): forward tile 8 x
-        # 16 channels, 1 warp, 3 stages 0.422 ms (tile 2: 1.41; tile 16 / 4 warps: 1.52);
-        # backward tile 4 x 8 channels, 1 warp, 2.22 ms (tile 2: 2.39; tile 8: 2.88; 4
-        # channels: 5.04). Segments below 8 programs per SM: 1x65536 fwd+bwd 17.5 ms instead of
-        # 42.2 (2 per SM), 8x2048 unchanged.
-        cfg = dict(FWD_TC=8, TC=4, BLOCK_D=min(32, p2), BWD_BLOCK_D=min(8, p2), BLOCK_N=bn,
-                   num_warps=1, bwd_warps=1, FWD_STAGES=3, STAGES=2, BWD_PREFETCH=1,
-                   BLOCK_E=256, CB=16,
+        # 32 channels, 1 warp, 3 stages 0.363 ms (tile 2: 1.41; tile 16 / 4 warps: 1.52);
+        # backward tile 4 x 16 channels, 1 warp, prefetch, reduce-scatter 1.49 ms (8 channels
+        # 1.54; without the reduce-scatter 1.92; without prefetch 2.02; tile 2: 2.91).
+        # Segments below 8 programs per SM: 1x65536 fwd+bwd 17.5 ms instead of 42.2 (2 per
+        # SM), 8x2048 unchanged.
+        cfg = dict(FWD_TC=8, TC=4, BLOCK_D=min(32, p2), BWD_BLOCK_D=min(16, p2), BLOCK_N=bn,
+                   num_warps=1, bwd_warps=1, FWD_STAGES=3, STAGES=1, BWD_PREFETCH=1,
+                   BWD_RS=1, BLOCK_E=256, CB=16,
                    SEG_CHUNKS=0, MIN_PROGRAMS=None, SEG_BELOW_PER_SM=2,
                    SEG_TARGET_PER_SM=8)  # fmt: skip
     env = os.environ.get("MAMBAKIT_SCAN_CONFIG")  # a tuning knob: JSON of the keys above
@@ -612,6 +697,16 @@ def _segments(nc: int, programs: int, cfg: dict, device: torch.device) -> tuple[
 def _even(T, Dn, N, tc, bd, bn, whole_segments) -> bool:
     """Every tile of every program lies inside the tensors: the kernels drop their masks."""
     return T % tc == 0 and Dn % bd == 0 and N % bn == 0 and whole_segments
+
+
+def _reduce_scatter(tc: int, bd: int, bn: int, warps: int) -> bool:
+    """Whether the channel sums of the backward can use `_store_channel_sum`'s reduce-scatter:
+    one warp whose [TC, BN, BD] tiles put the BD channels on the low lane bits and 32 / BD
+    states on the others (Triton's default layout for these shapes), every lane busy."""
+    if warps != 1 or bd < 2 or bd > 32 or 32 % bd:
+        return False
+    nl = 32 // bd
+    return bn % nl == 0 and tc * (bn // nl) >= bd
 
 
 def _maxnreg(n: int | None) -> dict:
@@ -837,7 +932,9 @@ def scan_bwd(
         _opt(dDp, A), dbp, _opt(dh0, A),
         T, Dn, N, Bsz, nc, nseg, per, *strides, *s_dy,
         HAS_D=D is not None, HAS_G=gin is not None, HAS_H0=dh0 is not None, SPLIT_N=nb > 1,
-        PREFETCH=bool(cfg.get("BWD_PREFETCH", 1)), **common,
+        PREFETCH=bool(cfg.get("BWD_PREFETCH", 1)),
+        RS=bool(cfg.get("BWD_RS", 1)) and _reduce_scatter(tc, bd, bn, cfg["bwd_warps"]),
+        RS_ASM=u.is_cuda, **common,
     )  # fmt: skip
     if nb > 1:
         du = du.sum(0).to(u.dtype)
