@@ -112,8 +112,20 @@ def profile_step(model, batch, seqlen, path: str | None) -> None:
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
     print(table)
+    # the operators behind the kernels, with their input shapes (which op launches what)
+    with profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True
+    ) as p2:
+        step()
+        torch.cuda.synchronize()
+    ops = p2.key_averages(group_by_input_shape=True).table(
+        sort_by="self_cuda_time_total",
+        row_limit=40,
+        max_name_column_width=40,
+        max_shapes_column_width=90,
+    )
     if path:
-        Path(path).write_text(table)
+        Path(path).write_text(table + "\n\nOperators by input shape\n" + ops)
 
 
 def main() -> None:
