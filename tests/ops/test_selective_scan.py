@@ -247,7 +247,7 @@ def test_tilings_and_segments_agree(cfg: dict, seed):
     for override in (cfg, {"SEG_CHUNKS": 0, "MIN_PROGRAMS": 0}):
         y, hT, states = K.scan_fwd(*args, True, h0, seq, True, config_override=override)
         tc = K.config(c.N, c.Dn, DEVICE != "cuda", override)["TC"]
-        assert states.shape == (c.Bsz, -(-c.T // tc), c.N, c.Dn)
+        assert states.shape == (c.Bsz, -(-c.T // tc), c.Dn, c.N)
         grads = K.scan_bwd(gy, gT, *args, True, h0, seq, states, config_override=override)
         outs.append((y, hT, *grads))
     for a, b in zip(*outs):
@@ -266,8 +266,7 @@ def test_saved_tile_states(seed):
     y, hT, states = K.scan_fwd(*args, True, inp["initial_state"], inp["seq_idx"], True)
     yo, hTo = oracle(*args, True, inp["initial_state"], inp["seq_idx"])
     assert rel(y, yo) < TOL[F32] and rel(hT, hTo) < TOL[F32]
-    assert states.shape == (c.Bsz, -(-c.T // tc), c.N, c.Dn)  # [B, tiles, N, D]
-    states = states.transpose(2, 3)
+    assert states.shape == (c.Bsz, -(-c.T // tc), c.Dn, c.N)
     torch.testing.assert_close(states[:, 0], inp["initial_state"])
     for k in range(1, states.shape[1]):
         first = [a[:, : k * tc] if a is not None and a.dim() == 3 else a for a in args]

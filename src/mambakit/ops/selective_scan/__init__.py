@@ -54,7 +54,7 @@ def _(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, seq_id
     f32 = torch.float32
     y = u.new_empty(Bsz, T, Dn)
     hT = u.new_empty(Bsz, Dn, N, dtype=f32)
-    states = u.new_empty((Bsz, _ntiles(T, u.is_cuda), N, Dn) if save_states else (0,), dtype=f32)
+    states = u.new_empty((Bsz, _ntiles(T, u.is_cuda), Dn, N) if save_states else (0,), dtype=f32)
     return y, hT, states
 
 

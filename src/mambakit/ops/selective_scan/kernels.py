@@ -246,17 +246,16 @@ def _fwd_kernel(
         # only needed for a LOCAL pass (unused, they compile away)
         bx = tl.where((rows == 0)[:, None, None], bx + a * h[None, :, :], bx)
         pa, hs = tl.associative_scan((a, bx), 0, _combine)
-        if SAVE:  # the state every TS steps (the backward's tile), [B, ns, N, D]: channels
-            # contiguous, so a warp's store of one state is one coalesced row
+        if SAVE:  # the state every TS steps (the backward's tile), [B, ns, D, N]
             if TC <= TS:
                 c_s = (c * TC) // TS
-                off_c = ((b * ns + c_s) * N + n[:, None]) * Dn + d[None, :]
+                off_c = ((b * ns + c_s) * Dn + d[None, :]) * N + n[:, None]
                 m_s = _in_range(_in_range(mdn, c_s, ns), (c * TC) % TS, 1)
                 tl.store(states_ptr + off_c, h, mask=m_s)
             else:
                 for k in tl.static_range(TC // TS):
                     c_s = c * (TC // TS) + k
-                    off_c = ((b * ns + c_s) * N + n[:, None]) * Dn + d[None, :]
+                    off_c = ((b * ns + c_s) * Dn + d[None, :]) * N + n[:, None]
                     if k == 0:
                         hk = h
                     else:
@@ -495,7 +494,7 @@ def _bwd_loads(
         z = _tile_rows(z_ptr, s_z_b, s_z_t, b, t0, rows, d, m2, EVEN)
     else:
         z = dy
-    off_c = ((b * nc + c) * N + n[:, None]) * Dn + d[None, :]  # [B, nc, N, D]
+    off_c = ((b * nc + c) * Dn + d[None, :]) * N + n[:, None]  # [B, nc, D, N]
     h0 = tl.load(states_ptr + off_c, mask=_in_range(mdn, c, nc), other=0.0)
     return raw, u, Bt, Ct, dy, z, h0
 
@@ -751,7 +750,7 @@ def scan_fwd(
     config_override: dict | None = None,
 ):
     """(y [B, T, D] in u.dtype, final state [B, D, N] f32, the states at every TC-th step
-    [B, T/TC, N, D] or an empty tensor)."""
+    [B, T/TC, D, N] or an empty tensor)."""
     Bsz, T, Dn = u.shape
     N = A.shape[1]
     dev = u.device
@@ -759,7 +758,7 @@ def scan_fwd(
     if T == 0 or Bsz == 0:  # nothing to scan: the state passes through
         hT = initial_state.float().clone() if initial_state is not None else None
         hT = hT if hT is not None else torch.zeros(Bsz, Dn, N, dtype=f32, device=dev)
-        return u.new_empty(Bsz, T, Dn), hT, _new((Bsz, 0, N, Dn) if save_states else (0,), f32, dev)
+        return u.new_empty(Bsz, T, Dn), hT, _new((Bsz, 0, Dn, N) if save_states else (0,), f32, dev)
     cfg = config(N, Dn, not u.is_cuda, config_override)
     tc, ts, bd, bn = cfg["FWD_TC"], cfg["TC"], cfg["BLOCK_D"], cfg["BLOCK_N"]
     nb, nc, ndb = triton.cdiv(N, bn), triton.cdiv(T, tc), triton.cdiv(Dn, bd)
@@ -809,7 +808,7 @@ def scan_fwd(
             CB=cfg["CB"],
         )
         del hloc, P
-    states = _new((Bsz, ns, N, Dn), f32, dev) if save_states else _new((0,), f32, dev)
+    states = _new((Bsz, ns, Dn, N), f32, dev) if save_states else _new((0,), f32, dev)
     y = _new((Bsz, T, Dn), u.dtype, dev) if nb == 1 else _new((nb, Bsz, T, Dn), f32, dev)
     _fwd_kernel[grid](
         *ins, _opt(start, A), _opt(states, A), hT, A, A, y, *sizes,
@@ -862,9 +861,9 @@ def scan_bwd(
     cfg = config(N, Dn, not u.is_cuda, config_override)
     tc, bd, bn = cfg["TC"], cfg["BWD_BLOCK_D"], cfg["BLOCK_N"]
     nb, nc, ndb = triton.cdiv(N, bn), triton.cdiv(T, tc), triton.cdiv(Dn, bd)
-    if tuple(states.shape) != (Bsz, nc, N, Dn):
+    if tuple(states.shape) != (Bsz, nc, Dn, N):
         raise ValueError(
-            f"states: expected the forward's tile-start states of shape {(Bsz, nc, N, Dn)} "
+            f"states: expected the forward's tile-start states of shape {(Bsz, nc, Dn, N)} "
             f"(time tile {tc}), got {tuple(states.shape)}"
         )
     nseg, per = _segments(nc, Bsz * ndb * nb, cfg, dev)
