@@ -18,16 +18,15 @@ from mambakit.ops.selective_scan import kernels as K
 
 FWD = [  # FWD_TC, BLOCK_D, num_warps, FWD_STAGES, fwd_maxnreg (earlier sweeps: 8 / 32 / 1 / 3)
     (8, 32, 1, 3, None),
-    (8, 16, 1, 3, 168),
+    (4, 32, 1, 3, None),
+    (8, 16, 1, 3, None),
+    (4, 16, 1, 3, None),
 ]
-BWD = [  # the backward (earlier sweeps: TC 4 / 8 channels / 1 warp best; the backward split
-    # in two kernels, dB/dC with states on the lanes, measured 3.7-7.9 ms; prefetch with 1
-    # stage 1.92 ms, 2 stages 2.40)
-    dict(TC=4, BWD_BLOCK_D=8, bwd_warps=1, STAGES=1, BWD_PREFETCH=1, BWD_RS=0),
-    dict(TC=4, BWD_BLOCK_D=8, bwd_warps=1, STAGES=1, BWD_PREFETCH=1, BWD_RS=1),
-    dict(TC=4, BWD_BLOCK_D=8, bwd_warps=1, STAGES=2, BWD_PREFETCH=0, BWD_RS=1),
+BWD = [  # the backward (earlier sweeps: TC 4 / 16 channels / 1 warp / prefetch / reduce-scatter
+    # 1.49 ms; 8 channels 1.54; no reduce-scatter 1.92; no prefetch 2.02; tile 2: 2.91; the
+    # backward split in two kernels, dB/dC with states on the lanes, 3.7-7.9 ms)
     dict(TC=4, BWD_BLOCK_D=16, bwd_warps=1, STAGES=1, BWD_PREFETCH=1, BWD_RS=1),
-    dict(TC=2, BWD_BLOCK_D=8, bwd_warps=1, STAGES=1, BWD_PREFETCH=1, BWD_RS=1),
+    dict(TC=4, BWD_BLOCK_D=8, bwd_warps=1, STAGES=1, BWD_PREFETCH=1, BWD_RS=1),
 ]
 BWD_KEYS = ("TC", "BWD_BLOCK_D", "bwd_warps", "STAGES", "bwd_maxnreg", "BWD_PREFETCH", "BWD_RS")
 SEGMENTS = [(2, 8), (2, 16)]  # (SEG_BELOW_PER_SM, SEG_TARGET_PER_SM)
