@@ -21,10 +21,11 @@ MODULES = [
     "mambakit.ops.causal_conv1d.kernels",
     "mambakit.ops.causal_conv1d.step",
     "mambakit.ops.rms_norm.kernels",
+    "mambakit.ops.cross_entropy.kernels",
 ]
 CONSTS = {  # representative values of the kernels' constexpr parameters
     "BLOCK_D": 32, "BLOCK_N": 16, "BLOCK_E": 64, "BLOCK_T": 16, "BLOCK_K": 4, "BLOCK_M": 4,
-    "CHUNK": 16, "CB": 8, "K": 4, "TC": 4, "TS": 2, "STAGES": 2,
+    "CHUNK": 16, "CB": 8, "K": 4, "TC": 4, "TS": 2, "STAGES": 2, "BLOCK_V": 128, "IGNORE": -100,
 }  # fmt: skip
 
 
@@ -36,7 +37,7 @@ def _signature(fn) -> tuple[dict, dict]:
             consts[name] = CONSTS.get(name, True)  # flags: the path with every feature on
             sig[name] = "constexpr"
         elif name.endswith("_ptr") or name.startswith("p_"):
-            sig[name] = "*i32" if "seq" in name else "*fp32"
+            sig[name] = "*i32" if "seq" in name else "*i64" if "tgt" in name else "*fp32"
         elif name == "eps":
             sig[name] = "fp32"
         else:

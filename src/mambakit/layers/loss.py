@@ -4,50 +4,63 @@ The logits of a chunk of tokens are computed, reduced to their loss and dropped;
 the backward computes them again, chunk by chunk. At the 130m model's 8 x 2048
 tokens and 50k vocabulary that is 3.3 GB of f32 logits (and as much again for
 their gradient) never held at once.
+
+T tokens, M features, V classes, c tokens in a chunk. The GEMMs are torch's;
+the per-chunk reduction (`mambakit.ops.cross_entropy`) is a Triton kernel on
+CUDA, reading the logits once in the compute dtype, and PyTorch on the CPU and
+for f64. The forward saves each token's logsumexp [T] (f32) so the backward
+turns the recomputed logits into their gradient in one pass, in place.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..ops import resolve_backend
+from ..ops.cross_entropy import (
+    cross_entropy_bwd_reference,
+    cross_entropy_bwd_triton,
+    cross_entropy_fwd_reference,
+    cross_entropy_fwd_triton,
+)
+
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk):
+    def forward(ctx, hidden, weight, targets, chunk, backend):
         # hidden [T, M] in the compute dtype; weight [V, M]; targets [T] (-100: ignored)
+        fwd = cross_entropy_fwd_triton if backend == "triton" else cross_entropy_fwd_reference
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         w = weight.to(hidden.dtype)
         total = torch.zeros((), dtype=acc, device=hidden.device)
+        lse = hidden.new_empty(hidden.shape[0], dtype=acc)  # [T]
+        # autocast off: the backward's GEMM must give bit-identical logits
         with torch.autocast(hidden.device.type, enabled=False):
             for i in range(0, hidden.shape[0], chunk):
-                logits = (hidden[i : i + chunk] @ w.t()).to(acc)  # [c, V]
-                tgt = targets[i : i + chunk]
-                valid = tgt != -100
-                picked = logits.gather(1, tgt.clamp(min=0).unsqueeze(1)).squeeze(1)
-                total = total + ((torch.logsumexp(logits, -1) - picked) * valid).sum()
-        ctx.save_for_backward(hidden, weight, targets)
+                logits = hidden[i : i + chunk] @ w.t()  # [c, V]
+                loss, lse[i : i + chunk] = fwd(logits, targets[i : i + chunk])
+                total = total + loss.sum()
+        ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk = chunk
+        ctx.backend = backend
         return total
 
     @staticmethod
     def backward(ctx, g):
-        hidden, weight, targets = ctx.saved_tensors
+        hidden, weight, targets, lse = ctx.saved_tensors
+        bwd = cross_entropy_bwd_triton if ctx.backend == "triton" else cross_entropy_bwd_reference
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         w = weight.to(hidden.dtype)
         g_hidden = torch.empty_like(hidden)
         g_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-        rows = torch.arange(min(ctx.chunk, hidden.shape[0]), device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
             for i in range(0, hidden.shape[0], ctx.chunk):
                 h = hidden[i : i + ctx.chunk]
-                tgt = targets[i : i + ctx.chunk]
-                valid = (tgt != -100).to(acc)
-                p = torch.softmax((h @ w.t()).to(acc), -1)  # dL/dlogits = softmax - onehot
-                p[rows[: h.shape[0]], tgt.clamp(min=0)] -= 1.0
-                p = (p * (valid * g).unsqueeze(1)).to(hidden.dtype)
-                g_hidden[i : i + ctx.chunk] = p @ w
+                rows = slice(i, i + ctx.chunk)
+                p = bwd(h @ w.t(), targets[rows], lse[rows], g)  # dL/dlogits [c, V]
+                g_hidden[rows] = p @ w
                 g_weight += (p.t() @ h).to(acc)
-        return g_hidden, g_weight.to(weight.dtype), None, None
+        return g_hidden, g_weight.to(weight.dtype), None, None, None
 
 
 def linear_cross_entropy(
@@ -55,8 +68,13 @@ def linear_cross_entropy(
     weight: torch.Tensor,  # [V, M]
     targets: torch.Tensor,  # [...] int, -100 ignored
     chunk: int = 4096,
+    *,
+    backend: str = "auto",
 ) -> torch.Tensor:
-    """Summed cross-entropy of `hidden @ weight.T` against `targets` (f32, f64 for f64)."""
+    """Summed cross-entropy of `hidden @ weight.T` against `targets` (f32, f64 for f64).
+
+    `backend` as for every mambakit op: "auto" runs the Triton reduction on CUDA
+    (f32 / bf16 / f16 hidden), PyTorch otherwise; MAMBAKIT_BACKEND overrides it."""
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(
             f"targets must have shape {list(hidden.shape[:-1])}, got {list(targets.shape)}"
@@ -64,5 +82,9 @@ def linear_cross_entropy(
     if weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"weight must be [V, {hidden.shape[-1]}], got {list(weight.shape)}")
     return _LinearCrossEntropy.apply(
-        hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1).long(), chunk
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        targets.reshape(-1).long(),
+        chunk,
+        resolve_backend(backend, hidden),
     )
