@@ -16,15 +16,14 @@ import triton.testing
 
 from mambakit.ops.selective_scan import kernels as K
 
-FWD = [  # FWD_TC, BLOCK_D, num_warps, FWD_STAGES, fwd_maxnreg (earlier sweeps: 8 / 32 / 1 / 3)
+FWD = [  # FWD_TC, BLOCK_D, num_warps, FWD_STAGES, fwd_maxnreg (8 / 32 / 1 / 3: 0.363-0.372 ms;
+    # tile 4: 0.421, 16 channels: 0.400, both: 0.437)
     (8, 32, 1, 3, None),
-    (4, 32, 1, 3, None),
-    (8, 16, 1, 3, None),
-    (4, 16, 1, 3, None),
 ]
-BWD = [  # the backward (earlier sweeps: TC 4 / 16 channels / 1 warp / prefetch / reduce-scatter
-    # 1.49 ms; 8 channels 1.54; no reduce-scatter 1.92; no prefetch 2.02; tile 2: 2.91; the
-    # backward split in two kernels, dB/dC with states on the lanes, 3.7-7.9 ms)
+BWD = [  # the backward (H200, this session: TC 4 / 16 channels / 1 warp / prefetch /
+    # reduce-scatter 1.49-1.53 ms; 8 channels 1.54-1.58, with a 168-register cap 1.55, 200:
+    # 1.89; no reduce-scatter 1.92; no prefetch 2.02-2.06; tile 2: 2.91; the backward split in
+    # two kernels, dB/dC with states on the lanes, 3.7-7.9 ms)
     dict(TC=4, BWD_BLOCK_D=16, bwd_warps=1, STAGES=1, BWD_PREFETCH=1, BWD_RS=1),
     dict(TC=4, BWD_BLOCK_D=8, bwd_warps=1, STAGES=1, BWD_PREFETCH=1, BWD_RS=1),
 ]
