@@ -123,7 +123,9 @@ CASES = [
     (2, 2, 6, 5, True, True, 2, True),  # T < K-1: the final state keeps initial rows
     (1, 19, 12, 8, True, True, 4, True),  # K = 8
     (3, 20, 16, 2, True, False, 5, True),  # K = 2, many short documents
-    (1, 300, 3, 4, False, True, 3, True),  # several T-blocks and backward chunks
+    (1, 300, 3, 4, False, True, 3, True),  # several T-blocks and backward tiles
+    (1, 600, 10, 4, True, True, 3, True),  # several backward programs along time
+    (2, 70, 9, 3, True, True, 2, True),  # K = 3: a padded tap slot in the backward
 ]
 
 

@@ -9,17 +9,21 @@ Forward: one program per (T-block, D-block, batch row). The K shifted loads of a
 [BLOCK_T, BLOCK_D] tile overlap in all but K-1 rows, so DRAM traffic is one
 read of x and one write of out; the overlap is served from L1/L2.
 
-Backward: with c the pre-activation and dc = dout * silu'(c),
+Backward: with c the pre-activation, dc = dout * silu'(c) and lag = K-1-k,
 
-    dx_s      = sum_{j<K} w[K-1-j] * dc_{s+j} * same(s, s+j)   (+ d final_state)
-    dw[k]     = sum_{b,t} dc_t * x_{t-(K-1-k)} * same(t-(K-1-k), t)
+    dx_s      = sum_{k<K} w[k] * dc_{s+lag} * same(s, s+lag)   (+ d final_state)
+    dw[k]     = sum_{b,s} dc_{s+lag} * x_s * same(s, s+lag)
     dbias     = sum_{b,t} dc_t
 
-and d initial_state is dx at the negative times. Each program owns a chunk of
-time of one row and one D-block; it recomputes c (and so dc) for its times and
-the K-1 times after each block (a halo), so nothing but x, dout and dx crosses
-DRAM. dw and dbias are written as per-program partials and summed in a fixed
-order on the host: no atomics, bit-identical runs.
+and d initial_state is dx at the negative times. One kernel: a program owns one
+row, one D-block and a chunk of time, walked in tiles of 32 times (one per lane
+of a warp) whose last K-1 times only feed the others. Per tile it loads the K
+taps of x (cache hits but for the new rows) and dout, computes c and dc once per
+time, and moves dc_{s+lag} between lanes with a gather (warp shuffles), so x,
+dout and dx cross DRAM once each and nothing else does. dw and dbias accumulate
+elementwise in registers, are reduced over time once per program into
+per-program partials, and summed in a fixed order on the host: no atomics,
+bit-identical runs.
 """
 
 from __future__ import annotations
@@ -136,112 +140,29 @@ def _conv_fwd_kernel(
 
 
 @triton.jit
-def _conv_dc(
-    p_x, p_init, p_w, p_b, p_seq, p_dout, q, offs_d, mask_d, T,
-    stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st, stride_gt, stride_gd,
-    K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr,
-    p_dc, stride_ct, FROM_BUF: tl.constexpr,
+def _load_x(
+    p_x, p_init, pos, offs_d, mask, T, stride_xt, stride_it, stride_id,
+    K: tl.constexpr, HAS_INIT: tl.constexpr, pos0,
 ):
-    """dL/dc at times q [BT]: dout through the activation; zero outside [0, T). FROM_BUF: read
-    it from p_dc ([T, D] f32 of this row, filled by `_conv_dc_kernel`) instead."""
-    in_q = (q >= 0) & (q < T)
-    t_q = tl.where(in_q, q, 0)
-    if FROM_BUF:
-        return tl.load(p_dc + t_q[:, None] * stride_ct + offs_d[None, :],
-                       mask=in_q[:, None] & mask_d[None, :], other=0.0)
-    dc = tl.load(
-        p_dout + t_q[:, None] * stride_gt + offs_d[None, :] * stride_gd,
-        mask=in_q[:, None] & mask_d[None, :], other=0.0,
+    """The conv input in f32 at times pos [BT] (none before pos0) and channels offs_d [VEC]
+    as [BT, VEC] (mask: the elements wanted), negative times reading the initial state."""
+    b_x = tl.load(
+        p_x + pos.to(tl.int64)[:, None] * stride_xt + offs_d[None, :],
+        mask=mask & ((pos >= 0) & (pos < T))[:, None], other=0.0,
     ).to(tl.float32)
-    if SILU:
-        seq_q = q
-        if HAS_SEQ:
-            seq_q = _load_seq(p_seq, q, T, stride_st)
-        c = _conv_pre(
-            p_x, p_init, p_w, p_b, p_seq, q, seq_q, offs_d, mask_d, T,
-            stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st,
-            K, BT, BD, HAS_BIAS, HAS_INIT, HAS_SEQ,
-        )
-        sig = 1.0 / (1.0 + tl.exp(-c))
-        dc = dc * sig * (1.0 + c * (1.0 - sig))
-    return dc
-
-
-@triton.jit
-def _conv_dx(
-    p_x, p_init, p_w, p_b, p_seq, p_dout, p_dfinal, s, dc0, offs_d, mask_d, T,
-    stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st, stride_gt, stride_gd,
-    stride_ft, stride_fd,
-    K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr,
-    HAS_DFINAL: tl.constexpr, p_dc, stride_ct, FROM_BUF: tl.constexpr,
-):
-    """dL/d input at times s [BT] (negative s: the initial state), given dc0 = dL/dc at s."""
-    b_w = tl.load(p_w + offs_d * stride_wd + (K - 1) * stride_wk, mask=mask_d, other=0.0)
-    acc = dc0 * b_w.to(tl.float32)[None, :]
-    seq_s = s
-    if HAS_SEQ:
-        seq_s = _load_seq(p_seq, s, T, stride_st)
-    for j in tl.static_range(1, K):
-        q = s + j
-        dc = _conv_dc(
-            p_x, p_init, p_w, p_b, p_seq, p_dout, q, offs_d, mask_d, T,
-            stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st, stride_gt, stride_gd,
-            K, BT, BD, HAS_BIAS, HAS_INIT, HAS_SEQ, SILU, p_dc, stride_ct, FROM_BUF,
-        )
-        if HAS_SEQ:
-            same = _load_seq(p_seq, q, T, stride_st) == seq_s
-            dc = tl.where(same[:, None], dc, 0.0)
-        b_w = tl.load(p_w + offs_d * stride_wd + (K - 1 - j) * stride_wk, mask=mask_d, other=0.0)
-        acc += dc * b_w.to(tl.float32)[None, :]
-    if HAS_DFINAL:
-        # time s is final-state row s - (T-(K-1)) when it lies in the last document
-        j_f = s - (T - (K - 1))
-        in_f = (j_f >= 0) & (s < T)
-        if HAS_SEQ:
-            in_f = in_f & (seq_s == tl.load(p_seq + (T - 1) * stride_st))
-        j_f = tl.where(in_f, j_f, 0)
-        acc += tl.load(
-            p_dfinal + j_f[:, None] * stride_ft + offs_d[None, :] * stride_fd,
-            mask=in_f[:, None] & mask_d[None, :], other=0.0,
-        ).to(tl.float32)
-    return acc
-
-
-@triton.jit
-def _conv_dc_kernel(
-    p_x, p_w, p_b, p_init, p_seq, p_dout, p_dc,
-    T, D,
-    stride_xb, stride_xt,
-    stride_wd, stride_wk,
-    stride_ib, stride_it, stride_id,
-    stride_sb, stride_st,
-    stride_gb, stride_gt, stride_gd,
-    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr,
-):
-    """dL/dc for every time, once, into p_dc [B, T, D] f32: the backward then reads its K
-    shifted copies instead of recomputing the conv K times."""
-    pid_t = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    pid_b = tl.program_id(2).to(tl.int64)
-    q = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
-    dc = _conv_dc(
-        p_x + pid_b * stride_xb, p_init + pid_b * stride_ib, p_w, p_b, p_seq + pid_b * stride_sb,
-        p_dout + pid_b * stride_gb, q, offs_d, mask_d, T,
-        stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st, stride_gt, stride_gd,
-        K, BLOCK_T, BLOCK_D, HAS_BIAS, HAS_INIT, HAS_SEQ, SILU, p_dc, D, False,
-    )
-    p_o = p_dc + pid_b * T * D + q[:, None] * D + offs_d[None, :]
-    tl.store(p_o, dc, mask=(q < T)[:, None] & mask_d[None, :])
+    if HAS_INIT:
+        if pos0 < 0:
+            t_s = pos + (K - 1)
+            b_x += tl.load(
+                p_init + t_s[:, None] * stride_it + offs_d[None, :] * stride_id,
+                mask=mask & ((pos < 0) & (t_s >= 0))[:, None], other=0.0,
+            ).to(tl.float32)
+    return b_x
 
 
 @triton.jit
 def _conv_bwd_kernel(
-    p_x, p_w, p_b, p_init, p_seq, p_dout, p_dfinal, p_dc,
+    p_x, p_w, p_b, p_init, p_seq, p_dout, p_dfinal,
     p_dx, p_dinit, p_dw_part, p_db_part,
     T, D, N_TBLK,
     stride_xb, stride_xt,
@@ -250,75 +171,120 @@ def _conv_bwd_kernel(
     stride_sb, stride_st,
     stride_gb, stride_gt, stride_gd,
     stride_fb, stride_ft, stride_fd,
-    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
-    SILU: tl.constexpr, HAS_DFINAL: tl.constexpr, FROM_BUF: tl.constexpr,
+    SILU: tl.constexpr, HAS_DFINAL: tl.constexpr,
 ):
+    # One warp: a tile of BLOCK_T (32) times by VEC channels, one time per lane and VEC
+    # channels per thread (a [BT, VEC] load with VEC contiguous gets this layout), so the
+    # shift in time is a gather made of warp shuffles; per-tap values add an axis k < BLOCK_K
+    # that stays within the thread. A tile owns (writes dx for) its first BLOCK_T - (K-1)
+    # times; the last K-1 only supply dc to them. Tiles start at -(K-1) when there is an
+    # initial state: dx there is d initial_state.
     # dx, dinit: contiguous [B, T, D], [B, K-1, D]; partials: [B, n_chunks, K, D], [B, n_chunks, D]
     pid_c = tl.program_id(0)
     pid_d = tl.program_id(1)
     pid_b = tl.program_id(2).to(tl.int64)
     n_chunks = tl.num_programs(0)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_d = pid_d * VEC + tl.arange(0, VEC)
     mask_d = offs_d < D
     offs_k = tl.arange(0, BLOCK_K)
+    mask_k = offs_k < K
+    lag = tl.where(mask_k, K - 1 - offs_k, 0)  # tap k: c_t reads x_{t-lag}, dx_s reads dc_{s+lag}
+    offs_r = tl.arange(0, BLOCK_T)
+    own_r = offs_r < BLOCK_T - (K - 1)
     p_x += pid_b * stride_xb
     p_init += pid_b * stride_ib
     p_seq += pid_b * stride_sb
     p_dout += pid_b * stride_gb
     p_dfinal += pid_b * stride_fb
-    p_dc += pid_b * T * D  # FROM_BUF: dL/dc of this row, [T, D] f32
-
-    b_dw = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
-    b_db = tl.zeros([BLOCK_D], dtype=tl.float32)
+    p_dx += pid_b * T * D
+    p_dinit += pid_b * (K - 1) * D
+    s_begin = 0
+    if HAS_INIT:
+        s_begin = 1 - K
+    b_w = tl.load(
+        p_w + offs_d[:, None] * stride_wd + offs_k[None, :] * stride_wk,
+        mask=mask_d[:, None] & mask_k[None, :], other=0.0,
+    ).to(tl.float32)[None, :, :]  # [1, VEC, BK]
+    b_bias = tl.zeros([VEC], dtype=tl.float32)
+    if HAS_BIAS:
+        b_bias += tl.load(p_b + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    # dweight and dbias terms summed elementwise over the program's tiles, over time at the end
+    b_dw = tl.zeros([BLOCK_T, VEC, BLOCK_K], dtype=tl.float32)
+    b_db = tl.zeros([BLOCK_T, VEC], dtype=tl.float32)
     for i in range(N_TBLK):
-        s = ((pid_c * N_TBLK + i) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-        mask_s = s < T
-        dc0 = _conv_dc(
-            p_x, p_init, p_w, p_b, p_seq, p_dout, s, offs_d, mask_d, T,
-            stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st, stride_gt, stride_gd,
-            K, BLOCK_T, BLOCK_D, HAS_BIAS, HAS_INIT, HAS_SEQ, SILU, p_dc, D, FROM_BUF,
-        )
-        b_dx = _conv_dx(
-            p_x, p_init, p_w, p_b, p_seq, p_dout, p_dfinal, s, dc0, offs_d, mask_d, T,
-            stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st, stride_gt, stride_gd,
-            stride_ft, stride_fd,
-            K, BLOCK_T, BLOCK_D, HAS_BIAS, HAS_INIT, HAS_SEQ, SILU, HAS_DFINAL, p_dc, D, FROM_BUF,
-        )
-        p_o = p_dx + pid_b * T * D + s[:, None] * D + offs_d[None, :]
-        tl.store(p_o, b_dx.to(p_dx.dtype.element_ty), mask=mask_s[:, None] & mask_d[None, :])
-
-        b_db += tl.sum(dc0, axis=0)
-        seq_s = s
+        q0 = s_begin + (pid_c * N_TBLK + i) * (BLOCK_T - (K - 1))
+        q = q0 + offs_r  # [BT]
+        in_q = (q >= 0) & (q < T)
+        seq_q = q
         if HAS_SEQ:
-            seq_s = _load_seq(p_seq, s, T, stride_st)
-        for k in tl.static_range(K):
-            pos = s - (K - 1 - k)
-            b_x = _load_src(p_x, p_init, pos, offs_d, mask_d, T, stride_xt, stride_it, stride_id, K, HAS_INIT)
-            if HAS_SEQ:
-                if k < K - 1:
-                    same = _load_seq(p_seq, pos, T, stride_st) == seq_s
-                    b_x = tl.where(same[:, None], b_x, 0.0)
-            b_dw += tl.where(offs_k[:, None] == k, tl.sum(dc0 * b_x, axis=0)[None, :], 0.0)
+            seq_q = _load_seq(p_seq, q, T, stride_st)
+        b_dc = tl.load(
+            p_dout + q.to(tl.int64)[:, None] * stride_gt + offs_d[None, :] * stride_gd,
+            mask=in_q[:, None] & mask_d[None, :], other=0.0,
+        ).to(tl.float32)
+        if SILU:
+            # c as in the forward: the K taps of x are one tile read K times (cache hits but
+            # for the new rows)
+            c = tl.zeros([BLOCK_T, VEC], dtype=tl.float32) + b_bias[None, :]
+            for k in tl.static_range(K):
+                pos = q - (K - 1 - k)
+                b_x = _load_x(
+                    p_x, p_init, pos, offs_d, mask_d[None, :], T, stride_xt, stride_it, stride_id,
+                    K, HAS_INIT, q0 - (K - 1),
+                )
+                if HAS_SEQ:
+                    if k < K - 1:
+                        b_x = tl.where((_load_seq(p_seq, pos, T, stride_st) == seq_q)[:, None], b_x, 0.0)
+                c += b_x * tl.sum(tl.where(offs_k[None, None, :] == k, b_w, -0.0), axis=2)
+            sig = 1.0 / (1.0 + tl.exp(-c))
+            b_dc = b_dc * sig * (1.0 + c * (1.0 - sig))
+
+        # dc at s + lag for every tap (within the tile for the owned s)
+        shape: tl.constexpr = [BLOCK_T, VEC, BLOCK_K]
+        idx = tl.minimum(offs_r[:, None] + lag[None, :], BLOCK_T - 1)
+        b_dck = tl.gather(
+            tl.broadcast_to(tl.reshape(b_dc, [BLOCK_T, VEC, 1]), shape),
+            tl.broadcast_to(idx[:, None, :], shape), axis=0,
+        )
+        if HAS_SEQ:
+            same = _load_seq(p_seq, q[:, None] + lag[None, :], T, stride_st) == seq_q[:, None]
+            b_dck = tl.where(same[:, None, :], b_dck, 0.0)
+        b_dx = tl.sum(b_dck * b_w, axis=2)
+        # dweight[k] = sum over the owned s of dc_{s+lag} x_s same(s, s+lag); x_s is a cache hit,
+        # loaded masked to the owned times so that the sum stays a fused multiply-add
+        b_xo = _load_x(
+            p_x, p_init, q, offs_d, own_r[:, None] & mask_d[None, :], T, stride_xt, stride_it, stride_id,
+            K, HAS_INIT, q0,
+        )
+        b_dw += b_dck * tl.reshape(b_xo, [BLOCK_T, VEC, 1])
+        b_db += tl.where(own_r[:, None], b_dc, 0.0)
+        if HAS_DFINAL:
+            if q0 + BLOCK_T > T - (K - 1):
+                # time q is final-state row q - (T-(K-1)) when it lies in the last document
+                j_f = q - (T - (K - 1))
+                in_f = (j_f >= 0) & (q < T)
+                if HAS_SEQ:
+                    in_f = in_f & (seq_q == tl.load(p_seq + (T - 1) * stride_st))
+                b_dx += tl.load(
+                    p_dfinal + j_f[:, None] * stride_ft + offs_d[None, :] * stride_fd,
+                    mask=in_f[:, None] & mask_d[None, :], other=0.0,
+                ).to(tl.float32)
+        own = own_r & (q < T)
+        p_o = p_dx + q.to(tl.int64)[:, None] * D + offs_d[None, :]
+        m_o = own[:, None] & mask_d[None, :]
+        tl.store(p_o, b_dx.to(p_dx.dtype.element_ty), mask=m_o & (q >= 0)[:, None])
+        if HAS_INIT:
+            p_o = p_dinit + (q + K - 1)[:, None] * D + offs_d[None, :]
+            tl.store(p_o, b_dx, mask=m_o & (q < 0)[:, None])
 
     part = pid_b * n_chunks + pid_c
-    p_pw = p_dw_part + part * K * D + offs_k[:, None] * D + offs_d[None, :]
-    tl.store(p_pw, b_dw, mask=(offs_k[:, None] < K) & mask_d[None, :])
-    tl.store(p_db_part + part * D + offs_d, b_db, mask=mask_d)
+    p_pw = p_dw_part + part * K * D + offs_k[None, :] * D + offs_d[:, None]
+    tl.store(p_pw, tl.sum(b_dw, axis=0), mask=mask_d[:, None] & mask_k[None, :])
+    tl.store(p_db_part + part * D + offs_d, tl.sum(b_db, axis=0), mask=mask_d)
 
-    if HAS_INIT:
-        if pid_c == 0:
-            s_h = tl.arange(0, BLOCK_K) - (K - 1)  # the initial state's times
-            dc_h = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
-            b_di = _conv_dx(
-                p_x, p_init, p_w, p_b, p_seq, p_dout, p_dfinal, s_h, dc_h, offs_d, mask_d, T,
-                stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st, stride_gt, stride_gd,
-                stride_ft, stride_fd,
-                K, BLOCK_K, BLOCK_D, HAS_BIAS, HAS_INIT, HAS_SEQ, SILU, HAS_DFINAL, p_dc, D,
-                FROM_BUF,
-            )
-            p_o = p_dinit + pid_b * (K - 1) * D + (s_h[:, None] + K - 1) * D + offs_d[None, :]
-            tl.store(p_o, b_di, mask=(s_h < 0)[:, None] & mask_d[None, :])
+
 # fmt: on
 
 
@@ -411,37 +377,20 @@ def conv_bwd(
         return dx, dw, db, dinit
     if dout is None:
         dout = torch.zeros((), device=dev, dtype=x.dtype).expand(Bsz, T, D)
-    BLOCK_T, BLOCK_D = _blocks(T, D, 64, 64)
-    BLOCK_K = triton.next_power_of_2(K)
-    n_tblk = triton.cdiv(T, BLOCK_T)
-    tblk_per_chunk = min(n_tblk, 4)
-    n_chunks = triton.cdiv(n_tblk, tblk_per_chunk)
+    s_begin = -(K - 1) if initial_state is not None else 0  # dinit: dx at the state's times
+    # a program: one warp, VEC channels (16-byte loads), tiles of up to 32 times (one per
+    # lane; a tile owns all but its last K-1)
+    BLOCK_T = min(32, triton.next_power_of_2(T - s_begin + K - 1))
+    VEC = min(max(16 // x.element_size(), 1), triton.next_power_of_2(D))
+    n_tblk = triton.cdiv(T - s_begin, BLOCK_T - (K - 1))
+    n_chunks = triton.cdiv(n_tblk, 16)  # programs along time: ~16 tiles each, evenly split
+    tblk_per_chunk = triton.cdiv(n_tblk, n_chunks)
     dw_part = torch.empty((Bsz, n_chunks, K, D), device=dev, dtype=torch.float32)
-    common = (
-        x.stride(0), x.stride(1),
-        weight.stride(0), weight.stride(1),
-        *_strides(initial_state, 3),
-        *_strides(seq_idx, 2),
-        *dout.stride(),
-    )  # fmt: skip
-    # with the activation, dL/dc costs a K-tap conv: compute it once into a buffer (f32,
-    # B T D 4 bytes, freed on return) rather than K times inside the backward
-    from_buf = bool(silu)
-    dc = torch.empty((Bsz, T, D), device=dev, dtype=torch.float32) if from_buf else x
-    if from_buf:
-        bt, bd = _blocks(T, D, 64, 128)
-        _conv_dc_kernel[(triton.cdiv(T, bt), triton.cdiv(D, bd), Bsz)](
-            x, weight, _opt(bias, weight), _opt(initial_state, x), _opt(seq_idx, x), dout, dc,
-            T, D, *common,
-            K=K, BLOCK_T=bt, BLOCK_D=bd,
-            HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
-            HAS_SEQ=seq_idx is not None, SILU=True, num_warps=4,
-        )  # fmt: skip
     db_part = torch.empty((Bsz, n_chunks, D), device=dev, dtype=torch.float32)
-    grid = (n_chunks, triton.cdiv(D, BLOCK_D), Bsz)
+    grid = (n_chunks, triton.cdiv(D, VEC), Bsz)
     _conv_bwd_kernel[grid](
         x, weight, _opt(bias, weight), _opt(initial_state, x), _opt(seq_idx, x),
-        dout, _opt(dfinal, x), dc,
+        dout, _opt(dfinal, x),
         dx, _opt(dinit, x), dw_part, db_part,
         T, D, tblk_per_chunk,
         x.stride(0), x.stride(1),
@@ -450,10 +399,10 @@ def conv_bwd(
         *_strides(seq_idx, 2),
         *dout.stride(),
         *_strides(dfinal, 3),
-        K=K, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K,
+        K=K, BLOCK_T=BLOCK_T, VEC=VEC, BLOCK_K=triton.next_power_of_2(K),
         HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
         HAS_SEQ=seq_idx is not None, SILU=silu, HAS_DFINAL=dfinal is not None,
-        FROM_BUF=from_buf, num_warps=4,
+        num_warps=1,
     )  # fmt: skip
     # fixed-order reductions of the per-program partials (deterministic)
     dw = dw_part.sum(dim=(0, 1)).t().contiguous()  # [D, K]
