@@ -8,21 +8,13 @@ ncu --clock-control none -k regex:_bwd_kernel -c 1 --section WarpStateStats \\
 from __future__ import annotations
 
 import torch
+from scan_sweep import shape_inputs
 
 from mambakit.ops.selective_scan import kernels as K
 
 
 def main() -> None:
-    Bsz, T, Dn, N = 8, 2048, 1536, 16
-    g = torch.Generator(device="cuda").manual_seed(0)
-    bf = torch.bfloat16
-    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
-    xz = r(Bsz, T, 2 * Dn).to(bf)
-    xb = r(Bsz, T, 2 * N).to(bf)
-    dt = (r(Bsz, T, Dn) * 0.1).to(bf)
-    A = -torch.arange(1, N + 1, device="cuda", dtype=torch.float32).repeat(Dn, 1)
-    a = (xz[..., :Dn], dt, A, xb[..., :N], xb[..., N:], r(Dn), xz[..., Dn:], r(Dn) * 0.1 - 4)
-    gy = r(Bsz, T, Dn).to(bf)
+    a, gy = shape_inputs(8, 2048)
     _, _, states = K.scan_fwd(*a, True, None, None, True)
     K.scan_bwd(gy, None, *a, True, None, None, states)
     torch.cuda.synchronize()

@@ -86,19 +86,7 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--no-segments", action="store_true", help="skip the segment sweep")
     args = ap.parse_args()
-    Bsz, T, Dn, N = 8, 2048, 1536, 16
-    g = torch.Generator(device="cuda").manual_seed(0)
-    bf = torch.bfloat16
-    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
-    xz = r(Bsz, T, 2 * Dn).to(bf)
-    u, z = xz[..., :Dn], xz[..., Dn:]
-    dt = (r(Bsz, T, Dn) * 0.1).to(bf)
-    xb = r(Bsz, T, 2 * N).to(bf)
-    B, C = xb[..., :N], xb[..., N:]
-    A = -torch.arange(1, N + 1, device="cuda", dtype=torch.float32).repeat(Dn, 1)
-    D, bias = r(Dn), r(Dn) * 0.1 - 4
-    a = (u, dt, A, B, C, D, z, bias)
-    gy = r(Bsz, T, Dn).to(bf)
+    a, gy = shape_inputs(8, 2048)
     rows = []
     for tc, bd, w, st, r in FWD:
         c = dict(FWD_TC=tc, BLOCK_D=bd, num_warps=w, FWD_STAGES=st, fwd_maxnreg=r)
