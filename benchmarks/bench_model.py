@@ -1,11 +1,18 @@
-"""Whole-model benchmark (issue 4): training step and prefill of the 130m preset in bf16.
+"""Whole-model benchmark: the 130m training step as users run it, beside mamba_ssm.
 
-Training step = forward + cross-entropy + backward (no optimizer), f32 parameters
-under bf16 autocast, batch 8 x 2048. MFU = tokens/s * 6 * parameters / the bf16
-matmul rate measured in this run. Prefill = one forward of 1 x 4096 tokens,
-eager and as a CUDA-graph replay (GPU time). Peers when importable: the
-reference path of mambakit, transformers' MambaForCausalLM (torch path),
-mamba_ssm's MambaLMHeadModel. `--profile` adds a per-kernel table of one step.
+Rows, all 130m at batch 8 x 2048, f32 parameters under bf16 autocast, forward +
+loss + backward + gradient clipping + fused AdamW, timed from the host over
+several steps (what a training loop sees, launch overhead included):
+
+- mambakit `Trainer` on its default path (`cuda_graph="auto"`: one graph replay);
+- mambakit `Trainer` forced eager (`cuda_graph=False`);
+- mamba_ssm `MambaLMHeadModel` eager (its fused add-norm, full logits + torch
+  cross-entropy, fused AdamW), when importable.
+
+Each row gives tokens/s, peak memory (everything allocated: weights, gradients,
+optimizer state, activations) and the ratio to mamba_ssm's step. Prefill (one
+forward of 1 x 4096, eager and CUDA graph) follows. `--profile FILE` writes the
+per-kernel table of one eager mambakit step and its kernel count.
 
     PYTHONPATH=src python benchmarks/bench_model.py --out bench_model.json
 """
@@ -14,8 +21,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -32,27 +39,112 @@ from common import (  # noqa: E402
 )
 
 from mambakit import MambaConfig, MambaLM  # noqa: E402
+from mambakit.training import TrainConfig, Trainer  # noqa: E402
 
 
-def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+class RandomRows:
+    """A few fixed random batches in pinned host memory, cycled (no data loading cost)."""
+
+    def __init__(self, vocab: int, batch: int, seqlen: int, n: int = 4) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.rows = []
+        for _ in range(n):
+            ids = torch.randint(0, vocab, (batch, seqlen + 1), generator=g)
+            self.rows.append(
+                {"input_ids": ids[:, :-1].pin_memory(), "targets": ids[:, 1:].pin_memory()}
+            )
+        self.i = 0
+
+    def next(self):
+        self.i += 1
+        return self.rows[self.i % len(self.rows)]
 
 
-def train_step_fn(model, ids, kind: str):
-    targets = torch.roll(ids, -1, 1)
-    targets[:, -1] = -100
+def _reset_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def _time_steps(step, warmup: int, iters: int) -> float:
+    """Host wall time per step (ms) after `warmup` steps, synchronised at both ends."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
+def trainer_for(cfg: MambaConfig, batch: int, seqlen: int, cuda_graph) -> Trainer:
+    torch.manual_seed(0)
+    tcfg = TrainConfig(
+        steps=10**6, batch_size=batch, seqlen=seqlen, precision="bf16", device="cuda",
+        cuda_graph=cuda_graph, warmup_steps=10, log_every=10**6, eval_every=0,
+    )  # fmt: skip
+    return Trainer(MambaLM(cfg), tcfg, RandomRows(cfg.vocab_size, batch, seqlen), log=print)
+
+
+def measure_trainer(name, cfg, batch, seqlen, cuda_graph, iters) -> dict:
+    _reset_memory()
+    trainer = trainer_for(cfg, batch, seqlen, cuda_graph)
+    ms = _time_steps(trainer.train_step, warmup=3, iters=iters)
+    rec = {
+        "workload": name,
+        "batch": batch,
+        "seqlen": seqlen,
+        "step_ms": ms,
+        "tokens_per_s": batch * seqlen / (ms * 1e-3),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "path": trainer.graph_status(),
+    }
+    if trainer._graph is not None:  # the GPU time of the captured step alone
+        rec["gpu_ms"] = cuda_time_ms(trainer._graph.replay, warmup=1, iters=5)
+    del trainer
+    return rec
+
+
+def measure_peer(cfg, batch, seqlen, iters) -> dict | None:
+    try:
+        from mamba_ssm.models.config_mamba import MambaConfig as SSMConfig
+        from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
+    except ImportError:
+        print("mamba_ssm not importable: its rows are skipped")
+        return None
+    _reset_memory()
+    torch.manual_seed(0)
+    model = MambaLMHeadModel(
+        SSMConfig(d_model=cfg.d_model, n_layer=cfg.n_layers, vocab_size=cfg.vocab_size)
+    ).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    data = RandomRows(cfg.vocab_size, batch, seqlen)
 
     def step():
+        b = data.next()
+        ids = b["input_ids"].cuda(non_blocking=True)
+        targets = b["targets"].cuda(non_blocking=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            if kind == "mambakit":  # the training path: the head's logits are never whole
-                loss = model.loss_sum(ids, targets)[0] / targets.numel()
-            else:  # transformers / mamba_ssm
-                loss = _loss(model(ids).logits, ids)
+            logits = model(ids).logits
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         loss.backward()
-        for p in model.parameters():
-            p.grad = None
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
-    return step
+    ms = _time_steps(step, warmup=3, iters=iters)
+    rec = {
+        "workload": "mamba_ssm eager",
+        "batch": batch,
+        "seqlen": seqlen,
+        "step_ms": ms,
+        "tokens_per_s": batch * seqlen / (ms * 1e-3),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "path": "eager",
+    }
+    rec.update(measure_prefill(model, cfg.vocab_size))
+    return rec
 
 
 def forward_fn(model, ids):
@@ -63,69 +155,37 @@ def forward_fn(model, ids):
     return fwd
 
 
-def measure(name, model, kind, batch, seqlen, prefill_len, mm_rate, n_params, note=""):
-    rec = {"workload": name, "batch": batch, "seqlen": seqlen, "dtype": "bf16 autocast"}
-    vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (batch, seqlen), device="cuda")
+def measure_prefill(model, vocab: int, length: int = 4096) -> dict:
+    ids = torch.randint(0, vocab, (1, length), device="cuda")
+    ms = cuda_time_ms(forward_fn(model, ids), warmup=2, iters=5)
+    rec = {"prefill_eager_ms": ms}
     try:
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        ms = cuda_time_ms(train_step_fn(model, ids, kind), warmup=2, iters=5)
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-        tps = batch * seqlen / (ms * 1e-3)
-        rec.update(
-            train_ms=ms,
-            train_tokens_per_s=tps,
-            mfu=tps * 6 * n_params / (mm_rate * 1e12),
-            peak_gib=peak,
-        )
-    except torch.cuda.OutOfMemoryError:
-        rec["train_ms"] = "OOM"
-    gc.collect()
-    torch.cuda.empty_cache()
-    if prefill_len:
-        pids = torch.randint(0, vocab, (1, prefill_len), device="cuda")
-        ms = cuda_time_ms(forward_fn(model, pids), warmup=2, iters=5)
-        rec.update(
-            prefill_len=prefill_len,
-            prefill_eager_ms=ms,
-            prefill_eager_tokens_per_s=prefill_len / (ms * 1e-3),
-        )
-        try:
-            gms = graph_time_ms(forward_fn(model, pids))
-            rec.update(prefill_graph_ms=gms, prefill_graph_tokens_per_s=prefill_len / (gms * 1e-3))
-        except Exception as e:  # a peer that cannot be captured: say so
-            rec["prefill_graph_ms"] = f"n/a ({type(e).__name__})"
-    rec["note"] = note
+        rec["prefill_graph_ms"] = graph_time_ms(forward_fn(model, ids))
+    except Exception as e:  # a model that cannot be captured: say so
+        rec["prefill_graph_ms"] = f"n/a ({type(e).__name__})"
     return rec
 
 
-def profile_step(model, batch, seqlen, path: str | None) -> None:
+def profile_step(cfg, batch, seqlen, path: str) -> None:
+    """Per-kernel table of one eager Trainer step, and its number of kernel launches."""
     from torch.profiler import ProfilerActivity, profile
 
-    ids = torch.randint(0, model.config.vocab_size, (batch, seqlen), device="cuda")
-    step = train_step_fn(model, ids, "mambakit")
-    step()
+    _reset_memory()
+    trainer = trainer_for(cfg, batch, seqlen, cuda_graph=False)
+    for _ in range(2):
+        trainer.train_step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
+        trainer.train_step()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-    print(table)
-    # the operators behind the kernels, with their input shapes (which op launches what)
-    with profile(
-        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True
-    ) as p2:
-        step()
-        torch.cuda.synchronize()
-    ops = p2.key_averages(group_by_input_shape=True).table(
-        sort_by="self_cuda_time_total",
-        row_limit=40,
-        max_name_column_width=40,
-        max_shapes_column_width=90,
-    )
-    if path:
-        Path(path).write_text(table + "\n\nOperators by input shape\n" + ops)
+    events = prof.key_averages()
+    n_kernels = sum(e.count for e in events if e.device_type.name == "CUDA")
+    gpu_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+    head = f"one eager step: {n_kernels} GPU kernels/copies, {gpu_us / 1e3:.1f} ms of GPU time\n"
+    table = events.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70)
+    print(head + table)
+    Path(path).write_text(head + table)
+    del trainer
 
 
 def main() -> None:
@@ -133,109 +193,36 @@ def main() -> None:
     ap.add_argument("--preset", default="130m")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seqlen", type=int, default=2048)
-    ap.add_argument("--prefill", type=int, default=4096)
-    ap.add_argument("--peers", default="reference,transformers,mamba_ssm")
-    ap.add_argument("--profile", help="write a per-kernel profile of one step to this file")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--no-peer", action="store_true", help="skip mamba_ssm")
+    ap.add_argument("--profile", help="write a per-kernel profile of one eager step here")
     ap.add_argument("--out")
     args = ap.parse_args()
-    torch.manual_seed(0)
     mm = matmul_tflops()
     print(f"bf16 matmul rate (8192^3, random): {mm:.0f} TFLOP/s")
     cfg = MambaConfig.preset(args.preset)
+    b, t = args.batch, args.seqlen
+    records = [
+        measure_trainer("mambakit Trainer (default)", cfg, b, t, "auto", args.iters),
+        measure_trainer("mambakit Trainer eager", cfg, b, t, False, args.iters),
+    ]
+    _reset_memory()
     model = MambaLM(cfg).cuda()
     n_params = model.num_parameters()
-    records = [
-        measure(
-            "mambakit (triton)",
-            model,
-            "mambakit",
-            args.batch,
-            args.seqlen,
-            args.prefill,
-            mm,
-            n_params,
-        )
-    ]
-    if args.profile:
-        profile_step(model, args.batch, args.seqlen, args.profile)
-    peers = args.peers.split(",") if args.peers else []
-    if "reference" in peers:
-        os.environ["MAMBAKIT_BACKEND"] = "reference"
-        b, t = 1, 512
-        records.append(
-            measure(
-                "mambakit (reference)",
-                model,
-                "mambakit",
-                b,
-                t,
-                1024,
-                mm,
-                n_params,
-                note=f"smaller shape {b}x{t}: reference memory",
-            )
-        )
-        del os.environ["MAMBAKIT_BACKEND"]
+    records[0].update(measure_prefill(model, cfg.vocab_size))
     del model
-    gc.collect()
-    torch.cuda.empty_cache()
-    if "transformers" in peers:
-        try:
-            from transformers import MambaConfig as HFConfig
-            from transformers import MambaForCausalLM
-
-            hf = MambaForCausalLM(
-                HFConfig(
-                    vocab_size=cfg.vocab_size,
-                    hidden_size=cfg.d_model,
-                    num_hidden_layers=cfg.n_layers,
-                )
-            ).cuda()
-            b, t = 8, 256
-            records.append(
-                measure(
-                    "transformers (torch path)",
-                    hf,
-                    "hf",
-                    b,
-                    t,
-                    1024,
-                    mm,
-                    n_params,
-                    note=f"smaller shape {b}x{t}: slow path",
-                )
-            )
-            del hf
-        except ImportError:
-            print("transformers not importable: skipped")
-    if "mamba_ssm" in peers:
-        try:
-            from mamba_ssm.models.config_mamba import MambaConfig as SSMConfig
-            from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
-
-            ms = MambaLMHeadModel(
-                SSMConfig(d_model=cfg.d_model, n_layer=cfg.n_layers, vocab_size=cfg.vocab_size)
-            ).cuda()
-            ms.config.vocab_size = cfg.vocab_size
-            records.append(
-                measure("mamba_ssm", ms, "ssm", args.batch, args.seqlen, args.prefill, mm, n_params)
-            )
-        except ImportError:
-            print("mamba_ssm not importable: skipped")
-    cols = [
-        "workload",
-        "batch",
-        "seqlen",
-        "train_ms",
-        "train_tokens_per_s",
-        "mfu",
-        "peak_gib",
-        "prefill_eager_ms",
-        "prefill_eager_tokens_per_s",
-        "prefill_graph_ms",
-        "note",
-    ]
+    peer = None if args.no_peer else measure_peer(cfg, b, t, args.iters)
+    if peer is not None:
+        records.append(peer)
+    for r in records:
+        r["mfu"] = r["tokens_per_s"] * 6 * n_params / (mm * 1e12)
+        if peer is not None:
+            r["x_peer"] = peer["step_ms"] / r["step_ms"]
+    cols = ["workload", "path", "step_ms", "gpu_ms", "tokens_per_s", "x_peer", "mfu", "peak_gib"]
     print_table(records, cols)
+    print_table(records, ["workload", "prefill_eager_ms", "prefill_graph_ms"])
+    if args.profile:
+        profile_step(cfg, b, t, args.profile)
     write_json(args.out, records, {**device_meta(), "matmul_tflops": mm, "params": n_params})
 
 

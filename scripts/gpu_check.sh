@@ -13,6 +13,11 @@ LOG="$OUT/gpu_check.log"
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
   python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } 2>&1 | tee "$LOG"
+# the peer (mamba_ssm, causal_conv1d), when the call carries .peers (../shared/peers/README.md)
+if ls .peers/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/peers .peers/*.whl 2>&1 | tail -2
+  export PYTHONPATH=src:/tmp/peers
+fi
 stage() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 if stage sweep; then
   echo "== scan_sweep" | tee -a "$LOG"

@@ -48,7 +48,14 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--ckpt-every", type=int, default=0)
-    p.add_argument("--cuda-graph", action="store_true")
+    p.add_argument(
+        "--no-cuda-graph",
+        action="store_true",
+        help="train eagerly (default on CUDA: the whole step is captured and replayed)",
+    )
+    p.add_argument(
+        "--cuda-graph", action="store_true", help="require the CUDA graph (error if impossible)"
+    )
     p.add_argument("--compile", action="store_true")
     p.add_argument("--deterministic", action="store_true")
     p.add_argument("--name", default="tiny-stdlib", help="run name: files go to RUNS/NAME/")
@@ -105,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         weight_decay=args.weight_decay,
         precision=args.precision,
         device=str(device),
-        cuda_graph=args.cuda_graph,
+        cuda_graph=False if args.no_cuda_graph else (True if args.cuda_graph else "auto"),
         compile=args.compile,
         deterministic=args.deterministic,
         seed=args.seed,

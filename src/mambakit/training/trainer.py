@@ -9,8 +9,17 @@ token count, so a chunked step has the same gradient as the unchunked one.
 
 Precision follows DESIGN.md section 4: f32 master weights, autocast to bf16 or
 f16 for GEMMs and activations, `torch.amp.GradScaler` for f16 (an overflow
-skips the step and is counted). `cuda_graph=True` captures forward, backward
-and the optimizer step once and replays them.
+skips the step and is counted).
+
+On CUDA the whole step (forward, loss, backward, clipping, optimizer) is
+captured in one CUDA graph and replayed (`cuda_graph="auto"`, the default): an
+eager step of a small model is bound by the host's kernel launches, a replay is
+one launch. What cannot be captured (f16 loss scaling, `compile=True`, a loss
+that syncs the host) trains eagerly, with the reason logged once; a batch whose
+shapes differ from the captured ones runs eagerly for that step. The step skips
+the update when the loss or the gradient norm is not finite; on CUDA that
+decision stays on the device (the fused AdamW's `found_inf`), so neither path
+waits for the GPU.
 """
 
 from __future__ import annotations
@@ -56,7 +65,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # global-norm clipping (0: off)
     precision: str = "auto"  # bf16 | f16 | f32 | auto (bf16 on CUDA, f32 on CPU)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    cuda_graph: bool = False  # capture forward + backward + optimizer step and replay it
+    cuda_graph: bool | str = "auto"  # capture the whole step and replay it: auto | True | False
     compile: bool = False  # torch.compile the model
     deterministic: bool = False  # bit-reproducible runs (DESIGN.md section 5)
     seed: int = 0
@@ -103,6 +112,10 @@ class TrainConfig:
         if self.precision not in ("auto", *PRECISIONS):
             raise ValueError(
                 f"TrainConfig.precision must be auto, bf16, f16 or f32, got {self.precision!r}"
+            )
+        if self.cuda_graph not in ("auto", True, False):
+            raise ValueError(
+                f"TrainConfig.cuda_graph must be 'auto', True or False, got {self.cuda_graph!r}"
             )
         if self.max_seconds is not None and self.max_seconds <= 0:
             raise ValueError(f"TrainConfig.max_seconds must be > 0, got {self.max_seconds}")
@@ -169,13 +182,14 @@ class Trainer:
         if prec == "auto":
             prec = "bf16" if self.device.type == "cuda" else "f32"
         self.precision = prec
-        if config.cuda_graph and self.device.type != "cuda":
-            raise ValueError("TrainConfig.cuda_graph needs a CUDA device")
-        if config.cuda_graph and prec == "f16":
-            raise ValueError(
-                "TrainConfig.cuda_graph does not support f16 (dynamic loss scaling syncs the "
-                "host); use bf16"
-            )
+        self.log = log
+        blocker = self._graph_blocker()
+        if config.cuda_graph is True and blocker is not None:
+            raise ValueError(f"TrainConfig.cuda_graph=True cannot be honoured: {blocker}")
+        self.use_graph = config.cuda_graph is not False and blocker is None
+        self.graph_off_reason = blocker if config.cuda_graph is not False else "cuda_graph=False"
+        if config.cuda_graph == "auto" and blocker and self.device.type == "cuda":
+            log(f"cuda graph off: {blocker}; training eagerly")
         if config.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
@@ -184,7 +198,6 @@ class Trainer:
         self.train_data = train_data
         self.val_batches = val_batches or []
         self.loss_fn = loss_fn
-        self.log = log
         self.forward_model = torch.compile(self.model) if config.compile else self.model
         self.optimizer = make_optimizer(
             self.model,
@@ -192,18 +205,53 @@ class Trainer:
             config.weight_decay,
             config.betas,
             config.eps,
-            capturable=config.cuda_graph,
+            capturable=True,  # on CUDA lr is a device tensor, the same for both paths
         )
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, WarmupCosine(config.warmup_steps, config.steps, config.min_lr_ratio)
         )
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=prec == "f16")
+        # fused CUDA AdamW skips a step whose `found_inf` is set, without a host sync
+        self._found_inf = None
+        self._skipped_dev = None
+        if self.device.type == "cuda" and not self.scaler.is_enabled():
+            self._found_inf = torch.zeros(1, device=self.device)
+            self._skipped_dev = torch.zeros((), dtype=torch.int64, device=self.device)
+            self.optimizer.found_inf = self._found_inf
         self.step = 0
-        self.skipped_steps = 0
+        self._skipped_host = 0
         self.tokens_seen = 0
         self.run_dir = Path(config.run_dir) if config.run_dir else None
         self._graph = None
         self._static: dict[str, Any] = {}
+        self._warned_shapes = False
+
+    def _graph_blocker(self) -> str | None:
+        """Why this configuration cannot be captured in a CUDA graph (None: it can)."""
+        if self.device.type != "cuda":
+            return f"the device is {self.device}, not CUDA"
+        if self.precision == "f16":
+            return "f16 dynamic loss scaling reads the scale on the host (use bf16)"
+        if self.cfg.compile:
+            return "compile=True (torch.compile is not captured here)"
+        return None
+
+    def graph_status(self) -> str:
+        """ "cuda graph" while steps replay a captured graph, else "eager (<why>)"."""
+        return "cuda graph" if self.use_graph else f"eager ({self.graph_off_reason})"
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps whose update was skipped (non-finite loss or gradients, f16 overflow)."""
+        on_device = int(self._skipped_dev) if self._skipped_dev is not None else 0
+        return self._skipped_host + on_device
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped_host = value
+        if self._skipped_dev is not None:
+            self._skipped_dev.zero_()
 
     # -- one optimizer step -------------------------------------------------------------
 
@@ -235,109 +283,143 @@ class Trainer:
                     state = state.detach() if state is not None else None
         return total
 
-    def _optimizer_step(self) -> torch.Tensor:
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        self.scaler.unscale_(self.optimizer)
-        if self.cfg.grad_clip > 0:
-            norm = nn.utils.clip_grad_norm_(params, self.cfg.grad_clip, foreach=True)
-        else:
-            norm = torch.linalg.vector_norm(
-                torch.stack(
-                    [torch.linalg.vector_norm(p.grad) for p in params if p.grad is not None]
-                )
-            )
-        self.scaler.step(self.optimizer)
-        return norm
-
-    def _eager_step(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
-        loss = self._forward_backward(batches)
-        scale_before = self.scaler.get_scale() if self.scaler.is_enabled() else None
-        if self.scaler.is_enabled():
-            norm = self._optimizer_step()
+    def _update(self, loss: torch.Tensor) -> torch.Tensor:
+        """Clip and apply the gradients unless the loss or their norm is not finite;
+        returns the norm before clipping."""
+        max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
+        if self.scaler.is_enabled():  # f16: GradScaler decides (and lowers its scale)
+            self.scaler.unscale_(self.optimizer)
+            norm = nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
+            scale_before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
             self.scaler.update()
             if self.scaler.get_scale() < scale_before:
-                self.skipped_steps += 1  # inf/nan gradients: GradScaler skipped the update
+                self._skipped_host += 1
+            return norm
+        norm = nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
+        if self._found_inf is not None:  # decided on the device: no sync, capturable
+            self._found_inf.copy_(~(torch.isfinite(norm) & torch.isfinite(loss)))
+            self.optimizer.step()  # reads optimizer.found_inf
+            self._skipped_dev += self._found_inf.to(torch.int64).squeeze(0)
+        elif bool(torch.isfinite(norm) & torch.isfinite(loss)):
+            self.optimizer.step()
         else:
-            params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            norm = (
-                nn.utils.clip_grad_norm_(params, self.cfg.grad_clip, foreach=True)
-                if self.cfg.grad_clip > 0
-                else nn.utils.clip_grad_norm_(params, float("inf"), foreach=True)
-            )
-            if torch.isfinite(norm):
-                self.optimizer.step()
-            else:
-                self.skipped_steps += 1  # non-finite guard: never apply a NaN update
+            self._skipped_host += 1  # non-finite guard: never apply a NaN update
+        return norm
+
+    def _step_body(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole step, as run eagerly and as captured: (loss, grad norm)."""
+        loss = self._forward_backward(batches)
+        return loss, self._update(loss)
+
+    def _eager_step(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, norm = self._step_body(batches)
         self.optimizer.zero_grad(set_to_none=True)
         return loss, norm
 
-    def _graph_step(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._graph is None:
-            self._capture(batches)
-        for src_batch, dst_batch in zip(batches, self._static["batches"]):
-            for key, v in src_batch.items():
-                dst_batch[key].copy_(v, non_blocking=True)
-        self._graph.replay()
-        return self._static["loss"], self._static["norm"]
-
-    def _graph_body(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
-        loss = self._forward_backward(batches)
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        norm = nn.utils.clip_grad_norm_(
-            params, self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf"), foreach=True
+    def _fits_graph(self, batches: list[Batch]) -> bool:
+        static = self._static["batches"]
+        return len(batches) == len(static) and all(
+            b.keys() == s.keys()
+            and all(b[k].shape == s[k].shape and b[k].dtype == s[k].dtype for k in b)
+            for b, s in zip(batches, static)
         )
-        self.optimizer.step()
-        return loss, norm
 
-    def _capture(self, batches: list[Batch]) -> None:
-        """Warm up on a side stream, restore weights and optimizer state, capture one step."""
-        static = [{k: v.clone() for k, v in b.items()} for b in batches]
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        saved_params = [p.detach().clone() for p in params]
-        saved_state = {
-            id(p): {k: v.clone() for k, v in self.optimizer.state[p].items()}
-            for p in params
-            if p in self.optimizer.state
-        }
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                self.optimizer.zero_grad(set_to_none=True)
-                self._graph_body(static)
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.no_grad():  # the warm-up steps must not count: put everything back
-            for p, saved in zip(params, saved_params):
+    def _graph_step(self, host: list[Batch]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Replay the captured step on `host` batches; None when it must run eagerly."""
+        if self._graph is None:
+            batches = [{k: v.to(self.device) for k, v in b.items()} for b in host]
+            if not self._capture(batches):
+                return None
+        if not self._fits_graph(host):
+            if not self._warned_shapes:
+                self.log("cuda graph: a batch's shapes differ from the captured ones; eager step")
+                self._warned_shapes = True
+            return None
+        for src, dst in zip(host, self._static["batches"]):
+            for key, v in src.items():
+                dst[key].copy_(v, non_blocking=True)
+        self._graph.replay()
+        # copies: the graph's outputs are overwritten by the next replay
+        return self._static["loss"].clone(), self._static["norm"].clone()
+
+    def _snapshot(self) -> tuple:
+        with torch.no_grad():
+            params = [p.detach().clone() for p in self.params]
+            opt = {
+                id(p): {k: v.clone() for k, v in self.optimizer.state[p].items()}
+                for p in self.params
+                if p in self.optimizer.state
+            }
+        return params, opt, self._skipped_dev.clone()
+
+    def _restore(self, snapshot: tuple) -> None:
+        params, opt, skipped = snapshot
+        with torch.no_grad():
+            for p, saved in zip(self.params, params):
                 p.copy_(saved)
-            for p in params:
-                for k, v in self.optimizer.state[p].items():
-                    if id(p) in saved_state:
-                        v.copy_(saved_state[id(p)][k])
+            for p in self.params:
+                for k, v in self.optimizer.state.get(p, {}).items():
+                    if id(p) in opt:
+                        v.copy_(opt[id(p)][k])
                     else:
                         v.zero_()
+            self._skipped_dev.copy_(skipped)
+
+    def _capture(self, batches: list[Batch]) -> bool:
+        """Warm up on a side stream (kernels compiled, workspaces allocated), put weights
+        and optimizer state back, capture one step. False (and eager from now on) when
+        the step cannot be captured and cuda_graph is "auto"."""
+        static = [{k: v.clone() for k, v in b.items()} for b in batches]
+        snapshot = self._snapshot()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    self._step_body(static)
+            torch.cuda.current_stream().wait_stream(side)
+        finally:
+            torch.cuda.synchronize()
+            self._restore(snapshot)  # the warm-up steps must not count
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            loss, norm = self._graph_body(static)
+        try:
+            with torch.cuda.graph(graph):
+                loss, norm = self._step_body(static)
+        except Exception as e:
+            if self.cfg.cuda_graph is True:
+                raise
+            self.optimizer.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            self._restore(snapshot)
+            why = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            self.use_graph = False
+            self.graph_off_reason = f"the step could not be captured: {type(e).__name__}: {why}"
+            self.log(f"cuda graph off: {self.graph_off_reason}; training eagerly")
+            return False
         self._graph = graph
         self._static = {"batches": static, "loss": loss, "norm": norm}
+        return True
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on fresh batches; returns (loss, grad norm) as tensors."""
         self.model.train()
         host = [self.train_data.next() for _ in range(self.cfg.grad_accum)]
-        n_tokens = sum(int(count_targets(b)) for b in host)  # counted before the copy: no sync
-        batches = [{k: v.to(self.device, non_blocking=True) for k, v in b.items()} for b in host]
+        n_tokens = sum(int(count_targets(b)) for b in host)  # counted on the host: no sync
         # the lr this step uses, on the host (with cuda_graph the group's lr is a device tensor)
         self.last_lr = self.cfg.lr * self.schedule.lr_lambdas[0](self.schedule.last_epoch)
-        if self.cfg.cuda_graph:
-            loss, norm = self._graph_step(batches)
-        else:
-            loss, norm = self._eager_step(batches)
+        out = self._graph_step(host) if self.use_graph else None
+        if out is None:
+            batches = [
+                {k: v.to(self.device, non_blocking=True) for k, v in b.items()} for b in host
+            ]
+            out = self._eager_step(batches)
         self.schedule.step()
         self.step += 1
         self.tokens_seen += n_tokens
-        return loss, norm
+        return out
 
     # -- evaluation, checkpoints, the loop ---------------------------------------------------
 
@@ -411,7 +493,11 @@ class Trainer:
             for k, v in weights.items():
                 own[k].copy_(v)
         st = load_trainer_state(path, self.device)
+        lr_tensor = isinstance(self.optimizer.param_groups[0]["lr"], torch.Tensor)
         self.optimizer.load_state_dict(st["optimizer"])
+        for g in self.optimizer.param_groups:  # lr's type follows this run (a tensor for graphs)
+            lr = float(g["lr"])
+            g["lr"] = torch.tensor(lr, device=self.device) if lr_tensor else lr
         self.schedule.load_state_dict(st["schedule"])
         # the schedule follows this run's config (a resumed run may extend steps or change lr)
         self.schedule.lr_lambdas[0].__dict__.update(
@@ -425,7 +511,7 @@ class Trainer:
         if "data" in st and hasattr(self.train_data, "load_state_dict"):
             self.train_data.load_state_dict(st["data"])
         self.step = int(st["step"])
-        self.skipped_steps = int(st["skipped_steps"])
+        self.skipped_steps = int(st["skipped_steps"])  # zeroes the on-device count too
         self.tokens_seen = int(st["tokens_seen"])
         self._graph = None
         return True
