@@ -52,14 +52,27 @@ class _LinearCrossEntropy(torch.autograd.Function):
         acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         w = weight.to(hidden.dtype)
         g_hidden = torch.empty_like(hidden)
-        g_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        # on CUDA the weight gradient accumulates in f32 inside the GEMM (cuBLAS's f32
+        # output of bf16 / f16 inputs): no per-chunk [V, M] rounding, cast or add
+        f32_out = hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16)
+        g_weight = None
         with torch.autocast(hidden.device.type, enabled=False):
             for i in range(0, hidden.shape[0], ctx.chunk):
                 h = hidden[i : i + ctx.chunk]
                 rows = slice(i, i + ctx.chunk)
                 p = bwd(h @ w.t(), targets[rows], lse[rows], g)  # dL/dlogits [c, V]
                 g_hidden[rows] = p @ w
-                g_weight += (p.t() @ h).to(acc)
+                if f32_out:
+                    g_weight = (
+                        torch.mm(p.t(), h, out_dtype=acc)
+                        if g_weight is None
+                        else torch.addmm(g_weight, p.t(), h, out_dtype=acc)
+                    )
+                else:
+                    part = (p.t() @ h).to(acc)
+                    g_weight = part if g_weight is None else g_weight.add_(part)
+        if g_weight is None:  # no tokens
+            g_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
         return g_hidden, g_weight.to(weight.dtype), None, None, None
 
 

@@ -211,12 +211,15 @@ class Trainer:
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, WarmupCosine(config.warmup_steps, config.steps, config.min_lr_ratio)
         )
+        # host floats: the schedule's lr is then computed on the host and filled into the
+        # device tensor without a sync (a tensor base lr would be read back every step)
+        self.schedule.base_lrs = [float(config.lr) for _ in self.optimizer.param_groups]
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=prec == "f16")
         # fused CUDA AdamW skips a step whose `found_inf` is set, without a host sync
         self._found_inf = None
         self._skipped_dev = None
         if self.device.type == "cuda" and not self.scaler.is_enabled():
-            self._found_inf = torch.zeros(1, device=self.device)
+            self._found_inf = torch.zeros((), device=self.device)  # shaped like the steps
             self._skipped_dev = torch.zeros((), dtype=torch.int64, device=self.device)
             self.optimizer.found_inf = self._found_inf
         self.step = 0
@@ -300,7 +303,7 @@ class Trainer:
         if self._found_inf is not None:  # decided on the device: no sync, capturable
             self._found_inf.copy_(~(torch.isfinite(norm) & torch.isfinite(loss)))
             self.optimizer.step()  # reads optimizer.found_inf
-            self._skipped_dev += self._found_inf.to(torch.int64).squeeze(0)
+            self._skipped_dev += self._found_inf.to(torch.int64)
         elif bool(torch.isfinite(norm) & torch.isfinite(loss)):
             self.optimizer.step()
         else:
