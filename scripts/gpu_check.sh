@@ -19,12 +19,9 @@ if ls .peers/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=src:/tmp/peers
 fi
 stage() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
-if stage sweep; then
+if stage sweep; then  # timings only: later stages run the library's own config (kernels.config)
   echo "== scan_sweep" | tee -a "$LOG"
-  timeout ${T_SWEEP:-240} python scripts/scan_sweep.py --out "$OUT/scan_sweep.json" ${SWEEP_ARGS:-} 2>&1 | tee -a "$LOG" "$OUT/sweep.txt"
-  best=$(tail -n 1 "$OUT/sweep.txt")
-  case "$best" in '{"'*) export MAMBAKIT_SCAN_CONFIG="$best"; echo "scan config: $best" | tee -a "$LOG" ;; esac
-  rm -f "$OUT/sweep.txt"
+  timeout ${T_SWEEP:-240} python scripts/scan_sweep.py --out "$OUT/scan_sweep.json" ${SWEEP_ARGS:-} 2>&1 | tee -a "$LOG"
 fi
 if stage ncu; then  # hardware counters of the scan kernels (stall reasons, occupancy)
   echo "== ncu" | tee -a "$LOG"

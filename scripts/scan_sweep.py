@@ -2,13 +2,17 @@
 
 PYTHONPATH=src python scripts/scan_sweep.py --out sweep.json   # last line: the best config
 
-Forward and backward are timed separately (the backward's tile TC sets how often the forward
-saves states, so each backward config gets states saved at its own TC).
+Each candidate is a `ScanConfig` (kernels.py) derived from the library's GPU config and
+handed to the launchers directly; the library itself always runs `config()`, so a better
+config found here is adopted by editing `config()`. Forward and backward are timed
+separately (the backward's tile sets how often the forward saves states, so each backward
+config gets states saved at its own tile).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -16,19 +20,18 @@ import triton.testing
 
 from mambakit.ops.selective_scan import kernels as K
 
-FWD = [  # FWD_TC, BLOCK_D, num_warps, FWD_STAGES, fwd_maxnreg (8 / 32 / 1 / 3: 0.363-0.372 ms;
-    # tile 4: 0.421, 16 channels: 0.400, both: 0.437)
-    (8, 32, 1, 3, None),
+FWD = [  # fwd_tile, fwd_block_d, fwd_warps (H200: 8 / 32 / 1: 0.363-0.372 ms; tile 4: 0.421,
+    # 16 channels: 0.400, both: 0.437)
+    dict(fwd_tile=8, fwd_block_d=32, fwd_warps=1),
 ]
-BWD = [  # the backward (H200, this session: TC 4 / 16 channels / 1 warp / prefetch /
-    # reduce-scatter 1.49-1.53 ms; 8 channels 1.54-1.58, with a 168-register cap 1.55, 200:
-    # 1.89; no reduce-scatter 1.92; no prefetch 2.02-2.06; tile 2: 2.91; the backward split in
-    # two kernels, dB/dC with states on the lanes, 3.7-7.9 ms)
-    dict(TC=4, BWD_BLOCK_D=16, bwd_warps=1, STAGES=1, BWD_PREFETCH=1, BWD_RS=1),
-    dict(TC=4, BWD_BLOCK_D=8, bwd_warps=1, STAGES=1, BWD_PREFETCH=1, BWD_RS=1),
+BWD = [  # bwd_tile, bwd_block_d, bwd_warps (H200: 4 / 16 / 1: 1.49-1.53 ms; 8 channels
+    # 1.54-1.58; tile 2: 2.91; the backward split in two kernels, dB/dC with states on the
+    # lanes, 3.7-7.9 ms)
+    dict(bwd_tile=4, bwd_block_d=16, bwd_warps=1),
+    dict(bwd_tile=4, bwd_block_d=8, bwd_warps=1),
 ]
-BWD_KEYS = ("TC", "BWD_BLOCK_D", "bwd_warps", "STAGES", "bwd_maxnreg", "BWD_PREFETCH", "BWD_RS")
-SEGMENTS = [(2, 8), (2, 16)]  # (SEG_BELOW_PER_SM, SEG_TARGET_PER_SM)
+SEGMENTS = [(2, 8), (2, 16)]  # (seg_below_per_sm, seg_target_per_sm)
+DN, N = 1536, 16
 
 
 def timed(fn) -> float:
@@ -52,22 +55,20 @@ def shape_inputs(Bsz, T, Dn=1536, N=16):
     return a, torch.randn(Bsz, T, Dn, device="cuda", generator=g).to(bf)
 
 
-def segments(pick: dict, rows: list) -> tuple[int, int]:
+def segments(pick: K.ScanConfig, rows: list) -> tuple[int, int]:
     """When to cut time into segments (programs per SM below which, and how many to aim for),
     chosen by the sum over shapes of time / best time for that shape."""
     options = SEGMENTS
     shapes = [(8, 2048), (1, 65536), (1, 4096)]
     times = {}
     for Bsz, T in shapes:
-        a, gy = shape_inputs(Bsz, T)
+        a, gy = shape_inputs(Bsz, T, DN, N)
         for mp in options:
-            c = dict(pick, SEG_BELOW_PER_SM=mp[0], SEG_TARGET_PER_SM=mp[1])
-            f = timed(lambda c=c, a=a: K.scan_fwd(*a, True, None, None, True, config_override=c))
-            _, _, st = K.scan_fwd(*a, True, None, None, True, config_override=c)
+            c = dataclasses.replace(pick, seg_below_per_sm=mp[0], seg_target_per_sm=mp[1])
+            f = timed(lambda c=c, a=a: K.scan_fwd(*a, True, None, None, True, cfg=c))
+            _, _, st = K.scan_fwd(*a, True, None, None, True, cfg=c)
             b = timed(
-                lambda c=c, a=a, st=st, gy=gy: K.scan_bwd(
-                    gy, None, *a, True, None, None, st, config_override=c
-                )
+                lambda c=c, a=a, st=st, gy=gy: K.scan_bwd(gy, None, *a, True, None, None, st, cfg=c)
             )
             times[(Bsz, T, mp)] = f + b
             row = {"kernel": "segments", "shape": f"{Bsz}x{T}", "below_target_per_sm": mp}
@@ -86,26 +87,23 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--no-segments", action="store_true", help="skip the segment sweep")
     args = ap.parse_args()
-    a, gy = shape_inputs(8, 2048)
+    a, gy = shape_inputs(8, 2048, DN, N)
+    base = K.config(DN, interpret=False)
     rows = []
-    for tc, bd, w, st, r in FWD:
-        c = dict(FWD_TC=tc, BLOCK_D=bd, num_warps=w, FWD_STAGES=st, fwd_maxnreg=r)
-        ms = timed(lambda c=c: K.scan_fwd(*a, True, None, None, True, config_override=c))
-        rows.append({"kernel": "fwd", **c, "ms": ms})
+    for fw in FWD:
+        c = dataclasses.replace(base, **fw)
+        ms = timed(lambda c=c: K.scan_fwd(*a, True, None, None, True, cfg=c))
+        rows.append({"kernel": "fwd", **fw, "ms": ms})
         print(rows[-1], flush=True)
     first = None  # every config's gradients against the first config's (a wrong layout
     # assumption would show here, not only in the tests, which run the default config)
-    for c in BWD:
-        tc = c["TC"]
+    for bw in BWD:
+        c = dataclasses.replace(base, **bw)
         err = None
         try:
-            _, _, states = K.scan_fwd(*a, True, None, None, True, config_override={"TC": tc})
-            ms = timed(
-                lambda c=c, st=states: K.scan_bwd(
-                    gy, None, *a, True, None, None, st, config_override=c
-                )
-            )
-            grads = K.scan_bwd(gy, None, *a, True, None, None, states, config_override=c)
+            _, _, states = K.scan_fwd(*a, True, None, None, True, cfg=c)
+            ms = timed(lambda c=c, st=states: K.scan_bwd(gy, None, *a, True, None, None, st, cfg=c))
+            grads = K.scan_bwd(gy, None, *a, True, None, None, states, cfg=c)
             grads = [g.float() for g in grads if g is not None]
             if first is None:
                 first = grads
@@ -116,7 +114,7 @@ def main() -> None:
         if err is not None and not err < 1e-2:
             print(f"  WRONG: gradients differ from the first config's by {err:.3g}", flush=True)
             ms = float("inf")
-        rows.append({"kernel": "bwd", **c, "ms": ms, "rel_err_vs_first": err})
+        rows.append({"kernel": "bwd", **bw, "ms": ms, "rel_err_vs_first": err})
         print(rows[-1], flush=True)
     best_f = min((r for r in rows if r["kernel"] == "fwd"), key=lambda r: r["ms"])
     best_b = min((r for r in rows if r["kernel"] == "bwd"), key=lambda r: r["ms"])
@@ -124,15 +122,16 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
     print("best fwd", best_f, "best bwd", best_b, flush=True)
-    pick = {k: best_f[k] for k in ("FWD_TC", "BLOCK_D", "num_warps", "FWD_STAGES", "fwd_maxnreg")}
-    pick.update({k: best_b[k] for k in BWD_KEYS if k in best_b})
+    pick = dataclasses.replace(
+        base, **{k: best_f[k] for k in FWD[0]}, **{k: best_b[k] for k in BWD[0]}
+    )
     if not args.no_segments:
         below, target = segments(pick, rows)
-        pick.update(SEG_BELOW_PER_SM=below, SEG_TARGET_PER_SM=target)
+        pick = dataclasses.replace(pick, seg_below_per_sm=below, seg_target_per_sm=target)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
-    print(json.dumps(pick))
+    print(json.dumps(dataclasses.asdict(pick)))
 
 
 if __name__ == "__main__":

@@ -212,30 +212,30 @@ def test_sum_loss(c: Case, seed):
 
 
 @pytest.mark.parametrize(
-    "cfg",
+    "over, reduce_scatter",
     [
-        {"SEG_CHUNKS": 1},
-        {"SEG_CHUNKS": 3},
-        {"FWD_TC": 8, "TC": 2, "SEG_CHUNKS": 2},
-        {"BWD_PREFETCH": 0, "SEG_CHUNKS": 3},
-        {"BWD_RS": 0},
-        {"BWD_BLOCK_D": 16},
-        {"BWD_BLOCK_D": 32},
+        ({"seg_tiles": 1}, None),
+        ({"seg_tiles": 3}, None),
+        ({"fwd_tile": 8, "bwd_tile": 2, "seg_tiles": 2}, None),
+        ({"bwd_block_d": 2, "bwd_tile": 8}, False),  # 16 lanes for 4 states: tl.sum
+        ({"bwd_block_d": 16, "bwd_tile": 8}, True),
+        ({"bwd_block_d": 32, "bwd_tile": 8}, True),
     ],
     ids=[
         "seg1",
         "seg3",
         "fwd-tile-8-bwd-tile-2",
-        "no-prefetch",
         "channel-sums-by-tl.sum",
         "reduce-scatter-16-channels",
         "reduce-scatter-32-channels",
     ],
 )
-def test_tilings_and_segments_agree(cfg: dict, seed):
-    """Other time tiles, and time cut into segments (with carries between them), give the
-    results of one segment per row."""
+def test_tilings_and_segments_agree(over: dict, reduce_scatter: bool | None, seed):
+    """Other time tiles and channel blocks, and time cut into segments (with carries between
+    them), give the results of one segment per row. reduce_scatter: whether the backward's
+    channel sums take the warp reduce-scatter (N = 3 is one block of 4 states)."""
     from mambakit.ops.selective_scan import kernels as K
+    from mambakit.ops.selective_scan.channel_sum import reduce_scatter_fits
 
     c = Case(T=45, N=3)
     inp = make_inputs(c)
@@ -243,12 +243,16 @@ def test_tilings_and_segments_agree(cfg: dict, seed):
     h0, seq = inp["initial_state"], inp["seq_idx"]
     gy = torch.randn(c.Bsz, c.T, c.Dn)
     gT = torch.randn(c.Bsz, c.Dn, c.N)
+    base = K.config(c.Dn, DEVICE != "cuda")
+    cfg = dataclasses.replace(base, **over)
+    if reduce_scatter is not None:
+        rs = reduce_scatter_fits(cfg.bwd_tile, cfg.bwd_block_d, 4, cfg.bwd_warps)
+        assert rs == reduce_scatter
     outs = []
-    for override in (cfg, {"SEG_CHUNKS": 0, "MIN_PROGRAMS": 0}):
-        y, hT, states = K.scan_fwd(*args, True, h0, seq, True, config_override=override)
-        tc = K.config(c.N, c.Dn, DEVICE != "cuda", override)["TC"]
-        assert states.shape == (c.Bsz, -(-c.T // tc), c.Dn, c.N)
-        grads = K.scan_bwd(gy, gT, *args, True, h0, seq, states, config_override=override)
+    for run_cfg in (cfg, dataclasses.replace(base, seg_tiles=1 << 20)):  # the latter: one segment
+        y, hT, states = K.scan_fwd(*args, True, h0, seq, True, cfg=run_cfg)
+        assert states.shape == (c.Bsz, -(-c.T // run_cfg.bwd_tile), c.Dn, c.N)
+        grads = K.scan_bwd(gy, gT, *args, True, h0, seq, states, cfg=run_cfg)
         outs.append((y, hT, *grads))
     for a, b in zip(*outs):
         if a is not None:

@@ -1,6 +1,6 @@
 """Selective scan on the Triton backend, as `torch.library` custom ops.
 
-`mambakit::selective_scan_fwd` / `_bwd` wrap the kernels of kernels.py with an
+`mambakit::selective_scan_fwd` / `_bwd` wrap the launchers of kernels.py with an
 autograd formula and fake implementations, so `torch.compile(fullgraph=True)`
 traces through them; `mambakit::selective_state_update` is the decode step of
 step.py. Triton is imported only inside the op bodies: this package imports

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kernels import LOG2E, _softplus
+from .tiles import LOG2E, _softplus
 
 
 @triton.jit

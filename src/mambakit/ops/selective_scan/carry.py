@@ -1,0 +1,76 @@
+"""The scans over segments: each segment's start state (forward) and end carry (backward).
+
+Used only when time is cut into segments (a long single sequence gives too few programs):
+a first pass gives every segment of a row its own summary, an affine map over the [D, N]
+state (decay product P and the state, or adjoint, that builds up from zero inside it), and
+these kernels compose the maps of one row in order with `tl.associative_scan`, CB segments
+at a time, BLOCK_E state elements per program.
+"""
+
+import triton
+import triton.language as tl
+
+from .tiles import _combine
+
+# fmt: off
+
+
+@triton.jit
+def _carry_fwd_kernel(
+    hloc_ptr, P_ptr, h0_ptr, S_ptr, hT_ptr, nc, DN,
+    HAS_H0: tl.constexpr, BLOCK_E: tl.constexpr, CB: tl.constexpr,
+):
+    """S_0 = h0, S_{c+1} = P_c S_c + hloc_c over the chunks of one row; h_T = S_nc."""
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    b = tl.program_id(1).to(tl.int64)
+    me = e < DN
+    if HAS_H0:
+        carry = tl.load(h0_ptr + b * DN + e, mask=me, other=0.0)
+    else:
+        carry = tl.zeros([BLOCK_E], tl.float32)
+    base = b * nc * DN
+    tl.store(S_ptr + base + e, carry, mask=me)
+    rows = tl.arange(0, CB)
+    for c0 in range(0, nc, CB):
+        cs = c0 + rows
+        m2 = (cs < nc)[:, None] & me[None, :]
+        off = base + cs[:, None].to(tl.int64) * DN + e[None, :]
+        P = tl.load(P_ptr + off, mask=m2, other=1.0)
+        H = tl.load(hloc_ptr + off, mask=m2, other=0.0)
+        Pc, Hc = tl.associative_scan((P, H), 0, _combine)
+        after = Hc + Pc * carry[None, :]  # the state after chunk cs
+        tl.store(S_ptr + off + DN, after, mask=m2 & (cs < nc - 1)[:, None])
+        tl.store(hT_ptr + b * DN + e[None, :] + 0 * cs[:, None], after,
+                 mask=m2 & (cs == nc - 1)[:, None])
+        last = tl.minimum(CB, nc - c0) - 1
+        carry = tl.sum(tl.where((rows == last)[:, None], after, 0.0), axis=0)
+
+
+@triton.jit
+def _carry_bwd_kernel(
+    W_ptr, P_ptr, gT_ptr, gin_ptr, nc, DN,
+    HAS_GT: tl.constexpr, BLOCK_E: tl.constexpr, CB: tl.constexpr,
+):
+    """Gin_{nc-1} = dL/dh_T, Gin_{c-1} = W_c + P_c Gin_c: the adjoint carried into the end
+    of each segment (dL/d initial_state comes out of the backward kernel's first segment)."""
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    b = tl.program_id(1).to(tl.int64)
+    me = e < DN
+    if HAS_GT:
+        G = tl.load(gT_ptr + b * DN + e, mask=me, other=0.0)
+    else:
+        G = tl.zeros([BLOCK_E], tl.float32)
+    base = b * nc * DN
+    tl.store(gin_ptr + base + (nc - 1) * DN + e, G, mask=me)
+    rows = tl.arange(0, CB)
+    for k in range(0, nc, CB):
+        cs = nc - 1 - k - rows  # row r holds chunk nc-1-k-r: the scan runs backwards in time
+        m2 = (cs >= 0)[:, None] & me[None, :]
+        off = base + cs[:, None].to(tl.int64) * DN + e[None, :]
+        P = tl.load(P_ptr + off, mask=m2, other=1.0)
+        W = tl.load(W_ptr + off, mask=m2, other=0.0)
+        Pc, Wc = tl.associative_scan((P, W), 0, _combine)
+        X = Wc + Pc * G[None, :]  # dL/dh just before chunk cs
+        tl.store(gin_ptr + off - DN, X, mask=m2 & (cs >= 1)[:, None])
+        last = tl.minimum(CB, nc - k) - 1
+        G = tl.sum(tl.where((rows == last)[:, None], X, 0.0), axis=0)

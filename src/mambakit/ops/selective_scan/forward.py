@@ -1,0 +1,106 @@
+"""The scan's forward kernel: y, the final state, and the states the backward restarts from.
+
+B batch, T time, D = d_inner, N = d_state. A program owns (row, BLOCK_D channels, BLOCK_N
+states, one segment of time) and walks its segment TC steps at a time, carrying only the
+state between tiles; inside a tile the recurrence h_t = a_t h_{t-1} + b_t is one
+`tl.associative_scan` over time. The same kernel, LOCAL, gives a segment's end state from a
+zero start and its decay product, the inputs of the carry scan (carry.py).
+"""
+
+import triton
+import triton.language as tl
+
+from .tiles import (
+    LOG2E,
+    _combine,
+    _in_range,
+    _program_block,
+    _row,
+    _st,
+    _tile_decay,
+    _tile_ptrs,
+    _tile_rows,
+)
+
+# fmt: off
+
+
+@triton.jit
+def _fwd_kernel(
+    u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr,
+    h0_ptr, states_ptr, hT_ptr, hloc_ptr, P_ptr, y_ptr,
+    T, Dn, N, Bsz, nc, ns, nseg, seg_chunks,
+    s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b, s_z_t, s_seq_b, s_seq_t,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    HAS_SEQ: tl.constexpr, HAS_H0: tl.constexpr, LOCAL: tl.constexpr, SAVE: tl.constexpr,
+    SPLIT_N: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
+):
+    """One segment of one row, tile by tile. LOCAL: from a zero state, only the segment's end
+    state and decay product; else y, the state every TS steps (SAVE) and h_T (last segment)."""
+    pid_d, s, b, pid_n, d, n, md, mn, mdn, A, bias = _program_block(
+        A_ptr, bias_ptr, Dn, N, Bsz, HAS_BIAS, BLOCK_D, BLOCK_N
+    )
+    A2 = A * LOG2E
+    rows = tl.arange(0, TC)
+    off_seg = ((b * nseg + s) * Dn + d[None, :]) * N + n[:, None]  # [B, nseg, D, N]
+    if HAS_H0:
+        h = tl.load(h0_ptr + off_seg, mask=mdn, other=0.0)
+    else:
+        h = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    p = tl.full([BLOCK_N, BLOCK_D], 1.0, tl.float32)
+    Dv = tl.zeros([BLOCK_D], tl.float32)
+    if HAS_D:
+        Dv = tl.load(D_ptr + d, mask=_in_range(md, pid_n, 1), other=0.0)
+    y_base = y_ptr + (pid_n * Bsz + b) * T * Dn  # [nb, B, T, D] (nb = 1: [B, T, D])
+    c0 = s * seg_chunks
+    for i in tl.range(seg_chunks, num_stages=3):  # pipelined: later tiles load during this one
+        c = c0 + i  # past the last tile (c >= nc) every row is masked: an identity
+        t0 = c * TC
+        t = t0 + rows
+        mt = t < T
+        m2, _raw, dt, a = _tile_decay(
+            t0, rows, mt, b, d, md, dt_ptr, s_dt_b, s_dt_t, seq_ptr, s_seq_b, s_seq_t, A2, bias,
+            HAS_BIAS, SOFTPLUS, HAS_SEQ, EVEN,
+        )
+        u = _tile_rows(u_ptr, s_u_b, s_u_t, b, t0, rows, d, m2, EVEN)
+        Bt = _tile_rows(B_ptr, s_B_b, s_B_t, b, t0, rows, n, mt[:, None] & mn[None, :], EVEN)
+        bx = (dt * u)[:, None, :] * Bt[:, :, None]
+        # the carried state enters through the first row; the scan's decay products are then
+        # only needed for a LOCAL pass (unused, they compile away)
+        bx = tl.where((rows == 0)[:, None, None], bx + a * h[None, :, :], bx)
+        pa, hs = tl.associative_scan((a, bx), 0, _combine)
+        if SAVE:  # the state every TS steps (the backward's tile), [B, ns, D, N]
+            if TC <= TS:
+                c_s = (c * TC) // TS
+                off_c = ((b * ns + c_s) * Dn + d[None, :]) * N + n[:, None]
+                m_s = _in_range(_in_range(mdn, c_s, ns), (c * TC) % TS, 1)
+                tl.store(states_ptr + off_c, h, mask=m_s)
+            else:
+                for k in tl.static_range(TC // TS):
+                    c_s = c * (TC // TS) + k
+                    off_c = ((b * ns + c_s) * Dn + d[None, :]) * N + n[:, None]
+                    if k == 0:
+                        hk = h
+                    else:
+                        hk = _row(hs, rows, k * TS - 1)
+                    tl.store(states_ptr + off_c, hk, mask=_in_range(mdn, c_s, ns))
+        if LOCAL:
+            p = p * _row(pa, rows, TC - 1)
+        else:
+            Ct = _tile_rows(C_ptr, s_C_b, s_C_t, b, t0, rows, n, mt[:, None] & mn[None, :], EVEN)
+            y = tl.sum(hs * Ct[:, :, None], axis=1)
+            if not SPLIT_N:  # the whole of y is here: finish it
+                if HAS_D:
+                    y += Dv[None, :] * u
+                if HAS_Z:
+                    zt = _tile_rows(z_ptr, s_z_b, s_z_t, b, t0, rows, d, m2, EVEN)
+                    y = y * zt * tl.sigmoid(zt)
+            _st(_tile_ptrs(y_base, 0, Dn, b, t0, rows, d, 1), y, m2, EVEN)
+        h = _row(hs, rows, TC - 1)
+    if LOCAL:
+        tl.store(hloc_ptr + off_seg, h, mask=mdn)
+        tl.store(P_ptr + off_seg, p, mask=mdn)
+    else:
+        off_T = (b * Dn + d[None, :]) * N + n[:, None]
+        tl.store(hT_ptr + off_T, h, mask=_in_range(mdn, nseg - 1 - s, 1))  # the last segment
