@@ -228,14 +228,11 @@ class _FusedInner(torch.autograd.Function):
             d_x_proj_weight = g_x_dbl.flatten(0, 1).t() @ u.flatten(0, 1)  # [R + 2N, D]
             # in place, one rounding: no separate [B, T, D] add
             du.view(-1, Dn).addmm_(g_x_dbl.flatten(0, 1), x_proj_weight.to(cdt))
-        # d xz is one buffer: the conv backward writes its first half in place
-        dxz = torch.empty_like(xz, memory_format=torch.contiguous_format)
-        dxz[..., Dn:].copy_(dz)
-        _, d_conv_weight, d_conv_bias, d_conv_state = torch.ops.mambakit.causal_conv1d_bwd(
-            du, g_conv_out, x_in, conv_weight, conv_bias, conv_state, seq_idx, True, dxz[..., :Dn]
+        dx_in, d_conv_weight, d_conv_bias, d_conv_state = torch.ops.mambakit.causal_conv1d_bwd(
+            du, g_conv_out, x_in, conv_weight, conv_bias, conv_state, seq_idx, True
         )
         return (
-            dxz,
+            torch.cat([dx_in, dz], dim=-1),
             d_conv_weight,
             d_conv_bias if conv_bias is not None else None,
             d_x_proj_weight.to(x_proj_weight.dtype),

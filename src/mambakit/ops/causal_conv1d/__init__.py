@@ -52,7 +52,7 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty((0,), dtype=torch.float32)
 
 
-@torch.library.custom_op("mambakit::causal_conv1d_bwd", mutates_args=("dx_out",))
+@torch.library.custom_op("mambakit::causal_conv1d_bwd", mutates_args=())
 def _conv_bwd_op(
     dout: torch.Tensor | None,
     dfinal: torch.Tensor | None,
@@ -62,18 +62,13 @@ def _conv_bwd_op(
     initial_state: torch.Tensor | None,
     seq_idx: torch.Tensor | None,
     silu: bool,
-    dx_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dweight, dbias, dinitial_state) in the inputs' dtypes; absent inputs get empty
-    grads. With `dx_out` ([B, T, D] in x.dtype, stride 1 in D, e.g. half of the in_proj
-    output's gradient) dx is written there and an empty tensor is returned in its place."""
+    """(dx, dweight, dbias, dinitial_state) in the inputs' dtypes; absent inputs get empty grads."""
     from .kernels import conv_bwd
 
-    dx, dw, db, dinit = conv_bwd(
-        dout, dfinal, x, weight, bias, initial_state, seq_idx, silu, dx_out
-    )
+    dx, dw, db, dinit = conv_bwd(dout, dfinal, x, weight, bias, initial_state, seq_idx, silu)
     return (
-        dx if dx_out is None else _empty(x),
+        dx,
         dw.to(weight.dtype),
         db.to(bias.dtype) if db is not None else _empty(x),
         dinit.to(initial_state.dtype) if dinit is not None else _empty(x),
@@ -81,9 +76,9 @@ def _conv_bwd_op(
 
 
 @_conv_bwd_op.register_fake
-def _(dout, dfinal, x, weight, bias, initial_state, seq_idx, silu, dx_out=None):
+def _(dout, dfinal, x, weight, bias, initial_state, seq_idx, silu):
     return (
-        torch.empty_like(x, memory_format=torch.contiguous_format) if dx_out is None else _empty(x),
+        torch.empty_like(x, memory_format=torch.contiguous_format),
         torch.empty_like(weight, memory_format=torch.contiguous_format),
         torch.empty_like(bias) if bias is not None else _empty(x),
         torch.empty_like(initial_state, memory_format=torch.contiguous_format)

@@ -171,7 +171,6 @@ def _conv_bwd_kernel(
     stride_sb, stride_st,
     stride_gb, stride_gt, stride_gd,
     stride_fb, stride_ft, stride_fd,
-    stride_dxb, stride_dxt,
     K: tl.constexpr, BLOCK_T: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
     SILU: tl.constexpr, HAS_DFINAL: tl.constexpr,
@@ -182,8 +181,7 @@ def _conv_bwd_kernel(
     # that stays within the thread. A tile owns (writes dx for) its first BLOCK_T - (K-1)
     # times; the last K-1 only supply dc to them. Tiles start at -(K-1) when there is an
     # initial state: dx there is d initial_state.
-    # dx: [B, T, D] with stride 1 in D (a view, e.g. the first half of d xz); dinit:
-    # contiguous [B, K-1, D]; partials: [B, n_chunks, K, D], [B, n_chunks, D]
+    # dx, dinit: contiguous [B, T, D], [B, K-1, D]; partials: [B, n_chunks, K, D], [B, n_chunks, D]
     pid_c = tl.program_id(0)
     pid_d = tl.program_id(1)
     pid_b = tl.program_id(2).to(tl.int64)
@@ -200,7 +198,7 @@ def _conv_bwd_kernel(
     p_seq += pid_b * stride_sb
     p_dout += pid_b * stride_gb
     p_dfinal += pid_b * stride_fb
-    p_dx += pid_b * stride_dxb
+    p_dx += pid_b * T * D
     p_dinit += pid_b * (K - 1) * D
     s_begin = 0
     if HAS_INIT:
@@ -274,7 +272,7 @@ def _conv_bwd_kernel(
                     mask=in_f[:, None] & mask_d[None, :], other=0.0,
                 ).to(tl.float32)
         own = own_r & (q < T)
-        p_o = p_dx + q.to(tl.int64)[:, None] * stride_dxt + offs_d[None, :]
+        p_o = p_dx + q.to(tl.int64)[:, None] * D + offs_d[None, :]
         m_o = own[:, None] & mask_d[None, :]
         tl.store(p_o, b_dx.to(p_dx.dtype.element_ty), mask=m_o & (q >= 0)[:, None])
         if HAS_INIT:
@@ -359,14 +357,13 @@ def conv_bwd(
     initial_state: torch.Tensor | None,
     seq_idx: torch.Tensor | None,
     silu: bool,
-    dx_out: torch.Tensor | None = None,  # [B, T, D] in x.dtype, stride 1 in D: written here
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(dx in x.dtype, dweight f32 [D, K], dbias f32 [D] or None, dinit f32 or None)."""
     Bsz, T, D = x.shape
     K = weight.shape[1]
     dev = x.device
     bias = bias.contiguous() if bias is not None else None
-    dx = dx_out if dx_out is not None else torch.empty((Bsz, T, D), device=dev, dtype=x.dtype)
+    dx = torch.empty((Bsz, T, D), device=dev, dtype=x.dtype)
     dinit = (
         torch.empty((Bsz, K - 1, D), device=dev, dtype=torch.float32)
         if initial_state is not None
@@ -402,7 +399,6 @@ def conv_bwd(
         *_strides(seq_idx, 2),
         *dout.stride(),
         *_strides(dfinal, 3),
-        dx.stride(0), dx.stride(1),
         K=K, BLOCK_T=BLOCK_T, VEC=VEC, BLOCK_K=triton.next_power_of_2(K),
         HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
         HAS_SEQ=seq_idx is not None, SILU=silu, HAS_DFINAL=dfinal is not None,
