@@ -7,7 +7,7 @@ set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"sweep scan model tests train decode"}  # also: ncu (not by default)
+STAGES=${STAGES:-"sweep conv scan model tests train decode"}  # also: ncu (not by default)
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -22,6 +22,10 @@ stage() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 if stage sweep; then  # timings only: later stages run the library's own config (kernels.config)
   echo "== scan_sweep" | tee -a "$LOG"
   timeout ${T_SWEEP:-240} python scripts/scan_sweep.py --out "$OUT/scan_sweep.json" ${SWEEP_ARGS:-} 2>&1 | tee -a "$LOG"
+fi
+if stage conv; then  # the conv kernels' launch parameters, and the peer's causal_conv1d
+  echo "== conv_sweep" | tee -a "$LOG"
+  timeout ${T_CONV:-120} python scripts/conv_sweep.py --out "$OUT/conv_sweep.json" 2>&1 | tee -a "$LOG"
 fi
 if stage ncu; then  # hardware counters of the scan kernels (stall reasons, occupancy)
   echo "== ncu" | tee -a "$LOG"

@@ -24,11 +24,16 @@ FWD = [  # fwd_tile, fwd_block_d, fwd_warps (H200: 8 / 32 / 1: 0.363-0.372 ms; t
     # 16 channels: 0.400, both: 0.437)
     dict(fwd_tile=8, fwd_block_d=32, fwd_warps=1),
 ]
-BWD = [  # bwd_tile, bwd_block_d, bwd_warps (H200: 4 / 16 / 1: 1.49-1.53 ms; 8 channels
-    # 1.54-1.58; tile 2: 2.91; the backward split in two kernels, dB/dC with states on the
-    # lanes, 3.7-7.9 ms)
-    dict(bwd_tile=4, bwd_block_d=16, bwd_warps=1),
-    dict(bwd_tile=4, bwd_block_d=8, bwd_warps=1),
+BWD = [  # bwd_tile, bwd_block_d, bwd_warps, bwd_parts (H200: 4 / 16 / 1 / 1: 1.49-1.53 ms; 8
+    # channels 1.54-1.58; tile 2: 2.91; the backward split in two kernels, dB/dC with states on
+    # the lanes, 3.7-7.9 ms). fwd_ms: the forward saving states at that tile.
+    dict(bwd_tile=4, bwd_block_d=16, bwd_warps=1, bwd_parts=1),
+    dict(bwd_tile=4, bwd_block_d=16, bwd_warps=1, bwd_parts=2),
+    dict(bwd_tile=4, bwd_block_d=8, bwd_warps=1, bwd_parts=1),
+    dict(bwd_tile=4, bwd_block_d=8, bwd_warps=1, bwd_parts=2),
+    dict(bwd_tile=8, bwd_block_d=8, bwd_warps=1, bwd_parts=1),
+    dict(bwd_tile=8, bwd_block_d=8, bwd_warps=1, bwd_parts=2),
+    dict(bwd_tile=8, bwd_block_d=16, bwd_warps=1, bwd_parts=2),
 ]
 SEGMENTS = [(2, 8), (2, 16)]  # (seg_below_per_sm, seg_target_per_sm)
 DN, N = 1536, 16
@@ -102,6 +107,7 @@ def main() -> None:
         err = None
         try:
             _, _, states = K.scan_fwd(*a, True, None, None, True, cfg=c)
+            fwd_ms = timed(lambda c=c: K.scan_fwd(*a, True, None, None, True, cfg=c))
             ms = timed(lambda c=c, st=states: K.scan_bwd(gy, None, *a, True, None, None, st, cfg=c))
             grads = K.scan_bwd(gy, None, *a, True, None, None, states, cfg=c)
             grads = [g.float() for g in grads if g is not None]
@@ -110,11 +116,11 @@ def main() -> None:
             err = max(((g - f).norm() / f.norm()).item() for g, f in zip(grads, first))
         except Exception as e:
             print("  failed:", type(e).__name__, str(e)[:300], flush=True)
-            ms = float("inf")
+            ms = fwd_ms = float("inf")
         if err is not None and not err < 1e-2:
             print(f"  WRONG: gradients differ from the first config's by {err:.3g}", flush=True)
             ms = float("inf")
-        rows.append({"kernel": "bwd", **bw, "ms": ms, "rel_err_vs_first": err})
+        rows.append({"kernel": "bwd", **bw, "ms": ms, "fwd_ms": fwd_ms, "rel_err_vs_first": err})
         print(rows[-1], flush=True)
     best_f = min((r for r in rows if r["kernel"] == "fwd"), key=lambda r: r["ms"])
     best_b = min((r for r in rows if r["kernel"] == "bwd"), key=lambda r: r["ms"])

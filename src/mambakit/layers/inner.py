@@ -206,42 +206,99 @@ class _FusedInner(torch.autograd.Function):
             seq_idx,
             states,
         ) = ctx.saved_tensors
-        Dn, N = A.shape
-        x_in, z = xz[..., :Dn], xz[..., Dn:]
-        u, _ = torch.ops.mambakit.causal_conv1d_fwd(
-            x_in, conv_weight, conv_bias, conv_state, seq_idx, True, False
-        )
-        _, dt_r, B, C, delta = _projections(u, x_dbl, x_proj_weight, dt_proj_weight, N)
-        if gy is None:
-            gy = torch.zeros_like(u)
-        du, ddelta, dA, dB, dC, dD, dz, d_dt_bias, d_ssm_state = (
-            torch.ops.mambakit.selective_scan_bwd(
-                gy, g_ssm_out, u, delta, A, B, C, D, z, dt_bias, True, ssm_state, seq_idx, states
-            )
-        )
-        # the GEMMs' backward in the compute dtype, as autograd runs them on the unfused chain
-        cdt = u.dtype
-        with torch.autocast(u.device.type, enabled=False):
-            d_dt_r = ddelta @ dt_proj_weight.to(cdt)  # [B, T, R]
-            d_dt_proj_weight = ddelta.flatten(0, 1).t() @ dt_r.flatten(0, 1)  # [D, R]
-            g_x_dbl = torch.cat([d_dt_r, dB, dC], dim=-1)  # [B, T, R + 2N]
-            d_x_proj_weight = g_x_dbl.flatten(0, 1).t() @ u.flatten(0, 1)  # [R + 2N, D]
-            # in place, one rounding: no separate [B, T, D] add
-            du.view(-1, Dn).addmm_(g_x_dbl.flatten(0, 1), x_proj_weight.to(cdt))
-        dx_in, d_conv_weight, d_conv_bias, d_conv_state = torch.ops.mambakit.causal_conv1d_bwd(
-            du, g_conv_out, x_in, conv_weight, conv_bias, conv_state, seq_idx, True
-        )
-        return (
-            torch.cat([dx_in, dz], dim=-1),
-            d_conv_weight,
-            d_conv_bias if conv_bias is not None else None,
-            d_x_proj_weight.to(x_proj_weight.dtype),
-            d_dt_proj_weight.to(dt_proj_weight.dtype),
-            dA,
-            dD,
-            d_dt_bias,
-            d_conv_state if conv_state is not None else None,
-            d_ssm_state if ssm_state is not None else None,
-            None,
-            None,
-        )
+        grads = _inner_bwd(
+            gy, g_conv_out, g_ssm_out, xz, x_dbl, conv_weight, conv_bias, x_proj_weight,
+            dt_proj_weight, A, D, dt_bias, conv_state, ssm_state, seq_idx, states,
+        )  # fmt: skip
+        present = (True, True, conv_bias is not None, True, True, True, True, True)
+        present += (conv_state is not None, ssm_state is not None)
+        return *(g if p else None for g, p in zip(grads, present)), None, None
+
+
+@torch.library.custom_op("mambakit::mamba_inner_bwd", mutates_args=())
+def _inner_bwd(
+    gy: torch.Tensor | None,
+    g_conv_out: torch.Tensor | None,
+    g_ssm_out: torch.Tensor | None,
+    xz: torch.Tensor,
+    x_dbl: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_bias: torch.Tensor | None,
+    x_proj_weight: torch.Tensor,
+    dt_proj_weight: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+    dt_bias: torch.Tensor,
+    conv_state: torch.Tensor | None,
+    ssm_state: torch.Tensor | None,
+    seq_idx: torch.Tensor | None,
+    states: torch.Tensor,
+) -> tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+]:  # fmt: skip
+    """The fused node's backward as one op: (d xz, d conv_weight, d conv_bias, d x_proj_weight,
+    d dt_proj_weight, dA, dD, d dt_bias, d conv_state, d ssm_state), an absent input's
+    gradient an empty tensor. The scan writes dz and the conv dx_in straight into the two
+    halves of d xz (no concatenation)."""
+    from ..ops.causal_conv1d.kernels import conv_bwd, conv_fwd
+    from ..ops.selective_scan.kernels import scan_bwd
+
+    Dn, N = A.shape
+    x_in, z = xz[..., :Dn], xz[..., Dn:]
+    u, _ = conv_fwd(x_in, conv_weight, conv_bias, conv_state, seq_idx, True, False)
+    _, dt_r, B, C, delta = _projections(u, x_dbl, x_proj_weight, dt_proj_weight, N)
+    if gy is None:
+        gy = torch.zeros_like(u)
+    dxz = torch.empty(xz.shape, dtype=xz.dtype, device=xz.device)
+    du, ddelta, dA, dB, dC, dD, _, d_dt_bias, d_ssm_state = scan_bwd(
+        gy, g_ssm_out, u, delta, A, B, C, D, z, dt_bias, True, ssm_state, seq_idx, states,
+        dz_out=dxz[..., Dn:],
+    )  # fmt: skip
+    # the GEMMs' backward in the compute dtype, as autograd runs them on the unfused chain
+    cdt = u.dtype
+    with torch.autocast(u.device.type, enabled=False):
+        d_dt_r = ddelta @ dt_proj_weight.to(cdt)  # [B, T, R]
+        d_dt_proj_weight = ddelta.flatten(0, 1).t() @ dt_r.flatten(0, 1)  # [D, R]
+        g_x_dbl = torch.cat([d_dt_r, dB, dC], dim=-1)  # [B, T, R + 2N]
+        d_x_proj_weight = g_x_dbl.flatten(0, 1).t() @ u.flatten(0, 1)  # [R + 2N, D]
+        # in place, one rounding: no separate [B, T, D] add
+        du.view(-1, Dn).addmm_(g_x_dbl.flatten(0, 1), x_proj_weight.to(cdt))
+    _, d_conv_weight, d_conv_bias, d_conv_state = conv_bwd(
+        du, g_conv_out, x_in, conv_weight, conv_bias, conv_state, seq_idx, True,
+        dx_out=dxz[..., :Dn],
+    )  # fmt: skip
+    empty = xz.new_empty(0)
+    return (
+        dxz,
+        d_conv_weight.to(conv_weight.dtype),
+        d_conv_bias.to(conv_bias.dtype) if conv_bias is not None else empty,
+        d_x_proj_weight.to(x_proj_weight.dtype),
+        d_dt_proj_weight.to(dt_proj_weight.dtype),
+        dA,
+        dD,
+        d_dt_bias,
+        d_conv_state.to(conv_state.dtype) if conv_state is not None else empty.clone(),
+        d_ssm_state if ssm_state is not None else empty.clone(),
+    )
+
+
+@_inner_bwd.register_fake
+def _(gy, g_conv_out, g_ssm_out, xz, x_dbl, conv_weight, conv_bias, x_proj_weight,
+      dt_proj_weight, A, D, dt_bias, conv_state, ssm_state, seq_idx, states):  # fmt: skip
+    f32 = torch.float32
+    e = xz.new_empty(0)
+    return (
+        xz.new_empty(xz.shape),
+        torch.empty_like(conv_weight, memory_format=torch.contiguous_format),
+        torch.empty_like(conv_bias) if conv_bias is not None else e,
+        torch.empty_like(x_proj_weight, memory_format=torch.contiguous_format),
+        torch.empty_like(dt_proj_weight, memory_format=torch.contiguous_format),
+        A.new_empty(A.shape, dtype=f32),
+        D.new_empty(D.shape, dtype=f32),
+        dt_bias.new_empty(dt_bias.shape, dtype=f32),
+        torch.empty_like(conv_state, memory_format=torch.contiguous_format)
+        if conv_state is not None
+        else e.clone(),
+        ssm_state.new_empty(ssm_state.shape, dtype=f32) if ssm_state is not None else e.clone(),
+    )

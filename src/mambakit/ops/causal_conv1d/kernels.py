@@ -171,6 +171,7 @@ def _conv_bwd_kernel(
     stride_sb, stride_st,
     stride_gb, stride_gt, stride_gd,
     stride_fb, stride_ft, stride_fd,
+    stride_dxb, stride_dxt,
     K: tl.constexpr, BLOCK_T: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
     SILU: tl.constexpr, HAS_DFINAL: tl.constexpr,
@@ -181,7 +182,7 @@ def _conv_bwd_kernel(
     # that stays within the thread. A tile owns (writes dx for) its first BLOCK_T - (K-1)
     # times; the last K-1 only supply dc to them. Tiles start at -(K-1) when there is an
     # initial state: dx there is d initial_state.
-    # dx, dinit: contiguous [B, T, D], [B, K-1, D]; partials: [B, n_chunks, K, D], [B, n_chunks, D]
+    # dx: [B, T, D] with stride 1 in D; dinit: contiguous [B, K-1, D]; partials: [B, n_chunks, K, D], [B, n_chunks, D]
     pid_c = tl.program_id(0)
     pid_d = tl.program_id(1)
     pid_b = tl.program_id(2).to(tl.int64)
@@ -198,7 +199,7 @@ def _conv_bwd_kernel(
     p_seq += pid_b * stride_sb
     p_dout += pid_b * stride_gb
     p_dfinal += pid_b * stride_fb
-    p_dx += pid_b * T * D
+    p_dx += pid_b * stride_dxb
     p_dinit += pid_b * (K - 1) * D
     s_begin = 0
     if HAS_INIT:
@@ -272,7 +273,7 @@ def _conv_bwd_kernel(
                     mask=in_f[:, None] & mask_d[None, :], other=0.0,
                 ).to(tl.float32)
         own = own_r & (q < T)
-        p_o = p_dx + q.to(tl.int64)[:, None] * D + offs_d[None, :]
+        p_o = p_dx + q.to(tl.int64)[:, None] * stride_dxt + offs_d[None, :]
         m_o = own[:, None] & mask_d[None, :]
         tl.store(p_o, b_dx.to(p_dx.dtype.element_ty), mask=m_o & (q >= 0)[:, None])
         if HAS_INIT:
@@ -289,6 +290,10 @@ def _conv_bwd_kernel(
 
 
 # ---------------------------------------------------------------------------- launchers
+
+# launch parameters (scripts/conv_sweep.py times others by replacing these)
+FWD_BLOCK_T, FWD_BLOCK_D, FWD_WARPS = 64, 128, 4
+BWD_VEC_BYTES = 32  # channels per backward thread, in bytes of x
 
 
 def _blocks(T: int, D: int, block_t: int, block_d: int) -> tuple[int, int]:
@@ -328,7 +333,7 @@ def conv_fwd(
         if return_final_state:
             final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
         return out, final
-    BLOCK_T, BLOCK_D = _blocks(T, D, 64, 128)
+    BLOCK_T, BLOCK_D = _blocks(T, D, FWD_BLOCK_T, FWD_BLOCK_D)
     BLOCK_K = triton.next_power_of_2(K - 1)
     grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(D, BLOCK_D), Bsz)
     _conv_fwd_kernel[grid](
@@ -343,7 +348,7 @@ def conv_fwd(
         K=K, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K,
         HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
         HAS_SEQ=seq_idx is not None, SILU=silu, STORE_FINAL=return_final_state,
-        num_warps=4,
+        num_warps=FWD_WARPS,
     )  # fmt: skip
     return out, final
 
@@ -357,13 +362,16 @@ def conv_bwd(
     initial_state: torch.Tensor | None,
     seq_idx: torch.Tensor | None,
     silu: bool,
+    dx_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(dx in x.dtype, dweight f32 [D, K], dbias f32 [D] or None, dinit f32 or None)."""
+    """(dx in x.dtype, dweight f32 [D, K], dbias f32 [D] or None, dinit f32 or None).
+    dx_out: a [B, T, D] tensor of x's dtype (any row strides, stride 1 in D) that receives
+    dx, returned as dx."""
     Bsz, T, D = x.shape
     K = weight.shape[1]
     dev = x.device
     bias = bias.contiguous() if bias is not None else None
-    dx = torch.empty((Bsz, T, D), device=dev, dtype=x.dtype)
+    dx = dx_out if dx_out is not None else torch.empty((Bsz, T, D), device=dev, dtype=x.dtype)
     dinit = (
         torch.empty((Bsz, K - 1, D), device=dev, dtype=torch.float32)
         if initial_state is not None
@@ -381,7 +389,7 @@ def conv_bwd(
     # a program: one warp, VEC channels (16-byte loads), tiles of up to 32 times (one per
     # lane; a tile owns all but its last K-1)
     BLOCK_T = min(32, triton.next_power_of_2(T - s_begin + K - 1))
-    VEC = min(max(16 // x.element_size(), 1), triton.next_power_of_2(D))
+    VEC = min(max(BWD_VEC_BYTES // x.element_size(), 1), triton.next_power_of_2(D))
     n_tblk = triton.cdiv(T - s_begin, BLOCK_T - (K - 1))
     n_chunks = triton.cdiv(n_tblk, 16)  # programs along time: ~16 tiles each, evenly split
     tblk_per_chunk = triton.cdiv(n_tblk, n_chunks)
@@ -399,6 +407,7 @@ def conv_bwd(
         *_strides(seq_idx, 2),
         *dout.stride(),
         *_strides(dfinal, 3),
+        dx.stride(0), dx.stride(1),
         K=K, BLOCK_T=BLOCK_T, VEC=VEC, BLOCK_K=triton.next_power_of_2(K),
         HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
         HAS_SEQ=seq_idx is not None, SILU=silu, HAS_DFINAL=dfinal is not None,

@@ -123,7 +123,7 @@ def _bwd_kernel(
     gin_ptr, du_ptr, ddt_ptr, dz_ptr, ys_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, db_ptr, dh0_ptr,
     T, Dn, N, Bsz, nc, nseg, seg_chunks,
     s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b, s_z_t, s_seq_b, s_seq_t,
-    s_dy_b, s_dy_t, s_dy_d,
+    s_dy_b, s_dy_t, s_dy_d, s_dz_b, s_dz_t,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_G: tl.constexpr, HAS_H0: tl.constexpr, SPLIT_N: tl.constexpr,
     TC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
@@ -201,7 +201,7 @@ def _bwd_kernel(
                 if HAS_D:
                     ys += Dv[None, :] * u
                 dz = dy * ys * sz * (1.0 + z * (1.0 - sz))
-                _st(_tile_ptrs(dz_ptr + out_base, 0, Dn, b, t0, rows, d, 1), dz, m2, EVEN)
+                _st(_tile_ptrs(dz_ptr, s_dz_b, s_dz_t, b, t0, rows, d, 1), dz, m2, EVEN)
         xhb = x * (hs - bx)  # g_t a_t h_{t-1}
         xB = tl.sum(x * Bt[:, :, None], axis=1)
         ddt = u * xB + tl.sum(xhb * A[None, :, :], axis=1)

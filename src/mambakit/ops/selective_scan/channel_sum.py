@@ -107,3 +107,24 @@ def _store_channel_sum(
             tl.store(ptr + off, r, mask=((t0 + tt) < T) & (nn < N))
     else:
         _st(_tile_ptrs(ptr, 0, N, 0, t0, rows, n, 1), tl.sum(p, axis=2), mtn, EVEN)
+
+
+@triton.jit
+def _sum_blocks_kernel(pb_ptr, pc_ptr, ob_ptr, oc_ptr, P, M, BLOCK_E: tl.constexpr):
+    """The second stage of the sums over channels: out[m] = sum_p part[p, m] over the P
+    channel blocks, in order (deterministic), f32, stored in the output's dtype; dB's
+    partials on program axis 1 = 0, dC's on 1."""
+    offs = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    mask = offs < M
+    if tl.program_id(1) == 0:
+        src = pb_ptr
+        dst = ob_ptr
+    else:
+        src = pc_ptr
+        dst = oc_ptr
+    acc = tl.zeros([BLOCK_E], tl.float32)
+    ptrs = src + offs
+    for _ in tl.range(P, num_stages=4):
+        acc += tl.load(ptrs, mask=mask, other=0.0)
+        ptrs += M  # 64-bit pointers: no overflow past 2^31 elements
+    tl.store(dst + offs, acc.to(dst.dtype.element_ty), mask=mask)

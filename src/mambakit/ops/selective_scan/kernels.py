@@ -42,7 +42,7 @@ import triton
 
 from .backward import _bwd_kernel, _bwd_local_kernel
 from .carry import _carry_bwd_kernel, _carry_fwd_kernel
-from .channel_sum import reduce_scatter_fits
+from .channel_sum import _sum_blocks_kernel, reduce_scatter_fits
 from .forward import _fwd_kernel
 
 MAX_BLOCK_N = 32  # states per program; larger N is split over programs
@@ -255,9 +255,11 @@ def scan_bwd(
     seq_idx,
     states,
     cfg: ScanConfig | None = None,
+    dz_out: torch.Tensor | None = None,
 ):
     """(du, ddelta, dA, dB, dC, dD, dz, d delta_bias, d initial_state); absent ones None.
-    cfg: as for `scan_fwd`, with the bwd_tile the states were saved at."""
+    cfg: as for `scan_fwd`, with the bwd_tile the states were saved at. dz_out: a [B, T, D]
+    tensor (any row strides, stride 1 in D) that receives dz, returned as dz."""
     Bsz, T, Dn = u.shape
     N = A.shape[1]
     dev = u.device
@@ -271,7 +273,7 @@ def scan_bwd(
         return (
             torch.empty_like(u), torch.empty_like(delta), torch.zeros_like(A, dtype=torch.float32),
             torch.empty_like(B), torch.empty_like(C), z32 if D is not None else None,
-            torch.empty_like(z) if z is not None else None,
+            (dz_out if dz_out is not None else torch.empty_like(z)) if z is not None else None,
             z32.clone() if delta_bias is not None else None, dh0,
         )  # fmt: skip
     cfg = cfg if cfg is not None else config(Dn, not u.is_cuda)
@@ -325,7 +327,9 @@ def scan_bwd(
     if nb == 1:
         du = _new((Bsz, T, Dn), u.dtype, dev)
         ddt = _new((Bsz, T, Dn), delta.dtype, dev)
-        dz = _new((Bsz, T, Dn), z.dtype, dev) if z is not None else None
+        dz = None
+        if z is not None:
+            dz = dz_out if dz_out is not None else _new((Bsz, T, Dn), z.dtype, dev)
         ys = None
     else:
         du = _new((nb, Bsz, T, Dn), f32, dev)
@@ -343,6 +347,7 @@ def scan_bwd(
         states, _opt(gin, A), du, ddt, _opt(dz, du), _opt(ys, du), dBp, dCp, dAp,
         _opt(dDp, A), dbp, _opt(dh0, A),
         T, Dn, N, Bsz, nc, nseg, per, *strides, *s_dy,
+        *(dz.stride()[:2] if dz is not None else (0, 0)),
         HAS_D=D is not None, HAS_G=gin is not None, HAS_H0=dh0 is not None, SPLIT_N=nb > 1,
         RS=reduce_scatter_fits(tc, bd, bn, cfg.bwd_warps),
         RS_ASM=u.is_cuda, **common,
@@ -355,8 +360,13 @@ def scan_bwd(
             y_pre = ys.sum(0) + (u.float() * D if D is not None else 0.0)
             sz = torch.sigmoid(zf)
             dz = (gy.float() * y_pre * sz * (1 + zf * (1 - sz))).to(z.dtype)
-    dB = dBp.sum(0).to(B.dtype)
-    dC = dCp.sum(0).to(C.dtype)
+            if dz_out is not None:
+                dz = dz_out.copy_(dz)
+    dB = _new((Bsz, T, N), B.dtype, dev)
+    dC = _new((Bsz, T, N), C.dtype, dev)
+    M = Bsz * T * N
+    block = 1024 if u.is_cuda else 64
+    _sum_blocks_kernel[(triton.cdiv(M, block), 2)](dBp, dCp, dB, dC, ndb, M, BLOCK_E=block)
     dA = dAp.sum((0, 1))
     dD = dDp.sum((0, 1)) if dDp is not None else None
     dbias = dbp.sum((0, 1, 2)) if delta_bias is not None else None

@@ -1,0 +1,85 @@
+"""Time the causal conv1d kernels' launch parameters at 8x2048x1536, K=4, bf16; the peer too.
+
+PYTHONPATH=src python scripts/conv_sweep.py --out conv_sweep.json
+
+x is the left half of an in_proj output [B, T, 2D] (a strided view, as in the mixer). Each
+candidate replaces the module constants of causal_conv1d/kernels.py (the library runs
+those constants; a better candidate is adopted by editing them). Every candidate's outputs
+are checked against the library's defaults. causal_conv1d (the peer, when importable) is
+timed on the same input through its autograd function: forward, and forward + backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton.testing
+
+from mambakit.ops.causal_conv1d import kernels as K
+
+FWD = [(64, 128, 4), (32, 128, 4), (64, 256, 4), (128, 128, 8), (32, 256, 4), (64, 64, 2)]
+BWD = [16, 32]  # bytes of channels per thread
+BYTES = 3 * 8 * 2048 * 1536 * 2  # read x and dout, write dx (bf16); the forward: 2 / 3 of it
+
+
+def timed(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    Bsz, T, D, Kw = 8, 2048, 1536, 4
+    xz = torch.randn(Bsz, T, 2 * D, device="cuda", generator=g).to(torch.bfloat16)
+    x = xz[..., :D]
+    w = torch.randn(D, Kw, device="cuda", generator=g) * 0.5
+    bias = torch.randn(D, device="cuda", generator=g) * 0.1
+    dout = torch.randn(Bsz, T, D, device="cuda", generator=g).to(torch.bfloat16)
+    rows = []
+    base_out = K.conv_fwd(x, w, bias, None, None, True, False)[0].float()
+    for bt, bd, nw in FWD:
+        K.FWD_BLOCK_T, K.FWD_BLOCK_D, K.FWD_WARPS = bt, bd, nw
+        ms = timed(lambda: K.conv_fwd(x, w, bias, None, None, True, False))
+        err = (K.conv_fwd(x, w, bias, None, None, True, False)[0].float() - base_out).abs().max()
+        rows.append(dict(kernel="fwd", block_t=bt, block_d=bd, warps=nw, ms=ms,
+                         tb_s=BYTES * 2 / 3 / ms / 1e9, max_diff=err.item()))  # fmt: skip
+        print(rows[-1], flush=True)
+    K.FWD_BLOCK_T, K.FWD_BLOCK_D, K.FWD_WARPS = FWD[0]
+    base = None
+    for vb in BWD:
+        K.BWD_VEC_BYTES = vb
+        ms = timed(lambda: K.conv_bwd(dout, None, x, w, bias, None, None, True))
+        out = K.conv_bwd(dout, None, x, w, bias, None, None, True)
+        base = base if base is not None else out
+        err = max((a.float() - b.float()).abs().max().item() for a, b in zip(out[:3], base[:3]))
+        rows.append(dict(kernel="bwd", vec_bytes=vb, ms=ms, tb_s=BYTES / ms / 1e9, max_diff=err))
+        print(rows[-1], flush=True)
+    K.BWD_VEC_BYTES = BWD[0]
+    try:
+        from causal_conv1d import causal_conv1d_fn
+    except ImportError:
+        causal_conv1d_fn = None
+    if causal_conv1d_fn is not None:  # the peer wants [B, D, T] with stride 1 in D: a transpose
+        xp = x.transpose(1, 2).detach().requires_grad_()
+        wp = w.detach().requires_grad_()
+        bp = bias.detach().requires_grad_()
+        dp = dout.transpose(1, 2)
+        ms_f = timed(lambda: causal_conv1d_fn(xp, wp, bp, activation="silu"))
+
+        def fb():
+            causal_conv1d_fn(xp, wp, bp, activation="silu").backward(dp)
+
+        ms_fb = timed(fb)
+        rows.append(dict(kernel="peer causal_conv1d", fwd_ms=ms_f, fwd_bwd_ms=ms_fb))
+        print(rows[-1], flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
