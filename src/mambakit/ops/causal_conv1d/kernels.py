@@ -16,12 +16,13 @@ Backward: with c the pre-activation, dc = dout * silu'(c) and lag = K-1-k,
     dbias     = sum_{b,t} dc_t
 
 and d initial_state is dx at the negative times. One kernel: a program owns one
-row, one D-block and a chunk of time, walked in tiles of BLOCK_T times from the last,
-channels along the lanes so every load reads row segments. Per tile it loads the K taps of
-x (cache hits but for the new rows) and dout, computes c and dc once per time, and stores dc
-to a small per-program scratch (L1/L2); after a barrier, dc_{s+lag} is a row-shifted load of
-it. So x, dout and dx cross DRAM once each. dw and dbias accumulate in registers into
-per-program partials, summed in a fixed order on the host: no atomics,
+row, one D-block and a chunk of time, walked in tiles of 32 times (one per lane
+of a warp) whose last K-1 times only feed the others. Per tile it loads the K
+taps of x (cache hits but for the new rows) and dout, computes c and dc once per
+time, and moves dc_{s+lag} between lanes with a gather (warp shuffles), so x,
+dout and dx cross DRAM once each and nothing else does. dw and dbias accumulate
+elementwise in registers, are reduced over time once per program into
+per-program partials, and summed in a fixed order on the host: no atomics,
 bit-identical runs.
 """
 
@@ -34,21 +35,23 @@ import triton.language as tl
 
 # fmt: off
 @triton.jit
-def _load_x(
-    p_x, p_init, pos, offs_d, mask, T, stride_xt, stride_it, stride_id,
+def _load_src(
+    p_x, p_init, pos, offs_d, mask_d, T, stride_xt, stride_it, stride_id,
     K: tl.constexpr, HAS_INIT: tl.constexpr,
 ):
-    """The conv input in f32 at times pos [BT] and channels offs_d [BD] (mask: the elements
-    wanted), negative times reading the initial state, times past T zero."""
+    """The conv input at times pos [BT] and channels offs_d [BD], in f32."""
+    in_x = (pos >= 0) & (pos < T)
+    t_x = tl.where(in_x, pos, 0)
     b_x = tl.load(
-        p_x + pos.to(tl.int64)[:, None] * stride_xt + offs_d[None, :],
-        mask=mask & ((pos >= 0) & (pos < T))[:, None], other=0.0,
+        p_x + t_x[:, None] * stride_xt + offs_d[None, :],
+        mask=in_x[:, None] & mask_d[None, :], other=0.0,
     ).to(tl.float32)
     if HAS_INIT:
-        t_s = pos + (K - 1)
+        in_s = (pos < 0) & (pos >= 1 - K)
+        t_s = tl.where(in_s, pos + K - 1, 0)
         b_x += tl.load(
             p_init + t_s[:, None] * stride_it + offs_d[None, :] * stride_id,
-            mask=mask & ((pos < 0) & (t_s >= 0))[:, None], other=0.0,
+            mask=in_s[:, None] & mask_d[None, :], other=0.0,
         ).to(tl.float32)
     return b_x
 
@@ -71,7 +74,7 @@ def _conv_pre(
     acc = tl.zeros([BT, BD], dtype=tl.float32)
     for k in tl.static_range(K):
         pos = q - (K - 1 - k)
-        b_x = _load_x(p_x, p_init, pos, offs_d, mask_d[None, :], T, stride_xt, stride_it, stride_id, K, HAS_INIT)
+        b_x = _load_src(p_x, p_init, pos, offs_d, mask_d, T, stride_xt, stride_it, stride_id, K, HAS_INIT)
         if HAS_SEQ:
             if k < K - 1:
                 same = _load_seq(p_seq, pos, T, stride_st) == seq_q
@@ -127,7 +130,7 @@ def _conv_fwd_kernel(
             offs_j = tl.arange(0, BLOCK_K)
             mask_j = offs_j < K - 1
             pos = (T - (K - 1) + offs_j).to(tl.int64)
-            b_f = _load_x(p_x, p_init, pos, offs_d, mask_d[None, :], T, stride_xt, stride_it, stride_id, K, HAS_INIT)
+            b_f = _load_src(p_x, p_init, pos, offs_d, mask_d, T, stride_xt, stride_it, stride_id, K, HAS_INIT)
             if HAS_SEQ:
                 seq_last = tl.load(p_seq + (T - 1) * stride_st)
                 same = _load_seq(p_seq, pos, T, stride_st) == seq_last
@@ -137,9 +140,30 @@ def _conv_fwd_kernel(
 
 
 @triton.jit
+def _load_x(
+    p_x, p_init, pos, offs_d, mask, T, stride_xt, stride_it, stride_id,
+    K: tl.constexpr, HAS_INIT: tl.constexpr, pos0,
+):
+    """The conv input in f32 at times pos [BT] (none before pos0) and channels offs_d [VEC]
+    as [BT, VEC] (mask: the elements wanted), negative times reading the initial state."""
+    b_x = tl.load(
+        p_x + pos.to(tl.int64)[:, None] * stride_xt + offs_d[None, :],
+        mask=mask & ((pos >= 0) & (pos < T))[:, None], other=0.0,
+    ).to(tl.float32)
+    if HAS_INIT:
+        if pos0 < 0:
+            t_s = pos + (K - 1)
+            b_x += tl.load(
+                p_init + t_s[:, None] * stride_it + offs_d[None, :] * stride_id,
+                mask=mask & ((pos < 0) & (t_s >= 0))[:, None], other=0.0,
+            ).to(tl.float32)
+    return b_x
+
+
+@triton.jit
 def _conv_bwd_kernel(
     p_x, p_w, p_b, p_init, p_seq, p_dout, p_dfinal,
-    p_dx, p_dinit, p_dw_part, p_db_part, p_scr,
+    p_dx, p_dinit, p_dw_part, p_db_part,
     T, D, N_TBLK,
     stride_xb, stride_xt,
     stride_wd, stride_wk,
@@ -148,28 +172,28 @@ def _conv_bwd_kernel(
     stride_gb, stride_gt, stride_gd,
     stride_fb, stride_ft, stride_fd,
     stride_dxb, stride_dxt,
-    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
     SILU: tl.constexpr, HAS_DFINAL: tl.constexpr,
 ):
-    # A program owns N_TBLK tiles of BLOCK_T times x BLOCK_D channels (channels along the
-    # lanes: every load is a row segment) and walks them last to first, after one more tile
-    # past its end whose dc only feeds the first. Per tile: dc once per time, stored to this
-    # program's scratch (two alternating [BLOCK_T + K - 1, BLOCK_D] f32 buffers, in L1/L2)
-    # with the K-1 first rows of the later tile's dc after it; one barrier; then dc at s + lag
-    # is a row-shifted load of the scratch. Tiles start at -(K-1) when there is an initial
-    # state: dx there is d initial_state.
-    # dx: [B, T, D] with stride 1 in D; dinit: contiguous [B, K-1, D]; partials:
-    # [B, n_chunks, K, D], [B, n_chunks, D]
+    # One warp: a tile of BLOCK_T (32) times by VEC channels, one time per lane and VEC
+    # channels per thread (a [BT, VEC] load with VEC contiguous gets this layout), so the
+    # shift in time is a gather made of warp shuffles; per-tap values add an axis k < BLOCK_K
+    # that stays within the thread. A tile owns (writes dx for) its first BLOCK_T - (K-1)
+    # times; the last K-1 only supply dc to them. Tiles start at -(K-1) when there is an
+    # initial state: dx there is d initial_state.
+    # dx: [B, T, D] with stride 1 in D; dinit: contiguous [B, K-1, D]; partials: [B, n_chunks, K, D], [B, n_chunks, D]
     pid_c = tl.program_id(0)
     pid_d = tl.program_id(1)
     pid_b = tl.program_id(2).to(tl.int64)
     n_chunks = tl.num_programs(0)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_d = pid_d * VEC + tl.arange(0, VEC)
     mask_d = offs_d < D
     offs_k = tl.arange(0, BLOCK_K)
-    rows = tl.arange(0, BLOCK_T)
-    SR: tl.constexpr = BLOCK_T + K - 1  # scratch rows of one buffer
+    mask_k = offs_k < K
+    lag = tl.where(mask_k, K - 1 - offs_k, 0)  # tap k: c_t reads x_{t-lag}, dx_s reads dc_{s+lag}
+    offs_r = tl.arange(0, BLOCK_T)
+    own_r = offs_r < BLOCK_T - (K - 1)
     p_x += pid_b * stride_xb
     p_init += pid_b * stride_ib
     p_seq += pid_b * stride_sb
@@ -177,90 +201,89 @@ def _conv_bwd_kernel(
     p_dfinal += pid_b * stride_fb
     p_dx += pid_b * stride_dxb
     p_dinit += pid_b * (K - 1) * D
-    prog = (pid_b * n_chunks + pid_c) * tl.num_programs(1) + pid_d
-    p_scr += prog * (2 * SR * BLOCK_D)
-    scr_tile = rows[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
     s_begin = 0
     if HAS_INIT:
         s_begin = 1 - K
-    b_bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+    b_w = tl.load(
+        p_w + offs_d[:, None] * stride_wd + offs_k[None, :] * stride_wk,
+        mask=mask_d[:, None] & mask_k[None, :], other=0.0,
+    ).to(tl.float32)[None, :, :]  # [1, VEC, BK]
+    b_bias = tl.zeros([VEC], dtype=tl.float32)
     if HAS_BIAS:
         b_bias += tl.load(p_b + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    b_dw = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
-    b_db = tl.zeros([BLOCK_D], dtype=tl.float32)
-    prev = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)  # dc of the later tile
-    for i in range(N_TBLK + 1):
-        s = s_begin + ((pid_c + 1) * N_TBLK - i) * BLOCK_T + rows  # [BT]
-        in_s = (s >= 0) & (s < T)
-        seq_s = s
+    # dweight and dbias terms summed elementwise over the program's tiles, over time at the end
+    b_dw = tl.zeros([BLOCK_T, VEC, BLOCK_K], dtype=tl.float32)
+    b_db = tl.zeros([BLOCK_T, VEC], dtype=tl.float32)
+    for i in range(N_TBLK):
+        q0 = s_begin + (pid_c * N_TBLK + i) * (BLOCK_T - (K - 1))
+        q = q0 + offs_r  # [BT]
+        in_q = (q >= 0) & (q < T)
+        seq_q = q
         if HAS_SEQ:
-            seq_s = _load_seq(p_seq, s, T, stride_st)
+            seq_q = _load_seq(p_seq, q, T, stride_st)
         b_dc = tl.load(
-            p_dout + s.to(tl.int64)[:, None] * stride_gt + offs_d[None, :] * stride_gd,
-            mask=in_s[:, None] & mask_d[None, :], other=0.0,
+            p_dout + q.to(tl.int64)[:, None] * stride_gt + offs_d[None, :] * stride_gd,
+            mask=in_q[:, None] & mask_d[None, :], other=0.0,
         ).to(tl.float32)
-        # the K taps of x (cache hits but for the new rows); tap K-1 is x_s itself
-        x_s = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
-        c = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32) + b_bias[None, :]
-        for k in tl.static_range(K):
-            if SILU or k == K - 1:
-                pos = s - (K - 1 - k)
+        if SILU:
+            # c as in the forward: the K taps of x are one tile read K times (cache hits but
+            # for the new rows)
+            c = tl.zeros([BLOCK_T, VEC], dtype=tl.float32) + b_bias[None, :]
+            for k in tl.static_range(K):
+                pos = q - (K - 1 - k)
                 b_x = _load_x(
-                    p_x, p_init, pos, offs_d, mask_d[None, :], T, stride_xt, stride_it,
-                    stride_id, K, HAS_INIT,
+                    p_x, p_init, pos, offs_d, mask_d[None, :], T, stride_xt, stride_it, stride_id,
+                    K, HAS_INIT, q0 - (K - 1),
                 )
-            if k == K - 1:
-                x_s = b_x
-            if SILU:
                 if HAS_SEQ:
                     if k < K - 1:
-                        b_x = tl.where((_load_seq(p_seq, pos, T, stride_st) == seq_s)[:, None], b_x, 0.0)
-                w_k = tl.load(p_w + offs_d * stride_wd + k * stride_wk, mask=mask_d, other=0.0)
-                c += b_x * w_k.to(tl.float32)[None, :]
-        if SILU:
+                        b_x = tl.where((_load_seq(p_seq, pos, T, stride_st) == seq_q)[:, None], b_x, 0.0)
+                c += b_x * tl.sum(tl.where(offs_k[None, None, :] == k, b_w, -0.0), axis=2)
             sig = 1.0 / (1.0 + tl.exp(-c))
             b_dc = b_dc * sig * (1.0 + c * (1.0 - sig))
-        # this tile's dc, then the later tile's first K-1 rows after it; dc at s + lag below
-        p_buf = p_scr + (i % 2) * (SR * BLOCK_D)
-        tl.store(p_buf + scr_tile, b_dc)
-        tl.store(p_buf + BLOCK_T * BLOCK_D + scr_tile, prev, mask=(rows < K - 1)[:, None])
-        prev = b_dc
-        tl.debug_barrier()
-        b_dx = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
-        own = (s < T) & ((rows * 0 + i) > 0)  # (vector first: the interpreter)
-        for lag in tl.static_range(K):
-            dck = tl.load(p_buf + lag * BLOCK_D + scr_tile)
-            if HAS_SEQ:
-                if lag > 0:
-                    same = _load_seq(p_seq, s + lag, T, stride_st) == seq_s
-                    dck = tl.where(same[:, None], dck, 0.0)
-            w_k = tl.load(p_w + offs_d * stride_wd + (K - 1 - lag) * stride_wk, mask=mask_d, other=0.0)
-            b_dx += dck * w_k.to(tl.float32)[None, :]
-            # dweight[K-1-lag] = sum over the owned s of dc_{s+lag} x_s same(s, s+lag)
-            dw_k = tl.sum(tl.where(own[:, None], dck * x_s, 0.0), axis=0)
-            b_dw += tl.where((offs_k == K - 1 - lag)[:, None], dw_k[None, :], 0.0)
-        b_db += tl.sum(tl.where((own & in_s)[:, None], b_dc, 0.0), axis=0)
+
+        # dc at s + lag for every tap (within the tile for the owned s)
+        shape: tl.constexpr = [BLOCK_T, VEC, BLOCK_K]
+        idx = tl.minimum(offs_r[:, None] + lag[None, :], BLOCK_T - 1)
+        b_dck = tl.gather(
+            tl.broadcast_to(tl.reshape(b_dc, [BLOCK_T, VEC, 1]), shape),
+            tl.broadcast_to(idx[:, None, :], shape), axis=0,
+        )
+        if HAS_SEQ:
+            same = _load_seq(p_seq, q[:, None] + lag[None, :], T, stride_st) == seq_q[:, None]
+            b_dck = tl.where(same[:, None, :], b_dck, 0.0)
+        b_dx = tl.sum(b_dck * b_w, axis=2)
+        # dweight[k] = sum over the owned s of dc_{s+lag} x_s same(s, s+lag); x_s is a cache hit,
+        # loaded masked to the owned times so that the sum stays a fused multiply-add
+        b_xo = _load_x(
+            p_x, p_init, q, offs_d, own_r[:, None] & mask_d[None, :], T, stride_xt, stride_it, stride_id,
+            K, HAS_INIT, q0,
+        )
+        b_dw += b_dck * tl.reshape(b_xo, [BLOCK_T, VEC, 1])
+        b_db += tl.where(own_r[:, None], b_dc, 0.0)
         if HAS_DFINAL:
-            # time s is final-state row s - (T-(K-1)) when it lies in the last document
-            j_f = s - (T - (K - 1))
-            in_f = (j_f >= 0) & (s < T)
-            if HAS_SEQ:
-                in_f = in_f & (seq_s == tl.load(p_seq + (T - 1) * stride_st))
-            b_dx += tl.load(
-                p_dfinal + j_f[:, None] * stride_ft + offs_d[None, :] * stride_fd,
-                mask=in_f[:, None] & mask_d[None, :], other=0.0,
-            ).to(tl.float32)
+            if q0 + BLOCK_T > T - (K - 1):
+                # time q is final-state row q - (T-(K-1)) when it lies in the last document
+                j_f = q - (T - (K - 1))
+                in_f = (j_f >= 0) & (q < T)
+                if HAS_SEQ:
+                    in_f = in_f & (seq_q == tl.load(p_seq + (T - 1) * stride_st))
+                b_dx += tl.load(
+                    p_dfinal + j_f[:, None] * stride_ft + offs_d[None, :] * stride_fd,
+                    mask=in_f[:, None] & mask_d[None, :], other=0.0,
+                ).to(tl.float32)
+        own = own_r & (q < T)
+        p_o = p_dx + q.to(tl.int64)[:, None] * stride_dxt + offs_d[None, :]
         m_o = own[:, None] & mask_d[None, :]
-        p_o = p_dx + s.to(tl.int64)[:, None] * stride_dxt + offs_d[None, :]
-        tl.store(p_o, b_dx.to(p_dx.dtype.element_ty), mask=m_o & (s >= 0)[:, None])
+        tl.store(p_o, b_dx.to(p_dx.dtype.element_ty), mask=m_o & (q >= 0)[:, None])
         if HAS_INIT:
-            p_o = p_dinit + (s + K - 1)[:, None] * D + offs_d[None, :]
-            tl.store(p_o, b_dx, mask=m_o & (s < 0)[:, None])
+            p_o = p_dinit + (q + K - 1)[:, None] * D + offs_d[None, :]
+            tl.store(p_o, b_dx, mask=m_o & (q < 0)[:, None])
 
     part = pid_b * n_chunks + pid_c
-    p_pw = p_dw_part + part * K * D + offs_k[:, None] * D + offs_d[None, :]
-    tl.store(p_pw, b_dw, mask=(offs_k < K)[:, None] & mask_d[None, :])
-    tl.store(p_db_part + part * D + offs_d, b_db, mask=mask_d)
+    p_pw = p_dw_part + part * K * D + offs_k[None, :] * D + offs_d[:, None]
+    tl.store(p_pw, tl.sum(b_dw, axis=0), mask=mask_d[:, None] & mask_k[None, :])
+    tl.store(p_db_part + part * D + offs_d, tl.sum(b_db, axis=0), mask=mask_d)
 
 
 # fmt: on
@@ -269,9 +292,12 @@ def _conv_bwd_kernel(
 # ---------------------------------------------------------------------------- launchers
 
 # launch parameters (scripts/conv_sweep.py times others by replacing these)
-FWD_BLOCK_T, FWD_BLOCK_D, FWD_WARPS = 32, 128, 4  # H200: 45 us at 8x2048x1536 (64 x 128: 51)
-BWD_BLOCK_T, BWD_BLOCK_D, BWD_WARPS = 32, 64, 4
-BWD_TILES = 16  # backward tiles per program (each program also recomputes one more tile)
+FWD_BLOCK_T, FWD_BLOCK_D, FWD_WARPS = (
+    32,
+    128,
+    4,
+)  # H200: 41 us in the 130m step at 8x2048x1536 (64 x 128: 49)
+BWD_VEC_BYTES = 32  # channels per backward thread, in bytes of x
 
 
 def _blocks(T: int, D: int, block_t: int, block_d: int) -> tuple[int, int]:
@@ -364,22 +390,20 @@ def conv_bwd(
     if dout is None:
         dout = torch.zeros((), device=dev, dtype=x.dtype).expand(Bsz, T, D)
     s_begin = -(K - 1) if initial_state is not None else 0  # dinit: dx at the state's times
-    BLOCK_T = max(min(BWD_BLOCK_T, triton.next_power_of_2(T - s_begin)), triton.next_power_of_2(K))
-    BLOCK_D = min(BWD_BLOCK_D, triton.next_power_of_2(D))
-    n_tblk = triton.cdiv(T - s_begin, BLOCK_T)
-    n_chunks = triton.cdiv(n_tblk, BWD_TILES)  # programs along time, evenly split
+    # a program: one warp, VEC channels (16-byte loads), tiles of up to 32 times (one per
+    # lane; a tile owns all but its last K-1)
+    BLOCK_T = min(32, triton.next_power_of_2(T - s_begin + K - 1))
+    VEC = min(max(BWD_VEC_BYTES // x.element_size(), 1), triton.next_power_of_2(D))
+    n_tblk = triton.cdiv(T - s_begin, BLOCK_T - (K - 1))
+    n_chunks = triton.cdiv(n_tblk, 16)  # programs along time: ~16 tiles each, evenly split
     tblk_per_chunk = triton.cdiv(n_tblk, n_chunks)
-    n_dblk = triton.cdiv(D, BLOCK_D)
     dw_part = torch.empty((Bsz, n_chunks, K, D), device=dev, dtype=torch.float32)
     db_part = torch.empty((Bsz, n_chunks, D), device=dev, dtype=torch.float32)
-    scratch = torch.empty(
-        (Bsz * n_chunks * n_dblk, 2, BLOCK_T + K - 1, BLOCK_D), device=dev, dtype=torch.float32
-    )
-    grid = (n_chunks, n_dblk, Bsz)
+    grid = (n_chunks, triton.cdiv(D, VEC), Bsz)
     _conv_bwd_kernel[grid](
         x, weight, _opt(bias, weight), _opt(initial_state, x), _opt(seq_idx, x),
         dout, _opt(dfinal, x),
-        dx, _opt(dinit, x), dw_part, db_part, scratch,
+        dx, _opt(dinit, x), dw_part, db_part,
         T, D, tblk_per_chunk,
         x.stride(0), x.stride(1),
         weight.stride(0), weight.stride(1),
@@ -388,10 +412,10 @@ def conv_bwd(
         *dout.stride(),
         *_strides(dfinal, 3),
         dx.stride(0), dx.stride(1),
-        K=K, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_K=triton.next_power_of_2(K),
+        K=K, BLOCK_T=BLOCK_T, VEC=VEC, BLOCK_K=triton.next_power_of_2(K),
         HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
         HAS_SEQ=seq_idx is not None, SILU=silu, HAS_DFINAL=dfinal is not None,
-        num_warps=BWD_WARPS,
+        num_warps=1,
     )  # fmt: skip
     # fixed-order reductions of the per-program partials (deterministic)
     dw = dw_part.sum(dim=(0, 1)).t().contiguous()  # [D, K]
