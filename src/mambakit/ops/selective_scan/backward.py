@@ -61,6 +61,7 @@ def _bwd_local_kernel(
     pid_d, s, b, pid_n, d, n, md, mn, mdn, A, bias = _program_block(
         A_ptr, bias_ptr, Dn, N, Bsz, HAS_BIAS, BLOCK_D, BLOCK_N
     )
+    s += 1  # segments 1.. (the first one's summary is never used)
     A2 = A * LOG2E
     rows = tl.arange(0, TC)
     ones = tl.full([TC, BLOCK_N, BLOCK_D], 1.0, tl.float32)

@@ -17,10 +17,11 @@ from .tiles import _combine
 
 @triton.jit
 def _carry_fwd_kernel(
-    hloc_ptr, P_ptr, h0_ptr, S_ptr, hT_ptr, nc, DN,
+    hloc_ptr, P_ptr, h0_ptr, S_ptr, nc, DN,
     HAS_H0: tl.constexpr, BLOCK_E: tl.constexpr, CB: tl.constexpr,
 ):
-    """S_0 = h0, S_{c+1} = P_c S_c + hloc_c over the chunks of one row; h_T = S_nc."""
+    """S_0 = h0, S_{c+1} = P_c S_c + hloc_c over the chunks of one row, up to S_{nc-1} (the
+    last chunk's summary is not needed: the forward kernel's last segment stores h_T)."""
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     b = tl.program_id(1).to(tl.int64)
     me = e < DN
@@ -33,15 +34,13 @@ def _carry_fwd_kernel(
     rows = tl.arange(0, CB)
     for c0 in range(0, nc, CB):
         cs = c0 + rows
-        m2 = (cs < nc)[:, None] & me[None, :]
+        m2 = (cs < nc - 1)[:, None] & me[None, :]
         off = base + cs[:, None].to(tl.int64) * DN + e[None, :]
         P = tl.load(P_ptr + off, mask=m2, other=1.0)
         H = tl.load(hloc_ptr + off, mask=m2, other=0.0)
         Pc, Hc = tl.associative_scan((P, H), 0, _combine)
         after = Hc + Pc * carry[None, :]  # the state after chunk cs
-        tl.store(S_ptr + off + DN, after, mask=m2 & (cs < nc - 1)[:, None])
-        tl.store(hT_ptr + b * DN + e[None, :] + 0 * cs[:, None], after,
-                 mask=m2 & (cs == nc - 1)[:, None])
+        tl.store(S_ptr + off + DN, after, mask=m2)
         last = tl.minimum(CB, nc - c0) - 1
         carry = tl.sum(tl.where((rows == last)[:, None], after, 0.0), axis=0)
 
@@ -52,7 +51,8 @@ def _carry_bwd_kernel(
     HAS_GT: tl.constexpr, BLOCK_E: tl.constexpr, CB: tl.constexpr,
 ):
     """Gin_{nc-1} = dL/dh_T, Gin_{c-1} = W_c + P_c Gin_c: the adjoint carried into the end
-    of each segment (dL/d initial_state comes out of the backward kernel's first segment)."""
+    of each segment (dL/d initial_state comes out of the backward kernel's first segment, so
+    the first segment has no summary W_0, P_0)."""
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     b = tl.program_id(1).to(tl.int64)
     me = e < DN
@@ -65,12 +65,12 @@ def _carry_bwd_kernel(
     rows = tl.arange(0, CB)
     for k in range(0, nc, CB):
         cs = nc - 1 - k - rows  # row r holds chunk nc-1-k-r: the scan runs backwards in time
-        m2 = (cs >= 0)[:, None] & me[None, :]
+        m2 = (cs >= 1)[:, None] & me[None, :]
         off = base + cs[:, None].to(tl.int64) * DN + e[None, :]
         P = tl.load(P_ptr + off, mask=m2, other=1.0)
         W = tl.load(W_ptr + off, mask=m2, other=0.0)
         Pc, Wc = tl.associative_scan((P, W), 0, _combine)
         X = Wc + Pc * G[None, :]  # dL/dh just before chunk cs
-        tl.store(gin_ptr + off - DN, X, mask=m2 & (cs >= 1)[:, None])
+        tl.store(gin_ptr + off - DN, X, mask=m2)
         last = tl.minimum(CB, nc - k) - 1
         G = tl.sum(tl.where((rows == last)[:, None], X, 0.0), axis=0)

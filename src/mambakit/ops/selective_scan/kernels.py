@@ -14,12 +14,12 @@ computed first and a small scan over segments gives every segment its start (for
 (backward) carry.
 
 Forward (one launch; three with segments):
-  [`_fwd_kernel` LOCAL: each segment from a zero state: end state, decay product;
+  [`_fwd_kernel` LOCAL: each segment but the last from a zero state: end state, decay product;
    `_carry_fwd_kernel`: the start state of each segment]
   `_fwd_kernel`: y_t = sum_n h_t C_t (+ D u_t, * silu(z_t)); the state every TC steps is
   stored for the backward: 4 D N / TC bytes per token.
 Backward (one launch; three with segments):
-  [`_bwd_local_kernel`: each segment's reverse recurrence from a zero carry;
+  [`_bwd_local_kernel`: each segment but the first, reverse recurrence from a zero carry;
    `_carry_bwd_kernel`: the carry into each segment's end]
   `_bwd_kernel`: per tile, the states are recomputed from the saved tile-start state
   (forward scan) and the adjoints by a reverse scan; a_t h_{t-1} is h_t - b_t, so nothing
@@ -205,7 +205,8 @@ def scan_fwd(
     if nseg > 1:  # each segment's summary, then the start state of every segment
         hloc = torch.empty(Bsz, nseg, Dn, N, dtype=f32, device=dev)
         P = torch.empty_like(hloc)
-        _fwd_kernel[grid](
+        # the last segment's summary is never used (its end is h_T, stored by the pass below)
+        _fwd_kernel[(ndb, nseg - 1, Bsz * nb)](
             *ins, A, A, A, hloc, P, A, *sizes, HAS_H0=False, LOCAL=True, SAVE=False, **flags
         )
         start = torch.empty_like(hloc)
@@ -215,7 +216,6 @@ def scan_fwd(
             P,
             _opt(h0, A),
             start,
-            hT,
             nseg,
             DN,
             HAS_H0=h0 is not None,
@@ -306,7 +306,8 @@ def scan_bwd(
     if nseg > 1:  # each segment's summary, then the carry into every segment's end
         W = torch.empty(Bsz, nseg, Dn, N, dtype=f32, device=dev)
         P = torch.empty_like(W)
-        _bwd_local_kernel[grid](
+        # the first segment's summary is never used (its start is dL/d initial_state)
+        _bwd_local_kernel[(ndb, nseg - 1, Bsz * nb)](
             delta, A, C, _opt(z, u), _opt(delta_bias, A), _opt(seq_idx, A), gy, W, P,
             T, Dn, N, Bsz, nseg, per, *strides[2:4], *strides[6:], *s_dy, **common,
         )  # fmt: skip
