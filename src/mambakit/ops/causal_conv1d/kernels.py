@@ -297,7 +297,7 @@ FWD_BLOCK_T, FWD_BLOCK_D, FWD_WARPS = (
     128,
     4,
 )  # H200: 41 us in the 130m step at 8x2048x1536 (64 x 128: 49)
-BWD_VEC_BYTES = 32  # channels per backward thread, in bytes of x
+BWD_VEC_BYTES = 16  # channels per backward thread, in bytes of x (H200: 151 us at 8x2048x1536; 32: 182)
 
 
 def _blocks(T: int, D: int, block_t: int, block_d: int) -> tuple[int, int]:
