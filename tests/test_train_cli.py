@@ -106,8 +106,8 @@ def test_train_end_to_end_then_resume_then_refuse(tmp_path, corpus, tiny_json, c
 
     # a rerun without --resume must not overwrite the run
     before = sorted(p.name for p in run.iterdir())
-    with pytest.raises(SystemExit, match="--resume"):
-        main(train_args(corpus, tiny_json, runs))
+    assert main(train_args(corpus, tiny_json, runs)) == 2
+    assert "--resume" in capsys.readouterr().err
     assert sorted(p.name for p in run.iterdir()) == before
 
 
@@ -161,18 +161,33 @@ def test_train_with_a_tokenizer_json(tmp_path, corpus, tiny_json):
     assert "[UNK]" not in wl.decode(wl.encode("def f3_4(x):").ids)
 
 
-def test_train_cli_errors_name_the_problem(tmp_path, corpus, tiny_json):
+def test_train_cli_errors_name_the_problem(tmp_path, corpus, tiny_json, capsys):
+    """A user's mistake: exit 2 and one line naming the flag or file, no traceback."""
     runs = tmp_path / "runs"
-    with pytest.raises(FileNotFoundError, match="missing_dir"):
-        main(train_args(tmp_path / "missing_dir", tiny_json, runs))
     bad = tmp_path / "list.json"
     bad.write_text("[1, 2]")
-    with pytest.raises(SystemExit, match="JSON object"):
-        main(train_args(corpus, bad, runs))
-    with pytest.raises(ValueError, match="batch_size"):
-        main(train_args(corpus, tiny_json, runs, "--batch-size", "0"))
-    with pytest.raises(ValueError, match="grad_accum"):
-        main(train_args(corpus, tiny_json, runs, "--grad-accum", "0"))
-    with pytest.raises(SystemExit):  # argparse: not a precision
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("{d_model: 16")
+    cases = [
+        (train_args(tmp_path / "missing_dir", tiny_json, runs), "missing_dir' does not exist"),
+        (train_args(corpus, bad, runs), "JSON object"),
+        (train_args(corpus, garbage, runs), f"--config {garbage}: not valid JSON"),
+        (train_args(corpus, tiny_json, runs, "--batch-size", "0"), "--batch-size"),
+        (train_args(corpus, tiny_json, runs, "--grad-accum", "0"), "--grad-accum"),
+        (train_args(corpus, tiny_json, runs, "--max-minutes", "0"), "--max-minutes"),
+        (train_args(corpus, tiny_json, runs, "--lr", "-1"), "--lr must be a positive"),
+        (train_args(corpus, tiny_json, runs, "--batch-size", "100000"), "--batch-size 100000"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("mambakit train: error: "), err
+        assert message in lines[0], (message, err)
+    with pytest.raises(SystemExit) as e:  # argparse: not a precision
         main(train_args(corpus, tiny_json, runs, "--precision", "fp8"))
+    assert e.value.code == 2
     assert not (runs / "t" / "latest").exists()
+    # --debug shows the traceback instead
+    with pytest.raises(ValueError, match="not valid JSON"):
+        main(["--debug", *train_args(corpus, garbage, runs)])

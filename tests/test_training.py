@@ -580,9 +580,10 @@ def test_checkpoint_contents_and_keep_last(tmp_path):
 
 
 def test_resume_refuses_an_incomplete_latest(tmp_path):
+    """With no other checkpoint to fall back on, the error names the folder and the file."""
     _, trainer, path = trained_with_checkpoint(tmp_path)
     (path / "trainer_state.pt").unlink()
-    with pytest.raises(FileNotFoundError, match="incomplete"):
+    with pytest.raises(ValueError, match="incomplete: trainer_state.pt is missing"):
         trainer.resume()
 
 

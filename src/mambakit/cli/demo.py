@@ -10,21 +10,33 @@ import torch
 from ..config import MambaConfig
 from ..model import MambaLM
 from ..ops import resolve_backend
+from ._common import UsageError, add_threads_flag, check_device, set_threads
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("demo", help="forward + step() on a freshly built model, with timings")
-    p.add_argument("--preset", default="tiny", help="model preset (default: tiny)")
+    p = sub.add_parser(
+        "demo",
+        help="forward + step() on a freshly built model, with timings",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--preset", default="tiny", help="model preset (tiny, 130m, ...)")
     p.add_argument("--seqlen", type=int, default=4096, help="timesteps of the parallel forward")
-    p.add_argument("--steps", type=int, default=16, help="timesteps to replay with step()")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--steps", type=int, default=16, help="first timesteps replayed with step() and compared"
+    )
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
+    add_threads_flag(p)
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the tokens")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.seqlen < 1 or args.steps < 1:
-        raise SystemExit("--seqlen and --steps must be positive")
+        raise UsageError(f"--seqlen and --steps must be positive, got {args.seqlen}, {args.steps}")
+    device = check_device(args.device)
+    args.device = str(device)
+    print(set_threads(args.threads))
     torch.manual_seed(args.seed)
     cfg = MambaConfig.preset(args.preset)
     model = MambaLM(cfg).to(args.device).eval()

@@ -17,15 +17,21 @@ import torch
 
 from ..model import MambaLM
 from ..training.data import ByteTokenizer, HFTokenizer, load_tokenizer
+from ._common import UsageError, add_threads_flag, check_device, set_threads
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="stream a continuation of --prompt from a checkpoint")
+    p = sub.add_parser(
+        "generate",
+        help="stream a continuation of --prompt from a checkpoint",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--model", required=True, help="checkpoint folder or runs/<name>/ folder")
     p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--top-p", type=float, default=1.0, help="1: off")
@@ -37,8 +43,9 @@ def add_parser(sub) -> None:
         default=None,
         help="stop at this token (default: the checkpoint's eos_token_id if any; -1: never)",
     )
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (none: random)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:N")
+    add_threads_flag(p)
     p.add_argument(
         "--dtype",
         default="auto",
@@ -58,12 +65,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint folder, following a run folder's `latest` file."""
     path = Path(path)
     if not path.is_dir():
-        raise SystemExit(f"generate: --model {str(path)!r} is not a folder")
+        raise UsageError(f"--model {str(path)!r} is not a folder")
     latest = path / "latest"
     if latest.is_file() and not (path / "config.json").is_file():
         ckpt = path / latest.read_text().strip()
         if not ckpt.is_dir():
-            raise SystemExit(f"generate: {latest} names {ckpt.name!r}, which does not exist")
+            raise UsageError(f"--model: {latest} names {ckpt.name!r}, which does not exist")
         return ckpt
     return path
 
@@ -72,7 +79,10 @@ def find_tokenizer(spec: str | None, ckpt: Path, vocab_size: int):
     """--tokenizer; else tokenizer.json or tokenizer.txt ('byte') in the checkpoint or its
     run folder; else bytes when the vocabulary is 256."""
     if spec is not None:
-        return load_tokenizer(spec)
+        try:
+            return load_tokenizer(spec)
+        except (ValueError, OSError, ImportError) as e:
+            raise UsageError(f"--tokenizer {spec}: {e}") from None
     for folder in (ckpt, ckpt.parent):
         if (folder / "tokenizer.json").is_file():
             return HFTokenizer(folder / "tokenizer.json")
@@ -80,7 +90,7 @@ def find_tokenizer(spec: str | None, ckpt: Path, vocab_size: int):
         if txt.is_file():
             name = txt.read_text().strip()
             if name != "byte":
-                raise SystemExit(f"generate: {txt} names tokenizer {name!r}; only 'byte' is known")
+                raise UsageError(f"{txt} names tokenizer {name!r}; only 'byte' is known")
             return ByteTokenizer()
     if vocab_size == 256:
         return ByteTokenizer()
@@ -122,7 +132,8 @@ class TextStream:
 
 
 def run(args: argparse.Namespace) -> int:
-    device = torch.device(args.device)
+    device = check_device(args.device)
+    set_threads(args.threads)
     dtype = _DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     ckpt = resolve_checkpoint(args.model)
     model = MambaLM.from_pretrained(ckpt, device=device, dtype=dtype).eval()
@@ -137,10 +148,10 @@ def run(args: argparse.Namespace) -> int:
         eos = None
     prompt_ids = tokenizer.encode(args.prompt)
     if not prompt_ids:
-        raise SystemExit("generate: the prompt encodes to no tokens")
+        raise UsageError("--prompt encodes to no tokens")
     if max(prompt_ids) >= vocab:
-        raise SystemExit(
-            f"generate: the tokenizer gives ids up to {max(prompt_ids)} but the model's "
+        raise UsageError(
+            f"--prompt: the tokenizer gives ids up to {max(prompt_ids)} but the model's "
             f"vocabulary is {vocab}: pass the checkpoint's tokenizer with --tokenizer"
         )
     ids = torch.tensor([prompt_ids], device=device)

@@ -50,7 +50,13 @@ class HFTokenizer:
             raise ImportError("tokenizer.json needs the tokenizers package") from e
         self.path = path
         self.name = str(path)
-        self._tok = Tokenizer.from_file(str(path))
+        try:
+            self._tok = Tokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers package raises a bare Exception
+            why = " ".join(str(e).split()) or type(e).__name__
+            raise ValueError(
+                f"tokenizer: {str(path)!r} is not a valid tokenizer.json ({why})"
+            ) from e
         self.vocab_size = self._tok.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
@@ -80,31 +86,50 @@ def default_corpus_files() -> list[Path]:
 def read_documents(paths: list[str | Path] | None) -> list[tuple[str, str]]:
     """(name, text) for each file; folders are walked (text suffixes only, sorted).
 
-    An explicitly named file that is missing or not UTF-8 text is an error."""
+    An explicitly named file that is missing or not UTF-8 text is an error; inside a
+    folder, files that are not text (not UTF-8, or holding NUL bytes) are skipped."""
     if not paths:
         paths = default_corpus_files()
     docs = []
+    binary: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
             files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
             if not files:
                 raise ValueError(f"data: folder {str(p)!r} holds no text files ({TEXT_SUFFIXES})")
             for f in files:
-                try:
-                    docs.append((str(f), f.read_text(encoding="utf-8")))
-                except UnicodeDecodeError:
-                    continue  # a binary file with a text suffix inside a folder: skipped
+                text = _read_text(f)
+                if text is None:
+                    binary.append(f)  # a binary file with a text suffix: skipped
+                else:
+                    docs.append((str(f), text))
         elif p.is_file():
-            try:
-                docs.append((str(p), p.read_text(encoding="utf-8")))
-            except UnicodeDecodeError as e:
-                raise ValueError(f"data: {str(p)!r} is not UTF-8 text ({e})") from e
+            text = _read_text(p)
+            if text is None:
+                raise ValueError(f"data: {str(p)!r} is not UTF-8 text (a binary file?)")
+            docs.append((str(p), text))
         else:
             raise FileNotFoundError(f"data: {str(p)!r} does not exist")
+    n_empty = sum(1 for _, t in docs if not t)
     docs = [(n, t) for n, t in docs if t]
     if not docs:
-        raise ValueError("data: every document is empty")
+        named = ", ".join(repr(str(p)) for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
+        raise ValueError(
+            f"data: no text in {named}: {len(binary)} file(s) are not UTF-8 text "
+            f"(binary, skipped) and {n_empty} are empty"
+        )
     return docs
+
+
+def _read_text(path: Path) -> str | None:
+    """The file's UTF-8 text; None when it is binary (not UTF-8, or holds NUL bytes)."""
+    raw = path.read_bytes()
+    if b"\x00" in raw:
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
 
 
 @dataclass

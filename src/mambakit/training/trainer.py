@@ -20,14 +20,24 @@ shapes differ from the captured ones runs eagerly for that step. The step skips
 the update when the loss or the gradient norm is not finite; on CUDA that
 decision stays on the device (the fused AdamW's `found_inf`), so neither path
 waits for the GPU.
+
+`fit` survives what happens to long runs: SIGINT / SIGTERM finish the current
+step, write a checkpoint and return (`interrupted` names the signal; a second
+signal interrupts at once); a checkpoint is also written every
+`ckpt_every_minutes` of wall time; `max_skipped_steps` consecutive skipped
+steps stop the run with `TrainingDiverged` (read on CUDA only when a metric
+line is logged, so the steps never wait for the GPU), and weights that are not
+finite are never saved. The run folder is locked (`RunLock`) while `fit` runs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
+import pickle
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -39,13 +49,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..state import MambaState
-from .checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from .checkpoint import (
+    RunLock,
+    checkpoint_candidates,
+    clean_stale_temps,
+    load_trainer_state,
+    save_checkpoint,
+)
 from .optim import WarmupCosine, make_optimizer
-from .report import ProgressBar
+from .report import ProgressBar, json_line, read_metrics
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[nn.Module, Batch, MambaState | None], tuple[torch.Tensor, MambaState]]
 PRECISIONS = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+
+
+class TrainingDiverged(RuntimeError):
+    """The run stopped: too many consecutive skipped steps, or weights not finite."""
+
+
+class CheckpointUnreadable(ValueError):
+    """A checkpoint's files exist but cannot be read (truncated, corrupt)."""
 
 
 @dataclass
@@ -73,6 +97,8 @@ class TrainConfig:
     eval_every: int = 100  # steps between validation losses (0: only at the end)
     eval_batches: int = 8
     ckpt_every: int = 0  # steps between checkpoints (0: only at the end)
+    ckpt_every_minutes: float = 5.0  # also checkpoint after this much wall time (0: off)
+    max_skipped_steps: int = 10  # stop after this many consecutive skipped steps (0: never)
     keep_last: int = 2  # checkpoints kept on disk
     max_seconds: float | None = None  # stop (and checkpoint) after this much training time
     run_dir: str | None = None  # where checkpoints and metrics go (None: nowhere)
@@ -91,7 +117,13 @@ class TrainConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"TrainConfig.{name} must be a positive int, got {v!r}")
-        for name in ("tbptt_grad_chunks", "warmup_steps", "eval_every", "ckpt_every"):
+        for name in (
+            "tbptt_grad_chunks",
+            "warmup_steps",
+            "eval_every",
+            "ckpt_every",
+            "max_skipped_steps",
+        ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"TrainConfig.{name} must be an int >= 0, got {v!r}")
@@ -119,6 +151,9 @@ class TrainConfig:
             )
         if self.max_seconds is not None and self.max_seconds <= 0:
             raise ValueError(f"TrainConfig.max_seconds must be > 0, got {self.max_seconds}")
+        v = self.ckpt_every_minutes
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            raise ValueError(f"TrainConfig.ckpt_every_minutes must be a number >= 0, got {v!r}")
 
 
 def count_targets(batch: Batch) -> torch.Tensor:
@@ -218,12 +253,18 @@ class Trainer:
         # fused CUDA AdamW skips a step whose `found_inf` is set, without a host sync
         self._found_inf = None
         self._skipped_dev = None
+        self._streak_dev = None  # consecutive skipped steps, counted on the device
         if self.device.type == "cuda" and not self.scaler.is_enabled():
             self._found_inf = torch.zeros((), device=self.device)  # shaped like the steps
             self._skipped_dev = torch.zeros((), dtype=torch.int64, device=self.device)
+            self._streak_dev = torch.zeros((), dtype=torch.int64, device=self.device)
             self.optimizer.found_inf = self._found_inf
         self.step = 0
         self._skipped_host = 0
+        self._streak_host = 0
+        self.interrupted: str | None = None  # the signal that stopped the last fit
+        self._stop_signal: int | None = None
+        self._saved_step: int | None = None  # the step of the last checkpoint written
         self.tokens_seen = 0
         self.run_dir = Path(config.run_dir) if config.run_dir else None
         self._graph = None
@@ -255,6 +296,13 @@ class Trainer:
         self._skipped_host = value
         if self._skipped_dev is not None:
             self._skipped_dev.zero_()
+
+    @property
+    def consecutive_skipped_steps(self) -> int:
+        """Skipped steps since the last applied one (on CUDA this reads the device)."""
+        if self._streak_dev is not None:
+            return int(self._streak_dev)
+        return self._streak_host
 
     # -- one optimizer step -------------------------------------------------------------
 
@@ -296,18 +344,23 @@ class Trainer:
             scale_before = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
             self.scaler.update()
-            if self.scaler.get_scale() < scale_before:
-                self._skipped_host += 1
+            skipped = self.scaler.get_scale() < scale_before
+            self._skipped_host += skipped
+            self._streak_host = self._streak_host + 1 if skipped else 0
             return norm
         norm = nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
         if self._found_inf is not None:  # decided on the device: no sync, capturable
             self._found_inf.copy_(~(torch.isfinite(norm) & torch.isfinite(loss)))
             self.optimizer.step()  # reads optimizer.found_inf
-            self._skipped_dev += self._found_inf.to(torch.int64)
+            skipped = self._found_inf.to(torch.int64)
+            self._skipped_dev += skipped
+            self._streak_dev.add_(1).mul_(skipped)  # +1 on a skip, 0 on an applied step
         elif bool(torch.isfinite(norm) & torch.isfinite(loss)):
             self.optimizer.step()
+            self._streak_host = 0
         else:
             self._skipped_host += 1  # non-finite guard: never apply a NaN update
+            self._streak_host += 1
         return norm
 
     def _step_body(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -354,10 +407,10 @@ class Trainer:
                 for p in self.params
                 if p in self.optimizer.state
             }
-        return params, opt, self._skipped_dev.clone()
+        return params, opt, self._skipped_dev.clone(), self._streak_dev.clone()
 
     def _restore(self, snapshot: tuple) -> None:
-        params, opt, skipped = snapshot
+        params, opt, skipped, streak = snapshot
         with torch.no_grad():
             for p, saved in zip(self.params, params):
                 p.copy_(saved)
@@ -368,6 +421,7 @@ class Trainer:
                     else:
                         v.zero_()
             self._skipped_dev.copy_(skipped)
+            self._streak_dev.copy_(streak)
 
     def _capture(self, batches: list[Batch]) -> bool:
         """Warm up on a side stream (kernels compiled, workspaces allocated), put weights
@@ -458,25 +512,77 @@ class Trainer:
             state["data"] = self.train_data.state_dict()
         return state
 
+    def weights_finite(self) -> bool:
+        """Whether every parameter is finite (one host sync)."""
+        with torch.no_grad():
+            return bool(torch.stack([p.isfinite().all() for p in self.params]).all())
+
     def save(self) -> Path:
+        """Write a checkpoint of this step and point `latest` at it. Refuses (with
+        `TrainingDiverged`) weights that are not finite: `latest` keeps naming the last
+        good checkpoint."""
         if self.run_dir is None:
             raise ValueError("TrainConfig.run_dir is not set: nowhere to save a checkpoint")
-        return save_checkpoint(
+        if not self.weights_finite():
+            latest = checkpoint_candidates(self.run_dir)
+            kept = f"; {latest[0]} is the newest checkpoint" if latest else ""
+            raise TrainingDiverged(
+                f"training diverged: the weights are not finite at step {self.step}, so no "
+                f"checkpoint was written{kept} (lower the learning rate, TrainConfig.lr "
+                f"{self.cfg.lr:g})"
+            )
+        path = save_checkpoint(
             self.run_dir, self.step, self.model, self.trainer_state(), self.cfg.keep_last
         )
+        self._saved_step = self.step
+        return path
 
-    def resume(self, path: str | Path | None = None) -> bool:
-        """Continue from a checkpoint folder, or the latest one in run_dir; False if none."""
-        if path is None:
-            if self.run_dir is None:
-                raise ValueError("resume: no path given and TrainConfig.run_dir is not set")
-            path = latest_checkpoint(self.run_dir)
-            if path is None:
-                return False
-        path = Path(path)
+    def _read_checkpoint(self, path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(weights, trainer state) of a checkpoint folder; read errors propagate."""
         from safetensors.torch import load_file
 
-        weights = load_file(str(path / "model.safetensors"))
+        if not path.is_dir():
+            raise FileNotFoundError(f"{path} does not exist")
+        for name in ("model.safetensors", "trainer_state.pt"):
+            if not (path / name).is_file():
+                raise FileNotFoundError(f"{path} is incomplete: {name} is missing")
+        try:
+            weights = load_file(str(path / "model.safetensors"))
+        except Exception as e:
+            raise CheckpointUnreadable(f"{path / 'model.safetensors'}: {e}") from e
+        try:
+            st = load_trainer_state(path, self.device)
+        except (RuntimeError, EOFError, pickle.UnpicklingError, OSError) as e:
+            raise CheckpointUnreadable(f"{path / 'trainer_state.pt'}: {e}") from e
+        return weights, st
+
+    def resume(self, path: str | Path | None = None) -> bool:
+        """Continue from a checkpoint folder, or else the one run_dir's `latest` names;
+        when that one cannot be read, from the newest readable `step_*` folder (each
+        skipped one is logged with the reason). False when run_dir holds none."""
+        if path is not None:
+            path = Path(path)
+            weights, st = self._read_checkpoint(path)
+        else:
+            if self.run_dir is None:
+                raise ValueError("resume: no path given and TrainConfig.run_dir is not set")
+            candidates = checkpoint_candidates(self.run_dir)
+            if not candidates:
+                return False
+            skipped = []
+            for path in candidates:
+                try:
+                    weights, st = self._read_checkpoint(path)
+                    break
+                except (FileNotFoundError, CheckpointUnreadable) as e:
+                    skipped.append(str(e).splitlines()[0])
+                    self.log(f"resume: skipped checkpoint {path.name}: {skipped[-1]}")
+            else:
+                raise CheckpointUnreadable(
+                    f"resume: no readable checkpoint in {self.run_dir}: " + "; ".join(skipped)
+                )
+            if skipped:
+                self.log(f"resume: continuing from {path}")
         own = self.model.state_dict()
         tied = getattr(getattr(self.model, "config", None), "tie_embeddings", False)
         expected = {k for k in own if not (tied and k == "lm_head.weight")}
@@ -495,7 +601,6 @@ class Trainer:
         with torch.no_grad():
             for k, v in weights.items():
                 own[k].copy_(v)
-        st = load_trainer_state(path, self.device)
         lr_tensor = isinstance(self.optimizer.param_groups[0]["lr"], torch.Tensor)
         self.optimizer.load_state_dict(st["optimizer"])
         for g in self.optimizer.param_groups:  # lr's type follows this run (a tensor for graphs)
@@ -515,64 +620,137 @@ class Trainer:
             self.train_data.load_state_dict(st["data"])
         self.step = int(st["step"])
         self.skipped_steps = int(st["skipped_steps"])  # zeroes the on-device count too
+        self._streak_host = 0
+        if self._streak_dev is not None:
+            self._streak_dev.zero_()
         self.tokens_seen = int(st["tokens_seen"])
+        self._saved_step = self.step
         self._graph = None
         return True
 
+    def _open_metrics(self):
+        """metrics.jsonl for appending: a fresh run starts a fresh file; a resumed one keeps
+        the lines up to its step (a crash after the checkpoint logged steps that are about
+        to run again) and drops unreadable ones."""
+        path = self.run_dir / "metrics.jsonl"
+        if self.step == 0 or not path.is_file():
+            return open(path, "w")  # noqa: SIM115
+        rows = read_metrics(path, warn=self.log)
+        keep = [r for r in rows if not isinstance(r.get("step"), int) or r["step"] <= self.step]
+        tmp = path.with_name(".metrics.jsonl.tmp")
+        tmp.write_text("".join(json_line(r) for r in keep))
+        os.replace(tmp, path)
+        return open(path, "a")  # noqa: SIM115
+
+    def _on_signal(self, signum, frame) -> None:
+        if self._stop_signal is not None:  # a second signal: stop now
+            raise KeyboardInterrupt
+        self._stop_signal = signum
+        self.log(
+            f"\n{signal.Signals(signum).name}: finishing step {self.step + 1}, then saving "
+            f"(send it again to stop at once)"
+        )
+
+    @contextlib.contextmanager
+    def _signals_stop_training(self):
+        """SIGINT / SIGTERM set a flag the loop reads after each step (main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+
     def fit(self, progress: bool = True) -> dict[str, Any]:
-        """Train to `cfg.steps` (or `max_seconds`); log, evaluate and checkpoint on the way."""
+        """Train to `cfg.steps` (or `max_seconds`, or a SIGINT / SIGTERM); log, evaluate and
+        checkpoint on the way. Returns the last logged values."""
+        if self.run_dir is None:
+            return self._fit(progress)
+        with RunLock(self.run_dir):
+            for p in clean_stale_temps(self.run_dir):
+                self.log(f"removed {p}, left by a save that was interrupted")
+            return self._fit(progress)
+
+    def _fit(self, progress: bool) -> dict[str, Any]:
         cfg = self.cfg
-        metrics_file = None
-        if self.run_dir is not None:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            mode = "a" if self.step > 0 else "w"  # a fresh run starts a fresh file
-            metrics_file = open(self.run_dir / "metrics.jsonl", mode)  # noqa: SIM115
+        self.interrupted, self._stop_signal = None, None
+        metrics_file = self._open_metrics() if self.run_dir is not None else None
         bar = ProgressBar(cfg.steps, self.step) if progress else None
         t_start = time.perf_counter()
-        t_log, tok_log = t_start, self.tokens_seen
+        t_log, tok_log, t_ckpt = t_start, self.tokens_seen, t_start
+        # on CUDA the skip streak lives on the device: read it only with a metric line
+        streak_on_host = self._streak_dev is None
         last: dict[str, Any] = {}
         try:
-            while self.step < cfg.steps:
-                loss, norm = self.train_step()
-                elapsed = time.perf_counter() - t_start
-                done = self.step >= cfg.steps or (
-                    cfg.max_seconds is not None and elapsed >= cfg.max_seconds
-                )
-                record: dict[str, Any] = {}
-                if self.step % cfg.log_every == 0 or done:
+            with self._signals_stop_training():
+                while self.step < cfg.steps:
+                    loss, norm = self.train_step()
                     now = time.perf_counter()
-                    record = {
-                        "step": self.step,
-                        "loss": float(loss),
-                        "grad_norm": float(norm),
-                        "lr": self.last_lr,
-                        "tokens_per_s": (self.tokens_seen - tok_log) / max(now - t_log, 1e-9),
-                        "tokens": self.tokens_seen,
-                        "elapsed_s": elapsed,
-                        "skipped_steps": self.skipped_steps,
-                    }
-                    t_log, tok_log = now, self.tokens_seen
-                if (cfg.eval_every and self.step % cfg.eval_every == 0) or done:
-                    val = self.evaluate()
-                    if val is not None:
-                        record = record or {"step": self.step, "elapsed_s": elapsed}
-                        record["val_loss"] = val
-                if record:
-                    last.update(record)
-                    if metrics_file:
-                        metrics_file.write(json.dumps(record) + "\n")
-                        metrics_file.flush()
+                    elapsed = now - t_start
+                    stop = self._stop_signal is not None
+                    done = (
+                        stop
+                        or self.step >= cfg.steps
+                        or (cfg.max_seconds is not None and elapsed >= cfg.max_seconds)
+                    )
+                    logging = self.step % cfg.log_every == 0 or done
+                    streak = None
+                    if cfg.max_skipped_steps and (logging or streak_on_host):
+                        streak = self.consecutive_skipped_steps
+                    diverged = streak is not None and streak >= cfg.max_skipped_steps
+                    record: dict[str, Any] = {}
+                    if logging or diverged:
+                        record = {
+                            "step": self.step,
+                            "loss": float(loss),
+                            "grad_norm": float(norm),
+                            "lr": self.last_lr,
+                            "tokens_per_s": (self.tokens_seen - tok_log) / max(now - t_log, 1e-9),
+                            "tokens": self.tokens_seen,
+                            "elapsed_s": elapsed,
+                            "skipped_steps": self.skipped_steps,
+                        }
+                        t_log, tok_log = now, self.tokens_seen
+                    evaluate = (cfg.eval_every and self.step % cfg.eval_every == 0) or done
+                    if evaluate and not stop and not diverged:
+                        val = self.evaluate()
+                        if val is not None:
+                            record = record or {"step": self.step, "elapsed_s": elapsed}
+                            record["val_loss"] = val
+                    if record:
+                        last.update(record)
+                        if metrics_file:
+                            metrics_file.write(json_line(record))
+                            metrics_file.flush()
                     if bar is not None:
-                        bar.update(record)
-                if self.run_dir is not None and cfg.ckpt_every and self.step % cfg.ckpt_every == 0:
+                        bar.advance(self.step, record)
+                    if diverged:
+                        raise TrainingDiverged(
+                            f"training diverged: {streak} consecutive steps skipped (loss or "
+                            f"gradients not finite) up to step {self.step}, so it stopped "
+                            f"(lower the learning rate, TrainConfig.lr {cfg.lr:g}; the limit is "
+                            f"TrainConfig.max_skipped_steps {cfg.max_skipped_steps})"
+                        )
+                    if self.run_dir is not None and not done:
+                        by_steps = cfg.ckpt_every and self.step % cfg.ckpt_every == 0
+                        by_time = (
+                            cfg.ckpt_every_minutes and now - t_ckpt >= 60 * cfg.ckpt_every_minutes
+                        )
+                        if by_steps or by_time:
+                            self.save()
+                            t_ckpt = time.perf_counter()
+                    if done:
+                        break
+                if self._stop_signal is not None:
+                    self.interrupted = signal.Signals(self._stop_signal).name
+                if self.run_dir is not None and self._saved_step != self.step:
                     self.save()
-                if done:
-                    break
         finally:
             if bar is not None:
                 bar.close()
             if metrics_file:
                 metrics_file.close()
-        if self.run_dir is not None:
-            self.save()
         return last
