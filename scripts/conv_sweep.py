@@ -20,7 +20,14 @@ import triton.testing
 from mambakit.ops.causal_conv1d import kernels as K
 
 FWD = [(32, 128, 4), (64, 128, 4), (64, 256, 4), (128, 128, 8), (32, 256, 4), (64, 64, 2)]
-BWD = [(32, 128, 4), (64, 128, 4), (32, 64, 2), (32, 256, 4), (16, 128, 4)]  # t, d, warps
+BWD = [  # dc pass: block_t, block_d, tiles per program; dx pass: block_t, block_d; warps
+    (8, 512, 16, 32, 128, 4),
+    (8, 512, 8, 32, 128, 4),
+    (16, 256, 16, 32, 128, 4),
+    (4, 512, 32, 32, 128, 4),
+    (8, 512, 16, 64, 128, 4),
+    (8, 256, 16, 32, 64, 2),
+]
 BYTES = 3 * 8 * 2048 * 1536 * 2  # read x and dout, write dx (bf16); the forward: 2 / 3 of it
 
 
@@ -52,7 +59,14 @@ def main() -> None:
     base = None
     dxz = torch.empty_like(xz)  # dx into a strided half, as in the fused mixer
     for bw in BWD:
-        K.BWD_BLOCK_T, K.BWD_BLOCK_D, K.BWD_WARPS = bw
+        (
+            K.BWD_DC_BLOCK_T,
+            K.BWD_DC_BLOCK_D,
+            K.BWD_DC_TILES,
+            K.BWD_DX_BLOCK_T,
+            K.BWD_DX_BLOCK_D,
+            K.BWD_WARPS,
+        ) = bw
         for name, out_t in (("contiguous dx", None), ("dx into half of d xz", dxz[..., :D])):
             ms = timed(lambda o=out_t: K.conv_bwd(dout, None, x, w, bias, None, None, True, o))
             out = K.conv_bwd(dout, None, x, w, bias, None, None, True, out_t)

@@ -135,89 +135,106 @@ def _conv_fwd_kernel(
 
 @triton.jit
 def _conv_dc_kernel(
-    p_x, p_w, p_b, p_init, p_seq, p_dout, p_dc,
-    T, D,
+    p_x, p_w, p_b, p_init, p_seq, p_dout, p_dc, p_dw_part, p_db_part,
+    T, D, N_TBLK,
     stride_xb, stride_xt,
     stride_wd, stride_wk,
     stride_ib, stride_it, stride_id,
     stride_sb, stride_st,
     stride_gb, stride_gt, stride_gd,
-    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
+    SILU: tl.constexpr,
 ):
-    """dc = dout * silu'(c), c recomputed as in the forward; f32, contiguous [B, T, D]."""
-    pid_t = tl.program_id(0)
+    """dc_t = dout_t * silu'(c_t) (c recomputed as in the forward; dc = dout without silu),
+    written f32 [B, T, D] when SILU, over N_TBLK tiles of times; and this program's partials
+    of dw[k] = sum_t dc_t x_{t-(K-1-k)} same and dbias = sum_t dc_t, from the same taps of x
+    (wide tiles of few times: the sums over time stay within a warp)."""
+    pid_c = tl.program_id(0)
     pid_d = tl.program_id(1)
     pid_b = tl.program_id(2).to(tl.int64)
-    offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    n_chunks = tl.num_programs(0)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    m2 = (offs_t < T)[:, None] & mask_d[None, :]
+    offs_k = tl.arange(0, BLOCK_K)
     p_x += pid_b * stride_xb
     p_init += pid_b * stride_ib
     p_seq += pid_b * stride_sb
-    seq_t = offs_t
-    if HAS_SEQ:
-        seq_t = _load_seq(p_seq, offs_t, T, stride_st)
-    c = _conv_pre(
-        p_x, p_init, p_w, p_b, p_seq, offs_t, seq_t, offs_d, mask_d, T,
-        stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st,
-        K, BLOCK_T, BLOCK_D, HAS_BIAS, HAS_INIT, HAS_SEQ,
-    )
-    g = tl.load(
-        p_dout + pid_b * stride_gb + offs_t[:, None] * stride_gt + offs_d[None, :] * stride_gd,
-        mask=m2, other=0.0,
-    ).to(tl.float32)
-    sig = 1.0 / (1.0 + tl.exp(-c))
-    dc = g * sig * (1.0 + c * (1.0 - sig))
-    tl.store(p_dc + (pid_b * T + offs_t[:, None]) * D + offs_d[None, :], dc, mask=m2)
+    b_bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if HAS_BIAS:
+        b_bias += tl.load(p_b + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    b_dw = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
+    b_db = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for i in range(N_TBLK):
+        t = ((pid_c * N_TBLK + i) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+        m2 = (t < T)[:, None] & mask_d[None, :]
+        seq_t = t
+        if HAS_SEQ:
+            seq_t = _load_seq(p_seq, t, T, stride_st)
+        dc = tl.load(
+            p_dout + pid_b * stride_gb + t[:, None] * stride_gt + offs_d[None, :] * stride_gd,
+            mask=m2, other=0.0,
+        ).to(tl.float32)
+        if SILU:
+            c = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32) + b_bias[None, :]
+            for k in tl.static_range(K):
+                pos = t - (K - 1 - k)
+                b_x = _load_x(
+                    p_x, p_init, pos, offs_d, m2, T, stride_xt, stride_it, stride_id, K, HAS_INIT
+                )
+                if HAS_SEQ:
+                    if k < K - 1:
+                        b_x = tl.where((_load_seq(p_seq, pos, T, stride_st) == seq_t)[:, None], b_x, 0.0)
+                w = tl.load(p_w + offs_d * stride_wd + k * stride_wk, mask=mask_d, other=0.0)
+                c += b_x * w.to(tl.float32)[None, :]
+            sig = 1.0 / (1.0 + tl.exp(-c))
+            dc = dc * sig * (1.0 + c * (1.0 - sig))
+            tl.store(p_dc + (pid_b * T + t[:, None]) * D + offs_d[None, :], dc, mask=m2)
+        for k in tl.static_range(K):  # the taps again (L1 hits): fewer registers live
+            pos = t - (K - 1 - k)
+            b_x = _load_x(p_x, p_init, pos, offs_d, m2, T, stride_xt, stride_it, stride_id, K, HAS_INIT)
+            if HAS_SEQ:
+                if k < K - 1:
+                    b_x = tl.where((_load_seq(p_seq, pos, T, stride_st) == seq_t)[:, None], b_x, 0.0)
+            b_dw += tl.where((offs_k == k)[:, None], tl.sum(dc * b_x, axis=0)[None, :], 0.0)
+        b_db += tl.sum(dc, axis=0)
+    part = pid_b * n_chunks + pid_c
+    p_pw = p_dw_part + part * K * D + offs_k[:, None] * D + offs_d[None, :]
+    tl.store(p_pw, b_dw, mask=(offs_k < K)[:, None] & mask_d[None, :])
+    tl.store(p_db_part + part * D + offs_d, b_db, mask=mask_d)
 
 
 @triton.jit
 def _conv_dx_kernel(
-    p_x, p_w, p_init, p_seq, p_dc, p_dfinal,
-    p_dx, p_dinit, p_dw_part, p_db_part,
+    p_w, p_seq, p_dc, p_dfinal, p_dx, p_dinit,
     T, D,
-    stride_xb, stride_xt,
     stride_wd, stride_wk,
-    stride_ib, stride_it, stride_id,
     stride_sb, stride_st,
     stride_cb, stride_ct, stride_cd,
     stride_fb, stride_ft, stride_fd,
     stride_dxb, stride_dxt,
-    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_DFINAL: tl.constexpr,
 ):
     """dx_s = sum_lag w[K-1-lag] dc_{s+lag} same(s, s+lag) (+ d final_state) for a tile of
-    times s (from -(K-1) with an initial state: dx there is d initial_state), and this tile's
-    partials of dweight[K-1-lag] = sum_s dc_{s+lag} x_s same(s, s+lag) and dbias = sum dc.
-    Every dc_{s+lag} is a row-shifted load of dc (cache hits but for the new rows)."""
+    times s (from -(K-1) with an initial state: dx there is d initial_state); every
+    dc_{s+lag} is a row-shifted load of dc (cache hits but for the new rows)."""
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
     pid_b = tl.program_id(2).to(tl.int64)
-    n_t = tl.num_programs(0)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    offs_k = tl.arange(0, BLOCK_K)
     s_begin = 0
     if HAS_INIT:
         s_begin = 1 - K
     s = (s_begin + pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     own = s < T
-    p_x += pid_b * stride_xb
-    p_init += pid_b * stride_ib
     p_seq += pid_b * stride_sb
     p_dc += pid_b * stride_cb
     seq_s = s
     if HAS_SEQ:
         seq_s = _load_seq(p_seq, s, T, stride_st)
-    x_s = _load_x(
-        p_x, p_init, s, offs_d, own[:, None] & mask_d[None, :], T, stride_xt, stride_it,
-        stride_id, K, HAS_INIT,
-    )
     b_dx = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
-    b_dw = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
-    b_db = tl.zeros([BLOCK_D], dtype=tl.float32)
     for lag in tl.static_range(K):
         q = s + lag
         in_q = own & (q >= 0) & (q < T)
@@ -225,14 +242,11 @@ def _conv_dx_kernel(
             p_dc + q[:, None] * stride_ct + offs_d[None, :] * stride_cd,
             mask=in_q[:, None] & mask_d[None, :], other=0.0,
         ).to(tl.float32)
-        if lag == 0:
-            b_db = tl.sum(dck, axis=0)
         if HAS_SEQ:
             if lag > 0:
                 dck = tl.where((_load_seq(p_seq, q, T, stride_st) == seq_s)[:, None], dck, 0.0)
         w = tl.load(p_w + offs_d * stride_wd + (K - 1 - lag) * stride_wk, mask=mask_d, other=0.0)
         b_dx += dck * w.to(tl.float32)[None, :]
-        b_dw += tl.where((offs_k == K - 1 - lag)[:, None], tl.sum(dck * x_s, axis=0)[None, :], 0.0)
     if HAS_DFINAL:
         # time s is final-state row s - (T-(K-1)) when it lies in the last document
         j_f = s - (T - (K - 1))
@@ -249,10 +263,6 @@ def _conv_dx_kernel(
     if HAS_INIT:
         p_o = p_dinit + (pid_b * (K - 1) + s + K - 1)[:, None] * D + offs_d[None, :]
         tl.store(p_o, b_dx, mask=m_o & (s < 0)[:, None])
-    part = pid_b * n_t + pid_t
-    p_pw = p_dw_part + part * K * D + offs_k[:, None] * D + offs_d[None, :]
-    tl.store(p_pw, b_dw, mask=(offs_k < K)[:, None] & mask_d[None, :])
-    tl.store(p_db_part + part * D + offs_d, b_db, mask=mask_d)
 
 
 # fmt: on
@@ -264,7 +274,9 @@ def _conv_dx_kernel(
 # H200 at 8x2048x1536: forward tiles 32 x 128, 4 warps 45 us (64 x 128: 51); the backward's
 # one-kernel predecessor (one time per lane, dc moved between lanes by shuffles) 151 us
 FWD_BLOCK_T, FWD_BLOCK_D, FWD_WARPS = 32, 128, 4
-BWD_BLOCK_T, BWD_BLOCK_D, BWD_WARPS = 32, 128, 4
+BWD_DC_BLOCK_T, BWD_DC_BLOCK_D, BWD_DC_TILES = 8, 512, 16  # dc pass: wide tiles, 16 per program
+BWD_DX_BLOCK_T, BWD_DX_BLOCK_D = 32, 128
+BWD_WARPS = 4
 
 
 def _blocks(T: int, D: int, block_t: int, block_d: int) -> tuple[int, int]:
@@ -356,39 +368,40 @@ def conv_bwd(
         return dx, dw, db, dinit
     if dout is None:
         dout = torch.zeros((), device=dev, dtype=x.dtype).expand(Bsz, T, D)
-    s_begin = -(K - 1) if initial_state is not None else 0  # dinit: dx at the state's times
-    BLOCK_T, BLOCK_D = _blocks(T - s_begin, D, BWD_BLOCK_T, BWD_BLOCK_D)
+    # dc (written when silu; without it dc is dout) with the dw, dbias partials, then dx
+    DC_T, DC_D = _blocks(T, D, BWD_DC_BLOCK_T, BWD_DC_BLOCK_D)
+    n_tblk = triton.cdiv(T, DC_T)
+    n_chunks = triton.cdiv(n_tblk, BWD_DC_TILES)
     dc, s_dc = dout, dout.stride()
-    if silu:  # dc = dout * silu'(c) once per time, then read at K shifts by the dx pass
+    if silu:
         dc = torch.empty((Bsz, T, D), device=dev, dtype=torch.float32)
         s_dc = dc.stride()
-        _conv_dc_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(D, BLOCK_D), Bsz)](
-            x, weight, _opt(bias, weight), _opt(initial_state, x), _opt(seq_idx, x), dout, dc,
-            T, D,
-            x.stride(0), x.stride(1),
-            weight.stride(0), weight.stride(1),
-            *_strides(initial_state, 3),
-            *_strides(seq_idx, 2),
-            *dout.stride(),
-            K=K, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
-            HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
-            HAS_SEQ=seq_idx is not None, num_warps=BWD_WARPS,
-        )  # fmt: skip
-    n_t = triton.cdiv(T - s_begin, BLOCK_T)
-    dw_part = torch.empty((Bsz, n_t, K, D), device=dev, dtype=torch.float32)
-    db_part = torch.empty((Bsz, n_t, D), device=dev, dtype=torch.float32)
-    _conv_dx_kernel[(n_t, triton.cdiv(D, BLOCK_D), Bsz)](
-        x, weight, _opt(initial_state, x), _opt(seq_idx, x), dc, _opt(dfinal, x),
-        dx, _opt(dinit, x), dw_part, db_part,
-        T, D,
+    dw_part = torch.empty((Bsz, n_chunks, K, D), device=dev, dtype=torch.float32)
+    db_part = torch.empty((Bsz, n_chunks, D), device=dev, dtype=torch.float32)
+    _conv_dc_kernel[(n_chunks, triton.cdiv(D, DC_D), Bsz)](
+        x, weight, _opt(bias, weight), _opt(initial_state, x), _opt(seq_idx, x), dout, dc,
+        dw_part, db_part,
+        T, D, triton.cdiv(n_tblk, n_chunks),
         x.stride(0), x.stride(1),
         weight.stride(0), weight.stride(1),
         *_strides(initial_state, 3),
         *_strides(seq_idx, 2),
+        *dout.stride(),
+        K=K, BLOCK_T=DC_T, BLOCK_D=DC_D, BLOCK_K=triton.next_power_of_2(K),
+        HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
+        HAS_SEQ=seq_idx is not None, SILU=silu, num_warps=BWD_WARPS,
+    )  # fmt: skip
+    s_begin = -(K - 1) if initial_state is not None else 0  # dinit: dx at the state's times
+    DX_T, DX_D = _blocks(T - s_begin, D, BWD_DX_BLOCK_T, BWD_DX_BLOCK_D)
+    _conv_dx_kernel[(triton.cdiv(T - s_begin, DX_T), triton.cdiv(D, DX_D), Bsz)](
+        weight, _opt(seq_idx, x), dc, _opt(dfinal, x), dx, _opt(dinit, x),
+        T, D,
+        weight.stride(0), weight.stride(1),
+        *_strides(seq_idx, 2),
         *s_dc,
         *_strides(dfinal, 3),
         dx.stride(0), dx.stride(1),
-        K=K, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_K=triton.next_power_of_2(K),
+        K=K, BLOCK_T=DX_T, BLOCK_D=DX_D,
         HAS_INIT=initial_state is not None, HAS_SEQ=seq_idx is not None,
         HAS_DFINAL=dfinal is not None, num_warps=BWD_WARPS,
     )  # fmt: skip
