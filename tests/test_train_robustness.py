@@ -348,3 +348,22 @@ def test_saved_files_follow_the_umask(tmp_path, corpus, tiny_json, umask):
     assert ckpt.stat().st_mode & 0o777 == 0o777 & ~umask
     for f in [run / "latest", *ckpt.iterdir()]:
         assert f.stat().st_mode & 0o777 == 0o666 & ~umask, f
+
+
+@pytest.mark.gpu
+def test_consecutive_skips_stop_a_cuda_graph_run_when_it_logs(tmp_path, corpus):
+    """On CUDA the skip streak is counted on the device and read only with a metric line."""
+
+    def nan_loss(model, batch, state):
+        loss, state = lm_loss(model, batch, state)
+        return loss * float("nan"), state
+
+    trainer = text_trainer(
+        corpus, tmp_path, steps=50, device="cuda", log_every=5, max_skipped_steps=3
+    )
+    trainer.loss_fn = nan_loss
+    with pytest.raises(TrainingDiverged, match="5 consecutive steps skipped"):
+        trainer.fit(progress=False)
+    assert trainer._graph is not None  # the steps were replayed from the graph
+    assert trainer.step == 5 and trainer.skipped_steps == 5
+    assert not (tmp_path / "latest").exists()

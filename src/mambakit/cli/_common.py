@@ -104,6 +104,6 @@ def add_threads_flag(p) -> None:
         "--threads",
         type=int,
         default=None,
-        help=f"CPU threads for torch (default: ${THREADS_ENV}, else $OMP_NUM_THREADS, else "
+        help=f"CPU threads for torch (none: ${THREADS_ENV}, else $OMP_NUM_THREADS, else "
         "the free physical cores: all of them on an idle machine, fewer when others are busy)",
     )

@@ -85,7 +85,7 @@ def _fmt(v: Any, spec: str) -> str:
 
 class ProgressBar:
     """tqdm when installed (moved every step, so its rate shows from the first one),
-    else a line per metric record."""
+    else a line at the first step and one per metric record."""
 
     def __init__(self, total: int, start: int) -> None:
         try:
@@ -112,7 +112,7 @@ class ProgressBar:
             self._bar.update(step - self._pos)
             if parts:
                 self._bar.set_postfix_str(", ".join(parts), refresh=False)
-        elif parts:
+        elif parts or self._pos == self._start:  # a line per record, and the first step
             rate = (step - self._start) / max(time.perf_counter() - self._t0, 1e-9)
             print(f"step {step}: " + ", ".join(parts) + f", {rate:.2f} steps/s", flush=True)
         self._pos = step
