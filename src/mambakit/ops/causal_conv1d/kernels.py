@@ -15,11 +15,15 @@ Backward: with c the pre-activation, dc = dout * silu'(c) and lag = K-1-k,
     dw[k]     = sum_{b,s} dc_{s+lag} * x_s * same(s, s+lag)
     dbias     = sum_{b,t} dc_t
 
-and d initial_state is dx at the negative times. Two kernels over [BLOCK_T, BLOCK_D]
-tiles with channels along the lanes (every load reads row segments): the first recomputes
-c and writes dc (f32, silu only; without it dc is dout), the second reads dc at the K lags
-as row-shifted tiles (cache hits but for the new rows) and writes dx and per-tile partials
-of dw and dbias, summed in a fixed order on the host: no atomics, bit-identical runs.
+and d initial_state is dx at the negative times. One kernel: a program owns one
+row, one D-block and a chunk of time, walked in tiles of 32 times (one per lane
+of a warp) whose last K-1 times only feed the others. Per tile it loads the K
+taps of x (cache hits but for the new rows) and dout, computes c and dc once per
+time, and moves dc_{s+lag} between lanes with a gather (warp shuffles), so x,
+dout and dx cross DRAM once each and nothing else does. dw and dbias accumulate
+elementwise in registers, are reduced over time once per program into
+per-program partials, and summed in a fixed order on the host: no atomics,
+bit-identical runs.
 """
 
 from __future__ import annotations
@@ -31,21 +35,23 @@ import triton.language as tl
 
 # fmt: off
 @triton.jit
-def _load_x(
-    p_x, p_init, pos, offs_d, mask, T, stride_xt, stride_it, stride_id,
+def _load_src(
+    p_x, p_init, pos, offs_d, mask_d, T, stride_xt, stride_it, stride_id,
     K: tl.constexpr, HAS_INIT: tl.constexpr,
 ):
-    """The conv input in f32 at times pos [BT] and channels offs_d [BD] (mask: the elements
-    wanted), negative times reading the initial state, times past T zero."""
+    """The conv input at times pos [BT] and channels offs_d [BD], in f32."""
+    in_x = (pos >= 0) & (pos < T)
+    t_x = tl.where(in_x, pos, 0)
     b_x = tl.load(
-        p_x + pos.to(tl.int64)[:, None] * stride_xt + offs_d[None, :],
-        mask=mask & ((pos >= 0) & (pos < T))[:, None], other=0.0,
+        p_x + t_x[:, None] * stride_xt + offs_d[None, :],
+        mask=in_x[:, None] & mask_d[None, :], other=0.0,
     ).to(tl.float32)
     if HAS_INIT:
-        t_s = pos + (K - 1)
+        in_s = (pos < 0) & (pos >= 1 - K)
+        t_s = tl.where(in_s, pos + K - 1, 0)
         b_x += tl.load(
             p_init + t_s[:, None] * stride_it + offs_d[None, :] * stride_id,
-            mask=mask & ((pos < 0) & (t_s >= 0))[:, None], other=0.0,
+            mask=in_s[:, None] & mask_d[None, :], other=0.0,
         ).to(tl.float32)
     return b_x
 
@@ -68,7 +74,7 @@ def _conv_pre(
     acc = tl.zeros([BT, BD], dtype=tl.float32)
     for k in tl.static_range(K):
         pos = q - (K - 1 - k)
-        b_x = _load_x(p_x, p_init, pos, offs_d, mask_d[None, :], T, stride_xt, stride_it, stride_id, K, HAS_INIT)
+        b_x = _load_src(p_x, p_init, pos, offs_d, mask_d, T, stride_xt, stride_it, stride_id, K, HAS_INIT)
         if HAS_SEQ:
             if k < K - 1:
                 same = _load_seq(p_seq, pos, T, stride_st) == seq_q
@@ -124,7 +130,7 @@ def _conv_fwd_kernel(
             offs_j = tl.arange(0, BLOCK_K)
             mask_j = offs_j < K - 1
             pos = (T - (K - 1) + offs_j).to(tl.int64)
-            b_f = _load_x(p_x, p_init, pos, offs_d, mask_d[None, :], T, stride_xt, stride_it, stride_id, K, HAS_INIT)
+            b_f = _load_src(p_x, p_init, pos, offs_d, mask_d, T, stride_xt, stride_it, stride_id, K, HAS_INIT)
             if HAS_SEQ:
                 seq_last = tl.load(p_seq + (T - 1) * stride_st)
                 same = _load_seq(p_seq, pos, T, stride_st) == seq_last
@@ -134,135 +140,150 @@ def _conv_fwd_kernel(
 
 
 @triton.jit
-def _conv_dc_kernel(
-    p_x, p_w, p_b, p_init, p_seq, p_dout, p_dc, p_dw_part, p_db_part,
+def _load_x(
+    p_x, p_init, pos, offs_d, mask, T, stride_xt, stride_it, stride_id,
+    K: tl.constexpr, HAS_INIT: tl.constexpr, pos0,
+):
+    """The conv input in f32 at times pos [BT] (none before pos0) and channels offs_d [VEC]
+    as [BT, VEC] (mask: the elements wanted), negative times reading the initial state."""
+    b_x = tl.load(
+        p_x + pos.to(tl.int64)[:, None] * stride_xt + offs_d[None, :],
+        mask=mask & ((pos >= 0) & (pos < T))[:, None], other=0.0,
+    ).to(tl.float32)
+    if HAS_INIT:
+        if pos0 < 0:
+            t_s = pos + (K - 1)
+            b_x += tl.load(
+                p_init + t_s[:, None] * stride_it + offs_d[None, :] * stride_id,
+                mask=mask & ((pos < 0) & (t_s >= 0))[:, None], other=0.0,
+            ).to(tl.float32)
+    return b_x
+
+
+@triton.jit
+def _conv_bwd_kernel(
+    p_x, p_w, p_b, p_init, p_seq, p_dout, p_dfinal,
+    p_dx, p_dinit, p_dw_part, p_db_part,
     T, D, N_TBLK,
     stride_xb, stride_xt,
     stride_wd, stride_wk,
     stride_ib, stride_it, stride_id,
     stride_sb, stride_st,
     stride_gb, stride_gt, stride_gd,
-    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_fb, stride_ft, stride_fd,
+    stride_dxb, stride_dxt,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
-    SILU: tl.constexpr,
+    SILU: tl.constexpr, HAS_DFINAL: tl.constexpr,
 ):
-    """dc_t = dout_t * silu'(c_t) (c recomputed as in the forward; dc = dout without silu),
-    written f32 [B, T, D] when SILU, over N_TBLK tiles of times; and this program's partials
-    of dw[k] = sum_t dc_t x_{t-(K-1-k)} same and dbias = sum_t dc_t, from the same taps of x
-    (wide tiles of few times: the sums over time stay within a warp)."""
+    # One warp: a tile of BLOCK_T (32) times by VEC channels, one time per lane and VEC
+    # channels per thread (a [BT, VEC] load with VEC contiguous gets this layout), so the
+    # shift in time is a gather made of warp shuffles; per-tap values add an axis k < BLOCK_K
+    # that stays within the thread. A tile owns (writes dx for) its first BLOCK_T - (K-1)
+    # times; the last K-1 only supply dc to them. Tiles start at -(K-1) when there is an
+    # initial state: dx there is d initial_state.
+    # dx: [B, T, D] with stride 1 in D; dinit: contiguous [B, K-1, D]; partials: [B, n_chunks, K, D], [B, n_chunks, D]
     pid_c = tl.program_id(0)
     pid_d = tl.program_id(1)
     pid_b = tl.program_id(2).to(tl.int64)
     n_chunks = tl.num_programs(0)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_d = pid_d * VEC + tl.arange(0, VEC)
     mask_d = offs_d < D
     offs_k = tl.arange(0, BLOCK_K)
+    mask_k = offs_k < K
+    lag = tl.where(mask_k, K - 1 - offs_k, 0)  # tap k: c_t reads x_{t-lag}, dx_s reads dc_{s+lag}
+    offs_r = tl.arange(0, BLOCK_T)
+    own_r = offs_r < BLOCK_T - (K - 1)
     p_x += pid_b * stride_xb
     p_init += pid_b * stride_ib
     p_seq += pid_b * stride_sb
-    b_bias = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if HAS_BIAS:
-        b_bias += tl.load(p_b + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    b_dw = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
-    b_db = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for i in range(N_TBLK):
-        t = ((pid_c * N_TBLK + i) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-        m2 = (t < T)[:, None] & mask_d[None, :]
-        seq_t = t
-        if HAS_SEQ:
-            seq_t = _load_seq(p_seq, t, T, stride_st)
-        dc = tl.load(
-            p_dout + pid_b * stride_gb + t[:, None] * stride_gt + offs_d[None, :] * stride_gd,
-            mask=m2, other=0.0,
-        ).to(tl.float32)
-        if SILU:
-            c = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32) + b_bias[None, :]
-            for k in tl.static_range(K):
-                pos = t - (K - 1 - k)
-                b_x = _load_x(
-                    p_x, p_init, pos, offs_d, m2, T, stride_xt, stride_it, stride_id, K, HAS_INIT
-                )
-                if HAS_SEQ:
-                    if k < K - 1:
-                        b_x = tl.where((_load_seq(p_seq, pos, T, stride_st) == seq_t)[:, None], b_x, 0.0)
-                w = tl.load(p_w + offs_d * stride_wd + k * stride_wk, mask=mask_d, other=0.0)
-                c += b_x * w.to(tl.float32)[None, :]
-            sig = 1.0 / (1.0 + tl.exp(-c))
-            dc = dc * sig * (1.0 + c * (1.0 - sig))
-            tl.store(p_dc + (pid_b * T + t[:, None]) * D + offs_d[None, :], dc, mask=m2)
-        for k in tl.static_range(K):  # the taps again (L1 hits): fewer registers live
-            pos = t - (K - 1 - k)
-            b_x = _load_x(p_x, p_init, pos, offs_d, m2, T, stride_xt, stride_it, stride_id, K, HAS_INIT)
-            if HAS_SEQ:
-                if k < K - 1:
-                    b_x = tl.where((_load_seq(p_seq, pos, T, stride_st) == seq_t)[:, None], b_x, 0.0)
-            b_dw += tl.where((offs_k == k)[:, None], tl.sum(dc * b_x, axis=0)[None, :], 0.0)
-        b_db += tl.sum(dc, axis=0)
-    part = pid_b * n_chunks + pid_c
-    p_pw = p_dw_part + part * K * D + offs_k[:, None] * D + offs_d[None, :]
-    tl.store(p_pw, b_dw, mask=(offs_k < K)[:, None] & mask_d[None, :])
-    tl.store(p_db_part + part * D + offs_d, b_db, mask=mask_d)
-
-
-@triton.jit
-def _conv_dx_kernel(
-    p_w, p_seq, p_dc, p_dfinal, p_dx, p_dinit,
-    T, D,
-    stride_wd, stride_wk,
-    stride_sb, stride_st,
-    stride_cb, stride_ct, stride_cd,
-    stride_fb, stride_ft, stride_fd,
-    stride_dxb, stride_dxt,
-    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr, HAS_DFINAL: tl.constexpr,
-):
-    """dx_s = sum_lag w[K-1-lag] dc_{s+lag} same(s, s+lag) (+ d final_state) for a tile of
-    times s (from -(K-1) with an initial state: dx there is d initial_state); every
-    dc_{s+lag} is a row-shifted load of dc (cache hits but for the new rows)."""
-    pid_t = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    pid_b = tl.program_id(2).to(tl.int64)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
+    p_dout += pid_b * stride_gb
+    p_dfinal += pid_b * stride_fb
+    p_dx += pid_b * stride_dxb
+    p_dinit += pid_b * (K - 1) * D
     s_begin = 0
     if HAS_INIT:
         s_begin = 1 - K
-    s = (s_begin + pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    own = s < T
-    p_seq += pid_b * stride_sb
-    p_dc += pid_b * stride_cb
-    seq_s = s
-    if HAS_SEQ:
-        seq_s = _load_seq(p_seq, s, T, stride_st)
-    b_dx = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
-    for lag in tl.static_range(K):
-        q = s + lag
-        in_q = own & (q >= 0) & (q < T)
-        dck = tl.load(
-            p_dc + q[:, None] * stride_ct + offs_d[None, :] * stride_cd,
+    b_w = tl.load(
+        p_w + offs_d[:, None] * stride_wd + offs_k[None, :] * stride_wk,
+        mask=mask_d[:, None] & mask_k[None, :], other=0.0,
+    ).to(tl.float32)[None, :, :]  # [1, VEC, BK]
+    b_bias = tl.zeros([VEC], dtype=tl.float32)
+    if HAS_BIAS:
+        b_bias += tl.load(p_b + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    # dweight and dbias terms summed elementwise over the program's tiles, over time at the end
+    b_dw = tl.zeros([BLOCK_T, VEC, BLOCK_K], dtype=tl.float32)
+    b_db = tl.zeros([BLOCK_T, VEC], dtype=tl.float32)
+    for i in range(N_TBLK):
+        q0 = s_begin + (pid_c * N_TBLK + i) * (BLOCK_T - (K - 1))
+        q = q0 + offs_r  # [BT]
+        in_q = (q >= 0) & (q < T)
+        seq_q = q
+        if HAS_SEQ:
+            seq_q = _load_seq(p_seq, q, T, stride_st)
+        b_dc = tl.load(
+            p_dout + q.to(tl.int64)[:, None] * stride_gt + offs_d[None, :] * stride_gd,
             mask=in_q[:, None] & mask_d[None, :], other=0.0,
         ).to(tl.float32)
+        if SILU:
+            # c as in the forward: the K taps of x are one tile read K times (cache hits but
+            # for the new rows)
+            c = tl.zeros([BLOCK_T, VEC], dtype=tl.float32) + b_bias[None, :]
+            for k in tl.static_range(K):
+                pos = q - (K - 1 - k)
+                b_x = _load_x(
+                    p_x, p_init, pos, offs_d, mask_d[None, :], T, stride_xt, stride_it, stride_id,
+                    K, HAS_INIT, q0 - (K - 1),
+                )
+                if HAS_SEQ:
+                    if k < K - 1:
+                        b_x = tl.where((_load_seq(p_seq, pos, T, stride_st) == seq_q)[:, None], b_x, 0.0)
+                c += b_x * tl.sum(tl.where(offs_k[None, None, :] == k, b_w, -0.0), axis=2)
+            sig = 1.0 / (1.0 + tl.exp(-c))
+            b_dc = b_dc * sig * (1.0 + c * (1.0 - sig))
+
+        # dc at s + lag for every tap (within the tile for the owned s)
+        shape: tl.constexpr = [BLOCK_T, VEC, BLOCK_K]
+        idx = tl.minimum(offs_r[:, None] + lag[None, :], BLOCK_T - 1)
+        b_dck = tl.gather(
+            tl.broadcast_to(tl.reshape(b_dc, [BLOCK_T, VEC, 1]), shape),
+            tl.broadcast_to(idx[:, None, :], shape), axis=0,
+        )
         if HAS_SEQ:
-            if lag > 0:
-                dck = tl.where((_load_seq(p_seq, q, T, stride_st) == seq_s)[:, None], dck, 0.0)
-        w = tl.load(p_w + offs_d * stride_wd + (K - 1 - lag) * stride_wk, mask=mask_d, other=0.0)
-        b_dx += dck * w.to(tl.float32)[None, :]
-    if HAS_DFINAL:
-        # time s is final-state row s - (T-(K-1)) when it lies in the last document
-        j_f = s - (T - (K - 1))
-        in_f = (j_f >= 0) & own
-        if HAS_SEQ:
-            in_f = in_f & (seq_s == tl.load(p_seq + (T - 1) * stride_st))
-        b_dx += tl.load(
-            p_dfinal + pid_b * stride_fb + j_f[:, None] * stride_ft + offs_d[None, :] * stride_fd,
-            mask=in_f[:, None] & mask_d[None, :], other=0.0,
-        ).to(tl.float32)
-    m_o = own[:, None] & mask_d[None, :]
-    p_o = p_dx + pid_b * stride_dxb + s[:, None] * stride_dxt + offs_d[None, :]
-    tl.store(p_o, b_dx.to(p_dx.dtype.element_ty), mask=m_o & (s >= 0)[:, None])
-    if HAS_INIT:
-        p_o = p_dinit + (pid_b * (K - 1) + s + K - 1)[:, None] * D + offs_d[None, :]
-        tl.store(p_o, b_dx, mask=m_o & (s < 0)[:, None])
+            same = _load_seq(p_seq, q[:, None] + lag[None, :], T, stride_st) == seq_q[:, None]
+            b_dck = tl.where(same[:, None, :], b_dck, 0.0)
+        b_dx = tl.sum(b_dck * b_w, axis=2)
+        # dweight[k] = sum over the owned s of dc_{s+lag} x_s same(s, s+lag); x_s is a cache hit,
+        # loaded masked to the owned times so that the sum stays a fused multiply-add
+        b_xo = _load_x(
+            p_x, p_init, q, offs_d, own_r[:, None] & mask_d[None, :], T, stride_xt, stride_it, stride_id,
+            K, HAS_INIT, q0,
+        )
+        b_dw += b_dck * tl.reshape(b_xo, [BLOCK_T, VEC, 1])
+        b_db += tl.where(own_r[:, None], b_dc, 0.0)
+        if HAS_DFINAL:
+            if q0 + BLOCK_T > T - (K - 1):
+                # time q is final-state row q - (T-(K-1)) when it lies in the last document
+                j_f = q - (T - (K - 1))
+                in_f = (j_f >= 0) & (q < T)
+                if HAS_SEQ:
+                    in_f = in_f & (seq_q == tl.load(p_seq + (T - 1) * stride_st))
+                b_dx += tl.load(
+                    p_dfinal + j_f[:, None] * stride_ft + offs_d[None, :] * stride_fd,
+                    mask=in_f[:, None] & mask_d[None, :], other=0.0,
+                ).to(tl.float32)
+        own = own_r & (q < T)
+        p_o = p_dx + q.to(tl.int64)[:, None] * stride_dxt + offs_d[None, :]
+        m_o = own[:, None] & mask_d[None, :]
+        tl.store(p_o, b_dx.to(p_dx.dtype.element_ty), mask=m_o & (q >= 0)[:, None])
+        if HAS_INIT:
+            p_o = p_dinit + (q + K - 1)[:, None] * D + offs_d[None, :]
+            tl.store(p_o, b_dx, mask=m_o & (q < 0)[:, None])
+
+    part = pid_b * n_chunks + pid_c
+    p_pw = p_dw_part + part * K * D + offs_k[None, :] * D + offs_d[:, None]
+    tl.store(p_pw, tl.sum(b_dw, axis=0), mask=mask_d[:, None] & mask_k[None, :])
+    tl.store(p_db_part + part * D + offs_d, tl.sum(b_db, axis=0), mask=mask_d)
 
 
 # fmt: on
@@ -271,12 +292,12 @@ def _conv_dx_kernel(
 # ---------------------------------------------------------------------------- launchers
 
 # launch parameters (scripts/conv_sweep.py times others by replacing these), measured on the
-# H200 at 8x2048x1536: forward tiles 32 x 128, 4 warps 45 us (64 x 128: 51); the backward's
-# one-kernel predecessor (one time per lane, dc moved between lanes by shuffles) 151 us
+# H200 at 8x2048x1536: forward tiles 32 x 128, 4 warps 45 us (64 x 128: 51); backward 16-byte
+# channel vectors 151 us (32-byte: 182). Backward designs with channels along the lanes were
+# slower in Triton: dc shifted in time through a per-program scratch 248-355 us; two passes
+# (dc, then dx from row-shifted loads of dc) 270-535 us.
 FWD_BLOCK_T, FWD_BLOCK_D, FWD_WARPS = 32, 128, 4
-BWD_DC_BLOCK_T, BWD_DC_BLOCK_D, BWD_DC_TILES = 8, 512, 16  # dc pass: wide tiles, 16 per program
-BWD_DX_BLOCK_T, BWD_DX_BLOCK_D = 32, 128
-BWD_WARPS = 4
+BWD_VEC_BYTES = 16  # channels per backward thread, in bytes of x
 
 
 def _blocks(T: int, D: int, block_t: int, block_d: int) -> tuple[int, int]:
@@ -368,42 +389,33 @@ def conv_bwd(
         return dx, dw, db, dinit
     if dout is None:
         dout = torch.zeros((), device=dev, dtype=x.dtype).expand(Bsz, T, D)
-    # dc (written when silu; without it dc is dout) with the dw, dbias partials, then dx
-    DC_T, DC_D = _blocks(T, D, BWD_DC_BLOCK_T, BWD_DC_BLOCK_D)
-    n_tblk = triton.cdiv(T, DC_T)
-    n_chunks = triton.cdiv(n_tblk, BWD_DC_TILES)
-    dc, s_dc = dout, dout.stride()
-    if silu:
-        dc = torch.empty((Bsz, T, D), device=dev, dtype=torch.float32)
-        s_dc = dc.stride()
+    s_begin = -(K - 1) if initial_state is not None else 0  # dinit: dx at the state's times
+    # a program: one warp, VEC channels (16-byte loads), tiles of up to 32 times (one per
+    # lane; a tile owns all but its last K-1)
+    BLOCK_T = min(32, triton.next_power_of_2(T - s_begin + K - 1))
+    VEC = min(max(BWD_VEC_BYTES // x.element_size(), 1), triton.next_power_of_2(D))
+    n_tblk = triton.cdiv(T - s_begin, BLOCK_T - (K - 1))
+    n_chunks = triton.cdiv(n_tblk, 16)  # programs along time: ~16 tiles each, evenly split
+    tblk_per_chunk = triton.cdiv(n_tblk, n_chunks)
     dw_part = torch.empty((Bsz, n_chunks, K, D), device=dev, dtype=torch.float32)
     db_part = torch.empty((Bsz, n_chunks, D), device=dev, dtype=torch.float32)
-    _conv_dc_kernel[(n_chunks, triton.cdiv(D, DC_D), Bsz)](
-        x, weight, _opt(bias, weight), _opt(initial_state, x), _opt(seq_idx, x), dout, dc,
-        dw_part, db_part,
-        T, D, triton.cdiv(n_tblk, n_chunks),
+    grid = (n_chunks, triton.cdiv(D, VEC), Bsz)
+    _conv_bwd_kernel[grid](
+        x, weight, _opt(bias, weight), _opt(initial_state, x), _opt(seq_idx, x),
+        dout, _opt(dfinal, x),
+        dx, _opt(dinit, x), dw_part, db_part,
+        T, D, tblk_per_chunk,
         x.stride(0), x.stride(1),
         weight.stride(0), weight.stride(1),
         *_strides(initial_state, 3),
         *_strides(seq_idx, 2),
         *dout.stride(),
-        K=K, BLOCK_T=DC_T, BLOCK_D=DC_D, BLOCK_K=triton.next_power_of_2(K),
-        HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
-        HAS_SEQ=seq_idx is not None, SILU=silu, num_warps=BWD_WARPS,
-    )  # fmt: skip
-    s_begin = -(K - 1) if initial_state is not None else 0  # dinit: dx at the state's times
-    DX_T, DX_D = _blocks(T - s_begin, D, BWD_DX_BLOCK_T, BWD_DX_BLOCK_D)
-    _conv_dx_kernel[(triton.cdiv(T - s_begin, DX_T), triton.cdiv(D, DX_D), Bsz)](
-        weight, _opt(seq_idx, x), dc, _opt(dfinal, x), dx, _opt(dinit, x),
-        T, D,
-        weight.stride(0), weight.stride(1),
-        *_strides(seq_idx, 2),
-        *s_dc,
         *_strides(dfinal, 3),
         dx.stride(0), dx.stride(1),
-        K=K, BLOCK_T=DX_T, BLOCK_D=DX_D,
-        HAS_INIT=initial_state is not None, HAS_SEQ=seq_idx is not None,
-        HAS_DFINAL=dfinal is not None, num_warps=BWD_WARPS,
+        K=K, BLOCK_T=BLOCK_T, VEC=VEC, BLOCK_K=triton.next_power_of_2(K),
+        HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
+        HAS_SEQ=seq_idx is not None, SILU=silu, HAS_DFINAL=dfinal is not None,
+        num_warps=1,
     )  # fmt: skip
     # fixed-order reductions of the per-program partials (deterministic)
     dw = dw_part.sum(dim=(0, 1)).t().contiguous()  # [D, K]
