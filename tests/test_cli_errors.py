@@ -9,6 +9,7 @@ import importlib
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -154,12 +155,27 @@ def test_thread_count_flag_and_environment(monkeypatch):
     with pytest.raises(UsageError, match="OMP_NUM_THREADS='x'"):
         choose_threads(None)
     monkeypatch.delenv("OMP_NUM_THREADS")
-    monkeypatch.setattr(_common.os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    monkeypatch.setattr(_common, "busy_cores", lambda: 1.0)
     monkeypatch.setattr(_common, "physical_cores", lambda cpus: len(cpus))
     monkeypatch.setattr(_common.os, "sched_getaffinity", lambda pid: {0, 1})
     assert choose_threads(None)[0] == 1  # 2 cores, one of them busy
+    monkeypatch.setattr(_common, "busy_cores", lambda: 0.1)
+    assert choose_threads(None)[0] == 2  # idle
     with pytest.raises(UsageError, match="--threads"):
         choose_threads(0)
+
+
+def test_busy_cores_sees_a_busy_process():
+    idle = _common.busy_cores(0.3)
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        busy = _common.busy_cores(0.5)
+    finally:
+        spin.kill()
+        spin.wait()
+    assert idle is not None and busy is not None
+    assert busy >= 0.7 and busy > idle - 0.5, (idle, busy)
 
 
 def test_train_sets_the_thread_count(tmp_path, corpus, capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -60,11 +61,31 @@ def physical_cores(cpus: set[int]) -> int:
     return len(cores) or len(cpus)
 
 
+def busy_cores(interval: float = 0.25) -> float | None:
+    """Cores kept busy by other work now: the machine's non-idle share of CPU time over
+    `interval` seconds (this process sleeps meanwhile), from /proc/stat; None if unknown."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]
+        return sum(ticks), ticks[3] + ticks[4]  # all, idle + iowait
+
+    try:
+        total0, idle0 = sample()
+        time.sleep(interval)
+        total1, idle1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    if total1 <= total0:
+        return None
+    return (1 - (idle1 - idle0) / (total1 - total0)) * (os.cpu_count() or 1)
+
+
 def auto_threads(available: int, physical: int, load: float) -> int:
     """Threads for torch's CPU ops: the physical cores when the machine is idle; when
-    `load` (other runnable processes, the 1-minute load average) says others are busy,
-    the cores they leave free and at most the physical cores minus one: torch's threads
-    spin-wait on each other, so one thread that shares a core slows all of them."""
+    `load` (cores busy with other work) says others are busy, the cores they leave free
+    and at most the physical cores minus one: torch's threads spin-wait on each other,
+    so one thread that shares a core slows all of them."""
     busy = int(load + 0.5)
     if busy == 0:
         return max(1, physical)
@@ -86,10 +107,12 @@ def choose_threads(flag: int | None) -> tuple[int, str]:
             return int(value), env
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     cpus = cpus or set(range(os.cpu_count() or 1))
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    load = busy_cores()
+    if load is None:  # no /proc/stat: the 1-minute load average (lags behind)
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     physical = physical_cores(cpus)
     n = auto_threads(len(cpus), physical, load)
-    return n, f"auto: {len(cpus)} cpus, {physical} cores, load {load:.1f}"
+    return n, f"auto: {len(cpus)} cpus, {physical} cores, {load:.1f} busy with other work"
 
 
 def set_threads(flag: int | None) -> str:
