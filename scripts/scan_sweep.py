@@ -33,7 +33,7 @@ BWD = [  # bwd_tile, bwd_block_d, bwd_warps (H200: 4 / 16 / 1: 1.49-1.53 ms; 8 c
     dict(bwd_tile=4, bwd_block_d=8, bwd_warps=1),
     dict(bwd_tile=8, bwd_block_d=8, bwd_warps=1),
 ]
-SEGMENTS = [(2, 16), (2, 8), (2, 24), (8, 16), (8, 24)]  # (seg_below_per_sm, seg_target_per_sm)
+SEGMENTS = [(2, 16), (2, 8), (8, 16)]  # (seg_below_per_sm, seg_target_per_sm)
 DN, N = 1536, 16
 
 

@@ -2,11 +2,11 @@
 
 B batch, T time, D = d_inner, N = d_state, TC the time tile (= the interval of the states
 the forward saved). g_t = dL/dh_t satisfies g_t = C_t gy_t + a_{t+1} g_{t+1}; inside a tile
-it is a reverse `tl.associative_scan` whose elements carry their own decay, so a_{t+1} never
-has to be shifted into row t. `_bwd_kernel` recomputes each tile's states from the saved
-tile-start state and writes du, d delta, dz and the per-program partials of dB, dC, dA, dD
-and d delta_bias; `_bwd_local_kernel` is the first pass over segments (each segment's
-reverse recurrence from a zero carry) when time is cut into segments.
+it is a loop over the tile's rows from the last (`_reverse_scan`: the rows lie within a
+thread). `_bwd_kernel` recomputes each tile's states from the saved tile-start state and
+writes du, d delta, dz and the per-program partials of dB, dC, dA, dD and d delta_bias;
+`_bwd_local_kernel` is the first pass over segments (each segment's reverse recurrence from
+a zero carry) when time is cut into segments.
 """
 
 import triton
@@ -16,13 +16,13 @@ from .channel_sum import _store_channel_sum
 from .tiles import (
     LOG2E,
     _combine,
-    _combine_rev,
     _delta_of,
     _doc_starts,
     _in_range,
     _ld,
+    _mul,
     _program_block,
-    _row,
+    _reverse_scan,
     _st,
     _tile_decay,
     _tile_ptrs,
@@ -64,7 +64,6 @@ def _bwd_local_kernel(
     s += 1  # segments 1.. (the first one's summary is never used)
     A2 = A * LOG2E
     rows = tl.arange(0, TC)
-    ones = tl.full([TC, BLOCK_N, BLOCK_D], 1.0, tl.float32)
     G = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     p = tl.full([BLOCK_N, BLOCK_D], 1.0, tl.float32)
     c0 = s * seg_chunks
@@ -81,12 +80,8 @@ def _bwd_local_kernel(
             dy_ptr, s_dy_b, s_dy_t, s_dy_d, z_ptr, s_z_b, s_z_t, b, t0, rows, d, m2, HAS_Z, EVEN
         )
         Ct = _tile_rows(C_ptr, s_C_b, s_C_t, b, t0, rows, n, mt[:, None] & mn[None, :], EVEN)
-        cc = Ct[:, :, None] * gy[:, None, :]
-        cc = tl.where((rows == TC - 1)[:, None, None], cc + G[None, :, :], cc)  # the carry
-        k, g, _f = tl.associative_scan((ones, cc, a), 0, _combine_rev, reverse=True)
-        a0 = _row(a, rows, 0)
-        G = a0 * _row(g, rows, 0)
-        p = p * a0 * _row(k, rows, 0)
+        _g, G = _reverse_scan(Ct[:, :, None] * gy[:, None, :], a, G, rows, TC)
+        p = p * tl.reduce(a, 0, _mul)
     off_seg = ((b * nseg + s) * Dn + d[None, :]) * N + n[:, None]
     tl.store(W_ptr + off_seg, G, mask=mdn)
     tl.store(P_ptr + off_seg, p, mask=mdn)
@@ -137,7 +132,6 @@ def _bwd_kernel(
     )
     A2 = A * LOG2E
     rows = tl.arange(0, TC)
-    ones = tl.full([TC, BLOCK_N, BLOCK_D], 1.0, tl.float32)
     off_seg = ((b * nseg + s) * Dn + d[None, :]) * N + n[:, None]  # [B, nseg, D, N]
     if HAS_G:
         G = tl.load(gin_ptr + off_seg, mask=mdn, other=0.0)
@@ -190,10 +184,8 @@ def _bwd_kernel(
         # products are then unused and compile away
         hs_in = tl.where((rows == 0)[:, None, None], bx + a * h0[None, :, :], bx)
         _pa, hs = tl.associative_scan((a, hs_in), 0, _combine)  # h_t
-        cc = Ct[:, :, None] * gy[:, None, :]
-        cc = tl.where((rows == TC - 1)[:, None, None], cc + G[None, :, :], cc)
-        _k, x, _f = tl.associative_scan((ones, cc, a), 0, _combine_rev, reverse=True)  # dL/dh_t
-        G = _row(a, rows, 0) * _row(x, rows, 0)  # the carry into the previous tile
+        # dL/dh_t, and the carry into the previous tile
+        x, G = _reverse_scan(Ct[:, :, None] * gy[:, None, :], a, G, rows, TC)
         if HAS_Z:
             ys = tl.sum(hs * Ct[:, :, None], axis=1)
             if SPLIT_N:  # y needs every state block: dz is finished outside

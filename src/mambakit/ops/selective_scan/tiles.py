@@ -4,7 +4,7 @@ B batch, T time, D = d_inner, N = d_state; TC the time tile. A program holds [TC
 tiles of the [B, T, D] inputs, [TC, BLOCK_N] tiles of B and C, and [TC, BLOCK_N, BLOCK_D]
 tiles of decays and states (channels along the lanes). Here: the program's place on the grid,
 masked or unmasked tile loads and stores, delta (bias, softplus), the decays a_t = exp2(delta_t
-A log2 e) with document starts cut, and the combine functions of the forward and reverse scans.
+A log2 e) with document starts cut, the forward scan's combine and the reverse recurrence.
 """
 
 import triton
@@ -28,26 +28,36 @@ def _softplus(x):
 
 
 @triton.jit
+def _mul(a, b):
+    return a * b
+
+
+@triton.jit
 def _combine(a1, b1, a2, b2):
     """(a1, b1) then (a2, b2) for h -> a h + b."""
     return a1 * a2, a2 * b1 + b2
 
 
 @triton.jit
-def _combine_rev(k_r, c_r, f_r, k_l, c_l, f_l):
-    """Reverse-scan combine of the adjoint recurrence g_t = c_t + a_{t+1} g_{t+1}.
-
-    An element (k, c, f) over steps [t, s] maps the carry w = a_{s+1} g_{s+1} to
-    g_t = c + k w, and f = a_t turns g_t into the carry for step t - 1. A single
-    step t is (1, c_t, a_t). `reverse=True` passes the later span first."""
-    m = k_l * f_r
-    return m * k_r, c_l + m * c_r, f_l
-
-
-@triton.jit
 def _row(x, rows, r):
     """Row r of a [TC, BN, BD] tile as [BN, BD]."""
     return tl.sum(tl.where((rows == r)[:, None, None], x, 0.0), axis=0)
+
+
+@triton.jit
+def _reverse_scan(c, a, G, rows, TC: tl.constexpr):
+    """The adjoint recurrence g_t = c_t + a_{t+1} g_{t+1} over the rows of a [TC, BN, BD]
+    tile, last row first, entering with G = a_TC g_TC (the carry from the later tile).
+    Returns (g, a_0 g_0: the carry into the earlier tile). The rows lie within a thread, so
+    each step only picks registers; `tl.associative_scan(reverse=True)` would also reverse
+    the warp's lanes (a butterfly shuffle per value and operand)."""
+    g = tl.zeros_like(c)
+    acc = G
+    for i in tl.static_range(TC):
+        acc = _row(c, rows, TC - 1 - i) + acc
+        g = tl.where((rows == TC - 1 - i)[:, None, None], acc[None, :, :], g)
+        acc = _row(a, rows, TC - 1 - i) * acc
+    return g, acc
 
 
 @triton.jit
