@@ -4,7 +4,7 @@ B batch, T time, D = d_inner, N = d_state; TC the time tile. A program holds [TC
 tiles of the [B, T, D] inputs, [TC, BLOCK_N] tiles of B and C, and [TC, BLOCK_N, BLOCK_D]
 tiles of decays and states (channels along the lanes). Here: the program's place on the grid,
 masked or unmasked tile loads and stores, delta (bias, softplus), the decays a_t = exp2(delta_t
-A log2 e) with document starts cut, the forward scan's combine and the reverse recurrence.
+A log2 e) with document starts cut, the scans' combines and the reverse recurrence by rows.
 """
 
 import triton
@@ -36,6 +36,17 @@ def _mul(a, b):
 def _combine(a1, b1, a2, b2):
     """(a1, b1) then (a2, b2) for h -> a h + b."""
     return a1 * a2, a2 * b1 + b2
+
+
+@triton.jit
+def _combine_rev(k_r, c_r, f_r, k_l, c_l, f_l):
+    """Reverse-scan combine of the adjoint recurrence g_t = c_t + a_{t+1} g_{t+1}.
+
+    An element (k, c, f) over steps [t, s] maps the carry w = a_{s+1} g_{s+1} to
+    g_t = c + k w, and f = a_t turns g_t into the carry for step t - 1. A single
+    step t is (1, c_t, a_t). `reverse=True` passes the later span first."""
+    m = k_l * f_r
+    return m * k_r, c_l + m * c_r, f_l
 
 
 @triton.jit
