@@ -26,9 +26,10 @@ FWD = [  # fwd_tile, fwd_block_d, fwd_warps (H200: 8 / 32 / 1: 0.363-0.372 ms; t
 ]
 BWD = [  # bwd_tile, bwd_block_d, bwd_warps (H200: 4 / 16 / 1: 1.49-1.53 ms; 8 channels
     # 1.54-1.84; tile 2: 2.91; tile 8 x 8 channels: 1.69 (its forward 0.352 against 0.363);
-    # the states in two halves one after the other: 1.61-1.93; the backward split in two
-    # kernels, dB/dC with states on the lanes, 3.7-7.9 ms). fwd_ms: the forward saving states
-    # at that tile.
+    # the states in two halves one after the other: 1.61-1.93; the adjoint by a row loop with
+    # dB's reduce-scatter in plain tensor ops (layout-independent): 3.76; the backward split in
+    # two kernels, dB/dC with states on the lanes, 3.7-7.9 ms). fwd_ms: the forward saving
+    # states at that tile.
     dict(bwd_tile=4, bwd_block_d=16, bwd_warps=1),
     dict(bwd_tile=4, bwd_block_d=8, bwd_warps=1),
     dict(bwd_tile=8, bwd_block_d=8, bwd_warps=1),

@@ -83,8 +83,9 @@ def config(Dn: int, interpret: bool) -> ScanConfig:
     # 32 channels, 1 warp, 3 pipeline stages 0.363 ms (tile 2: 1.41; tile 16 / 4 warps: 1.52);
     # backward tile 4 x 16 channels, 1 warp, loads one tile ahead, reduce-scatter 1.49 ms (8
     # channels 1.54; with tl.sum channel sums 1.92; without loading ahead 2.02; tile 2: 2.91).
-    # Segments below 2 programs per SM, aiming at 16: 1x65536 fwd+bwd 9.45 ms (8 per SM:
-    # 9.82, 12: 10.9; no segments: 42.2), 1x4096 0.67 (8: 0.69); 8x2048 unchanged.
+    # Segments below 2 programs per SM, aiming at 16: 1x65536 fwd+bwd 8.15 ms with the
+    # shuffle-free local pass (before it: 9.45; aiming at 8: 9.82, 12: 10.9; no segments:
+    # 42.2), 1x4096 0.67 (8: 0.69); 8x2048 unchanged (below 8 per SM, cutting it: 2.50).
     return ScanConfig(
         fwd_tile=8, bwd_tile=4, fwd_block_d=min(32, p2), bwd_block_d=min(16, p2),
         fwd_warps=1, bwd_warps=1, carry_block=256, carry_rows=16,
