@@ -643,13 +643,10 @@ class Trainer:
         return open(path, "a")  # noqa: SIM115
 
     def _on_signal(self, signum, frame) -> None:
+        # only a flag: printing here could re-enter a write the signal interrupted
         if self._stop_signal is not None:  # a second signal: stop now
             raise KeyboardInterrupt
         self._stop_signal = signum
-        self.log(
-            f"\n{signal.Signals(signum).name}: finishing step {self.step + 1}, then saving "
-            f"(send it again to stop at once)"
-        )
 
     @contextlib.contextmanager
     def _signals_stop_training(self):
@@ -746,6 +743,10 @@ class Trainer:
                         break
                 if self._stop_signal is not None:
                     self.interrupted = signal.Signals(self._stop_signal).name
+                    self.log(
+                        f"\n{self.interrupted}: stopped after step {self.step}; saving a "
+                        "checkpoint (send it again to stop at once)"
+                    )
                 if self.run_dir is not None and self._saved_step != self.step:
                     self.save()
         finally:
