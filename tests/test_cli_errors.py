@@ -108,6 +108,12 @@ def test_cuda_asked_for_without_cuda(tmp_path, corpus, checkpoint, capsys, monke
     assert "--device 'tpu9'" in one_error_line(capsys, "train")
 
 
+def test_flag_names_in_train_config_errors():
+    assert _common.flag_names("TrainConfig.batch_size must be") == "--batch-size must be"
+    got = _common.flag_names("TrainConfig.ckpt_every_minutes must be a number >= 0, got nan")
+    assert got == "--ckpt-minutes must be a number >= 0, got nan"
+
+
 def test_garbage_config_and_missing_model(tmp_path, corpus, capsys):
     cfg = tmp_path / "c.json"
     cfg.write_bytes(b"\x89PNG\r\n")

@@ -16,9 +16,17 @@ class UsageError(ValueError):
     """A mistake in the command line or a file it names: reported in one line, exit 2."""
 
 
+# TrainConfig fields whose flag is not the field's name with dashes
+_FLAGS = {"ckpt_every_minutes": "--ckpt-minutes", "max_seconds": "--max-minutes (x 60)"}
+
+
 def flag_names(message: str) -> str:
     """`TrainConfig.batch_size must ...` -> `--batch-size must ...` (what the user typed)."""
-    return re.sub(r"TrainConfig\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), message)
+    return re.sub(
+        r"TrainConfig\.(\w+)",
+        lambda m: _FLAGS.get(m[1], "--" + m[1].replace("_", "-")),
+        message,
+    )
 
 
 def check_device(spec: str, flag: str = "--device") -> torch.device:
