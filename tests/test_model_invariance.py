@@ -69,6 +69,20 @@ def test_loss_shifted_ignores_minus_100(seed, tiny_config, randomize, dtype):
     assert model.backbone.layers[0].mixer.A_log.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("case", ["all-ignored", "T1", "B0"])
+def test_loss_with_nothing_to_predict_is_zero(seed, tiny_config, randomize, case):
+    """No label to predict gives loss 0 and zero gradients, not NaN (a mean over nothing)."""
+    model = make_model(tiny_config, randomize, torch.float32)
+    shape = {"all-ignored": (2, 6), "T1": (3, 1), "B0": (0, 5)}[case]
+    ids = torch.randint(0, 24, shape)
+    labels = torch.full_like(ids, -100) if case == "all-ignored" else ids
+    out = model(ids, labels=labels)
+    assert out.loss.dim() == 0 and out.loss.item() == 0.0
+    out.loss.backward()
+    for name, p in model.named_parameters():
+        assert p.grad is None or (torch.isfinite(p.grad).all() and not p.grad.any()), name
+
+
 def test_loss_with_seq_idx_equals_documents_one_by_one(seed, tiny_config, randomize):
     """Packed loss == token-weighted mean of each document's own loss: the first token of
     a document is not predicted from the end of the previous one."""

@@ -176,7 +176,9 @@ class MambaBackbone(nn.Module):
 @dataclass
 class MambaLMOutput:
     logits: torch.Tensor  # [B, T, V] in the compute dtype
-    loss: torch.Tensor | None = None  # mean next-token cross-entropy (f32) when labels given
+    # mean next-token cross-entropy (f32) over the predicted labels when labels are given;
+    # 0 (with zero gradients) when there is none to predict: every label -100, T = 1, B = 0
+    loss: torch.Tensor | None = None
     state: MambaState | None = None  # final state of every layer
 
 
@@ -204,7 +206,9 @@ class MambaLM(nn.Module):
         labels: torch.Tensor | None = None,  # [B, T], -100 ignored
     ) -> MambaLMOutput:
         """Labels are shifted inside: logits at t predict labels at t+1. With `seq_idx`,
-        the first token of a document is not predicted from the previous document."""
+        the first token of a document is not predicted from the previous document. The loss
+        is the mean over the labels predicted; with none (every label -100, T = 1, an empty
+        batch) it is 0 rather than NaN, so such a batch changes nothing."""
         hidden, state = self.backbone(input_ids, state, seq_idx)
         logits = self.lm_head(hidden)
         loss = None
@@ -221,11 +225,14 @@ class MambaLM(nn.Module):
             target = labels[:, 1:].long()
             if seq_idx is not None:
                 target = target.masked_fill(seq_idx[:, 1:] != seq_idx[:, :-1], -100)
-            loss = F.cross_entropy(
+            target = target.flatten()
+            total = F.cross_entropy(
                 logits[:, :-1].flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
-                target.flatten(),
+                target,
                 ignore_index=-100,
+                reduction="sum",
             )
+            loss = total / (target != -100).sum().clamp(min=1)  # no host sync
         return MambaLMOutput(logits=logits, loss=loss, state=state)
 
     def loss_sum(
