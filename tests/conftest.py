@@ -1,9 +1,13 @@
-"""Shared fixtures for the model-level tests: a fixed seed and tiny random configs.
+"""Shared fixtures: a fixed seed and tiny random configs (model tests), a small corpus and
+a tiny config file (CLI tests).
 
 Nothing here is autouse or touches global settings, so tests/ops is unaffected.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,3 +68,22 @@ def randomize_(module: torch.nn.Module, scale: float = 0.5) -> torch.nn.Module:
 def randomize():
     """The `randomize_` helper as a fixture (conftest modules are not imported by tests)."""
     return randomize_
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    """A folder of small Python files: the CLI tests' training data."""
+    folder = tmp_path / "text"
+    folder.mkdir()
+    for i in range(12):
+        body = "".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n\n" for j in range(8))
+        (folder / f"mod_{i:02d}.py").write_text(body)
+    return folder
+
+
+@pytest.fixture
+def tiny_json(tmp_path) -> Path:
+    """A model config file for the CLI tests: one layer, d_model 16."""
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps({"d_model": 16, "n_layers": 1, "d_state": 4}))
+    return path

@@ -13,23 +13,6 @@ from mambakit import MambaLM
 from mambakit.cli import main
 
 
-@pytest.fixture
-def corpus(tmp_path) -> Path:
-    folder = tmp_path / "text"
-    folder.mkdir()
-    for i in range(12):
-        body = "".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n\n" for j in range(8))
-        (folder / f"mod_{i:02d}.py").write_text(body)
-    return folder
-
-
-@pytest.fixture
-def tiny_json(tmp_path) -> Path:
-    path = tmp_path / "tiny.json"
-    path.write_text(json.dumps({"d_model": 16, "n_layers": 1, "d_state": 4}))
-    return path
-
-
 def train_args(corpus, tiny_json, runs, *extra, steps=6, sample_tokens=0):
     return [
         "train",
