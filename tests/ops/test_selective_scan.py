@@ -423,6 +423,10 @@ class TestGPU:
             Case(Bsz=1, T=300, Dn=64, N=64, dtype=BF16),
             Case(Bsz=1, T=130, Dn=40, N=256, dtype=F32),
             Case(Bsz=3, T=1, Dn=200, N=16, dtype=BF16),
+            # the 130m training shape, as the mixer calls it (u, z, B, C slices)
+            Case(Bsz=8, T=2048, Dn=1536, N=16, dtype=BF16, strided=True, seq=False),
+            # the same width with a partial last time tile in every row
+            Case(Bsz=2, T=2047, Dn=1536, N=16, dtype=BF16, strided=True),
         ],
         ids=lambda c: c.id,
     )

@@ -2,13 +2,12 @@
 
 B batch, T time, D = d_inner, N = d_state, TC the time tile (= the interval of the states
 the forward saved). g_t = dL/dh_t satisfies g_t = C_t gy_t + a_{t+1} g_{t+1}; inside a tile
-it is a reverse `tl.associative_scan` in `_bwd_kernel` (elements carrying their own decay,
-so a_{t+1} never has to be shifted into row t) and a loop over the tile's rows from the last
-in `_bwd_local_kernel` (`_reverse_scan`, no shuffles). `_bwd_kernel` recomputes each tile's
-states from the saved tile-start state and writes du, d delta, dz and the per-program
-partials of dB, dC, dA, dD and d delta_bias; `_bwd_local_kernel` is the first pass over
-segments (each segment's reverse recurrence from a zero carry) when time is cut into
-segments.
+it is a loop over the tile's rows from the last (`_reverse_scan`: the rows lie within a
+thread, so no shuffles; `tl.associative_scan(reverse=True)` also reverses the lanes).
+`_bwd_kernel` recomputes each tile's states from the saved tile-start state and writes du,
+d delta, dz and the per-program partials of dB, dC, dA, dD and d delta_bias;
+`_bwd_local_kernel` is the first pass over segments (each segment's reverse recurrence from
+a zero carry) when time is cut into segments.
 """
 
 import triton
@@ -18,7 +17,6 @@ from .channel_sum import _store_channel_sum
 from .tiles import (
     LOG2E,
     _combine,
-    _combine_rev,
     _delta_of,
     _doc_starts,
     _in_range,
@@ -26,7 +24,7 @@ from .tiles import (
     _mul,
     _program_block,
     _reverse_scan,
-    _row,
+    _second,
     _st,
     _tile_decay,
     _tile_ptrs,
@@ -136,7 +134,6 @@ def _bwd_kernel(
     )
     A2 = A * LOG2E
     rows = tl.arange(0, TC)
-    ones = tl.full([TC, BLOCK_N, BLOCK_D], 1.0, tl.float32)
     off_seg = ((b * nseg + s) * Dn + d[None, :]) * N + n[:, None]  # [B, nseg, D, N]
     if HAS_G:
         G = tl.load(gin_ptr + off_seg, mask=mdn, other=0.0)
@@ -189,12 +186,11 @@ def _bwd_kernel(
         # products are then unused and compile away
         hs_in = tl.where((rows == 0)[:, None, None], bx + a * h0[None, :, :], bx)
         _pa, hs = tl.associative_scan((a, hs_in), 0, _combine)  # h_t
-        cc = Ct[:, :, None] * gy[:, None, :]
-        cc = tl.where((rows == TC - 1)[:, None, None], cc + G[None, :, :], cc)
-        # dL/dh_t by tl.associative_scan, whose result keeps the layout the channel sums of dB
-        # assume (`_reverse_scan` here gave x another layout where the tile is masked)
-        _k, x, _f = tl.associative_scan((ones, cc, a), 0, _combine_rev, reverse=True)
-        G = _row(a, rows, 0) * _row(x, rows, 0)  # the carry into the previous tile
+        # dL/dh_t, and the carry into the previous tile; the identity scan pins x to the tile's
+        # default layout, which the channel sums of dB (inline-asm shuffles) assume: without
+        # it Triton 3.6 lays x out with states on the low lanes on masked tiles
+        x, G = _reverse_scan(Ct[:, :, None] * gy[:, None, :], a, G, rows, TC)
+        x = tl.associative_scan(x, 0, _second)
         if HAS_Z:
             ys = tl.sum(hs * Ct[:, :, None], axis=1)
             if SPLIT_N:  # y needs every state block: dz is finished outside

@@ -39,14 +39,9 @@ def _combine(a1, b1, a2, b2):
 
 
 @triton.jit
-def _combine_rev(k_r, c_r, f_r, k_l, c_l, f_l):
-    """Reverse-scan combine of the adjoint recurrence g_t = c_t + a_{t+1} g_{t+1}.
-
-    An element (k, c, f) over steps [t, s] maps the carry w = a_{s+1} g_{s+1} to
-    g_t = c + k w, and f = a_t turns g_t into the carry for step t - 1. A single
-    step t is (1, c_t, a_t). `reverse=True` passes the later span first."""
-    m = k_l * f_r
-    return m * k_r, c_l + m * c_r, f_l
+def _second(a, b):
+    """The combine of an identity scan (every element keeps its value)."""
+    return b
 
 
 @triton.jit
