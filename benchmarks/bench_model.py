@@ -106,14 +106,15 @@ def measure_trainer(name, cfg, batch, seqlen, cuda_graph, iters) -> dict:
     return rec
 
 
-def measure_peer(cfg, batch, seqlen, iters) -> dict | None:
+def measure_peer_step(cfg, batch, seqlen):
+    """mamba_ssm's eager training step (fused AdamW, clipping) as a function, or None when
+    mamba_ssm is not importable; the model rides along as `step.model`."""
     try:
         from mamba_ssm.models.config_mamba import MambaConfig as SSMConfig
         from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
     except ImportError:
         print("mamba_ssm not importable: its rows are skipped")
         return None
-    _reset_memory()
     torch.manual_seed(0)
     model = MambaLMHeadModel(
         SSMConfig(d_model=cfg.d_model, n_layer=cfg.n_layers, vocab_size=cfg.vocab_size)
@@ -133,6 +134,15 @@ def measure_peer(cfg, batch, seqlen, iters) -> dict | None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    step.model = model
+    return step
+
+
+def measure_peer(cfg, batch, seqlen, iters) -> dict | None:
+    _reset_memory()
+    step = measure_peer_step(cfg, batch, seqlen)
+    if step is None:
+        return None
     ms = _time_steps(step, warmup=3, iters=iters)
     rec = {
         "workload": "mamba_ssm eager",
@@ -143,7 +153,7 @@ def measure_peer(cfg, batch, seqlen, iters) -> dict | None:
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "path": "eager",
     }
-    rec.update(measure_prefill(model, cfg.vocab_size))
+    rec.update(measure_prefill(step.model, cfg.vocab_size))
     return rec
 
 
@@ -184,8 +194,46 @@ def profile_step(cfg, batch, seqlen, path: str) -> None:
     head = f"one eager step: {n_kernels} GPU kernels/copies, {gpu_us / 1e3:.1f} ms of GPU time\n"
     table = events.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70)
     print(head + table)
-    Path(path).write_text(head + table)
+    Path(path).write_text(head + table + "\n" + host_profile(trainer))
     del trainer
+
+
+def host_profile(trainer) -> str:
+    """Where the host's time of one eager step goes: the time to enqueue the step (no sync
+    inside it; the GPU lags behind), and the Python functions by own time (cProfile)."""
+    import cProfile
+    import io
+    import pstats
+
+    torch.cuda.synchronize()
+    enqueue = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        trainer.train_step()
+        enqueue.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    trainer.train_step()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumulative").print_stats(45)
+    # the backward runs on autograd's device thread, which cProfile does not see: the
+    # profiler's CPU table covers every thread, per op (custom ops include their launches)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as tprof:
+        trainer.train_step()
+    torch.cuda.synchronize()
+    ops = tprof.key_averages().table(
+        sort_by="cpu_time_total", row_limit=45, max_name_column_width=60
+    )
+    head = "host enqueue time of one eager step (ms): " + ", ".join(f"{m:.1f}" for m in enqueue)
+    print(head)
+    return head + "\n" + ops + "\n" + buf.getvalue()
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"sweep conv scan model tests train decode"}  # also: ncu (not by default)
+STAGES=${STAGES:-"sweep conv scan model tests train decode host"}  # also: ncu (not by default)
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -36,6 +36,10 @@ if stage ncu; then  # hardware counters of the scan kernels (stall reasons, occu
       python scripts/scan_once.py > "$OUT/ncu$k.txt" 2>&1
     grep -E "Duration|Registers|Achieved Occupancy|Theoretical Occupancy|Issued Ipc|Stall|No Eligible|Warp Cycles|Eligible Warps|Memory Throughput|Compute \(SM\)" "$OUT/ncu$k.txt" | head -40 | tee -a "$LOG"
   done
+fi
+if stage host; then  # what the host costs per eager step and per op call (launch overhead)
+  echo "== host_overhead" | tee -a "$LOG"
+  timeout ${T_HOST:-150} python scripts/host_overhead.py --out "$OUT/host_overhead.txt" 2>&1 | tee -a "$LOG"
 fi
 if stage scan; then
   echo "== bench_scan" | tee -a "$LOG"

@@ -496,3 +496,29 @@ class TestGPU:
             y_ref = selective_state_update_reference(ref_state, *args)
             torch.cuda.synchronize()
             assert rel(y, y_ref) < TOL[BF16] and rel(state, ref_state) < 1e-5
+
+
+def test_unused_final_state_sends_no_gradient(seed, monkeypatch):
+    """A loss on y alone hands the backward no final-state gradient (None, not a zero tensor
+    that the kernel would load as its carry) and no tensor of the saved states' shape."""
+    from mambakit.ops.selective_scan import kernels as K
+
+    seen = {}
+    real_bwd = K.scan_bwd
+
+    def spy(gy, g_final, *rest, **kw):
+        seen["g_final"] = g_final
+        return real_bwd(gy, g_final, *rest, **kw)
+
+    monkeypatch.setattr(K, "scan_bwd", spy)
+    c = Case(T=20, seq=False, gT=False)
+    inp = make_inputs(c)
+    y, _hT, leaves = run(inp, c.softplus)
+    yo, _hTo, oleaves = run(inp, c.softplus, oracle_fn=oracle)
+    wy = torch.randn_like(y)
+    (y * wy).sum().backward()
+    (yo * wy.double()).sum().backward()
+    assert seen["g_final"] is None
+    for k, leaf in leaves.items():
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            assert rel(leaf.grad, oleaves[k].grad) < TOL[c.dtype], k

@@ -24,6 +24,9 @@ from torch.autograd.function import once_differentiable
 
 from ..ops import causal_conv1d, resolve_backend, selective_scan
 from ..ops._checks import check_seq_idx
+from ..ops._dispatch import Op
+from ..ops.causal_conv1d import conv_fwd_op
+from ..ops.selective_scan import scan_fwd_op
 
 
 def mamba_inner(
@@ -162,11 +165,9 @@ class _FusedInner(torch.autograd.Function):
     ):
         Dn, N = A.shape
         x_in, z = xz[..., :Dn], xz[..., Dn:]
-        u, conv_out = torch.ops.mambakit.causal_conv1d_fwd(
-            x_in, conv_weight, conv_bias, conv_state, seq_idx, True, True
-        )
+        u, conv_out = conv_fwd_op(x_in, conv_weight, conv_bias, conv_state, seq_idx, True, True)
         x_dbl, _, B, C, delta = _projections(u, None, x_proj_weight, dt_proj_weight, N)
-        y, ssm_out, states = torch.ops.mambakit.selective_scan_fwd(
+        y, ssm_out, states = scan_fwd_op(
             u, delta, A, B, C, D, z, dt_bias, True, ssm_state, seq_idx, train
         )
         if train:
@@ -206,7 +207,7 @@ class _FusedInner(torch.autograd.Function):
             seq_idx,
             states,
         ) = ctx.saved_tensors
-        grads = _inner_bwd(
+        grads = inner_bwd_op(
             gy, g_conv_out, g_ssm_out, xz, x_dbl, conv_weight, conv_bias, x_proj_weight,
             dt_proj_weight, A, D, dt_bias, conv_state, ssm_state, seq_idx, states,
         )  # fmt: skip
@@ -302,3 +303,6 @@ def _(gy, g_conv_out, g_ssm_out, xz, x_dbl, conv_weight, conv_bias, x_proj_weigh
         else e.clone(),
         ssm_state.new_empty(ssm_state.shape, dtype=f32) if ssm_state is not None else e.clone(),
     )
+
+
+inner_bwd_op = Op(_inner_bwd)  # eager calls skip the dispatcher (ops/_dispatch.py)

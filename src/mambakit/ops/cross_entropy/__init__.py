@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .._dispatch import Op
 from .reference import IGNORE_INDEX, cross_entropy_bwd_reference, cross_entropy_fwd_reference
 
 __all__ = [
@@ -53,12 +54,17 @@ def _(logits, targets, lse, g):
     return None
 
 
+# the handles the package's callers use (eager calls skip the dispatcher: ops/_dispatch.py)
+ce_fwd_op = Op(_ce_fwd_op)
+ce_bwd_op = Op(_ce_bwd_op)
+
+
 def cross_entropy_fwd_triton(
     logits: torch.Tensor,  # [c, V], stride 1 in V, any float dtype but f64
     targets: torch.Tensor,  # [c] int64, -100 ignored
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(loss [c] f32, lse [c] f32); loss is 0 on ignored rows, NaN for a target outside [0, V)."""
-    return _ce_fwd_op(logits, targets)
+    return ce_fwd_op(logits, targets)
 
 
 def cross_entropy_bwd_triton(
@@ -68,5 +74,5 @@ def cross_entropy_bwd_triton(
     g: torch.Tensor,  # [] dL/d(summed loss)
 ) -> torch.Tensor:
     """dL/dlogits [c, V] in the logits' dtype, written over `logits` (which it returns)."""
-    _ce_bwd_op(logits, targets, lse, g)
+    ce_bwd_op(logits, targets, lse, g)
     return logits

@@ -11,6 +11,8 @@ Shapes: B batch, T time, D = d_inner, N = d_state.
 
 import torch
 
+from .._dispatch import Op
+
 _FWD_SCHEMA = (
     "(Tensor u, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z, "
     "Tensor? delta_bias, bool delta_softplus, Tensor? initial_state, Tensor? seq_idx, "
@@ -123,6 +125,9 @@ _SAVED = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", 
 def _setup_context(ctx, inputs, output):
     u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, seq_idx, _ = inputs
     ctx.delta_softplus = delta_softplus
+    # unused outputs (the final state, the saved states) get None, not zeros: no 400 MB fill
+    # of the states' shape, and no zero carry loaded into the backward
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, output[2])
 
 
@@ -130,7 +135,7 @@ def _backward(ctx, gy, g_final, _g_states):
     u, delta, A, B, C, D, z, delta_bias, initial_state, seq_idx, states = ctx.saved_tensors
     if gy is None:
         gy = torch.zeros_like(u)
-    du, ddt, dA, dB, dC, dD, dz, dbias, dh0 = _scan_bwd(
+    du, ddt, dA, dB, dC, dD, dz, dbias, dh0 = scan_bwd_op(
         gy, g_final, u, delta, A, B, C, D, z, delta_bias, ctx.delta_softplus, initial_state,
         seq_idx, states,
     )  # fmt: skip
@@ -151,6 +156,9 @@ def _backward(ctx, gy, g_final, _g_states):
 
 
 _scan_fwd.register_autograd(_backward, setup_context=_setup_context)
+# the handles the package's callers use (eager calls skip the dispatcher: ops/_dispatch.py)
+scan_fwd_op = Op(_scan_fwd, _setup_context, _backward)
+scan_bwd_op = Op(_scan_bwd)
 
 
 def selective_scan_triton(
@@ -173,7 +181,7 @@ def selective_scan_triton(
     """
     tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
     save = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    y, hT, _ = _scan_fwd(
+    y, hT, _ = scan_fwd_op(
         u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus), initial_state, seq_idx, save
     )
     return (y, hT) if return_final_state else y
@@ -193,6 +201,9 @@ def _(ssm_state, u, delta, A, B, C, D, z, delta_bias, delta_softplus):
     return u.new_empty(u.shape)
 
 
+state_update_op = Op(_state_update)
+
+
 def selective_state_update_triton(
     ssm_state: torch.Tensor,  # [B, D, N] f32, updated in place
     u: torch.Tensor,  # [B, D]
@@ -206,7 +217,7 @@ def selective_state_update_triton(
     delta_softplus: bool = True,
 ) -> torch.Tensor:
     """One decode step: h = exp(delta A) h + delta u B in place; returns y [B, D] in u.dtype."""
-    return _state_update(ssm_state, u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus))
+    return state_update_op(ssm_state, u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus))
 
 
 __all__ = ["selective_scan_triton", "selective_state_update_triton"]
