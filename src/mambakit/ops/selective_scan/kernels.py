@@ -81,8 +81,9 @@ def config(Dn: int, interpret: bool) -> ScanConfig:
         )  # fmt: skip
     # measured on the H200 at 8x2048x1536x16 bf16 (scripts/scan_sweep.py): forward tile 8 x
     # 32 channels, 1 warp, 3 pipeline stages 0.363 ms (tile 2: 1.41; tile 16 / 4 warps: 1.52);
-    # backward tile 4 x 16 channels, 1 warp, loads one tile ahead, reduce-scatter 1.49 ms (8
-    # channels 1.54; with tl.sum channel sums 1.92; without loading ahead 2.02; tile 2: 2.91).
+    # backward tile 4 x 16 channels, 1 warp, loads one tile ahead, reduce-scatter, adjoint by a
+    # row loop 0.935 ms (8 channels 0.926, tile 8 x 8: 1.19; with the reverse associative_scan
+    # 1.49; with tl.sum channel sums 1.92; without loading ahead 2.02; tile 2: 2.91).
     # Segments below 2 programs per SM, aiming at 16: 1x65536 fwd+bwd 8.15 ms with the
     # shuffle-free local pass (before it: 9.45; aiming at 8: 9.82, 12: 10.9; no segments:
     # 42.2), 1x4096 0.67 (8: 0.69); 8x2048 unchanged (below 8 per SM, cutting it: 2.50).
