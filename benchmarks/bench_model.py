@@ -221,8 +221,8 @@ def host_profile(trainer) -> str:
     stats = pstats.Stats(prof, stream=buf)
     stats.sort_stats("tottime").print_stats(45)
     stats.sort_stats("cumulative").print_stats(45)
-    # the backward runs on autograd's device thread, which cProfile does not see: the
-    # profiler's CPU table covers every thread, per op (custom ops include their launches)
+    # the profiler's CPU table: host time per op on every thread (a custom op's row includes
+    # its Triton launches)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as tprof:

@@ -2,10 +2,9 @@
 
 At a tiny shape (130m layers, batch 1 x 64) the GPU work of a step is small, so the step's
 time is what the host needs to issue it. Prints, for mambakit's eager Trainer step and
-mamba_ssm's (when importable) at that shape, the time per step; then the cost per call of
-single ops through the custom-op dispatcher and straight to the launcher; then cProfile
-of one mambakit step (main thread; the backward runs on autograd's device thread, so the
-torch profiler's CPU table follows for it).
+mamba_ssm's (when importable) at that shape, the time per step; then, at the training shape
+(8 x 2048), each op's host enqueue time through the custom-op dispatcher and straight to
+its launcher beside its GPU time; then bench_model's host profile of one mambakit step.
 
     PYTHONPATH=src python scripts/host_overhead.py --out host.txt
 """
@@ -13,9 +12,6 @@ torch profiler's CPU table follows for it).
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
 import sys
 import time
 from pathlib import Path
@@ -23,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_model import measure_peer_step, trainer_for  # noqa: E402
+from bench_model import host_profile, measure_peer_step, trainer_for  # noqa: E402
 
 from mambakit import MambaConfig  # noqa: E402
 
@@ -167,20 +163,7 @@ def main() -> None:
     lines.append("")
     lines.extend(op_costs())
 
-    prof = cProfile.Profile()
-    prof.enable()
-    trainer.train_step()
-    prof.disable()
-    torch.cuda.synchronize()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(40)
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as tprof:
-        trainer.train_step()
-    torch.cuda.synchronize()
-    ops = tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45)
-    text = "\n".join(lines) + "\n\n" + ops + "\n" + buf.getvalue()
+    text = "\n".join(lines) + "\n\n" + host_profile(trainer)
     if args.out:
         Path(args.out).write_text(text)
 
