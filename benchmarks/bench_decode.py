@@ -1,12 +1,14 @@
 """Decode benchmark: prefill + token-by-token generation, with and without CUDA graphs.
 
-GPU (default when CUDA is present): the 130m preset in bf16 (random weights),
-a 16-token prompt + 256 new tokens (greedy), batch 1, 8 and 64: tokens/s and
-per-token latency of mambakit with and without CUDA graphs, against
-`mamba_ssm`'s `MambaLMHeadModel.generate(cg=True)` and `transformers`'
-`MambaForCausalLM.generate` measured in the same run when importable. Also
-counts the kernels of one decode step and the weight-streaming bound
-(parameter bytes / copy rate) at batch 1.
+GPU (default when CUDA is present): the 130m, 370m and 1.4b presets in bf16
+(random weights), a 16-token prompt + 256 new tokens (greedy), batch 1, 8 and
+64: tokens/s and per-token latency of mambakit with and without CUDA graphs,
+against `mamba_ssm`'s `MambaLMHeadModel.generate(cg=True)` (and, at 130m,
+`transformers`' `MambaForCausalLM.generate`) measured in the same run when
+importable. Also the kernels launched per token (the model step, and the step
+with sampling and bookkeeping as `generate` runs it) and the streaming bound:
+the bytes a step must move (every weight once, the recurrent state read and
+written) over the copy rate.
 
 CPU (`--device cpu`): `MambaBackbone.step()` of an RL-size model (d_model 128,
 3 layers, batch 1, f32) in microseconds per step, eager (no_grad and
@@ -14,6 +16,7 @@ inference_mode) and, with `--compile`, under torch.compile; plus the aten ops
 dispatched per step (what bounds it: per-op dispatch overhead).
 
     python benchmarks/bench_decode.py                       # H200 table
+    python benchmarks/bench_decode.py --presets 130m --batch 1
     python benchmarks/bench_decode.py --device cpu --compile
     python benchmarks/bench_decode.py --quick --device cpu  # dry run of every path
 
@@ -26,6 +29,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -33,6 +37,9 @@ import torch
 
 from mambakit import MambaBackbone, MambaConfig, MambaLM
 from mambakit.inference import CUDAGraphStep, generate
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import cuda_time_ms, graph_time_ms  # noqa: E402
 
 COPY_RATE = 4.27e12  # bytes/s, H200 (DESIGN.md section 7)
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
@@ -170,57 +177,154 @@ def bench_transformers(preset: MambaConfig, ids, new, dtype, repeats: int):
     return total, prefill
 
 
+def step_bytes(model, preset: MambaConfig, batch: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(weight bytes, state bytes read + written) of one decode step."""
+    weights = model.num_parameters() * torch.finfo(dtype).bits // 8
+    per_row = preset.d_inner * (preset.d_state + preset.d_conv - 1) * 4  # f32 state
+    return weights, 2 * preset.n_layers * batch * per_row
+
+
 def decode_table(args, device: torch.device) -> list[dict]:
+    from mambakit.inference.generate import _Decoder
+    from mambakit.inference.sampling import SamplingConfig
+
     dtype = DTYPES[args.dtype]
-    preset = MambaConfig.preset(args.preset)
-    torch.manual_seed(0)
-    model = MambaLM(preset, device=device).to(dtype).eval()
-    n_params = model.num_parameters()
-    weight_bytes = n_params * torch.finfo(dtype).bits // 8
-    bound_us = weight_bytes / COPY_RATE * 1e6
     out = []
-    shapes = (
-        f"{args.preset} d_model={preset.d_model} layers={preset.n_layers} V={preset.vocab_size}"
-    )
-    graph_modes = [False, True] if device.type == "cuda" else [False]
-    for B in args.batch:
-        ids = torch.randint(0, preset.vocab_size, (B, args.prompt_len), device=device)
-        new = args.new_tokens
-        wl = f"decode {args.prompt_len}+{new}"
-        state = model.init_state(B)
+    for name in args.presets:
+        preset = MambaConfig.preset(name)
+        torch.manual_seed(0)
+        model = MambaLM(preset, device=device).to(dtype).eval()
+        shapes = f"{name} d_model={preset.d_model} layers={preset.n_layers} V={preset.vocab_size}"
+        graph_modes = [False, True] if device.type == "cuda" else [False]
+        for B in args.batch:
+            ids = torch.randint(0, preset.vocab_size, (B, args.prompt_len), device=device)
+            new = args.new_tokens
+            wl = f"{name} decode {args.prompt_len}+{new}"
+            weight_bytes, state_bytes = step_bytes(model, preset, B, dtype)
+            bound_us = (weight_bytes + state_bytes) / COPY_RATE * 1e6
+            dec = _Decoder(model, B, preset.vocab_size, SamplingConfig(temperature=0), 8, device)
 
-        def one_step(tok=ids[:, -1], state=state):
-            with torch.no_grad():
-                model.step(tok, state)
+            def one_step(model=model, state=dec.state, tok=ids[:, -1]):
+                with torch.no_grad():
+                    model.step(tok, state)
 
-        kernels = count_kernels(one_step, device)
-        for graphs in graph_modes:
-            total, prefill = bench_mambakit(model, ids, new, graphs, args.repeats)
-            impl = "mambakit" + (" cuda-graph" if graphs else " eager")
-            extra = {"kernels_per_step": kernels, "weight_bytes": weight_bytes}
-            if B == 1 and device.type == "cuda":
-                extra["roofline_us_per_token"] = bound_us
-            out.append(record(wl, impl, B, new, total, prefill, args.dtype, shapes, **extra))
-            r = out[-1]  # progress, in case a later row does not finish
-            tps, us = r["tokens_per_s"], r["us_per_token"]
-            print(f"  {impl} batch {B}: {tps:,.0f} tokens/s, {us:.1f} us/token", flush=True)
-        if device.type == "cuda" and not args.no_peers:
-            for name, fn in (
-                ("mamba_ssm cg=True", bench_mamba_ssm),
-                ("transformers", bench_transformers),
-            ):
-                res = fn(preset, ids, new, dtype, args.repeats)
-                if res is not None:
-                    out.append(record(wl, name, B, new, res[0], res[1], args.dtype, shapes))
+            extra = {
+                "preset": name,
+                "kernels_per_step": count_kernels(one_step, device),
+                "kernels_per_token": count_kernels(dec.decode_step, device),
+                "weight_bytes": weight_bytes,
+                "state_bytes": state_bytes,
+                "bound_us_per_step": bound_us,
+            }
+            for graphs in graph_modes:
+                total, prefill = bench_mambakit(model, ids, new, graphs, args.repeats)
+                impl = "mambakit" + (" cuda-graph" if graphs else " eager")
+                out.append(record(wl, impl, B, new, total, prefill, args.dtype, shapes, **extra))
+                r = out[-1]  # progress, in case a later row does not finish
+                tps, us = r["tokens_per_s"], r["us_per_token"]
+                print(f"  {name} {impl} batch {B}: {tps:,.0f} tokens/s, {us:.1f} us/step")
+            del dec
+            if device.type == "cuda" and not args.no_peers:
+                peers = [("mamba_ssm cg=True", bench_mamba_ssm)]
+                if name == "130m":
+                    peers.append(("transformers", bench_transformers))
+                for peer_name, fn in peers:
+                    res = fn(preset, ids, new, dtype, args.repeats)
+                    if res is not None:
+                        out.append(
+                            record(
+                                wl,
+                                peer_name,
+                                B,
+                                new,
+                                res[0],
+                                res[1],
+                                args.dtype,
+                                shapes,
+                                preset=name,
+                                bound_us_per_step=bound_us,
+                            )  # fmt: skip
+                        )
+                        r = out[-1]
+                        print(f"  {name} {peer_name} batch {B}: {r['tokens_per_s']:,.0f} tokens/s, "
+                              f"{r['us_per_token']:.1f} us/step", flush=True)  # fmt: skip
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     for r in out:  # ratio to the peer measured in the same run
         peer = next(
-            (p for p in out if p["impl"] == "mamba_ssm cg=True" and p["batch"] == r["batch"]),
+            (
+                p
+                for p in out
+                if p["impl"] == "mamba_ssm cg=True"
+                and p["batch"] == r["batch"]
+                and p["preset"] == r["preset"]
+            ),
             None,
         )
         if peer is not None:
             r["speedup_vs_mamba_ssm_cg"] = r["tokens_per_s"] / peer["tokens_per_s"]
-        if "roofline_us_per_token" in r:
-            r["roofline_ratio"] = r["roofline_us_per_token"] / r["us_per_token"]
+        r["bound_ratio"] = r["us_per_token"] / r["bound_us_per_step"]
+    return out
+
+
+def prefill_table(args, device: torch.device) -> list[dict]:
+    """Prefill as `generate` runs it: the parallel forward over 1 x T prompt tokens, the LM
+    head on the last position only, under inference_mode; eager (CUDA events around the
+    call: launch gaps count) and replayed from a CUDA graph; mamba_ssm's
+    `model(ids, num_last_tokens=1)` the same ways."""
+    dtype = DTYPES[args.dtype]
+    T = args.prefill_len
+    out = []
+    for name in args.presets:
+        preset = MambaConfig.preset(name)
+        torch.manual_seed(0)
+        ids = torch.randint(0, preset.vocab_size, (1, T), device=device)
+        model = MambaLM(preset, device=device).to(dtype).eval()
+
+        def ours(model=model, ids=ids):
+            with torch.inference_mode():
+                hidden, _ = model.backbone(ids)
+                model.lm_head(hidden[:, -1])
+
+        impls = [("mambakit", ours)]
+        peer = None
+        if not args.no_peers:
+            try:
+                from mamba_ssm.models.config_mamba import MambaConfig as SSMConfig
+                from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
+
+                cfg = SSMConfig(d_model=preset.d_model, n_layer=preset.n_layers,
+                                vocab_size=preset.vocab_size, ssm_cfg={})  # fmt: skip
+                peer = MambaLMHeadModel(cfg, device=device, dtype=dtype).eval()
+
+                def theirs(peer=peer, ids=ids):
+                    with torch.inference_mode():
+                        peer(ids, num_last_tokens=1)
+
+                impls.append(("mamba_ssm", theirs))
+            except ImportError:
+                pass
+        rows = {}
+        for impl, fn in impls:
+            rec = {"workload": f"{name} prefill 1x{T}", "impl": impl, "preset": name,
+                   "dtype": args.dtype, "kernels": count_kernels(fn, device),
+                   "eager_ms": cuda_time_ms(fn, warmup=2, iters=5)}  # fmt: skip
+            try:
+                rec["graph_ms"] = graph_time_ms(fn, iters=10)
+            except Exception as e:  # a model that cannot be captured: say so
+                rec["graph_ms"] = f"n/a ({type(e).__name__})"
+            rows[impl] = rec
+            print(f"  {rec['workload']} {impl}: eager {rec['eager_ms']:.2f} ms, "
+                  f"graph {rec['graph_ms']}", flush=True)  # fmt: skip
+        if "mamba_ssm" in rows:
+            for key in ("eager_ms", "graph_ms"):
+                a, b = rows["mambakit"][key], rows["mamba_ssm"][key]
+                if isinstance(a, float) and isinstance(b, float):
+                    rows["mambakit"][f"{key[:-3]}_x_peer"] = b / a
+        out += list(rows.values())
+        del model, peer
+        torch.cuda.empty_cache()
     return out
 
 
@@ -298,20 +402,22 @@ def print_table(rows: list[dict]) -> None:
     if not rows:
         return
     if "tokens_per_s" in rows[0]:
-        print(f"{'workload':<16} {'impl':<22} {'batch':>5} {'tokens/s':>12} {'us/token':>10} "
-              f"{'prefill ms':>10} {'kernels':>8} {'vs mamba_ssm':>12}")  # fmt: skip
+        print(f"{'workload':<22} {'impl':<20} {'batch':>5} {'tokens/s':>10} {'us/step':>8} "
+              f"{'bound us':>8} {'x bound':>7} {'prefill ms':>10} {'kernels':>9} "
+              f"{'vs mamba_ssm':>12}")  # fmt: skip
         for r in rows:
             vs = r.get("speedup_vs_mamba_ssm_cg")
+            kern = ""
+            if r.get("kernels_per_step"):
+                kern = f"{r['kernels_per_step']}/{r['kernels_per_token']}"
             print(
-                f"{r['workload']:<16} {r['impl']:<22} {r['batch']:>5} {r['tokens_per_s']:>12,.0f} "
-                f"{r['us_per_token']:>10.1f} {r['prefill_s'] * 1e3:>10.2f} "
-                f"{r.get('kernels_per_step') or '':>8} {f'{vs:.2f}x' if vs else '':>12}"
+                f"{r['workload']:<22} {r['impl']:<20} {r['batch']:>5} "
+                f"{r['tokens_per_s']:>10,.0f} {r['us_per_token']:>8.1f} "
+                f"{r['bound_us_per_step']:>8.1f} {r['bound_ratio']:>7.2f} "
+                f"{r['prefill_s'] * 1e3:>10.2f} {kern:>9} {f'{vs:.2f}x' if vs else '':>12}"
             )
-        bound = next((r for r in rows if "roofline_us_per_token" in r), None)
-        if bound:
-            print(
-                f"weight-streaming bound at batch 1: {bound['roofline_us_per_token']:.1f} us/token"
-            )
+        print("kernels: launched by model.step / by one whole token of generate (step, sampling,"
+              " bookkeeping); bound: weights + state r/w at the copy rate")  # fmt: skip
     else:
         print(f"{'workload':<20} {'impl':<30} {'threads':>7} {'us/step':>9} {'median':>9} "
               f"{'aten ops':>8} {'us/op':>6}")  # fmt: skip
@@ -326,12 +432,13 @@ def print_table(rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--preset", default="130m")
+    p.add_argument("--presets", nargs="+", default=["130m", "370m", "1.4b"])
     p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prefill-len", type=int, default=4096, help="0: no prefill table (GPU)")
     p.add_argument("--no-peers", action="store_true", help="skip mamba_ssm and transformers")
     p.add_argument("--compile", action="store_true", help="CPU: also time torch.compile'd step")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a dry run of every path")
@@ -339,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if args.quick:
-        args.preset, args.batch, args.new_tokens, args.repeats = "tiny", [1, 2], 8, 2
+        args.presets, args.batch, args.new_tokens, args.repeats = ["tiny"], [1, 2], 8, 2
         args.prompt_len = min(args.prompt_len, 8)
         if device.type == "cpu":
             args.dtype = "f32"
@@ -355,6 +462,17 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rows = decode_table(args, device)
         print_table(rows)
+        if args.prefill_len:
+            pre = prefill_table(args, device)
+            print(f"{'workload':<22} {'impl':<10} {'kernels':>7} {'eager ms':>9} {'x peer':>7} "
+                  f"{'graph ms':>9} {'x peer':>7}")  # fmt: skip
+            for r in pre:
+                g = r["graph_ms"]
+                g = g if isinstance(g, str) else f"{g:.2f}"
+                print(f"{r['workload']:<22} {r['impl']:<10} {r['kernels'] or '':>7} "
+                      f"{r['eager_ms']:>9.2f} {r.get('eager_x_peer', ''):>7.4} "
+                      f"{g:>9} {r.get('graph_x_peer', ''):>7.4}")  # fmt: skip
+            rows += pre
     if args.out:
         meta = {
             "torch": torch.__version__,

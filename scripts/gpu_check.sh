@@ -7,7 +7,7 @@ set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"sweep conv scan model tests train decode host"}  # also: ncu (not by default)
+STAGES=${STAGES:-"sweep conv scan model tests train decode dprofile host"}  # also: ncu
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -60,6 +60,10 @@ if stage train; then
 fi
 if stage decode; then
   echo "== bench_decode" | tee -a "$LOG"
-  timeout ${T_DECODE:-90} python benchmarks/bench_decode.py --out "$OUT/bench_decode.json" ${DECODE_ARGS:-} 2>&1 | tee -a "$LOG"
+  timeout ${T_DECODE:-300} python benchmarks/bench_decode.py --out "$OUT/bench_decode.json" ${DECODE_ARGS:-} 2>&1 | tee -a "$LOG"
+fi
+if stage dprofile; then  # per-kernel GPU time of a decode step and of an eager prefill
+  echo "== decode_profile" | tee -a "$LOG"
+  timeout ${T_DPROFILE:-120} python scripts/decode_profile.py --out "$OUT/decode_profile.txt" ${DPROFILE_ARGS:-} 2>&1 | tail -80 | tee -a "$LOG"
 fi
 echo "== done" | tee -a "$LOG"

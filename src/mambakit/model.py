@@ -20,7 +20,7 @@ from .config import MambaConfig
 from .layers.block import MambaBlock, RMSNorm
 from .layers.init import init_model_weights
 from .layers.loss import linear_cross_entropy
-from .ops import resolve_backend, rms_norm
+from .ops import norm_linear, resolve_backend, rms_norm
 from .ops._checks import check_seq_idx, check_tensor
 from .state import MambaState
 
@@ -144,33 +144,50 @@ class MambaBackbone(nn.Module):
 
     def step(self, x: torch.Tensor, state: MambaState) -> tuple[torch.Tensor, MambaState]:
         """One timestep: x [B] ids or [B, input_dim or M] -> (hidden [B, M], state)."""
+        self._check_step(x, state)
+        if self._step_records_grad(state):
+            out, new_state = self.forward(x.unsqueeze(1), state)
+            return out[:, 0], new_state
+        h, residual, cdt, backend = self._decode_layers(x, state)
+        # _param is norm_f's weight
+        out, _ = rms_norm(h, self._param, self.norm_f.eps, residual, cdt, backend, False)
+        return out, state
+
+    def _check_step(self, x: torch.Tensor, state: MambaState) -> None:
         want_dim = 1 if self.embeddings is not None else 2
         if not isinstance(x, torch.Tensor) or x.dim() != want_dim:
             got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             name = "input_ids" if self.embeddings is not None else "x"
             shape = "[B]" if want_dim == 1 else "[B, F]"
             raise ValueError(f"step: {name} must be a {want_dim}-d tensor {shape}, got {got}")
-        param = self._param
-        if x.device != param.device:
-            raise ValueError(f"step: input is on {x.device} but the model on {param.device}")
+        if x.device != self._param.device:
+            raise ValueError(f"step: input is on {x.device} but the model on {self._param.device}")
         self._check_state(state, x.shape[0], x.device)
-        if torch.is_grad_enabled() and (
-            param.requires_grad or state.conv.requires_grad or state.ssm.requires_grad
-        ):
-            out, new_state = self.forward(x.unsqueeze(1), state)
-            return out[:, 0], new_state
-        # The decode path: a batch-1 CPU step is bound by per-call overhead, so the backend
-        # is resolved once here (not once per op) and each layer's state is a view from one
-        # unbind (not two selects per layer).
+
+    def _step_records_grad(self, state: MambaState) -> bool:
+        return torch.is_grad_enabled() and (
+            self._param.requires_grad or state.conv.requires_grad or state.ssm.requires_grad
+        )
+
+    def _decode_layers(
+        self, x: torch.Tensor, state: MambaState
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype, str]:
+        """The layers of one decode step, the state in place: (the last block's output,
+        the residual stream before norm_f, compute dtype, backend).
+
+        A batch-1 CPU step is bound by per-call overhead, so the backend is resolved
+        once here (not once per op) and each layer's state is a view from one unbind
+        (not two selects per layer). On the Triton backend each block is one fused
+        step of three kernels (`ops.mamba_layer_step`) when its weights are in the
+        compute dtype, outside torch.compile (which traces the op chain)."""
         h = self.embed(x)
-        cdt = compute_dtype(param.dtype, x.device)
+        cdt = compute_dtype(self._param.dtype, x.device)
         backend = resolve_backend("auto", h)
+        fused = backend == "triton" and not torch.compiler.is_compiling()
         residual = None
         for layer, conv, ssm in zip(self.layers, state.conv.unbind(0), state.ssm.unbind(0)):
-            h, residual = layer.step(h, residual, cdt, conv, ssm, backend)
-        # param is norm_f's weight
-        out, _ = rms_norm(h, param, self.norm_f.eps, residual, cdt, backend, False)
-        return out, state
+            h, residual = layer.step(h, residual, cdt, conv, ssm, backend, fused)
+        return h, residual, cdt, backend
 
 
 @dataclass
@@ -248,9 +265,26 @@ class MambaLM(nn.Module):
         return linear_cross_entropy(hidden, self.lm_head.weight, targets), state
 
     def step(self, input_ids: torch.Tensor, state: MambaState) -> tuple[torch.Tensor, MambaState]:
-        """ids [B] -> (logits [B, V], state advanced one token)."""
-        hidden, state = self.backbone.step(input_ids, state)
-        return self.lm_head(hidden), state
+        """ids [B] -> (logits [B, V], state advanced one token).
+
+        On the Triton backend the final norm is fused into the LM head's
+        matrix-vector kernel (`ops.norm_linear`), which streams the head once."""
+        bb = self.backbone
+        bb._check_step(input_ids, state)
+        if bb._step_records_grad(state):
+            hidden, state = bb.step(input_ids, state)
+            return self.lm_head(hidden), state
+        h, residual, cdt, backend = bb._decode_layers(input_ids, state)
+        head = self.lm_head
+        w = head.weight
+        if backend == "triton" and w.dtype == cdt and not torch.compiler.is_compiling():
+            logits = norm_linear(
+                h, w, head.bias, residual, bb._param, bb.norm_f.eps, backend, validate=False
+            )
+        else:
+            hidden, _ = rms_norm(h, bb._param, bb.norm_f.eps, residual, cdt, backend, False)
+            logits = head(hidden)
+        return logits, state
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 64, **kwargs) -> torch.Tensor:
         """Prefill the prompt in parallel, then decode with step(); see mambakit.inference."""

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..config import MambaConfig
-from ..ops import rms_norm
+from ..ops import StepWeights, mamba_layer_step, rms_norm
 from .init import no_weight_decay
 from .mixer import Mamba, _p
 
@@ -79,10 +79,32 @@ class MambaBlock(nn.Module):
         conv_state: torch.Tensor,
         ssm_state: torch.Tensor,
         backend: str = "auto",
+        fused: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # the op, not the module: a module call costs a few us, as much as two small ops
+        """One decode step: (the mixer's output [B, M], the residual [B, M] f32).
+
+        `fused` (the Triton backend, outside torch.compile): add, norm and mixer as
+        one `mamba_layer_step` when the weights are in the compute dtype."""
         norm = self._modules["norm"]
+        mixer = self._modules["mixer"]
+        if fused:
+            w = self._step_weights()
+            if w.in_w.dtype == compute_dtype:
+                return mamba_layer_step(hidden, residual, w, conv_state, ssm_state, backend, False)
+        # the op, not the module: a module call costs a few us, as much as two small ops
         normed, residual = rms_norm(
             hidden, _p(norm, "weight"), norm.eps, residual, compute_dtype, backend, False
         )
-        return self._modules["mixer"].step(normed, conv_state, ssm_state, backend), residual
+        return mixer.step(normed, conv_state, ssm_state, backend), residual
+
+    def _step_weights(self) -> StepWeights:
+        """The tensors of the fused decode step, from the mixer's decode cache."""
+        mixer = self._modules["mixer"]
+        mods = mixer._modules
+        (in_w, x_w, dt_w, out_w), conv_w, (A, D, dt_bias) = mixer._decode_params()
+        norm = self._modules["norm"]
+        return StepWeights(
+            _p(norm, "weight"), norm.eps, in_w[0], _p(mods["in_proj"], "bias"), conv_w,
+            _p(mods["conv1d"], "bias"), x_w[0], dt_w[0], dt_bias, A, D, out_w[0],
+            _p(mods["out_proj"], "bias"),
+        )  # fmt: skip

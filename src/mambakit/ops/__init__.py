@@ -17,6 +17,8 @@ import torch
 
 from ._checks import check_same_dtype, check_seq_idx, check_tensor
 from .causal_conv1d.reference import causal_conv1d_reference, causal_conv1d_update_reference
+from .mamba_step import StepWeights
+from .mamba_step.reference import mamba_layer_step_reference, norm_linear_reference
 from .rms_norm.reference import rms_norm_reference
 from .selective_scan.reference import (
     selective_scan_reference,
@@ -29,6 +31,9 @@ __all__ = [
     "rms_norm",
     "selective_state_update",
     "causal_conv1d_update",
+    "mamba_layer_step",
+    "norm_linear",
+    "StepWeights",
     "resolve_backend",
 ]
 
@@ -269,3 +274,77 @@ def causal_conv1d_update(
 
         return causal_conv1d_update_triton(*args)
     return causal_conv1d_update_reference(*args)
+
+
+def mamba_layer_step(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    weights: StepWeights,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    backend: str = "auto",
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of a whole Mamba block (add, norm, mixer), the states in place.
+
+    hidden [B, M] is the previous block's output (or the embedded input), residual
+    [B, M] f32 (None at the first block).
+    Returns (out [B, M] in the weights' dtype, the new residual [B, M] f32). The
+    residual and states are f32 (f64 with float64 weights: the oracle). On
+    the Triton backend it is three kernels (mamba_step/kernels.py)."""
+    w = weights
+    if validate:
+        if not isinstance(w, StepWeights):
+            raise TypeError(f"weights must be a StepWeights, got {type(w).__name__}")
+        M = w.norm_w.shape[0]
+        Dn, N = w.A.shape
+        check_tensor("hidden", hidden, (None, M), last_dim_contiguous=True)
+        Bsz = hidden.shape[0]
+        f = torch.float64 if w.in_w.dtype == torch.float64 else torch.float32
+        if residual is not None:
+            check_tensor("residual", residual, (Bsz, M), device=hidden.device,
+                         last_dim_contiguous=True)  # fmt: skip
+            if residual.dtype != f:
+                raise TypeError(f"residual must be {f}, got {residual.dtype}")
+        K = w.conv_w.shape[1]
+        check_tensor("conv_state", conv_state, (Bsz, K - 1, Dn), device=hidden.device)
+        check_tensor("ssm_state", ssm_state, (Bsz, Dn, N), device=hidden.device,
+                     last_dim_contiguous=True)  # fmt: skip
+        for name, t in (("conv_state", conv_state), ("ssm_state", ssm_state)):
+            if t.dtype != f:
+                raise TypeError(f"{name} must be {f}, got {t.dtype}")
+    if resolve_backend(backend, w.in_w) == "triton":
+        from .mamba_step import mamba_layer_step_triton
+
+        return mamba_layer_step_triton(hidden, residual, w, conv_state, ssm_state)
+    return mamba_layer_step_reference(hidden, residual, w, conv_state, ssm_state)
+
+
+def norm_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    backend: str = "auto",
+    validate: bool = True,
+) -> torch.Tensor:
+    """rmsnorm(x + residual) W^T (+ bias) for x [B, K] at decode batch sizes (or x W^T
+    without `norm_weight`), in the weight's dtype; W [Nout, K] streams once."""
+    if validate:
+        check_tensor("weight", weight, (None, None), last_dim_contiguous=True)
+        Kin = weight.shape[1]
+        check_tensor("x", x, (None, Kin), device=weight.device, last_dim_contiguous=True)
+        if residual is not None:
+            check_tensor("residual", residual, (x.shape[0], Kin), device=weight.device,
+                         last_dim_contiguous=True)  # fmt: skip
+        if norm_weight is not None:
+            check_tensor("norm_weight", norm_weight, (Kin,), device=weight.device)
+        if bias is not None:
+            check_tensor("bias", bias, (weight.shape[0],), device=weight.device)
+    if resolve_backend(backend, weight) == "triton":
+        from .mamba_step import norm_linear_triton
+
+        return norm_linear_triton(x, weight, bias, residual, norm_weight, eps)
+    return norm_linear_reference(x, weight, bias, residual, norm_weight, eps)

@@ -1,0 +1,98 @@
+"""Where a decode step and an eager prefill spend GPU time: per-kernel tables (profiler).
+
+For each preset (bf16, random weights): one eager `MambaLM.step` at each batch size
+(kernels, GPU time per kernel, and the step's total against the time its weights take
+to stream at the copy rate), then one eager prefill forward of 1 x 4096 tokens under
+inference_mode, with mamba_ssm's prefill beside it when importable.
+
+    python scripts/decode_profile.py --presets 130m 1.4b --batch 1 64 --out profile.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from mambakit import MambaConfig, MambaLM
+
+COPY_RATE = 4.27e12
+
+
+def kernel_table(fn, title: str, rows: int = 25) -> str:
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    n = sum(e.count for e in events)
+    gpu_us = sum(e.self_device_time_total for e in events)
+    lines = [f"== {title}: {n} kernels, {gpu_us:.1f} us of GPU time"]
+    lines.append(f"{'kernel':<72} {'count':>6} {'total us':>9} {'avg us':>8}")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:rows]:
+        lines.append(
+            f"{e.key[:72]:<72} {e.count:>6} {e.self_device_time_total:>9.1f} "
+            f"{e.self_device_time_total / e.count:>8.2f}"
+        )
+    return "\n".join(lines)
+
+
+def peer_model(cfg: MambaConfig, dtype):
+    try:
+        from mamba_ssm.models.config_mamba import MambaConfig as SSMConfig
+        from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
+    except ImportError:
+        return None
+    c = SSMConfig(d_model=cfg.d_model, n_layer=cfg.n_layers, vocab_size=cfg.vocab_size, ssm_cfg={})
+    return MambaLMHeadModel(c, device="cuda", dtype=dtype).eval()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--presets", nargs="+", default=["130m", "1.4b"])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--prefill", type=int, default=4096)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    out = []
+    for name in args.presets:
+        cfg = MambaConfig.preset(name)
+        torch.manual_seed(0)
+        model = MambaLM(cfg, device="cuda").to(torch.bfloat16).eval()
+        wbytes = model.num_parameters() * 2
+        out.append(f"##### {name}: {wbytes / 1e6:.0f} MB of bf16 weights, "
+                   f"{wbytes / COPY_RATE * 1e6:.1f} us at the copy rate")  # fmt: skip
+        for B in args.batch:
+            state = model.init_state(B)
+            tok = torch.randint(0, cfg.vocab_size, (B,), device="cuda")
+
+            def step(model=model, state=state, tok=tok):
+                with torch.inference_mode():
+                    model.step(tok, state)
+
+            out.append(kernel_table(step, f"{name} eager step, batch {B}"))
+            print(out[-1], flush=True)
+        ids = torch.randint(0, cfg.vocab_size, (1, args.prefill), device="cuda")
+
+        def prefill(m=model, ids=ids):
+            with torch.inference_mode():
+                m(ids)
+
+        out.append(kernel_table(prefill, f"{name} eager prefill 1x{args.prefill} (mambakit)"))
+        print(out[-1], flush=True)
+        del model
+        peer = peer_model(cfg, torch.bfloat16)
+        if peer is not None:
+            out.append(kernel_table(lambda p=peer: prefill(p), f"{name} prefill (mamba_ssm)"))
+            print(out[-1], flush=True)
+            del peer
+        torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).write_text("\n\n".join(out) + "\n")
+
+
+if __name__ == "__main__":
+    main()
