@@ -17,6 +17,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from mambakit import MambaConfig, MambaLM
+from mambakit.ops.mamba_step import kernels
 
 COPY_RATE = 4.27e12
 
@@ -54,7 +55,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--presets", nargs="+", default=["130m", "1.4b"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
-    ap.add_argument("--prefill", type=int, default=4096)
+    ap.add_argument("--prefill", type=int, default=4096, help="0: no prefill profile")
+    ap.add_argument(
+        "--rows-max",
+        type=int,
+        nargs="+",
+        default=[],
+        help="also profile the step with these ROWS_MAX_BATCH values (crossover)",
+    )
     ap.add_argument("--out")
     args = ap.parse_args()
     out = []
@@ -75,6 +83,16 @@ def main() -> None:
 
             out.append(kernel_table(step, f"{name} eager step, batch {B}"))
             print(out[-1], flush=True)
+            default = kernels.ROWS_MAX_BATCH
+            for rows_max in args.rows_max:
+                kernels.ROWS_MAX_BATCH = rows_max
+                title = f"{name} eager step, batch {B}, ROWS_MAX_BATCH={rows_max}"
+                out.append(kernel_table(step, title, rows=8))
+                print(out[-1], flush=True)
+            kernels.ROWS_MAX_BATCH = default
+        if not args.prefill:
+            del model
+            continue
         ids = torch.randint(0, cfg.vocab_size, (1, args.prefill), device="cuda")
 
         def prefill(m=model, ids=ids):

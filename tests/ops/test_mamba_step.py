@@ -3,8 +3,8 @@ linear (ops.norm_linear) against the float64 op chain.
 
 On the CPU the kernels run under the Triton interpreter at tiny shapes; on the
 device (`-m gpu`) at the 130m model's shapes and batch sizes 1, 8 and 64 (the
-three code paths: elementwise products, tensor-core rows with per-program sums
-of the x_proj partials, and the separate partial-sum kernel).
+three code paths: the norm fused into the first kernel, a norm launch before
+the row-loop kernels, cuBLAS projections around the fused conv and SSM kernels).
 """
 
 import math
@@ -89,9 +89,18 @@ def check_step(M, Dn, N, R, K, B, dtype, bias, first, seed=0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("B", [1, 3, 20])
-def test_layer_step_matches_float64_op_chain(nan_empty, dtype, B):
-    # B = 1: elementwise products; 3: tensor-core rows; 20: the separate partial sums
+@pytest.mark.parametrize(
+    "B, rows_max, dt_bytes", [(1, 1, 1 << 24), (3, 16, 1 << 24), (20, 1, 1 << 24), (20, 1, 0)]
+)
+def test_layer_step_matches_float64_op_chain(nan_empty, monkeypatch, dtype, B, rows_max, dt_bytes):
+    # B = 1: matrix-vector kernels, the norm fused into in_proj's; B > ROWS_MAX_BATCH:
+    # cuBLAS projections around the fused conv and SSM kernels (dt_proj fused); B = 3
+    # with ROWS_MAX_BATCH = 16: a norm launch, then the row-loop kernels;
+    # DT_PROJ_FUSED_BYTES = 0: dt_proj by cuBLAS, the SSM kernel reads delta
+    from mambakit.ops.mamba_step import kernels
+
+    monkeypatch.setattr(kernels, "ROWS_MAX_BATCH", rows_max)
+    monkeypatch.setattr(kernels, "DT_PROJ_FUSED_BYTES", dt_bytes)
     for bias, first in ((False, False), (True, True)):
         check_step(M=24, Dn=40, N=4, R=3, K=4, B=B, dtype=dtype, bias=bias, first=first)
 
@@ -122,7 +131,8 @@ def test_norm_linear_matches_float64(nan_empty, dtype, B):
             assert bf16_ok(got, ref, oracle)
 
 
-def test_lm_step_runs_the_fused_kernels_and_equals_the_op_chain(monkeypatch):
+@pytest.mark.parametrize("B", [1, 3])
+def test_lm_step_runs_the_fused_kernels_and_equals_the_op_chain(monkeypatch, B):
     from mambakit.ops.mamba_step import kernels
 
     calls = {"layer": 0, "linear": 0}
@@ -140,16 +150,17 @@ def test_lm_step_runs_the_fused_kernels_and_equals_the_op_chain(monkeypatch):
     torch.manual_seed(0)
     cfg = MambaConfig(d_model=32, n_layers=2, vocab_size=64)
     model = MambaLM(cfg).to(DEVICE).eval()
-    ids = torch.randint(0, 64, (3, 5), device=DEVICE)
+    ids = torch.randint(0, 64, (B, 5), device=DEVICE)
     logits, states = {}, {}
     for backend in ("reference", "triton"):
         monkeypatch.setenv("MAMBAKIT_BACKEND", backend)
-        state = model.init_state(3)
+        state = model.init_state(B)
         with torch.no_grad():
             logits[backend] = torch.stack([model.step(ids[:, t], state)[0] for t in range(5)], 1)
         states[backend] = state
-    # 5 steps of 2 layers; each layer's out_proj and each step's LM head is a `linear`
-    assert calls == {"layer": 10, "linear": 10 + 5}
+    # 5 steps of 2 layers; each step's LM head is a `linear` (at batch 1 so are each
+    # layer's x_proj and out_proj; at 3 rows cuBLAS runs them)
+    assert calls == {"layer": 10, "linear": 5 + (20 if B == 1 else 0)}
     torch.testing.assert_close(logits["triton"], logits["reference"], rtol=1e-5, atol=1e-5)
     for part in ("conv", "ssm"):
         a, b = getattr(states["triton"], part), getattr(states["reference"], part)

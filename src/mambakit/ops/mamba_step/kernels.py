@@ -1,248 +1,180 @@
-"""Triton kernels of one decode step of a Mamba block: three launches per layer.
+"""Triton kernels of one decode step of a Mamba block.
 
 B batch, M = d_model, D = d_inner, N = d_state, R = dt_rank, K = d_conv,
-J = R + 2N (the x_proj rows), P the channel blocks of the first kernel.
+J = R + 2N (the x_proj rows).
 
 At small batch a decode step reads every weight once and does almost no
-arithmetic: it is bound by weight streaming and, once the weights stream fast,
-by launches. So each kernel streams one weight matrix (or two) and fuses all the
-small work around it that needs no grid-wide reduction:
+arithmetic, so its time is that of the weights' round trips from memory, and,
+once they stream fast, of its launches. Each matrix-vector kernel here gives a
+program one slab of the weight, [BLOCK_N rows, all K columns] (`TILE` elements,
+16 KB in bf16), loaded before anything else so that every program's weights
+are in flight at once (one memory round trip, not one per K block), and loops
+over its batch rows with the slab in registers. At batch <= `ROWS_MAX_BATCH`
+(1: a loop over rows serialises their memory round trips, since a row's loads
+cannot move above the previous row's stores) a block is four launches:
 
-1. `_layer_in_kernel`, one program per D-block of channels: residual add and
-   RMSNorm of the block's input (each program recomputes the row statistics:
-   M values), the x and z rows of in_proj, the conv update (in place on the
-   state) and SiLU -> u, and this block's share of x_proj: a partial sum
-   part[p] = W_x[:, block] u[block] of the J values.
-2. `_layer_ssm_kernel`, one program per (D-block, row): the sum of the P
-   partials in a fixed order (deterministic; `_sum_parts_kernel` does it once
-   per row instead when the batch is large), dt_proj, softplus, the state
-   update (in place), the D skip and the SiLU(z) gate -> y.
-3. `_linear_kernel`: out_proj (y W_out^T), and with an add+norm prologue the
-   LM head on the final norm.
+1. `_layer_in_kernel`: the x and z rows of in_proj for a block of channels,
+   the conv update of those channels (in place on the state) and SiLU -> u.
+   At batch 1 the residual add and RMSNorm are its prologue (each program
+   recomputes the row's statistics: M values); above, one `rms_norm` launch
+   before it normalises every row once.
+2. `_linear_kernel`: x_proj, u W_x^T -> (dt_low, B, C).
+3. `_layer_ssm_kernel`: dt_proj, softplus, the state update (in place), the
+   D skip and the SiLU(z) gate -> y.
+4. `_linear_kernel`: out_proj. With the add+norm prologue, the LM head.
+
+Above `ROWS_MAX_BATCH` rows the projections go to cuBLAS (`F.linear`) and the
+small work between them stays fused: the norm, the conv update, then dt_proj
+(while batch x its weight <= DT_PROJ_FUSED_BYTES) + state update + gate in
+`_layer_ssm_kernel`, one row per program.
 
 Values are rounded to the compute dtype wherever the unfused op chain stores
 them (xz, u, x_proj's output, delta, y, out), so both paths agree up to the
-summation order of each dot product. Matrix-vector products at batch 1 are
-elementwise products summed once at the end (no padding of the batch to the
-16 rows tensor cores need); at batch > 1 they are `tl.dot`s on BLOCK_B rows
-(f32 inputs in IEEE precision, not TF32; under the interpreter every dtype
-is widened to f32 first, since its bf16 `tl.dot` is wrong). Accumulation is f32.
-
-No kernel is autotuned (two of them update the state in place) and none syncs
-with the host, so a step can be captured in a CUDA graph.
+summation order of each dot product; accumulation is f32. No kernel is
+autotuned (two update the state in place) and none syncs with the host, so a
+step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ..causal_conv1d.step import conv_update
+from ..rms_norm.kernels import rms_fwd
 from ..selective_scan.tiles import LOG2E, _softplus
+
+TILE = 8192  # elements of a program's weight slab (16 KB in bf16)
+DT_PROJ_FUSED_BYTES = 16 << 20  # batch x dt_proj weight bytes up to which the SSM kernel runs it
+ROWS_MAX_BATCH = 1  # up to this batch the weights stream through these kernels; above, cuBLAS
 
 # fmt: off
 
 
 @triton.jit
-def _dot_acc(acc, a, w, BLOCK_B: tl.constexpr, IEEE: tl.constexpr):
-    """acc + a w^T for a [BLOCK_B, BK] and w [BN, BK]. At BLOCK_B == 1 the accumulator
-    is [BN, BK] (elementwise products, summed by `_dot_done`); else [BLOCK_B, BN]."""
-    if BLOCK_B == 1:
-        return acc + w.to(tl.float32) * a.to(tl.float32)
-    elif IEEE:
-        return tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-    else:
-        return tl.dot(a, tl.trans(w), acc)
-
-
-@triton.jit
-def _dot_done(acc, BLOCK_B: tl.constexpr):
-    """The [BLOCK_B, BN] result of a `_dot_acc` accumulation."""
-    if BLOCK_B == 1:
-        return tl.sum(acc, axis=1)[None, :]
-    else:
-        return acc
-
-
-@triton.jit
-def _dot_zero(BLOCK_B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    if BLOCK_B == 1:
-        return tl.zeros([BN, BK], dtype=tl.float32)
-    else:
-        return tl.zeros([BLOCK_B, BN], dtype=tl.float32)
-
-
-@triton.jit
-def _row_rstd(x_ptr, rows, res_ptr, b, mb, M, eps, s_x, s_res, res_out_ptr, s_ro, WRITE_RES,
-              HAS_RES: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1 / rms of r = x[rows] (+ residual[b]) per row, f32; writes r to res_out when asked."""
-    ss = tl.zeros([BLOCK_B], dtype=tl.float32)
-    for k0 in range(0, M, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        m = mb[:, None] & (k < M)[None, :]
-        r = tl.load(x_ptr + rows[:, None] * s_x + k[None, :], mask=m, other=0.0).to(tl.float32)
-        if HAS_RES:
-            r += tl.load(res_ptr + b[:, None] * s_res + k[None, :], mask=m, other=0.0)
-        ss += tl.sum(r * r, axis=1)
-        if WRITE_RES:
-            tl.store(res_out_ptr + b[:, None] * s_ro + k[None, :], r, mask=m)
-    return 1.0 / tl.sqrt(ss / M + eps)
-
-
-@triton.jit
-def _normed_tile(x_ptr, rows, res_ptr, b, mb, k, M, rstd, nw_ptr, s_x, s_res,
-                 HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, out_ty: tl.constexpr):
-    """Columns k of the rows' (normed) input, rounded to the compute dtype: [BLOCK_B, BK]."""
-    m = mb[:, None] & (k < M)[None, :]
-    r = tl.load(x_ptr + rows[:, None] * s_x + k[None, :], mask=m, other=0.0).to(tl.float32)
+def _load_row(x_ptr, res_ptr, b, k, mk, s_x, s_res, HAS_RES: tl.constexpr):
+    """Row b of x (+ residual) in f32."""
+    r = tl.load(x_ptr + b * s_x + k, mask=mk, other=0.0).to(tl.float32)
     if HAS_RES:
-        r += tl.load(res_ptr + b[:, None] * s_res + k[None, :], mask=m, other=0.0)
-    if HAS_NORM:
-        w = tl.load(nw_ptr + k, mask=k < M, other=0.0).to(tl.float32)
-        r = r * rstd[:, None] * w[None, :]
-    return r.to(out_ty)
+        r += tl.load(res_ptr + b * s_res + k, mask=mk, other=0.0)
+    return r
+
+
+@triton.jit
+def _norm_row(r, nw, M, eps, cdt: tl.constexpr):
+    """RMSNorm of one f32 row, rounded to the compute dtype (and back to f32)."""
+    rstd = 1.0 / tl.sqrt(tl.sum(r * r, axis=0) / M + eps)
+    return (r * rstd * nw).to(cdt).to(tl.float32)
 
 
 @triton.jit
 def _layer_in_kernel(
-    x_ptr, res_ptr, nw_ptr, res_out_ptr,
-    w_in_ptr, b_in_ptr, conv_ptr, cw_ptr, cb_ptr, w_x_ptr,
-    z_ptr, u_ptr, part_ptr,
-    Bsz, M, Dn, J, eps,
-    s_x, s_res, s_ro, s_win, s_cs_b, s_cs_k, s_cs_d, s_cw_d, s_cw_k, s_wx,
-    s_z, s_u, s_pp, s_pb,
-    K: tl.constexpr, HAS_RES: tl.constexpr, HAS_IN_BIAS: tl.constexpr,
-    HAS_CONV_BIAS: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_J: tl.constexpr,
+    x_ptr, res_ptr, nw_ptr, res_out_ptr, w_in_ptr, b_in_ptr, conv_ptr, cw_ptr, cb_ptr,
+    z_ptr, u_ptr,
+    Bsz, M, Dn, eps,
+    s_x, s_res, s_ro, s_win, s_cs_b, s_cs_k, s_cs_d, s_cw_d, s_cw_k, s_z, s_u,
+    K: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
+    HAS_IN_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, K_PAD: tl.constexpr, KC: tl.constexpr,
 ):
-    pid_d = tl.program_id(0)
-    b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
-    mb = b < Bsz
-    rows = b.to(tl.int64)
-    cdt = w_in_ptr.dtype.element_ty
-    rstd = _row_rstd(x_ptr, rows, res_ptr, b, mb, M, eps, s_x, s_res, res_out_ptr, s_ro,
-                     pid_d == 0, HAS_RES, BLOCK_B, BLOCK_K)
-
-    # in_proj rows d (-> x) and D + d (-> z)
+    pid_b = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    cdt: tl.constexpr = w_in_ptr.dtype.element_ty
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     md = d < Dn
-    acc_x = _dot_zero(BLOCK_B, BLOCK_D, BLOCK_K)
-    acc_z = _dot_zero(BLOCK_B, BLOCK_D, BLOCK_K)
-    for k0 in range(0, M, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        a = _normed_tile(x_ptr, rows, res_ptr, b, mb, k, M, rstd, nw_ptr, s_x, s_res,
-                         HAS_RES, True, cdt)
-        mw = md[:, None] & (k < M)[None, :]
-        w_x = tl.load(w_in_ptr + d[:, None] * s_win + k[None, :], mask=mw, other=0.0)
-        w_z = tl.load(w_in_ptr + (d + Dn)[:, None] * s_win + k[None, :], mask=mw, other=0.0)
-        acc_x = _dot_acc(acc_x, a, w_x, BLOCK_B, IEEE)
-        acc_z = _dot_acc(acc_z, a, w_z, BLOCK_B, IEEE)
-    xin = _dot_done(acc_x, BLOCK_B)
-    z = _dot_done(acc_z, BLOCK_B)
-    if HAS_IN_BIAS:
-        xin += tl.load(b_in_ptr + d, mask=md, other=0.0).to(tl.float32)[None, :]
-        z += tl.load(b_in_ptr + Dn + d, mask=md, other=0.0).to(tl.float32)[None, :]
-    mbd = mb[:, None] & md[None, :]
-    tl.store(z_ptr + b[:, None] * s_z + d[None, :], z.to(cdt), mask=mbd)
-    xin = xin.to(cdt).to(tl.float32)
-
-    # conv update: window = [state rows 0..K-2, x]; the state keeps window rows 1..K-1
-    p_s = conv_ptr + b[:, None].to(tl.int64) * s_cs_b + d[None, :] * s_cs_d
-    c = xin * tl.load(cw_ptr + d * s_cw_d + (K - 1) * s_cw_k, mask=md, other=0.0
-                      ).to(tl.float32)[None, :]
-    if HAS_CONV_BIAS:
-        c += tl.load(cb_ptr + d, mask=md, other=0.0).to(tl.float32)[None, :]
-    prev = tl.load(p_s, mask=mbd, other=0.0)
-    for k in tl.static_range(K - 1):
-        w_k = tl.load(cw_ptr + d * s_cw_d + k * s_cw_k, mask=md, other=0.0).to(tl.float32)
-        c += prev.to(tl.float32) * w_k[None, :]
-        if k < K - 2:
-            nxt = tl.load(p_s + (k + 1) * s_cs_k, mask=mbd, other=0.0)
-            tl.store(p_s + k * s_cs_k, nxt, mask=mbd)
-            prev = nxt
-    tl.store(p_s + (K - 2) * s_cs_k, xin.to(conv_ptr.dtype.element_ty), mask=mbd)
-    u = (c * tl.sigmoid(c)).to(cdt)
-    tl.store(u_ptr + b[:, None] * s_u + d[None, :], u, mask=mbd)
-
-    # this block's share of x_proj: part[pid_d, b, :] = u[b, block] W_x[:, block]^T
-    j = tl.arange(0, BLOCK_J)
-    w_p = tl.load(w_x_ptr + j[:, None] * s_wx + d[None, :],
-                  mask=(j < J)[:, None] & md[None, :], other=0.0)
-    if BLOCK_B == 1:
-        part = tl.sum(w_p.to(tl.float32) * u.to(tl.float32), axis=1)[None, :]
-    elif IEEE:
-        part = tl.dot(u.to(tl.float32), tl.trans(w_p.to(tl.float32)), input_precision="ieee")
-    else:
-        part = tl.dot(u, tl.trans(w_p))
-    tl.store(part_ptr + pid_d * s_pp + b[:, None] * s_pb + j[None, :], part,
-             mask=mb[:, None] & (j < J)[None, :])
-
-
-@triton.jit
-def _sum_parts_kernel(part_ptr, out_ptr, P, J, s_pp, s_pb, s_ob,
-                      BLOCK_P: tl.constexpr, BLOCK_J: tl.constexpr):
-    """out[b, :] = sum over p of part[p, b, :], in a fixed order (one program per row)."""
-    b = tl.program_id(0).to(tl.int64)
-    j = tl.arange(0, BLOCK_J)
-    acc = tl.zeros([BLOCK_J], dtype=tl.float32)
-    for p0 in range(0, P, BLOCK_P):
-        p = p0 + tl.arange(0, BLOCK_P)
-        m = (p < P)[:, None] & (j < J)[None, :]
-        acc += tl.sum(tl.load(part_ptr + p[:, None] * s_pp + b * s_pb + j[None, :], mask=m,
-                              other=0.0), axis=0)
-    tl.store(out_ptr + b * s_ob + j, acc, mask=j < J)
-
-
-@triton.jit
-def _part_sum(part_ptr, b, P, s_pp, s_pb, off, n, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr):
-    """sum over p of part[p, b, off:off + n] as [BLOCK], rounded like x_proj's output."""
-    i = tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for p0 in range(0, P, BLOCK_P):
-        p = p0 + tl.arange(0, BLOCK_P)
-        m = (p < P)[:, None] & (i < n)[None, :]
-        acc += tl.sum(tl.load(part_ptr + p[:, None] * s_pp + b * s_pb + off + i[None, :],
-                              mask=m, other=0.0), axis=0)
-    return acc
+    k = tl.arange(0, K_PAD)
+    mk = k < M
+    mw = md[:, None] & mk[None, :]
+    # the slabs first: every program's weights in flight before any other load
+    w_x = tl.load(w_in_ptr + d[:, None] * s_win + k[None, :], mask=mw, other=0.0)
+    w_z = tl.load(w_in_ptr + (d + Dn)[:, None] * s_win + k[None, :], mask=mw, other=0.0)
+    if HAS_NORM:
+        nw = tl.load(nw_ptr + k, mask=mk, other=0.0).to(tl.float32)
+    cw_last = tl.load(cw_ptr + d * s_cw_d + (K - 1) * s_cw_k, mask=md, other=0.0).to(tl.float32)
+    j = tl.arange(0, KC)  # conv taps 0..K-2 are the history rows of the state
+    mh = (j < K - 1)[:, None] & md[None, :]
+    cw_hist = tl.load(cw_ptr + d[None, :] * s_cw_d + j[:, None] * s_cw_k, mask=mh, other=0.0
+                      ).to(tl.float32)
+    for i in tl.static_range(BLOCK_B):
+        b = pid_b * BLOCK_B + i
+        if b < Bsz:
+            r = _load_row(x_ptr, res_ptr, b, k, mk, s_x, s_res, HAS_RES)
+            if HAS_NORM:
+                if pid_d == 0:
+                    tl.store(res_out_ptr + b * s_ro + k, r, mask=mk)
+                a = _norm_row(r, nw, M, eps, cdt)
+            else:
+                a = r
+            xin = tl.sum(w_x.to(tl.float32) * a[None, :], axis=1)
+            z = tl.sum(w_z.to(tl.float32) * a[None, :], axis=1)
+            if HAS_IN_BIAS:
+                xin += tl.load(b_in_ptr + d, mask=md, other=0.0).to(tl.float32)
+                z += tl.load(b_in_ptr + Dn + d, mask=md, other=0.0).to(tl.float32)
+            tl.store(z_ptr + b * s_z + d, z.to(cdt), mask=md)
+            xin = xin.to(cdt).to(tl.float32)
+            # conv update: window = [state rows 0..K-2, x]; the state keeps rows 1..K-1.
+            # A channel's value may sit in several threads (a small BLOCK_D): all of
+            # them load the history before any of them stores its shift.
+            p_s = conv_ptr + b * s_cs_b + j[:, None] * s_cs_k + d[None, :] * s_cs_d
+            hist = tl.load(p_s, mask=mh, other=0.0)
+            c = tl.sum(hist.to(tl.float32) * cw_hist, axis=0) + xin * cw_last
+            if HAS_CONV_BIAS:
+                c += tl.load(cb_ptr + d, mask=md, other=0.0).to(tl.float32)
+            tl.debug_barrier()
+            tl.store(p_s - s_cs_k, hist, mask=mh & (j >= 1)[:, None])
+            tl.store(conv_ptr + b * s_cs_b + (K - 2) * s_cs_k + d * s_cs_d,
+                     xin.to(conv_ptr.dtype.element_ty), mask=md)
+            tl.store(u_ptr + b * s_u + d, (c * tl.sigmoid(c)).to(cdt), mask=md)
 
 
 @triton.jit
 def _layer_ssm_kernel(
-    part_ptr, w_dt_ptr, dtb_ptr, A_ptr, Dv_ptr, u_ptr, z_ptr, h_ptr, y_ptr,
-    P, Dn, R, N,
-    s_pp, s_pb, s_wdt, s_A, s_u, s_z, s_hb, s_hd, s_y,
-    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    xd_ptr, w_dt_ptr, delta_ptr, dtb_ptr, A_ptr, Dv_ptr, u_ptr, z_ptr, h_ptr, y_ptr,
+    Bsz, Dn, R, N,
+    s_xd, s_wdt, s_delta, s_A, s_u, s_z, s_hb, s_hd, s_y,
+    DT_PROJ: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_d = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    cdt = w_dt_ptr.dtype.element_ty
-    # x_proj's output for row b: dt_low [R], B [N], C [N], in the compute dtype
-    dt_low = _part_sum(part_ptr, b, P, s_pp, s_pb, 0, R, BLOCK_P, BLOCK_R).to(cdt)
-    Bv = _part_sum(part_ptr, b, P, s_pp, s_pb, R, N, BLOCK_P, BLOCK_N).to(cdt).to(tl.float32)
-    Cv = _part_sum(part_ptr, b, P, s_pp, s_pb, R + N, N, BLOCK_P, BLOCK_N).to(cdt).to(tl.float32)
-
+    """y = state update(u, delta, B, C) * silu(z), delta = x_dbl[:, :R] W_dt^T computed here
+    (DT_PROJ) or read from delta_ptr."""
+    pid_b = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    cdt: tl.constexpr = w_dt_ptr.dtype.element_ty
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     md = d < Dn
     r = tl.arange(0, BLOCK_R)
-    w_dt = tl.load(w_dt_ptr + d[:, None] * s_wdt + r[None, :],
-                   mask=md[:, None] & (r < R)[None, :], other=0.0)
-    raw = tl.sum(w_dt.to(tl.float32) * dt_low.to(tl.float32)[None, :], axis=1)
-    dt = raw.to(cdt).to(tl.float32) + tl.load(dtb_ptr + d, mask=md, other=0.0)
-    dt = _softplus(dt)
-
     n = tl.arange(0, BLOCK_N)
     mdn = md[:, None] & (n < N)[None, :]
-    p_h = h_ptr + b * s_hb + d[:, None] * s_hd + n[None, :]
-    h = tl.load(p_h, mask=mdn, other=0.0)
-    A = tl.load(A_ptr + d[:, None] * s_A + n[None, :], mask=mdn, other=0.0)
-    u = tl.load(u_ptr + b * s_u + d, mask=md, other=0.0).to(tl.float32)
-    h = tl.exp2(dt[:, None] * A * LOG2E) * h + (dt * u)[:, None] * Bv[None, :]
-    tl.store(p_h, h, mask=mdn)
-    y = tl.sum(h * Cv[None, :], axis=1) + tl.load(Dv_ptr + d, mask=md, other=0.0) * u
-    zv = tl.load(z_ptr + b * s_z + d, mask=md, other=0.0).to(tl.float32)
-    y = y * zv * tl.sigmoid(zv)
-    tl.store(y_ptr + b * s_y + d, y.to(cdt), mask=md)
+    if DT_PROJ:
+        w_dt = tl.load(w_dt_ptr + d[:, None] * s_wdt + r[None, :],
+                       mask=md[:, None] & (r < R)[None, :], other=0.0).to(tl.float32)
+    A = tl.load(A_ptr + d[:, None] * s_A + n[None, :], mask=mdn, other=0.0) * LOG2E
+    dt_bias = tl.load(dtb_ptr + d, mask=md, other=0.0)
+    Dv = tl.load(Dv_ptr + d, mask=md, other=0.0)
+    for i in tl.static_range(BLOCK_B):
+        b = pid_b * BLOCK_B + i
+        if b < Bsz:
+            # x_proj's output of row b: dt_low [R], B [N], C [N]
+            Bv = tl.load(xd_ptr + b * s_xd + R + n, mask=n < N, other=0.0).to(tl.float32)
+            Cv = tl.load(xd_ptr + b * s_xd + R + N + n, mask=n < N, other=0.0).to(tl.float32)
+            p_h = h_ptr + b * s_hb + d[:, None] * s_hd + n[None, :]
+            h = tl.load(p_h, mask=mdn, other=0.0)
+            u = tl.load(u_ptr + b * s_u + d, mask=md, other=0.0).to(tl.float32)
+            zv = tl.load(z_ptr + b * s_z + d, mask=md, other=0.0).to(tl.float32)
+            if DT_PROJ:  # rounded as the GEMM's output would be
+                dt_low = tl.load(xd_ptr + b * s_xd + r, mask=r < R, other=0.0).to(tl.float32)
+                raw = tl.sum(w_dt * dt_low[None, :], axis=1).to(cdt).to(tl.float32)
+            else:
+                raw = tl.load(delta_ptr + b * s_delta + d, mask=md, other=0.0).to(tl.float32)
+            dt = _softplus(raw + dt_bias)
+            h = tl.exp2(dt[:, None] * A) * h + (dt * u)[:, None] * Bv[None, :]
+            tl.debug_barrier()  # every copy of a state element is loaded before one is stored
+            tl.store(p_h, h, mask=mdn)
+            y = tl.sum(h * Cv[None, :], axis=1) + Dv * u
+            y = y * zv * tl.sigmoid(zv)
+            tl.store(y_ptr + b * s_y + d, y.to(cdt), mask=md)
 
 
 @triton.jit
@@ -250,52 +182,55 @@ def _linear_kernel(
     x_ptr, res_ptr, nw_ptr, w_ptr, bias_ptr, out_ptr,
     Bsz, Nout, Kin, eps,
     s_x, s_res, s_w, s_o,
-    HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, K_PAD: tl.constexpr,
 ):
-    """out = norm(x (+ residual)) W^T (+ bias), or x W^T (+ bias) without the norm."""
-    pid_n = tl.program_id(0)
-    b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
-    mb = b < Bsz
-    rows = b.to(tl.int64)
-    cdt = w_ptr.dtype.element_ty
-    if HAS_NORM:
-        rstd = _row_rstd(x_ptr, rows, res_ptr, b, mb, Kin, eps, s_x, s_res, out_ptr, 0, False,
-                         HAS_RES, BLOCK_B, BLOCK_K)
-    else:
-        rstd = tl.zeros([BLOCK_B], dtype=tl.float32)
+    """out = rmsnorm(x + residual) W^T (+ bias), or x W^T (+ bias) without the norm."""
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    cdt: tl.constexpr = w_ptr.dtype.element_ty
     nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mn = nn < Nout
-    acc = _dot_zero(BLOCK_B, BLOCK_N, BLOCK_K)
-    for k0 in range(0, Kin, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        a = _normed_tile(x_ptr, rows, res_ptr, b, mb, k, Kin, rstd, nw_ptr, s_x, s_res,
-                         HAS_RES, HAS_NORM, cdt)
-        w = tl.load(w_ptr + nn[:, None].to(tl.int64) * s_w + k[None, :],
-                    mask=mn[:, None] & (k < Kin)[None, :], other=0.0)
-        acc = _dot_acc(acc, a, w, BLOCK_B, IEEE)
-    out = _dot_done(acc, BLOCK_B)
+    k = tl.arange(0, K_PAD)
+    mk = k < Kin
+    w = tl.load(w_ptr + nn[:, None].to(tl.int64) * s_w + k[None, :],
+                mask=mn[:, None] & mk[None, :], other=0.0)
+    if HAS_NORM:
+        nw = tl.load(nw_ptr + k, mask=mk, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        out += tl.load(bias_ptr + nn, mask=mn, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + b[:, None] * s_o + nn[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=mb[:, None] & mn[None, :])
+        bias = tl.load(bias_ptr + nn, mask=mn, other=0.0).to(tl.float32)
+    for i in tl.static_range(BLOCK_B):
+        b = pid_b * BLOCK_B + i
+        if b < Bsz:
+            a = _load_row(x_ptr, res_ptr, b, k, mk, s_x, s_res, HAS_RES)
+            if HAS_NORM:
+                a = _norm_row(a, nw, Kin, eps, cdt)
+            out = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+            if HAS_BIAS:
+                out += bias
+            tl.store(out_ptr + b * s_o + nn, out.to(out_ptr.dtype.element_ty), mask=mn)
 
 
 # fmt: on
 
 
+def _rows_per_program(n_rows: int, k_pad: int, tile: int, interp: bool) -> int:
+    """Weight rows per program: a `tile`-element slab, fewer while that leaves under two
+    programs per SM (more programs keep more of the weight in flight)."""
+    block = max(1, tile // k_pad)
+    if interp:
+        return min(block, 4)
+    while block > 1 and triton.cdiv(n_rows, block) < 264:
+        block //= 2
+    return block
+
+
 def _block_b(batch: int) -> int:
-    """Rows per program: 1 (elementwise products), else a tensor-core tile of 16 to 64."""
-    if batch == 1:
-        return 1
-    return min(64, max(16, triton.next_power_of_2(batch)))
+    return min(16, triton.next_power_of_2(batch))
 
 
-def _ieee(w: torch.Tensor) -> bool:
-    """Dot products in f32 IEEE precision: f32 weights (not TF32), and every dtype under
-    the interpreter (its bf16/f16 `tl.dot` returns garbage)."""
-    return w.dtype == torch.float32 or not w.is_cuda
+def _warps(tile: int) -> int:
+    return 8 if tile >= 8192 else 4
 
 
 def layer_step(
@@ -307,55 +242,73 @@ def layer_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step of a Mamba block: (out [B, M] in the compute dtype, residual [B, M] f32)."""
     Bsz, M = hidden.shape
-    Dn, N, R = w.A.shape[0], w.A.shape[1], w.dt_w.shape[1]
-    J = R + 2 * N
+    Dn = w.A.shape[0]
     K = w.conv_w.shape[1]
     dev, cdt = hidden.device, w.in_w.dtype
-    res_out = torch.empty(Bsz, M, device=dev, dtype=torch.float32)
+    interp = not hidden.is_cuda
+    k_pad = triton.next_power_of_2(M)
+    if Bsz > ROWS_MAX_BATCH or k_pad > TILE:
+        normed, res_out, _ = rms_fwd(hidden, w.norm_w, w.eps, residual, cdt)
+        xz = F.linear(normed, w.in_w, w.in_b)
+        u = conv_update(conv_state, xz[:, :Dn], w.conv_w, w.conv_b, silu=True)
+        z = xz[:, Dn:]
+        x_dbl = F.linear(u, w.x_w)
+        y = _ssm(x_dbl, w, u, z, ssm_state, interp)
+        return F.linear(y, w.out_w, w.out_b), res_out
+    fuse_norm = Bsz == 1
+    if fuse_norm:
+        res_out = torch.empty(Bsz, M, device=dev, dtype=torch.float32)
+        x, x_res = hidden, residual
+    else:
+        x, res_out, _ = rms_fwd(hidden, w.norm_w, w.eps, residual, cdt)
+        x_res = None
     z = torch.empty(Bsz, Dn, device=dev, dtype=cdt)
     u = torch.empty(Bsz, Dn, device=dev, dtype=cdt)
-    y = torch.empty(Bsz, Dn, device=dev, dtype=cdt)
-    interp = not hidden.is_cuda
     block_b = _block_b(Bsz)
-    block_d = 16 if (block_b > 1 or interp) else 8
-    block_k = 32 if interp else (256 if block_b == 1 else 128)
-    P = triton.cdiv(Dn, block_d)
-    part = torch.empty(P, Bsz, J, device=dev, dtype=torch.float32)
-    block_j = max(16, triton.next_power_of_2(J))
-    _layer_in_kernel[(P, triton.cdiv(Bsz, block_b))](
-        hidden,
-        residual if residual is not None else res_out, w.norm_w, res_out,
+    # two slabs (x and z rows) of TILE elements: at d_model 2048 that halves the
+    # programs, so half as many reloads of the row for the norm prologue
+    block_d = _rows_per_program(Dn, k_pad, TILE, interp)
+    _layer_in_kernel[(triton.cdiv(Bsz, block_b), triton.cdiv(Dn, block_d))](
+        x, x_res if x_res is not None else x, w.norm_w, res_out,
         w.in_w, w.in_b if w.in_b is not None else w.in_w,
-        conv_state, w.conv_w, w.conv_b if w.conv_b is not None else w.conv_w, w.x_w,
-        z, u, part,
-        Bsz, M, Dn, J, w.eps,
-        hidden.stride(0), residual.stride(0) if residual is not None else 0, res_out.stride(0),
-        w.in_w.stride(0), *conv_state.stride(), *w.conv_w.stride(), w.x_w.stride(0),
-        z.stride(0), u.stride(0), part.stride(0), part.stride(1),
-        K=K, HAS_RES=residual is not None,
-        HAS_IN_BIAS=w.in_b is not None, HAS_CONV_BIAS=w.conv_b is not None, IEEE=_ieee(w.in_w),
-        BLOCK_B=block_b, BLOCK_D=block_d, BLOCK_K=block_k, BLOCK_J=block_j,
-        num_warps=4,
+        conv_state, w.conv_w, w.conv_b if w.conv_b is not None else w.conv_w,
+        z, u,
+        Bsz, M, Dn, w.eps,
+        x.stride(0), x_res.stride(0) if x_res is not None else 0, res_out.stride(0),
+        w.in_w.stride(0), *conv_state.stride(), *w.conv_w.stride(), z.stride(0), u.stride(0),
+        K=K, HAS_NORM=fuse_norm, HAS_RES=x_res is not None,
+        HAS_IN_BIAS=w.in_b is not None, HAS_CONV_BIAS=w.conv_b is not None,
+        BLOCK_B=block_b, BLOCK_D=block_d, K_PAD=k_pad, KC=triton.next_power_of_2(K),
+        num_warps=_warps(2 * block_d * k_pad),
     )  # fmt: skip
-    if Bsz > 16:  # reduce the partials once per row, not once per (row, D-block)
-        x_dbl = torch.empty(Bsz, J, device=dev, dtype=torch.float32)
-        _sum_parts_kernel[(Bsz,)](
-            part, x_dbl, P, J, part.stride(0), part.stride(1), x_dbl.stride(0),
-            BLOCK_P=32, BLOCK_J=block_j, num_warps=4,
-        )  # fmt: skip
-        part, P = x_dbl.unsqueeze(0), 1
-    block_ds = 16 if interp else 32
-    block_n = max(2, triton.next_power_of_2(N))
-    _layer_ssm_kernel[(triton.cdiv(Dn, block_ds), Bsz)](
-        part, w.dt_w, w.dt_bias, w.A, w.D, u, z, ssm_state, y,
-        P, Dn, R, N,
-        part.stride(0), part.stride(1), w.dt_w.stride(0), w.A.stride(0), u.stride(0),
+    x_dbl = linear(u, w.x_w)
+    y = _ssm(x_dbl, w, u, z, ssm_state, interp)
+    return linear(y, w.out_w, w.out_b), res_out
+
+
+def _ssm(x_dbl, w, u, z, ssm_state, interp: bool) -> torch.Tensor:
+    """dt_proj + softplus + state update + D skip + gate: y [B, D] in the compute dtype.
+
+    One row per program: a loop over rows would serialise their memory round trips
+    (a row's loads cannot move above the previous row's stores). When rows x
+    dt_proj's weight exceeds DT_PROJ_FUSED_BYTES, dt_proj is a cuBLAS GEMM."""
+    Bsz, Dn = u.shape
+    N, R = w.A.shape[1], w.dt_w.shape[1]
+    y = torch.empty(Bsz, Dn, device=u.device, dtype=u.dtype)
+    # each row's programs read dt_proj's weight again (from L2): worth it while that
+    # stays small; a cuBLAS GEMM of a few rows costs ~5 us
+    dt_proj = Bsz * w.dt_w.numel() * w.dt_w.element_size() <= DT_PROJ_FUSED_BYTES
+    delta = y if dt_proj else F.linear(x_dbl[:, :R], w.dt_w)
+    block_d = 16 if interp else 32
+    _layer_ssm_kernel[(Bsz, triton.cdiv(Dn, block_d))](
+        x_dbl, w.dt_w, delta, w.dt_bias, w.A, w.D, u, z, ssm_state, y,
+        Bsz, Dn, R, N,
+        x_dbl.stride(0), w.dt_w.stride(0), delta.stride(0), w.A.stride(0), u.stride(0),
         z.stride(0), ssm_state.stride(0), ssm_state.stride(1), y.stride(0),
-        BLOCK_P=min(64, triton.next_power_of_2(P)), BLOCK_D=block_ds,
-        BLOCK_R=max(2, triton.next_power_of_2(R)), BLOCK_N=block_n, num_warps=4,
+        DT_PROJ=dt_proj, BLOCK_B=1, BLOCK_D=block_d, BLOCK_R=max(2, triton.next_power_of_2(R)),
+        BLOCK_N=max(2, triton.next_power_of_2(N)), num_warps=4,
     )  # fmt: skip
-    out = linear(y, w.out_w, w.out_b)
-    return out, res_out
+    return y
 
 
 def linear(
@@ -370,16 +323,17 @@ def linear(
     """x W^T (+ bias) at small batch, streaming W once; optionally on rmsnorm(x + residual)."""
     Bsz = x.shape[0]
     Nout, Kin = weight.shape
-    out = torch.empty(Bsz, Nout, device=x.device, dtype=weight.dtype)
-    interp = not x.is_cuda
+    cdt = weight.dtype
+    k_pad = triton.next_power_of_2(Kin)
+    if norm_weight is not None and (Bsz > 1 or k_pad > TILE):
+        x, _, _ = rms_fwd(x, norm_weight, eps, residual, cdt)
+        residual = norm_weight = None
+    if Bsz > ROWS_MAX_BATCH or k_pad > TILE:
+        return F.linear(x if x.dtype == cdt else x.to(cdt), weight, bias)
+    out = torch.empty(Bsz, Nout, device=x.device, dtype=cdt)
     block_b = _block_b(Bsz)
-    block_n = 16 if (block_b > 1 or interp or Nout >= 8192) else 8
-    if Nout >= 8192 and not interp:
-        block_n = 64 if block_b == 1 else 32
-    block_k = 32 if interp else (256 if block_b == 1 else 128)
-    if block_b == 1 and block_n * block_k > 4096:
-        block_k = 4096 // block_n
-    _linear_kernel[(triton.cdiv(Nout, block_n), triton.cdiv(Bsz, block_b))](
+    block_n = _rows_per_program(Nout, k_pad, TILE, not x.is_cuda)
+    _linear_kernel[(triton.cdiv(Bsz, block_b), triton.cdiv(Nout, block_n))](
         x, residual if residual is not None else out,
         norm_weight if norm_weight is not None else weight, weight,
         bias if bias is not None else weight, out,
@@ -387,7 +341,7 @@ def linear(
         x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0),
         out.stride(0),
         HAS_RES=residual is not None, HAS_NORM=norm_weight is not None,
-        HAS_BIAS=bias is not None, IEEE=_ieee(weight),
-        BLOCK_B=block_b, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        HAS_BIAS=bias is not None,
+        BLOCK_B=block_b, BLOCK_N=block_n, K_PAD=k_pad, num_warps=_warps(block_n * k_pad),
     )  # fmt: skip
     return out
