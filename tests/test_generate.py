@@ -369,12 +369,12 @@ def test_graph_decode_logic_on_cpu_with_a_fake_graph(lm, monkeypatch):
     kw = dict(seed=4, top_k=9, repetition_penalty=1.2, eos_token_id=5)
     eager = generate(lm, rows, max_new_tokens=20, cuda_graph=False, **kw)
     assert not captures
-    for _ in range(2):  # the second run reuses the captured graph
+    for _ in range(2):  # the second run reuses the captured graphs (prefill and decode)
         out = generate(lm, rows, max_new_tokens=20, cuda_graph=True, **kw)
         assert all(torch.equal(a, b) for a, b in zip(out, eager))
-    assert len(captures) == 1
-    more = generate(lm, rows, max_new_tokens=40, cuda_graph=True, **kw)  # over capacity (32)
     assert len(captures) == 2
+    more = generate(lm, rows, max_new_tokens=40, cuda_graph=True, **kw)  # over capacity (32)
+    assert len(captures) == 3  # a new decode graph; the prefill's is reused
     assert all(torch.equal(a[: len(b)], b) for a, b in zip(more, eager))
     # two interleaved streams of the same shape must not share buffers
     s1 = stream(lm, rows, max_new_tokens=20, cuda_graph=True, **kw)
@@ -384,6 +384,46 @@ def test_graph_decode_logic_on_cpu_with_a_fake_graph(lm, monkeypatch):
     for toks in (t1, t2):
         got = torch.stack(toks, 1)
         assert all(torch.equal(got[b, : len(want[b])], want[b]) for b in range(3))
+
+
+def test_bucketed_prefill_equals_the_prompts_alone(lm):
+    """Prompts left-padded to their power-of-two bucket (filler as document 0) give each
+    prompt's own last logits and final state."""
+    gen = importlib.import_module("mambakit.inference.generate")
+    rows = prompts_of([5, 9, 1])
+    prompts = gen._prompts(rows, None, torch.device("cpu"), V)
+    with torch.no_grad():
+        logits, state = gen._prefill_bucketed(lm, prompts, graphs=False)
+        assert gen._bucket(9) == 16 and logits.shape == (3, V)
+        for b, r in enumerate(rows):
+            out = lm(r[None], state=None)
+            torch.testing.assert_close(logits[b], out.logits[0, -1], rtol=1e-5, atol=1e-5)
+            for part in ("conv", "ssm"):
+                got, want = getattr(state, part)[:, b], getattr(out.state, part)[:, 0]
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_graph_cache_keeps_the_newest(lm, monkeypatch):
+    gen = importlib.import_module("mambakit.inference.generate")
+    captures = []
+
+    def fake_capture(fn, warmup=2, pool=None):
+        fn()
+        captures.append(fn)
+        return _FakeGraph(fn), None
+
+    cache = {"pool": None}
+    monkeypatch.setattr(gen, "capture", fake_capture)
+    monkeypatch.setattr(gen, "graph_cache", lambda model: cache)
+    monkeypatch.setattr(gen, "PREFILL_GRAPHS_KEPT", 2)
+    with torch.no_grad():
+        for n in (3, 20, 40, 5):  # buckets 16, 32, 64 (16 evicted), 16 again (32 evicted)
+            prompts = gen._prompts(prompts_of([n]), None, torch.device("cpu"), V)
+            logits, _ = gen._prefill_bucketed(lm, prompts, graphs=True)
+            want = lm(prompts.ids).logits[:, -1]
+            torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+    assert len(captures) == 4
+    assert sorted(k[2] for k in cache if k != "pool") == [16, 64]
 
 
 # --- CLI -------------------------------------------------------------------------------

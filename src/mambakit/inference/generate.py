@@ -17,6 +17,14 @@ Long prompts are prefilled in chunks of `prefill_chunk` timesteps with the
 state carried (bounded activation memory); only the last position's hidden
 state goes through the LM head.
 
+Short prompts (batch x bucket <= PREFILL_GRAPH_TOKENS, the bucket being the
+prompt length rounded up to a power of two, at least 16) are left-padded to
+their bucket with the same seq_idx reset, so a few shapes cover every prompt;
+with CUDA graphs their prefill is captured once per (batch, bucket) and
+replayed: an eager prefill of a few tokens is hundreds of kernel launches,
+which cost more than the decode of many tokens. On CUDA the eager path pads
+the same way, so graph and eager runs compute the same thing.
+
 Decode: one step is `model.step(tok, state)` + `sampling.sample` + bookkeeping
 (eos, repetition mask, output column), all on the device, with no host sync;
 on CUDA it is captured once per (batch size, sampling settings) in a CUDA
@@ -38,6 +46,8 @@ from .cuda_graph import capture, graph_cache, params_signature, static_mode, use
 from .sampling import SamplingConfig, sample
 
 EOS_CHECK_EVERY = 16  # tokens between host checks of "has every row emitted eos?"
+PREFILL_GRAPH_TOKENS = 4096  # batch x bucket up to which the prefill is padded to its bucket
+PREFILL_GRAPHS_KEPT = 4  # captured prefill graphs cached per model (the newest)
 GRAPH_MIN_CAPACITY = 256  # a captured decoder holds room for at least this many new tokens
 _SEED_LIMIT = 1 << 63
 
@@ -171,6 +181,67 @@ def _prefill(model, prompts: _Prompts, chunk: int) -> tuple[torch.Tensor, MambaS
     return out.logits[:, -1], state
 
 
+def _bucket(T: int) -> int:
+    return max(16, 1 << math.ceil(math.log2(T)))
+
+
+class _PrefillGraph:
+    """The prefill of B prompts left-padded to T_b tokens, as static buffers and a graph."""
+
+    def __init__(self, model, batch: int, T_b: int, device) -> None:
+        self.model = weakref.proxy(model)
+        self.ids = torch.zeros(batch, T_b, dtype=torch.int64, device=device)
+        self.seq_idx = torch.zeros(batch, T_b, dtype=torch.int32, device=device)
+        self.logits: torch.Tensor | None = None
+        self.state: MambaState | None = None
+        self.graph = None
+        self.signature: tuple = ()
+
+    def load(self, prompts: _Prompts) -> None:
+        """Row b: filler (document 0) then its prompt (document 1), ending at T_b."""
+        B, T = prompts.ids.shape
+        T_b = self.ids.shape[1]
+        self.ids.zero_()
+        self.ids[:, T_b - T :] = prompts.ids
+        start = torch.tensor([T_b - n for n in prompts.lengths], device=self.ids.device)
+        pos = torch.arange(T_b, device=self.ids.device)
+        self.seq_idx.copy_(pos[None, :] >= start[:, None])
+
+    def run(self) -> None:
+        hidden, self.state = self.model.backbone(self.ids, None, self.seq_idx)
+        self.logits = self.model.lm_head(hidden[:, -1])
+
+
+def _prefill_bucketed(model, prompts: _Prompts, graphs: bool) -> tuple[torch.Tensor, MambaState]:
+    """`_prefill` of prompts padded to their bucket: replayed from a cached graph when
+    `graphs`. The returned tensors are the graph's buffers: use them before the next call."""
+    Bsz, T = prompts.ids.shape
+    T_b = _bucket(T)
+    device = prompts.ids.device
+    if not graphs:
+        pre = _PrefillGraph(model, Bsz, T_b, device)
+        pre.load(prompts)
+        pre.run()
+        return pre.logits, pre.state
+    cache = graph_cache(model)
+    key = ("prefill", Bsz, T_b)
+    sig = params_signature(model)
+    pre = cache.get(key)
+    if pre is None or pre.signature != sig:
+        cache.pop(key, None)
+        kept = [k for k in cache if isinstance(k, tuple) and k[0] == "prefill"]
+        for k in kept[: max(0, len(kept) - PREFILL_GRAPHS_KEPT + 1)]:  # the oldest first
+            del cache[k]
+        pre = _PrefillGraph(model, Bsz, T_b, device)
+        pre.signature = sig
+        pre.load(prompts)
+        pre.graph, _ = capture(pre.run, warmup=2, pool=cache["pool"])
+        cache[key] = pre
+    pre.load(prompts)
+    pre.graph.replay()
+    return pre.logits, pre.state
+
+
 def _dead_ref():
     return None
 
@@ -301,7 +372,17 @@ class _Run:
 
     @static_mode()
     def first(self) -> torch.Tensor:
-        logits, state = _prefill(self.model, self.prompts, self.chunk)
+        Bsz, T = self.prompts.ids.shape
+        T_b = _bucket(T)
+        if (
+            (self.graphs or self.device.type == "cuda")
+            and hasattr(self.model, "backbone")
+            and Bsz * T_b <= PREFILL_GRAPH_TOKENS
+            and T_b <= self.chunk
+        ):
+            logits, state = _prefill_bucketed(self.model, self.prompts, self.graphs)
+        else:
+            logits, state = _prefill(self.model, self.prompts, self.chunk)
         self.dec = _decoder(self.model, self.prompts, self.cfg, self.n_new, self.graphs)
         self.dec.owner = weakref.ref(self)
         self.active = True
