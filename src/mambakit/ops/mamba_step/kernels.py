@@ -30,7 +30,14 @@ small work between them stays fused: the norm, the conv update, then dt_proj
 
 Values are rounded to the compute dtype wherever the unfused op chain stores
 them (xz, u, x_proj's output, delta, y, out), so both paths agree up to the
-summation order of each dot product; accumulation is f32. No kernel is
+summation order of each dot product; accumulation is f32.
+
+On sm_90+ the kernels are launched with programmatic dependent launch: each
+lets the next one start as soon as all its programs are running, and waits
+for its predecessor (`gdc_wait`) only after loading its own weights, so a
+kernel's weight stream overlaps the previous kernel's tail and launch gap.
+
+No kernel is
 autotuned (two update the state in place) and none syncs with the host, so a
 step can be captured in a CUDA graph.
 """
@@ -48,9 +55,26 @@ from ..selective_scan.tiles import LOG2E, _softplus
 
 TILE = 8192  # elements of a program's weight slab (16 KB in bf16)
 DT_PROJ_FUSED_BYTES = 16 << 20  # batch x dt_proj weight bytes up to which the SSM kernel runs it
+USE_PDL = True  # programmatic dependent launch on sm_90+ (see _pdl_start)
 ROWS_MAX_BATCH = 1  # up to this batch the weights stream through these kernels; above, cuBLAS
 
 # fmt: off
+
+
+@triton.jit
+def _pdl_start(PDL: tl.constexpr):
+    """Let the next kernel launch now (programmatic dependent launch): its programs
+    load their weights while this kernel finishes."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    """Wait for the previous kernel (and so every earlier one) to complete: nothing
+    it writes may be read before this."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -78,7 +102,9 @@ def _layer_in_kernel(
     K: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
     HAS_IN_BIAS: tl.constexpr, HAS_CONV_BIAS: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, K_PAD: tl.constexpr, KC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _pdl_start(PDL)
     pid_b = tl.program_id(0)
     pid_d = tl.program_id(1)
     cdt: tl.constexpr = w_in_ptr.dtype.element_ty
@@ -97,6 +123,7 @@ def _layer_in_kernel(
     mh = (j < K - 1)[:, None] & md[None, :]
     cw_hist = tl.load(cw_ptr + d[None, :] * s_cw_d + j[:, None] * s_cw_k, mask=mh, other=0.0
                       ).to(tl.float32)
+    _pdl_wait(PDL)
     for i in tl.static_range(BLOCK_B):
         b = pid_b * BLOCK_B + i
         if b < Bsz:
@@ -135,10 +162,11 @@ def _layer_ssm_kernel(
     Bsz, Dn, R, N,
     s_xd, s_wdt, s_delta, s_A, s_u, s_z, s_hb, s_hd, s_y,
     DT_PROJ: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     """y = state update(u, delta, B, C) * silu(z), delta = x_dbl[:, :R] W_dt^T computed here
     (DT_PROJ) or read from delta_ptr."""
+    _pdl_start(PDL)
     pid_b = tl.program_id(0)
     pid_d = tl.program_id(1)
     cdt: tl.constexpr = w_dt_ptr.dtype.element_ty
@@ -153,6 +181,7 @@ def _layer_ssm_kernel(
     A = tl.load(A_ptr + d[:, None] * s_A + n[None, :], mask=mdn, other=0.0) * LOG2E
     dt_bias = tl.load(dtb_ptr + d, mask=md, other=0.0)
     Dv = tl.load(Dv_ptr + d, mask=md, other=0.0)
+    _pdl_wait(PDL)
     for i in tl.static_range(BLOCK_B):
         b = pid_b * BLOCK_B + i
         if b < Bsz:
@@ -183,9 +212,10 @@ def _linear_kernel(
     Bsz, Nout, Kin, eps,
     s_x, s_res, s_w, s_o,
     HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, K_PAD: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """out = rmsnorm(x + residual) W^T (+ bias), or x W^T (+ bias) without the norm."""
+    _pdl_start(PDL)
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     cdt: tl.constexpr = w_ptr.dtype.element_ty
@@ -199,6 +229,7 @@ def _linear_kernel(
         nw = tl.load(nw_ptr + k, mask=mk, other=0.0).to(tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + nn, mask=mn, other=0.0).to(tl.float32)
+    _pdl_wait(PDL)
     for i in tl.static_range(BLOCK_B):
         b = pid_b * BLOCK_B + i
         if b < Bsz:
@@ -223,6 +254,19 @@ def _rows_per_program(n_rows: int, k_pad: int, tile: int, interp: bool) -> int:
     while block > 1 and triton.cdiv(n_rows, block) < 264:
         block //= 2
     return block
+
+
+_SM90: dict[int, bool] = {}
+
+
+def _pdl(x: torch.Tensor) -> dict:
+    """Launch arguments for programmatic dependent launch: on sm_90+ (not the interpreter)."""
+    if not (USE_PDL and x.is_cuda):
+        return {"PDL": False}
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if dev not in _SM90:
+        _SM90[dev] = torch.cuda.get_device_capability(dev)[0] >= 9
+    return {"PDL": True, "launch_pdl": True} if _SM90[dev] else {"PDL": False}
 
 
 def _block_b(batch: int) -> int:
@@ -279,7 +323,7 @@ def layer_step(
         K=K, HAS_NORM=fuse_norm, HAS_RES=x_res is not None,
         HAS_IN_BIAS=w.in_b is not None, HAS_CONV_BIAS=w.conv_b is not None,
         BLOCK_B=block_b, BLOCK_D=block_d, K_PAD=k_pad, KC=triton.next_power_of_2(K),
-        num_warps=_warps(2 * block_d * k_pad),
+        num_warps=_warps(2 * block_d * k_pad), **_pdl(x),
     )  # fmt: skip
     x_dbl = linear(u, w.x_w)
     y = _ssm(x_dbl, w, u, z, ssm_state, interp)
@@ -306,7 +350,7 @@ def _ssm(x_dbl, w, u, z, ssm_state, interp: bool) -> torch.Tensor:
         x_dbl.stride(0), w.dt_w.stride(0), delta.stride(0), w.A.stride(0), u.stride(0),
         z.stride(0), ssm_state.stride(0), ssm_state.stride(1), y.stride(0),
         DT_PROJ=dt_proj, BLOCK_B=1, BLOCK_D=block_d, BLOCK_R=max(2, triton.next_power_of_2(R)),
-        BLOCK_N=max(2, triton.next_power_of_2(N)), num_warps=4,
+        BLOCK_N=max(2, triton.next_power_of_2(N)), num_warps=4, **_pdl(u),
     )  # fmt: skip
     return y
 
@@ -343,5 +387,6 @@ def linear(
         HAS_RES=residual is not None, HAS_NORM=norm_weight is not None,
         HAS_BIAS=bias is not None,
         BLOCK_B=block_b, BLOCK_N=block_n, K_PAD=k_pad, num_warps=_warps(block_n * k_pad),
+        **_pdl(x),
     )  # fmt: skip
     return out
