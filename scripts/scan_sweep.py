@@ -86,11 +86,45 @@ def segments(pick: K.ScanConfig, rows: list) -> tuple[int, int]:
     return min(options, key=lambda mp: score[mp])
 
 
+def prefill(rows: list) -> None:
+    """The inference forward (no saved states) of one long row, 1 x T, as a prefill runs
+    it: channels per program, warps, and how far time is cut into segments."""
+    base = K.config(DN, interpret=False)
+    for T in (4096, 16384):
+        a, _ = shape_inputs(1, T, DN, N)
+        for bd, warps, tile in ((32, 1, 8), (16, 1, 8), (8, 1, 8), (32, 2, 8), (32, 1, 16)):
+            for target in (16, 32, 64):
+                c = dataclasses.replace(
+                    base, fwd_block_d=bd, fwd_warps=warps, fwd_tile=tile,
+                    seg_below_per_sm=2, seg_target_per_sm=target,
+                )  # fmt: skip
+                ms = timed(lambda c=c, a=a: K.scan_fwd(*a, True, None, None, False, cfg=c))
+                row = {
+                    "kernel": "prefill fwd",
+                    "shape": f"1x{T}",
+                    "fwd_block_d": bd,
+                    "fwd_warps": warps,
+                    "fwd_tile": tile,
+                    "seg_target_per_sm": target,
+                }
+                rows.append({**row, "ms": ms})  # fmt: skip
+                print(rows[-1], flush=True)
+        del a
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--no-segments", action="store_true", help="skip the segment sweep")
+    ap.add_argument("--prefill", action="store_true", help="only the 1 x T inference forward")
     args = ap.parse_args()
+    if args.prefill:
+        rows = []
+        prefill(rows)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     a, gy = shape_inputs(8, 2048, DN, N)
     base = K.config(DN, interpret=False)
     rows = []
