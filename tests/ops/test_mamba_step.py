@@ -90,21 +90,17 @@ def check_step(M, Dn, N, R, K, B, dtype, bias, first, seed=0):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
-    "B, rows_max, fused_bytes", [(1, 1, 1 << 24), (3, 16, 1 << 24), (20, 1, 1 << 24), (20, 1, 0)]
+    "B, rows_max, dt_bytes", [(1, 1, 1 << 24), (3, 16, 1 << 24), (20, 1, 1 << 24), (20, 1, 0)]
 )
-def test_layer_step_matches_float64_op_chain(
-    nan_empty, monkeypatch, dtype, B, rows_max, fused_bytes
-):
+def test_layer_step_matches_float64_op_chain(nan_empty, monkeypatch, dtype, B, rows_max, dt_bytes):
     # B = 1: matrix-vector kernels, the norm fused into in_proj's; B > ROWS_MAX_BATCH:
     # cuBLAS projections around the fused conv and SSM kernels (dt_proj fused); B = 3
-    # with ROWS_MAX_BATCH = 16: a norm launch, then the row-loop kernels; fused_bytes 0:
-    # x_proj and dt_proj by cuBLAS, the SSM kernel reads x_dbl and delta (else x_proj's
-    # partial sums from the conv kernel, and runs dt_proj itself)
+    # with ROWS_MAX_BATCH = 16: a norm launch, then the row-loop kernels;
+    # DT_PROJ_FUSED_BYTES = 0: dt_proj by cuBLAS, the SSM kernel reads delta
     from mambakit.ops.mamba_step import kernels
 
     monkeypatch.setattr(kernels, "ROWS_MAX_BATCH", rows_max)
-    monkeypatch.setattr(kernels, "DT_PROJ_FUSED_BYTES", fused_bytes)
-    monkeypatch.setattr(kernels, "XPROJ_FUSED_BYTES", fused_bytes)
+    monkeypatch.setattr(kernels, "DT_PROJ_FUSED_BYTES", dt_bytes)
     for bias, first in ((False, False), (True, True)):
         check_step(M=24, Dn=40, N=4, R=3, K=4, B=B, dtype=dtype, bias=bias, first=first)
 

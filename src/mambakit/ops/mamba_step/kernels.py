@@ -23,13 +23,10 @@ cannot move above the previous row's stores) a block is four launches:
    D skip and the SiLU(z) gate -> y.
 4. `_linear_kernel`: out_proj. With the add+norm prologue, the LM head.
 
-Above `ROWS_MAX_BATCH` rows in_proj and out_proj go to cuBLAS (`F.linear`) and
-the small work between them stays fused: the norm; `_conv_xproj_kernel`, the
-conv update with this channel block's share of x_proj (while batch x its
-weight <= XPROJ_FUSED_BYTES; a cuBLAS x_proj of a few rows costs ~5 us); then
-`_layer_ssm_kernel` sums the shares in a fixed order and runs dt_proj (while
-batch x its weight <= DT_PROJ_FUSED_BYTES) + state update + gate, one row per
-program.
+Above `ROWS_MAX_BATCH` rows the projections go to cuBLAS (`F.linear`) and the
+small work between them stays fused: the norm, the conv update, then dt_proj
+(while batch x its weight <= DT_PROJ_FUSED_BYTES) + state update + gate in
+`_layer_ssm_kernel`, one row per program.
 
 Values are rounded to the compute dtype wherever the unfused op chain stores
 them (xz, u, x_proj's output, delta, y, out), so both paths agree up to the
@@ -57,7 +54,6 @@ from ..rms_norm.kernels import rms_fwd
 from ..selective_scan.tiles import LOG2E, _softplus
 
 TILE = 8192  # elements of a program's weight slab (16 KB in bf16)
-XPROJ_FUSED_BYTES = 32 << 20  # batch x x_proj weight bytes up to which the conv kernel runs it
 DT_PROJ_FUSED_BYTES = 16 << 20  # batch x dt_proj weight bytes up to which the SSM kernel runs it
 USE_PDL = True  # programmatic dependent launch on sm_90+ (see _pdl_start)
 ROWS_MAX_BATCH = 1  # up to this batch the weights stream through these kernels; above, cuBLAS
@@ -98,65 +94,6 @@ def _norm_row(r, nw, M, eps, cdt: tl.constexpr):
 
 
 @triton.jit
-def _conv_taps(cw_ptr, d, md, s_cw_d, s_cw_k, K: tl.constexpr, KC: tl.constexpr):
-    """The conv weights of channels d: the history taps [KC, BLOCK_D] (rows 0..K-2) and
-    the last tap [BLOCK_D], in f32."""
-    j = tl.arange(0, KC)
-    mh = (j < K - 1)[:, None] & md[None, :]
-    cw_hist = tl.load(cw_ptr + d[None, :] * s_cw_d + j[:, None] * s_cw_k, mask=mh, other=0.0)
-    cw_last = tl.load(cw_ptr + d * s_cw_d + (K - 1) * s_cw_k, mask=md, other=0.0)
-    return j, mh, cw_hist.to(tl.float32), cw_last.to(tl.float32)
-
-
-@triton.jit
-def _conv_row(p_row, xin, d, md, j, mh, cw_hist, cw_last, cb_ptr, s_cs_k, s_cs_d,
-              K: tl.constexpr, HAS_CONV_BIAS: tl.constexpr):
-    """The conv update of one row's channels d (state rows at p_row): window = [state rows
-    0..K-2, xin], the state keeps rows 1..K-1; returns the conv output before SiLU.
-    A channel's value may sit in several threads (a small BLOCK_D): all of them load the
-    history before any of them stores its shift."""
-    p_s = p_row + j[:, None] * s_cs_k + d[None, :] * s_cs_d
-    hist = tl.load(p_s, mask=mh, other=0.0)
-    c = tl.sum(hist.to(tl.float32) * cw_hist, axis=0) + xin * cw_last
-    if HAS_CONV_BIAS:
-        c += tl.load(cb_ptr + d, mask=md, other=0.0).to(tl.float32)
-    tl.debug_barrier()
-    tl.store(p_s - s_cs_k, hist, mask=mh & (j >= 1)[:, None])
-    tl.store(p_row + (K - 2) * s_cs_k + d * s_cs_d, xin.to(p_row.dtype.element_ty), mask=md)
-    return c
-
-
-@triton.jit
-def _conv_xproj_kernel(
-    xz_ptr, conv_ptr, cw_ptr, cb_ptr, w_x_ptr, u_ptr, part_ptr,
-    Dn, J, s_xz, s_cs_b, s_cs_k, s_cs_d, s_cw_d, s_cw_k, s_wx, s_u, s_pp, s_pb,
-    K: tl.constexpr, HAS_CONV_BIAS: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_J: tl.constexpr, KC: tl.constexpr,
-):
-    """Batch > ROWS_MAX_BATCH: the conv update of one row's BLOCK_D channels (x_in read
-    from in_proj's output) -> u, and this block's share of x_proj, part[block, row, :] =
-    W_x[:, block] u[block] (the SSM kernel sums the blocks' shares in a fixed order)."""
-    b = tl.program_id(0).to(tl.int64)
-    pid_d = tl.program_id(1)
-    cdt: tl.constexpr = u_ptr.dtype.element_ty
-    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    md = d < Dn
-    j, mh, cw_hist, cw_last = _conv_taps(cw_ptr, d, md, s_cw_d, s_cw_k, K, KC)
-    xin = tl.load(xz_ptr + b * s_xz + d, mask=md, other=0.0).to(tl.float32)
-    c = _conv_row(conv_ptr + b * s_cs_b, xin, d, md, j, mh, cw_hist, cw_last, cb_ptr,
-                  s_cs_k, s_cs_d, K, HAS_CONV_BIAS)
-    u = (c * tl.sigmoid(c)).to(cdt)
-    tl.store(u_ptr + b * s_u + d, u, mask=md)
-    uf = u.to(tl.float32)
-    for j0 in range(0, J, BLOCK_J):
-        jj = j0 + tl.arange(0, BLOCK_J)
-        w = tl.load(w_x_ptr + jj[:, None] * s_wx + d[None, :],
-                    mask=(jj < J)[:, None] & md[None, :], other=0.0)
-        tl.store(part_ptr + pid_d * s_pp + b * s_pb + jj,
-                 tl.sum(w.to(tl.float32) * uf[None, :], axis=1), mask=jj < J)
-
-
-@triton.jit
 def _layer_in_kernel(
     x_ptr, res_ptr, nw_ptr, res_out_ptr, w_in_ptr, b_in_ptr, conv_ptr, cw_ptr, cb_ptr,
     z_ptr, u_ptr,
@@ -181,7 +118,11 @@ def _layer_in_kernel(
     w_z = tl.load(w_in_ptr + (d + Dn)[:, None] * s_win + k[None, :], mask=mw, other=0.0)
     if HAS_NORM:
         nw = tl.load(nw_ptr + k, mask=mk, other=0.0).to(tl.float32)
-    j, mh, cw_hist, cw_last = _conv_taps(cw_ptr, d, md, s_cw_d, s_cw_k, K, KC)
+    cw_last = tl.load(cw_ptr + d * s_cw_d + (K - 1) * s_cw_k, mask=md, other=0.0).to(tl.float32)
+    j = tl.arange(0, KC)  # conv taps 0..K-2 are the history rows of the state
+    mh = (j < K - 1)[:, None] & md[None, :]
+    cw_hist = tl.load(cw_ptr + d[None, :] * s_cw_d + j[:, None] * s_cw_k, mask=mh, other=0.0
+                      ).to(tl.float32)
     _pdl_wait(PDL)
     for i in tl.static_range(BLOCK_B):
         b = pid_b * BLOCK_B + i
@@ -200,36 +141,31 @@ def _layer_in_kernel(
                 z += tl.load(b_in_ptr + Dn + d, mask=md, other=0.0).to(tl.float32)
             tl.store(z_ptr + b * s_z + d, z.to(cdt), mask=md)
             xin = xin.to(cdt).to(tl.float32)
-            c = _conv_row(conv_ptr + b * s_cs_b, xin, d, md, j, mh, cw_hist, cw_last, cb_ptr,
-                          s_cs_k, s_cs_d, K, HAS_CONV_BIAS)
+            # conv update: window = [state rows 0..K-2, x]; the state keeps rows 1..K-1.
+            # A channel's value may sit in several threads (a small BLOCK_D): all of
+            # them load the history before any of them stores its shift.
+            p_s = conv_ptr + b * s_cs_b + j[:, None] * s_cs_k + d[None, :] * s_cs_d
+            hist = tl.load(p_s, mask=mh, other=0.0)
+            c = tl.sum(hist.to(tl.float32) * cw_hist, axis=0) + xin * cw_last
+            if HAS_CONV_BIAS:
+                c += tl.load(cb_ptr + d, mask=md, other=0.0).to(tl.float32)
+            tl.debug_barrier()
+            tl.store(p_s - s_cs_k, hist, mask=mh & (j >= 1)[:, None])
+            tl.store(conv_ptr + b * s_cs_b + (K - 2) * s_cs_k + d * s_cs_d,
+                     xin.to(conv_ptr.dtype.element_ty), mask=md)
             tl.store(u_ptr + b * s_u + d, (c * tl.sigmoid(c)).to(cdt), mask=md)
-
-
-@triton.jit
-def _xd(xd_ptr, b, off, n, P, s_xp, s_xd, cdt: tl.constexpr, BLOCK_P: tl.constexpr,
-        BLOCK: tl.constexpr):
-    """x_dbl[b, off:off + n] in f32 (rounded to the compute dtype, as x_proj's output)."""
-    i = tl.arange(0, BLOCK)
-    if BLOCK_P == 0:
-        return tl.load(xd_ptr + b * s_xd + off + i, mask=i < n, other=0.0).to(tl.float32)
-    else:
-        p = tl.arange(0, BLOCK_P)
-        m = (p < P)[:, None] & (i < n)[None, :]
-        v = tl.load(xd_ptr + p[:, None] * s_xp + b * s_xd + off + i[None, :], mask=m, other=0.0)
-        return tl.sum(v, axis=0).to(cdt).to(tl.float32)
 
 
 @triton.jit
 def _layer_ssm_kernel(
     xd_ptr, w_dt_ptr, delta_ptr, dtb_ptr, A_ptr, Dv_ptr, u_ptr, z_ptr, h_ptr, y_ptr,
-    Bsz, Dn, R, N, P,
-    s_xp, s_xd, s_wdt, s_delta, s_A, s_u, s_z, s_hb, s_hd, s_y,
+    Bsz, Dn, R, N,
+    s_xd, s_wdt, s_delta, s_A, s_u, s_z, s_hb, s_hd, s_y,
     DT_PROJ: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     """y = state update(u, delta, B, C) * silu(z), delta = x_dbl[:, :R] W_dt^T computed here
-    (DT_PROJ) or read from delta_ptr. x_dbl is [B, J] in the compute dtype (BLOCK_P 0),
-    or P partial sums [P, B, J] f32 added here in a fixed order."""
+    (DT_PROJ) or read from delta_ptr."""
     _pdl_start(PDL)
     pid_b = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -250,14 +186,14 @@ def _layer_ssm_kernel(
         b = pid_b * BLOCK_B + i
         if b < Bsz:
             # x_proj's output of row b: dt_low [R], B [N], C [N]
-            Bv = _xd(xd_ptr, b, R, N, P, s_xp, s_xd, cdt, BLOCK_P, BLOCK_N)
-            Cv = _xd(xd_ptr, b, R + N, N, P, s_xp, s_xd, cdt, BLOCK_P, BLOCK_N)
+            Bv = tl.load(xd_ptr + b * s_xd + R + n, mask=n < N, other=0.0).to(tl.float32)
+            Cv = tl.load(xd_ptr + b * s_xd + R + N + n, mask=n < N, other=0.0).to(tl.float32)
             p_h = h_ptr + b * s_hb + d[:, None] * s_hd + n[None, :]
             h = tl.load(p_h, mask=mdn, other=0.0)
             u = tl.load(u_ptr + b * s_u + d, mask=md, other=0.0).to(tl.float32)
             zv = tl.load(z_ptr + b * s_z + d, mask=md, other=0.0).to(tl.float32)
             if DT_PROJ:  # rounded as the GEMM's output would be
-                dt_low = _xd(xd_ptr, b, 0, R, P, s_xp, s_xd, cdt, BLOCK_P, BLOCK_R)
+                dt_low = tl.load(xd_ptr + b * s_xd + r, mask=r < R, other=0.0).to(tl.float32)
                 raw = tl.sum(w_dt * dt_low[None, :], axis=1).to(cdt).to(tl.float32)
             else:
                 raw = tl.load(delta_ptr + b * s_delta + d, mask=md, other=0.0).to(tl.float32)
@@ -358,13 +294,10 @@ def layer_step(
     if Bsz > ROWS_MAX_BATCH or k_pad > TILE:
         normed, res_out, _ = rms_fwd(hidden, w.norm_w, w.eps, residual, cdt)
         xz = F.linear(normed, w.in_w, w.in_b)
+        u = conv_update(conv_state, xz[:, :Dn], w.conv_w, w.conv_b, silu=True)
         z = xz[:, Dn:]
-        if Bsz * w.x_w.numel() * w.x_w.element_size() <= XPROJ_FUSED_BYTES:
-            u, part = _conv_xproj(xz, w, conv_state, interp)
-            y = _ssm(part, w, u, z, ssm_state, interp)
-        else:
-            u = conv_update(conv_state, xz[:, :Dn], w.conv_w, w.conv_b, silu=True)
-            y = _ssm(F.linear(u, w.x_w), w, u, z, ssm_state, interp)
+        x_dbl = F.linear(u, w.x_w)
+        y = _ssm(x_dbl, w, u, z, ssm_state, interp)
         return F.linear(y, w.out_w, w.out_b), res_out
     fuse_norm = Bsz == 1
     if fuse_norm:
@@ -397,24 +330,6 @@ def layer_step(
     return linear(y, w.out_w, w.out_b), res_out
 
 
-def _conv_xproj(xz, w, conv_state, interp: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(u [B, D] in the compute dtype, x_proj's partial sums [P, B, J] f32)."""
-    Bsz = xz.shape[0]
-    Dn, K, J = w.A.shape[0], w.conv_w.shape[1], w.x_w.shape[0]
-    block_d = 16 if interp else 256
-    P = triton.cdiv(Dn, block_d)
-    u = torch.empty(Bsz, Dn, device=xz.device, dtype=xz.dtype)
-    part = torch.empty(P, Bsz, J, device=xz.device, dtype=torch.float32)
-    _conv_xproj_kernel[(Bsz, P)](
-        xz, conv_state, w.conv_w, w.conv_b if w.conv_b is not None else w.conv_w, w.x_w, u, part,
-        Dn, J, xz.stride(0), *conv_state.stride(), *w.conv_w.stride(), w.x_w.stride(0),
-        u.stride(0), part.stride(0), part.stride(1),
-        K=K, HAS_CONV_BIAS=w.conv_b is not None, BLOCK_D=block_d,
-        BLOCK_J=16 if interp else 32, KC=triton.next_power_of_2(K), num_warps=4,
-    )  # fmt: skip
-    return u, part
-
-
 def _ssm(x_dbl, w, u, z, ssm_state, interp: bool) -> torch.Tensor:
     """dt_proj + softplus + state update + D skip + gate: y [B, D] in the compute dtype.
 
@@ -427,23 +342,15 @@ def _ssm(x_dbl, w, u, z, ssm_state, interp: bool) -> torch.Tensor:
     # each row's programs read dt_proj's weight again (from L2): worth it while that
     # stays small; a cuBLAS GEMM of a few rows costs ~5 us
     dt_proj = Bsz * w.dt_w.numel() * w.dt_w.element_size() <= DT_PROJ_FUSED_BYTES
-    parts = x_dbl.dim() == 3  # [P, B, J] partial sums, or [B, J]
-    if dt_proj:
-        delta = y
-    else:
-        dt_low = x_dbl.sum(0).to(u.dtype) if parts else x_dbl
-        delta = F.linear(dt_low[:, :R], w.dt_w)
-    P = x_dbl.shape[0] if parts else 1
-    s_xp = x_dbl.stride(0) if parts else 0
+    delta = y if dt_proj else F.linear(x_dbl[:, :R], w.dt_w)
     block_d = 16 if interp else 32
     _layer_ssm_kernel[(Bsz, triton.cdiv(Dn, block_d))](
         x_dbl, w.dt_w, delta, w.dt_bias, w.A, w.D, u, z, ssm_state, y,
-        Bsz, Dn, R, N, P,
-        s_xp, x_dbl.stride(-2), w.dt_w.stride(0), delta.stride(0), w.A.stride(0), u.stride(0),
+        Bsz, Dn, R, N,
+        x_dbl.stride(0), w.dt_w.stride(0), delta.stride(0), w.A.stride(0), u.stride(0),
         z.stride(0), ssm_state.stride(0), ssm_state.stride(1), y.stride(0),
         DT_PROJ=dt_proj, BLOCK_B=1, BLOCK_D=block_d, BLOCK_R=max(2, triton.next_power_of_2(R)),
-        BLOCK_N=max(2, triton.next_power_of_2(N)),
-        BLOCK_P=triton.next_power_of_2(P) if parts else 0, num_warps=4, **_pdl(u),
+        BLOCK_N=max(2, triton.next_power_of_2(N)), num_warps=4, **_pdl(u),
     )  # fmt: skip
     return y
 
