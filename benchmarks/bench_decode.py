@@ -94,6 +94,13 @@ def count_aten_ops(fn) -> int:
     return Count.n
 
 
+def _no_grad(fn):
+    """fn() without autograd, as generate runs a decode step (with it, step() records a
+    differentiable forward)."""
+    with torch.no_grad():
+        return fn()
+
+
 def record(workload, impl, batch, new, seconds, prefill_s, dtype, shapes, **extra) -> dict:
     per_token = (seconds - prefill_s) / max(new - 1, 1)  # decode latency per step
     return {
@@ -211,7 +218,9 @@ def decode_table(args, device: torch.device) -> list[dict]:
             extra = {
                 "preset": name,
                 "kernels_per_step": count_kernels(one_step, device),
-                "kernels_per_token": count_kernels(dec.decode_step, device),
+                "kernels_per_token": count_kernels(
+                    lambda dec=dec: _no_grad(dec.decode_step), device
+                ),
                 "weight_bytes": weight_bytes,
                 "state_bytes": state_bytes,
                 "bound_us_per_step": bound_us,
