@@ -1,0 +1,194 @@
+"""Mamba-3 SISO scan in plain PyTorch: the CPU path and the oracle (Lahoti et al. 2026).
+
+Glossary: B batch, T time, H heads, P headdim (values per head), G groups of
+B/C (heads share the group h // (H // G)), N = d_state, S rotary angles
+(S <= N / 2). Per row, head h and time t, with q_t, k_t the head's group's
+normalised C and B rows:
+
+    phi_t   = (phi_{t-1} + pi tanh(theta_t) delta_t) mod 2 pi      [S], per head
+    k~_t    = rot(k_t + k_bias_h, phi_t)    q~_t = rot(q_t + q_bias_h, phi_t)
+    lam_t   = sigmoid(trap_t)      alpha_t = exp(A_t delta_t)
+    beta_t  = (1 - lam_t) delta_t alpha_t                gamma_t = lam_t delta_t
+    S_t     = alpha_t S_{t-1} + beta_t x_{t-1} k~_{t-1}^T + gamma_t x_t k~_t^T    [P, N]
+    y_t     = S_t q~_t + D_h x_t,  then  y_t * silu(z_t)
+
+`rot` turns the adjacent pairs (2i, 2i+1), i < S, by phi_t[i]; state dims
+2S..N-1 are not turned. The exponential-trapezoidal rule puts each token's
+outer product x_s k~_s^T in the state twice: gamma_s at step s and, through
+beta_{s+1}, at step s+1. The recurrent state is (angle phi [S], S [P, N],
+k~ [N], x [P]) per head: the last token's turned key and value wait for their
+beta term.
+
+Unrolled, with cs_t = sum_{r<=t} A_r delta_r and
+w_s = gamma_s + (1 - lam_{s+1}) delta_{s+1} (the second term 0 for the last
+token of a chunk, whose beta term belongs to the next one):
+
+    S_t = exp(cs_t) S'_start + sum_{s<=t} exp(cs_t - cs_s) w'_{t,s} x_s k~_s^T
+    w'_{t,s} = w_s (s < t),  gamma_t (s = t)
+    S'_start = S_{-1} + (1 - lam_0) delta_0 x_{-1} k~_{-1}^T
+
+so a chunk of C steps is one [C, C] matrix per head (the SSD form of Mamba-2),
+and a short loop over chunks carries (S, k~, x). The angles are one cumsum
+over the whole sequence. Decays are exp of non-positive sums only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64  # timesteps per quadratic block; the carry loop runs T / CHUNK times
+TWO_PI = 2 * math.pi
+
+
+class Mamba3State(NamedTuple):
+    """One layer's recurrent state (f32, or f64 on the oracle path)."""
+
+    angle: torch.Tensor  # [B, H, S] cumulative rotation angles, in [0, 2 pi)
+    ssm: torch.Tensor  # [B, H, P, N]
+    k: torch.Tensor  # [B, H, N] the last token's turned, biased key
+    x: torch.Tensor  # [B, H, P] the last token's value
+
+    @classmethod
+    def zeros(cls, batch, nheads, headdim, d_state, n_angles, device=None, dtype=torch.float32):
+        z = dict(device=device, dtype=dtype)
+        return cls(
+            torch.zeros(batch, nheads, n_angles, **z),
+            torch.zeros(batch, nheads, headdim, d_state, **z),
+            torch.zeros(batch, nheads, d_state, **z),
+            torch.zeros(batch, nheads, headdim, **z),
+        )
+
+
+def rotate_pairs(v: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
+    """Turn the adjacent pairs (2i, 2i+1) of v [..., N] by phi [..., S], i < S."""
+    S = phi.shape[-1]
+    pairs = v[..., : 2 * S].unflatten(-1, (S, 2))
+    v0, v1 = pairs[..., 0], pairs[..., 1]
+    cos, sin = torch.cos(phi), torch.sin(phi)
+    turned = torch.stack([v0 * cos - v1 * sin, v0 * sin + v1 * cos], dim=-1).flatten(-2)
+    return torch.cat([turned, v[..., 2 * S :]], dim=-1)
+
+
+def _heads(t: torch.Tensor, H: int) -> torch.Tensor:
+    """[B, T, G, N] group rows -> [B, T, H, N]: head h reads group h // (H // G)."""
+    G = t.shape[2]
+    return t if G == H else t.repeat_interleave(H // G, dim=2)
+
+
+def _angles(theta, delta, angle0) -> torch.Tensor:
+    """phi [B, T, H, S]: the inclusive cumsum of pi tanh(theta) delta from angle0, mod 2 pi."""
+    inc = (math.pi * torch.tanh(theta)).unsqueeze(2) * delta.unsqueeze(-1)  # [B, T, H, S]
+    phi = torch.cumsum(inc, dim=1) + angle0.unsqueeze(1)
+    return phi - TWO_PI * torch.floor(phi / TWO_PI)
+
+
+def mamba3_scan_reference(
+    x: torch.Tensor,  # [B, T, H, P] values
+    q: torch.Tensor,  # [B, T, G, N] normalised C rows (before the bias)
+    k: torch.Tensor,  # [B, T, G, N] normalised B rows (before the bias)
+    delta: torch.Tensor,  # [B, T, H] > 0 (after softplus)
+    A: torch.Tensor,  # [B, T, H] < 0
+    trap: torch.Tensor,  # [B, T, H] logits of lam
+    theta: torch.Tensor,  # [B, T, S] rotation logits, shared by the heads
+    q_bias: torch.Tensor,  # [H, N]
+    k_bias: torch.Tensor,  # [H, N]
+    D: torch.Tensor | None = None,  # [H]
+    z: torch.Tensor | None = None,  # [B, T, H, P] gate
+    initial_state: Mamba3State | None = None,
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, Mamba3State]:
+    """(y [B, T, H, P] in x.dtype, final state), differentiable in every input."""
+    Bsz, T, H, P = x.shape
+    N, S = q.shape[-1], theta.shape[-1]
+    f = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if initial_state is None:
+        initial_state = Mamba3State.zeros(Bsz, H, P, N, S, x.device, f)
+    xf, deltaf = x.to(f), delta.to(f)
+    phi = _angles(theta.to(f), deltaf, initial_state.angle.to(f))
+    kr = rotate_pairs(_heads(k.to(f), H) + k_bias.to(f), phi)  # [B, T, H, N]
+    qr = rotate_pairs(_heads(q.to(f), H) + q_bias.to(f), phi)
+    lam = torch.sigmoid(trap.to(f))
+    adt = A.to(f) * deltaf  # [B, T, H], <= 0
+    gamma = lam * deltaf
+    late = (1 - lam) * deltaf  # the beta term of token s, paid at step s + 1 (without alpha)
+
+    ssm, k_prev, x_prev = (t.to(f) for t in initial_state[1:])
+    ys = []
+    for c0 in range(0, T, chunk):
+        c1 = min(T, c0 + chunk)
+        L = c1 - c0
+        # the previous token's outer product, with its beta weight, joins the start state
+        start = ssm + (late[:, c0, :, None, None] * x_prev.unsqueeze(-1)) * k_prev.unsqueeze(-2)
+        cs = torch.cumsum(adt[:, c0:c1], dim=1)  # [B, L, H]
+        w = gamma[:, c0:c1].clone()
+        if L > 1:
+            w[:, :-1] = w[:, :-1] + late[:, c0 + 1 : c1]
+        # decay[t, s] = exp(cs_t - cs_s) for s <= t, weights w_s (s < t), gamma_t (s = t)
+        diff = cs.unsqueeze(2) - cs.unsqueeze(1)  # [B, L(t), L(s), H]
+        causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
+        decay = torch.exp(diff.masked_fill(~causal[None, :, :, None], float("-inf")))
+        weight = decay * w.unsqueeze(1)
+        eye = torch.eye(L, dtype=torch.bool, device=x.device)[None, :, :, None]
+        weight = torch.where(eye, gamma[:, c0:c1].unsqueeze(1), weight)
+        qc, kc, xc = qr[:, c0:c1], kr[:, c0:c1], xf[:, c0:c1]
+        scores = torch.einsum("bthn,bshn->btsh", qc, kc) * weight
+        y = torch.einsum("btsh,bshp->bthp", scores, xc)
+        y = y + torch.exp(cs).unsqueeze(-1) * torch.einsum("bhpn,bthn->bthp", start, qc)
+        ys.append(y)
+        # the state after the chunk: its last token's late term is left for the next chunk
+        tail = torch.exp(cs[:, -1:] - cs) * w  # [B, L, H]
+        tail[:, -1] = gamma[:, c1 - 1]
+        ssm = torch.exp(cs[:, -1]).unsqueeze(-1).unsqueeze(-1) * start + torch.einsum(
+            "bsh,bshp,bshn->bhpn", tail, xc, kc
+        )
+        k_prev, x_prev = kc[:, -1], xc[:, -1]
+    y = torch.cat(ys, dim=1)
+    if D is not None:
+        y = y + D.to(f)[:, None] * xf
+    if z is not None:
+        y = y * F.silu(z.to(f))
+    final = Mamba3State(phi[:, -1], ssm, k_prev, x_prev)
+    return y.to(x.dtype), final
+
+
+def mamba3_step_reference(
+    x: torch.Tensor,  # [B, H, P]
+    q: torch.Tensor,  # [B, G, N]
+    k: torch.Tensor,  # [B, G, N]
+    delta: torch.Tensor,  # [B, H]
+    A: torch.Tensor,  # [B, H]
+    trap: torch.Tensor,  # [B, H]
+    theta: torch.Tensor,  # [B, S]
+    q_bias: torch.Tensor,
+    k_bias: torch.Tensor,
+    D: torch.Tensor | None,
+    z: torch.Tensor | None,  # [B, H, P]
+    state: Mamba3State,
+) -> tuple[torch.Tensor, Mamba3State]:
+    """One timestep, functionally: (y [B, H, P] in x.dtype, the next state)."""
+    H = x.shape[1]
+    f = state.ssm.dtype
+    xf, deltaf = x.to(f), delta.to(f)
+    phi = state.angle + (math.pi * torch.tanh(theta.to(f))).unsqueeze(1) * deltaf.unsqueeze(-1)
+    phi = phi - TWO_PI * torch.floor(phi / TWO_PI)
+    kr = rotate_pairs(_heads(k.to(f).unsqueeze(1), H)[:, 0] + k_bias.to(f), phi)
+    qr = rotate_pairs(_heads(q.to(f).unsqueeze(1), H)[:, 0] + q_bias.to(f), phi)
+    lam = torch.sigmoid(trap.to(f))
+    alpha = torch.exp(A.to(f) * deltaf)
+    beta = (1 - lam) * deltaf * alpha
+    gamma = lam * deltaf
+    ssm = (
+        alpha[..., None, None] * state.ssm
+        + beta[..., None, None] * state.x.unsqueeze(-1) * state.k.unsqueeze(-2)
+        + gamma[..., None, None] * xf.unsqueeze(-1) * kr.unsqueeze(-2)
+    )
+    y = torch.einsum("bhpn,bhn->bhp", ssm, qr)
+    if D is not None:
+        y = y + D.to(f)[:, None] * xf
+    if z is not None:
+        y = y * F.silu(z.to(f))
+    return y.to(x.dtype), Mamba3State(phi, ssm, kr, xf)
