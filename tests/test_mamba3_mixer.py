@@ -76,6 +76,17 @@ def test_chunks_with_carried_state_equal_the_whole_values_and_gradients():
         torch.testing.assert_close(p.grad, whole[n], rtol=1e-9, atol=1e-11, msg=n)
 
 
+def test_packed_rows_equal_documents_alone():
+    m = layer()
+    u = torch.randn(1, 12, 16, dtype=torch.float64)
+    seq_idx = torch.tensor([[0] * 5 + [1] * 7], dtype=torch.int32)
+    y = m(u, seq_idx=seq_idx)
+    torch.testing.assert_close(y[:, :5], m(u[:, :5]), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(y[:, 5:], m(u[:, 5:]), rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="seq_idx"):
+        m(u, seq_idx=seq_idx[:, :-1])
+
+
 def test_f32_layer_is_close_to_float64():
     m64 = layer()
     m32 = layer(torch.float32)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops._checks import check_tensor
+from ..ops._checks import check_seq_idx, check_tensor
 from ..ops.mamba3.reference import Mamba3State, mamba3_scan_reference, mamba3_step_reference
 from .init import no_weight_decay
 
@@ -125,15 +125,18 @@ class Mamba3(nn.Module):
         self,
         u: torch.Tensor,  # [B, T, M]
         state: Mamba3State | None = None,
+        seq_idx: torch.Tensor | None = None,  # [B, T] int32 document ids
         return_state: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, Mamba3State]:
         check_tensor("u", u, (None, None, self.d_model))
         if state is not None:
             self._check_state(state, u.shape[0], u.device)
+        if seq_idx is not None:
+            check_seq_idx(seq_idx, u.shape[0], u.shape[1], u.device)
         x, q, k, delta, A, trap, theta, z = self._inputs(u)
         y, final = mamba3_scan_reference(
             x, q, k, delta, A, trap, theta, self.C_bias[:, 0], self.B_bias[:, 0], self.D, z,
-            initial_state=state, chunk=self.chunk_size,
+            initial_state=state, seq_idx=seq_idx, chunk=self.chunk_size,
         )  # fmt: skip
         out = self.out_proj(y.flatten(-2).to(self.out_proj.weight.dtype))
         return (out, final) if return_state else out

@@ -30,6 +30,10 @@ token of a chunk, whose beta term belongs to the next one):
 so a chunk of C steps is one [C, C] matrix per head (the SSD form of Mamba-2),
 and a short loop over chunks carries (S, k~, x). The angles are one cumsum
 over the whole sequence. Decays are exp of non-positive sums only.
+
+With `seq_idx` [B, T] (non-decreasing document ids), a document starts from a
+zero state: no decay, late term or angle crosses its start, and the initial
+state feeds only the row's first document (times before 0 belong to it).
 """
 
 from __future__ import annotations
@@ -79,10 +83,21 @@ def _heads(t: torch.Tensor, H: int) -> torch.Tensor:
     return t if G == H else t.repeat_interleave(H // G, dim=2)
 
 
-def _angles(theta, delta, angle0) -> torch.Tensor:
-    """phi [B, T, H, S]: the inclusive cumsum of pi tanh(theta) delta from angle0, mod 2 pi."""
+def _angles(theta, delta, angle0, same) -> torch.Tensor:
+    """phi [B, T, H, S]: the inclusive cumsum of pi tanh(theta) delta from angle0, mod 2 pi;
+    restarted from 0 at every document start (same [B, T] bool: t continues t - 1)."""
     inc = (math.pi * torch.tanh(theta)).unsqueeze(2) * delta.unsqueeze(-1)  # [B, T, H, S]
-    phi = torch.cumsum(inc, dim=1) + angle0.unsqueeze(1)
+    total = torch.cumsum(inc, dim=1)
+    if same is None:
+        phi = total + angle0.unsqueeze(1)
+    else:
+        T = inc.shape[1]
+        t = torch.arange(T, device=inc.device).expand_as(same)
+        start = torch.cummax(torch.where(same, 0, t), dim=1).values  # [B, T] its document's start
+        before = torch.cat([torch.zeros_like(total[:, :1]), total[:, :-1]], dim=1)
+        idx = start[:, :, None, None].expand_as(total)
+        first = (start == 0)[:, :, None, None]  # the row's first document: from angle0
+        phi = total - before.gather(1, idx) + first * angle0.unsqueeze(1)
     return phi - TWO_PI * torch.floor(phi / TWO_PI)
 
 
@@ -99,6 +114,7 @@ def mamba3_scan_reference(
     D: torch.Tensor | None = None,  # [H]
     z: torch.Tensor | None = None,  # [B, T, H, P] gate
     initial_state: Mamba3State | None = None,
+    seq_idx: torch.Tensor | None = None,  # [B, T] int32 document ids
     chunk: int = CHUNK,
 ) -> tuple[torch.Tensor, Mamba3State]:
     """(y [B, T, H, P] in x.dtype, final state), differentiable in every input."""
@@ -108,13 +124,19 @@ def mamba3_scan_reference(
     if initial_state is None:
         initial_state = Mamba3State.zeros(Bsz, H, P, N, S, x.device, f)
     xf, deltaf = x.to(f), delta.to(f)
-    phi = _angles(theta.to(f), deltaf, initial_state.angle.to(f))
+    same = None  # [B, T]: token t continues the document of t - 1 (t = 0: the initial state's)
+    if seq_idx is not None:
+        same = torch.ones_like(seq_idx, dtype=torch.bool)
+        same[:, 1:] = seq_idx[:, 1:] == seq_idx[:, :-1]
+    phi = _angles(theta.to(f), deltaf, initial_state.angle.to(f), same)
     kr = rotate_pairs(_heads(k.to(f), H) + k_bias.to(f), phi)  # [B, T, H, N]
     qr = rotate_pairs(_heads(q.to(f), H) + q_bias.to(f), phi)
     lam = torch.sigmoid(trap.to(f))
     adt = A.to(f) * deltaf  # [B, T, H], <= 0
     gamma = lam * deltaf
     late = (1 - lam) * deltaf  # the beta term of token s, paid at step s + 1 (without alpha)
+    if same is not None:  # a document's first token pays no beta term for its predecessor
+        late = late * same.unsqueeze(-1)
 
     ssm, k_prev, x_prev = (t.to(f) for t in initial_state[1:])
     ys = []
@@ -129,22 +151,29 @@ def mamba3_scan_reference(
             w[:, :-1] = w[:, :-1] + late[:, c0 + 1 : c1]
         # decay[t, s] = exp(cs_t - cs_s) for s <= t, weights w_s (s < t), gamma_t (s = t)
         diff = cs.unsqueeze(2) - cs.unsqueeze(1)  # [B, L(t), L(s), H]
-        causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()
-        decay = torch.exp(diff.masked_fill(~causal[None, :, :, None], float("-inf")))
+        causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()[None]
+        carry = torch.ones(Bsz, L, 1, dtype=f, device=x.device)  # t still sees the start state
+        if seq_idx is not None:
+            doc = seq_idx[:, c0:c1]
+            causal = causal & (doc.unsqueeze(2) == doc.unsqueeze(1))
+            prev = seq_idx[:, c0 - 1 : c0] if c0 > 0 else seq_idx[:, :1]
+            carry = (doc == prev).to(f).unsqueeze(-1)
+        decay = torch.exp(diff.masked_fill(~causal[..., None], float("-inf")))
         weight = decay * w.unsqueeze(1)
         eye = torch.eye(L, dtype=torch.bool, device=x.device)[None, :, :, None]
         weight = torch.where(eye, gamma[:, c0:c1].unsqueeze(1), weight)
         qc, kc, xc = qr[:, c0:c1], kr[:, c0:c1], xf[:, c0:c1]
         scores = torch.einsum("bthn,bshn->btsh", qc, kc) * weight
         y = torch.einsum("btsh,bshp->bthp", scores, xc)
-        y = y + torch.exp(cs).unsqueeze(-1) * torch.einsum("bhpn,bthn->bthp", start, qc)
+        y = y + (torch.exp(cs) * carry).unsqueeze(-1) * torch.einsum("bhpn,bthn->bthp", start, qc)
         ys.append(y)
         # the state after the chunk: its last token's late term is left for the next chunk
         tail = torch.exp(cs[:, -1:] - cs) * w  # [B, L, H]
         tail[:, -1] = gamma[:, c1 - 1]
-        ssm = torch.exp(cs[:, -1]).unsqueeze(-1).unsqueeze(-1) * start + torch.einsum(
-            "bsh,bshp,bshn->bhpn", tail, xc, kc
-        )
+        keep = torch.exp(cs[:, -1]) * carry[:, -1]  # [B, H]
+        if seq_idx is not None:  # only the last document's tokens stay in the state
+            tail = tail * (doc == doc[:, -1:]).unsqueeze(-1)
+        ssm = keep[..., None, None] * start + torch.einsum("bsh,bshp,bshn->bhpn", tail, xc, kc)
         k_prev, x_prev = kc[:, -1], xc[:, -1]
     y = torch.cat(ys, dim=1)
     if D is not None:
