@@ -2,12 +2,17 @@
 
 from .config import MambaConfig
 from .layers.block import MambaBlock, RMSNorm
+from .layers.mamba3 import Mamba3
 from .layers.mixer import Mamba
 from .model import MambaBackbone, MambaLM, MambaLMOutput
-from .state import MambaState
+from .ops.mamba3 import Mamba3State
+from .state import Mamba3ModelState, MambaState
 
 __all__ = [
     "Mamba",
+    "Mamba3",
+    "Mamba3ModelState",
+    "Mamba3State",
     "MambaBackbone",
     "MambaBlock",
     "MambaConfig",

@@ -1,4 +1,9 @@
-"""MambaConfig: every size and init choice of a Mamba-1 model, validated at construction."""
+"""MambaConfig: every size and init choice of a Mamba model, validated at construction.
+
+`mixer` picks the layer: "mamba1" (the selective SSM of Gu & Dao 2023: conv, d_state
+per channel, dt_rank) or "mamba3" (Mamba-3 SISO, Lahoti et al. 2026: heads of
+`headdim`, `ngroups` B/C groups, rotary angles, no conv). Fields of the other mixer
+are ignored."""
 
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ from typing import Any
 
 # d_model / n_layers of the released state-spaces/mamba checkpoints
 # (all with d_state 16, d_conv 4, expand 2).
+MIXERS = ("mamba1", "mamba3")
+
 _RELEASED = {
     "130m": (768, 24),
     "370m": (1024, 48),
@@ -43,6 +50,14 @@ class MambaConfig:
     dt_init: str = "random"  # "random" or "constant" dt_proj weight init
     initializer_range: float = 0.02  # std of the embedding init
     rescale_prenorm_residual: bool = True  # out_proj weights scaled by 1/sqrt(n_layers)
+    mixer: str = "mamba1"  # "mamba1" or "mamba3"
+    # Mamba-3 only: heads of headdim values, B/C groups, rotary share of d_state, A's floor,
+    # the chunk length of the reference scan.
+    headdim: int = 64
+    ngroups: int = 1
+    rope_fraction: float = 0.5
+    A_floor: float = 1e-4
+    chunk_size: int = 64
     extra: dict[str, Any] = field(default_factory=dict, repr=False)  # unknown keys kept on load
 
     def __post_init__(self) -> None:
@@ -75,6 +90,31 @@ class MambaConfig:
             )
         if self.d_state > 256:
             raise ValueError(f"MambaConfig.d_state must be at most 256, got {self.d_state}")
+        if self.mixer not in MIXERS:
+            raise ValueError(f"MambaConfig.mixer must be one of {MIXERS}, got {self.mixer!r}")
+        if self.mixer == "mamba3":
+            for name in ("headdim", "ngroups", "chunk_size"):
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                    raise ValueError(f"MambaConfig.{name} must be a positive int, got {value!r}")
+            if self.d_inner % self.headdim:
+                raise ValueError(
+                    f"MambaConfig: expand * d_model = {self.d_inner} is not a multiple of "
+                    f"headdim {self.headdim}"
+                )
+            if (self.d_inner // self.headdim) % self.ngroups:
+                raise ValueError(
+                    f"MambaConfig: {self.d_inner // self.headdim} heads do not split into "
+                    f"ngroups={self.ngroups}"
+                )
+            if self.rope_fraction not in (0.5, 1.0):
+                raise ValueError(
+                    f"MambaConfig.rope_fraction must be 0.5 or 1.0, got {self.rope_fraction!r}"
+                )
+            if self.n_angles <= 0:
+                raise ValueError(f"MambaConfig.d_state={self.d_state} leaves no rotary pair")
+            if not self.A_floor > 0:
+                raise ValueError(f"MambaConfig.A_floor must be > 0, got {self.A_floor}")
         if self.vocab_size % self.pad_vocab_size_multiple:
             m = self.pad_vocab_size_multiple
             self.vocab_size += m - self.vocab_size % m
@@ -83,16 +123,35 @@ class MambaConfig:
     def d_inner(self) -> int:
         return self.expand * self.d_model
 
+    @property
+    def nheads(self) -> int:
+        """Mamba-3: heads of headdim values."""
+        return self.d_inner // self.headdim
+
+    @property
+    def n_angles(self) -> int:
+        """Mamba-3: rotary angles per token (pairs of state dims turned), as mamba_ssm counts."""
+        pairs = int(self.d_state * self.rope_fraction)
+        return (pairs - pairs % 2) // 2
+
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> MambaConfig:
-        """`tiny` (about 1M parameters, byte vocab) or a released size: 130m ... 2.8b."""
+        """`tiny` (about 1M parameters, byte vocab) or a released size: 130m ... 2.8b;
+        `tiny-mamba3` and `130m-mamba3` are the Mamba-3 SISO ones (d_state 32 / 128, headdim
+        32 / 64)."""
+        m3 = dict(mixer="mamba3", d_state=128, headdim=64)
         if name == "tiny":
             base: dict[str, Any] = dict(d_model=192, n_layers=4, vocab_size=256)
+        elif name == "tiny-mamba3":
+            base = dict(d_model=192, n_layers=4, vocab_size=256, **{**m3, "d_state": 32,
+                                                                     "headdim": 32})  # fmt: skip
+        elif name == "130m-mamba3":
+            base = dict(d_model=768, n_layers=24, vocab_size=50280, **m3)
         elif name in _RELEASED:
             d_model, n_layers = _RELEASED[name]
             base = dict(d_model=d_model, n_layers=n_layers, vocab_size=50280)
         else:
-            names = ", ".join(["tiny", *_RELEASED])
+            names = ", ".join(["tiny", *_RELEASED, "tiny-mamba3", "130m-mamba3"])
             raise ValueError(f"unknown preset {name!r}; choose one of {names}")
         base.update(overrides)
         return cls(**base)

@@ -22,7 +22,7 @@ from .layers.init import init_model_weights
 from .layers.loss import linear_cross_entropy
 from .ops import norm_linear, resolve_backend, rms_norm
 from .ops._checks import check_seq_idx, check_tensor
-from .state import MambaState
+from .state import Mamba3ModelState, MambaState
 
 
 def compute_dtype(param_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -55,13 +55,19 @@ class MambaBackbone(nn.Module):
     def _param(self) -> torch.Tensor:
         return self.norm_f.weight
 
-    def init_state(self, batch_size: int, device=None) -> MambaState:
-        """Zero state for `batch_size` rows: f32 (f64 for a float64 model) on the model device."""
+    def init_state(self, batch_size: int, device=None) -> MambaState | Mamba3ModelState:
+        """Zero state for `batch_size` rows: f32 (f64 for a float64 model) on the model device;
+        a Mamba3ModelState when the mixer is Mamba-3."""
         if not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         cfg = self.config
         p = self._param
         dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        if cfg.mixer == "mamba3":
+            return Mamba3ModelState.zeros(
+                cfg.n_layers, batch_size, cfg.nheads, cfg.headdim, cfg.d_state, cfg.n_angles,
+                device=device or p.device, dtype=dtype,
+            )  # fmt: skip
         return MambaState.zeros(
             cfg.n_layers,
             batch_size,
@@ -72,20 +78,33 @@ class MambaBackbone(nn.Module):
             dtype=dtype,
         )
 
-    def _check_state(self, state: MambaState, batch: int, device: torch.device) -> None:
-        if not isinstance(state, MambaState):
-            raise TypeError(f"state must be a MambaState or None, got {type(state).__name__}")
+    def _check_state(self, state, batch: int, device: torch.device) -> None:
         cfg = self.config
-        want_conv = (cfg.n_layers, batch, cfg.d_conv - 1, cfg.d_inner)
-        want_ssm = (cfg.n_layers, batch, cfg.d_inner, cfg.d_state)
-        if tuple(state.conv.shape) != want_conv:
-            raise ValueError(
-                f"state.conv must have shape {list(want_conv)}, got {list(state.conv.shape)}"
-            )
-        if tuple(state.ssm.shape) != want_ssm:
-            raise ValueError(
-                f"state.ssm must have shape {list(want_ssm)}, got {list(state.ssm.shape)}"
-            )
+        if cfg.mixer == "mamba3":
+            if not isinstance(state, Mamba3ModelState):
+                raise TypeError(
+                    f"state must be a Mamba3ModelState or None, got {type(state).__name__}"
+                )
+            L, H, P, N, S = cfg.n_layers, cfg.nheads, cfg.headdim, cfg.d_state, cfg.n_angles
+            want = dict(angle=(L, batch, H, S), ssm=(L, batch, H, P, N), k=(L, batch, H, N),
+                        x=(L, batch, H, P))  # fmt: skip
+            for name, shape in want.items():
+                got = tuple(getattr(state, name).shape)
+                if got != shape:
+                    raise ValueError(f"state.{name} must have shape {list(shape)}, got {list(got)}")
+        else:
+            if not isinstance(state, MambaState):
+                raise TypeError(f"state must be a MambaState or None, got {type(state).__name__}")
+            want_conv = (cfg.n_layers, batch, cfg.d_conv - 1, cfg.d_inner)
+            want_ssm = (cfg.n_layers, batch, cfg.d_inner, cfg.d_state)
+            if tuple(state.conv.shape) != want_conv:
+                raise ValueError(
+                    f"state.conv must have shape {list(want_conv)}, got {list(state.conv.shape)}"
+                )
+            if tuple(state.ssm.shape) != want_ssm:
+                raise ValueError(
+                    f"state.ssm must have shape {list(want_ssm)}, got {list(state.ssm.shape)}"
+                )
         if state.device != device:
             raise ValueError(f"state is on {state.device} but the input is on {device}")
         if state.dtype not in (torch.float32, torch.float64):
@@ -133,13 +152,15 @@ class MambaBackbone(nn.Module):
         h = self.embed(x)
         cdt = compute_dtype(self._param.dtype, x.device)
         residual = None
-        convs, ssms = [], []
+        finals = []
         for i, layer in enumerate(self.layers):
-            conv0, ssm0 = (None, None) if state is None else state.layer(i)
-            h, residual, (conv, ssm) = layer(h, residual, cdt, conv0, ssm0, seq_idx)
-            convs.append(conv)
-            ssms.append(ssm)
+            layer_state = None if state is None else state.layer(i)
+            h, residual, final = layer(h, residual, cdt, layer_state, seq_idx)
+            finals.append(final)
         out, _ = self.norm_f(h, residual, cdt)
+        if self.config.mixer == "mamba3":
+            return out, Mamba3ModelState.stack(finals)
+        convs, ssms = zip(*finals)
         return out, MambaState(torch.stack(convs), torch.stack(ssms))
 
     def step(self, x: torch.Tensor, state: MambaState) -> tuple[torch.Tensor, MambaState]:
@@ -164,10 +185,14 @@ class MambaBackbone(nn.Module):
             raise ValueError(f"step: input is on {x.device} but the model on {self._param.device}")
         self._check_state(state, x.shape[0], x.device)
 
-    def _step_records_grad(self, state: MambaState) -> bool:
-        return torch.is_grad_enabled() and (
-            self._param.requires_grad or state.conv.requires_grad or state.ssm.requires_grad
-        )
+    def _step_records_grad(self, state) -> bool:
+        if not torch.is_grad_enabled():
+            return False
+        if self._param.requires_grad:
+            return True
+        if isinstance(state, Mamba3ModelState):
+            return state.requires_grad
+        return state.conv.requires_grad or state.ssm.requires_grad
 
     def _decode_layers(
         self, x: torch.Tensor, state: MambaState
@@ -185,6 +210,10 @@ class MambaBackbone(nn.Module):
         backend = resolve_backend("auto", h)
         fused = backend == "triton" and not torch.compiler.is_compiling()
         residual = None
+        if self.config.mixer == "mamba3":
+            for i, layer in enumerate(self.layers):
+                h, residual = layer.step_mamba3(h, residual, cdt, state.layer(i), backend)
+            return h, residual, cdt, backend
         for layer, conv, ssm in zip(self.layers, state.conv.unbind(0), state.ssm.unbind(0)):
             h, residual = layer.step(h, residual, cdt, conv, ssm, backend, fused)
         return h, residual, cdt, backend

@@ -12,6 +12,7 @@ from torch import nn
 from ..config import MambaConfig
 from ..ops import StepWeights, mamba_layer_step, rms_norm
 from .init import no_weight_decay
+from .mamba3 import Mamba3
 from .mixer import Mamba, _p
 
 
@@ -37,9 +38,30 @@ class RMSNorm(nn.Module):
 
 
 class MambaBlock(nn.Module):
+    """rmsnorm, then the mixer `cfg.mixer` picks: `Mamba` (Mamba-1) or `Mamba3` (SISO)."""
+
     def __init__(self, cfg: MambaConfig, layer_idx: int, device=None, dtype=None) -> None:
         super().__init__()
         self.norm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, device=device, dtype=dtype)
+        self.mamba3 = cfg.mixer == "mamba3"
+        if self.mamba3:
+            self.mixer = Mamba3(
+                cfg.d_model,
+                d_state=cfg.d_state,
+                expand=cfg.expand,
+                headdim=cfg.headdim,
+                ngroups=cfg.ngroups,
+                rope_fraction=cfg.rope_fraction,
+                dt_min=cfg.dt_min,
+                dt_max=cfg.dt_max,
+                dt_init_floor=cfg.dt_init_floor,
+                A_floor=cfg.A_floor,
+                chunk_size=cfg.chunk_size,
+                layer_idx=layer_idx,
+                device=device,
+                dtype=dtype,
+            )
+            return
         self.mixer = Mamba(
             cfg.d_model,
             d_state=cfg.d_state,
@@ -63,13 +85,17 @@ class MambaBlock(nn.Module):
         hidden: torch.Tensor,  # [B, T, M], the previous mixer's output (or the input)
         residual: torch.Tensor | None,  # [B, T, M] f32, None before the first block
         compute_dtype: torch.dtype,
-        conv_state: torch.Tensor | None = None,
-        ssm_state: torch.Tensor | None = None,
+        state=None,  # this layer's state: (conv, ssm) for Mamba-1, a Mamba3State for Mamba-3
         seq_idx: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """(the mixer's output, the residual [B, T, M] f32, the layer's final state)."""
         normed, residual = self.norm(hidden, residual, compute_dtype)
-        out, state = self.mixer(normed, conv_state, ssm_state, seq_idx, return_state=True)
-        return out, residual, state
+        if self.mamba3:
+            out, new = self.mixer(normed, state, seq_idx, return_state=True)
+        else:
+            conv, ssm = (None, None) if state is None else state
+            out, new = self.mixer(normed, conv, ssm, seq_idx, return_state=True)
+        return out, residual, new
 
     def step(
         self,
@@ -96,6 +122,24 @@ class MambaBlock(nn.Module):
             hidden, _p(norm, "weight"), norm.eps, residual, compute_dtype, backend, False
         )
         return mixer.step(normed, conv_state, ssm_state, backend), residual
+
+    def step_mamba3(
+        self,
+        hidden: torch.Tensor,  # [B, M]
+        residual: torch.Tensor | None,
+        compute_dtype: torch.dtype,
+        state,  # this layer's Mamba3State, views advanced in place
+        backend: str = "auto",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step of a Mamba-3 block: (the mixer's output, the residual)."""
+        norm = self._modules["norm"]
+        normed, residual = rms_norm(
+            hidden, _p(norm, "weight"), norm.eps, residual, compute_dtype, backend, False
+        )
+        out, new = self._modules["mixer"].step(normed, state)
+        for dst, src in zip(state, new):
+            dst.copy_(src)
+        return out, residual
 
     def _step_weights(self) -> StepWeights:
         """The tensors of the fused decode step, from the mixer's decode cache."""
