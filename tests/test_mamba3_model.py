@@ -5,6 +5,7 @@ gradients); packed documents == each alone; TBPTT over packed rows == full BPTT;
 generate == argmax of full forwards; the Trainer learns.
 """
 
+import json
 import math
 
 import pytest
@@ -150,3 +151,16 @@ def test_trainer_learns_a_repeating_pattern():
     losses = [float(trainer.train_step()[0]) for _ in range(30)]
     assert losses[0] > 0.9 * math.log(V)
     assert sum(losses[-3:]) / 3 < 0.3 * losses[0], losses
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model = lm(double=False).eval()
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["model_type"] == "mambakit_mamba3" and cfg["head_dim"] == 8
+    back = MambaLM.from_pretrained(tmp_path)
+    assert back.config.mixer == "mamba3" and back.config.ngroups == 2
+    ids = torch.randint(0, V, (2, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, model(ids).logits, rtol=0, atol=0)
+    assert set(model.state_dict()) == set(back.state_dict())

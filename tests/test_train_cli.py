@@ -174,3 +174,21 @@ def test_train_cli_errors_name_the_problem(tmp_path, corpus, tiny_json, capsys):
     # --debug shows the traceback instead
     with pytest.raises(ValueError, match="not valid JSON"):
         main(["--debug", *train_args(corpus, garbage, runs)])
+
+
+def test_train_a_mamba3_preset_then_resume(tmp_path, corpus):
+    """`--preset tiny-mamba3` (a --config file shrinking it): trains, writes a checkpoint
+    that loads as a Mamba-3 model, resumes."""
+    small = tmp_path / "m3.json"
+    small.write_text(json.dumps({"d_model": 16, "n_layers": 1, "d_state": 8, "headdim": 8}))
+    runs = tmp_path / "runs"
+    args = train_args(corpus, small, runs, "--preset", "tiny-mamba3", steps=3)
+    assert main(args) == 0
+    model = MambaLM.from_pretrained(runs / "t" / "step_0000003")
+    assert model.config.mixer == "mamba3" and model.config.headdim == 8
+    ids = torch.tensor([list(b"def f(x):")])
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+    resume = train_args(corpus, small, runs, "--preset", "tiny-mamba3", "--resume", steps=5)
+    assert main(resume) == 0
+    assert (runs / "t" / "latest").read_text().strip() == "step_0000005"

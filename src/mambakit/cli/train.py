@@ -39,7 +39,11 @@ def add_parser(sub) -> None:
         description=__doc__,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--preset", default="tiny", help="model preset (tiny, 130m, ..., 2.8b)")
+    p.add_argument(
+        "--preset",
+        default="tiny",
+        help="model preset (tiny, 130m, ..., 2.8b; tiny-mamba3, 130m-mamba3)",
+    )
     p.add_argument("--config", help="JSON file of MambaConfig fields (overrides the preset)")
     p.add_argument(
         "--data", nargs="*", help="text files or folders (none: the embedded stdlib corpus)"

@@ -7,6 +7,27 @@ from typing import Any
 
 from ..config import MambaConfig
 
+# transformers has no Mamba-3 class: mambakit writes its own model_type and field names
+MAMBA3_TYPE = "mambakit_mamba3"
+_MAMBA3_FIELDS = {  # config.json key -> MambaConfig field
+    "vocab_size": "vocab_size",
+    "hidden_size": "d_model",
+    "num_hidden_layers": "n_layers",
+    "state_size": "d_state",
+    "expand": "expand",
+    "head_dim": "headdim",
+    "n_groups": "ngroups",
+    "rope_fraction": "rope_fraction",
+    "A_floor": "A_floor",
+    "chunk_size": "chunk_size",
+    "layer_norm_epsilon": "rms_norm_eps",
+    "tie_word_embeddings": "tie_embeddings",
+    "time_step_min": "dt_min",
+    "time_step_max": "dt_max",
+    "time_step_floor": "dt_init_floor",
+    "initializer_range": "initializer_range",
+}
+
 
 class CheckpointError(ValueError):
     """A checkpoint directory that cannot be read as a Mamba-1 model."""
@@ -21,7 +42,7 @@ def _refuse_relatives(cfg: dict[str, Any]) -> None:
         )
     if model_type == "mamba2" or (cfg.get("ssm_cfg") or {}).get("layer") == "Mamba2":
         raise CheckpointError("config.json: this is a Mamba-2 model; mambakit implements Mamba-1")
-    if model_type not in (None, "mamba"):
+    if model_type not in (None, "mamba", MAMBA3_TYPE):
         raise CheckpointError(f"config.json: model_type {model_type!r} is not a Mamba-1 model")
     if cfg.get("attn_layer_idx"):
         raise CheckpointError(
@@ -41,10 +62,20 @@ def _require(cfg: dict[str, Any], key: str) -> Any:
 
 
 def config_from_json(cfg: dict[str, Any]) -> tuple[MambaConfig, str]:
-    """(MambaConfig, format) where format is "hf" or "state-spaces"."""
+    """(MambaConfig, format) where format is "hf", "state-spaces" or "mambakit-mamba3"."""
     if not isinstance(cfg, dict):
         raise CheckpointError("config.json must hold a JSON object")
     _refuse_relatives(cfg)
+    if cfg.get("model_type") == MAMBA3_TYPE:
+        fields = {f: cfg[k] for k, f in _MAMBA3_FIELDS.items() if k in cfg}
+        for k in ("vocab_size", "hidden_size", "num_hidden_layers"):
+            _require(cfg, k)
+        extra = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
+        try:
+            out = MambaConfig(mixer="mamba3", pad_vocab_size_multiple=1, extra=extra, **fields)
+        except ValueError as e:
+            raise CheckpointError(f"config.json: {e}") from e
+        return out, "mambakit-mamba3"
     if "hidden_size" in cfg:
         d_model = _require(cfg, "hidden_size")
         expand = cfg.get("expand", 2)
@@ -110,7 +141,13 @@ def config_from_json(cfg: dict[str, Any]) -> tuple[MambaConfig, str]:
 
 
 def config_to_hf_json(cfg: MambaConfig) -> dict[str, Any]:
-    """The config.json that transformers' MambaForCausalLM reads."""
+    """The config.json that transformers' MambaForCausalLM reads (a Mamba-3 model: mambakit's
+    own `model_type`, which transformers does not know)."""
+    if cfg.mixer == "mamba3":
+        out3: dict[str, Any] = {"model_type": MAMBA3_TYPE, "architectures": ["MambaLM"]}
+        out3.update({k: getattr(cfg, f) for k, f in _MAMBA3_FIELDS.items()})
+        out3.update({k: v for k, v in cfg.extra.items() if k.endswith("_token_id")})
+        return out3
     out: dict[str, Any] = {
         "architectures": ["MambaForCausalLM"],
         "model_type": "mamba",
