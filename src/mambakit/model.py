@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .config import MambaConfig
@@ -254,7 +253,9 @@ class MambaLM(nn.Module):
         """Labels are shifted inside: logits at t predict labels at t+1. With `seq_idx`,
         the first token of a document is not predicted from the previous document. The loss
         is the mean over the labels predicted; with none (every label -100, T = 1, an empty
-        batch) it is 0 rather than NaN, so such a batch changes nothing."""
+        batch) it is 0 rather than NaN, so such a batch changes nothing. It is computed from
+        the hidden states chunk by chunk (`loss_sum`'s cross-entropy), not from `logits`:
+        only the compute-dtype logits returned are held whole."""
         hidden, state = self.backbone(input_ids, state, seq_idx)
         logits = self.lm_head(hidden)
         loss = None
@@ -268,16 +269,13 @@ class MambaLM(nn.Module):
                 raise ValueError(
                     f"labels are on {labels.device} but input_ids on {input_ids.device}"
                 )
-            target = labels[:, 1:].long()
+            # the target of position t is labels[t + 1]; the last position predicts nothing
+            last = torch.full_like(labels[:, :1], -100, dtype=torch.long)
+            target = torch.cat([labels[:, 1:].long(), last], 1)
             if seq_idx is not None:
-                target = target.masked_fill(seq_idx[:, 1:] != seq_idx[:, :-1], -100)
-            target = target.flatten()
-            total = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
-                target,
-                ignore_index=-100,
-                reduction="sum",
-            )
+                target[:, :-1].masked_fill_(seq_idx[:, 1:] != seq_idx[:, :-1], -100)
+            # chunked, as training's loss_sum: no f32 copy of [B, T, V] logits nor its gradient
+            total = linear_cross_entropy(hidden, self.lm_head.weight, target)
             loss = total / (target != -100).sum().clamp(min=1)  # no host sync
         return MambaLMOutput(logits=logits, loss=loss, state=state)
 
