@@ -15,8 +15,30 @@ from dataclasses import dataclass
 import torch
 
 
+class _LayerStack:
+    """Sizes of a state whose `ssm` buffer is [L, B, ...]: shared by both model states."""
+
+    ssm: torch.Tensor
+
+    @property
+    def n_layers(self) -> int:
+        return self.ssm.shape[0]
+
+    @property
+    def batch_size(self) -> int:
+        return self.ssm.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.ssm.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.ssm.dtype
+
+
 @dataclass
-class MambaState:
+class MambaState(_LayerStack):
     conv: torch.Tensor  # [L, B, K-1, D]
     ssm: torch.Tensor  # [L, B, D, N]
 
@@ -50,22 +72,6 @@ class MambaState:
         conv = torch.zeros(n_layers, batch_size, d_conv - 1, d_inner, device=device, dtype=dtype)
         ssm = torch.zeros(n_layers, batch_size, d_inner, d_state, device=device, dtype=dtype)
         return cls(conv, ssm)
-
-    @property
-    def n_layers(self) -> int:
-        return self.ssm.shape[0]
-
-    @property
-    def batch_size(self) -> int:
-        return self.ssm.shape[1]
-
-    @property
-    def device(self) -> torch.device:
-        return self.ssm.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.ssm.dtype
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv [B, K-1, D], ssm [B, D, N]) of layer i, as views."""
@@ -113,7 +119,7 @@ class MambaState:
 
 
 @dataclass
-class Mamba3ModelState:
+class Mamba3ModelState(_LayerStack):
     """The recurrent state of a Mamba-3 model: each `Mamba3State` field stacked over layers.
 
     Layout, L layers, B rows, H heads of P values, N = d_state, S rotary angles:
@@ -166,22 +172,6 @@ class Mamba3ModelState:
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(getattr(self, f) for f in self._FIELDS)
-
-    @property
-    def n_layers(self) -> int:
-        return self.ssm.shape[0]
-
-    @property
-    def batch_size(self) -> int:
-        return self.ssm.shape[1]
-
-    @property
-    def device(self) -> torch.device:
-        return self.ssm.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.ssm.dtype
 
     def layer(self, i: int):
         """Layer i's `Mamba3State`, as views."""
