@@ -449,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prefill-len", type=int, default=4096, help="0: no prefill table (GPU)")
     p.add_argument("--no-peers", action="store_true", help="skip mamba_ssm and transformers")
+    p.add_argument("--no-decode", action="store_true", help="GPU: only the prefill table")
     p.add_argument("--compile", action="store_true", help="CPU: also time torch.compile'd step")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a dry run of every path")
     p.add_argument("--out", default=None, help="JSON file for the records")
@@ -469,8 +470,9 @@ def main(argv: list[str] | None = None) -> int:
             print_table(dec)
             rows += dec
     else:
-        rows = decode_table(args, device)
-        print_table(rows)
+        if not args.no_decode:
+            rows = decode_table(args, device)
+            print_table(rows)
         if args.prefill_len:
             pre = prefill_table(args, device)
             print(f"{'workload':<22} {'impl':<10} {'kernels':>7} {'eager ms':>9} {'x peer':>7} "

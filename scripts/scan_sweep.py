@@ -87,21 +87,23 @@ def segments(pick: K.ScanConfig, rows: list) -> tuple[int, int]:
 
 
 def prefill(rows: list) -> None:
-    """The inference forward (no saved states) of one long row, 1 x T, as a prefill runs
-    it: channels per program, warps, and how far time is cut into segments."""
+    """The inference forward (no saved states) of one long row, 1 x 4096, as a prefill runs
+    it, at the 130m and 1.4b widths (D 1536, 4096): channels per program, tile and how far
+    time is cut into segments; then the training forward (states saved) at 8 x 2048."""
     base = K.config(DN, interpret=False)
-    for T in (4096, 16384):
-        a, _ = shape_inputs(1, T, DN, N)
-        for bd, warps, tile in ((32, 1, 8), (16, 1, 8), (8, 1, 8), (32, 2, 8), (32, 1, 16)):
-            for target in (16, 32, 64):
+    shapes = [(1, 4096, 1536, False), (1, 4096, 4096, False), (8, 2048, 1536, True)]
+    for Bsz, T, Dn, save in shapes:
+        a, _ = shape_inputs(Bsz, T, Dn, N)
+        for bd, warps, tile in ((32, 1, 8), (32, 1, 4), (16, 1, 8)):
+            for target in (8, 16, 32) if Bsz == 1 else (16,):
                 c = dataclasses.replace(
                     base, fwd_block_d=bd, fwd_warps=warps, fwd_tile=tile,
                     seg_below_per_sm=2, seg_target_per_sm=target,
                 )  # fmt: skip
-                ms = timed(lambda c=c, a=a: K.scan_fwd(*a, True, None, None, False, cfg=c))
+                ms = timed(lambda c=c, a=a, s=save: K.scan_fwd(*a, True, None, None, s, cfg=c))
                 row = {
-                    "kernel": "prefill fwd",
-                    "shape": f"1x{T}",
+                    "kernel": "fwd" + (" (states saved)" if save else ""),
+                    "shape": f"{Bsz}x{T}x{Dn}",
                     "fwd_block_d": bd,
                     "fwd_warps": warps,
                     "fwd_tile": tile,
@@ -116,7 +118,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--no-segments", action="store_true", help="skip the segment sweep")
-    ap.add_argument("--prefill", action="store_true", help="only the 1 x T inference forward")
+    ap.add_argument("--prefill", action="store_true", help="only the forward: 1 x T, 8 x 2048")
     args = ap.parse_args()
     if args.prefill:
         rows = []

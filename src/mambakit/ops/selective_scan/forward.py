@@ -43,7 +43,8 @@ def _fwd_kernel(
     )
     A2 = A * LOG2E
     rows = tl.arange(0, TC)
-    off_seg = ((b * nseg + s) * Dn + d[None, :]) * N + n[:, None]  # [B, nseg, D, N]
+    off_dn = d[None, :] * N + n[:, None]  # [BLOCK_N, BLOCK_D] in a [D, N] state
+    off_seg = (b * nseg + s) * Dn * N + off_dn  # [B, nseg, D, N]
     if HAS_H0:
         h = tl.load(h0_ptr + off_seg, mask=mdn, other=0.0)
     else:
@@ -73,13 +74,13 @@ def _fwd_kernel(
         if SAVE:  # the state every TS steps (the backward's tile), [B, ns, D, N]
             if TC <= TS:
                 c_s = (c * TC) // TS
-                off_c = ((b * ns + c_s) * Dn + d[None, :]) * N + n[:, None]
+                off_c = (b * ns + c_s) * Dn * N + off_dn
                 m_s = _in_range(_in_range(mdn, c_s, ns), (c * TC) % TS, 1)
                 tl.store(states_ptr + off_c, h, mask=m_s)
             else:
                 for k in tl.static_range(TC // TS):
                     c_s = c * (TC // TS) + k
-                    off_c = ((b * ns + c_s) * Dn + d[None, :]) * N + n[:, None]
+                    off_c = (b * ns + c_s) * Dn * N + off_dn
                     if k == 0:
                         hk = h
                     else:
@@ -102,5 +103,4 @@ def _fwd_kernel(
         tl.store(hloc_ptr + off_seg, h, mask=mdn)
         tl.store(P_ptr + off_seg, p, mask=mdn)
     else:
-        off_T = (b * Dn + d[None, :]) * N + n[:, None]
-        tl.store(hT_ptr + off_T, h, mask=_in_range(mdn, nseg - 1 - s, 1))  # the last segment
+        tl.store(hT_ptr + b * Dn * N + off_dn, h, mask=_in_range(mdn, nseg - 1 - s, 1))  # last
