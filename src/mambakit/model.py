@@ -335,11 +335,14 @@ class MambaLM(nn.Module):
 
         return load_pretrained(cls, path, device=device, dtype=dtype)
 
-    def save_pretrained(self, path: str | Path) -> None:
-        """Write the Hugging Face format (config.json + model.safetensors), atomically."""
+    def save_pretrained(
+        self, path: str | Path, state_dict: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """Write the Hugging Face format (config.json + model.safetensors), atomically; the
+        tensors of `state_dict` when given (FSDP2's gathered full tensors)."""
         from .hf import save_pretrained
 
-        save_pretrained(self, path)
+        save_pretrained(self, path, state_dict)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -3,14 +3,23 @@
 The run folder RUNS/NAME/ is locked while training. Ctrl-C (or SIGTERM) finishes the
 step, writes a checkpoint, prints the command that resumes it and exits with 130; a
 checkpoint is also written every --ckpt-minutes so a crash loses little.
+
+On several GPUs (or CPU processes), under torchrun:
+
+    torchrun --nproc_per_node 2 -m mambakit train --distributed ddp --preset 130m ...
+
+every process trains --batch-size rows of each step's global batch (DDP, or FSDP2 with
+--distributed fsdp); rank 0 prints, logs and writes the checkpoints.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +35,7 @@ from ..training import (
     eval_batches,
     load_tokenizer,
 )
+from ..training import distributed as dist_
 from ..training.checkpoint import RunLock
 from ..training.report import plot_loss
 from ..training.trainer import TrainingDiverged
@@ -55,7 +65,7 @@ def add_parser(sub) -> None:
         choices=["auto", "bf16", "f16", "f32"],
         help="compute dtype (auto: bf16 on CUDA, f32 on CPU)",
     )
-    p.add_argument("--batch-size", type=int, default=8, help="rows per micro-batch")
+    p.add_argument("--batch-size", type=int, default=8, help="rows per micro-batch (per process)")
     p.add_argument("--seqlen", type=int, default=256, help="tokens per row")
     p.add_argument(
         "--tbptt-len", type=int, default=None, help="chunk length of truncated BPTT (none: off)"
@@ -114,6 +124,13 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue RUNS/NAME from its latest")
     p.add_argument("--sample-tokens", type=int, default=300, help="sample length at the end")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--distributed",
+        default="none",
+        choices=list(dist_.MODES),
+        help="under torchrun: ddp (replicated model) or fsdp (FSDP2, sharded); each process "
+        "trains --batch-size rows of every step's global batch",
+    )
     p.set_defaults(run=run)
 
 
@@ -165,6 +182,20 @@ def _resume_command(args) -> str:
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
     device = check_device(args.device)
+    try:
+        d, device = dist_.setup(args.distributed, device)
+    except ValueError as e:
+        raise UsageError(f"--distributed {args.distributed}: {e}") from None
+    if not d.main:  # rank 0 prints; the others train silently
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+    try:
+        return _run(args, d, device)
+    finally:
+        if d.active:
+            torch.distributed.destroy_process_group()
+
+
+def _run(args: argparse.Namespace, d: dist_.Dist, device: torch.device) -> int:
     print(set_threads(args.threads))
     steps = args.steps if args.steps is not None else (3000 if device.type == "cuda" else 280)
     try:
@@ -204,14 +235,19 @@ def run(args: argparse.Namespace) -> int:
             max_skipped_steps=args.max_skipped_steps,
             max_seconds=args.max_minutes * 60 if args.max_minutes else None,
             run_dir=str(run_dir),
+            distributed=args.distributed,
         )
     except ValueError as e:
         raise UsageError(flag_names(str(e))) from None
-    with RunLock(run_dir):
-        return _train(args, tcfg, cfg, tokenizer, device, run_dir)
+    if not d.main:
+        return _train(args, tcfg, cfg, tokenizer, device, run_dir, d)
+    with RunLock(run_dir):  # rank 0 holds the run for all
+        return _train(args, tcfg, cfg, tokenizer, device, run_dir, d)
 
 
-def _train(args, tcfg: TrainConfig, cfg: MambaConfig, tokenizer, device, run_dir: Path) -> int:
+def _train(
+    args, tcfg: TrainConfig, cfg: MambaConfig, tokenizer, device, run_dir: Path, d: dist_.Dist
+) -> int:
     t0 = time.perf_counter()
     try:
         train_rows, val_rows = build_splits(args.data, tokenizer, args.seqlen)
@@ -224,8 +260,8 @@ def _train(args, tcfg: TrainConfig, cfg: MambaConfig, tokenizer, device, run_dir
     )
     torch.manual_seed(args.seed)
     model = MambaLM(cfg)
-    try:
-        batches = RowBatches(train_rows, args.batch_size, seed=args.seed)
+    try:  # the global batch: the Trainer keeps this process's rows of it
+        batches = RowBatches(train_rows, args.batch_size * d.world, seed=args.seed)
     except ValueError as e:
         raise UsageError(f"--batch-size {args.batch_size}: {e}") from None
     trainer = Trainer(
@@ -239,7 +275,7 @@ def _train(args, tcfg: TrainConfig, cfg: MambaConfig, tokenizer, device, run_dir
     print(
         f"model: {args.preset} ({model.num_parameters() / 1e6:.2f}M parameters), device {device}, "
         f"precision {trainer.precision}, {tcfg.steps} steps of {args.batch_size}x{args.seqlen} "
-        "tokens"
+        "tokens" + (f" on each of {d.world} processes ({d.mode})" if d.active else "")
     )
     t0 = time.perf_counter()
     try:
@@ -248,6 +284,8 @@ def _train(args, tcfg: TrainConfig, cfg: MambaConfig, tokenizer, device, run_dir
         print(f"mambakit train: {flag_names(str(e))}", flush=True)
         return 1
     minutes = (time.perf_counter() - t0) / 60
+    if not d.main:
+        return 130 if trainer.interrupted else 0
     ckpt = run_dir / (run_dir / "latest").read_text().strip()
     _save_tokenizer(tokenizer, ckpt)
     _save_tokenizer(tokenizer, run_dir)  # beside every checkpoint of the run, too
@@ -266,6 +304,8 @@ def _train(args, tcfg: TrainConfig, cfg: MambaConfig, tokenizer, device, run_dir
     )
     print(f"checkpoint: {ckpt}   metrics: {run_dir / 'metrics.jsonl'}   plot: {png}")
     if args.sample_tokens > 0:
+        if d.mode == "fsdp":  # the weights are sharded over the ranks: sample from the checkpoint
+            model = MambaLM.from_pretrained(ckpt, device=device)
         _print_sample(model, tokenizer, device, args.sample_tokens, args.seed)
     return 0
 

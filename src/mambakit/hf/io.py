@@ -126,11 +126,14 @@ def _atomic_write(files: dict[Path, Callable[[str], None]]) -> None:
         os.replace(tmp, target)
 
 
-def save_pretrained(model, path) -> None:
+def save_pretrained(model, path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """config.json + model.safetensors of `model`, or of `state_dict` when given (the full
+    tensors of a model whose parameters are sharded, as FSDP2 leaves them)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = model.config
-    sd = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    sd = state_dict if state_dict is not None else model.state_dict()
+    sd = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight", None)  # transformers writes tied checkpoints without it
     cfg_json = json.dumps(config_to_hf_json(cfg), indent=2) + "\n"

@@ -63,13 +63,23 @@ def _open_up(path: Path) -> None:
 
 
 def save_checkpoint(
-    run_dir: Path, step: int, model, trainer_state: dict[str, Any], keep_last: int = 2
+    run_dir: Path,
+    step: int,
+    model,
+    trainer_state: dict[str, Any],
+    keep_last: int = 2,
+    weights: dict[str, torch.Tensor] | None = None,
 ) -> Path:
+    """Write `step_XXXXXXX/` (the model, or `weights` as its tensors, and the trainer state)
+    and point `latest` at it; older checkpoints beyond `keep_last` are removed."""
     run_dir.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:07d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=run_dir))
     try:
-        model.save_pretrained(tmp)
+        if weights is None:
+            model.save_pretrained(tmp)
+        else:
+            model.save_pretrained(tmp, state_dict=weights)
         torch.save(trainer_state, tmp / "trainer_state.pt")
         _open_up(tmp)
         _fsync_dir(tmp)

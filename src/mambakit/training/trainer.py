@@ -28,6 +28,13 @@ signal interrupts at once); a checkpoint is also written every
 steps stop the run with `TrainingDiverged` (read on CUDA only when a metric
 line is logged, so the steps never wait for the GPU), and weights that are not
 finite are never saved. The run folder is locked (`RunLock`) while `fit` runs.
+
+With `distributed="ddp"` or `"fsdp"` (launched by torchrun: distributed.py) every rank
+runs this loop on its rows of the global batch; the loss is divided by the global token
+count, gradients are reduced by DDP or FSDP2, only rank 0 logs, prints and writes
+checkpoints (full tensors, so N ranks resume on M), and decisions taken on the host
+(a signal, the time-based checkpoint, max_seconds) are agreed by all ranks at log steps.
+Steps run eagerly (no CUDA graph) and without torch.compile.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..state import MambaState
+from . import distributed as dist_
 from .checkpoint import (
     RunLock,
     checkpoint_candidates,
@@ -102,6 +110,7 @@ class TrainConfig:
     keep_last: int = 2  # checkpoints kept on disk
     max_seconds: float | None = None  # stop (and checkpoint) after this much training time
     run_dir: str | None = None  # where checkpoints and metrics go (None: nowhere)
+    distributed: str = "none"  # none | ddp | fsdp (under torchrun: distributed.py)
 
     def __post_init__(self) -> None:
         positive = (
@@ -154,6 +163,21 @@ class TrainConfig:
         v = self.ckpt_every_minutes
         if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
             raise ValueError(f"TrainConfig.ckpt_every_minutes must be a number >= 0, got {v!r}")
+        if self.distributed not in dist_.MODES:
+            raise ValueError(
+                f"TrainConfig.distributed must be one of {dist_.MODES}, got {self.distributed!r}"
+            )
+        if self.distributed != "none" and self.compile:
+            raise ValueError("TrainConfig.compile is not supported with distributed training")
+
+
+def _quiet(*args, **kwargs) -> None:
+    """The log of ranks other than 0."""
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of `t`, which is a DTensor when computed from FSDP2's sharded grads."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def count_targets(batch: Batch) -> torch.Tensor:
@@ -212,12 +236,12 @@ class Trainer:
         log: Callable[[str], None] = print,
     ) -> None:
         self.cfg = config
-        self.device = resolve_device(config.device)
+        self.dist, self.device = dist_.setup(config.distributed, resolve_device(config.device))
         prec = config.precision
         if prec == "auto":
             prec = "bf16" if self.device.type == "cuda" else "f32"
         self.precision = prec
-        self.log = log
+        self.log = log if self.dist.main else _quiet
         blocker = self._graph_blocker()
         if config.cuda_graph is True and blocker is not None:
             raise ValueError(f"TrainConfig.cuda_graph=True cannot be honoured: {blocker}")
@@ -234,6 +258,9 @@ class Trainer:
         self.val_batches = val_batches or []
         self.loss_fn = loss_fn
         self.forward_model = torch.compile(self.model) if config.compile else self.model
+        # distributed: the engine's module around model + loss (FSDP2 shards the model here,
+        # so the optimizer is built after it, on the sharded parameters)
+        self.module = dist_.wrap(self.model, loss_fn, self.dist, self.device)
         self.optimizer = make_optimizer(
             self.model,
             config.lr,
@@ -273,6 +300,8 @@ class Trainer:
 
     def _graph_blocker(self) -> str | None:
         """Why this configuration cannot be captured in a CUDA graph (None: it can)."""
+        if self.dist.active:
+            return f"distributed training ({self.dist.mode}) steps eagerly"
         if self.device.type != "cuda":
             return f"the device is {self.device}, not CUDA"
         if self.precision == "f16":
@@ -311,28 +340,54 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=PRECISIONS[self.precision])
 
+    def _loss(self, batch: Batch, state: MambaState | None):
+        """(summed loss, final state) of one chunk, through the engine's module when
+        distributed."""
+        if self.dist.active:
+            return self.module(batch, state)
+        return self.loss_fn(self.forward_model, batch, state)
+
+    def _grad_sync(self, last: bool):
+        """Distributed: gradients are reduced over the ranks only by the step's last backward
+        (DDP decides at the forward before it: earlier forwards and backwards run without)."""
+        if not self.dist.active or last:
+            if self.dist.mode == "fsdp":
+                self.module.set_requires_gradient_sync(True)
+            return contextlib.nullcontext()
+        if self.dist.mode == "ddp":
+            return self.module.no_sync()
+        self.module.set_requires_gradient_sync(False)
+        return contextlib.nullcontext()
+
     def _forward_backward(self, batches: list[Batch]) -> torch.Tensor:
-        """Accumulate gradients of the step's mean loss; returns the loss (a tensor)."""
+        """Accumulate gradients of the step's mean loss; returns the loss (a tensor).
+
+        Distributed: every token of the global batch weighs 1 (the count is summed over the
+        ranks), and each rank's loss is scaled by the world size because the engines
+        average gradients over the ranks; the returned loss is the global mean."""
         k = self.cfg.tbptt_grad_chunks
         total = torch.zeros((), device=self.device)
-        n_total = sum(count_targets(b) for b in batches).clamp(min=1)  # every token weighs 1
-        for batch in batches:
+        n_total = dist_.all_sum(sum(count_targets(b) for b in batches), self.dist).clamp(min=1)
+        scale = self.dist.world
+        for j, batch in enumerate(batches):
             chunks = split_time(batch, self.cfg.tbptt_len)
             state, acc = None, None
             for i, chunk in enumerate(chunks):
                 if state is not None and "seq_idx" in chunk:
                     # a document that starts exactly at the chunk boundary gets no carried state
                     state.reset_(chunk["seq_idx"][:, 0] != chunks[i - 1]["seq_idx"][:, -1])
-                with self._autocast():
-                    loss_sum, state = self.loss_fn(self.forward_model, chunk, state)
-                part = loss_sum / n_total
-                acc = part if acc is None else acc + part
-                if (k and (i + 1) % k == 0) or i == len(chunks) - 1:
-                    self.scaler.scale(acc).backward()
-                    total = total + acc.detach()
-                    acc = None
-                    state = state.detach() if state is not None else None
-        return total
+                last = j == len(batches) - 1 and i == len(chunks) - 1
+                with self._grad_sync(last):  # the step's final forward and backward reduce
+                    with self._autocast():
+                        loss_sum, state = self._loss(chunk, state)
+                    part = loss_sum / n_total
+                    acc = part if acc is None else acc + part
+                    if (k and (i + 1) % k == 0) or i == len(chunks) - 1:
+                        self.scaler.scale(acc * scale if scale > 1 else acc).backward()
+                        total = total + acc.detach()
+                        acc = None
+                        state = state.detach() if state is not None else None
+        return dist_.all_sum(total, self.dist)
 
     def _update(self, loss: torch.Tensor) -> torch.Tensor:
         """Clip and apply the gradients unless the loss or their norm is not finite;
@@ -340,7 +395,7 @@ class Trainer:
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         if self.scaler.is_enabled():  # f16: GradScaler decides (and lowers its scale)
             self.scaler.unscale_(self.optimizer)
-            norm = nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
+            norm = _full(nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True))
             scale_before = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -348,7 +403,7 @@ class Trainer:
             self._skipped_host += skipped
             self._streak_host = self._streak_host + 1 if skipped else 0
             return norm
-        norm = nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
+        norm = _full(nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True))
         if self._found_inf is not None:  # decided on the device: no sync, capturable
             self._found_inf.copy_(~(torch.isfinite(norm) & torch.isfinite(loss)))
             self.optimizer.step()  # reads optimizer.found_inf
@@ -465,6 +520,7 @@ class Trainer:
         self.model.train()
         host = [self.train_data.next() for _ in range(self.cfg.grad_accum)]
         n_tokens = sum(int(count_targets(b)) for b in host)  # counted on the host: no sync
+        host = [dist_.shard_rows(b, self.dist) for b in host]  # this rank's rows
         # the lr this step uses, on the host (with cuda_graph the group's lr is a device tensor)
         self.last_lr = self.cfg.lr * self.schedule.lr_lambdas[0](self.schedule.last_epoch)
         out = self._graph_step(host) if self.use_graph else None
@@ -489,7 +545,7 @@ class Trainer:
         for batch in self.val_batches:
             batch = {k: v.to(self.device) for k, v in batch.items()}
             with self._autocast():
-                loss_sum, _ = self.loss_fn(self.model, batch, None)
+                loss_sum, _ = self._loss(batch, None)
             total += float(loss_sum)
             count += int(count_targets(batch))
         self.model.train()
@@ -500,7 +556,7 @@ class Trainer:
             "step": self.step,
             "skipped_steps": self.skipped_steps,
             "tokens_seen": self.tokens_seen,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": self._optimizer_state(),
             "schedule": self.schedule.state_dict(),
             "scaler": self.scaler.state_dict(),
             "rng_cpu": torch.get_rng_state(),
@@ -513,9 +569,11 @@ class Trainer:
         return state
 
     def weights_finite(self) -> bool:
-        """Whether every parameter is finite (one host sync)."""
+        """Whether every parameter is finite (one host sync; every rank's shards)."""
         with torch.no_grad():
-            return bool(torch.stack([p.isfinite().all() for p in self.params]).all())
+            local = [getattr(p, "_local_tensor", p) for p in self.params]
+            ok = torch.stack([p.isfinite().all() for p in local]).all()
+        return not dist_.any_rank(not bool(ok), self.dist, self.device)
 
     def save(self) -> Path:
         """Write a checkpoint of this step and point `latest` at it. Refuses (with
@@ -531,11 +589,85 @@ class Trainer:
                 f"checkpoint was written{kept} (lower the learning rate, TrainConfig.lr "
                 f"{self.cfg.lr:g})"
             )
-        path = save_checkpoint(
-            self.run_dir, self.step, self.model, self.trainer_state(), self.cfg.keep_last
-        )
+        weights = self._full_weights()  # FSDP2: gathered by every rank, written by rank 0
+        state = self.trainer_state()
+        path = self.run_dir / f"step_{self.step:07d}"
+        if self.dist.main:
+            path = save_checkpoint(
+                self.run_dir, self.step, self.model, state, self.cfg.keep_last, weights
+            )
+        dist_.barrier(self.dist)  # no rank goes on before the checkpoint is complete
         self._saved_step = self.step
         return path
+
+    def _full_weights(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's tensors under FSDP2 (None: `save_pretrained` reads the model)."""
+        if self.dist.mode != "fsdp":
+            return None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.model, options=opts)
+
+    def _param_names(self) -> list[str]:
+        """The model's name of each parameter, in the optimizer's order."""
+        name = {id(p): n for n, p in self.model.named_parameters()}
+        return [name[id(p)] for p in self.params]
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state dict with parameters named (not numbered) and full tensors,
+        so that it loads into any number of ranks and any engine."""
+        if self.dist.mode == "fsdp":
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_optimizer_state_dict,
+            )
+
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return get_optimizer_state_dict(self.model, self.optimizer, options=opts)
+        sd = self.optimizer.state_dict()
+        names = self._param_names()
+        return {
+            "state": {names[i]: v for i, v in sd["state"].items()},
+            "param_groups": [
+                {**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]
+            ],
+        }
+
+    def _load_optimizer_state(self, sd: dict[str, Any]) -> None:
+        """Load `_optimizer_state`'s format (or the numbered one of older checkpoints)."""
+        names = self._param_names()
+        index = {n: i for i, n in enumerate(names)}
+        named = all(isinstance(p, str) for g in sd["param_groups"] for p in g["params"])
+        if self.dist.mode == "fsdp":
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_optimizer_state_dict,
+            )
+
+            if not named:  # numbered: name them
+                sd = {
+                    "state": {names[i]: v for i, v in sd["state"].items()},
+                    "param_groups": [
+                        {**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]
+                    ],
+                }
+            opts = StateDictOptions(full_state_dict=True)
+            set_optimizer_state_dict(self.model, self.optimizer, sd, options=opts)
+            return
+        if named:  # numbered; load_state_dict pairs each group's parameters by position
+            numbered, start = [], 0  # self.params lists the groups' parameters in order
+            for g, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
+                own = names[start : start + len(g["params"])]
+                start += len(g["params"])
+                if set(own) != set(saved["params"]):
+                    raise ValueError(
+                        "resume: the checkpoint's optimizer state does not fit this model: "
+                        f"{sorted(set(own) ^ set(saved['params']))}"
+                    )
+                numbered.append({**saved, "params": [index[n] for n in own]})
+            sd = {"state": {index[n]: v for n, v in sd["state"].items()}, "param_groups": numbered}
+        self.optimizer.load_state_dict(sd)
 
     def _read_checkpoint(self, path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """(weights, trainer state) of a checkpoint folder; read errors propagate."""
@@ -598,11 +730,22 @@ class Trainer:
                     f"resume: tensor {k!r} has shape {list(v.shape)} in {path}, "
                     f"the model has {list(own[k].shape)}"
                 )
-        with torch.no_grad():
-            for k, v in weights.items():
-                own[k].copy_(v)
+        if self.dist.mode == "fsdp":  # every rank holds the full tensors and keeps its shards
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+            )
+
+            full = dict(weights)
+            if tied and "lm_head.weight" not in full:  # written once, as the embedding
+                full["lm_head.weight"] = full["backbone.embeddings.weight"]
+            set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
+        else:
+            with torch.no_grad():
+                for k, v in weights.items():
+                    own[k].copy_(v)
         lr_tensor = isinstance(self.optimizer.param_groups[0]["lr"], torch.Tensor)
-        self.optimizer.load_state_dict(st["optimizer"])
+        self._load_optimizer_state(st["optimizer"])
         for g in self.optimizer.param_groups:  # lr's type follows this run (a tensor for graphs)
             lr = float(g["lr"])
             g["lr"] = torch.tensor(lr, device=self.device) if lr_tensor else lr
@@ -664,8 +807,8 @@ class Trainer:
     def fit(self, progress: bool = True) -> dict[str, Any]:
         """Train to `cfg.steps` (or `max_seconds`, or a SIGINT / SIGTERM); log, evaluate and
         checkpoint on the way. Returns the last logged values."""
-        if self.run_dir is None:
-            return self._fit(progress)
+        if self.run_dir is None or not self.dist.main:  # rank 0 holds the run's lock
+            return self._fit(progress and self.dist.main)
         with RunLock(self.run_dir):
             for p in clean_stale_temps(self.run_dir):
                 self.log(f"removed {p}, left by a save that was interrupted")
@@ -674,7 +817,9 @@ class Trainer:
     def _fit(self, progress: bool) -> dict[str, Any]:
         cfg = self.cfg
         self.interrupted, self._stop_signal = None, None
-        metrics_file = self._open_metrics() if self.run_dir is not None else None
+        metrics_file = None
+        if self.run_dir is not None and self.dist.main:
+            metrics_file = self._open_metrics()
         bar = ProgressBar(cfg.steps, self.step) if progress else None
         t_start = time.perf_counter()
         t_log, tok_log, t_ckpt = t_start, self.tokens_seen, t_start
@@ -688,11 +833,18 @@ class Trainer:
                     now = time.perf_counter()
                     elapsed = now - t_start
                     stop = self._stop_signal is not None
-                    done = (
-                        stop
-                        or self.step >= cfg.steps
-                        or (cfg.max_seconds is not None and elapsed >= cfg.max_seconds)
+                    out_of_time = cfg.max_seconds is not None and elapsed >= cfg.max_seconds
+                    by_time = (
+                        self.run_dir is not None
+                        and cfg.ckpt_every_minutes
+                        and now - t_ckpt >= 60 * cfg.ckpt_every_minutes
                     )
+                    if self.dist.active:  # the ranks agree on what their clocks decide
+                        agree = self.step % cfg.log_every == 0 or self.step >= cfg.steps
+                        stop = agree and dist_.any_rank(stop, self.dist, self.device)
+                        out_of_time = agree and dist_.any_rank(out_of_time, self.dist, self.device)
+                        by_time = agree and dist_.any_rank(by_time, self.dist, self.device)
+                    done = stop or self.step >= cfg.steps or out_of_time
                     logging = self.step % cfg.log_every == 0 or done
                     streak = None
                     if cfg.max_skipped_steps and (logging or streak_on_host):
@@ -733,16 +885,13 @@ class Trainer:
                         )
                     if self.run_dir is not None and not done:
                         by_steps = cfg.ckpt_every and self.step % cfg.ckpt_every == 0
-                        by_time = (
-                            cfg.ckpt_every_minutes and now - t_ckpt >= 60 * cfg.ckpt_every_minutes
-                        )
                         if by_steps or by_time:
                             self.save()
                             t_ckpt = time.perf_counter()
                     if done:
                         break
-                if self._stop_signal is not None:
-                    self.interrupted = signal.Signals(self._stop_signal).name
+                if stop:
+                    self.interrupted = signal.Signals(self._stop_signal or signal.SIGTERM).name
                     self.log(
                         f"\n{self.interrupted}: stopped after step {self.step}; saving a "
                         "checkpoint (send it again to stop at once)"
