@@ -22,7 +22,18 @@ from mambakit.ops.mamba_step import kernels
 COPY_RATE = 4.27e12
 
 
-def kernel_table(fn, title: str, rows: int = 25) -> str:
+def kernel_sequence(prof, first: int, count: int) -> list[str]:
+    """Kernels `first` .. `first + count` in launch order, with their GPU times: one layer's
+    kernels one by one, where the table above sums them by name."""
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    events.sort(key=lambda e: e.time_range.start)
+    return [
+        f"  {e.name[:72]:<72} {e.self_device_time_total:>8.1f} us"
+        for e in events[first : first + count]
+    ]
+
+
+def kernel_table(fn, title: str, rows: int = 25, sequence: tuple[int, int] | None = None) -> str:
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -38,6 +49,9 @@ def kernel_table(fn, title: str, rows: int = 25) -> str:
             f"{e.key[:72]:<72} {e.count:>6} {e.self_device_time_total:>9.1f} "
             f"{e.self_device_time_total / e.count:>8.2f}"
         )
+    if sequence is not None:
+        lines.append(f"-- kernels {sequence[0]}..{sum(sequence)} in launch order")
+        lines += kernel_sequence(prof, *sequence)
     return "\n".join(lines)
 
 
@@ -99,12 +113,14 @@ def main() -> None:
             with torch.inference_mode():
                 m(ids)
 
-        out.append(kernel_table(prefill, f"{name} eager prefill 1x{args.prefill} (mambakit)"))
+        title = f"{name} eager prefill 1x{args.prefill} (mambakit)"
+        out.append(kernel_table(prefill, title, sequence=(0, 24)))
         print(out[-1], flush=True)
         del model
         peer = peer_model(cfg, torch.bfloat16)
         if peer is not None:
-            out.append(kernel_table(lambda p=peer: prefill(p), f"{name} prefill (mamba_ssm)"))
+            title = f"{name} prefill (mamba_ssm)"
+            out.append(kernel_table(lambda p=peer: prefill(p), title, sequence=(0, 24)))
             print(out[-1], flush=True)
             del peer
         torch.cuda.empty_cache()

@@ -30,11 +30,11 @@ fi
 if stage ncu; then  # hardware counters of the scan kernels (stall reasons, occupancy)
   echo "== ncu" | tee -a "$LOG"
   for k in ${NCU_KERNELS:-_bwd_kernel _fwd_kernel}; do
-    timeout ${T_NCU:-120} ncu --clock-control none -k "regex:^$k\$" -c 1 --section SpeedOfLight \
+    timeout ${T_NCU:-120} ncu --clock-control none -k "regex:^$k\$" -c ${NCU_COUNT:-1} --section SpeedOfLight \
       --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis ${NCU_SECTIONS:-} \
-      python scripts/scan_once.py > "$OUT/ncu$k.txt" 2>&1
-    grep -E "Duration|Registers|Achieved Occupancy|Theoretical Occupancy|Issued Ipc|Stall|No Eligible|Warp Cycles|Eligible Warps|Memory Throughput|Compute \(SM\)" "$OUT/ncu$k.txt" | head -40 | tee -a "$LOG"
+      python ${NCU_PROG:-scripts/scan_once.py} > "$OUT/ncu$k.txt" 2>&1
+    grep -E "Duration|Registers|Achieved Occupancy|Theoretical Occupancy|Issued Ipc|Issue Slots|Stall|No Eligible|Warp Cycles|Eligible Warps|Memory Throughput|Compute \(SM\)|Pipe|XU|FMA" "$OUT/ncu$k.txt" | head -${NCU_LINES:-40} | tee -a "$LOG"
   done
 fi
 if stage host; then  # what the host costs per eager step and per op call (launch overhead)
