@@ -172,3 +172,33 @@ def test_distributed_needs_a_process_group(monkeypatch):
         _trainer("ddp", 1, 1)
     with pytest.raises(ValueError, match="distributed must be one of"):
         TrainConfig(distributed="zero")
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_cli_under_torchrun(mode, tmp_path, corpus, tiny_json):
+    """`torchrun --nproc_per_node 2 -m mambakit train --distributed MODE`: one progress
+    report (rank 0's), a checkpoint that loads, metrics; then a resume on one process."""
+    import subprocess
+    import sys
+
+    from test_train_cli import read_metrics, train_args
+
+    runs = tmp_path / "runs"
+    args = train_args(corpus, tiny_json, runs, "--distributed", mode, steps=4, sample_tokens=8)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", "-m", "mambakit", *args]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("done: step 4") == 1, done.stdout  # rank 0 alone prints
+    assert "on each of 2 processes" in done.stdout
+    run = runs / "t"
+    ckpt = run / (run / "latest").read_text().strip()
+    MambaLM.from_pretrained(ckpt)  # a plain, whole model
+    assert [r["step"] for r in read_metrics(run) if "val_loss" in r] == [3, 4]
+    # the same run continues on one process
+    args = train_args(corpus, tiny_json, runs, "--resume", steps=6)
+    done = subprocess.run([sys.executable, "-m", "mambakit", *args], capture_output=True,
+                          text=True, env=env, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "resumed" in done.stdout and "done: step 6" in done.stdout
