@@ -23,6 +23,7 @@ Checkpoints hold full tensors (`full_state`), so a run saved by N processes resu
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +100,9 @@ def wrap(model: nn.Module, loss_fn, d: Dist, device: torch.device) -> nn.Module:
     if d.mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
+        # a block's final state (conv state) is a view; nothing writes into it in place (the
+        # model stacks the layers' states into new tensors), so FSDP2's warning is moot
+        warnings.filterwarnings("ignore", "FSDP2-wrapped module .*MambaBlock.* view tensor")
         # sharding replaces the parameters: carry over the no-weight-decay marks by name
         keep = {n for n, p in model.named_parameters() if getattr(p, "_no_weight_decay", False)}
         layers = getattr(getattr(model, "backbone", None), "layers", None)

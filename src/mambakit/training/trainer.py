@@ -862,6 +862,9 @@ class Trainer:
                             "elapsed_s": elapsed,
                             "skipped_steps": self.skipped_steps,
                         }
+                        if self.device.type == "cuda":  # the caching allocator's peak
+                            peak = torch.cuda.max_memory_allocated(self.device)
+                            record["max_memory_gib"] = peak / 2**30
                         t_log, tok_log = now, self.tokens_seen
                     evaluate = (cfg.eval_every and self.step % cfg.eval_every == 0) or done
                     if evaluate and not stop and not diverged:
