@@ -28,8 +28,7 @@ def kernel_sequence(prof, first: int, count: int) -> list[str]:
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]
     events.sort(key=lambda e: e.time_range.start)
     return [
-        f"  {e.name[:72]:<72} {e.self_device_time_total:>8.1f} us"
-        for e in events[first:][:count]
+        f"  {e.name[:72]:<72} {e.self_device_time_total:>8.1f} us" for e in events[first:][:count]
     ]
 
 
