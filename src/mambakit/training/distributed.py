@@ -12,6 +12,7 @@ The model and the loss function are one module (`LossModule`), so the engine see
 forward, whatever the loss calls on the model:
 
 - ddp: `DistributedDataParallel`, gradients averaged over ranks in buckets during backward;
+  on CUDA the whole step is captured in a CUDA graph, as on one process;
 - fsdp: `fully_shard` on every block, then on the whole (FSDP2): parameters, gradients and
   optimizer state sharded over ranks, each block gathered for its forward and backward.
 
@@ -95,8 +96,15 @@ def wrap(model: nn.Module, loss_fn, d: Dist, device: torch.device) -> nn.Module:
     `model` in place (its parameters become DTensors): build the optimizer after this."""
     module = LossModule(model, loss_fn)
     if d.mode == "ddp":
-        ids = [device.index] if device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(module, device_ids=ids)
+        if device.type != "cuda":
+            return nn.parallel.DistributedDataParallel(module)
+        # built on a side stream, as a CUDA-graph capture of its steps requires
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            ddp = nn.parallel.DistributedDataParallel(module, device_ids=[device.index])
+        torch.cuda.current_stream().wait_stream(side)
+        return ddp
     if d.mode == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
