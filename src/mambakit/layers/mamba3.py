@@ -13,15 +13,19 @@ theta [S]. Then
     out   = y W_out^T
 
 There is no conv and no A_log: A is data-dependent. Parameter names and shapes
-equal mamba_ssm's `Mamba3` module (SISO, `is_outproj_norm=False`), so its state
-dicts load as they are: `in_proj.weight`, `dt_bias` [H], `B_bias` and `C_bias`
+equal mamba_ssm's `Mamba3` module (SISO, `is_outproj_norm=False`), so the key map
+from its state dicts is the identity (ops/mamba3/README.md has the table):
+`in_proj.weight` [2E + 2GN + 3H + S, M], `dt_bias` [H], `B_bias` and `C_bias`
 [H, 1, N] (initialised to ones), `B_norm.weight` and `C_norm.weight` [N], `D`
-[H], `out_proj.weight`.
+[H], `out_proj.weight` [M, E]. `Mamba3.from_upstream_state_dict` reads the sizes
+off such a state dict and loads it with strict checks;
+`Mamba3.load_upstream_state_dict` loads one into an existing layer.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -74,8 +78,7 @@ class Mamba3(nn.Module):
             raise ValueError(f"Mamba3: the {nheads} heads do not split into ngroups={ngroups}")
         if rope_fraction not in (0.5, 1.0):
             raise ValueError(f"Mamba3: rope_fraction must be 0.5 or 1.0, got {rope_fraction!r}")
-        pairs = int(d_state * rope_fraction)
-        n_angles = (pairs - pairs % 2) // 2
+        n_angles = _n_angles(d_state, rope_fraction)
         if n_angles <= 0:
             raise ValueError(f"Mamba3: d_state={d_state} leaves no rotary pair")
         if not (0 < dt_min <= dt_max) or dt_init_floor <= 0 or A_floor <= 0:
@@ -99,6 +102,102 @@ class Mamba3(nn.Module):
         self.C_norm = _RMSNormN(N, **fk)
         self.D = no_weight_decay(nn.Parameter(torch.ones(H, **f32)))
         self.out_proj = nn.Linear(d_inner, d_model, bias=False, **fk)
+
+    @classmethod
+    def from_upstream_state_dict(
+        cls,
+        state_dict: Mapping[str, torch.Tensor],
+        prefix: str = "",
+        A_floor: float = 1e-4,
+        chunk_size: int = 64,
+        layer_idx: int | None = None,
+        device=None,
+        dtype=None,
+    ) -> Mamba3:
+        """A layer built and loaded from the state dict of mamba_ssm's `Mamba3` (SISO,
+        `is_outproj_norm=False`). The sizes are read off the tensors: d_model and d_inner
+        from the projections, heads from `D`, d_state from `B_norm.weight`, ngroups and the
+        rotary angles from the rest of in_proj's rows. A_floor and chunk_size are not in a
+        state dict: pass upstream's values if they were not its defaults. `prefix` selects
+        one layer of a model's state dict (e.g. "backbone.layers.0.mixer."). dtype is that
+        of in_proj, out_proj and the B/C norms (None: torch's default, f32); dt_bias,
+        B_bias, C_bias and D stay f32."""
+        sd = _strip_prefix(state_dict, prefix)
+        need = ("in_proj.weight", "out_proj.weight", "D", "B_norm.weight")
+        for key, dims in zip(need, (2, 2, 1, 1)):
+            t = sd.get(key)
+            if not isinstance(t, torch.Tensor) or t.dim() != dims:
+                got = "missing" if t is None else f"not a {dims}-D tensor: {getattr(t, 'shape', t)}"
+                raise ValueError(f"upstream Mamba3 state dict: {prefix + key!r} is {got}")
+        (rows, d_model), (_, d_inner) = sd["in_proj.weight"].shape, sd["out_proj.weight"].shape
+        H, N = sd["D"].shape[0], sd["B_norm.weight"].shape[0]
+        if d_inner % d_model or d_inner % H:
+            raise ValueError(
+                f"upstream Mamba3 state dict: out_proj.weight {tuple(sd['out_proj.weight'].shape)}"
+                f" gives d_inner {d_inner}, which is not an integer expand of d_model {d_model}"
+                f" times the {H} heads of D"
+            )
+        rest = rows - 2 * d_inner - 3 * H  # 2 G N + S, with S <= N / 2
+        ngroups, n_angles = divmod(rest, 2 * N)
+        fractions = [f for f in (0.5, 1.0) if _n_angles(N, f) == n_angles]
+        if ngroups <= 0 or not fractions:
+            raise ValueError(
+                f"upstream Mamba3 state dict: in_proj.weight has {rows} rows; with d_inner "
+                f"{d_inner}, {H} heads and d_state {N}, the {rest} left over are not 2 * ngroups"
+                f" * {N} + the angles of rope_fraction 0.5 ({_n_angles(N, 0.5)}) or 1.0"
+                f" ({_n_angles(N, 1.0)})"
+            )
+        sizes = dict(d_state=N, expand=d_inner // d_model, headdim=d_inner // H, ngroups=ngroups)
+        layer = cls(d_model, **sizes, rope_fraction=fractions[0], A_floor=A_floor,
+                    chunk_size=chunk_size, layer_idx=layer_idx,
+                    device=device, dtype=dtype)  # fmt: skip
+        layer.load_upstream_state_dict(sd)
+        return layer
+
+    def load_upstream_state_dict(
+        self, state_dict: Mapping[str, torch.Tensor], prefix: str = ""
+    ) -> None:
+        """Copy a state dict of mamba_ssm's `Mamba3` (SISO, `is_outproj_norm=False`) into
+        this layer. The key map is the identity; every key must be present, none extra,
+        every shape equal, every value a floating tensor (cast to this layer's dtypes).
+        On any mismatch a ValueError lists every offending key with both shapes, and
+        nothing is written."""
+        sd = _strip_prefix(state_dict, prefix)
+        ours = dict(self.named_parameters())
+        problems = [f"missing {prefix + k!r} (mambakit shape {tuple(p.shape)})"
+                    for k, p in ours.items() if k not in sd]  # fmt: skip
+        for k, t in sd.items():
+            if k not in ours:
+                why = _UPSTREAM_ONLY.get(k.rsplit(".", 1)[0] if "." in k else k, "")
+                problems.append(f"unexpected {prefix + k!r}" + (f": {why}" if why else ""))
+            elif not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                what = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+                problems.append(f"{prefix + k!r} is {what}, not a floating tensor")
+            elif t.shape != ours[k].shape:
+                problems.append(
+                    f"{prefix + k!r} has shape {tuple(t.shape)}, mambakit's Mamba3 expects "
+                    f"{tuple(ours[k].shape)}{self._shape_hint(k, t)}"
+                )
+        if problems:
+            raise ValueError(
+                "upstream Mamba3 state dict does not fit this layer (d_model="
+                f"{self.d_model}, d_state={self.d_state}, d_inner={self.d_inner}, headdim="
+                f"{self.headdim}, ngroups={self.ngroups}, rotary angles={self.n_angles}):\n  "
+                + "\n  ".join(problems)
+            )
+        with torch.no_grad():
+            for k, p in ours.items():
+                p.copy_(sd[k])
+
+    def _shape_hint(self, key: str, t: torch.Tensor) -> str:
+        """Why an upstream tensor's shape may differ: the constructor argument to check."""
+        if key in ("B_bias", "C_bias") and t.dim() == 3 and t.shape[1] != 1:
+            return f" (mimo_rank {t.shape[1]}: upstream is_mimo=True; mambakit is SISO)"
+        if key == "in_proj.weight":
+            E, N, G, H, S = self.d_inner, self.d_state, self.ngroups, self.nheads, self.n_angles
+            return (f" (rows z,x,B,C,dd_dt,dd_A,trap,angles = {E},{E},{G * N},{G * N},{H},{H},"
+                    f"{H},{S}: check d_state, ngroups, rope_fraction)")  # fmt: skip
+        return ""
 
     def init_state(self, batch_size: int, device=None) -> Mamba3State:
         p = self.in_proj.weight
@@ -159,6 +258,32 @@ class Mamba3(nn.Module):
         want = dict(angle=(batch, H, S), ssm=(batch, H, P, N), k=(batch, H, N), x=(batch, H, P))
         for name, shape in want.items():
             check_tensor(f"state.{name}", getattr(state, name), shape, device=device)
+
+
+# Keys (or their module) that upstream's Mamba3 has only in a mode mambakit does not build.
+_UPSTREAM_ONLY = {
+    "norm": "upstream is_outproj_norm=True (a gated RMSNorm before out_proj); mambakit's Mamba3 "
+    "gates with silu(z) only, as upstream's is_outproj_norm=False",
+    "mimo_x": "upstream is_mimo=True; mambakit's Mamba3 is SISO",
+    "mimo_z": "upstream is_mimo=True; mambakit's Mamba3 is SISO",
+    "mimo_o": "upstream is_mimo=True; mambakit's Mamba3 is SISO",
+}
+
+
+def _n_angles(d_state: int, rope_fraction: float) -> int:
+    """Rotary angles per token, as mamba_ssm counts them (an even number of turned dims)."""
+    pairs = int(d_state * rope_fraction)
+    return (pairs - pairs % 2) // 2
+
+
+def _strip_prefix(state_dict: Mapping[str, torch.Tensor], prefix: str) -> dict:
+    """The entries under `prefix`, with it removed; an error if there are none."""
+    if not prefix:
+        return dict(state_dict)
+    sd = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    if not sd:
+        raise ValueError(f"upstream Mamba3 state dict: no key starts with prefix {prefix!r}")
+    return sd
 
 
 class _RMSNormN(nn.Module):
