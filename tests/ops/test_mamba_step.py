@@ -14,7 +14,6 @@ import torch
 
 from mambakit import MambaConfig, MambaLM
 from mambakit.ops import StepWeights, mamba_layer_step, norm_linear
-from mambakit.ops.mamba_step import kernels
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -113,10 +112,7 @@ def test_layer_step_short_convs(nan_empty, K):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("B", [1, 5])
-@pytest.mark.parametrize("prenorm", [False, True], ids=["norm-prologue", "norm-first"])
-def test_norm_linear_matches_float64(nan_empty, monkeypatch, dtype, B, prenorm):
-    if prenorm:  # the row normalised once, before the matrix-vector kernel (large heads)
-        monkeypatch.setattr(kernels, "PRENORM_ROWS", 1)
+def test_norm_linear_matches_float64(nan_empty, dtype, B):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(B, 40, generator=gen).to(DEVICE, dtype)
     W = (torch.randn(70, 40, generator=gen) / 6).to(DEVICE, dtype)

@@ -98,7 +98,11 @@ def wrap(model: nn.Module, loss_fn, d: Dist, device: torch.device) -> nn.Module:
     if d.mode == "ddp":
         if device.type != "cuda":
             return nn.parallel.DistributedDataParallel(module)
-        # built on a side stream, as a CUDA-graph capture of its steps requires
+        # built on a side stream, as PyTorch's CUDA-graph notes ask. The Trainer warms up
+        # and captures on another side stream, so autograd warns that DDP's stashed
+        # gradient nodes sit on a different stream: measured harmless (one GPU, NCCL: the
+        # captured DDP steps gave one process's losses bit for bit)
+        warnings.filterwarnings("ignore", "The AccumulateGrad node's stream does not match")
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

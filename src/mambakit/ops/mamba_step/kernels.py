@@ -57,9 +57,6 @@ TILE = 8192  # elements of a program's weight slab (16 KB in bf16)
 DT_PROJ_FUSED_BYTES = 16 << 20  # batch x dt_proj weight bytes up to which the SSM kernel runs it
 USE_PDL = True  # programmatic dependent launch on sm_90+ (see _pdl_start)
 ROWS_MAX_BATCH = 1  # up to this batch the weights stream through these kernels; above, cuBLAS
-# outputs (the LM head's vocabulary) from which `linear` normalises the row once before the
-# matrix-vector kernel instead of in every program's prologue (each re-reads the row)
-PRENORM_ROWS = 1 << 30
 
 # fmt: off
 
@@ -372,7 +369,7 @@ def linear(
     Nout, Kin = weight.shape
     cdt = weight.dtype
     k_pad = triton.next_power_of_2(Kin)
-    if norm_weight is not None and (Bsz > 1 or k_pad > TILE or Nout >= PRENORM_ROWS):
+    if norm_weight is not None and (Bsz > 1 or k_pad > TILE):
         x, _, _ = rms_fwd(x, norm_weight, eps, residual, cdt)
         residual = norm_weight = None
     if Bsz > ROWS_MAX_BATCH or k_pad > TILE:
