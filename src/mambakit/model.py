@@ -17,6 +17,7 @@ from torch import nn
 
 from .config import MambaConfig
 from .layers.block import MambaBlock, RMSNorm
+from .layers.decode import decode_layers, decode_weights
 from .layers.init import init_model_weights
 from .layers.loss import linear_cross_entropy
 from .ops import norm_linear, resolve_backend, rms_norm
@@ -203,16 +204,25 @@ class MambaBackbone(nn.Module):
         once here (not once per op) and each layer's state is a view from one unbind
         (not two selects per layer). On the Triton backend each block is one fused
         step of three kernels (`ops.mamba_layer_step`) when its weights are in the
-        compute dtype, outside torch.compile (which traces the op chain)."""
+        compute dtype, outside torch.compile (which traces the op chain). On the
+        reference backend, outside torch.compile and autocast, with the input, the
+        weights and the state in one dtype, `layers.decode.decode_layers` runs the
+        blocks on the residual stream (returned as the output, the residual None)."""
         h = self.embed(x)
-        cdt = compute_dtype(self._param.dtype, x.device)
+        p = self._param
+        cdt = compute_dtype(p.dtype, x.device)
         backend = resolve_backend("auto", h)
-        fused = backend == "triton" and not torch.compiler.is_compiling()
+        compiling = torch.compiler.is_compiling()
         residual = None
         if self.config.mixer == "mamba3":
             for i, layer in enumerate(self.layers):
                 h, residual = layer.step_mamba3(h, residual, cdt, state.layer(i), backend)
             return h, residual, cdt, backend
+        if backend == "reference" and not compiling and h.dtype == cdt == state.dtype == p.dtype:
+            weights = decode_weights(self.layers, self.__dict__.setdefault("_decode_cache", {}))
+            if weights is not None:
+                return decode_layers(h, weights, state.conv, state.ssm), None, cdt, backend
+        fused = backend == "triton" and not compiling
         for layer, conv, ssm in zip(self.layers, state.conv.unbind(0), state.ssm.unbind(0)):
             h, residual = layer.step(h, residual, cdt, conv, ssm, backend, fused)
         return h, residual, cdt, backend

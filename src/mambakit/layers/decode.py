@@ -1,0 +1,193 @@
+"""The decode step of Mamba-1 blocks on the reference backend, in as few PyTorch calls as it takes.
+
+B batch, M = d_model, D = d_inner, N = d_state, K = d_conv, R = dt_rank. Each block
+advances the residual stream r one timestep and its conv and SSM state in place
+(the math of `ops/mamba_step/README.md`, which `mamba_layer_step_reference` spells
+out op by op):
+
+    xz    = rmsnorm(r) W_in^T (+ b_in)                  -> x_in, z
+    u     = silu(conv over [conv state; x_in] + b_conv)  conv state shifted in place
+    dt_r, B, C = u W_x^T
+    delta = softplus(dt_r W_dt^T + dt_bias)
+    h     = exp(delta A) h + (delta u) B^T                ssm state in place
+    r'    = r + ((h C + D u) * silu(z)) W_out^T (+ b_out)
+
+At batch 1 on a CPU this step is bound by the cost of each PyTorch call (1-3 us of
+dispatch, allocation and bookkeeping, against less than that in arithmetic for all
+but in_proj), so it is written for few calls:
+
+- r carries one extra column, the constant sqrt(eps M), so that |r| is
+  sqrt(sum r^2 + eps M) = sqrt(M) / rsqrt(mean(r^2) + eps): the norm is one
+  `vector_norm` and one `addcdiv` on in_proj's output (its weight scaled by the norm
+  weight and sqrt(M)); out_proj has a zero column there, so the constant stays.
+- r and the per-channel vectors are rows [B, 1, X], as 3-d matmuls produce them:
+  splits are views and no reshape sits between the ops; the state update reads
+  delta and delta u as columns through `.mT` views, so its in-place ops run on the
+  contiguous state.
+- the conv bias is the last row of the [K, D] addend of the conv's product, absent
+  biases are zeros where an op adds them anyway, GEMM weights are contiguous
+  transposed copies (MKL runs a batch-1 GEMM on them up to twice as fast as on a
+  transposed view): `BlockWeights`, derived once and cached by `decode_weights`
+  until a parameter changes.
+- the blocks run under inference mode, which drops the per-call autograd bookkeeping
+  that no_grad keeps; the caller's next op (the final norm) is outside it, so what
+  the step returns is a normal tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .mixer import _p
+
+
+class BlockWeights(NamedTuple):
+    """One block's tensors as `block_step` reads them."""
+
+    in_wT: torch.Tensor  # [M + 1, 2D]: (W_in * norm weight * sqrt(M))^T, a zero last row
+    in_b: torch.Tensor  # [2D] (zeros without a bias)
+    conv_wT: torch.Tensor  # [K, D]
+    conv_b: torch.Tensor  # [K, D]: zeros, the conv bias in the last row
+    x_wT: torch.Tensor  # [D, R + 2N]
+    dt_w: torch.Tensor  # [D, R]
+    dt_bias: torch.Tensor  # [D]
+    A: torch.Tensor  # [D, N]: -exp(A_log)
+    D: torch.Tensor  # [D]
+    out_wT: torch.Tensor  # [D, M + 1]: W_out^T, a zero last column
+    out_b: torch.Tensor | None  # [M + 1], 0 in the last column
+    halves: tuple[int, int]  # (D, D): the split of in_proj's output
+    sizes: tuple[int, int, int]  # (R, N, N): the split of x_proj's output
+
+
+class DecodeWeights(NamedTuple):
+    """Every block's weights and the value of r's constant column."""
+
+    blocks: list[BlockWeights]
+    pad: float  # sqrt(eps M), r's constant column (every block's norm has this eps)
+
+
+def decode_layers(
+    h: torch.Tensor,  # [B, M], the embedded input
+    weights: DecodeWeights,
+    conv: torch.Tensor,  # [L, B, K-1, D], updated in place
+    ssm: torch.Tensor,  # [L, B, D, N], updated in place
+) -> torch.Tensor:
+    """The residual stream [B, M] after every block (before the final norm), as an
+    inference tensor: the caller's next op makes a normal one."""
+    Bsz, M = h.shape
+    with torch.inference_mode():
+        r = F.pad(h, (0, 1), value=weights.pad).view(Bsz, 1, M + 1)
+        for w, conv_state, ssm_state in zip(weights.blocks, conv.unbind(0), ssm.unbind(0)):
+            block_step(r, w, conv_state, ssm_state)
+        return r.view(Bsz, M + 1).narrow(1, 0, M)
+
+
+def block_step(
+    r: torch.Tensor,  # [B, 1, M + 1], the residual stream and the constant column, in place
+    w: BlockWeights,
+    conv_state: torch.Tensor,  # [B, K-1, D], updated in place
+    ssm_state: torch.Tensor,  # [B, D, N], updated in place
+) -> None:
+    """r += mixer(rmsnorm(r)) for one timestep; the states advance in place."""
+    norm = torch.linalg.vector_norm(r, dim=-1, keepdim=True)  # [B, 1, 1]
+    xz = torch.addcdiv(w.in_b, torch.matmul(r, w.in_wT), norm)  # [B, 1, 2D]
+    x_in, z = xz.split_with_sizes(w.halves, 2)  # [B, 1, D] each
+    window = torch.cat((conv_state, x_in), 1)  # [B, K, D]
+    conv_state.copy_(window.narrow(1, 1, conv_state.shape[1]))
+    u = F.silu(torch.addcmul(w.conv_b, window, w.conv_wT).sum(1, keepdim=True))  # [B, 1, D]
+    dt_r, B, C = torch.matmul(u, w.x_wT).split_with_sizes(w.sizes, 2)  # [B, 1, R | N | N]
+    delta = F.softplus(F.linear(dt_r, w.dt_w, w.dt_bias))  # [B, 1, D]
+    ssm_state.mul_(torch.mul(delta.mT, w.A).exp_())
+    ssm_state.addcmul_(delta.mul_(u).mT, B)  # + (delta u) B^T
+    y = torch.baddbmm(u.mul_(w.D), C, ssm_state.mT)  # C h^T + D u: [B, 1, D]
+    r.add_(torch.matmul(y.mul_(F.silu(z)), w.out_wT))
+    if w.out_b is not None:
+        r.add_(w.out_b)
+
+
+def _derive(block: nn.Module) -> BlockWeights:
+    """A block's `BlockWeights` from its parameters (without autograd)."""
+    norm, mixer = block._modules["norm"], block._modules["mixer"]
+    mods = mixer._modules
+    in_w, in_b = _p(mods["in_proj"], "weight"), _p(mods["in_proj"], "bias")
+    conv_w, conv_b = _p(mods["conv1d"], "weight"), _p(mods["conv1d"], "bias")
+    out_w, out_b = _p(mods["out_proj"], "weight"), _p(mods["out_proj"], "bias")
+    D2, M = in_w.shape
+    in_wT = in_w.new_zeros(M + 1, D2)
+    in_wT[:M] = (in_w * (_p(norm, "weight") * math.sqrt(M))).t()
+    out_wT = out_w.new_zeros(out_w.shape[1], M + 1)
+    out_wT[:, :M] = out_w.t()
+    conv_wT = conv_w.squeeze(1).t().contiguous()
+    bias_rows = torch.zeros_like(conv_wT)
+    if conv_b is not None:
+        bias_rows[-1] = conv_b
+    return BlockWeights(
+        in_wT=in_wT,
+        in_b=in_b if in_b is not None else in_w.new_zeros(D2),
+        conv_wT=conv_wT,
+        conv_b=bias_rows,
+        x_wT=_p(mods["x_proj"], "weight").t().contiguous(),
+        dt_w=_p(mods["dt_proj"], "weight"),
+        dt_bias=_p(mods["dt_proj"], "bias"),
+        A=-torch.exp(_p(mixer, "A_log")),
+        D=_p(mixer, "D"),
+        out_wT=out_wT,
+        out_b=None if out_b is None else F.pad(out_b, (0, 1)),
+        halves=(D2 // 2, D2 // 2),
+        sizes=(mixer.dt_rank, mixer.d_state, mixer.d_state),
+    )
+
+
+def _slots(blocks: nn.ModuleList) -> list[tuple[dict, str]]:
+    """(parameter dict, name) of every parameter of the blocks (a parametrized weight's
+    `original` included: the weight is computed from it)."""
+    return [
+        (m._parameters, name)
+        for m in blocks.modules()
+        for name, p in m._parameters.items()
+        if p is not None
+    ]
+
+
+def decode_weights(blocks: nn.ModuleList, cache: dict) -> DecodeWeights | None:
+    """Every block's `BlockWeights`, or None when the blocks' norms differ in eps (the
+    constant column of r holds one).
+
+    Kept in `cache` while each parameter keeps its identity, storage and version
+    (checked on every call: an optimizer step, a load or a `.to()` changes one)."""
+    params = cache.get("params")
+    if params is not None:
+        now = [d.get(name) for d, name in cache["slots"]]
+        if (
+            all(map(operator.is_, now, params))
+            and list(map(_version, params)) == cache["versions"]
+            and list(map(torch.Tensor.data_ptr, params)) == cache["ptrs"]
+            and cache["eps"] == [b._modules["norm"].eps for b in blocks]
+        ):
+            return cache["weights"]
+    eps = [b._modules["norm"].eps for b in blocks]
+    weights = None
+    if len(set(eps)) == 1:
+        with torch.no_grad():
+            M = _p(blocks[0]._modules["norm"], "weight").shape[0]
+            weights = DecodeWeights([_derive(b) for b in blocks], math.sqrt(eps[0] * M))
+    slots = _slots(blocks)
+    params = [d[name] for d, name in slots]
+    cache.update(
+        slots=slots,
+        params=params,
+        versions=list(map(_version, params)),
+        ptrs=list(map(torch.Tensor.data_ptr, params)),
+        eps=eps,
+        weights=weights,
+    )
+    return weights
+
+
+_version = operator.attrgetter("_version")
