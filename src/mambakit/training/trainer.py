@@ -181,6 +181,16 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def _named(sd: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """An optimizer state dict with its parameters named (`names[i]` for number i)."""
+    return {
+        "state": {names[i]: v for i, v in sd["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]
+        ],
+    }
+
+
 def count_targets(batch: Batch) -> torch.Tensor:
     """Tokens a batch's loss averages over: valid targets, else every (row, timestep)."""
     if "targets" in batch:
@@ -628,14 +638,7 @@ class Trainer:
 
             opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
             return get_optimizer_state_dict(self.model, self.optimizer, options=opts)
-        sd = self.optimizer.state_dict()
-        names = self._param_names()
-        return {
-            "state": {names[i]: v for i, v in sd["state"].items()},
-            "param_groups": [
-                {**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]
-            ],
-        }
+        return _named(self.optimizer.state_dict(), self._param_names())
 
     def _load_optimizer_state(self, sd: dict[str, Any]) -> None:
         """Load `_optimizer_state`'s format (or the numbered one of older checkpoints)."""
@@ -648,13 +651,8 @@ class Trainer:
                 set_optimizer_state_dict,
             )
 
-            if not named:  # numbered: name them
-                sd = {
-                    "state": {names[i]: v for i, v in sd["state"].items()},
-                    "param_groups": [
-                        {**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]
-                    ],
-                }
+            if not named:
+                sd = _named(sd, names)
             opts = StateDictOptions(full_state_dict=True)
             set_optimizer_state_dict(self.model, self.optimizer, sd, options=opts)
             return
