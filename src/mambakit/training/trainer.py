@@ -557,8 +557,11 @@ class Trainer:
         total, count = 0.0, 0
         for batch in self.val_batches:
             batch = {k: v.to(self.device) for k, v in batch.items()}
-            with self._autocast():
-                loss_sum, _ = self._loss(batch, None)
+            with self._autocast():  # one process: the model itself, not a compiled one
+                if self.dist.active:
+                    loss_sum, _ = self.module(batch, None)
+                else:
+                    loss_sum, _ = self.loss_fn(self.model, batch, None)
             total += float(loss_sum)
             count += int(count_targets(batch))
         self.model.train()
