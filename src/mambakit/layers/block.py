@@ -136,10 +136,7 @@ class MambaBlock(nn.Module):
         normed, residual = rms_norm(
             hidden, _p(norm, "weight"), norm.eps, residual, compute_dtype, backend, False
         )
-        out, new = self._modules["mixer"].step(normed, state)
-        for dst, src in zip(state, new):
-            dst.copy_(src)
-        return out, residual
+        return self._modules["mixer"].step_(normed, state, backend), residual
 
     def _step_weights(self) -> StepWeights:
         """The tensors of the fused decode step, from the mixer's decode cache."""

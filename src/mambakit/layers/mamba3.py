@@ -31,8 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops import resolve_backend
 from ..ops._checks import check_seq_idx, check_tensor
 from ..ops.mamba3.reference import Mamba3State, mamba3_scan_reference, mamba3_step_reference
+from ..ops.mamba3.step import state_update
 from .init import no_weight_decay
 
 
@@ -250,6 +252,31 @@ class Mamba3(nn.Module):
             x, q, k, delta, A, trap, theta, self.C_bias[:, 0], self.B_bias[:, 0], self.D, z, state
         )
         return self.out_proj(y.flatten(-2).to(self.out_proj.weight.dtype)), nxt
+
+    def step_(self, u: torch.Tensor, state: Mamba3State, backend: str = "auto") -> torch.Tensor:
+        """One timestep with `state` advanced in place (the decode loop's form): u [B, M] ->
+        out [B, M]. On the Triton backend, outside autograd and torch.compile, one kernel
+        turns the keys, updates the state and gates y (ops/mamba3/step.py); otherwise the
+        reference step runs and its state is copied back. The caller checked the state."""
+        x, q, k, delta, A, trap, theta, z = self._inputs(u)
+        q_bias, k_bias = self.C_bias[:, 0], self.B_bias[:, 0]
+        records = torch.is_grad_enabled() and (
+            any(p.requires_grad for p in self.parameters()) or state.ssm.requires_grad
+        )
+        if (
+            resolve_backend(backend, u) == "triton"
+            and not records
+            and not torch.compiler.is_compiling()
+            and state.ssm.dtype == torch.float32
+        ):
+            y = state_update(state, x, q, k, delta, A, trap, theta, q_bias, k_bias, self.D, z)
+        else:
+            y, new = mamba3_step_reference(
+                x, q, k, delta, A, trap, theta, q_bias, k_bias, self.D, z, state
+            )
+            for dst, src in zip(state, new):
+                dst.copy_(src)
+        return self.out_proj(y.flatten(-2).to(self.out_proj.weight.dtype))
 
     def _check_state(self, state: Mamba3State, batch: int, device) -> None:
         if not isinstance(state, Mamba3State):
