@@ -15,6 +15,7 @@ from torch import nn
 
 from ..ops import causal_conv1d_update, selective_state_update
 from ..ops._checks import check_tensor
+from . import _ssm_compat
 from .init import init_A_log, init_dt_proj, no_weight_decay
 from .inner import mamba_inner
 
@@ -22,11 +23,18 @@ from .inner import mamba_inner
 class Mamba(nn.Module):
     """Selective SSM mixer: [B, T, M] -> [B, T, M], with its recurrent state in and out.
 
-    A drop-in for `mamba_ssm.Mamba`: `y = mixer(x)`. With `return_state=True` it
-    also takes the state of this layer, conv [B, K-1, D] and ssm [B, D, N]
-    (both f32), and returns the final one, differentiable. Between in_proj and
-    out_proj it runs `mamba_inner` (layers/inner.py), which on the Triton backend is
-    one autograd node that recomputes the conv output and delta in the backward.
+    With `return_state=True` it also takes the state of this layer, conv [B, K-1, D]
+    and ssm [B, D, N] (both f32), and returns the final one, differentiable. Between
+    in_proj and out_proj it runs `mamba_inner` (layers/inner.py), which on the Triton
+    backend is one autograd node that recomputes the conv output and delta in the
+    backward.
+
+    A drop-in for `mamba_ssm.Mamba` too: the same constructor (`use_fast_path` is
+    accepted; the fused path is always on), parameters and initialisation, and its
+    inference cache protocol in its layouts: `forward(hidden_states, inference_params)`
+    (`key_value_memory_dict[layer_idx]`, `seqlen_offset`), `allocate_inference_cache`
+    and `step(hidden_states [B, 1, M], conv_state [B, D, K], ssm_state [B, D, N])`,
+    whose conv cache holds the last K inputs where mambakit's holds K-1 (`_ssm_compat`).
     """
 
     def __init__(
@@ -43,11 +51,13 @@ class Mamba(nn.Module):
         dt_init_floor: float = 1e-4,
         conv_bias: bool = True,
         bias: bool = False,
+        use_fast_path: bool = True,  # mamba_ssm's flag: accepted, the fused path is always on
         layer_idx: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        self.use_fast_path = use_fast_path
         for name, v in (("d_model", d_model), ("d_state", d_state), ("expand", expand)):
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"Mamba: {name} must be a positive int, got {v!r}")
@@ -104,7 +114,12 @@ class Mamba(nn.Module):
         ssm_state: torch.Tensor | None = None,  # [B, D, N]
         seq_idx: torch.Tensor | None = None,  # [B, T] int32
         return_state: bool = False,
+        inference_params=None,  # mamba_ssm's cache object (also accepted second, positionally)
     ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        if inference_params is None and hasattr(conv_state, "key_value_memory_dict"):
+            inference_params, conv_state = conv_state, None  # mixer(hidden, inference_params)
+        if inference_params is not None:
+            return _ssm_compat.cached_forward(self, x, inference_params)
         check_tensor("x", x, (None, None, self.d_model))
         Bsz = x.shape[0]
         if conv_state is not None:
@@ -137,13 +152,18 @@ class Mamba(nn.Module):
         conv_state: torch.Tensor,  # [B, K-1, D], updated in place
         ssm_state: torch.Tensor,  # [B, D, N], updated in place
         backend: str = "auto",
-    ) -> torch.Tensor:
+    ):
         """One timestep of decode: the states advance in place; returns [B, M].
+
+        Given mamba_ssm's form, x [B, 1, M] with its conv cache [B, D, K], it is mamba_ssm's
+        step: returns (out [B, 1, M], conv_state, ssm_state) (`_ssm_compat.step`).
 
         At batch 1 on a CPU the step is bound by per-call overhead, not arithmetic: it
         reads its tensors from `_decode_params` (no module calls or attribute lookups),
         skips the per-op checks (the backbone checked the state) and runs with the
         `backend` the caller resolved once for the whole step."""
+        if x.dim() == 3:
+            return _ssm_compat.step(self, x, conv_state, ssm_state)
         (in_w, x_w, dt_w, out_w), conv_w, (A, D, dt_bias) = self._decode_params()
         autocast = torch.is_autocast_enabled(x.device.type)
         mods = self._modules
@@ -160,6 +180,14 @@ class Mamba(nn.Module):
             dt_bias, True, backend=backend, validate=False,
         )  # fmt: skip
         return _project(y, out_w, _p(mods["out_proj"], "bias"), autocast)
+
+    def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, **kwargs):
+        """mamba_ssm's cache of this layer: (conv [B, D, K], ssm [B, D, N]) zeros."""
+        return _ssm_compat.allocate(self, batch_size, dtype)
+
+    def _get_states_from_cache(self, inference_params, batch_size: int, initialize_states=False):
+        """mamba_ssm's: this layer's (conv, ssm) cache in `inference_params`, made on first use."""
+        return _ssm_compat.states_from_cache(self, inference_params, batch_size, initialize_states)
 
     def _decode_params(self) -> tuple:
         """((w, w.t()) of in_proj, x_proj, dt_proj, out_proj), conv weight [D, K],
