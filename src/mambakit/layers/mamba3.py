@@ -33,6 +33,7 @@ from torch import nn
 
 from ..ops import resolve_backend
 from ..ops._checks import check_seq_idx, check_tensor
+from ..ops.mamba3.chunk import mamba3_scan_fwd
 from ..ops.mamba3.reference import Mamba3State, mamba3_scan_reference, mamba3_step_reference
 from ..ops.mamba3.step import state_update
 from .init import no_weight_decay
@@ -235,10 +236,13 @@ class Mamba3(nn.Module):
         if seq_idx is not None:
             check_seq_idx(seq_idx, u.shape[0], u.shape[1], u.device)
         x, q, k, delta, A, trap, theta, z = self._inputs(u)
-        y, final = mamba3_scan_reference(
-            x, q, k, delta, A, trap, theta, self.C_bias[:, 0], self.B_bias[:, 0], self.D, z,
-            initial_state=state, seq_idx=seq_idx, chunk=self.chunk_size,
-        )  # fmt: skip
+        args = (x, q, k, delta, A, trap, theta, self.C_bias[:, 0], self.B_bias[:, 0], self.D, z)
+        if self._kernels(u, state):  # inference on the Triton backend: the chunk kernel
+            y, final = mamba3_scan_fwd(*args, initial_state=state, seq_idx=seq_idx)
+        else:
+            y, final = mamba3_scan_reference(
+                *args, initial_state=state, seq_idx=seq_idx, chunk=self.chunk_size
+            )
         out = self.out_proj(y.flatten(-2).to(self.out_proj.weight.dtype))
         return (out, final) if return_state else out
 
@@ -260,15 +264,7 @@ class Mamba3(nn.Module):
         reference step runs and its state is copied back. The caller checked the state."""
         x, q, k, delta, A, trap, theta, z = self._inputs(u)
         q_bias, k_bias = self.C_bias[:, 0], self.B_bias[:, 0]
-        records = torch.is_grad_enabled() and (
-            any(p.requires_grad for p in self.parameters()) or state.ssm.requires_grad
-        )
-        if (
-            resolve_backend(backend, u) == "triton"
-            and not records
-            and not torch.compiler.is_compiling()
-            and state.ssm.dtype == torch.float32
-        ):
+        if self._kernels(u, state, backend):
             y = state_update(state, x, q, k, delta, A, trap, theta, q_bias, k_bias, self.D, z)
         else:
             y, new = mamba3_step_reference(
@@ -277,6 +273,22 @@ class Mamba3(nn.Module):
             for dst, src in zip(state, new):
                 dst.copy_(src)
         return self.out_proj(y.flatten(-2).to(self.out_proj.weight.dtype))
+
+    def _kernels(self, u: torch.Tensor, state: Mamba3State | None, backend: str = "auto") -> bool:
+        """Whether the Triton kernels run: on the Triton backend, with f32 state, outside
+        torch.compile and autograd (they have no backward yet: training runs the reference)."""
+        records = torch.is_grad_enabled() and (
+            u.requires_grad
+            or any(p.requires_grad for p in self.parameters())
+            or (state is not None and any(t.requires_grad for t in state))
+        )
+        return (
+            resolve_backend(backend, u) == "triton"
+            and not records
+            and not torch.compiler.is_compiling()
+            and u.dtype != torch.float64
+            and (state is None or state.ssm.dtype == torch.float32)
+        )
 
     def _check_state(self, state: Mamba3State, batch: int, device) -> None:
         if not isinstance(state, Mamba3State):

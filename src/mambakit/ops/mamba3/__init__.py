@@ -1,8 +1,8 @@
 """Mamba-3 SISO scan (reference.py: the recurrence, its chunked form and the decode step;
-step.py: the decode step as one Triton kernel, the state advanced in place).
+chunk.py: the sequence forward as a Triton kernel, for inference; step.py: the decode
+step as one Triton kernel, the state advanced in place).
 
-The sequence forward and backward run on the reference (chunked PyTorch) on every device
-for now; the decode step has its kernel.
+Training (autograd) runs the reference on every device: there is no backward kernel yet.
 """
 
 from .reference import Mamba3State, mamba3_scan_reference, mamba3_step_reference, rotate_pairs
