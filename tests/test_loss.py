@@ -76,3 +76,14 @@ def test_bad_shapes_name_the_argument():
         linear_cross_entropy(h, W, torch.zeros(4, dtype=torch.long))
     with pytest.raises(ValueError, match="weight"):
         linear_cross_entropy(h, torch.randn(5, 3), torch.zeros(3, dtype=torch.long))
+
+
+def test_next_token_targets_cut_at_document_starts():
+    from mambakit.layers.loss import next_token_targets
+
+    tokens = torch.tensor([[5, 6, 7, 8, 9]], dtype=torch.int32)
+    docs = torch.tensor([[0, 0, 1, 1, 2]])
+    got = next_token_targets(tokens, docs)
+    assert got.dtype == torch.int64
+    assert got.tolist() == [[6, -100, 8, -100]]  # 7 and 9 open documents 1 and 2
+    assert next_token_targets(tokens).tolist() == [[6, 7, 8, 9]]

@@ -19,7 +19,7 @@ from .config import MambaConfig
 from .layers.block import MambaBlock, RMSNorm
 from .layers.decode import decode_layers, decode_weights
 from .layers.init import init_model_weights
-from .layers.loss import linear_cross_entropy
+from .layers.loss import linear_cross_entropy, next_token_targets
 from .ops import norm_linear, resolve_backend, rms_norm
 from .ops._checks import check_seq_idx, check_tensor
 from .state import Mamba3ModelState, MambaState
@@ -281,9 +281,7 @@ class MambaLM(nn.Module):
                 )
             # the target of position t is labels[t + 1]; the last position predicts nothing
             last = torch.full_like(labels[:, :1], -100, dtype=torch.long)
-            target = torch.cat([labels[:, 1:].long(), last], 1)
-            if seq_idx is not None:
-                target[:, :-1].masked_fill_(seq_idx[:, 1:] != seq_idx[:, :-1], -100)
+            target = torch.cat([next_token_targets(labels, seq_idx), last], 1)
             # chunked, as training's loss_sum: no f32 copy of [B, T, V] logits nor its gradient
             total = linear_cross_entropy(hidden, self.lm_head.weight, target)
             loss = total / (target != -100).sum().clamp(min=1)  # no host sync

@@ -76,6 +76,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return g_hidden, g_weight.to(weight.dtype), None, None, None
 
 
+def next_token_targets(tokens: torch.Tensor, docs: torch.Tensor | None = None) -> torch.Tensor:
+    """The targets of tokens[:, :-1]: tokens[:, 1:] (int64), -100 where the next token
+    opens another document (docs [B, T]: document ids, non-decreasing along T). The one
+    place the document-boundary rule is written: training rows and `forward(labels=)`."""
+    targets = tokens[:, 1:].long()  # a copy when tokens are int32, a view otherwise
+    if docs is None:
+        return targets
+    return targets.masked_fill(docs[:, 1:] != docs[:, :-1], -100)
+
+
 def linear_cross_entropy(
     hidden: torch.Tensor,  # [..., M]
     weight: torch.Tensor,  # [V, M]

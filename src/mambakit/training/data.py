@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from ..layers.loss import next_token_targets
+
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".c", ".h", ".toml", ".cfg", ".csv"}
 
 
@@ -148,8 +150,7 @@ class PackedRows:
         S = self.seqlen
         pos = index.view(-1, 1) * S + torch.arange(S + 1)  # [b, S+1]
         tok, doc = self.tokens[pos], self.doc[pos]
-        targets = tok[:, 1:].clone()
-        targets[doc[:, 1:] != doc[:, :-1]] = -100  # next token opens another document
+        targets = next_token_targets(tok, doc)
         seq_idx = (doc[:, :-1] - doc[:, :1]).to(torch.int32)
         return {"input_ids": tok[:, :-1], "targets": targets, "seq_idx": seq_idx}
 
