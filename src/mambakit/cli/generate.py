@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..model import MambaLM
-from ..training.data import ByteTokenizer, HFTokenizer, load_tokenizer
+from ..text import ByteTokenizer, HFTokenizer, load_tokenizer
 from ._common import UsageError, add_threads_flag, check_device, set_threads
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

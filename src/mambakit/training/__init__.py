@@ -1,14 +1,12 @@
 """Training: TrainConfig + Trainer (mixed precision, TBPTT, CUDA graphs, exact resume), data."""
 
+from ..text import ByteTokenizer, HFTokenizer, load_tokenizer  # here too, as before text.py
 from .data import (
-    ByteTokenizer,
-    HFTokenizer,
     PackedRows,
     RowBatches,
     build_splits,
     default_corpus_files,
     eval_batches,
-    load_tokenizer,
     read_documents,
 )
 from .trainer import TrainConfig, Trainer, count_targets, lm_loss, split_time

@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..device import resolve_device
 from ..state import MambaState
 from . import distributed as dist_
 from .checkpoint import (
@@ -221,15 +222,6 @@ def split_time(batch: Batch, chunk: int | None) -> list[Batch]:
     if chunk is None or chunk >= T:
         return [batch]
     return [{k: v[:, t : t + chunk] for k, v in batch.items()} for t in range(0, T, chunk)]
-
-
-def resolve_device(spec: str) -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(spec)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"TrainConfig.device is {spec!r} but no CUDA device is available")
-    return dev
 
 
 class Trainer:
