@@ -88,7 +88,11 @@ def _rank(rank, world, port, mode, steps, out, run_dir, resume, deterministic):
     w = _weights(trainer)
     if rank == 0:
         torch.save({"weights": w, "step": trainer.step}, out)
+    # both ranks done before the group goes (a rank leaving early can abort the other's gloo
+    # threads), then out without the interpreter's teardown of the gloo threads
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    os._exit(0)
 
 
 def _free_port() -> int:

@@ -189,7 +189,10 @@ def run(args: argparse.Namespace) -> int:
     if not d.main:  # rank 0 prints; the others train silently
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115
     try:
-        return _run(args, d, device)
+        rc = _run(args, d, device)
+        if d.active:  # every rank done before the group goes (no rank left mid-operation)
+            torch.distributed.barrier()
+        return rc
     finally:
         if d.active:
             torch.distributed.destroy_process_group()
