@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import Mamba3State, _angles, _heads, rotate_pairs
+from .reference import Mamba3State, token_terms
 
 # fmt: off
 
@@ -156,21 +156,10 @@ def mamba3_scan_fwd(
     f = torch.float32
     if initial_state is None:
         initial_state = Mamba3State.zeros(Bsz, H, P, N, S, x.device, f)
-    deltaf = delta.float()
-    same = None
-    if seq_idx is not None:
-        same = torch.ones_like(seq_idx, dtype=torch.bool)
-        same[:, 1:] = seq_idx[:, 1:] == seq_idx[:, :-1]
-    phi = _angles(theta.float(), deltaf, initial_state.angle.float(), same)  # [B, T, H, S]
-    kr = rotate_pairs(_heads(k.float(), H) + k_bias.float(), phi).contiguous()
-    qr = rotate_pairs(_heads(q.float(), H) + q_bias.float(), phi).contiguous()
-    lam = torch.sigmoid(trap.float())
-    adt = (A.float() * deltaf).contiguous()
-    gamma = (lam * deltaf).contiguous()
-    late = (1 - lam) * deltaf
-    if same is not None:
-        late = late * same.unsqueeze(-1)
-    late = late.contiguous()
+    phi, qr, kr, adt, gamma, late = token_terms(
+        q, k, delta, A, trap, theta, q_bias, k_bias, initial_state.angle, seq_idx, f
+    )
+    qr, kr, adt, gamma, late = (t.contiguous() for t in (qr, kr, adt, gamma, late))
     xs = x if x.stride(-1) == 1 else x.contiguous()
     zs = z if z is None or z.stride(-1) == 1 else z.contiguous()
     s0 = initial_state.ssm.float().contiguous()

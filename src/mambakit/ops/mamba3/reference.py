@@ -101,6 +101,26 @@ def _angles(theta, delta, angle0, same) -> torch.Tensor:
     return phi - TWO_PI * torch.floor(phi / TWO_PI)
 
 
+def token_terms(q, k, delta, A, trap, theta, q_bias, k_bias, angle0, seq_idx, f):
+    """The per-token terms of the scan, in dtype f: (phi [B, T, H, S], q~, k~ [B, T, H, N],
+    A delta, gamma, late [B, T, H]); late is token s's beta term without alpha, paid at
+    step s + 1, and 0 on a document's first token (nothing is paid for its predecessor)."""
+    H = delta.shape[-1]
+    deltaf = delta.to(f)
+    same = None  # [B, T]: token t continues the document of t - 1 (t = 0: the initial state's)
+    if seq_idx is not None:
+        same = torch.ones_like(seq_idx, dtype=torch.bool)
+        same[:, 1:] = seq_idx[:, 1:] == seq_idx[:, :-1]
+    phi = _angles(theta.to(f), deltaf, angle0.to(f), same)
+    kr = rotate_pairs(_heads(k.to(f), H) + k_bias.to(f), phi)
+    qr = rotate_pairs(_heads(q.to(f), H) + q_bias.to(f), phi)
+    lam = torch.sigmoid(trap.to(f))
+    late = (1 - lam) * deltaf
+    if same is not None:
+        late = late * same.unsqueeze(-1)
+    return phi, qr, kr, A.to(f) * deltaf, lam * deltaf, late
+
+
 def mamba3_scan_reference(
     x: torch.Tensor,  # [B, T, H, P] values
     q: torch.Tensor,  # [B, T, G, N] normalised C rows (before the bias)
@@ -123,20 +143,10 @@ def mamba3_scan_reference(
     f = torch.float64 if x.dtype == torch.float64 else torch.float32
     if initial_state is None:
         initial_state = Mamba3State.zeros(Bsz, H, P, N, S, x.device, f)
-    xf, deltaf = x.to(f), delta.to(f)
-    same = None  # [B, T]: token t continues the document of t - 1 (t = 0: the initial state's)
-    if seq_idx is not None:
-        same = torch.ones_like(seq_idx, dtype=torch.bool)
-        same[:, 1:] = seq_idx[:, 1:] == seq_idx[:, :-1]
-    phi = _angles(theta.to(f), deltaf, initial_state.angle.to(f), same)
-    kr = rotate_pairs(_heads(k.to(f), H) + k_bias.to(f), phi)  # [B, T, H, N]
-    qr = rotate_pairs(_heads(q.to(f), H) + q_bias.to(f), phi)
-    lam = torch.sigmoid(trap.to(f))
-    adt = A.to(f) * deltaf  # [B, T, H], <= 0
-    gamma = lam * deltaf
-    late = (1 - lam) * deltaf  # the beta term of token s, paid at step s + 1 (without alpha)
-    if same is not None:  # a document's first token pays no beta term for its predecessor
-        late = late * same.unsqueeze(-1)
+    xf = x.to(f)
+    phi, qr, kr, adt, gamma, late = token_terms(
+        q, k, delta, A, trap, theta, q_bias, k_bias, initial_state.angle, seq_idx, f
+    )
 
     ssm, k_prev, x_prev = (t.to(f) for t in initial_state[1:])
     ys = []
