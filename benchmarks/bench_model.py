@@ -116,8 +116,15 @@ def measure_peer_step(cfg, batch, seqlen):
         print("mamba_ssm not importable: its rows are skipped")
         return None
     torch.manual_seed(0)
+    ssm_cfg = {}  # Mamba-1, the default
+    if cfg.mixer == "mamba3":  # upstream's SISO Mamba3 with the preset's sizes
+        ssm_cfg = dict(layer="Mamba3", d_state=cfg.d_state, expand=cfg.expand,
+                       headdim=cfg.headdim, ngroups=cfg.ngroups, rope_fraction=cfg.rope_fraction,
+                       A_floor=cfg.A_floor, is_outproj_norm=False, is_mimo=False)  # fmt: skip
     model = MambaLMHeadModel(
-        SSMConfig(d_model=cfg.d_model, n_layer=cfg.n_layers, vocab_size=cfg.vocab_size)
+        SSMConfig(
+            d_model=cfg.d_model, n_layer=cfg.n_layers, vocab_size=cfg.vocab_size, ssm_cfg=ssm_cfg
+        )  # fmt: skip
     ).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     data = RandomRows(cfg.vocab_size, batch, seqlen)
