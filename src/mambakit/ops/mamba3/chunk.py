@@ -1,4 +1,4 @@
-"""The Mamba-3 SISO sequence forward as a Triton kernel (inference: no backward).
+"""The Mamba-3 SISO sequence scan as Triton kernels: the forward and its backward.
 
 B batch, T time, H heads of P values, G groups, N = d_state, S angles, L = the chunk.
 The angles, the turned keys and queries (k~, q~) and the per-token weights are
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import torch.nn.functional as F
 import triton.language as tl
 
 from .reference import Mamba3State, token_terms
@@ -35,13 +36,16 @@ def _last_row(x, rows, last):
 @triton.jit
 def _chunk_fwd_kernel(
     x_ptr, q_ptr, k_ptr, adt_ptr, gam_ptr, late_ptr, seq_ptr, z_ptr, D_ptr,
-    s0_ptr, k0_ptr, x0_ptr, y_ptr, sT_ptr, kT_ptr, xT_ptr,
+    s0_ptr, k0_ptr, x0_ptr, y_ptr, sT_ptr, kT_ptr, xT_ptr, st_ptr,
     T, H, P, N,
     s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b, s_z_b, s_z_t, s_z_h,
     s_y_b, s_y_t, s_y_h,
     HAS_SEQ: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    COMPUTE_Y: tl.constexpr, STORE_STATES: tl.constexpr,
 ):
+    """COMPUTE_Y: y and the final state; STORE_STATES: each chunk's start state S'_start
+    to st [B, H, chunks, P, N] (the backward's recomputation)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     rows = tl.arange(0, L)
@@ -90,21 +94,26 @@ def _chunk_fwd_kernel(
             doc_last = tl.sum(tl.where(rows == last, doc, 0), axis=0)
             keep_doc = mt & (doc == doc_last)
             prev_doc = doc_last
-        decay = tl.exp(tl.where(same, cs[:, None] - cs[None, :], float("-inf")))
-        weight = tl.where(rows[:, None] == rows[None, :], gam[None, :], decay * w[None, :])
-        weight = tl.where(same, weight, 0.0)
-        scores = tl.dot(qc, tl.trans(kc), input_precision=PREC) * weight  # [L(t), L(s)]
-        y = tl.dot(scores, xc, input_precision=PREC)  # [L, P]
-        into = tl.dot(qc, tl.trans(start), input_precision=PREC)  # [L, P]: q~_t S'_start
-        y += (tl.exp(cs) * carry)[:, None] * into
-        if HAS_D:
-            y += Dh * xc
-        if HAS_Z:
-            zc = tl.load(z_ptr + b * s_z_b + t[:, None] * s_z_t + h * s_z_h + p[None, :],
-                         mask=mt[:, None] & mp[None, :], other=0.0).to(tl.float32)
-            y = y * zc * tl.sigmoid(zc)
-        tl.store(y_ptr + b * s_y_b + t[:, None] * s_y_t + h * s_y_h + p[None, :],
-                 y.to(y_ptr.dtype.element_ty), mask=mt[:, None] & mp[None, :])
+        if STORE_STATES:
+            c = c0 // L
+            tl.store(st_ptr + ((bh * tl.cdiv(T, L) + c) * P + p[:, None]) * N + n[None, :],
+                     start, mask=mpn)
+        if COMPUTE_Y:
+            decay = tl.exp(tl.where(same, cs[:, None] - cs[None, :], float("-inf")))
+            weight = tl.where(rows[:, None] == rows[None, :], gam[None, :], decay * w[None, :])
+            weight = tl.where(same, weight, 0.0)
+            scores = tl.dot(qc, tl.trans(kc), input_precision=PREC) * weight  # [L(t), L(s)]
+            y = tl.dot(scores, xc, input_precision=PREC)  # [L, P]
+            into = tl.dot(qc, tl.trans(start), input_precision=PREC)  # [L, P]: q~_t S'_start
+            y += (tl.exp(cs) * carry)[:, None] * into
+            if HAS_D:
+                y += Dh * xc
+            if HAS_Z:
+                zc = tl.load(z_ptr + b * s_z_b + t[:, None] * s_z_t + h * s_z_h + p[None, :],
+                             mask=mt[:, None] & mp[None, :], other=0.0).to(tl.float32)
+                y = y * zc * tl.sigmoid(zc)
+            tl.store(y_ptr + b * s_y_b + t[:, None] * s_y_t + h * s_y_h + p[None, :],
+                     y.to(y_ptr.dtype.element_ty), mask=mt[:, None] & mp[None, :])
         # the state after the chunk (its last token's late term is the next chunk's)
         tail = tl.where(rows == last, gam, tl.exp(cs_last - cs) * w)
         tail = tl.where(keep_doc, tail, 0.0)
@@ -112,9 +121,141 @@ def _chunk_fwd_kernel(
         S = keep * start + tl.dot(tl.trans(xc * tail[:, None]), kc, input_precision=PREC)
         k_prev = _last_row(kc, rows, last)
         x_prev = _last_row(xc, rows, last)
-    tl.store(sT_ptr + bh * P * N + p[:, None] * N + n[None, :], S, mask=mpn)
-    tl.store(kT_ptr + bh * N + n, k_prev, mask=mn)
-    tl.store(xT_ptr + bh * P + p, x_prev, mask=mp)
+    if COMPUTE_Y:
+        tl.store(sT_ptr + bh * P * N + p[:, None] * N + n[None, :], S, mask=mpn)
+        tl.store(kT_ptr + bh * N + n, k_prev, mask=mn)
+        tl.store(xT_ptr + bh * P + p, x_prev, mask=mp)
+
+
+@triton.jit
+def _chunk_bwd_kernel(
+    x_ptr, q_ptr, k_ptr, adt_ptr, gam_ptr, late_ptr, seq_ptr, st_ptr, k0_ptr, x0_ptr,
+    dy_ptr, dsT_ptr,
+    dx_ptr, dq_ptr, dk_ptr, dadt_ptr, dgam_ptr, dlate_ptr, ds0_ptr, dk0_ptr, dx0_ptr,
+    T, H, P, N,
+    s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b, s_dy_b, s_dy_t, s_dy_h,
+    s_dx_b, s_dx_t, s_dx_h,
+    HAS_SEQ: tl.constexpr, HAS_DST: tl.constexpr,
+    L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+):
+    """One (row, head), the chunks in reverse, carrying dS [P, N] (the gradient of the state
+    after the chunk) and what the next chunk's start term owes this chunk's last x and k~.
+    The chunk's start state S'_start comes from st (the forward kernel's STORE_STATES pass).
+    Gradients of the core (no D, no gate): x, q~, k~ (as x's layout / [B, T, H, N], f32),
+    A delta, gamma, late [B, T, H] f32, and the initial state's S, k~, x."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    rows = tl.arange(0, L)
+    p = tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    mp, mn = p < P, n < N
+    mpn = mp[:, None] & mn[None, :]
+    bh = b * H + h
+    causal = rows[:, None] >= rows[None, :]
+    diag = rows[:, None] == rows[None, :]
+    below = rows[:, None] == rows[None, :] + 1  # [r, s]: s = r - 1
+    if HAS_DST:
+        dS = tl.load(dsT_ptr + bh * P * N + p[:, None] * N + n[None, :], mask=mpn, other=0.0)
+    else:
+        dS = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    dx_owed = tl.zeros([BLOCK_P], dtype=tl.float32)
+    dk_owed = tl.zeros([BLOCK_N], dtype=tl.float32)
+    n_chunks = tl.cdiv(T, L)
+    for i in range(0, n_chunks):
+        c = n_chunks - 1 - i
+        c0 = c * L
+        t = c0 + rows
+        mt = t < T
+        last = tl.minimum(L, T - c0) - 1
+        mtp = mt[:, None] & mp[None, :]
+        xc = tl.load(x_ptr + b * s_x_b + t[:, None] * s_x_t + h * s_x_h + p[None, :],
+                     mask=mtp, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + b * s_dy_b + t[:, None] * s_dy_t + h * s_dy_h + p[None, :],
+                     mask=mtp, other=0.0).to(tl.float32)
+        qn = t[:, None] * s_q_t + h * s_q_h + n[None, :]
+        mq = mt[:, None] & mn[None, :]
+        qc = tl.load(q_ptr + b * s_q_b + qn, mask=mq, other=0.0)
+        kc = tl.load(k_ptr + b * s_q_b + qn, mask=mq, other=0.0)
+        wo = b * s_w_b + t * s_w_t + h
+        adt = tl.load(adt_ptr + wo, mask=mt, other=0.0)
+        gam = tl.load(gam_ptr + wo, mask=mt, other=0.0)
+        nxt = tl.load(late_ptr + wo + s_w_t, mask=(t + 1 < T) & (rows < last), other=0.0)
+        w = gam + nxt
+        cs = tl.cumsum(adt, axis=0)
+        cs_last = tl.sum(tl.where(rows == last, cs, 0.0), axis=0)
+        late0 = tl.load(late_ptr + b * s_w_b + c0 * s_w_t + h)
+        start = tl.load(st_ptr + ((bh * n_chunks + c) * P + p[:, None]) * N + n[None, :],
+                        mask=mpn, other=0.0)
+        # the token before the chunk: the previous chunk's last, or the initial state's
+        inside_p, inside_n = (p * 0 + c0) > 0, (n * 0 + c0) > 0  # not the first chunk
+        x_prev = tl.load(x_ptr + b * s_x_b + (c0 - 1) * s_x_t + h * s_x_h + p,
+                         mask=mp & inside_p, other=0.0).to(tl.float32)
+        x_prev += tl.load(x0_ptr + bh * P + p, mask=mp & ~inside_p, other=0.0)
+        k_prev = tl.load(k_ptr + b * s_q_b + (c0 - 1) * s_q_t + h * s_q_h + n,
+                         mask=mn & inside_n, other=0.0)
+        k_prev += tl.load(k0_ptr + bh * N + n, mask=mn & ~inside_n, other=0.0)
+        same = causal & mt[None, :]
+        carry = mt.to(tl.float32)
+        keep_doc = mt
+        if HAS_SEQ:
+            prev_doc = tl.load(seq_ptr + b * s_seq_b + tl.maximum(c0 - 1, 0))
+            doc = tl.load(seq_ptr + b * s_seq_b + t, mask=mt, other=-1)
+            same = same & (doc[:, None] == doc[None, :])
+            carry = tl.where(doc == prev_doc, carry, 0.0)
+            doc_last = tl.sum(tl.where(rows == last, doc, 0), axis=0)
+            keep_doc = mt & (doc == doc_last)
+        # the forward's terms
+        decay = tl.exp(tl.where(same, cs[:, None] - cs[None, :], float("-inf")))
+        weight = tl.where(diag, gam[None, :], decay * w[None, :])
+        weight = tl.where(same, weight, 0.0)
+        qk = tl.dot(qc, tl.trans(kc), input_precision=PREC)  # [L(t), L(s)]
+        e_cs = tl.exp(cs) * carry
+        tail_decay = tl.where(keep_doc & (rows != last), tl.exp(cs_last - cs), 0.0)
+        tail = tl.where(rows == last, gam, tail_decay * w)
+        tail = tl.where(keep_doc, tail, 0.0)
+        keep = tl.exp(cs_last) * tl.sum(tl.where(rows == last, carry, 0.0), axis=0)
+        # y = (qk * weight) x + e_cs q~ S'^T ;  S_end = keep S' + x^T diag(tail) k~
+        d_scores = tl.dot(dy, tl.trans(xc), input_precision=PREC)  # [L(t), L(s)]
+        d_qk = d_scores * weight
+        k_ds = tl.dot(kc, tl.trans(dS), input_precision=PREC)  # [L, P]: dS k~_s
+        dx = tl.dot(tl.trans(qk * weight), dy, input_precision=PREC) + tail[:, None] * k_ds
+        dq = tl.dot(d_qk, kc, input_precision=PREC)
+        dq += e_cs[:, None] * tl.dot(dy, start, input_precision=PREC)
+        dk = tl.dot(tl.trans(d_qk), qc, input_precision=PREC)
+        dk += tail[:, None] * tl.dot(xc, dS, input_precision=PREC)
+        d_weight = d_scores * qk
+        g = d_weight * weight  # d/d(cs_t - cs_s), zero off the mask and net zero on the diagonal
+        into = tl.dot(qc, tl.trans(start), input_precision=PREC)  # [L, P]
+        d_tail = tl.sum(xc * k_ds, axis=1)
+        g_tail = d_tail * tail  # d/d(cs_last - cs_s)
+        dcs = tl.sum(g, axis=1) - tl.sum(g, axis=0) + e_cs * tl.sum(dy * into, axis=1) - g_tail
+        dcs += tl.where(rows == last, keep * tl.sum(tl.sum(dS * start, axis=1), axis=0)
+                        + tl.sum(g_tail, axis=0), 0.0)
+        strict = same & (rows[:, None] > rows[None, :])
+        dw = tl.sum(tl.where(strict, d_weight * decay, 0.0), axis=0) + d_tail * tail_decay
+        dgam = tl.sum(tl.where(diag & same, d_weight, 0.0), axis=0) + dw
+        dgam += tl.where((rows == last) & keep_doc, d_tail, 0.0)
+        dlate = tl.sum(tl.where(below, dw[None, :], 0.0), axis=1)  # token r's late term: w_{r-1}
+        d_start = keep * dS + tl.dot(tl.trans(dy * e_cs[:, None]), qc, input_precision=PREC)
+        dlate += tl.where(rows == 0, tl.sum(tl.sum(d_start * x_prev[:, None] * k_prev[None, :],
+                                                   axis=1), axis=0), 0.0)
+        # what the next chunk's start owed this chunk's last token
+        dx += tl.where((rows == last)[:, None], dx_owed[None, :], 0.0)
+        dk += tl.where((rows == last)[:, None], dk_owed[None, :], 0.0)
+        dadt = tl.sum(dcs, axis=0) - tl.cumsum(dcs, axis=0) + dcs  # A delta_r: every cs_t, t >= r
+        tl.store(dx_ptr + b * s_dx_b + t[:, None] * s_dx_t + h * s_dx_h + p[None, :],
+                 dx.to(dx_ptr.dtype.element_ty), mask=mtp)
+        tl.store(dq_ptr + b * s_q_b + qn, dq, mask=mq)
+        tl.store(dk_ptr + b * s_q_b + qn, dk, mask=mq)
+        tl.store(dadt_ptr + wo, dadt, mask=mt)
+        tl.store(dgam_ptr + wo, dgam, mask=mt)
+        tl.store(dlate_ptr + wo, dlate, mask=mt)
+        dx_owed = late0 * tl.sum(d_start * k_prev[None, :], axis=1)
+        dk_owed = late0 * tl.sum(d_start * x_prev[:, None], axis=0)
+        dS = d_start
+    tl.store(ds0_ptr + bh * P * N + p[:, None] * N + n[None, :], dS, mask=mpn)
+    tl.store(dk0_ptr + bh * N + n, dk_owed, mask=mn)
+    tl.store(dx0_ptr + bh * P + p, dx_owed, mask=mp)
 
 
 # fmt: on
@@ -131,6 +272,53 @@ def _precision(x: torch.Tensor) -> str:
     if not x.is_cuda:
         return "ieee"
     return "tf32x3" if x.dtype == torch.float32 else "tf32"
+
+
+def _block(v: int) -> int:
+    return max(16, triton.next_power_of_2(v))
+
+
+def _warps(P: int, N: int) -> int:
+    return 8 if P * N >= 8192 else 4
+
+
+def _launch_fwd(x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L, states=None):
+    """The forward kernel over (row, head): y and the final state into y, and the returned
+    (sT, kT, xT), or only each chunk's start state into `states` (y is None)."""
+    Bsz, T, H, P = x.shape
+    N = qr.shape[-1]
+    sT, kT, xT = torch.empty_like(s0), torch.empty_like(k0), torch.empty_like(x0)
+    seq = seq_idx if seq_idx is not None else adt
+    ys = y if y is not None else x
+    _chunk_fwd_kernel[(Bsz, H)](
+        x, qr, kr, adt, gamma, late, seq, z if z is not None else x,
+        D.float() if D is not None else adt, s0, k0, x0, ys, sT, kT, xT,
+        states if states is not None else s0,
+        T, H, P, N,
+        x.stride(0), x.stride(1), x.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
+        adt.stride(0), adt.stride(1), seq.stride(0),
+        *(z.stride()[:3] if z is not None else (0, 0, 0)),
+        ys.stride(0), ys.stride(1), ys.stride(2),
+        HAS_SEQ=seq_idx is not None, HAS_Z=z is not None, HAS_D=D is not None,
+        L=L, BLOCK_P=_block(P), BLOCK_N=_block(N), PREC=_precision(x),
+        COMPUTE_Y=y is not None, STORE_STATES=states is not None, num_warps=_warps(P, N),
+    )  # fmt: skip
+    return sT, kT, xT
+
+
+def _terms(q, k, delta, A, trap, theta, q_bias, k_bias, initial_state, seq_idx):
+    """token_terms in f32, laid out for the kernels (contiguous, int32 document ids)."""
+    phi, qr, kr, adt, gamma, late = token_terms(
+        q, k, delta, A, trap, theta, q_bias, k_bias, initial_state.angle, seq_idx, torch.float32
+    )
+    seq = seq_idx.to(torch.int32).contiguous() if seq_idx is not None else None
+    return phi, *(t.contiguous() for t in (qr, kr, adt, gamma, late)), seq
+
+
+def _initial(initial_state, Bsz, H, P, N, S, device) -> Mamba3State:
+    if initial_state is None:
+        return Mamba3State.zeros(Bsz, H, P, N, S, device, torch.float32)
+    return initial_state
 
 
 def mamba3_scan_fwd(
@@ -150,39 +338,111 @@ def mamba3_scan_fwd(
 ) -> tuple[torch.Tensor, Mamba3State]:
     """`mamba3_scan_reference`'s values without its autograd: (y [B, T, H, P] in x.dtype,
     the final f32 state). The chunk is `CHUNK_L` whatever the layer's chunk_size (the
-    result does not depend on it)."""
+    result does not depend on it). D and the gate are applied inside the kernel."""
     Bsz, T, H, P = x.shape
     N, S = q.shape[-1], theta.shape[-1]
-    f = torch.float32
-    if initial_state is None:
-        initial_state = Mamba3State.zeros(Bsz, H, P, N, S, x.device, f)
-    phi, qr, kr, adt, gamma, late = token_terms(
-        q, k, delta, A, trap, theta, q_bias, k_bias, initial_state.angle, seq_idx, f
+    initial_state = _initial(initial_state, Bsz, H, P, N, S, x.device)
+    phi, qr, kr, adt, gamma, late, seq = _terms(
+        q, k, delta, A, trap, theta, q_bias, k_bias, initial_state, seq_idx
     )
-    qr, kr, adt, gamma, late = (t.contiguous() for t in (qr, kr, adt, gamma, late))
     xs = x if x.stride(-1) == 1 else x.contiguous()
     zs = z if z is None or z.stride(-1) == 1 else z.contiguous()
-    s0 = initial_state.ssm.float().contiguous()
-    k0 = initial_state.k.float().contiguous()
-    x0 = initial_state.x.float().contiguous()
+    s0, k0, x0 = (t.float().contiguous() for t in initial_state[1:])
     y = torch.empty(Bsz, T, H, P, device=x.device, dtype=x.dtype)
-    sT, kT, xT = torch.empty_like(s0), torch.empty_like(k0), torch.empty_like(x0)
-    seq = seq_idx.contiguous() if seq_idx is not None else adt
-    _chunk_fwd_kernel[(Bsz, H)](
-        xs, qr, kr, adt, gamma, late, seq, zs if zs is not None else xs,
-        D.float() if D is not None else adt, s0, k0, x0, y, sT, kT, xT,
-        T, H, P, N,
-        xs.stride(0), xs.stride(1), xs.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
-        adt.stride(0), adt.stride(1), seq.stride(0),
-        *(zs.stride()[:3] if zs is not None else (0, 0, 0)),
-        y.stride(0), y.stride(1), y.stride(2),
-        HAS_SEQ=seq_idx is not None, HAS_Z=z is not None, HAS_D=D is not None,
-        L=CHUNK_L, BLOCK_P=max(16, triton.next_power_of_2(P)),
-        BLOCK_N=max(16, triton.next_power_of_2(N)), PREC=_precision(x),
-        num_warps=8 if P * N >= 8192 else 4,
-    )  # fmt: skip
-    if T == 0:
-        phi_T = initial_state.angle.float()
-    else:
-        phi_T = phi[:, -1]
+    sT, kT, xT = _launch_fwd(xs, qr, kr, adt, gamma, late, seq, D, zs, s0, k0, x0, y, CHUNK_L)
+    phi_T = initial_state.angle.float() if T == 0 else phi[:, -1]
     return y, Mamba3State(phi_T, sT, kT, xT)
+
+
+# The backward's chunk: its loop carries dS [P, N] and reads S'_start [P, N] per chunk
+CHUNK_BWD = 32
+
+
+class _Core(torch.autograd.Function):
+    """The scan's core with its kernels: (x, q~, k~, A delta, gamma, late, initial S, k~, x)
+    -> (y without D and the gate, f32; the final S). The backward recomputes each chunk's
+    start state (the forward kernel, STORE_STATES) and walks the chunks in reverse."""
+
+    @staticmethod
+    def forward(ctx, x, qr, kr, adt, gamma, late, seq, s0, k0, x0):
+        Bsz, T, H, P = x.shape
+        y = torch.empty(Bsz, T, H, P, device=x.device, dtype=torch.float32)
+        sT, _, _ = _launch_fwd(x, qr, kr, adt, gamma, late, seq, None, None, s0, k0, x0, y,
+                               CHUNK_L)  # fmt: skip
+        ctx.save_for_backward(x, qr, kr, adt, gamma, late, seq, s0, k0, x0)
+        return y, sT
+
+    @staticmethod
+    def backward(ctx, dy, dsT):
+        x, qr, kr, adt, gamma, late, seq, s0, k0, x0 = ctx.saved_tensors
+        Bsz, T, H, P = x.shape
+        N = qr.shape[-1]
+        L = CHUNK_BWD
+        states = torch.empty(Bsz, H, triton.cdiv(T, L), P, N, device=x.device,
+                             dtype=torch.float32)  # fmt: skip
+        _launch_fwd(x, qr, kr, adt, gamma, late, seq, None, None, s0, k0, x0, None, L, states)
+        dy = dy if dy is not None else torch.zeros_like(x, dtype=torch.float32)
+        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+        dx = torch.empty(Bsz, T, H, P, device=x.device, dtype=torch.float32)
+        dq, dk = torch.empty_like(qr), torch.empty_like(kr)
+        dadt, dgam, dlate = torch.empty_like(adt), torch.empty_like(gamma), torch.empty_like(late)
+        ds0, dk0, dx0 = torch.empty_like(s0), torch.empty_like(k0), torch.empty_like(x0)
+        dsT = dsT.contiguous() if dsT is not None else None
+        seqt = seq if seq is not None else adt
+        _chunk_bwd_kernel[(Bsz, H)](
+            x, qr, kr, adt, gamma, late, seqt, states, k0, x0,
+            dy, dsT if dsT is not None else s0,
+            dx, dq, dk, dadt, dgam, dlate, ds0, dk0, dx0,
+            T, H, P, N,
+            x.stride(0), x.stride(1), x.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
+            adt.stride(0), adt.stride(1), seqt.stride(0), dy.stride(0), dy.stride(1),
+            dy.stride(2), dx.stride(0), dx.stride(1), dx.stride(2),
+            HAS_SEQ=seq is not None, HAS_DST=dsT is not None,
+            L=L, BLOCK_P=_block(P), BLOCK_N=_block(N), PREC=_precision(x),
+            num_warps=_warps(P, N),
+        )  # fmt: skip
+        return dx.to(x.dtype), dq, dk, dadt, dgam, dlate, None, ds0, dk0, dx0
+
+
+def mamba3_scan_kernel(
+    x: torch.Tensor,  # [B, T, H, P]
+    q: torch.Tensor,  # [B, T, G, N]
+    k: torch.Tensor,  # [B, T, G, N]
+    delta: torch.Tensor,  # [B, T, H]
+    A: torch.Tensor,  # [B, T, H]
+    trap: torch.Tensor,  # [B, T, H]
+    theta: torch.Tensor,  # [B, T, S]
+    q_bias: torch.Tensor,  # [H, N]
+    k_bias: torch.Tensor,  # [H, N]
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    initial_state: Mamba3State | None = None,
+    seq_idx: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Mamba3State]:
+    """`mamba3_scan_reference` on the kernels, differentiable in every input and the initial
+    state: (y [B, T, H, P] in x.dtype, the final f32 state). Outside autograd it is
+    `mamba3_scan_fwd` (D and the gate inside the kernel). Under autograd the per-token terms
+    (angles, turned q~/k~, weights), D and the gate are PyTorch, the scan is `_Core`."""
+    tensors = (x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z, *(initial_state or ()))
+    if not torch.is_grad_enabled() or not any(
+        t is not None and t.requires_grad for t in tensors
+    ):
+        return mamba3_scan_fwd(x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z,
+                               initial_state, seq_idx)  # fmt: skip
+    Bsz, T, H, P = x.shape
+    N, S = q.shape[-1], theta.shape[-1]
+    initial_state = _initial(initial_state, Bsz, H, P, N, S, x.device)
+    if T == 0:
+        return x.new_empty(Bsz, 0, H, P), Mamba3State(*(t.float() for t in initial_state))
+    phi, qr, kr, adt, gamma, late, seq = _terms(
+        q, k, delta, A, trap, theta, q_bias, k_bias, initial_state, seq_idx
+    )
+    xs = x if x.stride(-1) == 1 else x.contiguous()
+    s0, k0, x0 = (t.float().contiguous() for t in initial_state[1:])
+    y, sT = _Core.apply(xs, qr, kr, adt, gamma, late, seq, s0, k0, x0)
+    if D is not None:
+        y = y + D.float()[:, None] * x.float()
+    if z is not None:
+        y = y * F.silu(z.float())
+    final = Mamba3State(phi[:, -1], sT, kr[:, -1], x[:, -1].float())
+    return y.to(x.dtype), final
