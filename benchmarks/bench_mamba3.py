@@ -100,6 +100,51 @@ def layer_rows(batch: int, seqlen: int, d_model: int, iters: int) -> list[dict]:
     return rows
 
 
+def profile_layer(batch: int, seqlen: int, d_model: int, path: str) -> None:
+    """Per-kernel GPU time of one mambakit Mamba3 layer forward + backward (bf16)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    layer = Mamba3(d_model, d_state=128, headdim=64, device="cuda", dtype=torch.bfloat16)
+    u = torch.randn(batch, seqlen, d_model, device="cuda", dtype=torch.bfloat16)
+    u.requires_grad_(True)
+    for _ in range(2):
+        layer(u).sum().backward()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        layer(u).sum().backward()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=40, max_name_column_width=70
+    )
+    Path(path).write_text(table)
+    print(table)
+
+
+def sweep_bwd(batch: int, seqlen: int, d_model: int, iters: int) -> list[dict]:
+    """The layer's forward + backward for each backward chunk and warp count."""
+    from mambakit.ops.mamba3 import chunk
+
+    torch.manual_seed(0)
+    layer = Mamba3(d_model, d_state=128, headdim=64, device="cuda", dtype=torch.bfloat16)
+    u = torch.randn(batch, seqlen, d_model, device="cuda", dtype=torch.bfloat16)
+    u.requires_grad_(True)
+    rows, default = [], (chunk.CHUNK_BWD, chunk.BWD_WARPS)
+    for L in (16, 32, 64):
+        for warps in (4, 8):
+            chunk.CHUNK_BWD, chunk.BWD_WARPS = L, warps
+            try:
+                ms = cuda_time_ms(lambda: layer(u).sum().backward(), warmup=2, iters=iters)
+            except Exception as e:  # e.g. out of shared memory / registers
+                ms = f"failed: {type(e).__name__}: {str(e)[:80]}"
+            rec = {"workload": f"Mamba3 layer fwd+bwd {batch}x{seqlen}", "bwd_chunk": L,
+                   "bwd_warps": warps, "ms": ms}  # fmt: skip
+            print(rec, flush=True)
+            rows.append(rec)
+    chunk.CHUNK_BWD, chunk.BWD_WARPS = default
+    return rows
+
+
 def model_rows(batch: int, seqlen: int, iters: int, peer: bool) -> list[dict]:
     rows = []
     for name in ("130m-mamba3", "130m"):
@@ -151,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", default=["layer", "model", "inference"],
                    choices=["layer", "model", "inference"])  # fmt: skip
     p.add_argument("--prune-peer", action="store_true", help="one config per upstream kernel")
+    p.add_argument("--profile", help="write the per-kernel table of a layer fwd+bwd here")
+    p.add_argument("--sweep-bwd", action="store_true", help="time the backward's chunk/warps")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -159,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.prune_peer and _upstream_module() is not None:
         prune_upstream_autotune()
     rows = []
+    if args.sweep_bwd:
+        rows += sweep_bwd(batch, seqlen, args.d_model, args.iters)
+    if args.profile:
+        profile_layer(batch, seqlen, args.d_model, args.profile)
     if "layer" in args.only:
         rows += layer_rows(batch, seqlen, args.d_model, args.iters)
     if "model" in args.only:

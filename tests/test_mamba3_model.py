@@ -170,17 +170,28 @@ def test_save_and_load_round_trip(tmp_path):
 
 
 @pytest.mark.gpu
-def test_cuda_step_kernel_equals_forward_and_graph_replay_equals_eager():
-    """On CUDA, outside autograd, the forward runs ops/mamba3/chunk.py's kernel and the
-    decode step ops/mamba3/step.py's: the forward equals the reference scan (what runs
-    under autograd), T steps equal one forward, and greedy generation replayed from a
-    CUDA graph equals eager generation token for token."""
+def test_cuda_step_kernel_equals_forward_and_graph_replay_equals_eager(monkeypatch):
+    """On CUDA the forward runs ops/mamba3/chunk.py's kernels (fused outside autograd, with
+    the backward kernel under it) and the decode step ops/mamba3/step.py's: both forwards
+    and the loss gradients equal the reference backend's, T steps equal one forward, and
+    greedy generation replayed from a CUDA graph equals eager generation token for token."""
     model = lm(double=False, d_model=64, headdim=16, d_state=16).cuda().eval()
     ids = torch.randint(0, V, (3, 37), device="cuda")
-    ref = model(ids)  # parameters require grad: the differentiable reference
+    runs = {}
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("MAMBAKIT_BACKEND", backend)
+        model.zero_grad(set_to_none=True)
+        out = model(ids)  # parameters require grad: the differentiable path
+        out.logits.float().logsumexp(-1).mean().backward()
+        runs[backend] = (out.logits.detach(), {k: p.grad for k, p in model.named_parameters()})
+    monkeypatch.delenv("MAMBAKIT_BACKEND")
     with torch.no_grad():
         out = model(ids)
-    torch.testing.assert_close(out.logits, ref.logits.detach(), rtol=1e-4, atol=1e-4)
+    ref_logits, ref_grads = runs["reference"]
+    torch.testing.assert_close(out.logits, ref_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(runs["triton"][0], ref_logits, rtol=1e-4, atol=1e-4)
+    for k, g in ref_grads.items():
+        torch.testing.assert_close(runs["triton"][1][k], g, rtol=1e-3, atol=1e-5, msg=k)
     ids = ids[:, :13]
     with torch.no_grad():
         out = model(ids)

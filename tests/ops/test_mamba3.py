@@ -266,22 +266,10 @@ def test_layer_step_kernel_equals_reference_over_tokens():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize(
-    "T_, G_, seq, state_in, gate",
-    [(40, 2, False, True, True), (37, 2, True, True, True), (16, 1, False, False, False),
-     (5, 4, True, False, True)],
-    ids=["chunks", "documents", "one-chunk-no-state", "short-documents"],
-)  # fmt: skip
-def test_chunk_kernel_equals_float64_scan(nan_empty, T_, G_, seq, state_in, gate):
-    """The Triton sequence forward (interpreter on the CPU; chunks of 16 steps, a partial
-    last one) equals the float64 reference scan: y and every final state field, with
-    packed documents, with and without an initial state and the D / z terms."""
-    from conftest import DEVICE
-
-    from mambakit.ops.mamba3.chunk import mamba3_scan_fwd
-
+def _kernel_case(T_, G_, seq, state_in, gate, seed=5):
+    """Inputs of the kernel tests (f32, CPU): (scan inputs, initial state or None, seq_idx)."""
     Bn, Hn, Pn, Nn, Sn = 2, 4, 16, 16, 4
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator().manual_seed(seed)
 
     def r(*s, scale=1.0):
         return torch.randn(*s, generator=g) * scale
@@ -309,6 +297,24 @@ def test_chunk_kernel_equals_float64_scan(nan_empty, T_, G_, seq, state_in, gate
     if seq:
         ids = torch.randint(0, 4, (Bn, T_), generator=g)
         seq_idx = torch.sort(ids, dim=1).values.to(torch.int32)
+    return inp, state, seq_idx
+
+
+@pytest.mark.parametrize(
+    "T_, G_, seq, state_in, gate",
+    [(40, 2, False, True, True), (37, 2, True, True, True), (16, 1, False, False, False),
+     (5, 4, True, False, True)],
+    ids=["chunks", "documents", "one-chunk-no-state", "short-documents"],
+)  # fmt: skip
+def test_chunk_kernel_equals_float64_scan(nan_empty, T_, G_, seq, state_in, gate):
+    """The Triton sequence forward (interpreter on the CPU; chunks of 16 steps, a partial
+    last one) equals the float64 reference scan: y and every final state field, with
+    packed documents, with and without an initial state and the D / z terms."""
+    from conftest import DEVICE
+
+    from mambakit.ops.mamba3.chunk import mamba3_scan_fwd
+
+    inp, state, seq_idx = _kernel_case(T_, G_, seq, state_in, gate)
     y64, f64 = mamba3_scan_reference(
         **{k: v.double() if v is not None else None for k, v in inp.items()},
         initial_state=Mamba3State(*(t.double() for t in state)) if state else None,
@@ -321,7 +327,7 @@ def test_chunk_kernel_equals_float64_scan(nan_empty, T_, G_, seq, state_in, gate
         initial_state=Mamba3State(*(t.to(DEVICE) for t in state)) if state else None,
         seq_idx=seq_idx.to(DEVICE) if seq_idx is not None else None,
     )
-    assert y.shape == (Bn, T_, Hn, Pn) and y.dtype == torch.float32
+    assert y.shape == (2, T_, 4, 16) and y.dtype == torch.float32
     torch.testing.assert_close(y.cpu().double(), y64, rtol=1e-5, atol=1e-5)
     for name, got, want in zip(Mamba3State._fields, final, f64):
         if name == "angle":  # mod 2 pi: compared where it wraps, too
@@ -329,24 +335,150 @@ def test_chunk_kernel_equals_float64_scan(nan_empty, T_, G_, seq, state_in, gate
         torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_layer_runs_the_chunk_kernel_only_outside_autograd(monkeypatch):
-    """`Mamba3.forward` on the Triton backend: the kernel under no_grad (equal to the
-    reference), the differentiable reference when gradients are recorded."""
+@pytest.mark.parametrize(
+    "T_, G_, seq, state_in, gate",
+    [(70, 2, False, True, True), (70, 2, True, True, True), (33, 1, True, False, False),
+     (1, 4, False, True, True), (32, 2, False, False, True)],
+    ids=["3-chunks", "documents", "documents-no-state", "one-step", "one-full-chunk"],
+)  # fmt: skip
+def test_chunk_kernels_gradients_equal_float64_scan(T_, G_, seq, state_in, gate):
+    """The differentiable kernel scan (forward kernel, backward kernel over chunks of 32 in
+    reverse, the per-token terms through autograd) against the float64 reference: y, the
+    final state, and the gradient of every input and of every initial state field, for a
+    random cotangent on y and on the final S, k~ and x."""
+    from conftest import DEVICE
+
+    from mambakit.ops.mamba3.chunk import mamba3_scan_kernel
+
+    inp, state, seq_idx = _kernel_case(T_, G_, seq, state_in, gate, seed=T_)
+    g = torch.Generator().manual_seed(9)
+    names = [k for k, v in inp.items() if v is not None]
+
+    def run(dtype, device):
+        leaves = {k: inp[k].to(device, dtype).requires_grad_(True) for k in names}
+        st = None
+        if state is not None:
+            st = Mamba3State(*(t.to(device, dtype).requires_grad_(True) for t in state))
+        seq = seq_idx.to(device) if seq_idx is not None else None
+        full = {**{k: None for k in inp}, **leaves}
+        if dtype == torch.float64:
+            y, fin = mamba3_scan_reference(**full, initial_state=st, seq_idx=seq, chunk=5)
+        else:
+            y, fin = mamba3_scan_kernel(**full, initial_state=st, seq_idx=seq)
+        return leaves, st, y, fin
+
+    leaves64, st64, y64, fin64 = run(torch.float64, "cpu")
+    cot_y = torch.randn(y64.shape, generator=g, dtype=torch.float64)
+    cot_s = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in fin64[1:]]
+    outs = {}
+    for key, (leaves, st, y, fin) in (("f64", (leaves64, st64, y64, fin64)),
+                                      ("kernel", run(torch.float32, DEVICE))):  # fmt: skip
+        loss = (y * cot_y.to(y)).sum() + sum((a * c.to(a)).sum() for a, c in zip(fin[1:], cot_s))
+        loss.backward()
+        got = {"y": y, **{f"final.{n}": t for n, t in zip(Mamba3State._fields[1:], fin[1:])}}
+        got.update({f"d{k}": v.grad for k, v in leaves.items()})
+        if st is not None:
+            got.update({f"dstate.{n}": t.grad for n, t in zip(Mamba3State._fields, st)})
+        outs[key] = {k: v.detach().cpu().double() for k, v in got.items()}
+    assert outs["kernel"].keys() == outs["f64"].keys()
+    for name, want in outs["f64"].items():
+        got = outs["kernel"][name]
+        err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+        assert err < 1e-5, f"{name}: relative error {err:.2e}"
+
+
+def test_layer_runs_the_chunk_kernels_with_and_without_autograd(monkeypatch):
+    """`Mamba3.forward` on the Triton backend runs the chunk kernels: the fused forward
+    under no_grad, the differentiable kernel scan when gradients are recorded; both equal
+    the reference backend, the second in every parameter's and the input's gradient."""
     from mambakit.layers import mamba3 as layer_mod
 
     calls = []
-    kernel = layer_mod.mamba3_scan_fwd
-    monkeypatch.setattr(layer_mod, "mamba3_scan_fwd",
+    kernel = layer_mod.mamba3_scan_kernel
+    monkeypatch.setattr(layer_mod, "mamba3_scan_kernel",
                         lambda *a, **kw: calls.append(1) or kernel(*a, **kw))  # fmt: skip
-    monkeypatch.setattr(layer_mod, "resolve_backend", lambda backend, t: "triton")
+    backend = {"now": "triton"}
+    monkeypatch.setattr(layer_mod, "resolve_backend", lambda b, t: backend["now"])
     torch.manual_seed(0)
     layer = layer_mod.Mamba3(32, d_state=16, headdim=16, ngroups=2, chunk_size=8)
-    u = torch.randn(2, 21, 32)
+    u = torch.randn(2, 45, 32)
+    cot = torch.randn(2, 45, 32)
     with torch.no_grad():
-        y_kernel, s_kernel = layer(u, return_state=True)
+        y_nograd, s_nograd = layer(u, return_state=True)
     assert calls == [1]
-    y_ref, s_ref = layer(u, return_state=True)  # parameters require grad: the reference
-    assert calls == [1] and y_ref.requires_grad
-    torch.testing.assert_close(y_kernel, y_ref.detach(), rtol=1e-5, atol=1e-6)
-    for name, a, b in zip(Mamba3State._fields[1:], s_kernel[1:], s_ref[1:]):
-        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6, msg=name)
+    runs = {}
+    for name in ("triton", "reference"):
+        backend["now"] = name
+        layer.zero_grad(set_to_none=True)
+        ug = u.clone().requires_grad_(True)
+        y, st = layer(ug, return_state=True)
+        (y * cot).sum().backward()
+        grads = {k: p.grad.clone() for k, p in layer.named_parameters()}
+        runs[name] = (y.detach(), st, ug.grad, grads)
+    assert calls == [1, 1]
+    y_k, s_k, gu_k, g_k = runs["triton"]
+    y_r, s_r, gu_r, g_r = runs["reference"]
+    torch.testing.assert_close(y_nograd, y_r, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(y_k, y_r, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gu_k, gu_r, rtol=1e-4, atol=1e-5)
+    for k in g_r:
+        torch.testing.assert_close(g_k[k], g_r[k], rtol=1e-4, atol=1e-5, msg=k)
+    for name, a, b, c in zip(Mamba3State._fields[1:], s_nograd[1:], s_k[1:], s_r[1:]):
+        torch.testing.assert_close(a, c.detach(), rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(b.detach(), c.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_chunk_kernels_on_gpu_at_the_130m_head_shape(dtype):
+    """On the GPU at the 130m-mamba3 head shape (P 64, N 128, 32 angles, one group),
+    300 steps (10 backward chunks, a partial last one), documents and an initial state: the
+    kernel scan's y, final state and every gradient against the float64 reference. x, z and
+    the cotangent in `dtype`; products in tf32 for bf16 inputs, tf32x3 for f32 ones."""
+    from mambakit.ops.mamba3.chunk import mamba3_scan_kernel
+
+    Bn, T_, Hn, Pn, Nn, Sn = 2, 300, 3, 64, 128, 32
+    g = torch.Generator().manual_seed(11)
+
+    def r(*s, scale=1.0):
+        return torch.randn(*s, generator=g, dtype=torch.float64) * scale
+
+    inp = dict(
+        x=r(Bn, T_, Hn, Pn), q=r(Bn, T_, 1, Nn, scale=0.1), k=r(Bn, T_, 1, Nn, scale=0.1),
+        delta=torch.rand(Bn, T_, Hn, generator=g, dtype=torch.float64) * 0.1 + 0.001,
+        A=-(torch.rand(Bn, T_, Hn, generator=g, dtype=torch.float64) * 2 + 0.1),
+        trap=r(Bn, T_, Hn), theta=r(Bn, T_, Sn), q_bias=r(Hn, Nn, scale=0.3) + 1,
+        k_bias=r(Hn, Nn, scale=0.3) + 1, D=r(Hn), z=r(Bn, T_, Hn, Pn),
+    )  # fmt: skip
+    state = Mamba3State(torch.rand(Bn, Hn, Sn, generator=g, dtype=torch.float64) * 6.2,
+                        r(Bn, Hn, Pn, Nn), r(Bn, Hn, Nn), r(Bn, Hn, Pn))  # fmt: skip
+    seq_idx = torch.zeros(Bn, T_, dtype=torch.int32)
+    seq_idx[0, 100:], seq_idx[0, 231:] = 1, 2  # documents start mid-chunk
+    cot = r(Bn, T_, Hn, Pn).to(dtype).double()
+    outs = {}
+    for key in ("f64", "kernel"):
+        dt, dev = (torch.float64, "cpu") if key == "f64" else (torch.float32, "cuda")
+        leaves = {k: v.detach().to(dev, dt) for k, v in inp.items()}
+        for k in ("x", "z"):
+            leaves[k] = inp[k].detach().to(dtype).to(dev, dt if key == "f64" else dtype)
+        for v in leaves.values():
+            v.requires_grad_(True)
+        st = Mamba3State(*(t.detach().to(dev, dt).requires_grad_(True) for t in state))
+        seq = seq_idx.to(dev)
+        if key == "f64":
+            y, fin = mamba3_scan_reference(**leaves, initial_state=st, seq_idx=seq)
+        else:
+            y, fin = mamba3_scan_kernel(**leaves, initial_state=st, seq_idx=seq)
+        (y.double() * cot.to(dev)).sum().add(fin.ssm.double().sum()).backward()
+        got = {"y": y, "final.ssm": fin.ssm, "final.k": fin.k}
+        got.update({f"d{k}": v.grad for k, v in leaves.items()})
+        got.update({f"dstate.{n}": t.grad for n, t in zip(Mamba3State._fields, st)})
+        outs[key] = {k: v.detach().cpu().double() for k, v in got.items()}
+    limit = 1e-2 if dtype == torch.bfloat16 else 1e-4
+    errs = {}
+    for name, want in outs["f64"].items():
+        got = outs["kernel"][name]
+        errs[name] = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+    print({k: f"{v:.1e}" for k, v in errs.items()})
+    assert all(e < limit for e in errs.values()), errs

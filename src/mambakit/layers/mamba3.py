@@ -33,7 +33,7 @@ from torch import nn
 
 from ..ops import resolve_backend
 from ..ops._checks import check_seq_idx, check_tensor
-from ..ops.mamba3.chunk import mamba3_scan_fwd
+from ..ops.mamba3.chunk import mamba3_scan_kernel
 from ..ops.mamba3.reference import Mamba3State, mamba3_scan_reference, mamba3_step_reference
 from ..ops.mamba3.step import state_update
 from .init import no_weight_decay
@@ -237,8 +237,8 @@ class Mamba3(nn.Module):
             check_seq_idx(seq_idx, u.shape[0], u.shape[1], u.device)
         x, q, k, delta, A, trap, theta, z = self._inputs(u)
         args = (x, q, k, delta, A, trap, theta, self.C_bias[:, 0], self.B_bias[:, 0], self.D, z)
-        if self._kernels(u, state):  # inference on the Triton backend: the chunk kernel
-            y, final = mamba3_scan_fwd(*args, initial_state=state, seq_idx=seq_idx)
+        if self._kernels(u, state, differentiable=True):  # the Triton backend: chunk kernels
+            y, final = mamba3_scan_kernel(*args, initial_state=state, seq_idx=seq_idx)
         else:
             y, final = mamba3_scan_reference(
                 *args, initial_state=state, seq_idx=seq_idx, chunk=self.chunk_size
@@ -274,9 +274,16 @@ class Mamba3(nn.Module):
                 dst.copy_(src)
         return self.out_proj(y.flatten(-2).to(self.out_proj.weight.dtype))
 
-    def _kernels(self, u: torch.Tensor, state: Mamba3State | None, backend: str = "auto") -> bool:
+    def _kernels(
+        self,
+        u: torch.Tensor,
+        state: Mamba3State | None,
+        backend: str = "auto",
+        differentiable: bool = False,
+    ) -> bool:
         """Whether the Triton kernels run: on the Triton backend, with f32 state, outside
-        torch.compile and autograd (they have no backward yet: training runs the reference)."""
+        torch.compile; the decode step kernel (differentiable=False, it has no backward)
+        only outside autograd, where the reference step runs instead."""
         records = torch.is_grad_enabled() and (
             u.requires_grad
             or any(p.requires_grad for p in self.parameters())
@@ -284,7 +291,7 @@ class Mamba3(nn.Module):
         )
         return (
             resolve_backend(backend, u) == "triton"
-            and not records
+            and (differentiable or not records)
             and not torch.compiler.is_compiling()
             and u.dtype != torch.float64
             and (state is None or state.ssm.dtype == torch.float32)

@@ -18,8 +18,8 @@ accuracy) for f32 ones; the state is f32.
 from __future__ import annotations
 
 import torch
-import triton
 import torch.nn.functional as F
+import triton
 import triton.language as tl
 
 from .reference import Mamba3State, token_terms
@@ -219,16 +219,16 @@ def _chunk_bwd_kernel(
         d_qk = d_scores * weight
         k_ds = tl.dot(kc, tl.trans(dS), input_precision=PREC)  # [L, P]: dS k~_s
         dx = tl.dot(tl.trans(qk * weight), dy, input_precision=PREC) + tail[:, None] * k_ds
-        dq = tl.dot(d_qk, kc, input_precision=PREC)
-        dq += e_cs[:, None] * tl.dot(dy, start, input_precision=PREC)
+        dy_s = tl.dot(dy, start, input_precision=PREC)  # [L, N]: dy_t S'
+        dq = tl.dot(d_qk, kc, input_precision=PREC) + e_cs[:, None] * dy_s
         dk = tl.dot(tl.trans(d_qk), qc, input_precision=PREC)
         dk += tail[:, None] * tl.dot(xc, dS, input_precision=PREC)
         d_weight = d_scores * qk
         g = d_weight * weight  # d/d(cs_t - cs_s), zero off the mask and net zero on the diagonal
-        into = tl.dot(qc, tl.trans(start), input_precision=PREC)  # [L, P]
         d_tail = tl.sum(xc * k_ds, axis=1)
         g_tail = d_tail * tail  # d/d(cs_last - cs_s)
-        dcs = tl.sum(g, axis=1) - tl.sum(g, axis=0) + e_cs * tl.sum(dy * into, axis=1) - g_tail
+        # the start term e_cs_t (q~_t S'^T) . dy_t = e_cs_t q~_t . (dy_t S')
+        dcs = tl.sum(g, axis=1) - tl.sum(g, axis=0) + e_cs * tl.sum(qc * dy_s, axis=1) - g_tail
         dcs += tl.where(rows == last, keep * tl.sum(tl.sum(dS * start, axis=1), axis=0)
                         + tl.sum(g_tail, axis=0), 0.0)
         strict = same & (rows[:, None] > rows[None, :])
@@ -236,7 +236,7 @@ def _chunk_bwd_kernel(
         dgam = tl.sum(tl.where(diag & same, d_weight, 0.0), axis=0) + dw
         dgam += tl.where((rows == last) & keep_doc, d_tail, 0.0)
         dlate = tl.sum(tl.where(below, dw[None, :], 0.0), axis=1)  # token r's late term: w_{r-1}
-        d_start = keep * dS + tl.dot(tl.trans(dy * e_cs[:, None]), qc, input_precision=PREC)
+        d_start = tl.dot(tl.trans(dy * e_cs[:, None]), qc, acc=keep * dS, input_precision=PREC)
         dlate += tl.where(rows == 0, tl.sum(tl.sum(d_start * x_prev[:, None] * k_prev[None, :],
                                                    axis=1), axis=0), 0.0)
         # what the next chunk's start owed this chunk's last token
@@ -354,8 +354,10 @@ def mamba3_scan_fwd(
     return y, Mamba3State(phi_T, sT, kT, xT)
 
 
-# The backward's chunk: its loop carries dS [P, N] and reads S'_start [P, N] per chunk
+# The backward's chunk and warps: its loop carries dS [P, N] and reads S'_start [P, N] per
+# chunk (benchmarks/bench_mamba3.py --sweep-bwd times the choices)
 CHUNK_BWD = 32
+BWD_WARPS = 8
 
 
 class _Core(torch.autograd.Function):
@@ -399,7 +401,7 @@ class _Core(torch.autograd.Function):
             dy.stride(2), dx.stride(0), dx.stride(1), dx.stride(2),
             HAS_SEQ=seq is not None, HAS_DST=dsT is not None,
             L=L, BLOCK_P=_block(P), BLOCK_N=_block(N), PREC=_precision(x),
-            num_warps=_warps(P, N),
+            num_warps=BWD_WARPS if P * N >= 8192 else 4,
         )  # fmt: skip
         return dx.to(x.dtype), dq, dk, dadt, dgam, dlate, None, ds0, dk0, dx0
 
@@ -424,9 +426,7 @@ def mamba3_scan_kernel(
     `mamba3_scan_fwd` (D and the gate inside the kernel). Under autograd the per-token terms
     (angles, turned q~/k~, weights), D and the gate are PyTorch, the scan is `_Core`."""
     tensors = (x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z, *(initial_state or ()))
-    if not torch.is_grad_enabled() or not any(
-        t is not None and t.requires_grad for t in tensors
-    ):
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors):
         return mamba3_scan_fwd(x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z,
                                initial_state, seq_idx)  # fmt: skip
     Bsz, T, H, P = x.shape
