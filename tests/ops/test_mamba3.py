@@ -482,3 +482,59 @@ def test_chunk_kernels_on_gpu_at_the_130m_head_shape(dtype):
         errs[name] = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
     print({k: f"{v:.1e}" for k, v in errs.items()})
     assert all(e < limit for e in errs.values()), errs
+
+
+@pytest.mark.parametrize(
+    "Bn, T_, Hn, G_, Nn, Sn, seq",
+    [(2, 40, 4, 2, 16, 4, False), (2, 70, 4, 2, 16, 4, True), (1, 33, 4, 4, 10, 2, True),
+     (2, 1, 2, 1, 16, 8, False), (2, 65, 2, 1, 12, 3, False)],
+    ids=["blocks", "documents", "odd-pairs-documents", "one-step", "partial-block"],
+)  # fmt: skip
+def test_token_terms_kernels_equal_the_reference(Bn, T_, Hn, G_, Nn, Sn, seq):
+    """terms.py (blocks of 32 steps carrying the angle, pairs as even/odd halves) against
+    reference.token_terms in float64: the final angle, q~, k~, A delta, gamma, late, and
+    the gradient of every input (group rows summed over their heads, biases over rows and
+    time, theta over the heads). The final angle is compared through its sine: it is
+    taken mod 2 pi."""
+    from conftest import DEVICE
+
+    from mambakit.ops.mamba3.reference import token_terms
+    from mambakit.ops.mamba3.terms import token_terms_kernel
+
+    g = torch.Generator().manual_seed(T_)
+
+    def r(*s):
+        return torch.randn(*s, generator=g, dtype=torch.float64)
+
+    inp = dict(
+        q=r(Bn, T_, G_, Nn), k=r(Bn, T_, G_, Nn),
+        delta=torch.rand(Bn, T_, Hn, generator=g, dtype=torch.float64) * 0.5 + 0.01,
+        A=-(torch.rand(Bn, T_, Hn, generator=g, dtype=torch.float64) * 2 + 0.1),
+        trap=r(Bn, T_, Hn), theta=r(Bn, T_, Sn) * 2, q_bias=r(Hn, Nn), k_bias=r(Hn, Nn),
+        angle0=torch.rand(Bn, Hn, Sn, generator=g, dtype=torch.float64) * 6,
+    )  # fmt: skip
+    seq_idx = None
+    if seq:
+        ids = torch.randint(0, 4, (Bn, T_), generator=g)
+        seq_idx = torch.sort(ids, dim=1).values.to(torch.int32)
+    outs, cots = {}, None
+    for key in ("f64", "kernel"):
+        dt, dev = (torch.float64, "cpu") if key == "f64" else (torch.float32, DEVICE)
+        leaves = {n: v.detach().to(dev, dt).requires_grad_(True) for n, v in inp.items()}
+        args = [leaves[n] for n in ("q", "k", "delta", "A", "trap", "theta", "q_bias",
+                                    "k_bias", "angle0")]  # fmt: skip
+        if key == "f64":
+            phi, *rest = token_terms(*args, seq_idx, torch.float64)
+            res = [phi[:, -1], *rest]
+        else:
+            res = list(token_terms_kernel(*args, seq_idx.to(dev) if seq else None))
+        if cots is None:
+            cots = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in res]
+        res[0] = torch.sin(res[0])
+        sum((t.double() * c.to(dev)).sum() for t, c in zip(res, cots)).backward()
+        got = {f"out{j}": t for j, t in enumerate(res)}
+        got.update({f"d{n}": v.grad for n, v in leaves.items()})
+        outs[key] = {n: v.detach().cpu().double() for n, v in got.items()}
+    for name, want in outs["f64"].items():
+        err = ((outs["kernel"][name] - want).norm() / want.norm().clamp_min(1e-30)).item()
+        assert err < 1e-5, f"{name}: relative error {err:.2e}"

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .reference import Mamba3State, token_terms
+from .reference import Mamba3State
+from .terms import token_terms_kernel
 
 # fmt: off
 
@@ -307,12 +308,12 @@ def _launch_fwd(x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L, st
 
 
 def _terms(q, k, delta, A, trap, theta, q_bias, k_bias, initial_state, seq_idx):
-    """token_terms in f32, laid out for the kernels (contiguous, int32 document ids)."""
-    phi, qr, kr, adt, gamma, late = token_terms(
-        q, k, delta, A, trap, theta, q_bias, k_bias, initial_state.angle, seq_idx, torch.float32
-    )
+    """The per-token terms on their kernels (terms.py): (phi_T, q~, k~, A delta, gamma, late,
+    int32 document ids or None), f32 and contiguous."""
     seq = seq_idx.to(torch.int32).contiguous() if seq_idx is not None else None
-    return phi, *(t.contiguous() for t in (qr, kr, adt, gamma, late)), seq
+    out = token_terms_kernel(q, k, delta, A, trap, theta, q_bias, k_bias, initial_state.angle,
+                             seq)  # fmt: skip
+    return *out, seq
 
 
 def _initial(initial_state, Bsz, H, P, N, S, device) -> Mamba3State:
@@ -342,7 +343,7 @@ def mamba3_scan_fwd(
     Bsz, T, H, P = x.shape
     N, S = q.shape[-1], theta.shape[-1]
     initial_state = _initial(initial_state, Bsz, H, P, N, S, x.device)
-    phi, qr, kr, adt, gamma, late, seq = _terms(
+    phi_T, qr, kr, adt, gamma, late, seq = _terms(
         q, k, delta, A, trap, theta, q_bias, k_bias, initial_state, seq_idx
     )
     xs = x if x.stride(-1) == 1 else x.contiguous()
@@ -350,7 +351,6 @@ def mamba3_scan_fwd(
     s0, k0, x0 = (t.float().contiguous() for t in initial_state[1:])
     y = torch.empty(Bsz, T, H, P, device=x.device, dtype=x.dtype)
     sT, kT, xT = _launch_fwd(xs, qr, kr, adt, gamma, late, seq, D, zs, s0, k0, x0, y, CHUNK_L)
-    phi_T = initial_state.angle.float() if T == 0 else phi[:, -1]
     return y, Mamba3State(phi_T, sT, kT, xT)
 
 
@@ -434,7 +434,7 @@ def mamba3_scan_kernel(
     initial_state = _initial(initial_state, Bsz, H, P, N, S, x.device)
     if T == 0:
         return x.new_empty(Bsz, 0, H, P), Mamba3State(*(t.float() for t in initial_state))
-    phi, qr, kr, adt, gamma, late, seq = _terms(
+    phi_T, qr, kr, adt, gamma, late, seq = _terms(
         q, k, delta, A, trap, theta, q_bias, k_bias, initial_state, seq_idx
     )
     xs = x if x.stride(-1) == 1 else x.contiguous()
@@ -444,5 +444,5 @@ def mamba3_scan_kernel(
         y = y + D.float()[:, None] * x.float()
     if z is not None:
         y = y * F.silu(z.float())
-    final = Mamba3State(phi[:, -1], sT, kr[:, -1], x[:, -1].float())
+    final = Mamba3State(phi_T, sT, kr[:, -1], x[:, -1].float())
     return y.to(x.dtype), final

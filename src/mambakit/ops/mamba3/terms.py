@@ -1,0 +1,293 @@
+"""The Mamba-3 per-token terms as Triton kernels: reference.token_terms and its backward.
+
+B batch, T time, H heads, G groups (head h reads group h // (H / G)), N = d_state,
+S angles. For one (row, head) a program walks the time in blocks of BT steps,
+carrying the angle, and writes what the scan kernels read:
+
+    phi_t = (phi_{t-1} + pi tanh(theta_t) delta_t) mod 2 pi        (0 at a document start,
+                                                                     angle0 before t = 0)
+    q~_t, k~_t = rot(q_t + q_bias, phi_t), rot(k_t + k_bias, phi_t)  [N]: pair (2i, 2i+1), i < S
+    A delta, gamma = lam delta, late = (1 - lam) delta (0 at a document start),  lam = sigmoid(trap)
+
+Pairs are read as the even and odd halves of a row, so the rotation is elementwise on
+[BT, N/2] tiles; angle i >= S is held at 0 (cos 1, sin 0). Within a block the angle sum
+is a cumsum, or with documents a [BT, BT] same-document lower-triangular product in f32
+(ieee). The backward walks the blocks in reverse with the reverse sum of dphi; the
+gradients of the group rows and of the biases are per head ([B, T, H, N]) and summed in
+PyTorch, as is theta's over the heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# fmt: off
+
+
+@triton.jit
+def _tanh(x):
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _angle_block(inc, doc, carry, carry_doc, rows, HAS_SEQ: tl.constexpr):
+    """Inclusive within-document sum of inc [BT, K] down the rows, plus the carried angle
+    on the rows that continue the carried document."""
+    if HAS_SEQ:
+        m = (rows[:, None] >= rows[None, :]) & (doc[:, None] == doc[None, :])
+        local = tl.dot(m.to(tl.float32), inc, input_precision="ieee")
+        return local + tl.where(doc == carry_doc, 1.0, 0.0)[:, None] * carry[None, :]
+    return tl.cumsum(inc, axis=0) + carry[None, :]
+
+
+@triton.jit
+def _row(x, rows, r):
+    """Row r of a [BT, K] tile as [K]."""
+    return tl.sum(tl.where((rows == r)[:, None], x, 0.0), axis=0)
+
+
+@triton.jit
+def _terms_fwd_kernel(
+    q_ptr, k_ptr, qb_ptr, kb_ptr, delta_ptr, A_ptr, trap_ptr, theta_ptr, angle0_ptr, seq_ptr,
+    qr_ptr, kr_ptr, phi_ptr, adt_ptr, gam_ptr, late_ptr, phiT_ptr,
+    T, H, G, N, S,
+    s_q_b, s_q_t, s_q_g, s_w_b, s_w_t, s_tr_b, s_tr_t, s_th_b, s_th_t, s_seq_b,
+    HAS_SEQ: tl.constexpr, BT: tl.constexpr, BLOCK_H2: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    g = h // (H // G)
+    rows = tl.arange(0, BT)
+    i = tl.arange(0, BLOCK_H2)
+    me, mo, mr = 2 * i < N, 2 * i + 1 < N, i < S
+    bh = b * H + h
+    ang = tl.load(angle0_ptr + bh * S + i, mask=mr, other=0.0)
+    qbe = tl.load(qb_ptr + h * N + 2 * i, mask=me, other=0.0).to(tl.float32)
+    qbo = tl.load(qb_ptr + h * N + 2 * i + 1, mask=mo, other=0.0).to(tl.float32)
+    kbe = tl.load(kb_ptr + h * N + 2 * i, mask=me, other=0.0).to(tl.float32)
+    kbo = tl.load(kb_ptr + h * N + 2 * i + 1, mask=mo, other=0.0).to(tl.float32)
+    carry_doc = 0
+    if HAS_SEQ:
+        carry_doc = tl.load(seq_ptr + b * s_seq_b)
+    for t0 in range(0, T, BT):
+        t = t0 + rows
+        mt = t < T
+        last = tl.minimum(BT, T - t0) - 1
+        wo = b * s_w_b + t * s_w_t + h
+        delta = tl.load(delta_ptr + wo, mask=mt, other=0.0).to(tl.float32)
+        A = tl.load(A_ptr + wo, mask=mt, other=0.0).to(tl.float32)
+        trap = tl.load(trap_ptr + b * s_tr_b + t * s_tr_t + h, mask=mt, other=0.0).to(tl.float32)
+        mti = mt[:, None] & mr[None, :]
+        th = tl.load(theta_ptr + b * s_th_b + t[:, None] * s_th_t + i[None, :], mask=mti,
+                     other=0.0).to(tl.float32)
+        inc = 3.141592653589793 * _tanh(th) * delta[:, None]
+        same = mt
+        doc = rows
+        if HAS_SEQ:
+            doc = tl.load(seq_ptr + b * s_seq_b + t, mask=mt, other=-1)
+            prev = tl.load(seq_ptr + b * s_seq_b + tl.maximum(t - 1, 0), mask=mt, other=-1)
+            same = doc == prev
+        phi = _angle_block(inc, doc, ang, carry_doc, rows, HAS_SEQ)
+        phi = phi - 6.283185307179586 * tl.floor(phi / 6.283185307179586)
+        phi = tl.where(mti, phi, 0.0)
+        tl.store(phi_ptr + ((b * T + t[:, None]) * H + h) * S + i[None, :], phi, mask=mti)
+        ang = _row(phi, rows, last)
+        if HAS_SEQ:
+            carry_doc = tl.sum(tl.where(rows == last, doc, 0), axis=0)
+        cos, sin = tl.cos(phi), tl.sin(phi)
+        src = b * s_q_b + t[:, None] * s_q_t + g * s_q_g + 2 * i[None, :]
+        dst = ((b * T + t[:, None]) * H + h) * N + 2 * i[None, :]
+        m_e, m_o = mt[:, None] & me[None, :], mt[:, None] & mo[None, :]
+        qe = tl.load(q_ptr + src, mask=m_e, other=0.0).to(tl.float32) + qbe[None, :]
+        qo = tl.load(q_ptr + src + 1, mask=m_o, other=0.0).to(tl.float32) + qbo[None, :]
+        tl.store(qr_ptr + dst, qe * cos - qo * sin, mask=m_e)
+        tl.store(qr_ptr + dst + 1, qe * sin + qo * cos, mask=m_o)
+        ke = tl.load(k_ptr + src, mask=m_e, other=0.0).to(tl.float32) + kbe[None, :]
+        ko = tl.load(k_ptr + src + 1, mask=m_o, other=0.0).to(tl.float32) + kbo[None, :]
+        tl.store(kr_ptr + dst, ke * cos - ko * sin, mask=m_e)
+        tl.store(kr_ptr + dst + 1, ke * sin + ko * cos, mask=m_o)
+        lam = tl.sigmoid(trap)
+        out = (b * T + t) * H + h
+        tl.store(adt_ptr + out, A * delta, mask=mt)
+        tl.store(gam_ptr + out, lam * delta, mask=mt)
+        tl.store(late_ptr + out, tl.where(same, (1.0 - lam) * delta, 0.0), mask=mt)
+    tl.store(phiT_ptr + bh * S + i, ang, mask=mr)
+
+
+@triton.jit
+def _terms_bwd_kernel(
+    q_ptr, k_ptr, qb_ptr, kb_ptr, delta_ptr, A_ptr, trap_ptr, theta_ptr, seq_ptr, phi_ptr,
+    dqr_ptr, dkr_ptr, dadt_ptr, dgam_ptr, dlate_ptr, dphiT_ptr,
+    dqh_ptr, dkh_ptr, ddelta_ptr, dA_ptr, dtrap_ptr, dth_ptr, dangle0_ptr,
+    T, H, G, N, S,
+    s_q_b, s_q_t, s_q_g, s_w_b, s_w_t, s_tr_b, s_tr_t, s_th_b, s_th_t, s_seq_b,
+    HAS_SEQ: tl.constexpr, HAS_DPHIT: tl.constexpr, BT: tl.constexpr,
+    BLOCK_H2: tl.constexpr,
+):
+    """Blocks in reverse, carrying acc [S]: the sum of dphi over the later steps of the
+    document the block's end continues (dphiT for the last one)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    g = h // (H // G)
+    rows = tl.arange(0, BT)
+    i = tl.arange(0, BLOCK_H2)
+    me, mo, mr = 2 * i < N, 2 * i + 1 < N, i < S
+    bh = b * H + h
+    acc = tl.zeros([BLOCK_H2], dtype=tl.float32)
+    if HAS_DPHIT:
+        acc = tl.load(dphiT_ptr + bh * S + i, mask=mr, other=0.0)
+    qbe = tl.load(qb_ptr + h * N + 2 * i, mask=me, other=0.0).to(tl.float32)
+    qbo = tl.load(qb_ptr + h * N + 2 * i + 1, mask=mo, other=0.0).to(tl.float32)
+    kbe = tl.load(kb_ptr + h * N + 2 * i, mask=me, other=0.0).to(tl.float32)
+    kbo = tl.load(kb_ptr + h * N + 2 * i + 1, mask=mo, other=0.0).to(tl.float32)
+    carry_doc = 0
+    if HAS_SEQ:
+        carry_doc = tl.load(seq_ptr + b * s_seq_b + tl.maximum(T - 1, 0))
+    n_blocks = tl.cdiv(T, BT)
+    for j in range(0, n_blocks):
+        t0 = (n_blocks - 1 - j) * BT
+        t = t0 + rows
+        mt = t < T
+        mti = mt[:, None] & mr[None, :]
+        phi = tl.load(phi_ptr + ((b * T + t[:, None]) * H + h) * S + i[None, :], mask=mti,
+                      other=0.0)
+        cos, sin = tl.cos(phi), tl.sin(phi)
+        src = b * s_q_b + t[:, None] * s_q_t + g * s_q_g + 2 * i[None, :]
+        dst = ((b * T + t[:, None]) * H + h) * N + 2 * i[None, :]
+        m_e, m_o = mt[:, None] & me[None, :], mt[:, None] & mo[None, :]
+        # q: the turned pair's gradient back through the rotation, and its angle's
+        qe = tl.load(q_ptr + src, mask=m_e, other=0.0).to(tl.float32) + qbe[None, :]
+        qo = tl.load(q_ptr + src + 1, mask=m_o, other=0.0).to(tl.float32) + qbo[None, :]
+        dre = tl.load(dqr_ptr + dst, mask=m_e, other=0.0)
+        dro = tl.load(dqr_ptr + dst + 1, mask=m_o, other=0.0)
+        dphi = dro * (qe * cos - qo * sin) - dre * (qe * sin + qo * cos)
+        tl.store(dqh_ptr + dst, dre * cos + dro * sin, mask=m_e)
+        tl.store(dqh_ptr + dst + 1, dro * cos - dre * sin, mask=m_o)
+        ke = tl.load(k_ptr + src, mask=m_e, other=0.0).to(tl.float32) + kbe[None, :]
+        ko = tl.load(k_ptr + src + 1, mask=m_o, other=0.0).to(tl.float32) + kbo[None, :]
+        dre = tl.load(dkr_ptr + dst, mask=m_e, other=0.0)
+        dro = tl.load(dkr_ptr + dst + 1, mask=m_o, other=0.0)
+        dphi += dro * (ke * cos - ko * sin) - dre * (ke * sin + ko * cos)
+        tl.store(dkh_ptr + dst, dre * cos + dro * sin, mask=m_e)
+        tl.store(dkh_ptr + dst + 1, dro * cos - dre * sin, mask=m_o)
+        dphi = tl.where(mti, dphi, 0.0)
+        # d inc_r = the sum of dphi_t over t >= r in r's document
+        same = mt
+        if HAS_SEQ:
+            doc = tl.load(seq_ptr + b * s_seq_b + t, mask=mt, other=-1)
+            prev = tl.load(seq_ptr + b * s_seq_b + tl.maximum(t - 1, 0), mask=mt, other=-1)
+            same = doc == prev
+            m = (rows[None, :] >= rows[:, None]) & (doc[:, None] == doc[None, :])
+            dinc = tl.dot(m.to(tl.float32), dphi, input_precision="ieee")
+            dinc += tl.where(doc == carry_doc, 1.0, 0.0)[:, None] * acc[None, :]
+            carry_doc = tl.sum(tl.where(rows == 0, doc, 0), axis=0)
+        else:
+            dinc = tl.cumsum(dphi, axis=0, reverse=True) + acc[None, :]
+        acc = _row(dinc, rows, 0)
+        wo = b * s_w_b + t * s_w_t + h
+        delta = tl.load(delta_ptr + wo, mask=mt, other=0.0).to(tl.float32)
+        A = tl.load(A_ptr + wo, mask=mt, other=0.0).to(tl.float32)
+        trap = tl.load(trap_ptr + b * s_tr_b + t * s_tr_t + h, mask=mt, other=0.0).to(tl.float32)
+        th = tl.load(theta_ptr + b * s_th_b + t[:, None] * s_th_t + i[None, :], mask=mti,
+                     other=0.0).to(tl.float32)
+        tt = _tanh(th)
+        dinc = tl.where(mti, dinc, 0.0)
+        tl.store(dth_ptr + ((b * T + t[:, None]) * H + h) * S + i[None, :],
+                 dinc * delta[:, None] * 3.141592653589793 * (1.0 - tt * tt), mask=mti)
+        out = (b * T + t) * H + h
+        dadt = tl.load(dadt_ptr + out, mask=mt, other=0.0)
+        dgam = tl.load(dgam_ptr + out, mask=mt, other=0.0)
+        dlate = tl.where(same, tl.load(dlate_ptr + out, mask=mt, other=0.0), 0.0)
+        lam = tl.sigmoid(trap)
+        ddelta = tl.sum(dinc * 3.141592653589793 * tt, axis=1)
+        ddelta += dadt * A + dgam * lam + dlate * (1.0 - lam)
+        tl.store(ddelta_ptr + out, ddelta, mask=mt)
+        tl.store(dA_ptr + out, dadt * delta, mask=mt)
+        tl.store(dtrap_ptr + out, (dgam - dlate) * delta * lam * (1.0 - lam), mask=mt)
+    tl.store(dangle0_ptr + bh * S + i, acc, mask=mr)
+
+
+# fmt: on
+
+BT = 32  # time steps per block
+
+
+def _h2(N: int) -> int:
+    return max(16, triton.next_power_of_2((N + 1) // 2))
+
+
+class _Terms(torch.autograd.Function):
+    """reference.token_terms on the kernels (f32 outputs, contiguous), differentiable in
+    q, k, delta, A, trap, theta, the biases and the initial angle."""
+
+    @staticmethod
+    def forward(ctx, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, seq):
+        Bsz, T, G, N = q.shape
+        H, S = delta.shape[-1], theta.shape[-1]
+        f = dict(device=q.device, dtype=torch.float32)
+        q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))
+        delta, A = (t.float().contiguous() for t in (delta, A))
+        trap, theta = (t if t.stride(-1) == 1 else t.contiguous() for t in (trap, theta))
+        q_bias, k_bias = q_bias.contiguous(), k_bias.contiguous()
+        angle0 = angle0.float().contiguous()
+        qr, kr = torch.empty(Bsz, T, H, N, **f), torch.empty(Bsz, T, H, N, **f)
+        phi = torch.empty(Bsz, T, H, S, **f)
+        adt, gam, late = (torch.empty(Bsz, T, H, **f) for _ in range(3))
+        phiT = torch.empty(Bsz, H, S, **f)
+        seqt = seq if seq is not None else adt
+        _terms_fwd_kernel[(Bsz, H)](
+            q, k, q_bias, k_bias, delta, A, trap, theta, angle0, seqt,
+            qr, kr, phi, adt, gam, late, phiT,
+            T, H, G, N, S,
+            q.stride(0), q.stride(1), q.stride(2), delta.stride(0), delta.stride(1),
+            trap.stride(0), trap.stride(1), theta.stride(0), theta.stride(1), seqt.stride(0),
+            HAS_SEQ=seq is not None, BT=BT, BLOCK_H2=_h2(N), num_warps=4,
+        )  # fmt: skip
+        ctx.save_for_backward(q, k, delta, A, trap, theta, q_bias, k_bias, seq, phi)
+        ctx.dtypes = (q.dtype, k.dtype, trap.dtype, theta.dtype, angle0.dtype)
+        return phiT, qr, kr, adt, gam, late
+
+    @staticmethod
+    def backward(ctx, dphiT, dqr, dkr, dadt, dgam, dlate):
+        q, k, delta, A, trap, theta, q_bias, k_bias, seq, phi = ctx.saved_tensors
+        Bsz, T, G, N = q.shape
+        H, S = delta.shape[-1], theta.shape[-1]
+        f = dict(device=q.device, dtype=torch.float32)
+
+        def grad(t, shape):
+            return torch.zeros(shape, **f) if t is None else t.float().contiguous()
+
+        dqr, dkr = grad(dqr, (Bsz, T, H, N)), grad(dkr, (Bsz, T, H, N))
+        dadt, dgam, dlate = (grad(t, (Bsz, T, H)) for t in (dadt, dgam, dlate))
+        dphiT = dphiT.float().contiguous() if dphiT is not None else None
+        dqh, dkh = torch.empty(Bsz, T, H, N, **f), torch.empty(Bsz, T, H, N, **f)
+        ddelta, dA, dtrap = (torch.empty(Bsz, T, H, **f) for _ in range(3))
+        dth = torch.empty(Bsz, T, H, S, **f)
+        dangle0 = torch.empty(Bsz, H, S, **f)
+        seqt = seq if seq is not None else delta
+        _terms_bwd_kernel[(Bsz, H)](
+            q, k, q_bias, k_bias, delta, A, trap, theta, seqt, phi,
+            dqr, dkr, dadt, dgam, dlate, dphiT if dphiT is not None else dangle0,
+            dqh, dkh, ddelta, dA, dtrap, dth, dangle0,
+            T, H, G, N, S,
+            q.stride(0), q.stride(1), q.stride(2), delta.stride(0), delta.stride(1),
+            trap.stride(0), trap.stride(1), theta.stride(0), theta.stride(1), seqt.stride(0),
+            HAS_SEQ=seq is not None, HAS_DPHIT=dphiT is not None, BT=BT, BLOCK_H2=_h2(N),
+            num_warps=4,
+        )  # fmt: skip
+        qd, kd, trd, thd, ad = ctx.dtypes
+        dq = dqh.view(Bsz, T, G, H // G, N).sum(3).to(qd)
+        dk = dkh.view(Bsz, T, G, H // G, N).sum(3).to(kd)
+        dq_bias = dqh.sum((0, 1)).to(q_bias.dtype)
+        dk_bias = dkh.sum((0, 1)).to(k_bias.dtype)
+        return (dq, dk, ddelta, dA, dtrap.to(trd), dth.sum(2).to(thd), dq_bias, dk_bias,
+                dangle0.to(ad), None)  # fmt: skip
+
+
+def token_terms_kernel(q, k, delta, A, trap, theta, q_bias, k_bias, angle0, seq):
+    """reference.token_terms(..., f=float32) on the kernels, but (phi_T [B, H, S], q~, k~,
+    A delta, gamma, late): the final angle instead of every step's. seq: int32 [B, T]
+    contiguous document ids, or None."""
+    return _Terms.apply(q, k, delta, A, trap, theta, q_bias, k_bias, angle0, seq)
