@@ -212,6 +212,7 @@ def _terms_bwd_kernel(
 # fmt: on
 
 BT = 32  # time steps per block
+NUM_WARPS = 8  # (scripts/m3_terms_sweep.py times the choices)
 
 
 def _h2(N: int) -> int:
@@ -243,7 +244,7 @@ class _Terms(torch.autograd.Function):
             T, H, G, N, S,
             q.stride(0), q.stride(1), q.stride(2), delta.stride(0), delta.stride(1),
             trap.stride(0), trap.stride(1), theta.stride(0), theta.stride(1), seqt.stride(0),
-            HAS_SEQ=seq is not None, BT=BT, BLOCK_H2=_h2(N), num_warps=8,
+            HAS_SEQ=seq is not None, BT=BT, BLOCK_H2=_h2(N), num_warps=NUM_WARPS,
         )  # fmt: skip
         ctx.save_for_backward(q, k, delta, A, trap, theta, q_bias, k_bias, seq, phi)
         ctx.dtypes = (q.dtype, k.dtype, trap.dtype, theta.dtype, angle0.dtype)
@@ -275,7 +276,7 @@ class _Terms(torch.autograd.Function):
             q.stride(0), q.stride(1), q.stride(2), delta.stride(0), delta.stride(1),
             trap.stride(0), trap.stride(1), theta.stride(0), theta.stride(1), seqt.stride(0),
             HAS_SEQ=seq is not None, HAS_DPHIT=dphiT is not None, BT=BT, BLOCK_H2=_h2(N),
-            num_warps=8,
+            num_warps=NUM_WARPS,
         )  # fmt: skip
         qd, kd, trd, thd, ad = ctx.dtypes
         dq = dqh.view(Bsz, T, G, H // G, N).sum(3).to(qd)
