@@ -1,8 +1,7 @@
 """Mamba-3 SISO scan (reference.py: the recurrence, its chunked form and the decode step;
-chunk.py: the sequence forward as a Triton kernel, for inference; step.py: the decode
-step as one Triton kernel, the state advanced in place).
-
-Training (autograd) runs the reference on every device: there is no backward kernel yet.
+terms.py: the per-token terms as Triton kernels, forward and backward; chunk.py: the
+sequence scan as Triton kernels, forward and backward; step.py: the decode step as one
+Triton kernel, the state advanced in place). README.md says which runs where.
 """
 
 from .reference import Mamba3State, mamba3_scan_reference, mamba3_step_reference, rotate_pairs
