@@ -316,10 +316,18 @@ def _terms(q, k, delta, A, trap, theta, q_bias, k_bias, initial_state, seq_idx):
     return *out, seq
 
 
-def _initial(initial_state, Bsz, H, P, N, S, device) -> Mamba3State:
+def _prepare(x, q, k, delta, A, trap, theta, q_bias, k_bias, initial_state, seq_idx):
+    """What both scans launch with: (the initial state, f32 zeros if None; phi_T, q~, k~,
+    A delta, gamma, late and seq from the terms kernels; x with unit last stride; the
+    initial S, k~, x in f32, contiguous)."""
+    Bsz, T, H, P = x.shape
+    N, S = q.shape[-1], theta.shape[-1]
     if initial_state is None:
-        return Mamba3State.zeros(Bsz, H, P, N, S, device, torch.float32)
-    return initial_state
+        initial_state = Mamba3State.zeros(Bsz, H, P, N, S, x.device, torch.float32)
+    terms = _terms(q, k, delta, A, trap, theta, q_bias, k_bias, initial_state, seq_idx)
+    xs = x if x.stride(-1) == 1 else x.contiguous()
+    s0, k0, x0 = (t.float().contiguous() for t in initial_state[1:])
+    return initial_state, *terms, xs, s0, k0, x0
 
 
 def mamba3_scan_fwd(
@@ -340,16 +348,11 @@ def mamba3_scan_fwd(
     """`mamba3_scan_reference`'s values without its autograd: (y [B, T, H, P] in x.dtype,
     the final f32 state). The chunk is `CHUNK_L` whatever the layer's chunk_size (the
     result does not depend on it). D and the gate are applied inside the kernel."""
-    Bsz, T, H, P = x.shape
-    N, S = q.shape[-1], theta.shape[-1]
-    initial_state = _initial(initial_state, Bsz, H, P, N, S, x.device)
-    phi_T, qr, kr, adt, gamma, late, seq = _terms(
-        q, k, delta, A, trap, theta, q_bias, k_bias, initial_state, seq_idx
+    _, phi_T, qr, kr, adt, gamma, late, seq, xs, s0, k0, x0 = _prepare(
+        x, q, k, delta, A, trap, theta, q_bias, k_bias, initial_state, seq_idx
     )
-    xs = x if x.stride(-1) == 1 else x.contiguous()
     zs = z if z is None or z.stride(-1) == 1 else z.contiguous()
-    s0, k0, x0 = (t.float().contiguous() for t in initial_state[1:])
-    y = torch.empty(Bsz, T, H, P, device=x.device, dtype=x.dtype)
+    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     sT, kT, xT = _launch_fwd(xs, qr, kr, adt, gamma, late, seq, D, zs, s0, k0, x0, y, CHUNK_L)
     return y, Mamba3State(phi_T, sT, kT, xT)
 
@@ -424,21 +427,16 @@ def mamba3_scan_kernel(
     """`mamba3_scan_reference` on the kernels, differentiable in every input and the initial
     state: (y [B, T, H, P] in x.dtype, the final f32 state). Outside autograd it is
     `mamba3_scan_fwd` (D and the gate inside the kernel). Under autograd the per-token terms
-    (angles, turned q~/k~, weights), D and the gate are PyTorch, the scan is `_Core`."""
+    are `_Terms` (terms.py), the scan is `_Core`, D and the gate are PyTorch ops."""
     tensors = (x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z, *(initial_state or ()))
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors):
         return mamba3_scan_fwd(x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z,
                                initial_state, seq_idx)  # fmt: skip
-    Bsz, T, H, P = x.shape
-    N, S = q.shape[-1], theta.shape[-1]
-    initial_state = _initial(initial_state, Bsz, H, P, N, S, x.device)
-    if T == 0:
-        return x.new_empty(Bsz, 0, H, P), Mamba3State(*(t.float() for t in initial_state))
-    phi_T, qr, kr, adt, gamma, late, seq = _terms(
-        q, k, delta, A, trap, theta, q_bias, k_bias, initial_state, seq_idx
+    initial_state, phi_T, qr, kr, adt, gamma, late, seq, xs, s0, k0, x0 = _prepare(
+        x, q, k, delta, A, trap, theta, q_bias, k_bias, initial_state, seq_idx
     )
-    xs = x if x.stride(-1) == 1 else x.contiguous()
-    s0, k0, x0 = (t.float().contiguous() for t in initial_state[1:])
+    if x.shape[1] == 0:
+        return x.new_empty(x.shape), Mamba3State(*(t.float() for t in initial_state))
     y, sT = _Core.apply(xs, qr, kr, adt, gamma, late, seq, s0, k0, x0)
     if D is not None:
         y = y + D.float()[:, None] * x.float()

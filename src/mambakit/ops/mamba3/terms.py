@@ -49,6 +49,42 @@ def _row(x, rows, r):
 
 
 @triton.jit
+def _bias(b_ptr, h, N, i):
+    """Head h's bias [N] as its even and odd halves [BLOCK_H2], f32."""
+    be = tl.load(b_ptr + h * N + 2 * i, mask=2 * i < N, other=0.0).to(tl.float32)
+    bo = tl.load(b_ptr + h * N + 2 * i + 1, mask=2 * i + 1 < N, other=0.0).to(tl.float32)
+    return be, bo
+
+
+@triton.jit
+def _halves(v_ptr, src, m_e, m_o, be, bo):
+    """Rows of v at src as even and odd halves [BT, BLOCK_H2], f32, plus the bias halves."""
+    ve = tl.load(v_ptr + src, mask=m_e, other=0.0).to(tl.float32) + be[None, :]
+    vo = tl.load(v_ptr + src + 1, mask=m_o, other=0.0).to(tl.float32) + bo[None, :]
+    return ve, vo
+
+
+@triton.jit
+def _turn(v_ptr, out_ptr, src, dst, m_e, m_o, be, bo, cos, sin):
+    """The biased rows turned pair by pair, stored to out at dst."""
+    ve, vo = _halves(v_ptr, src, m_e, m_o, be, bo)
+    tl.store(out_ptr + dst, ve * cos - vo * sin, mask=m_e)
+    tl.store(out_ptr + dst + 1, ve * sin + vo * cos, mask=m_o)
+
+
+@triton.jit
+def _unturn(v_ptr, dr_ptr, dv_ptr, src, dst, m_e, m_o, be, bo, cos, sin):
+    """The turned rows' gradient (dr, at dst) back through the rotation, stored to dv at dst;
+    returns the angle's gradient [BT, BLOCK_H2]."""
+    ve, vo = _halves(v_ptr, src, m_e, m_o, be, bo)
+    dre = tl.load(dr_ptr + dst, mask=m_e, other=0.0)
+    dro = tl.load(dr_ptr + dst + 1, mask=m_o, other=0.0)
+    tl.store(dv_ptr + dst, dre * cos + dro * sin, mask=m_e)
+    tl.store(dv_ptr + dst + 1, dro * cos - dre * sin, mask=m_o)
+    return dro * (ve * cos - vo * sin) - dre * (ve * sin + vo * cos)
+
+
+@triton.jit
 def _terms_fwd_kernel(
     q_ptr, k_ptr, qb_ptr, kb_ptr, delta_ptr, A_ptr, trap_ptr, theta_ptr, angle0_ptr, seq_ptr,
     qr_ptr, kr_ptr, phi_ptr, adt_ptr, gam_ptr, late_ptr, phiT_ptr,
@@ -64,10 +100,8 @@ def _terms_fwd_kernel(
     me, mo, mr = 2 * i < N, 2 * i + 1 < N, i < S
     bh = b * H + h
     ang = tl.load(angle0_ptr + bh * S + i, mask=mr, other=0.0)
-    qbe = tl.load(qb_ptr + h * N + 2 * i, mask=me, other=0.0).to(tl.float32)
-    qbo = tl.load(qb_ptr + h * N + 2 * i + 1, mask=mo, other=0.0).to(tl.float32)
-    kbe = tl.load(kb_ptr + h * N + 2 * i, mask=me, other=0.0).to(tl.float32)
-    kbo = tl.load(kb_ptr + h * N + 2 * i + 1, mask=mo, other=0.0).to(tl.float32)
+    qbe, qbo = _bias(qb_ptr, h, N, i)
+    kbe, kbo = _bias(kb_ptr, h, N, i)
     carry_doc = 0
     if HAS_SEQ:
         carry_doc = tl.load(seq_ptr + b * s_seq_b)
@@ -100,14 +134,8 @@ def _terms_fwd_kernel(
         src = b * s_q_b + t[:, None] * s_q_t + g * s_q_g + 2 * i[None, :]
         dst = ((b * T + t[:, None]) * H + h) * N + 2 * i[None, :]
         m_e, m_o = mt[:, None] & me[None, :], mt[:, None] & mo[None, :]
-        qe = tl.load(q_ptr + src, mask=m_e, other=0.0).to(tl.float32) + qbe[None, :]
-        qo = tl.load(q_ptr + src + 1, mask=m_o, other=0.0).to(tl.float32) + qbo[None, :]
-        tl.store(qr_ptr + dst, qe * cos - qo * sin, mask=m_e)
-        tl.store(qr_ptr + dst + 1, qe * sin + qo * cos, mask=m_o)
-        ke = tl.load(k_ptr + src, mask=m_e, other=0.0).to(tl.float32) + kbe[None, :]
-        ko = tl.load(k_ptr + src + 1, mask=m_o, other=0.0).to(tl.float32) + kbo[None, :]
-        tl.store(kr_ptr + dst, ke * cos - ko * sin, mask=m_e)
-        tl.store(kr_ptr + dst + 1, ke * sin + ko * cos, mask=m_o)
+        _turn(q_ptr, qr_ptr, src, dst, m_e, m_o, qbe, qbo, cos, sin)
+        _turn(k_ptr, kr_ptr, src, dst, m_e, m_o, kbe, kbo, cos, sin)
         lam = tl.sigmoid(trap)
         out = (b * T + t) * H + h
         tl.store(adt_ptr + out, A * delta, mask=mt)
@@ -138,10 +166,8 @@ def _terms_bwd_kernel(
     acc = tl.zeros([BLOCK_H2], dtype=tl.float32)
     if HAS_DPHIT:
         acc = tl.load(dphiT_ptr + bh * S + i, mask=mr, other=0.0)
-    qbe = tl.load(qb_ptr + h * N + 2 * i, mask=me, other=0.0).to(tl.float32)
-    qbo = tl.load(qb_ptr + h * N + 2 * i + 1, mask=mo, other=0.0).to(tl.float32)
-    kbe = tl.load(kb_ptr + h * N + 2 * i, mask=me, other=0.0).to(tl.float32)
-    kbo = tl.load(kb_ptr + h * N + 2 * i + 1, mask=mo, other=0.0).to(tl.float32)
+    qbe, qbo = _bias(qb_ptr, h, N, i)
+    kbe, kbo = _bias(kb_ptr, h, N, i)
     carry_doc = 0
     if HAS_SEQ:
         carry_doc = tl.load(seq_ptr + b * s_seq_b + tl.maximum(T - 1, 0))
@@ -157,21 +183,9 @@ def _terms_bwd_kernel(
         src = b * s_q_b + t[:, None] * s_q_t + g * s_q_g + 2 * i[None, :]
         dst = ((b * T + t[:, None]) * H + h) * N + 2 * i[None, :]
         m_e, m_o = mt[:, None] & me[None, :], mt[:, None] & mo[None, :]
-        # q: the turned pair's gradient back through the rotation, and its angle's
-        qe = tl.load(q_ptr + src, mask=m_e, other=0.0).to(tl.float32) + qbe[None, :]
-        qo = tl.load(q_ptr + src + 1, mask=m_o, other=0.0).to(tl.float32) + qbo[None, :]
-        dre = tl.load(dqr_ptr + dst, mask=m_e, other=0.0)
-        dro = tl.load(dqr_ptr + dst + 1, mask=m_o, other=0.0)
-        dphi = dro * (qe * cos - qo * sin) - dre * (qe * sin + qo * cos)
-        tl.store(dqh_ptr + dst, dre * cos + dro * sin, mask=m_e)
-        tl.store(dqh_ptr + dst + 1, dro * cos - dre * sin, mask=m_o)
-        ke = tl.load(k_ptr + src, mask=m_e, other=0.0).to(tl.float32) + kbe[None, :]
-        ko = tl.load(k_ptr + src + 1, mask=m_o, other=0.0).to(tl.float32) + kbo[None, :]
-        dre = tl.load(dkr_ptr + dst, mask=m_e, other=0.0)
-        dro = tl.load(dkr_ptr + dst + 1, mask=m_o, other=0.0)
-        dphi += dro * (ke * cos - ko * sin) - dre * (ke * sin + ko * cos)
-        tl.store(dkh_ptr + dst, dre * cos + dro * sin, mask=m_e)
-        tl.store(dkh_ptr + dst + 1, dro * cos - dre * sin, mask=m_o)
+        # q~ and k~'s gradients back through the rotation, and the angle's
+        dphi = _unturn(q_ptr, dqr_ptr, dqh_ptr, src, dst, m_e, m_o, qbe, qbo, cos, sin)
+        dphi += _unturn(k_ptr, dkr_ptr, dkh_ptr, src, dst, m_e, m_o, kbe, kbo, cos, sin)
         dphi = tl.where(mti, dphi, 0.0)
         # d inc_r = the sum of dphi_t over t >= r in r's document
         same = mt
