@@ -7,7 +7,7 @@ set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"sweep conv scan model tests train decode dprofile host"}  # also: ncu
+STAGES=${STAGES:-"sweep conv scan model tests train decode dprofile host prefill"}  # also: ncu
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -40,6 +40,10 @@ fi
 if stage host; then  # what the host costs per eager step and per op call (launch overhead)
   echo "== host_overhead" | tee -a "$LOG"
   timeout ${T_HOST:-150} python scripts/host_overhead.py --out "$OUT/host_overhead.txt" 2>&1 | tee -a "$LOG"
+fi
+if stage prefill; then  # the eager prefill's host cost: launch cost, cProfile, CPU table
+  echo "== prefill_host" | tee -a "$LOG"
+  timeout ${T_PREFILL:-150} python scripts/prefill_host.py --out "$OUT/prefill_host.txt" 2>&1 | head -12 | tee -a "$LOG"
 fi
 if stage scan; then
   echo "== bench_scan" | tee -a "$LOG"

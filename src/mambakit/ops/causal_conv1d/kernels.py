@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton import launch
+
 
 # fmt: off
 @triton.jit
@@ -340,7 +342,7 @@ def conv_fwd(
     BLOCK_T, BLOCK_D = _blocks(T, D, FWD_BLOCK_T, FWD_BLOCK_D)
     BLOCK_K = triton.next_power_of_2(K - 1)
     grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(D, BLOCK_D), Bsz)
-    _conv_fwd_kernel[grid](
+    launch(_conv_fwd_kernel, grid,
         x, weight, _opt(bias, weight), _opt(initial_state, x), _opt(seq_idx, x), out, final,
         T, D,
         x.stride(0), x.stride(1),
@@ -400,7 +402,7 @@ def conv_bwd(
     dw_part = torch.empty((Bsz, n_chunks, K, D), device=dev, dtype=torch.float32)
     db_part = torch.empty((Bsz, n_chunks, D), device=dev, dtype=torch.float32)
     grid = (n_chunks, triton.cdiv(D, VEC), Bsz)
-    _conv_bwd_kernel[grid](
+    launch(_conv_bwd_kernel, grid,
         x, weight, _opt(bias, weight), _opt(initial_state, x), _opt(seq_idx, x),
         dout, _opt(dfinal, x),
         dx, _opt(dinit, x), dw_part, db_part,

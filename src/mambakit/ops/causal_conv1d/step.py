@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton import launch
+
 
 @triton.jit
 def _conv_update_kernel(
@@ -81,7 +83,7 @@ def conv_update(
         return out
     BLOCK_D = min(256, triton.next_power_of_2(D))
     grid = (triton.cdiv(D, BLOCK_D), Bsz)
-    _conv_update_kernel[grid](
+    launch(_conv_update_kernel, grid,
         conv_state, x, weight, bias.contiguous() if bias is not None else weight, out,
         D,
         *conv_state.stride(),

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton import launch
+
 IGNORE_INDEX = -100
 
 
@@ -111,7 +113,7 @@ def ce_fwd(
     if c == 0:
         return loss, lse
     BLOCK_V, num_warps = _config(V, logits.device, backward=False)
-    _ce_fwd_kernel[(c,)](
+    launch(_ce_fwd_kernel, (c,),
         logits, targets, loss, lse, V, logits.stride(0),
         BLOCK_V=BLOCK_V, IGNORE=IGNORE_INDEX, num_warps=num_warps,
     )  # fmt: skip
@@ -129,7 +131,7 @@ def ce_bwd_(
     if c == 0:
         return
     BLOCK_V, num_warps = _config(V, logits.device, backward=True)
-    _ce_bwd_kernel[(c, triton.cdiv(V, BLOCK_V))](
+    launch(_ce_bwd_kernel, (c, triton.cdiv(V, BLOCK_V)),
         logits, targets.contiguous(), lse.contiguous(), g.reshape(1), V, logits.stride(0),
         BLOCK_V=BLOCK_V, IGNORE=IGNORE_INDEX, num_warps=num_warps,
     )  # fmt: skip

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .._triton import launch
 from .reference import Mamba3State
 from .terms import token_terms_kernel
 
@@ -291,7 +292,7 @@ def _launch_fwd(x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L, st
     sT, kT, xT = torch.empty_like(s0), torch.empty_like(k0), torch.empty_like(x0)
     seq = seq_idx if seq_idx is not None else adt
     ys = y if y is not None else x
-    _chunk_fwd_kernel[(Bsz, H)](
+    launch(_chunk_fwd_kernel, (Bsz, H),
         x, qr, kr, adt, gamma, late, seq, z if z is not None else x,
         D.float() if D is not None else adt, s0, k0, x0, ys, sT, kT, xT,
         states if states is not None else s0,
@@ -394,7 +395,7 @@ class _Core(torch.autograd.Function):
         ds0, dk0, dx0 = torch.empty_like(s0), torch.empty_like(k0), torch.empty_like(x0)
         dsT = dsT.contiguous() if dsT is not None else None
         seqt = seq if seq is not None else adt
-        _chunk_bwd_kernel[(Bsz, H)](
+        launch(_chunk_bwd_kernel, (Bsz, H),
             x, qr, kr, adt, gamma, late, seqt, states, k0, x0,
             dy, dsT if dsT is not None else s0,
             dx, dq, dk, dadt, dgam, dlate, ds0, dk0, dx0,

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton import launch
 from .reference import Mamba3State
 
 PI = tl.constexpr(math.pi)
@@ -144,7 +145,7 @@ def state_update(
     y = torch.empty(Bsz, H, P, device=x.device, dtype=x.dtype)
     ang, ssm, kst, xst = state
     zz = z if z is not None else x
-    _step_kernel[(Bsz, H)](
+    launch(_step_kernel, (Bsz, H),
         x, zz, q, k, delta, A, trap, theta, q_bias, k_bias, D if D is not None else delta,
         ang, ssm, kst, xst, y,
         P, N, S, H // G,

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton import launch
+
 # fmt: off
 
 
@@ -252,7 +254,7 @@ class _Terms(torch.autograd.Function):
         adt, gam, late = (torch.empty(Bsz, T, H, **f) for _ in range(3))
         phiT = torch.empty(Bsz, H, S, **f)
         seqt = seq if seq is not None else adt
-        _terms_fwd_kernel[(Bsz, H)](
+        launch(_terms_fwd_kernel, (Bsz, H),
             q, k, q_bias, k_bias, delta, A, trap, theta, angle0, seqt,
             qr, kr, phi, adt, gam, late, phiT,
             T, H, G, N, S,
@@ -282,7 +284,7 @@ class _Terms(torch.autograd.Function):
         dth = torch.empty(Bsz, T, H, S, **f)
         dangle0 = torch.empty(Bsz, H, S, **f)
         seqt = seq if seq is not None else delta
-        _terms_bwd_kernel[(Bsz, H)](
+        launch(_terms_bwd_kernel, (Bsz, H),
             q, k, q_bias, k_bias, delta, A, trap, theta, seqt, phi,
             dqr, dkr, dadt, dgam, dlate, dphiT if dphiT is not None else dangle0,
             dqh, dkh, ddelta, dA, dtrap, dth, dangle0,

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .._triton import launch
 from ..causal_conv1d.step import conv_update
 from ..rms_norm.kernels import rms_fwd
 from ..selective_scan.tiles import LOG2E, _softplus
@@ -312,7 +313,7 @@ def layer_step(
     # two slabs (x and z rows) of TILE elements: at d_model 2048 that halves the
     # programs, so half as many reloads of the row for the norm prologue
     block_d = _rows_per_program(Dn, k_pad, TILE, interp)
-    _layer_in_kernel[(triton.cdiv(Bsz, block_b), triton.cdiv(Dn, block_d))](
+    launch(_layer_in_kernel, (triton.cdiv(Bsz, block_b), triton.cdiv(Dn, block_d)),
         x, x_res if x_res is not None else x, w.norm_w, res_out,
         w.in_w, w.in_b if w.in_b is not None else w.in_w,
         conv_state, w.conv_w, w.conv_b if w.conv_b is not None else w.conv_w,
@@ -344,7 +345,7 @@ def _ssm(x_dbl, w, u, z, ssm_state, interp: bool) -> torch.Tensor:
     dt_proj = Bsz * w.dt_w.numel() * w.dt_w.element_size() <= DT_PROJ_FUSED_BYTES
     delta = y if dt_proj else F.linear(x_dbl[:, :R], w.dt_w)
     block_d = 16 if interp else 32
-    _layer_ssm_kernel[(Bsz, triton.cdiv(Dn, block_d))](
+    launch(_layer_ssm_kernel, (Bsz, triton.cdiv(Dn, block_d)),
         x_dbl, w.dt_w, delta, w.dt_bias, w.A, w.D, u, z, ssm_state, y,
         Bsz, Dn, R, N,
         x_dbl.stride(0), w.dt_w.stride(0), delta.stride(0), w.A.stride(0), u.stride(0),
@@ -377,7 +378,7 @@ def linear(
     out = torch.empty(Bsz, Nout, device=x.device, dtype=cdt)
     block_b = _block_b(Bsz)
     block_n = _rows_per_program(Nout, k_pad, TILE, not x.is_cuda)
-    _linear_kernel[(triton.cdiv(Bsz, block_b), triton.cdiv(Nout, block_n))](
+    launch(_linear_kernel, (triton.cdiv(Bsz, block_b), triton.cdiv(Nout, block_n)),
         x, residual if residual is not None else out,
         norm_weight if norm_weight is not None else weight, weight,
         bias if bias is not None else weight, out,

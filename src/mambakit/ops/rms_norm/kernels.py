@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton import launch
+
 
 @triton.jit
 def _rms_fwd_kernel(
@@ -179,7 +181,7 @@ def rms_fwd(
     if M == 0 or D == 0:
         return out, rout, rstd
     BLOCK_M, BLOCK_N, num_warps = _tile(D)
-    _rms_fwd_kernel[(triton.cdiv(M, BLOCK_M),)](
+    launch(_rms_fwd_kernel, (triton.cdiv(M, BLOCK_M),),
         x2, res2 if res2 is not None else x2, weight, out, rout, rstd,
         M, D, eps,
         x2.stride(0), res2.stride(0) if res2 is not None else 0, D, D,
@@ -214,7 +216,7 @@ def rms_bwd(
     n_iter = triton.cdiv(n_blocks, min(n_blocks, 4 * _n_sm(dev)))
     n_prog = triton.cdiv(n_blocks, n_iter)
     dw_part = torch.empty((n_prog, D), device=dev, dtype=torch.float32)
-    _rms_bwd_kernel[(n_prog,)](
+    launch(_rms_bwd_kernel, (n_prog,),
         rout, rstd, weight, g2 if g2 is not None else rout, gr2 if gr2 is not None else rout,
         dx, dres if dres is not None else dx, dw_part,
         M, D, n_iter,

@@ -1,10 +1,11 @@
-"""The scans over segments: each segment's start state (forward) and end carry (backward).
+"""The backward's scan over segments: the adjoint carried into each segment's end.
 
 Used only when time is cut into segments (a long single sequence gives too few programs):
 a first pass gives every segment of a row its own summary, an affine map over the [D, N]
-state (decay product P and the state, or adjoint, that builds up from zero inside it), and
-these kernels compose the maps of one row in order with `tl.associative_scan`, CB segments
-at a time, BLOCK_E state elements per program.
+adjoint (decay product P and the adjoint that builds up from zero inside it), and this
+kernel composes the maps of one row in reverse order with `tl.associative_scan`, CB segments
+at a time, BLOCK_E state elements per program. (The forward needs no such launch: each
+output program composes the summaries before its own segment.)
 """
 
 import triton
@@ -13,36 +14,6 @@ import triton.language as tl
 from .tiles import _combine
 
 # fmt: off
-
-
-@triton.jit
-def _carry_fwd_kernel(
-    hloc_ptr, P_ptr, h0_ptr, S_ptr, nc, DN,
-    HAS_H0: tl.constexpr, BLOCK_E: tl.constexpr, CB: tl.constexpr,
-):
-    """S_0 = h0, S_{c+1} = P_c S_c + hloc_c over the chunks of one row, up to S_{nc-1} (the
-    last chunk's summary is not needed: the forward kernel's last segment stores h_T)."""
-    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    b = tl.program_id(1).to(tl.int64)
-    me = e < DN
-    if HAS_H0:
-        carry = tl.load(h0_ptr + b * DN + e, mask=me, other=0.0)
-    else:
-        carry = tl.zeros([BLOCK_E], tl.float32)
-    base = b * nc * DN
-    tl.store(S_ptr + base + e, carry, mask=me)
-    rows = tl.arange(0, CB)
-    for c0 in range(0, nc, CB):
-        cs = c0 + rows
-        m2 = (cs < nc - 1)[:, None] & me[None, :]
-        off = base + cs[:, None].to(tl.int64) * DN + e[None, :]
-        P = tl.load(P_ptr + off, mask=m2, other=1.0)
-        H = tl.load(hloc_ptr + off, mask=m2, other=0.0)
-        Pc, Hc = tl.associative_scan((P, H), 0, _combine)
-        after = Hc + Pc * carry[None, :]  # the state after chunk cs
-        tl.store(S_ptr + off + DN, after, mask=m2)
-        last = tl.minimum(CB, nc - c0) - 1
-        carry = tl.sum(tl.where((rows == last)[:, None], after, 0.0), axis=0)
 
 
 @triton.jit

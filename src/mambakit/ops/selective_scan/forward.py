@@ -4,7 +4,9 @@ B batch, T time, D = d_inner, N = d_state. A program owns (row, BLOCK_D channels
 states, one segment of time) and walks its segment TC steps at a time, carrying only the
 state between tiles; inside a tile the recurrence h_t = a_t h_{t-1} + b_t is one
 `tl.associative_scan` over time. The same kernel, LOCAL, gives a segment's end state from a
-zero start and its decay product, the inputs of the carry scan (carry.py).
+zero start and its decay product (its summary: h -> P h + h_loc); an output program starts its
+segment by composing the summaries of the segments before it (a few [BLOCK_N, BLOCK_D]
+multiply-adds each, read from L2).
 """
 
 import triton
@@ -37,7 +39,8 @@ def _fwd_kernel(
     BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
 ):
     """One segment of one row, tile by tile. LOCAL: from a zero state, only the segment's end
-    state and decay product; else y, the state every TS steps (SAVE) and h_T (last segment)."""
+    state and decay product; else, from h0 (HAS_H0) and the summaries of the earlier segments
+    (hloc, P: [B, nseg, D, N]), y, the state every TS steps (SAVE) and h_T (last segment)."""
     pid_d, s, b, pid_n, d, n, md, mn, mdn, A, bias = _program_block(
         A_ptr, bias_ptr, Dn, N, Bsz, HAS_BIAS, BLOCK_D, BLOCK_N
     )
@@ -46,9 +49,15 @@ def _fwd_kernel(
     off_dn = d[None, :] * N + n[:, None]  # [BLOCK_N, BLOCK_D] in a [D, N] state
     off_seg = (b * nseg + s) * Dn * N + off_dn  # [B, nseg, D, N]
     if HAS_H0:
-        h = tl.load(h0_ptr + off_seg, mask=mdn, other=0.0)
+        h = tl.load(h0_ptr + b * Dn * N + off_dn, mask=mdn, other=0.0)
     else:
         h = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    if not LOCAL:  # the segment's start: the summaries of the segments before it, in order
+        for j in tl.range(s, num_stages=3):
+            off_j = (b * nseg + j) * Dn * N + off_dn
+            h = tl.load(P_ptr + off_j, mask=mdn, other=0.0) * h + tl.load(
+                hloc_ptr + off_j, mask=mdn, other=0.0
+            )
     p = tl.full([BLOCK_N, BLOCK_D], 1.0, tl.float32)
     Dv = tl.zeros([BLOCK_D], tl.float32)
     if HAS_D:

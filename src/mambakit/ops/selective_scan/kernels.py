@@ -10,14 +10,14 @@ iteration to the next.
 
 A segment is the whole sequence unless rows x channel blocks give too few programs to fill
 the GPU (a long single sequence); then time is cut into segments, each segment's summary is
-computed first and a small scan over segments gives every segment its start (forward) or end
-(backward) carry.
+computed first, then every segment gets its start (forward: each output program composes the
+summaries before its segment) or its end carry (backward: a small scan over segments).
 
-Forward (one launch; three with segments):
-  [`_fwd_kernel` LOCAL: each segment but the last from a zero state: end state, decay product;
-   `_carry_fwd_kernel`: the start state of each segment]
-  `_fwd_kernel`: y_t = sum_n h_t C_t (+ D u_t, * silu(z_t)); the state every TC steps is
-  stored for the backward: 4 D N / TC bytes per token.
+Forward (one launch; two with segments):
+  [`_fwd_kernel` LOCAL: each segment but the last from a zero state: end state, decay product]
+  `_fwd_kernel`: its segment's start from the summaries before it, then y_t = sum_n h_t C_t
+  (+ D u_t, * silu(z_t)); the state every TC steps is stored for the backward: 4 D N / TC
+  bytes per token.
 Backward (one launch; three with segments):
   [`_bwd_local_kernel`: each segment but the first, reverse recurrence from a zero carry;
    `_carry_bwd_kernel`: the carry into each segment's end]
@@ -29,7 +29,7 @@ Backward (one launch; three with segments):
 Exponentials use exp2 with log2(e) folded into A.
 
 The kernels live next to this file: forward.py (`_fwd_kernel`), backward.py (`_bwd_kernel`,
-`_bwd_local_kernel`), carry.py (the scans over segments), channel_sum.py (the backward's warp
+`_bwd_local_kernel`), carry.py (the backward's scan over segments), channel_sum.py (the backward's warp
 reduce-scatter over channels) and tiles.py (tile loads, decays, scan combines). They are
 imported here, so this module names every kernel of the scan.
 """
@@ -40,8 +40,9 @@ import functools
 import torch
 import triton
 
+from .._triton import launch
 from .backward import _bwd_kernel, _bwd_local_kernel
-from .carry import _carry_bwd_kernel, _carry_fwd_kernel
+from .carry import _carry_bwd_kernel
 from .channel_sum import _sum_blocks_kernel, reduce_scatter_fits
 from .forward import _fwd_kernel
 
@@ -67,7 +68,8 @@ class ScanConfig:
     carry_rows: int  # CB: segments per step of the carry scans
     seg_tiles: int  # tiles per segment (beyond the sequence's tiles: one segment); 0: by SMs
     seg_below_per_sm: int  # (seg_tiles 0) cut time only below this many programs per SM,
-    seg_target_per_sm: int  # into enough segments for this many programs per SM
+    seg_target_per_sm: int  # into enough segments for this many programs per SM (backward)
+    fwd_seg_target_per_sm: int  # the same for the forward
 
 
 def config(Dn: int, interpret: bool) -> ScanConfig:
@@ -77,7 +79,7 @@ def config(Dn: int, interpret: bool) -> ScanConfig:
         return ScanConfig(
             fwd_tile=4, bwd_tile=8, fwd_block_d=min(8, p2), bwd_block_d=min(8, p2),
             fwd_warps=1, bwd_warps=1, carry_block=64, carry_rows=8,
-            seg_tiles=2, seg_below_per_sm=2, seg_target_per_sm=8,
+            seg_tiles=2, seg_below_per_sm=2, seg_target_per_sm=8, fwd_seg_target_per_sm=8,
         )  # fmt: skip
     # measured on the H200 at 8x2048x1536x16 bf16 (scripts/scan_sweep.py): forward tile 8 x
     # 32 channels, 1 warp, 3 pipeline stages 0.363 ms (tile 2: 1.41; tile 16 / 4 warps: 1.52);
@@ -87,10 +89,13 @@ def config(Dn: int, interpret: bool) -> ScanConfig:
     # Segments below 2 programs per SM, aiming at 16: 1x65536 fwd+bwd 8.15 ms with the
     # shuffle-free local pass (before it: 9.45; aiming at 8: 9.82, 12: 10.9; no segments:
     # 42.2), 1x4096 0.67 (8: 0.69); 8x2048 unchanged (below 8 per SM, cutting it: 2.50).
+    # The forward alone (inference, 1 x 4096, from CUDA graphs, output programs composing the
+    # summaries before them): aiming at 8 per SM 0.094 ms at D 1536 (16: 0.106, 32: 0.150;
+    # the longer serial compositions), 0.216 ms at D 4096 (16: 0.219, 32: 0.232).
     return ScanConfig(
         fwd_tile=8, bwd_tile=4, fwd_block_d=min(32, p2), bwd_block_d=min(16, p2),
         fwd_warps=1, bwd_warps=1, carry_block=256, carry_rows=16,
-        seg_tiles=0, seg_below_per_sm=2, seg_target_per_sm=16,
+        seg_tiles=0, seg_below_per_sm=2, seg_target_per_sm=16, fwd_seg_target_per_sm=8,
     )  # fmt: skip
 
 
@@ -109,14 +114,22 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _segments(nc: int, programs: int, cfg: ScanConfig, device: torch.device) -> tuple[int, int]:
-    """(segments, tiles per segment) for nc tiles and `programs` programs per segment."""
+def _segments(
+    nc: int, programs: int, per_sm: int, cfg: ScanConfig, device: torch.device
+) -> tuple[int, int]:
+    """(segments, tiles per segment) for nc tiles and `programs` programs per segment.
+
+    The target is a whole number of waves (per_sm programs per SM, with one-warp
+    programs at about 250 registers 8 fit on an SM at once), so the count rounds down: one
+    segment more puts a few programs in a wave of their own (H200, 1 x 4096 at D 4096: 17
+    segments, 2176 programs in 3 waves of 1056, made the output pass 164 us against the
+    summaries' 91 us)."""
     per = cfg.seg_tiles
     if per <= 0:
         sms = _sm_count(device.index or 0) if device.type == "cuda" else 0
         below = cfg.seg_below_per_sm * sms
-        target = max(below, cfg.seg_target_per_sm * sms)
-        nseg = 1 if programs >= below else min(nc, triton.cdiv(target, programs))
+        target = max(below, per_sm * sms)
+        nseg = 1 if programs >= below else max(1, min(nc, target // programs))
         per = triton.cdiv(nc, nseg)
     per = max(1, min(per, nc))
     return triton.cdiv(nc, per), per
@@ -204,7 +217,7 @@ def scan_fwd(
     tc, ts, bd, bn = cfg.fwd_tile, cfg.bwd_tile, cfg.fwd_block_d, _block_n(N)
     nb, nc, ndb = triton.cdiv(N, bn), triton.cdiv(T, tc), triton.cdiv(Dn, bd)
     ns = triton.cdiv(T, ts)
-    nseg, per = _segments(nc, Bsz * ndb * nb, cfg, dev)
+    nseg, per = _segments(nc, Bsz * ndb * nb, cfg.fwd_seg_target_per_sm, cfg, dev)
     A = A.contiguous()
     h0 = initial_state.contiguous() if initial_state is not None else None
     flags = dict(
@@ -225,33 +238,20 @@ def scan_fwd(
     ins = (u, delta, A, B, C, _opt(D, A), _opt(z, u), _opt(delta_bias, A), _opt(seq_idx, A))
     sizes = (T, Dn, N, Bsz, nc, ns, nseg, per, *_strides(u, delta, B, C, z, seq_idx))
     hT = _new((Bsz, Dn, N), f32, dev)
-    start = h0
-    if nseg > 1:  # each segment's summary, then the start state of every segment
+    hloc = P = A  # segment summaries: none with one segment
+    if nseg > 1:  # each segment's summary; the output pass composes those before its segment
         hloc = torch.empty(Bsz, nseg, Dn, N, dtype=f32, device=dev)
         P = torch.empty_like(hloc)
         # the last segment's summary is never used (its end is h_T, stored by the pass below)
-        _fwd_kernel[(ndb, nseg - 1, Bsz * nb)](
-            *ins, A, A, A, hloc, P, A, *sizes, HAS_H0=False, LOCAL=True, SAVE=False, **flags
-        )
-        start = torch.empty_like(hloc)
-        DN = Dn * N
-        _carry_fwd_kernel[(triton.cdiv(DN, cfg.carry_block), Bsz)](
-            hloc,
-            P,
-            _opt(h0, A),
-            start,
-            nseg,
-            DN,
-            HAS_H0=h0 is not None,
-            BLOCK_E=cfg.carry_block,
-            CB=cfg.carry_rows,
-        )
-        del hloc, P
+        launch(
+            _fwd_kernel, (ndb, nseg - 1, Bsz * nb),
+            *ins, A, A, A, hloc, P, A, *sizes, HAS_H0=False, LOCAL=True, SAVE=False, **flags,
+        )  # fmt: skip
     states = _new((Bsz, ns, Dn, N), f32, dev) if save_states else _new((0,), f32, dev)
     y = _new((Bsz, T, Dn), u.dtype, dev) if nb == 1 else _new((nb, Bsz, T, Dn), f32, dev)
-    _fwd_kernel[grid](
-        *ins, _opt(start, A), _opt(states, A), hT, A, A, y, *sizes,
-        HAS_H0=start is not None, LOCAL=False, SAVE=save_states, **flags,
+    launch(_fwd_kernel, grid,
+        *ins, _opt(h0, A), _opt(states, A), hT, hloc, P, y, *sizes,
+        HAS_H0=h0 is not None, LOCAL=False, SAVE=save_states, **flags,
     )  # fmt: skip
     if nb > 1:  # the state blocks' partial sums, then D u and the gate
         y = y.sum(0)
@@ -308,7 +308,7 @@ def scan_bwd(
             f"states: expected the forward's tile-start states of shape {(Bsz, nc, Dn, N)} "
             f"(time tile {tc}), got {tuple(states.shape)}"
         )
-    nseg, per = _segments(nc, Bsz * ndb * nb, cfg, dev)
+    nseg, per = _segments(nc, Bsz * ndb * nb, cfg.seg_target_per_sm, cfg, dev)
     f32 = torch.float32
     A = A.contiguous()
     DN = Dn * N
@@ -331,12 +331,14 @@ def scan_bwd(
         W = torch.empty(Bsz, nseg, Dn, N, dtype=f32, device=dev)
         P = torch.empty_like(W)
         # the first segment's summary is never used (its start is dL/d initial_state)
-        _bwd_local_kernel[(ndb, nseg - 1, Bsz * nb)](
+        launch(_bwd_local_kernel, (ndb, nseg - 1, Bsz * nb),
             delta, A, C, _opt(z, u), _opt(delta_bias, A), _opt(seq_idx, A), gy, W, P,
             T, Dn, N, Bsz, nseg, per, *strides[2:4], *strides[6:], *s_dy, **common,
         )  # fmt: skip
         G = torch.empty_like(W)
-        _carry_bwd_kernel[(triton.cdiv(DN, cfg.carry_block), Bsz)](
+        launch(
+            _carry_bwd_kernel,
+            (triton.cdiv(DN, cfg.carry_block), Bsz),
             W,
             P,
             _opt(gin, A),
@@ -367,7 +369,7 @@ def scan_bwd(
     dDp = _new((Bsz, nseg, Dn), f32, dev) if D is not None else None
     dbp = _new((nb, Bsz, nseg, Dn), f32, dev)
     dh0 = _new((Bsz, Dn, N), f32, dev) if initial_state is not None else None
-    _bwd_kernel[grid](
+    launch(_bwd_kernel, grid,
         u, delta, A, B, C, _opt(D, A), _opt(z, u), _opt(delta_bias, A), _opt(seq_idx, A), gy,
         states, _opt(gin, A), du, ddt, _opt(dz, du), _opt(ys, du), dBp, dCp, dAp,
         _opt(dDp, A), dbp, _opt(dh0, A),
@@ -391,7 +393,7 @@ def scan_bwd(
     dC = _new((Bsz, T, N), C.dtype, dev)
     M = Bsz * T * N
     block = 1024 if u.is_cuda else 64
-    _sum_blocks_kernel[(triton.cdiv(M, block), 2)](dBp, dCp, dB, dC, ndb, M, BLOCK_E=block)
+    launch(_sum_blocks_kernel, (triton.cdiv(M, block), 2), dBp, dCp, dB, dC, ndb, M, BLOCK_E=block)
     dA = dAp.sum((0, 1))
     dD = dDp.sum((0, 1)) if dDp is not None else None
     dbias = dbp.sum((0, 1, 2)) if delta_bias is not None else None

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton import launch
 from .tiles import LOG2E, _softplus
 
 
@@ -101,7 +102,7 @@ def state_update(
     if not u.is_cuda:  # the interpreter: small blocks
         block_d = min(block_d, 16)
     grid = (Bsz, triton.cdiv(Dn, block_d))
-    _state_update_kernel[grid](
+    launch(_state_update_kernel, grid,
         ssm_state, u, delta, A, B, C,
         D if D is not None else A, z if z is not None else u,
         delta_bias if delta_bias is not None else A, y,
