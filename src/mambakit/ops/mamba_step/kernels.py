@@ -7,7 +7,7 @@ At small batch a decode step reads every weight once and does almost no
 arithmetic, so its time is that of the weights' round trips from memory, and,
 once they stream fast, of its launches. Each matrix-vector kernel here gives a
 program one slab of the weight, [BLOCK_N rows, all K columns] (`TILE` elements,
-16 KB in bf16), loaded before anything else so that every program's weights
+32 KB in bf16), loaded before anything else so that every program's weights
 are in flight at once (one memory round trip, not one per K block), and loops
 over its batch rows with the slab in registers. At batch <= `ROWS_MAX_BATCH`
 (1: a loop over rows serialises their memory round trips, since a row's loads
@@ -54,7 +54,10 @@ from ..causal_conv1d.step import conv_update
 from ..rms_norm.kernels import rms_fwd
 from ..selective_scan.tiles import LOG2E, _softplus
 
-TILE = 8192  # elements of a program's weight slab (16 KB in bf16)
+# elements of a program's weight slab (32 KB in bf16). H200, batch-1 graph step
+# (scripts/step_sweep.py): 1.4b 1124 us at 8192, 1068 at 16384 (32768: 1068, 4096: 1096);
+# 130m 213-218 us at any of them
+TILE = 16384
 DT_PROJ_FUSED_BYTES = 16 << 20  # batch x dt_proj weight bytes up to which the SSM kernel runs it
 USE_PDL = True  # programmatic dependent launch on sm_90+ (see _pdl_start)
 ROWS_MAX_BATCH = 1  # up to this batch the weights stream through these kernels; above, cuBLAS
