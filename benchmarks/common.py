@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -21,6 +22,15 @@ def cuda_time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def median_time_ms(fn, warmup: int = 2, rounds: int = 9, iters: int = 2) -> float:
+    """Median over `rounds` of cuda_time_ms(fn, iters): for host-bound eager calls, where one
+    scheduling hiccup of the shared host moves a mean over a few calls by tens of percent
+    (H200 host, eager 130m prefill: 15.8 and 32.7 ms for the same call in two runs)."""
+    for _ in range(warmup):
+        fn()
+    return statistics.median(cuda_time_ms(fn, warmup=0, iters=iters) for _ in range(rounds))
 
 
 def cpu_time_ms(fn, warmup: int = 1, iters: int = 3) -> float:
