@@ -21,7 +21,7 @@ from .layers.decode import decode_layers, decode_weights
 from .layers.init import init_model_weights
 from .layers.loss import linear_cross_entropy, next_token_targets
 from .ops import norm_linear, resolve_backend, rms_norm
-from .ops._checks import check_seq_idx, check_tensor
+from .ops._checks import check_seq_idx, check_tensor, state_dtype
 from .state import Mamba3ModelState, MambaState
 
 
@@ -62,7 +62,7 @@ class MambaBackbone(nn.Module):
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         cfg = self.config
         p = self._param
-        dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        dtype = state_dtype(p)
         if cfg.mixer == "mamba3":
             return Mamba3ModelState.zeros(
                 cfg.n_layers, batch_size, cfg.nheads, cfg.headdim, cfg.d_state, cfg.n_angles,

@@ -15,7 +15,7 @@ import sys
 from ..training.checkpoint import RunLockedError
 from ._common import UsageError
 
-SUBCOMMANDS = ("demo", "train", "generate", "bench")
+SUBCOMMANDS = ("demo", "train", "generate")
 
 # what a user's input can cause; anything else is a bug and keeps its traceback
 USER_ERRORS = (UsageError, RunLockedError, ValueError, OSError)
@@ -34,12 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(f".{name}", __name__)
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-            continue  # a subcommand not shipped in this build
+        module = importlib.import_module(f".{name}", __name__)
         module.add_parser(sub)
         sub.choices[name].add_argument(
             "--debug",

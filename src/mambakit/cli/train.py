@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(f"--distributed {args.distributed}: {e}") from None
     if not d.main:  # rank 0 prints; the others train silently
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+        sys.stdout = open(os.devnull, "w")
     try:
         rc = _run(args, d, device)
         if d.active:  # every rank done before the group goes (no rank left mid-operation)

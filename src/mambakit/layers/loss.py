@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..ops import resolve_backend
+from ..ops._checks import state_dtype
 from ..ops.cross_entropy import (
     cross_entropy_bwd_reference,
     cross_entropy_bwd_triton,
@@ -30,7 +31,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, chunk, backend):
         # hidden [T, M] in the compute dtype; weight [V, M]; targets [T] (-100: ignored)
         fwd = cross_entropy_fwd_triton if backend == "triton" else cross_entropy_fwd_reference
-        acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        acc = state_dtype(hidden)
         w = weight.to(hidden.dtype)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         lse = hidden.new_empty(hidden.shape[0], dtype=acc)  # [T]
@@ -49,7 +50,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, g):
         hidden, weight, targets, lse = ctx.saved_tensors
         bwd = cross_entropy_bwd_triton if ctx.backend == "triton" else cross_entropy_bwd_reference
-        acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        acc = state_dtype(hidden)
         w = weight.to(hidden.dtype)
         g_hidden = torch.empty_like(hidden)
         # on CUDA the weight gradient accumulates in f32 inside the GEMM (cuBLAS's f32

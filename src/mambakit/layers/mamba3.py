@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import resolve_backend
-from ..ops._checks import check_seq_idx, check_tensor
+from ..ops._checks import check_seq_idx, check_tensor, state_dtype
 from ..ops.mamba3.chunk import mamba3_scan_kernel
 from ..ops.mamba3.reference import Mamba3State, mamba3_scan_reference, mamba3_step_reference
 from ..ops.mamba3.step import state_update
@@ -204,7 +204,7 @@ class Mamba3(nn.Module):
 
     def init_state(self, batch_size: int, device=None) -> Mamba3State:
         p = self.in_proj.weight
-        f = torch.float64 if p.dtype == torch.float64 else torch.float32
+        f = state_dtype(p)
         return Mamba3State.zeros(batch_size, self.nheads, self.headdim, self.d_state,
                                  self.n_angles, device or p.device, f)  # fmt: skip
 
@@ -217,7 +217,7 @@ class Mamba3(nn.Module):
         lead = u.shape[:-1]
         k = self.B_norm(B.unflatten(-1, (G, N)))
         q = self.C_norm(C.unflatten(-1, (G, N)))
-        f = torch.float64 if u.dtype == torch.float64 else torch.float32
+        f = state_dtype(u)
         A = -heavy_tail(dd_A.to(f)).clamp(min=self.A_floor)  # min(-f(dd_A), -A_floor)
         delta = F.softplus(dd_dt.to(f) + self.dt_bias.to(f))
         P = self.headdim
@@ -341,7 +341,7 @@ class _RMSNormN(nn.Module):
         self.weight = no_weight_decay(nn.Parameter(torch.ones(n, device=device, dtype=dtype)))
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        f = torch.float64 if t.dtype == torch.float64 else torch.float32
+        f = state_dtype(t)
         tf = t.to(f)
         out = tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(f)
         return out.to(t.dtype)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import causal_conv1d_update, selective_state_update
-from ..ops._checks import check_tensor
+from ..ops._checks import check_tensor, state_dtype
 from . import _ssm_compat
 from .init import init_A_log, init_dt_proj, no_weight_decay
 from .inner import mamba_inner
@@ -94,7 +94,7 @@ class Mamba(nn.Module):
 
         Without autograd (decode) they are cached until A_log, D or the bias change
         (their version counters move), so a decode step does not recompute them."""
-        f = torch.float64 if self.A_log.dtype == torch.float64 else torch.float32
+        f = state_dtype(self.A_log)
         params = (self.A_log, self.D, self.dt_proj.bias)
         if torch.is_grad_enabled() and any(p.requires_grad for p in params):
             return -torch.exp(self.A_log.to(f)), self.D.to(f), self.dt_proj.bias.to(f)
@@ -216,7 +216,7 @@ class Mamba(nn.Module):
         if fresh or cache is None or cache[0] != key:
             if torch.compiler.is_compiling():  # `_ssm_params`' cache check breaks the graph
                 A_log, D, dt_bias = params[5:]
-                f = torch.float64 if A_log.dtype == torch.float64 else torch.float32
+                f = state_dtype(A_log)
                 ssm = (-torch.exp(A_log.to(f)), D.to(f), dt_bias.to(f))
             else:
                 ssm = self._ssm_params()

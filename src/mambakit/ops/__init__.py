@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from ._checks import check_same_dtype, check_seq_idx, check_tensor
+from ._checks import check_same_dtype, check_seq_idx, check_tensor, state_dtype
 from .causal_conv1d.reference import causal_conv1d_reference, causal_conv1d_update_reference
 from .mamba_step import StepWeights
 from .mamba_step.reference import mamba_layer_step_reference, norm_linear_reference
@@ -300,7 +300,7 @@ def mamba_layer_step(
         Dn, N = w.A.shape
         check_tensor("hidden", hidden, (None, M), last_dim_contiguous=True)
         Bsz = hidden.shape[0]
-        f = torch.float64 if w.in_w.dtype == torch.float64 else torch.float32
+        f = state_dtype(w.in_w)
         if residual is not None:
             check_tensor("residual", residual, (Bsz, M), device=hidden.device,
                          last_dim_contiguous=True)  # fmt: skip

@@ -1,4 +1,5 @@
-"""Host-side helpers shared by the Triton launchers: `launch`, the kernel launch fast path.
+"""Host-side helpers shared by the Triton launchers: `launch` (the kernel launch fast path),
+`sm_count`, `opt`.
 
 `kernel[grid](*args, **kwargs)` costs about 27 us of host time per call on the H200 host
 (Triton 3.6: argument binding, per-argument specialization, the cache key, the launch), 11 us
@@ -17,6 +18,8 @@ interpreter) goes through the JIT every time.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -99,3 +102,15 @@ def _keyword_order(kernel, n_positional: int, kwargs: dict):
     if any(k not in names and k not in _OPTIONS for k in kwargs):
         return None
     return order
+
+
+@functools.cache
+def sm_count(index: int) -> int:
+    """Streaming multiprocessors of CUDA device `index` (grid sizing)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def opt(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """A stand-in pointer for an absent optional input (never dereferenced: the kernel's
+    HAS_* flag for it is off)."""
+    return like if t is None else t

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import launch
+from .._triton import launch, opt
 
 
 # fmt: off
@@ -306,11 +306,6 @@ def _blocks(T: int, D: int, block_t: int, block_d: int) -> tuple[int, int]:
     return min(block_t, triton.next_power_of_2(max(T, 1))), min(block_d, triton.next_power_of_2(D))
 
 
-def _opt(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """A stand-in pointer for an absent optional input (never dereferenced)."""
-    return t if t is not None else like
-
-
 def _strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
     return tuple(t.stride()) if t is not None else (0,) * n
 
@@ -343,7 +338,7 @@ def conv_fwd(
     BLOCK_K = triton.next_power_of_2(K - 1)
     grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(D, BLOCK_D), Bsz)
     launch(_conv_fwd_kernel, grid,
-        x, weight, _opt(bias, weight), _opt(initial_state, x), _opt(seq_idx, x), out, final,
+        x, weight, opt(bias, weight), opt(initial_state, x), opt(seq_idx, x), out, final,
         T, D,
         x.stride(0), x.stride(1),
         weight.stride(0), weight.stride(1),
@@ -403,9 +398,9 @@ def conv_bwd(
     db_part = torch.empty((Bsz, n_chunks, D), device=dev, dtype=torch.float32)
     grid = (n_chunks, triton.cdiv(D, VEC), Bsz)
     launch(_conv_bwd_kernel, grid,
-        x, weight, _opt(bias, weight), _opt(initial_state, x), _opt(seq_idx, x),
-        dout, _opt(dfinal, x),
-        dx, _opt(dinit, x), dw_part, db_part,
+        x, weight, opt(bias, weight), opt(initial_state, x), opt(seq_idx, x),
+        dout, opt(dfinal, x),
+        dx, opt(dinit, x), dw_part, db_part,
         T, D, tblk_per_chunk,
         x.stride(0), x.stride(1),
         weight.stride(0), weight.stride(1),

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .._checks import state_dtype
+
 
 def _same_doc(seq_idx: torch.Tensor, shift: int) -> torch.Tensor:
     """[B, T] bool: position t - shift lies in the document of t (positions before 0
@@ -36,7 +38,7 @@ def causal_conv1d_reference(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     Bsz, T, Dn = x.shape
     K = weight.shape[1]
-    f = torch.float64 if x.dtype == torch.float64 else torch.float32
+    f = state_dtype(x)
     xf = x.to(f)
     hist = (
         initial_state.to(f)

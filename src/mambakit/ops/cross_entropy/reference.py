@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import state_dtype
+
 IGNORE_INDEX = -100
 
 
 def _acc(logits: torch.Tensor) -> torch.dtype:
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return state_dtype(logits)
 
 
 def cross_entropy_fwd_reference(

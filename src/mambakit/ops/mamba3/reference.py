@@ -44,6 +44,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .._checks import state_dtype
+
 CHUNK = 64  # timesteps per quadratic block; the carry loop runs T / CHUNK times
 TWO_PI = 2 * math.pi
 
@@ -140,7 +142,7 @@ def mamba3_scan_reference(
     """(y [B, T, H, P] in x.dtype, final state), differentiable in every input."""
     Bsz, T, H, P = x.shape
     N, S = q.shape[-1], theta.shape[-1]
-    f = torch.float64 if x.dtype == torch.float64 else torch.float32
+    f = state_dtype(x)
     if initial_state is None:
         initial_state = Mamba3State.zeros(Bsz, H, P, N, S, x.device, f)
     xf = x.to(f)

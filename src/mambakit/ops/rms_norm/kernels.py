@@ -22,13 +22,11 @@ registers and writes it out; the partials are summed in a fixed order.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from .._triton import launch
+from .._triton import launch, sm_count
 
 
 @triton.jit
@@ -148,10 +146,9 @@ def _tile(D: int) -> tuple[int, int, int]:
     return BLOCK_M, BLOCK_N, num_warps
 
 
-@functools.cache
 def _n_sm(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return sm_count(device.index if device.index is not None else 0)
     return 4  # the interpreter: few programs, each looping over its rows
 
 

@@ -119,9 +119,6 @@ def _(
     )
 
 
-_SAVED = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state", "seq_idx")
-
-
 def _setup_context(ctx, inputs, output):
     u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, seq_idx, _ = inputs
     ctx.delta_softplus = delta_softplus

@@ -35,12 +35,11 @@ imported here, so this module names every kernel of the scan.
 """
 
 import dataclasses
-import functools
 
 import torch
 import triton
 
-from .._triton import launch
+from .._triton import launch, opt, sm_count
 from .backward import _bwd_kernel, _bwd_local_kernel
 from .carry import _carry_bwd_kernel
 from .channel_sum import _sum_blocks_kernel, reduce_scatter_fits
@@ -109,11 +108,6 @@ def _new(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _segments(
     nc: int, programs: int, per_sm: int, cfg: ScanConfig, device: torch.device
 ) -> tuple[int, int]:
@@ -126,7 +120,7 @@ def _segments(
     summaries' 91 us)."""
     per = cfg.seg_tiles
     if per <= 0:
-        sms = _sm_count(device.index or 0) if device.type == "cuda" else 0
+        sms = sm_count(device.index or 0) if device.type == "cuda" else 0
         below = cfg.seg_below_per_sm * sms
         target = max(below, per_sm * sms)
         nseg = 1 if programs >= below else max(1, min(nc, target // programs))
@@ -142,10 +136,6 @@ def _even(T, Dn, N, tc, bd, bn, whole_segments) -> bool:
 
 def _block_n(N: int) -> int:
     return min(triton.next_power_of_2(N), MAX_BLOCK_N)
-
-
-def _opt(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return like if t is None else t
 
 
 def _f32_bc(B: torch.Tensor, C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,7 +225,7 @@ def scan_fwd(
         num_warps=cfg.fwd_warps,
     )
     grid = (ndb, nseg, Bsz * nb)
-    ins = (u, delta, A, B, C, _opt(D, A), _opt(z, u), _opt(delta_bias, A), _opt(seq_idx, A))
+    ins = (u, delta, A, B, C, opt(D, A), opt(z, u), opt(delta_bias, A), opt(seq_idx, A))
     sizes = (T, Dn, N, Bsz, nc, ns, nseg, per, *_strides(u, delta, B, C, z, seq_idx))
     hT = _new((Bsz, Dn, N), f32, dev)
     hloc = P = A  # segment summaries: none with one segment
@@ -250,7 +240,7 @@ def scan_fwd(
     states = _new((Bsz, ns, Dn, N), f32, dev) if save_states else _new((0,), f32, dev)
     y = _new((Bsz, T, Dn), u.dtype, dev) if nb == 1 else _new((nb, Bsz, T, Dn), f32, dev)
     launch(_fwd_kernel, grid,
-        *ins, _opt(h0, A), _opt(states, A), hT, hloc, P, y, *sizes,
+        *ins, opt(h0, A), opt(states, A), hT, hloc, P, y, *sizes,
         HAS_H0=h0 is not None, LOCAL=False, SAVE=save_states, **flags,
     )  # fmt: skip
     if nb > 1:  # the state blocks' partial sums, then D u and the gate
@@ -332,7 +322,7 @@ def scan_bwd(
         P = torch.empty_like(W)
         # the first segment's summary is never used (its start is dL/d initial_state)
         launch(_bwd_local_kernel, (ndb, nseg - 1, Bsz * nb),
-            delta, A, C, _opt(z, u), _opt(delta_bias, A), _opt(seq_idx, A), gy, W, P,
+            delta, A, C, opt(z, u), opt(delta_bias, A), opt(seq_idx, A), gy, W, P,
             T, Dn, N, Bsz, nseg, per, *strides[2:4], *strides[6:], *s_dy, **common,
         )  # fmt: skip
         G = torch.empty_like(W)
@@ -341,7 +331,7 @@ def scan_bwd(
             (triton.cdiv(DN, cfg.carry_block), Bsz),
             W,
             P,
-            _opt(gin, A),
+            opt(gin, A),
             G,
             nseg,
             DN,
@@ -370,9 +360,9 @@ def scan_bwd(
     dbp = _new((nb, Bsz, nseg, Dn), f32, dev)
     dh0 = _new((Bsz, Dn, N), f32, dev) if initial_state is not None else None
     launch(_bwd_kernel, grid,
-        u, delta, A, B, C, _opt(D, A), _opt(z, u), _opt(delta_bias, A), _opt(seq_idx, A), gy,
-        states, _opt(gin, A), du, ddt, _opt(dz, du), _opt(ys, du), dBp, dCp, dAp,
-        _opt(dDp, A), dbp, _opt(dh0, A),
+        u, delta, A, B, C, opt(D, A), opt(z, u), opt(delta_bias, A), opt(seq_idx, A), gy,
+        states, opt(gin, A), du, ddt, opt(dz, du), opt(ys, du), dBp, dCp, dAp,
+        opt(dDp, A), dbp, opt(dh0, A),
         T, Dn, N, Bsz, nc, nseg, per, *strides, *s_dy,
         *(dz.stride()[:2] if dz is not None else (0, 0)),
         HAS_D=D is not None, HAS_G=gin is not None, HAS_H0=dh0 is not None, SPLIT_N=nb > 1,

@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .._checks import state_dtype
+
 CHUNK = 16  # timesteps scanned in parallel; the carry loop runs T / CHUNK times
 GROUP_ELEMENTS = 1 << 20  # [B, group, D, N] tensors are kept near this size to stay in cache
 
@@ -157,7 +159,7 @@ def selective_scan_reference(
     return_final_state: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Inputs are checked by `mambakit.ops.selective_scan`; see the module docstring."""
-    f = torch.float64 if u.dtype == torch.float64 else torch.float32
+    f = state_dtype(u)
     Bsz, T, Dn = u.shape
     N = A.shape[1]
     uf, dt = u.to(f), delta.to(f)
