@@ -338,19 +338,48 @@ class MambaLM(nn.Module):
         cls, path: str | Path, device=None, dtype: torch.dtype | None = None
     ) -> MambaLM:
         """Load a Hugging Face (`model.safetensors`, sharded or not) or state-spaces
-        (`pytorch_model.bin`) checkpoint directory."""
-        from .hf import load_pretrained
+        (`pytorch_model.bin`) checkpoint directory. Every tensor is checked (missing,
+        unexpected, misshaped, not floating point) before the model is materialised."""
+        from .hf import CheckpointError, read_pretrained
 
-        return load_pretrained(cls, path, device=device, dtype=dtype)
+        cfg, sd = read_pretrained(path)
+        model = cls(cfg, device="meta")
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        if cfg.tie_embeddings:
+            sd.pop("lm_head.weight", None)  # tied: the embedding is the head
+            expected.pop("lm_head.weight", None)
+        missing = sorted(set(expected) - set(sd))
+        extra = sorted(set(sd) - set(expected))
+        if missing:
+            raise CheckpointError(f"checkpoint {path} is missing tensors: {missing}")
+        if extra:
+            raise CheckpointError(f"checkpoint {path} has unexpected tensors: {extra}")
+        for k, shape in expected.items():
+            if tuple(sd[k].shape) != shape:
+                raise CheckpointError(
+                    f"tensor {k!r} has shape {list(sd[k].shape)}, expected {list(shape)}"
+                )
+            if not sd[k].is_floating_point():
+                raise CheckpointError(f"tensor {k!r} has non-float dtype {sd[k].dtype}")
+        dtype = dtype or torch.float32
+        model = model.to_empty(device=device or "cpu")
+        with torch.no_grad():
+            for k, p in model.state_dict(keep_vars=True).items():
+                if k in sd:
+                    p.copy_(sd[k].to(dtype))
+        if cfg.tie_embeddings:  # to_empty keeps the tie only by identity; re-tie explicitly
+            model.lm_head.weight = model.backbone.embeddings.weight
+        return model.to(dtype=dtype)
 
     def save_pretrained(
         self, path: str | Path, state_dict: dict[str, torch.Tensor] | None = None
     ) -> None:
         """Write the Hugging Face format (config.json + model.safetensors), atomically; the
         tensors of `state_dict` when given (FSDP2's gathered full tensors)."""
-        from .hf import save_pretrained
+        from .hf import write_pretrained
 
-        save_pretrained(self, path, state_dict)
+        sd = state_dict if state_dict is not None else self.state_dict()
+        write_pretrained(path, self.config, sd)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -1,9 +1,11 @@
 """Read and write checkpoint directories (CHECKPOINTS.md): Hugging Face and state-spaces.
 
 Module attribute names equal the checkpoint keys, so loading is an identity map
-plus the original format's `backbone.embedding` -> `backbone.embeddings`.
-Every tensor is checked (missing, unexpected, misshaped) before the model is
-touched; saving writes temporary files and renames them into place.
+plus the original format's `backbone.embedding` -> `backbone.embeddings`. This
+module deals in (config, state dict) pairs and never builds a model: the model
+checks the tensors against its own (missing, unexpected, misshaped) before
+anything is written to it (`MambaLM.from_pretrained`). Saving writes temporary
+files and renames them into place.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..config import MambaConfig
 from .config import CheckpointError, config_from_json, config_to_hf_json
 
 _KEY_ALIASES = {"backbone.embedding.weight": "backbone.embeddings.weight"}
@@ -68,41 +71,17 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return {_KEY_ALIASES.get(k, k): v for k, v in sd.items()}
 
 
-def load_pretrained(cls, path, device=None, dtype: torch.dtype | None = None):
+def read_pretrained(path) -> tuple[MambaConfig, dict[str, torch.Tensor]]:
+    """(config, tensors) of a Hugging Face (`model.safetensors`, sharded or not) or
+    state-spaces (`pytorch_model.bin`) checkpoint directory, tensors as stored; the model
+    checks them against its own (`MambaLM.from_pretrained`)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint path {str(path)!r} is not a directory")
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: missing config.json")
     cfg, _fmt = config_from_json(_read_json(path / "config.json"))
-    sd = read_state_dict(path)
-    model = cls(cfg, device="meta")
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if cfg.tie_embeddings:
-        sd.pop("lm_head.weight", None)  # tied: the embedding is the head
-        expected.pop("lm_head.weight", None)
-    missing = sorted(set(expected) - set(sd))
-    extra = sorted(set(sd) - set(expected))
-    if missing:
-        raise CheckpointError(f"checkpoint {path} is missing tensors: {missing}")
-    if extra:
-        raise CheckpointError(f"checkpoint {path} has unexpected tensors: {extra}")
-    for k, shape in expected.items():
-        if tuple(sd[k].shape) != shape:
-            raise CheckpointError(
-                f"tensor {k!r} has shape {list(sd[k].shape)}, expected {list(shape)}"
-            )
-        if not sd[k].is_floating_point():
-            raise CheckpointError(f"tensor {k!r} has non-float dtype {sd[k].dtype}")
-    dtype = dtype or torch.float32
-    model = model.to_empty(device=device or "cpu")
-    with torch.no_grad():
-        for k, p in model.state_dict(keep_vars=True).items():
-            if k in sd:
-                p.copy_(sd[k].to(dtype))
-    if cfg.tie_embeddings:  # to_empty keeps the tie only by identity; re-tie explicitly
-        model.lm_head.weight = model.backbone.embeddings.weight
-    return model.to(dtype=dtype)
+    return cfg, read_state_dict(path)
 
 
 def _atomic_write(files: dict[Path, Callable[[str], None]]) -> None:
@@ -126,14 +105,11 @@ def _atomic_write(files: dict[Path, Callable[[str], None]]) -> None:
         os.replace(tmp, target)
 
 
-def save_pretrained(model, path, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-    """config.json + model.safetensors of `model`, or of `state_dict` when given (the full
-    tensors of a model whose parameters are sharded, as FSDP2 leaves them)."""
+def write_pretrained(path, cfg: MambaConfig, state_dict: dict[str, torch.Tensor]) -> None:
+    """config.json + model.safetensors, written atomically (both files or neither)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = model.config
-    sd = state_dict if state_dict is not None else model.state_dict()
-    sd = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+    sd = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight", None)  # transformers writes tied checkpoints without it
     cfg_json = json.dumps(config_to_hf_json(cfg), indent=2) + "\n"
