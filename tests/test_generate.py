@@ -23,7 +23,8 @@ from mambakit.inference import (
     sample,
     stream,
 )
-from mambakit.inference.generate import _prefill, _prompts
+from mambakit.inference.generate import _prefill
+from mambakit.inference.prompts import parse_prompts
 from mambakit.inference.sampling import gumbel_noise, row_keys
 
 V = 40
@@ -135,7 +136,7 @@ def test_max_new_tokens_zero_returns_the_prompt(lm):
 def test_ragged_prefill_state_equals_each_prompt_alone(lm, chunk):
     rows = prompts_of([1, 3, 7, 2])
     with torch.no_grad():
-        logits, state = _prefill(lm, _prompts(rows, None, torch.device("cpu"), V), chunk)
+        logits, state = _prefill(lm, parse_prompts(rows, None, torch.device("cpu"), V), chunk)
         for b, r in enumerate(rows):
             out = lm(r[None])
             torch.testing.assert_close(logits[b], out.logits[0, -1], rtol=1e-5, atol=1e-5)
@@ -391,10 +392,10 @@ def test_bucketed_prefill_equals_the_prompts_alone(lm):
     prompt's own last logits and final state."""
     gen = importlib.import_module("mambakit.inference.generate")
     rows = prompts_of([5, 9, 1])
-    prompts = gen._prompts(rows, None, torch.device("cpu"), V)
+    prompts = parse_prompts(rows, None, torch.device("cpu"), V)
     with torch.no_grad():
         logits, state = gen._prefill_bucketed(lm, prompts, graphs=False)
-        assert gen._bucket(9) == 16 and logits.shape == (3, V)
+        assert prompts.bucket == 16 and logits.shape == (3, V)
         for b, r in enumerate(rows):
             out = lm(r[None], state=None)
             torch.testing.assert_close(logits[b], out.logits[0, -1], rtol=1e-5, atol=1e-5)
@@ -418,7 +419,7 @@ def test_prefill_graph_cache_keeps_the_newest(lm, monkeypatch):
     monkeypatch.setattr(gen, "PREFILL_GRAPHS_KEPT", 2)
     with torch.no_grad():
         for n in (3, 20, 40, 5):  # buckets 16, 32, 64 (16 evicted), 16 again (32 evicted)
-            prompts = gen._prompts(prompts_of([n]), None, torch.device("cpu"), V)
+            prompts = parse_prompts(prompts_of([n]), None, torch.device("cpu"), V)
             logits, _ = gen._prefill_bucketed(lm, prompts, graphs=True)
             want = lm(prompts.ids).logits[:, -1]
             torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)

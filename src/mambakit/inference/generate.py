@@ -43,6 +43,7 @@ import torch
 
 from ..state import MambaState
 from .cuda_graph import capture, graph_cache, params_signature, static_mode, use_cuda_graph
+from .prompts import Prompts, parse_prompts
 from .sampling import SamplingConfig, sample
 
 EOS_CHECK_EVERY = 16  # tokens between host checks of "has every row emitted eos?"
@@ -50,90 +51,6 @@ PREFILL_GRAPH_TOKENS = 4096  # batch x bucket up to which the prefill is padded 
 PREFILL_GRAPHS_KEPT = 4  # captured prefill graphs cached per model (the newest)
 GRAPH_MIN_CAPACITY = 256  # a captured decoder holds room for at least this many new tokens
 _SEED_LIMIT = 1 << 63
-
-
-class _Prompts:
-    """Prompts as one left-padded batch: ids [B, T], lengths L_b, and how to return them."""
-
-    def __init__(self, ids: torch.Tensor, lengths: list[int], as_list: bool) -> None:
-        self.ids = ids  # [B, T] int64, row b's prompt in ids[b, T - L_b:]
-        self.lengths = lengths
-        self.as_list = as_list  # return a list of 1-d tensors (ragged input)
-        self.ragged = len(set(lengths)) > 1
-
-    @property
-    def batch(self) -> int:
-        return self.ids.shape[0]
-
-    def row(self, b: int) -> torch.Tensor:
-        return self.ids[b, self.ids.shape[1] - self.lengths[b] :]
-
-
-def _check_ids_tensor(name: str, t: torch.Tensor, dim: int) -> None:
-    if t.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        raise TypeError(f"{name} must hold integer token ids (int64 or int32), got {t.dtype}")
-    if t.dim() != dim:
-        raise ValueError(f"{name} must be a {dim}-d tensor, got shape {list(t.shape)}")
-
-
-def _prompts(input_ids, prompt_lengths, device: torch.device, vocab: int) -> _Prompts:
-    if isinstance(input_ids, torch.Tensor):
-        _check_ids_tensor("input_ids", input_ids, 2)
-        Bsz, T = input_ids.shape
-        if Bsz == 0 or T == 0:
-            raise ValueError(f"input_ids must have at least one row and token, got {[Bsz, T]}")
-        ids = input_ids.to(device=device, dtype=torch.int64)
-        if prompt_lengths is None:
-            lengths, as_list = [T] * Bsz, False
-        else:
-            if isinstance(prompt_lengths, torch.Tensor):
-                prompt_lengths = prompt_lengths.tolist()
-            if not isinstance(prompt_lengths, Sequence) or len(prompt_lengths) != Bsz:
-                raise ValueError(f"prompt_lengths must hold {Bsz} lengths (one per row)")
-            lengths = []
-            for n in prompt_lengths:
-                if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= T:
-                    raise ValueError(f"prompt_lengths must be ints in [1, {T}], got {n!r}")
-                lengths.append(n)
-            as_list = True
-            # right-padded in, left-padded inside: shift each row's prompt to the end
-            pos = torch.arange(T, device=device)
-            shift = torch.tensor([T - n for n in lengths], device=device)
-            src = (pos[None, :] - shift[:, None]).clamp(min=0)  # [B, T]
-            ids = ids.gather(1, src)
-    elif isinstance(input_ids, Sequence) and not isinstance(input_ids, str):
-        if prompt_lengths is not None:
-            raise ValueError("prompt_lengths goes with a padded [B, T] tensor, not with a list")
-        if len(input_ids) == 0:
-            raise ValueError("input_ids must hold at least one prompt")
-        rows = []
-        for i, r in enumerate(input_ids):
-            if isinstance(r, torch.Tensor):
-                _check_ids_tensor(f"input_ids[{i}]", r, 1)
-            elif isinstance(r, Sequence) and all(
-                isinstance(v, int) and not isinstance(v, bool) for v in r
-            ):
-                r = torch.tensor(list(r), dtype=torch.int64)
-            else:
-                raise TypeError(f"input_ids[{i}] must be a 1-d tensor or a list of ints")
-            if r.numel() == 0:
-                raise ValueError(f"input_ids[{i}] is empty: every prompt needs a token")
-            rows.append(r.to(device=device, dtype=torch.int64))
-        lengths = [r.numel() for r in rows]
-        T = max(lengths)
-        ids = torch.zeros(len(rows), T, dtype=torch.int64, device=device)
-        for b, r in enumerate(rows):
-            ids[b, T - r.numel() :] = r
-        as_list = True
-    else:
-        raise TypeError(
-            "input_ids must be a [B, T] tensor of token ids or a list of 1-d prompts, "
-            f"got {type(input_ids).__name__}"
-        )
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= vocab:
-        raise ValueError(f"input_ids must lie in [0, {vocab}), got values in [{lo}, {hi}]")
-    return _Prompts(ids, lengths, as_list)
 
 
 def _row_seeds(seed, batch: int) -> list[int]:
@@ -155,14 +72,14 @@ def _row_seeds(seed, batch: int) -> list[int]:
     raise TypeError(f"seed must be None, an int or a list of ints, got {type(seed).__name__}")
 
 
-def _prefill(model, prompts: _Prompts, chunk: int) -> tuple[torch.Tensor, MambaState]:
+def _prefill(model, prompts: Prompts, chunk: int) -> tuple[torch.Tensor, MambaState]:
     """(logits at each row's last prompt token [B, V], state after the prompt)."""
     ids = prompts.ids
-    Bsz, T = ids.shape
+    T = ids.shape[1]
     seq_idx = pad = None
     if prompts.ragged:
-        pad = torch.tensor([T - n for n in prompts.lengths], device=ids.device)  # [B]
-        seq_idx = (torch.arange(T, device=ids.device)[None, :] >= pad[:, None]).to(torch.int32)
+        pad = prompts.starts()  # [B]
+        seq_idx = prompts.mask().to(torch.int32)
     backbone = getattr(model, "backbone", None)
     state = None
     for s in range(0, T, chunk):
@@ -181,10 +98,6 @@ def _prefill(model, prompts: _Prompts, chunk: int) -> tuple[torch.Tensor, MambaS
     return out.logits[:, -1], state
 
 
-def _bucket(T: int) -> int:
-    return max(16, 1 << math.ceil(math.log2(T)))
-
-
 class _PrefillGraph:
     """The prefill of B prompts left-padded to T_b tokens, as static buffers and a graph."""
 
@@ -197,26 +110,22 @@ class _PrefillGraph:
         self.graph = None
         self.signature: tuple = ()
 
-    def load(self, prompts: _Prompts) -> None:
+    def load(self, prompts: Prompts) -> None:
         """Row b: filler (document 0) then its prompt (document 1), ending at T_b."""
-        B, T = prompts.ids.shape
-        T_b = self.ids.shape[1]
+        T, T_b = prompts.ids.shape[1], self.ids.shape[1]
         self.ids.zero_()
         self.ids[:, T_b - T :] = prompts.ids
-        start = torch.tensor([T_b - n for n in prompts.lengths], device=self.ids.device)
-        pos = torch.arange(T_b, device=self.ids.device)
-        self.seq_idx.copy_(pos[None, :] >= start[:, None])
+        self.seq_idx.copy_(prompts.mask(T_b))
 
     def run(self) -> None:
         hidden, self.state = self.model.backbone(self.ids, None, self.seq_idx)
         self.logits = self.model.lm_head(hidden[:, -1])
 
 
-def _prefill_bucketed(model, prompts: _Prompts, graphs: bool) -> tuple[torch.Tensor, MambaState]:
+def _prefill_bucketed(model, prompts: Prompts, graphs: bool) -> tuple[torch.Tensor, MambaState]:
     """`_prefill` of prompts padded to their bucket: replayed from a cached graph when
     `graphs`. The returned tensors are the graph's buffers: use them before the next call."""
-    Bsz, T = prompts.ids.shape
-    T_b = _bucket(T)
+    Bsz, T_b = prompts.batch, prompts.bucket
     device = prompts.ids.device
     if not graphs:
         pre = _PrefillGraph(model, Bsz, T_b, device)
@@ -269,7 +178,7 @@ class _Decoder:
         self.signature: tuple = ()
         self.owner = _dead_ref  # the _Run using the buffers (weakref)
 
-    def load(self, state: MambaState, prompts: _Prompts, seeds: list[int]) -> None:
+    def load(self, state: MambaState, prompts: Prompts, seeds: list[int]) -> None:
         self.state.copy_(state)
         self.step.zero_()
         self.seeds.copy_(torch.tensor(seeds, dtype=torch.int64))
@@ -277,10 +186,7 @@ class _Decoder:
             self.seen.zero_()
             ids = prompts.ids
             if prompts.ragged:  # filler positions repeat the row's last token
-                T = ids.shape[1]
-                pos = torch.arange(T, device=ids.device)[None, :]
-                start = torch.tensor([T - n for n in prompts.lengths], device=ids.device)
-                ids = torch.where(pos >= start[:, None], ids, ids[:, -1:])
+                ids = torch.where(prompts.mask(), ids, ids[:, -1:])
             self.seen.scatter_(1, ids, True)
         if self.finished is not None:
             self.finished.zero_()
@@ -311,7 +217,7 @@ class _Decoder:
         return self.finished is not None and bool(self.finished.all())
 
 
-def _decoder(model, prompts: _Prompts, cfg: SamplingConfig, n_new: int, graphs: bool) -> _Decoder:
+def _decoder(model, prompts: Prompts, cfg: SamplingConfig, n_new: int, graphs: bool) -> _Decoder:
     """A decoder for this batch size: captured and cached per model on CUDA, fresh otherwise."""
     Bsz, device = prompts.batch, prompts.ids.device
     vocab = model.config.vocab_size
@@ -339,32 +245,20 @@ class _Run:
     autograd; `stream`'s generator yields between them, so the caller's grad mode is
     never changed while it holds a token."""
 
-    def __init__(self, model, input_ids, max_new_tokens, kw) -> None:
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-            raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        chunk = kw.pop("prefill_chunk")
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
-            raise ValueError(f"prefill_chunk must be a positive int, got {chunk!r}")
-        seed, prompt_lengths, cuda_graph = (
-            kw.pop("seed"),
-            kw.pop("prompt_lengths"),
-            kw.pop("cuda_graph"),
-        )
-        self.cfg = SamplingConfig(**kw)
+    def __init__(
+        self, model, input_ids, n_new, cfg: SamplingConfig, seed, prompt_lengths, cuda_graph, chunk
+    ) -> None:
+        self.cfg = cfg
         vocab = model.config.vocab_size
-        if self.cfg.eos_token_id is not None and self.cfg.eos_token_id >= vocab:
-            raise ValueError(
-                f"eos_token_id must be < vocab_size {vocab}, got {self.cfg.eos_token_id}"
-            )
+        if cfg.eos_token_id is not None and cfg.eos_token_id >= vocab:
+            raise ValueError(f"eos_token_id must be < vocab_size {vocab}, got {cfg.eos_token_id}")
         self.model = model
         self.device = next(model.parameters()).device
         self.graphs = use_cuda_graph(cuda_graph, self.device)
-        self.n_new = max_new_tokens
+        self.n_new = n_new
         self.chunk = chunk
         with static_mode():
-            self.prompts = _prompts(input_ids, prompt_lengths, self.device, vocab)
+            self.prompts = parse_prompts(input_ids, prompt_lengths, self.device, vocab)
         self.seeds = _row_seeds(seed, self.prompts.batch)
         self.n_done = 0
         self.dec: _Decoder | None = None
@@ -372,12 +266,11 @@ class _Run:
 
     @static_mode()
     def first(self) -> torch.Tensor:
-        Bsz, T = self.prompts.ids.shape
-        T_b = _bucket(T)
+        T_b = self.prompts.bucket
         if (
             (self.graphs or self.device.type == "cuda")
             and hasattr(self.model, "backbone")
-            and Bsz * T_b <= PREFILL_GRAPH_TOKENS
+            and self.prompts.batch * T_b <= PREFILL_GRAPH_TOKENS
             and T_b <= self.chunk
         ):
             logits, state = _prefill_bucketed(self.model, self.prompts, self.graphs)
@@ -413,20 +306,14 @@ class _Run:
         return torch.cat([p.ids, new], dim=1)
 
 
-def _options(temperature, top_k, top_p, min_p, repetition_penalty, eos_token_id, seed,
-             prompt_lengths, cuda_graph, prefill_chunk) -> dict:  # fmt: skip
-    return dict(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        eos_token_id=eos_token_id,
-        seed=seed,
-        prompt_lengths=prompt_lengths,
-        cuda_graph=cuda_graph,
-        prefill_chunk=prefill_chunk,
-    )
+def _check_counts(max_new_tokens, prefill_chunk) -> None:
+    """Checked before SamplingConfig's fields: of several bad arguments, these are reported."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk <= 0:
+        raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
 
 
 def generate(
@@ -468,9 +355,11 @@ def generate(
         once per batch size and settings, replay per token.
     prefill_chunk: the prompt is prefilled in pieces of at most this many steps.
     """
-    opts = _options(temperature, top_k, top_p, min_p, repetition_penalty, eos_token_id, seed,
-                    prompt_lengths, cuda_graph, prefill_chunk)  # fmt: skip
-    run = _Run(model, input_ids, max_new_tokens, opts)
+    _check_counts(max_new_tokens, prefill_chunk)
+    cfg = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty, eos_token_id)
+    run = _Run(
+        model, input_ids, max_new_tokens, cfg, seed, prompt_lengths, cuda_graph, prefill_chunk
+    )
     if run.n_new > 0:
         run.first()
         while run.n_done < run.n_new:
@@ -498,9 +387,11 @@ def stream(
     """Like `generate` (same arguments and tokens), but yields each new step's tokens
     [B] (LongTensor on the model's device) as soon as they are drawn; stops after the
     step where every row has emitted eos. Arguments are checked at the call."""
-    opts = _options(temperature, top_k, top_p, min_p, repetition_penalty, eos_token_id, seed,
-                    prompt_lengths, cuda_graph, prefill_chunk)  # fmt: skip
-    run = _Run(model, input_ids, max_new_tokens, opts)
+    _check_counts(max_new_tokens, prefill_chunk)
+    cfg = SamplingConfig(temperature, top_k, top_p, min_p, repetition_penalty, eos_token_id)
+    run = _Run(
+        model, input_ids, max_new_tokens, cfg, seed, prompt_lengths, cuda_graph, prefill_chunk
+    )
     return _stream(run)
 
 
