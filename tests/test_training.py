@@ -8,6 +8,7 @@ Tiny models (d_model 16, 2 layers) on CPU; gradient comparisons run in float64.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -84,7 +85,8 @@ def forward_backward(model, batches, **cfg_kw) -> tuple[float, dict[str, torch.T
 
 @pytest.fixture
 def restore_determinism():
-    """Trainer(deterministic=True) flips a process-wide flag; put it back afterwards."""
+    """Put the process-wide deterministic flag back after a test that sets it (or whose
+    Trainer fails to: it must leave the flag as it found it)."""
     before = torch.are_deterministic_algorithms_enabled()
     yield
     torch.use_deterministic_algorithms(before)
@@ -629,6 +631,85 @@ def test_resume_into_another_model_names_the_tensor_and_changes_nothing(tmp_path
     for n, w in weights_of(model).items():
         assert torch.equal(w, before[n]), n
     assert trainer.step == 0
+
+
+def lrs_of_steps(trainer: Trainer, until: int) -> list[float]:
+    """The lr each step up to `until` applies (the optimizer's), checked against the logged
+    one (`last_lr`)."""
+    lrs = []
+    while trainer.step < until:
+        applied = trainer.optimizer.param_groups[0]["lr"]
+        trainer.train_step()
+        assert trainer.last_lr == applied, trainer.step
+        lrs.append(applied)
+    return lrs
+
+
+@pytest.mark.parametrize("changed", [{}, dict(steps=14, lr=4e-3)], ids=["same", "extended"])
+def test_resume_continues_the_lr_schedule(tmp_path, changed):
+    """From its first step, a resumed run applies the lr its own config's schedule gives:
+    with the same config, exactly the lrs of an uninterrupted run; with more steps and
+    another peak lr, the new schedule's (and the one it logs)."""
+    base = dict(steps=8, lr=2e-3, warmup_steps=3, min_lr_ratio=0.1, run_dir=str(tmp_path))
+    first = Trainer(tiny_lm(), tcfg(**base), ListData([random_batch()]))
+    before = lrs_of_steps(first, 4)
+    first.save()
+    cfg = {**base, **changed}
+    resumed = Trainer(tiny_lm(seed=1), tcfg(**cfg), ListData([random_batch()]))
+    assert resumed.resume() and resumed.step == 4
+    after = lrs_of_steps(resumed, cfg["steps"])
+    expected = [closed_form_lr(s, cfg["lr"], 3, cfg["steps"], 0.1) for s in range(4, cfg["steps"])]
+    assert after == pytest.approx(expected, rel=1e-12)
+    if not changed:
+        straight = Trainer(tiny_lm(), tcfg(**{**base, "run_dir": None}), ListData([random_batch()]))
+        assert before + after == lrs_of_steps(straight, 8)
+
+
+def test_trainer_leaves_the_process_state_as_it_found_it(
+    tmp_path, monkeypatch, restore_determinism
+):
+    """Building a Trainer changes no global state. Its steps run under deterministic
+    algorithms (with cuBLAS's workspace setting) when asked, and draw from an RNG stream
+    seeded with TrainConfig.seed and carried from call to call and through a checkpoint;
+    after every call the caller's flag, environment and RNG are back."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    torch.use_deterministic_algorithms(False)
+    seen = []
+
+    def recording_loss(model, batch, state):
+        flags = torch.are_deterministic_algorithms_enabled()
+        seen.append((flags, os.environ.get("CUBLAS_WORKSPACE_CONFIG"), float(torch.rand(()))))
+        return lm_loss(model, batch, state)
+
+    def make(model, seed):
+        cfg = tcfg(steps=3, seed=seed, deterministic=True, ckpt_every=2, run_dir=str(tmp_path))
+        return Trainer(model, cfg, ListData([random_batch()]), loss_fn=recording_loss)
+
+    models = [tiny_lm(), tiny_lm(seed=1)]
+    torch.manual_seed(1234)
+    outer = torch.get_rng_state()
+
+    def as_found() -> bool:
+        return (
+            not torch.are_deterministic_algorithms_enabled()
+            and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+            and torch.equal(torch.get_rng_state(), outer)
+        )
+
+    trainer = make(models[0], seed=7)
+    assert as_found()
+    trainer.train_step()
+    assert as_found()
+    trainer.fit(progress=False)  # steps 2 and 3; checkpoints at both
+    assert as_found()
+    g = torch.Generator().manual_seed(7)
+    stream = [float(torch.rand((), generator=g)) for _ in range(3)]
+    assert seen == [(True, ":4096:8", x) for x in stream]
+    seen.clear()
+    resumed = make(models[1], seed=99)
+    assert resumed.resume(tmp_path / "step_0000002") and as_found()
+    resumed.train_step()  # step 3 again, with the stream as the checkpoint left it
+    assert seen == [(True, ":4096:8", stream[2])] and as_found()
 
 
 # -- evaluation and the loop ----------------------------------------------------------------

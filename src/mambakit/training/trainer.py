@@ -28,6 +28,10 @@ signal interrupts at once); a checkpoint is also written every
 steps stop the run with `TrainingDiverged` (read on CUDA only when a metric
 line is logged, so the steps never wait for the GPU), and weights that are not
 finite are never saved. The run folder is locked (`RunLock`) while `fit` runs.
+Building a Trainer changes no process-wide state: `fit`, `train_step`, `evaluate`,
+`trainer_state` and `resume` install the run's (its RNG stream, seeded with `seed` and kept
+in checkpoints; PyTorch's deterministic algorithms with `deterministic`) for the call and
+put the caller's back.
 
 With `distributed="ddp"` or `"fsdp"` (launched by torchrun: distributed.py) every rank
 runs this loop on its rows of the global batch; the loss is divided by the global token
@@ -41,6 +45,7 @@ nodes); FSDP2 steps run eagerly; neither runs under torch.compile.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import pickle
@@ -57,6 +62,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..device import resolve_device
+from ..hf import CheckpointError, read_state_dict
 from ..state import MambaState
 from . import distributed as dist_
 from .checkpoint import (
@@ -177,6 +183,17 @@ def _quiet(*args, **kwargs) -> None:
     """The log of ranks other than 0."""
 
 
+def _in_process_state(method):
+    """Run a Trainer method under its run's process-wide state (`Trainer._process_state`)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._process_state():
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor of `t`, which is a DTensor when computed from FSDP2's sharded grads."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -252,10 +269,12 @@ class Trainer:
         self.graph_off_reason = blocker if config.cuda_graph is not False else "cuda_graph=False"
         if config.cuda_graph == "auto" and blocker and self.device.type == "cuda":
             log(f"cuda graph off: {blocker}; training eagerly")
-        if config.deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
-        torch.manual_seed(config.seed)
+        # the run's RNG stream, seeded here but installed only by `_process_state`
+        gens = {"rng_cpu": torch.Generator()}
+        if self.device.type == "cuda":
+            gens["rng_cuda"] = torch.Generator(self.device)
+        self._rng = {k: g.manual_seed(config.seed).get_state() for k, g in gens.items()}
+        self._in_process_state = False
         self.model = model.to(self.device)
         self.train_data = train_data
         self.val_batches = val_batches or []
@@ -273,12 +292,7 @@ class Trainer:
             capturable=True,  # on CUDA lr is a device tensor, the same for both paths
         )
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        self.schedule = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, WarmupCosine(config.warmup_steps, config.steps, config.min_lr_ratio)
-        )
-        # host floats: the schedule's lr is then computed on the host and filled into the
-        # device tensor without a sync (a tensor base lr would be read back every step)
-        self.schedule.base_lrs = [float(config.lr) for _ in self.optimizer.param_groups]
+        self.schedule = self._lr_schedule(0)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=prec == "f16")
         # fused CUDA AdamW skips a step whose `found_inf` is set, without a host sync
         self._found_inf = None
@@ -336,6 +350,67 @@ class Trainer:
             return int(self._streak_dev)
         return self._streak_host
 
+    # -- process-wide state, the lr schedule ----------------------------------------------
+
+    def _rng_state(self) -> dict[str, torch.Tensor]:
+        """The global RNG states a run uses: the CPU's, and its GPU's on CUDA."""
+        state = {"rng_cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["rng_cuda"] = torch.cuda.get_rng_state(self.device)
+        return state
+
+    def _load_rng_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the global RNG states from `_rng_state`'s dict (a GPU's is ignored on CPU)."""
+        torch.set_rng_state(state["rng_cpu"].cpu())
+        if "rng_cuda" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng_cuda"].cpu(), self.device)
+
+    @contextlib.contextmanager
+    def _process_state(self):
+        """Install the run's process-wide state for a call and put the caller's back after it:
+        the run's RNG stream (seeded with `cfg.seed`, carried from call to call and in
+        checkpoints) and, with `cfg.deterministic`, deterministic algorithms with cuBLAS's
+        fixed workspace (DESIGN.md section 5). Re-entrant: `fit` runs `train_step`."""
+        if self._in_process_state:
+            yield
+            return
+        outer_rng = self._rng_state()
+        flags = (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        )
+        workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+        flip = self.cfg.deterministic and flags != (True, False)  # setting it costs ~0.4 ms
+        self._load_rng_state(self._rng)
+        self._in_process_state = True
+        try:
+            if self.cfg.deterministic:
+                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            if flip:
+                torch.use_deterministic_algorithms(True)
+            yield
+        finally:
+            self._rng = self._rng_state()
+            self._in_process_state = False
+            self._load_rng_state(outer_rng)
+            if flip:
+                torch.use_deterministic_algorithms(flags[0], warn_only=flags[1])
+            if self.cfg.deterministic and workspace is None:
+                os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+    def _lr_schedule(self, step: int) -> torch.optim.lr_scheduler.LambdaLR:
+        """The config's warmup + cosine schedule at `step`, which sets the optimizer's lr to
+        the one that step uses. Its base lr is a host float: each lr is then computed on the
+        host and filled into the device tensor without a sync (a tensor would be read back)."""
+        groups = self.optimizer.param_groups
+        if step:  # built past step 0, LambdaLR starts from each group's `initial_lr`
+            for g in groups:
+                g["initial_lr"] = float(self.cfg.lr)
+        fn = WarmupCosine(self.cfg.warmup_steps, self.cfg.steps, self.cfg.min_lr_ratio)
+        schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, fn, last_epoch=step - 1)
+        schedule.base_lrs = [float(self.cfg.lr) for _ in groups]
+        return schedule
+
     # -- one optimizer step -------------------------------------------------------------
 
     def _autocast(self):
@@ -392,39 +467,39 @@ class Trainer:
                         state = state.detach() if state is not None else None
         return dist_.all_sum(total, self.dist)
 
-    def _update(self, loss: torch.Tensor) -> torch.Tensor:
-        """Clip and apply the gradients unless the loss or their norm is not finite;
-        returns the norm before clipping."""
+    def _clip_and_step(self, loss: torch.Tensor) -> torch.Tensor:
+        """Clip the gradients to `grad_clip` and apply them unless the loss or their norm is
+        not finite (with f16: unless GradScaler finds an overflow, which lowers its scale);
+        count a skipped step. Returns the norm before clipping. The eager step and the
+        captured one both run this: on CUDA the decision stays on the device."""
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-        if self.scaler.is_enabled():  # f16: GradScaler decides (and lowers its scale)
-            self.scaler.unscale_(self.optimizer)
-            norm = _full(nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True))
+        if self.scaler.is_enabled():
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients
+        norm = _full(nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True))
+        if self._found_inf is not None:  # decided on the device: no sync, capturable
+            self._found_inf.copy_(~(torch.isfinite(norm) & torch.isfinite(loss)))
+            self.optimizer.step()  # reads optimizer.found_inf: a skip changes no state
+            skipped = self._found_inf.to(torch.int64)
+            self._skipped_dev += skipped
+            self._streak_dev.add_(1).mul_(skipped)  # +1 on a skip, 0 on an applied step
+            return norm
+        if self.scaler.is_enabled():
             scale_before = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
             self.scaler.update()
             skipped = self.scaler.get_scale() < scale_before
-            self._skipped_host += skipped
-            self._streak_host = self._streak_host + 1 if skipped else 0
-            return norm
-        norm = _full(nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True))
-        if self._found_inf is not None:  # decided on the device: no sync, capturable
-            self._found_inf.copy_(~(torch.isfinite(norm) & torch.isfinite(loss)))
-            self.optimizer.step()  # reads optimizer.found_inf
-            skipped = self._found_inf.to(torch.int64)
-            self._skipped_dev += skipped
-            self._streak_dev.add_(1).mul_(skipped)  # +1 on a skip, 0 on an applied step
-        elif bool(torch.isfinite(norm) & torch.isfinite(loss)):
-            self.optimizer.step()
-            self._streak_host = 0
-        else:
-            self._skipped_host += 1  # non-finite guard: never apply a NaN update
-            self._streak_host += 1
+        else:  # decided on the host
+            skipped = not bool(torch.isfinite(norm) & torch.isfinite(loss))
+            if not skipped:
+                self.optimizer.step()
+        self._skipped_host += skipped
+        self._streak_host = self._streak_host + 1 if skipped else 0
         return norm
 
     def _step_body(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole step, as run eagerly and as captured: (loss, grad norm)."""
         loss = self._forward_backward(batches)
-        return loss, self._update(loss)
+        return loss, self._clip_and_step(loss)
 
     def _eager_step(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         loss, norm = self._step_body(batches)
@@ -520,6 +595,7 @@ class Trainer:
         self._static = {"batches": static, "loss": loss, "norm": norm}
         return True
 
+    @_in_process_state
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step on fresh batches; returns (loss, grad norm) as tensors."""
         self.model.train()
@@ -541,6 +617,7 @@ class Trainer:
 
     # -- evaluation, checkpoints, the loop ---------------------------------------------------
 
+    @_in_process_state
     @torch.no_grad()
     def evaluate(self) -> float | None:
         if not self.val_batches:
@@ -559,6 +636,7 @@ class Trainer:
         self.model.train()
         return total / max(count, 1)
 
+    @_in_process_state
     def trainer_state(self) -> dict[str, Any]:
         state = {
             "step": self.step,
@@ -567,11 +645,9 @@ class Trainer:
             "optimizer": self._optimizer_state(),
             "schedule": self.schedule.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "rng_cpu": torch.get_rng_state(),
+            **self._rng_state(),  # the run's stream: the global one under _process_state
             "train_config": {k: v for k, v in asdict(self.cfg).items() if k != "betas"},
         }
-        if self.device.type == "cuda":
-            state["rng_cuda"] = torch.cuda.get_rng_state(self.device)
         if hasattr(self.train_data, "state_dict"):
             state["data"] = self.train_data.state_dict()
         return state
@@ -667,23 +743,22 @@ class Trainer:
 
     def _read_checkpoint(self, path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """(weights, trainer state) of a checkpoint folder; read errors propagate."""
-        from safetensors.torch import load_file
-
         if not path.is_dir():
             raise FileNotFoundError(f"{path} does not exist")
         for name in ("model.safetensors", "trainer_state.pt"):
             if not (path / name).is_file():
                 raise FileNotFoundError(f"{path} is incomplete: {name} is missing")
         try:
-            weights = load_file(str(path / "model.safetensors"))
-        except Exception as e:
-            raise CheckpointUnreadable(f"{path / 'model.safetensors'}: {e}") from e
+            weights = read_state_dict(path)  # the one reader of model files (hf/io.py)
+        except CheckpointError as e:
+            raise CheckpointUnreadable(str(e)) from e
         try:
             st = load_trainer_state(path, self.device)
         except (RuntimeError, EOFError, pickle.UnpicklingError, OSError) as e:
             raise CheckpointUnreadable(f"{path / 'trainer_state.pt'}: {e}") from e
         return weights, st
 
+    @_in_process_state
     def resume(self, path: str | Path | None = None) -> bool:
         """Continue from a checkpoint folder, or else the one run_dir's `latest` names;
         when that one cannot be read, from the newest readable `step_*` folder (each
@@ -740,21 +815,16 @@ class Trainer:
             with torch.no_grad():
                 for k, v in weights.items():
                     own[k].copy_(v)
+        # the groups' lr as make_optimizer sets it (a tensor for graphs), then the schedule of
+        # this run's config at the step (a resumed run may extend steps or change lr)
         lr_tensor = isinstance(self.optimizer.param_groups[0]["lr"], torch.Tensor)
         self._load_optimizer_state(st["optimizer"])
-        for g in self.optimizer.param_groups:  # lr's type follows this run (a tensor for graphs)
-            lr = float(g["lr"])
-            g["lr"] = torch.tensor(lr, device=self.device) if lr_tensor else lr
-        self.schedule.load_state_dict(st["schedule"])
-        # the schedule follows this run's config (a resumed run may extend steps or change lr)
-        self.schedule.lr_lambdas[0].__dict__.update(
-            WarmupCosine(self.cfg.warmup_steps, self.cfg.steps, self.cfg.min_lr_ratio).__dict__
-        )
-        self.schedule.base_lrs = [self.cfg.lr for _ in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] = torch.tensor(self.cfg.lr, device=self.device) if lr_tensor else self.cfg.lr
+            g.pop("initial_lr", None)
+        self.schedule = self._lr_schedule(int(st["step"]))
         self.scaler.load_state_dict(st["scaler"])
-        torch.set_rng_state(st["rng_cpu"].cpu())
-        if "rng_cuda" in st and self.device.type == "cuda":
-            torch.cuda.set_rng_state(st["rng_cuda"].cpu(), self.device)
+        self._load_rng_state(st)
         if "data" in st and hasattr(self.train_data, "load_state_dict"):
             self.train_data.load_state_dict(st["data"])
         self.step = int(st["step"])
@@ -800,6 +870,7 @@ class Trainer:
             for s, handler in old.items():
                 signal.signal(s, handler)
 
+    @_in_process_state
     def fit(self, progress: bool = True) -> dict[str, Any]:
         """Train to `cfg.steps` (or `max_seconds`, or a SIGINT / SIGTERM); log, evaluate and
         checkpoint on the way. Returns the last logged values."""
