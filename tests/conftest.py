@@ -1,16 +1,26 @@
-"""Shared fixtures: a fixed seed and tiny random configs (model tests), a small corpus and
-a tiny config file (CLI tests).
+"""Shared fixtures of every test folder (the folders mirror src/mambakit).
 
-Nothing here is autouse or touches global settings, so tests/ops is unaffected.
+Without a GPU the Triton kernels run under the Triton interpreter: the variable must be
+set before any `@triton.jit` function is created, i.e. before a kernels module is first
+imported, which this root conftest (loaded before any test module) guarantees. Besides: a
+fixed seed, tiny random configs (model tests), NaN-filled `torch.empty` (kernel tests),
+deterministic algorithms for one test, a small corpus and a tiny config file (CLI tests).
+Nothing here is autouse.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture
@@ -18,6 +28,34 @@ def seed() -> int:
     """Seed torch's global RNG so a test draws the same weights and inputs every run."""
     torch.manual_seed(0)
     return 0
+
+
+@pytest.fixture
+def device() -> str:
+    return DEVICE
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """torch.empty returns NaN-filled float tensors, so an element a kernel never writes fails."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.fixture
+def deterministic():
+    """torch.use_deterministic_algorithms(True) for one test: no mambakit op may raise under it."""
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(prev)
 
 
 @pytest.fixture

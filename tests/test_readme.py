@@ -21,6 +21,7 @@ def test_the_readme_has_snippets():
 
 
 @pytest.mark.parametrize("i", range(len(SNIPPETS)))
+@pytest.mark.slow
 def test_readme_snippet_runs_alone(i, tmp_path):
     code = SNIPPETS[i]
     # the training snippet as written runs 100 steps; 2 show that it runs

@@ -18,6 +18,7 @@ from mambakit.ops.mamba3 import (
     rotate_pairs,
 )
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 B, H, G, P, N, S = 2, 4, 2, 3, 8, 2
 
 
@@ -203,8 +204,6 @@ def test_gradcheck_with_document_starts():
 def test_step_kernel_equals_float64_step(nan_empty, N_, G_, S_, gate):
     """The Triton decode step (interpreter on the CPU): y and every state field after one
     token equal the float64 reference step; the state is advanced in place."""
-    from conftest import DEVICE
-
     from mambakit.ops.mamba3.step import state_update
 
     Bn, Hn, Pn = 2, 6, 5
@@ -310,8 +309,6 @@ def test_chunk_kernel_equals_float64_scan(nan_empty, T_, G_, seq, state_in, gate
     """The Triton sequence forward (interpreter on the CPU; chunks of 16 steps, a partial
     last one) equals the float64 reference scan: y and every final state field, with
     packed documents, with and without an initial state and the D / z terms."""
-    from conftest import DEVICE
-
     from mambakit.ops.mamba3.chunk import mamba3_scan_fwd
 
     inp, state, seq_idx = _kernel_case(T_, G_, seq, state_in, gate)
@@ -346,8 +343,6 @@ def test_chunk_kernels_gradients_equal_float64_scan(T_, G_, seq, state_in, gate)
     reverse, the per-token terms through autograd) against the float64 reference: y, the
     final state, and the gradient of every input and of every initial state field, for a
     random cotangent on y and on the final S, k~ and x."""
-    from conftest import DEVICE
-
     from mambakit.ops.mamba3.chunk import mamba3_scan_kernel
 
     inp, state, seq_idx = _kernel_case(T_, G_, seq, state_in, gate, seed=T_)
@@ -497,8 +492,6 @@ def test_token_terms_kernels_equal_the_reference(Bn, T_, Hn, G_, Nn, Sn, seq, bl
     the gradient of every input (group rows summed over their heads, biases over rows and
     time, theta over the heads). The final angle is compared through its sine: it is
     taken mod 2 pi."""
-    from conftest import DEVICE
-
     from mambakit.ops.mamba3 import terms
     from mambakit.ops.mamba3.reference import token_terms
     from mambakit.ops.mamba3.terms import token_terms_kernel

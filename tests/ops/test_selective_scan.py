@@ -1,12 +1,13 @@
 """selective_scan and selective_state_update on the Triton backend against a float64 oracle.
 
 B batch, T time, D = d_inner, N = d_state. Without CUDA the kernels run under
-the Triton interpreter (tests/ops/conftest.py sets TRITON_INTERPRET=1), so the
+the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so the
 shapes here are tiny; the `gpu` class at the bottom runs real shapes on the
 device (`pytest -m gpu`).
 
-The oracle is a plain sequential loop over time in float64, written here and
-independent of the reference module; gradients come from autograd through it.
+The oracle is the plain sequential loop over time in float64
+(`ops/selective_scan/naive.py`), independent of the reference module; gradients come
+from autograd through it.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mambakit.ops import selective_scan, selective_state_update
+from mambakit.ops.selective_scan.naive import selective_scan_naive as oracle
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -34,29 +35,6 @@ F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 # Parameter gradients (A, D, delta_bias, initial_state) are f32 reductions of
 # the same f32 terms, so they meet the same bound.
 TOL = {F32: 1e-4, F16: 2e-3, BF16: 1e-2}
-
-
-def oracle(u, delta, A, B, C, D, z, delta_bias, softplus, h0, seq_idx):
-    """h_t = exp(delta_t A) h_{t-1} + delta_t u_t B_t, one step at a time, in float64."""
-    f = torch.float64
-    u, delta, B, C = u.to(f), delta.to(f), B.to(f), C.to(f)
-    dt = delta + delta_bias.to(f) if delta_bias is not None else delta
-    dt = F.softplus(dt) if softplus else dt
-    Bsz, T, Dn = u.shape
-    h = h0.to(f) if h0 is not None else u.new_zeros(Bsz, Dn, A.shape[1])
-    ys = []
-    for t in range(T):
-        a = torch.exp(dt[:, t, :, None] * A.to(f))
-        if seq_idx is not None and t > 0:
-            a = a * (seq_idx[:, t] == seq_idx[:, t - 1]).to(f)[:, None, None]
-        h = a * h + (dt[:, t] * u[:, t])[:, :, None] * B[:, t, None, :]
-        ys.append((h * C[:, t, None, :]).sum(-1))
-    y = torch.stack(ys, 1)
-    if D is not None:
-        y = y + u * D.to(f)
-    if z is not None:
-        y = y * F.silu(z.to(f))
-    return y, h
 
 
 @dataclasses.dataclass
@@ -230,6 +208,7 @@ def test_sum_loss(c: Case, seed):
         "reduce-scatter-32-channels",
     ],
 )
+@pytest.mark.slow
 def test_tilings_and_segments_agree(over: dict, reduce_scatter: bool | None, seed):
     """Other time tiles and channel blocks, and time cut into segments (with carries between
     them), give the results of one segment per row. reduce_scatter: whether the backward's
@@ -279,6 +258,7 @@ def test_saved_tile_states(seed):
 
 
 @pytest.mark.parametrize("N", [3, 40], ids=["N3", "N40-split"])
+@pytest.mark.slow
 def test_no_unwritten_elements(N: int, seed, monkeypatch):
     """Every buffer the kernels fill starts as NaN: a skipped element would show up."""
     from mambakit.ops.selective_scan import kernels as K
@@ -312,6 +292,7 @@ def test_empty_sequence_passes_the_state_through(seed):
     assert torch.equal(hT, torch.zeros_like(hT))
 
 
+@pytest.mark.slow
 def test_deterministic(seed):
     """Two identical runs give bit-identical outputs and gradients."""
     c = Case(dtype=BF16)

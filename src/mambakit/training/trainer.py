@@ -843,13 +843,13 @@ class Trainer:
         to run again) and drops unreadable ones."""
         path = self.run_dir / "metrics.jsonl"
         if self.step == 0 or not path.is_file():
-            return open(path, "w")  # noqa: SIM115
+            return open(path, "w")
         rows = read_metrics(path, warn=self.log)
         keep = [r for r in rows if not isinstance(r.get("step"), int) or r["step"] <= self.step]
         tmp = path.with_name(".metrics.jsonl.tmp")
         tmp.write_text("".join(json_line(r) for r in keep))
         os.replace(tmp, path)
-        return open(path, "a")  # noqa: SIM115
+        return open(path, "a")
 
     def _on_signal(self, signum, frame) -> None:
         # only a flag: printing here could re-enter a write the signal interrupted

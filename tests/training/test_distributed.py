@@ -152,6 +152,7 @@ def test_checkpoint_resumes_on_another_world_size(saved_on, resumed_on, single, 
     assert_close_weights(w, single)
 
 
+@pytest.mark.slow
 def test_deterministic_runs_are_bit_identical(tmp_path):
     a, _ = run("ddp", 2, 2, tmp_path / "a.pt", deterministic=True)
     b, _ = run("ddp", 2, 2, tmp_path / "b.pt", deterministic=True)
@@ -179,6 +180,7 @@ def test_distributed_needs_a_process_group(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.slow
 def test_cli_under_torchrun(mode, tmp_path, corpus, tiny_json):
     """`torchrun --nproc_per_node 2 -m mambakit train --distributed MODE`: one progress
     report (rank 0's), a checkpoint that loads, metrics; then a resume on one process."""

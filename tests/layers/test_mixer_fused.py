@@ -89,6 +89,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+@pytest.mark.slow
 def test_fused_matches_unfused(seed, randomize, triton_backend, monkeypatch, case):
     dtype, with_state, with_seq, loss_on, kw = CASES[case]
     m = make(randomize, **kw)
