@@ -52,6 +52,7 @@ import pickle
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -610,7 +611,11 @@ class Trainer:
                 {k: v.to(self.device, non_blocking=True) for k, v in b.items()} for b in host
             ]
             out = self._eager_step(batches)
-        self.schedule.step()
+        with warnings.catch_warnings():
+            # a skipped (non-finite) first step never calls optimizer.step(): the schedule
+            # still advances, as intended, so PyTorch's call-order warning does not apply
+            warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)`")
+            self.schedule.step()
         self.step += 1
         self.tokens_seen += n_tokens
         return out
