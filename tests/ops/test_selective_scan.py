@@ -238,6 +238,26 @@ def test_tilings_and_segments_agree(over: dict, reduce_scatter: bool | None, see
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_segments_fill_whole_waves(monkeypatch):
+    """A long single sequence is cut into segments, as many as the target programs per SM
+    allow and never more (one segment over puts a few programs in a wave of their own),
+    and the segments cover every tile once."""
+    from mambakit.ops.selective_scan import kernels as K
+
+    monkeypatch.setattr(K, "sm_count", lambda index: 132)
+    cfg = K.config(1536, interpret=False)
+    cuda = torch.device("cuda", 0)
+    for per_sm in (cfg.fwd_seg_target_per_sm, cfg.seg_target_per_sm):
+        target = per_sm * 132
+        for programs in (48, 64, 100, 128, 200):
+            nseg, per = K._segments(512, programs, per_sm, cfg, cuda)
+            assert programs * nseg <= target
+            assert programs * nseg > target // 2
+            assert per * nseg >= 512 and per * (nseg - 1) < 512
+    # enough programs already: one segment
+    assert K._segments(512, 2 * 264, cfg.fwd_seg_target_per_sm, cfg, cuda) == (1, 512)
+
+
 def test_saved_tile_states(seed):
     """The forward's saved states are the true states at every time-tile start."""
     from mambakit.ops.selective_scan import kernels as K
