@@ -50,6 +50,7 @@ def test_spec_separates_what_triton_specializes_on():
     assert _spec(32) != _spec(33) and _spec(33) == _spec(35)  # divisibility by 16
     assert _spec(1) != _spec(3)  # equal to one
     assert _spec(2**31 + 16) != _spec(16)  # 32-bit range
+    assert _spec(2**63 + 16) != _spec(2**62 + 16)  # signed 64-bit range
     assert _spec(None) is None and _spec(True) is True
 
 

@@ -27,13 +27,14 @@ import triton
 _SLOW = object()  # a kernel whose calls the fast path does not model: always the JIT
 _OPTIONS = {"num_warps", "num_stages", "num_ctas", "launch_pdl", "maxnreg", "enable_fp_fusion"}
 _caches: dict = {}  # kernel -> {key: (launcher, function, metadata, keyword order)} or _SLOW
+_MAX_KEYS = 256  # specializations kept per kernel; past it (keys that never repeat), the JIT
 
 
 def _spec(a):
     """What Triton specializes an argument on (or finer), as a hashable value."""
     t = type(a)
     if t is int:
-        return (a == 1, a & 15 == 0, -0x80000000 <= a <= 0x7FFFFFFF)
+        return (a == 1, a & 15 == 0, -0x80000000 <= a <= 0x7FFFFFFF, a > 0x7FFFFFFFFFFFFFFF)
     if isinstance(a, torch.Tensor):
         return (a.dtype, a.data_ptr() & 15 == 0)
     if t is float:
@@ -69,7 +70,7 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     if hit is None:
         compiled = kernel[grid](*args, **kwargs)
         order = _keyword_order(kernel, len(args), kwargs)
-        if order is None:
+        if order is None or len(cache) >= _MAX_KEYS:
             _caches[kernel] = _SLOW
             return
         cache[key] = (compiled.run, compiled.function, compiled.packed_metadata, order)
