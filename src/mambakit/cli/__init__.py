@@ -15,7 +15,7 @@ import sys
 from ..training.checkpoint import RunLockedError
 from ._common import UsageError
 
-SUBCOMMANDS = ("demo", "train", "generate")
+SUBCOMMANDS = ("demo", "train", "generate", "task")
 
 # what a user's input can cause; anything else is a bug and keeps its traceback
 USER_ERRORS = (UsageError, RunLockedError, ValueError, OSError)
