@@ -7,7 +7,7 @@ set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"sweep conv scan model tests train decode dprofile host prefill"}  # also: ncu
+STAGES=${STAGES:-"sweep conv scan model tests train decode dprofile host prefill"}  # also: ncu, tasks
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -44,6 +44,13 @@ fi
 if stage prefill; then  # the eager prefill's host cost: launch cost, cProfile, CPU table
   echo "== prefill_host" | tee -a "$LOG"
   timeout ${T_PREFILL:-150} python scripts/prefill_host.py --out "$OUT/prefill_host.txt" 2>&1 | head -12 | tee -a "$LOG"
+fi
+if stage tasks; then  # issue 17: the paper's synthetic tasks, its setting, tested to 2^20 (opt-in)
+  for task in ${TASKS:-induction-heads selective-copying}; do
+    echo "== task $task" | tee -a "$LOG"
+    timeout ${T_TASK:-280} python -m mambakit task "$task" --device cuda --runs-dir "$OUT/tasks" \
+      --name "$task" --no-progress ${TASK_ARGS:-} 2>&1 | tail -30 | tee -a "$LOG"
+  done
 fi
 if stage scan; then
   echo "== bench_scan" | tee -a "$LOG"
