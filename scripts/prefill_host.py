@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+from decode_profile import peer_model  # scripts/: the peer LM, None when not importable
 from torch.profiler import ProfilerActivity, profile
 
 from mambakit import MambaConfig, MambaLM
@@ -116,21 +117,14 @@ def main() -> None:
                 m.lm_head(hidden[:, -1])
 
         impls["mambakit"] = ours
-        try:
-            from mamba_ssm.models.config_mamba import MambaConfig as SSMConfig
-            from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
-
-            c = SSMConfig(d_model=cfg.d_model, n_layer=cfg.n_layers, vocab_size=cfg.vocab_size,
-                          ssm_cfg={})  # fmt: skip
-            peer = MambaLMHeadModel(c, device="cuda", dtype=torch.bfloat16).eval()
+        peer = peer_model(cfg, torch.bfloat16)
+        if peer is not None:
 
             def theirs(ids, p=peer):
                 with torch.inference_mode():
                     p(ids, num_last_tokens=1)
 
             impls["mamba_ssm"] = theirs
-        except ImportError:
-            pass
         for T in args.lengths:
             ids = torch.randint(0, cfg.vocab_size, (1, T), device="cuda")
             for impl, fn in impls.items():

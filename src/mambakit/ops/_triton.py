@@ -46,8 +46,8 @@ def _hooked() -> bool:
     """Launch hooks are registered (a profiler such as proton): they need the JIT's path.
     Triton 3.6 keeps them as chains (`HookChain.calls`), older versions as one callable."""
     rt = triton.knobs.runtime
-    return any(h is not None and getattr(h, "calls", True) for h in
-               (rt.launch_enter_hook, rt.launch_exit_hook))  # fmt: skip
+    enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+    return bool(getattr(enter, "calls", enter)) or bool(getattr(leave, "calls", leave))
 
 
 def _fast_path(kernel) -> bool:
