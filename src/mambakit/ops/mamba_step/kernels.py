@@ -25,8 +25,8 @@ cannot move above the previous row's stores) a block is four launches:
 
 Above `ROWS_MAX_BATCH` rows the projections go to cuBLAS (`F.linear`) and the
 small work between them stays fused: the norm, the conv update, then dt_proj
-(while batch x its weight <= DT_PROJ_FUSED_BYTES) + state update + gate in
-`_layer_ssm_kernel`, one row per program.
+(while row blocks x its weight <= DT_PROJ_FUSED_BYTES) + state update + gate in
+`_layer_ssm_kernel`, `SSM_ROWS` rows per program.
 
 Values are rounded to the compute dtype wherever the unfused op chain stores
 them (xz, u, x_proj's output, delta, y, out), so both paths agree up to the
@@ -61,6 +61,7 @@ TILE = 16384
 DT_PROJ_FUSED_BYTES = 16 << 20  # batch x dt_proj weight bytes up to which the SSM kernel runs it
 USE_PDL = True  # programmatic dependent launch on sm_90+ (see _pdl_start)
 ROWS_MAX_BATCH = 1  # up to this batch the weights stream through these kernels; above, cuBLAS
+SSM_ROWS = 4  # rows per program of _layer_ssm_kernel (scripts/step_sweep.py --ssm-rows)
 
 # fmt: off
 
@@ -168,46 +169,55 @@ def _layer_ssm_kernel(
     DT_PROJ: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
-    """y = state update(u, delta, B, C) * silu(z), delta = x_dbl[:, :R] W_dt^T computed here
-    (DT_PROJ) or read from delta_ptr."""
+    """y = state update(u, delta, B, C) * silu(z) for BLOCK_B rows x BLOCK_D channels, delta
+    = x_dbl[:, :R] W_dt^T computed here (DT_PROJ) or read from delta_ptr. The rows are one
+    tile dimension, not a loop: every row's loads are issued before any store, and A and
+    W_dt are read once per BLOCK_B rows."""
     _pdl_start(PDL)
     pid_b = tl.program_id(0)
     pid_d = tl.program_id(1)
     cdt: tl.constexpr = w_dt_ptr.dtype.element_ty
+    rb = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    mb = rb < Bsz
+    rb = rb.to(tl.int64)
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     md = d < Dn
     r = tl.arange(0, BLOCK_R)
     n = tl.arange(0, BLOCK_N)
-    mdn = md[:, None] & (n < N)[None, :]
+    mn = n < N
     if DT_PROJ:
         w_dt = tl.load(w_dt_ptr + d[:, None] * s_wdt + r[None, :],
                        mask=md[:, None] & (r < R)[None, :], other=0.0).to(tl.float32)
-    A = tl.load(A_ptr + d[:, None] * s_A + n[None, :], mask=mdn, other=0.0) * LOG2E
+    A = tl.load(A_ptr + d[:, None] * s_A + n[None, :], mask=md[:, None] & mn[None, :],
+                other=0.0) * LOG2E
     dt_bias = tl.load(dtb_ptr + d, mask=md, other=0.0)
     Dv = tl.load(Dv_ptr + d, mask=md, other=0.0)
     _pdl_wait(PDL)
-    for i in tl.static_range(BLOCK_B):
-        b = pid_b * BLOCK_B + i
-        if b < Bsz:
-            # x_proj's output of row b: dt_low [R], B [N], C [N]
-            Bv = tl.load(xd_ptr + b * s_xd + R + n, mask=n < N, other=0.0).to(tl.float32)
-            Cv = tl.load(xd_ptr + b * s_xd + R + N + n, mask=n < N, other=0.0).to(tl.float32)
-            p_h = h_ptr + b * s_hb + d[:, None] * s_hd + n[None, :]
-            h = tl.load(p_h, mask=mdn, other=0.0)
-            u = tl.load(u_ptr + b * s_u + d, mask=md, other=0.0).to(tl.float32)
-            zv = tl.load(z_ptr + b * s_z + d, mask=md, other=0.0).to(tl.float32)
-            if DT_PROJ:  # rounded as the GEMM's output would be
-                dt_low = tl.load(xd_ptr + b * s_xd + r, mask=r < R, other=0.0).to(tl.float32)
-                raw = tl.sum(w_dt * dt_low[None, :], axis=1).to(cdt).to(tl.float32)
-            else:
-                raw = tl.load(delta_ptr + b * s_delta + d, mask=md, other=0.0).to(tl.float32)
-            dt = _softplus(raw + dt_bias)
-            h = tl.exp2(dt[:, None] * A) * h + (dt * u)[:, None] * Bv[None, :]
-            tl.debug_barrier()  # every copy of a state element is loaded before one is stored
-            tl.store(p_h, h, mask=mdn)
-            y = tl.sum(h * Cv[None, :], axis=1) + Dv * u
-            y = y * zv * tl.sigmoid(zv)
-            tl.store(y_ptr + b * s_y + d, y.to(cdt), mask=md)
+    mbd = mb[:, None] & md[None, :]  # [BLOCK_B, BLOCK_D]
+    mbn = mb[:, None] & mn[None, :]  # [BLOCK_B, BLOCK_N]
+    # x_proj's output of the rows: dt_low [R], B [N], C [N]
+    Bv = tl.load(xd_ptr + rb[:, None] * s_xd + R + n[None, :], mask=mbn, other=0.0)
+    Cv = tl.load(xd_ptr + rb[:, None] * s_xd + R + N + n[None, :], mask=mbn, other=0.0)
+    p_h = h_ptr + rb[:, None, None] * s_hb + d[None, :, None] * s_hd + n[None, None, :]
+    m_h = mbd[:, :, None] & mn[None, None, :]
+    h = tl.load(p_h, mask=m_h, other=0.0)
+    u = tl.load(u_ptr + rb[:, None] * s_u + d[None, :], mask=mbd, other=0.0).to(tl.float32)
+    zv = tl.load(z_ptr + rb[:, None] * s_z + d[None, :], mask=mbd, other=0.0).to(tl.float32)
+    if DT_PROJ:  # rounded as the GEMM's output would be
+        dt_low = tl.load(xd_ptr + rb[:, None] * s_xd + r[None, :],
+                         mask=mb[:, None] & (r < R)[None, :], other=0.0).to(tl.float32)
+        raw = tl.sum(w_dt[None, :, :] * dt_low[:, None, :], axis=2).to(cdt).to(tl.float32)
+    else:
+        raw = tl.load(delta_ptr + rb[:, None] * s_delta + d[None, :], mask=mbd,
+                      other=0.0).to(tl.float32)
+    dt = _softplus(raw + dt_bias[None, :])
+    h = (tl.exp2(dt[:, :, None] * A[None, :, :]) * h
+         + (dt * u)[:, :, None] * Bv.to(tl.float32)[:, None, :])
+    tl.debug_barrier()  # every copy of a state element is loaded before one is stored
+    tl.store(p_h, h, mask=m_h)
+    y = tl.sum(h * Cv.to(tl.float32)[:, None, :], axis=2) + Dv[None, :] * u
+    y = y * zv * tl.sigmoid(zv)
+    tl.store(y_ptr + rb[:, None] * s_y + d[None, :], y.to(cdt), mask=mbd)
 
 
 @triton.jit
@@ -337,24 +347,27 @@ def layer_step(
 def _ssm(x_dbl, w, u, z, ssm_state, interp: bool) -> torch.Tensor:
     """dt_proj + softplus + state update + D skip + gate: y [B, D] in the compute dtype.
 
-    One row per program: a loop over rows would serialise their memory round trips
-    (a row's loads cannot move above the previous row's stores). When rows x
-    dt_proj's weight exceeds DT_PROJ_FUSED_BYTES, dt_proj is a cuBLAS GEMM."""
+    SSM_ROWS rows per program (one at batch 1), as one tile dimension. When the programs'
+    reads of dt_proj's weight (one per row block) exceed DT_PROJ_FUSED_BYTES, dt_proj is
+    a cuBLAS GEMM."""
     Bsz, Dn = u.shape
     N, R = w.A.shape[1], w.dt_w.shape[1]
     y = torch.empty(Bsz, Dn, device=u.device, dtype=u.dtype)
-    # each row's programs read dt_proj's weight again (from L2): worth it while that
+    block_b = min(SSM_ROWS, triton.next_power_of_2(Bsz))
+    row_blocks = triton.cdiv(Bsz, block_b)
+    # each row block's programs read dt_proj's weight again (from L2): worth it while that
     # stays small; a cuBLAS GEMM of a few rows costs ~5 us
-    dt_proj = Bsz * w.dt_w.numel() * w.dt_w.element_size() <= DT_PROJ_FUSED_BYTES
+    dt_proj = row_blocks * w.dt_w.numel() * w.dt_w.element_size() <= DT_PROJ_FUSED_BYTES
     delta = y if dt_proj else F.linear(x_dbl[:, :R], w.dt_w)
     block_d = 16 if interp else 32
-    launch(_layer_ssm_kernel, (Bsz, triton.cdiv(Dn, block_d)),
+    launch(_layer_ssm_kernel, (row_blocks, triton.cdiv(Dn, block_d)),
         x_dbl, w.dt_w, delta, w.dt_bias, w.A, w.D, u, z, ssm_state, y,
         Bsz, Dn, R, N,
         x_dbl.stride(0), w.dt_w.stride(0), delta.stride(0), w.A.stride(0), u.stride(0),
         z.stride(0), ssm_state.stride(0), ssm_state.stride(1), y.stride(0),
-        DT_PROJ=dt_proj, BLOCK_B=1, BLOCK_D=block_d, BLOCK_R=max(2, triton.next_power_of_2(R)),
-        BLOCK_N=max(2, triton.next_power_of_2(N)), num_warps=4, **_pdl(u),
+        DT_PROJ=dt_proj, BLOCK_B=block_b, BLOCK_D=block_d,
+        BLOCK_R=max(2, triton.next_power_of_2(R)), BLOCK_N=max(2, triton.next_power_of_2(N)),
+        num_warps=4, **_pdl(u),
     )  # fmt: skip
     return y
 
