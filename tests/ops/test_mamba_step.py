@@ -91,18 +91,17 @@ def check_step(M, Dn, N, R, K, B, dtype, bias, first, seed=0):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
     "B, rows_max, dt_bytes, ssm_rows",
-    [(1, 1, 1 << 24, 16), (3, 16, 1 << 24, 16), (20, 1, 1 << 24, 16), (20, 1, 0, 16),
-     (5, 1, 1 << 24, 2)],
+    [(1, 1, 1 << 24, 2), (3, 16, 1 << 24, 2), (20, 1, 1 << 24, 2), (20, 1, 0, 2),
+     (5, 1, 1 << 24, 4)],
 )  # fmt: skip
 def test_layer_step_matches_float64_op_chain(
     nan_empty, monkeypatch, dtype, B, rows_max, dt_bytes, ssm_rows
 ):
     # B = 1: matrix-vector kernels, the norm fused into in_proj's; B > ROWS_MAX_BATCH:
-    # cuBLAS projections around the fused conv and SSM kernels (dt_proj fused: B = 20 runs
-    # 16 rows per SSM program, a row block half masked, dt_proj by tl.dot; B = 5 with
-    # SSM_ROWS = 2, the last row block half masked); B = 3 with ROWS_MAX_BATCH = 16: a norm
-    # launch, then the row-loop kernels; DT_PROJ_FUSED_BYTES = 0: dt_proj by cuBLAS, the SSM
-    # kernel reads delta
+    # cuBLAS projections around the fused conv and SSM kernels (dt_proj fused; B = 5 with
+    # SSM_ROWS = 4: the last row block three quarters masked); B = 3 with ROWS_MAX_BATCH =
+    # 16: a norm launch, then the row-loop kernels; DT_PROJ_FUSED_BYTES = 0: dt_proj by
+    # cuBLAS, the SSM kernel reads delta
     from mambakit.ops.mamba_step import kernels
 
     monkeypatch.setattr(kernels, "ROWS_MAX_BATCH", rows_max)

@@ -61,9 +61,10 @@ TILE = 16384
 DT_PROJ_FUSED_BYTES = 16 << 20  # batch x dt_proj weight bytes up to which the SSM kernel runs it
 USE_PDL = True  # programmatic dependent launch on sm_90+ (see _pdl_start)
 ROWS_MAX_BATCH = 1  # up to this batch the weights stream through these kernels; above, cuBLAS
-# rows per program of _layer_ssm_kernel at batch >= SSM_ROWS (one below); at 16 its dt_proj
-# is a tl.dot (scripts/step_sweep.py --ssm-rows)
-SSM_ROWS = 16
+# batch rows per program of _layer_ssm_kernel. H200, graph step at batch 64
+# (scripts/step_sweep.py): 130m 675.5 us at 2 (1: 699.2; 4: 852.9, 8: 718.1, registers
+# spilled by the [rows, channels, R] dt_proj product); 1.4b 2652.7 at 2 (1: 2712.2)
+SSM_ROWS = 2
 
 # fmt: off
 
@@ -168,13 +169,13 @@ def _layer_ssm_kernel(
     xd_ptr, w_dt_ptr, delta_ptr, dtb_ptr, A_ptr, Dv_ptr, u_ptr, z_ptr, h_ptr, y_ptr,
     Bsz, Dn, R, N,
     s_xd, s_wdt, s_delta, s_A, s_u, s_z, s_hb, s_hd, s_y,
-    DT_PROJ: tl.constexpr, DOT: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+    DT_PROJ: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     """y = state update(u, delta, B, C) * silu(z) for BLOCK_B rows x BLOCK_D channels, delta
-    = x_dbl[:, :R] W_dt^T computed here (DT_PROJ; by tl.dot when DOT) or read from
-    delta_ptr. The rows are one tile dimension, not a loop: every row's loads are issued
-    before any store, and A and W_dt are read once per BLOCK_B rows."""
+    = x_dbl[:, :R] W_dt^T computed here (DT_PROJ) or read from delta_ptr. The rows are one
+    tile dimension, not a loop: every row's loads are issued before any store, and A and
+    W_dt are read once per BLOCK_B rows."""
     _pdl_start(PDL)
     pid_b = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -187,13 +188,9 @@ def _layer_ssm_kernel(
     r = tl.arange(0, BLOCK_R)
     n = tl.arange(0, BLOCK_N)
     mn = n < N
-    if DT_PROJ:  # [R, BLOCK_D] for tl.dot, else [BLOCK_D, R]
-        if DOT:
-            w_dt = tl.load(w_dt_ptr + d[None, :] * s_wdt + r[:, None],
-                           mask=md[None, :] & (r < R)[:, None], other=0.0)
-        else:
-            w_dt = tl.load(w_dt_ptr + d[:, None] * s_wdt + r[None, :],
-                           mask=md[:, None] & (r < R)[None, :], other=0.0)
+    if DT_PROJ:
+        w_dt = tl.load(w_dt_ptr + d[:, None] * s_wdt + r[None, :],
+                       mask=md[:, None] & (r < R)[None, :], other=0.0).to(tl.float32)
     A = tl.load(A_ptr + d[:, None] * s_A + n[None, :], mask=md[:, None] & mn[None, :],
                 other=0.0) * LOG2E
     dt_bias = tl.load(dtb_ptr + d, mask=md, other=0.0)
@@ -209,14 +206,10 @@ def _layer_ssm_kernel(
     h = tl.load(p_h, mask=m_h, other=0.0)
     u = tl.load(u_ptr + rb[:, None] * s_u + d[None, :], mask=mbd, other=0.0).to(tl.float32)
     zv = tl.load(z_ptr + rb[:, None] * s_z + d[None, :], mask=mbd, other=0.0).to(tl.float32)
-    if DT_PROJ:
+    if DT_PROJ:  # [BLOCK_B, BLOCK_D, R] products summed over R
         dt_low = tl.load(xd_ptr + rb[:, None] * s_xd + r[None, :],
-                         mask=mb[:, None] & (r < R)[None, :], other=0.0)
-        if DOT:  # [BLOCK_B, R] x [R, BLOCK_D], exact products, f32 accumulation
-            raw = tl.dot(dt_low.to(tl.float32), w_dt.to(tl.float32), input_precision="ieee")
-        else:  # a row or two: [BLOCK_B, BLOCK_D, R] products summed over R
-            raw = tl.sum(w_dt.to(tl.float32)[None, :, :] * dt_low.to(tl.float32)[:, None, :],
-                         axis=2)
+                         mask=mb[:, None] & (r < R)[None, :], other=0.0).to(tl.float32)
+        raw = tl.sum(w_dt[None, :, :] * dt_low[:, None, :], axis=2)
         raw = raw.to(cdt).to(tl.float32)  # rounded as the GEMM's output would be
     else:
         raw = tl.load(delta_ptr + rb[:, None] * s_delta + d[None, :], mask=mbd,
@@ -358,30 +351,27 @@ def layer_step(
 def _ssm(x_dbl, w, u, z, ssm_state, interp: bool) -> torch.Tensor:
     """dt_proj + softplus + state update + D skip + gate: y [B, D] in the compute dtype.
 
-    SSM_ROWS rows per program at batch >= SSM_ROWS (else one), as one tile dimension; with
-    16 rows dt_proj is a tl.dot. When the programs' reads of dt_proj's weight (one
-    per row block) exceed DT_PROJ_FUSED_BYTES, dt_proj is a cuBLAS GEMM."""
+    SSM_ROWS rows per program (fewer at a smaller batch), as one tile dimension. When the
+    programs' reads of dt_proj's weight (one per row block) exceed DT_PROJ_FUSED_BYTES,
+    dt_proj is a cuBLAS GEMM."""
     Bsz, Dn = u.shape
     N, R = w.A.shape[1], w.dt_w.shape[1]
     y = torch.empty(Bsz, Dn, device=u.device, dtype=u.dtype)
-    block_b = SSM_ROWS if Bsz >= SSM_ROWS else 1
+    block_b = min(SSM_ROWS, triton.next_power_of_2(Bsz))
     row_blocks = triton.cdiv(Bsz, block_b)
     # each row block's programs read dt_proj's weight again (from L2): worth it while that
     # stays small; a cuBLAS GEMM of a few rows costs ~5 us
     dt_proj = row_blocks * w.dt_w.numel() * w.dt_w.element_size() <= DT_PROJ_FUSED_BYTES
     delta = y if dt_proj else F.linear(x_dbl[:, :R], w.dt_w)
-    dot = block_b >= 16
-    # 16 rows: 16 channels and 8 warps keep the [rows, channels, N] tile in registers
-    block_d = 16 if interp or dot else 32
+    block_d = 16 if interp else 32
     launch(_layer_ssm_kernel, (row_blocks, triton.cdiv(Dn, block_d)),
         x_dbl, w.dt_w, delta, w.dt_bias, w.A, w.D, u, z, ssm_state, y,
         Bsz, Dn, R, N,
         x_dbl.stride(0), w.dt_w.stride(0), delta.stride(0), w.A.stride(0), u.stride(0),
         z.stride(0), ssm_state.stride(0), ssm_state.stride(1), y.stride(0),
-        DT_PROJ=dt_proj, DOT=dot, BLOCK_B=block_b, BLOCK_D=block_d,
-        BLOCK_R=max(16 if dot else 2, triton.next_power_of_2(R)),
-        BLOCK_N=max(2, triton.next_power_of_2(N)),
-        num_warps=8 if dot else 4, **_pdl(u),
+        DT_PROJ=dt_proj, BLOCK_B=block_b, BLOCK_D=block_d,
+        BLOCK_R=max(2, triton.next_power_of_2(R)), BLOCK_N=max(2, triton.next_power_of_2(N)),
+        num_warps=4, **_pdl(u),
     )  # fmt: skip
     return y
 
