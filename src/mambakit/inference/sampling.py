@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.argmax import argmax_rows
+
 _M32 = 0xFFFFFFFF
 # Multipliers below 2**31: a product with a value below 2**32 stays below 2**63, so the
 # int64 arithmetic never overflows and CPU and GPU compute the same bits.
@@ -150,7 +152,7 @@ def sample(
 ) -> torch.Tensor:
     """Next tokens [B] int64, on the logits' device, with no host sync."""
     if cfg.greedy and cfg.repetition_penalty == 1.0:
-        return logits.argmax(dim=-1)  # one kernel, in the logits' dtype
+        return argmax_rows(logits)  # one kernel, in the logits' dtype
     scores = logits.float()
     if cfg.repetition_penalty != 1.0:
         if seen is None:

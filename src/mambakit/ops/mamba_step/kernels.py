@@ -65,6 +65,7 @@ ROWS_MAX_BATCH = 1  # up to this batch the weights stream through these kernels;
 # (scripts/step_sweep.py): 130m 675.5 us at 2 (1: 699.2; 4: 852.9, 8: 718.1, registers
 # spilled by the [rows, channels, R] dt_proj product); 1.4b 2652.7 at 2 (1: 2712.2)
 SSM_ROWS = 2
+SSM_BLOCK_D, SSM_WARPS = 32, 4  # channels and warps per program of _layer_ssm_kernel
 
 # fmt: off
 
@@ -363,7 +364,7 @@ def _ssm(x_dbl, w, u, z, ssm_state, interp: bool) -> torch.Tensor:
     # stays small; a cuBLAS GEMM of a few rows costs ~5 us
     dt_proj = row_blocks * w.dt_w.numel() * w.dt_w.element_size() <= DT_PROJ_FUSED_BYTES
     delta = y if dt_proj else F.linear(x_dbl[:, :R], w.dt_w)
-    block_d = 16 if interp else 32
+    block_d = 16 if interp else SSM_BLOCK_D
     launch(_layer_ssm_kernel, (row_blocks, triton.cdiv(Dn, block_d)),
         x_dbl, w.dt_w, delta, w.dt_bias, w.A, w.D, u, z, ssm_state, y,
         Bsz, Dn, R, N,
@@ -371,7 +372,7 @@ def _ssm(x_dbl, w, u, z, ssm_state, interp: bool) -> torch.Tensor:
         z.stride(0), ssm_state.stride(0), ssm_state.stride(1), y.stride(0),
         DT_PROJ=dt_proj, BLOCK_B=block_b, BLOCK_D=block_d,
         BLOCK_R=max(2, triton.next_power_of_2(R)), BLOCK_N=max(2, triton.next_power_of_2(N)),
-        num_warps=4, **_pdl(u),
+        num_warps=SSM_WARPS, **_pdl(u),
     )  # fmt: skip
     return y
 
