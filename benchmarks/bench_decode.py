@@ -39,7 +39,7 @@ from mambakit import MambaBackbone, MambaConfig, MambaLM
 from mambakit.inference import CUDAGraphStep, generate
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import graph_time_ms, median_time_ms  # noqa: E402
+from common import graph_time_ms, interleaved_median_ms  # noqa: E402
 
 COPY_RATE = 4.27e12  # bytes/s, H200 (DESIGN.md section 7)
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
@@ -280,8 +280,9 @@ def decode_table(args, device: torch.device) -> list[dict]:
 def prefill_table(args, device: torch.device) -> list[dict]:
     """Prefill as `generate` runs it: the parallel forward over 1 x T prompt tokens, the LM
     head on the last position only, under inference_mode; eager (CUDA events around the
-    call: launch gaps count; the median of 9 rounds of 2 calls) and replayed from a CUDA
-    graph; mamba_ssm's `model(ids, num_last_tokens=1)` the same ways."""
+    call: launch gaps count; the median of 15 rounds of 2 calls, the implementations taking
+    turns) and replayed from a CUDA graph; mamba_ssm's `model(ids, num_last_tokens=1)` the
+    same ways."""
     dtype = DTYPES[args.dtype]
     T = args.prefill_len
     out = []
@@ -315,10 +316,11 @@ def prefill_table(args, device: torch.device) -> list[dict]:
             except ImportError:
                 pass
         rows = {}
+        eager = interleaved_median_ms(dict(impls))  # the same host conditions for each
         for impl, fn in impls:
             rec = {"workload": f"{name} prefill 1x{T}", "impl": impl, "preset": name,
                    "dtype": args.dtype, "kernels": count_kernels(fn, device),
-                   "eager_ms": median_time_ms(fn)}  # fmt: skip
+                   "eager_ms": eager[impl]}  # fmt: skip
             try:
                 rec["graph_ms"] = graph_time_ms(fn, iters=10)
             except Exception as e:  # a model that cannot be captured: say so

@@ -24,13 +24,18 @@ def cuda_time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
     return start.elapsed_time(end) / iters
 
 
-def median_time_ms(fn, warmup: int = 2, rounds: int = 9, iters: int = 2) -> float:
-    """Median over `rounds` of cuda_time_ms(fn, iters): for host-bound eager calls, where one
-    scheduling hiccup of the shared host moves a mean over a few calls by tens of percent
-    (H200 host, eager 130m prefill: 15.8 and 32.7 ms for the same call in two runs)."""
-    for _ in range(warmup):
-        fn()
-    return statistics.median(cuda_time_ms(fn, warmup=0, iters=iters) for _ in range(rounds))
+def interleaved_median_ms(fns: dict, warmup: int = 2, rounds: int = 15, iters: int = 2) -> dict:
+    """{name: median over `rounds` of cuda_time_ms(fn, iters)}, the functions taking turns
+    round by round: a slow spell of the shared host (it moves an eager 130m prefill 1.5x
+    between runs) then falls on every function alike instead of on whichever ran during it."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(cuda_time_ms(fn, warmup=0, iters=iters))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def cpu_time_ms(fn, warmup: int = 1, iters: int = 3) -> float:

@@ -97,6 +97,84 @@ def launch_cost() -> str:
             f"us; torch.empty {empty:.1f} us")  # fmt: skip
 
 
+def layer_pieces(model, T: int = 64) -> str:
+    """Host us per call of each piece of one layer's eager inference forward at 1 x T (the
+    GPU work is negligible there): the block, its norm and mixer, and the mixer's parts."""
+    import torch.nn.functional as F
+
+    from mambakit.layers import inner
+    from mambakit.ops.causal_conv1d import kernels as conv_k
+    from mambakit.ops.selective_scan import kernels as scan_k
+
+    block = model.backbone.layers[0]
+    mixer = block.mixer
+    M, Dn, N = mixer.d_model, mixer.d_inner, mixer.d_state
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, T, M, device="cuda", generator=g).to(torch.bfloat16)
+    res = torch.randn(1, T, M, device="cuda", generator=g)
+    bf = torch.bfloat16
+    with torch.inference_mode():
+        normed, _ = block.norm(x, res, bf)
+        xz = mixer.in_proj(normed)
+        A, D, dt_bias = mixer._ssm_params()
+        cw = mixer.conv1d.weight.squeeze(1)
+        u, _ = conv_k.conv_fwd(xz[..., :Dn], cw, mixer.conv1d.bias, None, None, True, True)
+        x_dbl, _, B, C, delta = inner._projections(
+            u, None, mixer.x_proj.weight, mixer.dt_proj.weight, N
+        )
+    pieces = {
+        "block (norm + mixer)": lambda: block(x, res, bf),
+        "norm": lambda: block.norm(x, res, bf),
+        "mixer": lambda: mixer(normed, return_state=True),
+        "in_proj (module)": lambda: mixer.in_proj(normed),
+        "F.linear in_proj": lambda: F.linear(normed, mixer.in_proj.weight),
+        "_ssm_params": lambda: mixer._ssm_params(),
+        "conv weight squeeze": lambda: mixer.conv1d.weight.squeeze(1),
+        "mamba_inner": lambda: inner.mamba_inner(
+            xz,
+            conv_weight=cw,
+            conv_bias=mixer.conv1d.bias,
+            x_proj_weight=mixer.x_proj.weight,
+            dt_proj_weight=mixer.dt_proj.weight,
+            A=A,
+            D=D,
+            dt_bias=dt_bias,
+        ),
+        "conv_fwd (launcher)": lambda: conv_k.conv_fwd(
+            xz[..., :Dn], cw, mixer.conv1d.bias, None, None, True, True
+        ),
+        "_projections": lambda: inner._projections(
+            u, None, mixer.x_proj.weight, mixer.dt_proj.weight, N
+        ),
+        "scan_fwd (launcher)": lambda: scan_k.scan_fwd(
+            u, delta, A, B, C, D, xz[..., Dn:], dt_bias, True, None, None, False
+        ),
+        "_f32_bc": lambda: scan_k._f32_bc(B, C),
+        "out_proj (module)": lambda: mixer.out_proj(u),
+        "torch.empty": lambda: torch.empty(T, Dn, device="cuda"),
+    }
+    lines = [f"== host us per call, one 130m layer's pieces at 1x{T}, inference_mode"]
+    with torch.inference_mode():
+        for name, fn in pieces.items():
+            lines.append(f"  {name:<26} {per_call_us(fn):8.1f}")
+    return "\n".join(lines)
+
+
+def per_call_us(fn, n: int = 300) -> float:
+    """Host us per call (tiny GPU work), the median of 5 rounds of n calls."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    rounds = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        rounds.append((time.perf_counter() - t0) / n * 1e6)
+    return sorted(rounds)[2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--presets", nargs="+", default=["130m"])
@@ -133,6 +211,8 @@ def main() -> None:
                         f"{ms * 1e3 / cfg.n_layers:.0f} us per layer")  # fmt: skip
                 out.append(line)
                 print(line, flush=True)
+        out.append(layer_pieces(model))
+        print(out[-1], flush=True)
         T = min(args.lengths)
         ids = torch.randint(0, cfg.vocab_size, (1, T), device="cuda")
         out.append(f"== {name} 1x{T} mambakit: cProfile of 5 calls\n" + python_profile(ours, ids))

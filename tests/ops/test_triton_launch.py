@@ -77,3 +77,11 @@ def test_reused_kernels_give_the_jit_results():
         torch.testing.assert_close(out, expect, rtol=0, atol=0)
         entries.append(len(_triton._caches[_affine_kernel]))
     assert entries == [1, 1, 2, 3, 3, 4]
+
+
+def test_host_helpers_equal_tritons():
+    """The launchers' host-side next_power_of_2 and cdiv give triton's values."""
+    for n in [*range(0, 4100), 2**20 - 1, 2**20, 2**20 + 1, 2**31 - 1, 2**31]:
+        assert _triton.next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 3, 16, 64, 1000):
+            assert _triton.cdiv(n, d) == triton.cdiv(n, d), (n, d)

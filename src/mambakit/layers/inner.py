@@ -68,8 +68,11 @@ def mamba_inner(
         check_seq_idx(seq_idx, xz.shape[0], xz.shape[1], xz.device)
     weights = (conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias)
     inputs = (xz, *weights, conv_state, ssm_state)
-    train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
-    return _FusedInner.apply(xz, *weights, conv_state, ssm_state, seq_idx, train)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        return _FusedInner.apply(xz, *weights, conv_state, ssm_state, seq_idx)
+    # nothing to differentiate (inference, prefill): the same ops without an autograd node,
+    # whose apply() costs ~40 us of host time per layer
+    return _inner_forward(xz, *weights, conv_state, ssm_state, seq_idx, False)[:3]
 
 
 def mamba_inner_unfused(
@@ -121,6 +124,11 @@ def mamba_inner_unfused(
     return y, conv_out, ssm_out
 
 
+def _as(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """w in dtype; w itself when it is already (a no-op `.to` still costs a dispatch)."""
+    return w if w.dtype == dtype else w.to(dtype)
+
+
 def _projections(
     u: torch.Tensor,  # [B, T, D]
     x_dbl: torch.Tensor | None,  # [B, T, R + 2N], or None to compute it from u
@@ -135,10 +143,26 @@ def _projections(
     R = dt_proj_weight.shape[1]
     with torch.autocast(u.device.type, enabled=False):
         if x_dbl is None:
-            x_dbl = F.linear(u, x_proj_weight.to(u.dtype))
+            x_dbl = F.linear(u, _as(x_proj_weight, u.dtype))
         dt_r, B, C = x_dbl.split([R, N, N], dim=-1)
-        delta = F.linear(dt_r, dt_proj_weight.to(u.dtype))
+        delta = F.linear(dt_r, _as(dt_proj_weight, u.dtype))
     return x_dbl, dt_r, B, C, delta
+
+
+def _inner_forward(
+    xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias, conv_state,
+    ssm_state, seq_idx, save: bool,
+):  # fmt: skip
+    """(y, final conv state, final ssm state, x_dbl, the scan's saved states): conv, the
+    projections and the scan; `save`: the scan keeps its states for a backward."""
+    Dn, N = A.shape
+    x_in, z = xz[..., :Dn], xz[..., Dn:]
+    u, conv_out = conv_fwd_op(x_in, conv_weight, conv_bias, conv_state, seq_idx, True, True)
+    x_dbl, _, B, C, delta = _projections(u, None, x_proj_weight, dt_proj_weight, N)
+    y, ssm_out, states = scan_fwd_op(
+        u, delta, A, B, C, D, z, dt_bias, True, ssm_state, seq_idx, save
+    )
+    return y, conv_out, ssm_out, x_dbl, states
 
 
 class _FusedInner(torch.autograd.Function):
@@ -161,31 +185,26 @@ class _FusedInner(torch.autograd.Function):
         conv_state,
         ssm_state,
         seq_idx,
-        train: bool,
     ):
-        Dn, N = A.shape
-        x_in, z = xz[..., :Dn], xz[..., Dn:]
-        u, conv_out = conv_fwd_op(x_in, conv_weight, conv_bias, conv_state, seq_idx, True, True)
-        x_dbl, _, B, C, delta = _projections(u, None, x_proj_weight, dt_proj_weight, N)
-        y, ssm_out, states = scan_fwd_op(
-            u, delta, A, B, C, D, z, dt_bias, True, ssm_state, seq_idx, train
+        y, conv_out, ssm_out, x_dbl, states = _inner_forward(
+            xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias,
+            conv_state, ssm_state, seq_idx, True,
+        )  # fmt: skip
+        ctx.save_for_backward(
+            xz,
+            x_dbl,
+            conv_weight,
+            conv_bias,
+            x_proj_weight,
+            dt_proj_weight,
+            A,
+            D,
+            dt_bias,
+            conv_state,
+            ssm_state,
+            seq_idx,
+            states,
         )
-        if train:
-            ctx.save_for_backward(
-                xz,
-                x_dbl,
-                conv_weight,
-                conv_bias,
-                x_proj_weight,
-                dt_proj_weight,
-                A,
-                D,
-                dt_bias,
-                conv_state,
-                ssm_state,
-                seq_idx,
-                states,
-            )
         ctx.set_materialize_grads(False)
         return y, conv_out, ssm_out
 
@@ -213,7 +232,7 @@ class _FusedInner(torch.autograd.Function):
         )  # fmt: skip
         present = (True, True, conv_bias is not None, True, True, True, True, True)
         present += (conv_state is not None, ssm_state is not None)
-        return *(g if p else None for g, p in zip(grads, present)), None, None
+        return *(g if p else None for g, p in zip(grads, present)), None
 
 
 @torch.library.custom_op("mambakit::mamba_inner_bwd", mutates_args=())

@@ -1,5 +1,5 @@
 """Host-side helpers shared by the Triton launchers: `launch` (the kernel launch fast path),
-`sm_count`, `opt`.
+`sm_count`, `opt`, `next_power_of_2`, `cdiv`.
 
 `kernel[grid](*args, **kwargs)` costs about 27 us of host time per call on the H200 host
 (Triton 3.6: argument binding, per-argument specialization, the cache key, the launch), 11 us
@@ -115,3 +115,18 @@ def opt(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     """A stand-in pointer for an absent optional input (never dereferenced: the kernel's
     HAS_* flag for it is off)."""
     return like if t is None else t
+
+
+# Host-side twins of `triton.next_power_of_2` and `triton.cdiv`: those are constexpr
+# functions (callable inside kernels too), and their wrapper costs a few us of host time per
+# call from Python, where a launcher calls them several times per launch.
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (0 for 0), as `triton.next_power_of_2` gives it."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b), as `triton.cdiv` gives it."""
+    return (a + b - 1) // b

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import launch
+from .._triton import launch, next_power_of_2
 
 BLOCK = 8192  # logits per step of a program (8 warps: 32 per thread)
 
@@ -45,9 +45,7 @@ def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
     if Bsz == 0:
         return out
     interp = not logits.is_cuda
-    block = (
-        min(BLOCK, triton.next_power_of_2(V)) if not interp else min(64, triton.next_power_of_2(V))
-    )
+    block = min(BLOCK, next_power_of_2(V)) if not interp else min(64, next_power_of_2(V))
     launch(_argmax_kernel, (Bsz,), logits, out, V, logits.stride(0), BLOCK=block,
            num_warps=8 if block >= 2048 else 4)  # fmt: skip
     return out

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import launch, opt
+from .._triton import cdiv, launch, next_power_of_2, opt
 
 
 # fmt: off
@@ -303,7 +303,7 @@ BWD_VEC_BYTES = 16  # channels per backward thread, in bytes of x
 
 
 def _blocks(T: int, D: int, block_t: int, block_d: int) -> tuple[int, int]:
-    return min(block_t, triton.next_power_of_2(max(T, 1))), min(block_d, triton.next_power_of_2(D))
+    return min(block_t, next_power_of_2(max(T, 1))), min(block_d, next_power_of_2(D))
 
 
 def _strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
@@ -335,8 +335,8 @@ def conv_fwd(
             final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
         return out, final
     BLOCK_T, BLOCK_D = _blocks(T, D, FWD_BLOCK_T, FWD_BLOCK_D)
-    BLOCK_K = triton.next_power_of_2(K - 1)
-    grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(D, BLOCK_D), Bsz)
+    BLOCK_K = next_power_of_2(K - 1)
+    grid = (cdiv(T, BLOCK_T), cdiv(D, BLOCK_D), Bsz)
     launch(_conv_fwd_kernel, grid,
         x, weight, opt(bias, weight), opt(initial_state, x), opt(seq_idx, x), out, final,
         T, D,
@@ -389,14 +389,14 @@ def conv_bwd(
     s_begin = -(K - 1) if initial_state is not None else 0  # dinit: dx at the state's times
     # a program: one warp, VEC channels (16-byte loads), tiles of up to 32 times (one per
     # lane; a tile owns all but its last K-1)
-    BLOCK_T = min(32, triton.next_power_of_2(T - s_begin + K - 1))
-    VEC = min(max(BWD_VEC_BYTES // x.element_size(), 1), triton.next_power_of_2(D))
-    n_tblk = triton.cdiv(T - s_begin, BLOCK_T - (K - 1))
-    n_chunks = triton.cdiv(n_tblk, 16)  # programs along time: ~16 tiles each, evenly split
-    tblk_per_chunk = triton.cdiv(n_tblk, n_chunks)
+    BLOCK_T = min(32, next_power_of_2(T - s_begin + K - 1))
+    VEC = min(max(BWD_VEC_BYTES // x.element_size(), 1), next_power_of_2(D))
+    n_tblk = cdiv(T - s_begin, BLOCK_T - (K - 1))
+    n_chunks = cdiv(n_tblk, 16)  # programs along time: ~16 tiles each, evenly split
+    tblk_per_chunk = cdiv(n_tblk, n_chunks)
     dw_part = torch.empty((Bsz, n_chunks, K, D), device=dev, dtype=torch.float32)
     db_part = torch.empty((Bsz, n_chunks, D), device=dev, dtype=torch.float32)
-    grid = (n_chunks, triton.cdiv(D, VEC), Bsz)
+    grid = (n_chunks, cdiv(D, VEC), Bsz)
     launch(_conv_bwd_kernel, grid,
         x, weight, opt(bias, weight), opt(initial_state, x), opt(seq_idx, x),
         dout, opt(dfinal, x),
@@ -409,7 +409,7 @@ def conv_bwd(
         *dout.stride(),
         *_strides(dfinal, 3),
         dx.stride(0), dx.stride(1),
-        K=K, BLOCK_T=BLOCK_T, VEC=VEC, BLOCK_K=triton.next_power_of_2(K),
+        K=K, BLOCK_T=BLOCK_T, VEC=VEC, BLOCK_K=next_power_of_2(K),
         HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
         HAS_SEQ=seq_idx is not None, SILU=silu, HAS_DFINAL=dfinal is not None,
         num_warps=1,

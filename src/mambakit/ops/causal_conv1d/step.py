@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import launch
+from .._triton import cdiv, launch, next_power_of_2
 
 
 @triton.jit
@@ -81,8 +81,8 @@ def conv_update(
         out = torch.empty((Bsz, D), device=x.device, dtype=x.dtype)
     if Bsz == 0 or D == 0:
         return out
-    BLOCK_D = min(256, triton.next_power_of_2(D))
-    grid = (triton.cdiv(D, BLOCK_D), Bsz)
+    BLOCK_D = min(256, next_power_of_2(D))
+    grid = (cdiv(D, BLOCK_D), Bsz)
     launch(_conv_update_kernel, grid,
         conv_state, x, weight, bias.contiguous() if bias is not None else weight, out,
         D,

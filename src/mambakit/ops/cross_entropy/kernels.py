@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import launch
+from .._triton import cdiv, launch, next_power_of_2
 
 IGNORE_INDEX = -100
 
@@ -95,8 +95,8 @@ def _config(V: int, device: torch.device, backward: bool) -> tuple[int, int]:
     read + write); a device copy runs at 4.2 TB/s. Under the interpreter small
     blocks, so that tests cross several."""
     if device.type != "cuda":
-        return min(64, triton.next_power_of_2(max(V, 1))), 1
-    BLOCK_V = min(2048, triton.next_power_of_2(max(V, 1)))
+        return min(64, next_power_of_2(max(V, 1))), 1
+    BLOCK_V = min(2048, next_power_of_2(max(V, 1)))
     return BLOCK_V, max(1, min(8 if backward else 4, BLOCK_V // 256))
 
 
@@ -131,7 +131,7 @@ def ce_bwd_(
     if c == 0:
         return
     BLOCK_V, num_warps = _config(V, logits.device, backward=True)
-    launch(_ce_bwd_kernel, (c, triton.cdiv(V, BLOCK_V)),
+    launch(_ce_bwd_kernel, (c, cdiv(V, BLOCK_V)),
         logits, targets.contiguous(), lse.contiguous(), g.reshape(1), V, logits.stride(0),
         BLOCK_V=BLOCK_V, IGNORE=IGNORE_INDEX, num_warps=num_warps,
     )  # fmt: skip

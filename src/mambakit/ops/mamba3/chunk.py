@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .._triton import launch
+from .._triton import cdiv, launch, next_power_of_2
 from .reference import Mamba3State
 from .terms import token_terms_kernel
 
@@ -277,7 +277,7 @@ def _precision(x: torch.Tensor) -> str:
 
 
 def _block(v: int) -> int:
-    return max(16, triton.next_power_of_2(v))
+    return max(16, next_power_of_2(v))
 
 
 def _warps(P: int, N: int) -> int:
@@ -384,7 +384,7 @@ class _Core(torch.autograd.Function):
         Bsz, T, H, P = x.shape
         N = qr.shape[-1]
         L = CHUNK_BWD
-        states = torch.empty(Bsz, H, triton.cdiv(T, L), P, N, device=x.device,
+        states = torch.empty(Bsz, H, cdiv(T, L), P, N, device=x.device,
                              dtype=torch.float32)  # fmt: skip
         _launch_fwd(x, qr, kr, adt, gamma, late, seq, None, None, s0, k0, x0, None, L, states)
         dy = dy if dy is not None else torch.zeros_like(x, dtype=torch.float32)

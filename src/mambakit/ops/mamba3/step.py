@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import launch
+from .._triton import launch, next_power_of_2
 from .reference import Mamba3State
 
 PI = tl.constexpr(math.pi)
@@ -155,7 +155,7 @@ def state_update(
         ssm.stride(0), ssm.stride(1), ssm.stride(2), kst.stride(0), kst.stride(1),
         xst.stride(0), xst.stride(1), y.stride(0), y.stride(1),
         HAS_Z=z is not None, HAS_D=D is not None,
-        BLOCK_P=triton.next_power_of_2(P), BLOCK_I=triton.next_power_of_2((N + 1) // 2),
+        BLOCK_P=next_power_of_2(P), BLOCK_I=next_power_of_2((N + 1) // 2),
         num_warps=8 if P * N >= 8192 else 4 if P * N >= 2048 else 1,  # <= 32 state values a thread
     )  # fmt: skip
     return y

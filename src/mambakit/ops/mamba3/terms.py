@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import launch
+from .._triton import launch, next_power_of_2
 
 # fmt: off
 
@@ -232,7 +232,7 @@ NUM_WARPS = 8  # (scripts/m3_terms_sweep.py times the choices)
 
 
 def _h2(N: int) -> int:
-    return max(16, triton.next_power_of_2((N + 1) // 2))
+    return max(16, next_power_of_2((N + 1) // 2))
 
 
 class _Terms(torch.autograd.Function):

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .._triton import launch
+from .._triton import cdiv, launch, next_power_of_2
 from ..causal_conv1d.step import conv_update
 from ..rms_norm.kernels import rms_fwd
 from ..selective_scan.tiles import LOG2E, _softplus
@@ -270,7 +270,7 @@ def _rows_per_program(n_rows: int, k_pad: int, tile: int, interp: bool) -> int:
     block = max(1, tile // k_pad)
     if interp:
         return min(block, 4)
-    while block > 1 and triton.cdiv(n_rows, block) < 264:
+    while block > 1 and cdiv(n_rows, block) < 264:
         block //= 2
     return block
 
@@ -289,7 +289,7 @@ def _pdl(x: torch.Tensor) -> dict:
 
 
 def _block_b(batch: int) -> int:
-    return min(16, triton.next_power_of_2(batch))
+    return min(16, next_power_of_2(batch))
 
 
 def _warps(tile: int) -> int:
@@ -309,7 +309,7 @@ def layer_step(
     K = w.conv_w.shape[1]
     dev, cdt = hidden.device, w.in_w.dtype
     interp = not hidden.is_cuda
-    k_pad = triton.next_power_of_2(M)
+    k_pad = next_power_of_2(M)
     if Bsz > ROWS_MAX_BATCH or k_pad > TILE:
         normed, res_out, _ = rms_fwd(hidden, w.norm_w, w.eps, residual, cdt)
         xz = F.linear(normed, w.in_w, w.in_b)
@@ -331,7 +331,7 @@ def layer_step(
     # two slabs (x and z rows) of TILE elements: at d_model 2048 that halves the
     # programs, so half as many reloads of the row for the norm prologue
     block_d = _rows_per_program(Dn, k_pad, TILE, interp)
-    launch(_layer_in_kernel, (triton.cdiv(Bsz, block_b), triton.cdiv(Dn, block_d)),
+    launch(_layer_in_kernel, (cdiv(Bsz, block_b), cdiv(Dn, block_d)),
         x, x_res if x_res is not None else x, w.norm_w, res_out,
         w.in_w, w.in_b if w.in_b is not None else w.in_w,
         conv_state, w.conv_w, w.conv_b if w.conv_b is not None else w.conv_w,
@@ -341,7 +341,7 @@ def layer_step(
         w.in_w.stride(0), *conv_state.stride(), *w.conv_w.stride(), z.stride(0), u.stride(0),
         K=K, HAS_NORM=fuse_norm, HAS_RES=x_res is not None,
         HAS_IN_BIAS=w.in_b is not None, HAS_CONV_BIAS=w.conv_b is not None,
-        BLOCK_B=block_b, BLOCK_D=block_d, K_PAD=k_pad, KC=triton.next_power_of_2(K),
+        BLOCK_B=block_b, BLOCK_D=block_d, K_PAD=k_pad, KC=next_power_of_2(K),
         num_warps=_warps(2 * block_d * k_pad), **_pdl(x),
     )  # fmt: skip
     x_dbl = linear(u, w.x_w)
@@ -358,20 +358,20 @@ def _ssm(x_dbl, w, u, z, ssm_state, interp: bool) -> torch.Tensor:
     Bsz, Dn = u.shape
     N, R = w.A.shape[1], w.dt_w.shape[1]
     y = torch.empty(Bsz, Dn, device=u.device, dtype=u.dtype)
-    block_b = min(SSM_ROWS, triton.next_power_of_2(Bsz))
-    row_blocks = triton.cdiv(Bsz, block_b)
+    block_b = min(SSM_ROWS, next_power_of_2(Bsz))
+    row_blocks = cdiv(Bsz, block_b)
     # each row block's programs read dt_proj's weight again (from L2): worth it while that
     # stays small; a cuBLAS GEMM of a few rows costs ~5 us
     dt_proj = row_blocks * w.dt_w.numel() * w.dt_w.element_size() <= DT_PROJ_FUSED_BYTES
     delta = y if dt_proj else F.linear(x_dbl[:, :R], w.dt_w)
     block_d = 16 if interp else SSM_BLOCK_D
-    launch(_layer_ssm_kernel, (row_blocks, triton.cdiv(Dn, block_d)),
+    launch(_layer_ssm_kernel, (row_blocks, cdiv(Dn, block_d)),
         x_dbl, w.dt_w, delta, w.dt_bias, w.A, w.D, u, z, ssm_state, y,
         Bsz, Dn, R, N,
         x_dbl.stride(0), w.dt_w.stride(0), delta.stride(0), w.A.stride(0), u.stride(0),
         z.stride(0), ssm_state.stride(0), ssm_state.stride(1), y.stride(0),
         DT_PROJ=dt_proj, BLOCK_B=block_b, BLOCK_D=block_d,
-        BLOCK_R=max(2, triton.next_power_of_2(R)), BLOCK_N=max(2, triton.next_power_of_2(N)),
+        BLOCK_R=max(2, next_power_of_2(R)), BLOCK_N=max(2, next_power_of_2(N)),
         num_warps=SSM_WARPS, **_pdl(u),
     )  # fmt: skip
     return y
@@ -390,7 +390,7 @@ def linear(
     Bsz = x.shape[0]
     Nout, Kin = weight.shape
     cdt = weight.dtype
-    k_pad = triton.next_power_of_2(Kin)
+    k_pad = next_power_of_2(Kin)
     if norm_weight is not None and (Bsz > 1 or k_pad > TILE):
         x, _, _ = rms_fwd(x, norm_weight, eps, residual, cdt)
         residual = norm_weight = None
@@ -399,7 +399,7 @@ def linear(
     out = torch.empty(Bsz, Nout, device=x.device, dtype=cdt)
     block_b = _block_b(Bsz)
     block_n = _rows_per_program(Nout, k_pad, TILE, not x.is_cuda)
-    launch(_linear_kernel, (triton.cdiv(Bsz, block_b), triton.cdiv(Nout, block_n)),
+    launch(_linear_kernel, (cdiv(Bsz, block_b), cdiv(Nout, block_n)),
         x, residual if residual is not None else out,
         norm_weight if norm_weight is not None else weight, weight,
         bias if bias is not None else weight, out,

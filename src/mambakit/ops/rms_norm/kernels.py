@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import launch, sm_count
+from .._triton import cdiv, launch, next_power_of_2, sm_count
 
 
 @triton.jit
@@ -140,7 +140,7 @@ def _rms_bwd_kernel(
 
 def _tile(D: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps): the whole row, and rows enough for ~4K elements a tile."""
-    BLOCK_N = triton.next_power_of_2(max(D, 1))
+    BLOCK_N = next_power_of_2(max(D, 1))
     BLOCK_M = max(1, min(16, 4096 // BLOCK_N))
     num_warps = min(16, max(4, BLOCK_M * BLOCK_N // 1024))
     return BLOCK_M, BLOCK_N, num_warps
@@ -178,7 +178,7 @@ def rms_fwd(
     if M == 0 or D == 0:
         return out, rout, rstd
     BLOCK_M, BLOCK_N, num_warps = _tile(D)
-    launch(_rms_fwd_kernel, (triton.cdiv(M, BLOCK_M),),
+    launch(_rms_fwd_kernel, (cdiv(M, BLOCK_M),),
         x2, res2 if res2 is not None else x2, weight, out, rout, rstd,
         M, D, eps,
         x2.stride(0), res2.stride(0) if res2 is not None else 0, D, D,
@@ -209,9 +209,9 @@ def rms_bwd(
     g2 = _rows(dout, D) if dout is not None else None
     gr2 = _rows(drout, D) if drout is not None else None
     BLOCK_M, BLOCK_N, num_warps = _tile(D)
-    n_blocks = triton.cdiv(M, BLOCK_M)
-    n_iter = triton.cdiv(n_blocks, min(n_blocks, 4 * _n_sm(dev)))
-    n_prog = triton.cdiv(n_blocks, n_iter)
+    n_blocks = cdiv(M, BLOCK_M)
+    n_iter = cdiv(n_blocks, min(n_blocks, 4 * _n_sm(dev)))
+    n_prog = cdiv(n_blocks, n_iter)
     dw_part = torch.empty((n_prog, D), device=dev, dtype=torch.float32)
     launch(_rms_bwd_kernel, (n_prog,),
         rout, rstd, weight, g2 if g2 is not None else rout, gr2 if gr2 is not None else rout,

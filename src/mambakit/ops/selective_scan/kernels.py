@@ -35,11 +35,11 @@ imported here, so this module names every kernel of the scan.
 """
 
 import dataclasses
+import functools
 
 import torch
-import triton
 
-from .._triton import launch, opt, sm_count
+from .._triton import cdiv, launch, next_power_of_2, opt, sm_count
 from .backward import _bwd_kernel, _bwd_local_kernel
 from .carry import _carry_bwd_kernel
 from .channel_sum import _sum_blocks_kernel, reduce_scatter_fits
@@ -71,9 +71,11 @@ class ScanConfig:
     fwd_seg_target_per_sm: int  # the same for the forward
 
 
+@functools.cache
 def config(Dn: int, interpret: bool) -> ScanConfig:
-    """The launch parameters for D = Dn channels: on the GPU, or under the interpreter."""
-    p2 = triton.next_power_of_2(Dn)
+    """The launch parameters for D = Dn channels: on the GPU, or under the interpreter
+    (cached: the same few channel counts come back every layer and every call)."""
+    p2 = next_power_of_2(Dn)
     if interpret:  # small tiles, and segments of two tiles so the carries run in every test
         return ScanConfig(
             fwd_tile=4, bwd_tile=8, fwd_block_d=min(8, p2), bwd_block_d=min(8, p2),
@@ -124,9 +126,9 @@ def _segments(
         below = cfg.seg_below_per_sm * sms
         target = max(below, per_sm * sms)
         nseg = 1 if programs >= below else max(1, min(nc, target // programs))
-        per = triton.cdiv(nc, nseg)
+        per = cdiv(nc, nseg)
     per = max(1, min(per, nc))
-    return triton.cdiv(nc, per), per
+    return cdiv(nc, per), per
 
 
 def _even(T, Dn, N, tc, bd, bn, whole_segments) -> bool:
@@ -135,7 +137,7 @@ def _even(T, Dn, N, tc, bd, bn, whole_segments) -> bool:
 
 
 def _block_n(N: int) -> int:
-    return min(triton.next_power_of_2(N), MAX_BLOCK_N)
+    return min(next_power_of_2(N), MAX_BLOCK_N)
 
 
 def _f32_bc(B: torch.Tensor, C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,8 +207,8 @@ def scan_fwd(
     cfg = cfg if cfg is not None else config(Dn, not u.is_cuda)
     B, C = _f32_bc(B, C)
     tc, ts, bd, bn = cfg.fwd_tile, cfg.bwd_tile, cfg.fwd_block_d, _block_n(N)
-    nb, nc, ndb = triton.cdiv(N, bn), triton.cdiv(T, tc), triton.cdiv(Dn, bd)
-    ns = triton.cdiv(T, ts)
+    nb, nc, ndb = cdiv(N, bn), cdiv(T, tc), cdiv(Dn, bd)
+    ns = cdiv(T, ts)
     nseg, per = _segments(nc, Bsz * ndb * nb, cfg.fwd_seg_target_per_sm, cfg, dev)
     A = A.contiguous()
     h0 = initial_state.contiguous() if initial_state is not None else None
@@ -292,7 +294,7 @@ def scan_bwd(
         )  # fmt: skip
     cfg = cfg if cfg is not None else config(Dn, not u.is_cuda)
     tc, bd, bn = cfg.bwd_tile, cfg.bwd_block_d, _block_n(N)
-    nb, nc, ndb = triton.cdiv(N, bn), triton.cdiv(T, tc), triton.cdiv(Dn, bd)
+    nb, nc, ndb = cdiv(N, bn), cdiv(T, tc), cdiv(Dn, bd)
     if tuple(states.shape) != (Bsz, nc, Dn, N):
         raise ValueError(
             f"states: expected the forward's tile-start states of shape {(Bsz, nc, Dn, N)} "
@@ -328,7 +330,7 @@ def scan_bwd(
         G = torch.empty_like(W)
         launch(
             _carry_bwd_kernel,
-            (triton.cdiv(DN, cfg.carry_block), Bsz),
+            (cdiv(DN, cfg.carry_block), Bsz),
             W,
             P,
             opt(gin, A),
@@ -383,7 +385,7 @@ def scan_bwd(
     dC = _new((Bsz, T, N), C.dtype, dev)
     M = Bsz * T * N
     block = 1024 if u.is_cuda else 64
-    launch(_sum_blocks_kernel, (triton.cdiv(M, block), 2), dBp, dCp, dB, dC, ndb, M, BLOCK_E=block)
+    launch(_sum_blocks_kernel, (cdiv(M, block), 2), dBp, dCp, dB, dC, ndb, M, BLOCK_E=block)
     dA = dAp.sum((0, 1))
     dD = dDp.sum((0, 1)) if dDp is not None else None
     dbias = dbp.sum((0, 1, 2)) if delta_bias is not None else None

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import launch
+from .._triton import cdiv, launch, next_power_of_2
 from .tiles import LOG2E, _softplus
 
 
@@ -97,11 +97,11 @@ def state_update(
     Bsz, Dn = u.shape
     N = ssm_state.shape[2]
     y = torch.empty(Bsz, Dn, dtype=u.dtype, device=u.device)
-    block_n = triton.next_power_of_2(N)
-    block_d = max(1, min(triton.next_power_of_2(Dn), 2048 // block_n))
+    block_n = next_power_of_2(N)
+    block_d = max(1, min(next_power_of_2(Dn), 2048 // block_n))
     if not u.is_cuda:  # the interpreter: small blocks
         block_d = min(block_d, 16)
-    grid = (Bsz, triton.cdiv(Dn, block_d))
+    grid = (Bsz, cdiv(Dn, block_d))
     launch(_state_update_kernel, grid,
         ssm_state, u, delta, A, B, C,
         D if D is not None else A, z if z is not None else u,
