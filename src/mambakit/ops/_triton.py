@@ -23,6 +23,7 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
 
 _SLOW = object()  # a kernel whose calls the fast path does not model: always the JIT
 _OPTIONS = {"num_warps", "num_stages", "num_ctas", "launch_pdl", "maxnreg", "enable_fp_fusion"}
@@ -130,3 +131,29 @@ def next_power_of_2(n: int) -> int:
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b), as `triton.cdiv` gives it."""
     return (a + b - 1) // b
+
+
+LOG2E = tl.constexpr(1.4426950408889634)
+# Kernels run compiled (PTX allowed) unless Triton's interpreter runs them (TRITON_INTERPRET=1,
+# read by triton.jit when a kernel is defined: the same setting decides both).
+COMPILED = tl.constexpr(not triton.knobs.runtime.interpret)
+
+
+@triton.jit
+def fast_rcp(x):
+    """1 / x for f32 x by the GPU's approximate reciprocal (`rcp.approx.ftz`: one MUFU
+    instruction, within an ulp or so, subnormals flushed), where `1 / x` compiles to a
+    full-range division with a few more instructions. Interpreted: 1 / x."""
+    if COMPILED:
+        return tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return 1.0 / x
+
+
+@triton.jit
+def fast_sigmoid(x):
+    """sigmoid(x) for f32 x by exp2 (one MUFU instruction; `tl.exp` and `tl.sigmoid` add a
+    range fix-up) and `fast_rcp`. Where e^-x overflows to inf the result is 0."""
+    return fast_rcp(1.0 + tl.exp2(-x * LOG2E))

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import cdiv, launch, next_power_of_2, opt
+from .._triton import cdiv, fast_sigmoid, launch, next_power_of_2, opt
 
 
 # fmt: off
@@ -122,7 +122,7 @@ def _conv_fwd_kernel(
         K, BLOCK_T, BLOCK_D, HAS_BIAS, HAS_INIT, HAS_SEQ,
     )
     if SILU:
-        acc = acc / (1.0 + tl.exp(-acc))
+        acc = acc * fast_sigmoid(acc)
     p_o = p_out + pid_b * stride_ob + offs_t[:, None] * stride_ot + offs_d[None, :]
     tl.store(p_o, acc.to(p_out.dtype.element_ty), mask=mask_t[:, None] & mask_d[None, :])
 
@@ -241,7 +241,7 @@ def _conv_bwd_kernel(
                     if k < K - 1:
                         b_x = tl.where((_load_seq(p_seq, pos, T, stride_st) == seq_q)[:, None], b_x, 0.0)
                 c += b_x * tl.sum(tl.where(offs_k[None, None, :] == k, b_w, -0.0), axis=2)
-            sig = 1.0 / (1.0 + tl.exp(-c))
+            sig = fast_sigmoid(c)
             b_dc = b_dc * sig * (1.0 + c * (1.0 - sig))
 
         # dc at s + lag for every tap (within the tile for the owned s)

@@ -13,6 +13,7 @@ a zero carry) when time is cut into segments.
 import triton
 import triton.language as tl
 
+from .._triton import fast_sigmoid
 from .channel_sum import _store_channel_sum
 from .tiles import (
     LOG2E,
@@ -41,7 +42,7 @@ def _tile_gate(dy_ptr, s_dy_b, s_dy_t, s_dy_d, z_ptr, s_z_b, s_z_t, b, t0, rows,
     dy = _ld(_tile_ptrs(dy_ptr, s_dy_b, s_dy_t, b, t0, rows, d, s_dy_d), m2, EVEN)
     if HAS_Z:
         z = _tile_rows(z_ptr, s_z_b, s_z_t, b, t0, rows, d, m2, EVEN)
-        sz = tl.sigmoid(z)
+        sz = fast_sigmoid(z)
         gy = dy * z * sz
     else:
         z = dy
@@ -175,7 +176,7 @@ def _bwd_kernel(
             starts = _doc_starts(t, mt, b, seq_ptr, s_seq_b, s_seq_t)
             a = tl.where(starts[:, None, None], 0.0, a)
         if HAS_Z:
-            sz = tl.sigmoid(z)
+            sz = fast_sigmoid(z)
             gy = dy * z * sz
         else:
             sz = dy
@@ -208,7 +209,7 @@ def _bwd_kernel(
             du += Dv[None, :] * gy  # Dv is 0 outside the first state block
             dD_acc += tl.sum(gy * u, axis=0)
         if SOFTPLUS:
-            ddt = ddt * tl.sigmoid(raw)
+            ddt = ddt * fast_sigmoid(raw)
         if EVEN:
             db_acc += tl.sum(ddt, axis=0)
         else:

@@ -12,6 +12,7 @@ multiply-adds each, read from L2).
 import triton
 import triton.language as tl
 
+from .._triton import fast_sigmoid
 from .tiles import (
     LOG2E,
     _combine,
@@ -105,7 +106,7 @@ def _fwd_kernel(
                     y += Dv[None, :] * u
                 if HAS_Z:
                     zt = _tile_rows(z_ptr, s_z_b, s_z_t, b, t0, rows, d, m2, EVEN)
-                    y = y * zt * tl.sigmoid(zt)
+                    y = y * zt * fast_sigmoid(zt)
             _st(_tile_ptrs(y_base, 0, Dn, b, t0, rows, d, 1), y, m2, EVEN)
         h = _row(hs, rows, TC - 1)
     if LOCAL:

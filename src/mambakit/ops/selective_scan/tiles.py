@@ -10,6 +10,8 @@ A log2 e) with document starts cut, the scans' combines and the reverse recurren
 import triton
 import triton.language as tl
 
+from .._triton import fast_rcp
+
 LOG2E = tl.constexpr(1.4426950408889634)
 
 # fmt: off
@@ -29,7 +31,7 @@ def _softplus(x):
     exponential and a few multiply-adds, accurate for large negative x too, where
     log(1 + e^x) rounds 1 + e^x. libdevice's log alone is some 30 instructions."""
     e = tl.exp2(-tl.abs(x) * LOG2E)
-    s = e / (2.0 + e)
+    s = e * fast_rcp(2.0 + e)
     s2 = s * s
     p = s2 * (1.0 / 13.0) + 1.0 / 11.0
     p = p * s2 + 1.0 / 9.0
