@@ -27,6 +27,11 @@ _RELEASED = {
 }
 
 
+def auto_dt_rank(d_model: int) -> int:
+    """dt_rank "auto": ceil(d_model / 16), mamba_ssm's rule (config, layer and checkpoints)."""
+    return math.ceil(d_model / 16)
+
+
 @dataclass
 class MambaConfig:
     d_model: int = 768  # width of the residual stream
@@ -68,7 +73,7 @@ class MambaConfig:
         if self.d_conv < 2:
             raise ValueError(f"MambaConfig.d_conv must be at least 2, got {self.d_conv}")
         if self.dt_rank is None or self.dt_rank == "auto":
-            self.dt_rank = math.ceil(self.d_model / 16)
+            self.dt_rank = auto_dt_rank(self.d_model)
         for name in ("dt_rank", "input_dim", "pad_vocab_size_multiple"):
             value = getattr(self, name)
             if value is None and name == "input_dim":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from ..config import MambaConfig
@@ -92,7 +91,7 @@ def config_from_json(cfg: dict[str, Any]) -> tuple[MambaConfig, str]:
             d_state=cfg.get("state_size", 16),
             d_conv=cfg.get("conv_kernel", 4),
             expand=expand,
-            dt_rank=math.ceil(d_model / 16) if rank == "auto" else rank,
+            dt_rank=rank,  # "auto": MambaConfig's rule
             rms_norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
             conv_bias=cfg.get("use_conv_bias", True),
             bias=cfg.get("use_bias", False),

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .mixer import _p
+from .mixer import _p, ssm_params
 
 
 class BlockWeights(NamedTuple):
@@ -118,6 +118,7 @@ def _derive(block: nn.Module) -> BlockWeights:
     in_w, in_b = _p(mods["in_proj"], "weight"), _p(mods["in_proj"], "bias")
     conv_w, conv_b = _p(mods["conv1d"], "weight"), _p(mods["conv1d"], "bias")
     out_w, out_b = _p(mods["out_proj"], "weight"), _p(mods["out_proj"], "bias")
+    A, D, dt_bias = ssm_params(_p(mixer, "A_log"), _p(mixer, "D"), _p(mods["dt_proj"], "bias"))
     D2, M = in_w.shape
     in_wT = in_w.new_zeros(M + 1, D2)
     in_wT[:M] = (in_w * (_p(norm, "weight") * math.sqrt(M))).t()
@@ -134,9 +135,9 @@ def _derive(block: nn.Module) -> BlockWeights:
         conv_b=bias_rows,
         x_wT=_p(mods["x_proj"], "weight").t().contiguous(),
         dt_w=_p(mods["dt_proj"], "weight"),
-        dt_bias=_p(mods["dt_proj"], "bias"),
-        A=-torch.exp(_p(mixer, "A_log")),
-        D=_p(mixer, "D"),
+        dt_bias=dt_bias,
+        A=A,
+        D=D,
         out_wT=out_wT,
         out_b=None if out_b is None else F.pad(out_b, (0, 1)),
         halves=(D2 // 2, D2 // 2),

@@ -7,12 +7,11 @@ mamba_ssm `Mamba`, so state dicts map one to one.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import auto_dt_rank
 from ..ops import causal_conv1d_update, selective_state_update
 from ..ops._checks import check_tensor, state_dtype
 from . import _ssm_compat
@@ -71,7 +70,7 @@ class Mamba(nn.Module):
         self.d_state = d_state
         self.d_conv = d_conv
         self.d_inner = expand * d_model
-        self.dt_rank = math.ceil(d_model / 16) if dt_rank == "auto" else dt_rank
+        self.dt_rank = auto_dt_rank(d_model) if dt_rank == "auto" else dt_rank
         if not isinstance(self.dt_rank, int) or self.dt_rank <= 0:
             raise ValueError(f"Mamba: dt_rank must be 'auto' or a positive int, got {dt_rank!r}")
         self.layer_idx = layer_idx
@@ -94,15 +93,14 @@ class Mamba(nn.Module):
 
         Without autograd (decode) they are cached until A_log, D or the bias change
         (their version counters move), so a decode step does not recompute them."""
-        f = state_dtype(self.A_log)
         params = (self.A_log, self.D, self.dt_proj.bias)
         if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-            return -torch.exp(self.A_log.to(f)), self.D.to(f), self.dt_proj.bias.to(f)
+            return ssm_params(*params)
         key = tuple((p.data_ptr(), p._version) for p in params)
         cache = self.__dict__.get("_ssm_cache")
         if cache is None or cache[0] != key:
             with torch.no_grad():
-                values = (-torch.exp(self.A_log.to(f)), self.D.to(f), self.dt_proj.bias.to(f))
+                values = ssm_params(*params)
             cache = (key, values)
             self.__dict__["_ssm_cache"] = cache
         return cache[1]
@@ -215,9 +213,7 @@ class Mamba(nn.Module):
         cache = self.__dict__.get("_decode_cache")
         if fresh or cache is None or cache[0] != key:
             if torch.compiler.is_compiling():  # `_ssm_params`' cache check breaks the graph
-                A_log, D, dt_bias = params[5:]
-                f = state_dtype(A_log)
-                ssm = (-torch.exp(A_log.to(f)), D.to(f), dt_bias.to(f))
+                ssm = ssm_params(*params[5:])
             else:
                 ssm = self._ssm_params()
             values = (tuple((w, w.t()) for w in params[:4]), params[4].squeeze(1), ssm)
@@ -226,6 +222,14 @@ class Mamba(nn.Module):
             cache = (key, params, values)
             self.__dict__["_decode_cache"] = cache
         return cache[2]
+
+
+def ssm_params(A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor) -> tuple:
+    """(A = -exp(A_log), D, dt bias) in the state dtype (f32; f64 for a float64 model): the one
+    place the layer's SSM parameters are derived, for the forward, the decode steps and their
+    caches."""
+    f = state_dtype(A_log)
+    return -torch.exp(A_log.to(f)), D.to(f), dt_bias.to(f)
 
 
 def _p(module: nn.Module, name: str) -> torch.Tensor | None:
