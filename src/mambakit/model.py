@@ -19,8 +19,8 @@ from .config import MambaConfig
 from .layers.block import MambaBlock, RMSNorm
 from .layers.decode import decode_layers, decode_weights
 from .layers.init import init_model_weights
-from .layers.loss import linear_cross_entropy, next_token_targets
-from .ops import norm_linear, resolve_backend, rms_norm
+from .layers.loss import next_token_targets
+from .ops import linear_cross_entropy, norm_linear, resolve_backend, rms_norm
 from .ops._checks import check_seq_idx, check_tensor, state_dtype
 from .state import Mamba3ModelState, MambaState
 

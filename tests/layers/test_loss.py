@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from mambakit import MambaConfig, MambaLM
-from mambakit.layers.loss import linear_cross_entropy
+from mambakit.ops import linear_cross_entropy
 
 
 def _oracle(h, W, t):

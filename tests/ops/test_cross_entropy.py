@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mambakit.layers.loss import linear_cross_entropy
+from mambakit.ops import linear_cross_entropy
 from mambakit.ops.cross_entropy import (
     cross_entropy_bwd_reference,
     cross_entropy_bwd_triton,

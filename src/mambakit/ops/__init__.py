@@ -17,6 +17,7 @@ import torch
 
 from ._checks import check_same_dtype, check_seq_idx, check_tensor, state_dtype
 from .causal_conv1d.reference import causal_conv1d_reference, causal_conv1d_update_reference
+from .cross_entropy.linear import LinearCrossEntropy
 from .mamba_step import StepWeights
 from .mamba_step.reference import mamba_layer_step_reference, norm_linear_reference
 from .rms_norm.reference import rms_norm_reference
@@ -34,6 +35,7 @@ __all__ = [
     "mamba_layer_step",
     "norm_linear",
     "StepWeights",
+    "linear_cross_entropy",
     "resolve_backend",
 ]
 
@@ -348,3 +350,33 @@ def norm_linear(
 
         return norm_linear_triton(x, weight, bias, residual, norm_weight, eps)
     return norm_linear_reference(x, weight, bias, residual, norm_weight, eps)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,  # [..., M]
+    weight: torch.Tensor,  # [V, M]
+    targets: torch.Tensor,  # [...] int, -100 ignored
+    chunk: int = 4096,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Summed cross-entropy of `hidden @ weight.T` against `targets` (f32, f64 for f64), the
+    logits computed and reduced `chunk` tokens at a time (never whole in memory).
+
+    `backend` as for every op: "triton" reduces each chunk with a Triton kernel (CUDA, f32 /
+    bf16 / f16 hidden), "reference" with PyTorch."""
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(
+            f"targets must have shape {list(hidden.shape[:-1])}, got {list(targets.shape)}"
+        )
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be [V, {hidden.shape[-1]}], got {list(weight.shape)}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    return LinearCrossEntropy.apply(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        targets.reshape(-1).long(),
+        chunk,
+        resolve_backend(backend, hidden),
+    )

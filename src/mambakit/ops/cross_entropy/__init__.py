@@ -1,7 +1,7 @@
 """Cross-entropy of one chunk of logits as torch.library custom ops over the Triton kernels.
 
 c rows (tokens), V classes. These are the non-GEMM half of
-`mambakit.layers.loss.linear_cross_entropy`, which computes each chunk's logits,
+`mambakit.ops.linear_cross_entropy` (linear.py), which computes each chunk's logits,
 reduces them here, and in the backward computes them again and turns them into
 their gradient in place. Triton is imported inside the op bodies only, so CPU
 users can import this package without it. No autograd is registered: the loss's
