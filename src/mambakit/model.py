@@ -151,13 +151,14 @@ class MambaBackbone(nn.Module):
             check_seq_idx(seq_idx, Bsz, T, x.device)
         h = self.embed(x)
         cdt = compute_dtype(self._param.dtype, x.device)
+        backend = resolve_backend("auto", h)  # once per call, for every layer's ops
         residual = None
         finals = []
         for i, layer in enumerate(self.layers):
             layer_state = None if state is None else state.layer(i)
-            h, residual, final = layer(h, residual, cdt, layer_state, seq_idx)
+            h, residual, final = layer(h, residual, cdt, layer_state, seq_idx, backend)
             finals.append(final)
-        out, _ = self.norm_f(h, residual, cdt)
+        out, _ = self.norm_f(h, residual, cdt, backend=backend)
         if self.config.mixer == "mamba3":
             return out, Mamba3ModelState.stack(finals)
         convs, ssms = zip(*finals)

@@ -30,11 +30,13 @@ class RMSNorm(nn.Module):
         residual: torch.Tensor | None = None,
         out_dtype: torch.dtype | None = None,
         validate: bool = True,
+        backend: str = "auto",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(normed in out_dtype, residual_out = x + residual in f32)."""
         return rms_norm(
-            x, self.weight, self.eps, residual=residual, out_dtype=out_dtype, validate=validate
-        )
+            x, self.weight, self.eps, residual=residual, out_dtype=out_dtype, backend=backend,
+            validate=validate,
+        )  # fmt: skip
 
 
 class MambaBlock(nn.Module):
@@ -87,14 +89,15 @@ class MambaBlock(nn.Module):
         compute_dtype: torch.dtype,
         state=None,  # this layer's state: (conv, ssm) for Mamba-1, a Mamba3State for Mamba-3
         seq_idx: torch.Tensor | None = None,
+        backend: str = "auto",  # the model resolves it once per call
     ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
         """(the mixer's output, the residual [B, T, M] f32, the layer's final state)."""
-        normed, residual = self.norm(hidden, residual, compute_dtype)
+        normed, residual = self.norm(hidden, residual, compute_dtype, backend=backend)
         if self.mamba3:
-            out, new = self.mixer(normed, state, seq_idx, return_state=True)
+            out, new = self.mixer(normed, state, seq_idx, return_state=True, backend=backend)
         else:
             conv, ssm = (None, None) if state is None else state
-            out, new = self.mixer(normed, conv, ssm, seq_idx, return_state=True)
+            out, new = self.mixer(normed, conv, ssm, seq_idx, return_state=True, backend=backend)
         return out, residual, new
 
     def step(

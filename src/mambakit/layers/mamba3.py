@@ -229,6 +229,7 @@ class Mamba3(nn.Module):
         state: Mamba3State | None = None,
         seq_idx: torch.Tensor | None = None,  # [B, T] int32 document ids
         return_state: bool = False,
+        backend: str = "auto",
     ) -> torch.Tensor | tuple[torch.Tensor, Mamba3State]:
         check_tensor("u", u, (None, None, self.d_model))
         if state is not None:
@@ -237,7 +238,7 @@ class Mamba3(nn.Module):
             check_seq_idx(seq_idx, u.shape[0], u.shape[1], u.device)
         x, q, k, delta, A, trap, theta, z = self._inputs(u)
         args = (x, q, k, delta, A, trap, theta, self.C_bias[:, 0], self.B_bias[:, 0], self.D, z)
-        if self._kernels(u, state, differentiable=True):  # the Triton backend: chunk kernels
+        if self._kernels(u, state, backend, differentiable=True):  # Triton: chunk kernels
             y, final = mamba3_scan_kernel(*args, initial_state=state, seq_idx=seq_idx)
         else:
             y, final = mamba3_scan_reference(
@@ -293,7 +294,6 @@ class Mamba3(nn.Module):
             resolve_backend(backend, u) == "triton"
             and (differentiable or not records)
             and not torch.compiler.is_compiling()
-            and u.dtype != torch.float64
             and (state is None or state.ssm.dtype == torch.float32)
         )
 

@@ -113,6 +113,7 @@ class Mamba(nn.Module):
         seq_idx: torch.Tensor | None = None,  # [B, T] int32
         return_state: bool = False,
         inference_params=None,  # mamba_ssm's cache object (also accepted second, positionally)
+        backend: str = "auto",
     ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         if inference_params is None and hasattr(conv_state, "key_value_memory_dict"):
             inference_params, conv_state = conv_state, None  # mixer(hidden, inference_params)
@@ -140,6 +141,7 @@ class Mamba(nn.Module):
             conv_state=conv_state,
             ssm_state=ssm_state,
             seq_idx=seq_idx,
+            backend=backend,
         )  # y [B, T, D]
         out = self.out_proj(y)
         return (out, (conv_out, ssm_out)) if return_state else out

@@ -57,8 +57,13 @@ def triton_available() -> bool:
     return _TRITON[0]
 
 
-def resolve_backend(backend: str, x: torch.Tensor) -> str:
-    """The backend an op on `x` runs with: "reference" or "triton"."""
+def resolve_backend(backend: str, x: torch.Tensor, *others: torch.Tensor | None) -> str:
+    """The backend an op on `x` runs with: "reference" or "triton". The one place the
+    choice is made (a model resolves it once per call and hands it to its layers' ops).
+
+    float64 is the oracle's dtype and stays on the reference: an f64 `x` under "auto" or
+    MAMBAKIT_BACKEND, and any f64 operand among `others` (as the f64 residual stream of
+    an RMSNorm whose input is in a lower dtype)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -82,6 +87,8 @@ def resolve_backend(backend: str, x: torch.Tensor) -> str:
             raise RuntimeError(
                 "backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before import"
             )
+        if any(t is not None and t.dtype == torch.float64 for t in others):
+            return "reference"
     return backend
 
 
@@ -200,9 +207,7 @@ def rms_norm(
             raise ValueError(f"eps must be > 0, got {eps}")
         if out_dtype is not None and out_dtype not in _TRITON_DTYPES + (torch.float64,):
             raise TypeError(f"out_dtype must be a float dtype, got {out_dtype}")
-    if residual is not None and residual.dtype == torch.float64 and x.dtype != torch.float64:
-        backend = "reference"  # an f64 residual asks for the f64 oracle path
-    if resolve_backend(backend, x) == "triton":
+    if resolve_backend(backend, x, residual) == "triton":
         from .rms_norm import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, residual, out_dtype)
