@@ -61,7 +61,7 @@ def gpu_us(fn) -> float:
 
 def op_costs(B: int = 8, T: int = 2048, dev: str = "cuda") -> list[str]:
     """Host enqueue time against GPU time of the mixer's ops at the training shape."""
-    import mambakit.layers.inner as inner
+    import mambakit.ops.mamba_inner as inner
     from mambakit.layers.mixer import Mamba
     from mambakit.ops import selective_scan
     from mambakit.ops.causal_conv1d.kernels import conv_bwd, conv_fwd

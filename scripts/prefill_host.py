@@ -102,8 +102,9 @@ def layer_pieces(model, T: int = 64) -> str:
     GPU work is negligible there): the block, its norm and mixer, and the mixer's parts."""
     import torch.nn.functional as F
 
-    from mambakit.layers import inner
+    from mambakit.ops import mamba_inner as inner_op
     from mambakit.ops.causal_conv1d import kernels as conv_k
+    from mambakit.ops.mamba_inner import _projections
     from mambakit.ops.selective_scan import kernels as scan_k
 
     block = model.backbone.layers[0]
@@ -119,7 +120,7 @@ def layer_pieces(model, T: int = 64) -> str:
         A, D, dt_bias = mixer._ssm_params()
         cw = mixer.conv1d.weight.squeeze(1)
         u, _ = conv_k.conv_fwd(xz[..., :Dn], cw, mixer.conv1d.bias, None, None, True, True)
-        x_dbl, _, B, C, delta = inner._projections(
+        x_dbl, _, B, C, delta = _projections(
             u, None, mixer.x_proj.weight, mixer.dt_proj.weight, N
         )
     pieces = {
@@ -130,7 +131,7 @@ def layer_pieces(model, T: int = 64) -> str:
         "F.linear in_proj": lambda: F.linear(normed, mixer.in_proj.weight),
         "_ssm_params": lambda: mixer._ssm_params(),
         "conv weight squeeze": lambda: mixer.conv1d.weight.squeeze(1),
-        "mamba_inner": lambda: inner.mamba_inner(
+        "mamba_inner": lambda: inner_op(
             xz,
             conv_weight=cw,
             conv_bias=mixer.conv1d.bias,
@@ -143,7 +144,7 @@ def layer_pieces(model, T: int = 64) -> str:
         "conv_fwd (launcher)": lambda: conv_k.conv_fwd(
             xz[..., :Dn], cw, mixer.conv1d.bias, None, None, True, True
         ),
-        "_projections": lambda: inner._projections(
+        "_projections": lambda: _projections(
             u, None, mixer.x_proj.weight, mixer.dt_proj.weight, N
         ),
         "scan_fwd (launcher)": lambda: scan_k.scan_fwd(

@@ -3,7 +3,7 @@
 B batch, T time, M = d_model, D = d_inner, N = d_state. On the Triton backend
 `Mamba.forward` runs conv, x_proj, dt_proj and the scan as one autograd node
 that saves xz and x_dbl and recomputes u and delta in the backward
-(layers/inner.py). The same kernels chained op by op (`mamba_inner_unfused`)
+(ops/mamba_inner). The same kernels chained op by op (`mamba_inner_chain`)
 are its oracle for values and every gradient, the float64 reference its oracle
 for the math; a saved-tensor hook shows what each keeps. Without CUDA the
 kernels run under the Triton interpreter, so the shapes are tiny.
@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from mambakit import Mamba
-from mambakit.layers import inner, mixer
+from mambakit.layers import mixer
+from mambakit.ops.mamba_inner.reference import mamba_inner_chain
 
 if not torch.cuda.is_available():  # before the kernels are first imported, as tests/ops does
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -36,6 +37,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
+
+
+def _chain(xz, *, validate=True, **kw):
+    """The op chain in the fused node's place (the mixer's call passes validate)."""
+    return mamba_inner_chain(xz, **kw)
 
 @pytest.fixture
 def triton_backend(monkeypatch):
@@ -101,7 +107,7 @@ def test_fused_matches_unfused(seed, randomize, triton_backend, monkeypatch, cas
 
     outs, grads = run(m, x, conv0, ssm0, seq_idx, dtype, loss_on)
     assert type(outs[2].grad_fn).__name__ == "_FusedInnerBackward"
-    monkeypatch.setattr(mixer, "mamba_inner", inner.mamba_inner_unfused)
+    monkeypatch.setattr(mixer, "mamba_inner", _chain)
     outs_ref, grads_ref = run(m, x, conv0, ssm0, seq_idx, dtype, loss_on)
 
     assert outs[0].dtype == dtype and outs[1].dtype == F32 and outs[2].dtype == F32
@@ -170,7 +176,7 @@ def test_fused_saves_no_u_or_delta(seed, randomize, triton_backend, monkeypatch)
     ssm0 = torch.randn(Bsz, D, m.d_state, device=DEVICE, requires_grad=True)
 
     fused, ptr = saved_by_autograd(m, x, conv0, ssm0)
-    monkeypatch.setattr(mixer, "mamba_inner", inner.mamba_inner_unfused)
+    monkeypatch.setattr(mixer, "mamba_inner", _chain)
     unfused, ptr_ref = saved_by_autograd(m, x, conv0, ssm0)
 
     def activations(seen):  # storages saved as [B, T, D] or [B T, D] (linear's 2-D view)

@@ -12,11 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import auto_dt_rank
-from ..ops import causal_conv1d_update, selective_state_update
+from ..ops import causal_conv1d_update, mamba_inner, selective_state_update
 from ..ops._checks import check_tensor, state_dtype
 from . import _ssm_compat
 from .init import init_A_log, init_dt_proj, no_weight_decay
-from .inner import mamba_inner
 
 
 class Mamba(nn.Module):
@@ -24,7 +23,7 @@ class Mamba(nn.Module):
 
     With `return_state=True` it also takes the state of this layer, conv [B, K-1, D]
     and ssm [B, D, N] (both f32), and returns the final one, differentiable. Between
-    in_proj and out_proj it runs `mamba_inner` (layers/inner.py), which on the Triton
+    in_proj and out_proj it runs `mamba_inner` (ops/mamba_inner), which on the Triton
     backend is one autograd node that recomputes the conv output and delta in the
     backward.
 
@@ -142,6 +141,7 @@ class Mamba(nn.Module):
             ssm_state=ssm_state,
             seq_idx=seq_idx,
             backend=backend,
+            validate=False,  # x and the states are checked above
         )  # y [B, T, D]
         out = self.out_proj(y)
         return (out, (conv_out, ssm_out)) if return_state else out

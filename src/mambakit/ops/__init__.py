@@ -18,6 +18,7 @@ import torch
 from ._checks import check_same_dtype, check_seq_idx, check_tensor, state_dtype
 from .causal_conv1d.reference import causal_conv1d_reference, causal_conv1d_update_reference
 from .cross_entropy.linear import LinearCrossEntropy
+from .mamba_inner.reference import mamba_inner_chain
 from .mamba_step import StepWeights
 from .mamba_step.reference import mamba_layer_step_reference, norm_linear_reference
 from .rms_norm.reference import rms_norm_reference
@@ -36,6 +37,7 @@ __all__ = [
     "norm_linear",
     "StepWeights",
     "linear_cross_entropy",
+    "mamba_inner",
     "resolve_backend",
 ]
 
@@ -179,6 +181,58 @@ def causal_conv1d(
 
         return causal_conv1d_triton(*args, return_final_state=return_final_state)
     return causal_conv1d_reference(*args, return_final_state=return_final_state)
+
+
+def mamba_inner(
+    xz: torch.Tensor,  # [B, T, 2D], in_proj's output (x and z side by side)
+    *,
+    conv_weight: torch.Tensor,  # [D, K]
+    conv_bias: torch.Tensor | None,  # [D]
+    x_proj_weight: torch.Tensor,  # [R + 2N, D]
+    dt_proj_weight: torch.Tensor,  # [D, R]
+    A: torch.Tensor,  # [D, N] f32, = -exp(A_log)
+    D: torch.Tensor,  # [D] f32
+    dt_bias: torch.Tensor,  # [D] f32
+    conv_state: torch.Tensor | None = None,  # [B, K-1, D]
+    ssm_state: torch.Tensor | None = None,  # [B, D, N]
+    seq_idx: torch.Tensor | None = None,  # [B, T] int32
+    backend: str = "auto",
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Mamba mixer between in_proj and out_proj: conv, x_proj, dt_proj and the scan
+    gated by silu(z). Returns (y [B, T, D] in xz.dtype, final conv state [B, K-1, D],
+    final ssm state [B, D, N]); the projections run in xz.dtype, the states are f32 (f64
+    on the oracle path). On "triton" one fused autograd node (ops/mamba_inner), on
+    "reference" the chain of ops. `validate=False`: the caller checked xz, the weights and
+    the states (the Mamba layer); seq_idx is checked either way."""
+    Dn, N = A.shape
+    if validate:
+        check_tensor("xz", xz, (None, None, 2 * Dn), last_dim_contiguous=True)
+        Bsz, dev = xz.shape[0], xz.device
+        check_tensor("conv_weight", conv_weight, (Dn, None), device=dev)
+        K = conv_weight.shape[1]
+        R = dt_proj_weight.shape[1] if dt_proj_weight.dim() == 2 else -1
+        check_tensor("x_proj_weight", x_proj_weight, (R + 2 * N, Dn), device=dev)
+        check_tensor("dt_proj_weight", dt_proj_weight, (Dn, R), device=dev)
+        for name, t in (("conv_bias", conv_bias), ("D", D), ("dt_bias", dt_bias)):
+            if t is not None:
+                check_tensor(name, t, (Dn,), device=dev)
+        if conv_state is not None:
+            check_tensor("conv_state", conv_state, (Bsz, K - 1, Dn), device=dev)
+        if ssm_state is not None:
+            check_tensor("ssm_state", ssm_state, (Bsz, Dn, N), device=dev)
+    if seq_idx is not None:
+        check_seq_idx(seq_idx, xz.shape[0], xz.shape[1], xz.device)
+    args = (conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias)
+    if resolve_backend(backend, xz) == "triton":
+        from .mamba_inner import mamba_inner_triton
+
+        return mamba_inner_triton(xz, *args, conv_state, ssm_state, seq_idx)
+    return mamba_inner_chain(
+        xz, conv_weight=conv_weight, conv_bias=conv_bias, x_proj_weight=x_proj_weight,
+        dt_proj_weight=dt_proj_weight, A=A, D=D, dt_bias=dt_bias, conv_state=conv_state,
+        ssm_state=ssm_state, seq_idx=seq_idx, backend="reference",
+    )  # fmt: skip
 
 
 def rms_norm(

@@ -1,4 +1,4 @@
-"""The mixer between in_proj and out_proj: conv -> x_proj -> dt_proj -> selective scan.
+"""The Mamba mixer between in_proj and out_proj as one op: conv -> x_proj -> dt_proj -> scan.
 
 B batch, T time, D = d_inner, N = d_state, K = d_conv, R = dt_rank.
 
@@ -12,8 +12,9 @@ On the Triton backend one autograd node covers all of it and chooses what the
 backward keeps: xz, x_dbl and the scan's state every TC steps. It recomputes
 u (one conv launch) and delta (a [B T, R] x [R, D] GEMM) instead of storing
 two [B, T, D] activations, as mamba_ssm's `mamba_inner_fn` (checkpoint_lvl=1)
-does. The reference backend composes the ops, each with its own autograd; it
-is the CPU path and the oracle of the fused node.
+does (`mamba_inner_triton` here). The reference (reference.py) composes the ops,
+each with its own autograd; it is the CPU path and, run with the Triton ops, the
+oracle of the fused node. `mambakit.ops.mamba_inner` picks between them.
 """
 
 from __future__ import annotations
@@ -22,106 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from ..ops import causal_conv1d, resolve_backend, selective_scan
-from ..ops._checks import check_seq_idx
-from ..ops._dispatch import Op
-from ..ops.causal_conv1d import conv_fwd_op
-from ..ops.selective_scan import scan_fwd_op
-
-
-def mamba_inner(
-    xz: torch.Tensor,  # [B, T, 2D]
-    *,
-    conv_weight: torch.Tensor,  # [D, K]
-    conv_bias: torch.Tensor | None,  # [D]
-    x_proj_weight: torch.Tensor,  # [R + 2N, D]
-    dt_proj_weight: torch.Tensor,  # [D, R]
-    A: torch.Tensor,  # [D, N] f32, = -exp(A_log)
-    D: torch.Tensor,  # [D] f32
-    dt_bias: torch.Tensor,  # [D] f32
-    conv_state: torch.Tensor | None = None,  # [B, K-1, D]
-    ssm_state: torch.Tensor | None = None,  # [B, D, N]
-    seq_idx: torch.Tensor | None = None,  # [B, T] int32
-    backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y [B, T, D] in xz.dtype, final conv state [B, K-1, D], final ssm state [B, D, N]).
-
-    The projections run in xz.dtype (the autocast dtype when in_proj ran under
-    autocast); the states are f32 (f64 on the float64 oracle path).
-    """
-    if resolve_backend(backend, xz) != "triton":
-        return mamba_inner_unfused(
-            xz,
-            conv_weight=conv_weight,
-            conv_bias=conv_bias,
-            x_proj_weight=x_proj_weight,
-            dt_proj_weight=dt_proj_weight,
-            A=A,
-            D=D,
-            dt_bias=dt_bias,
-            conv_state=conv_state,
-            ssm_state=ssm_state,
-            seq_idx=seq_idx,
-            backend=backend,
-        )
-    if seq_idx is not None:  # the fused node calls the custom ops directly, past their checks
-        check_seq_idx(seq_idx, xz.shape[0], xz.shape[1], xz.device)
-    weights = (conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias)
-    inputs = (xz, *weights, conv_state, ssm_state)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-        return _FusedInner.apply(xz, *weights, conv_state, ssm_state, seq_idx)
-    # nothing to differentiate (inference, prefill): the same ops without an autograd node,
-    # whose apply() costs ~40 us of host time per layer
-    return _inner_forward(xz, *weights, conv_state, ssm_state, seq_idx, False)[:3]
-
-
-def mamba_inner_unfused(
-    xz: torch.Tensor,
-    *,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    x_proj_weight: torch.Tensor,
-    dt_proj_weight: torch.Tensor,
-    A: torch.Tensor,
-    D: torch.Tensor,
-    dt_bias: torch.Tensor,
-    conv_state: torch.Tensor | None = None,
-    ssm_state: torch.Tensor | None = None,
-    seq_idx: torch.Tensor | None = None,
-    backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`mamba_inner` as a chain of ops, each saving its own inputs (u and delta included)."""
-    Dn, N = A.shape
-    R = dt_proj_weight.shape[1]
-    x_in, z = xz[..., :Dn], xz[..., Dn:]
-    u, conv_out = causal_conv1d(
-        x_in,
-        conv_weight,
-        conv_bias,
-        initial_state=conv_state,
-        seq_idx=seq_idx,
-        activation="silu",
-        return_final_state=True,
-        backend=backend,
-    )
-    dt_r, B, C = F.linear(u, x_proj_weight).split([R, N, N], dim=-1)
-    delta = F.linear(dt_r, dt_proj_weight)
-    y, ssm_out = selective_scan(
-        u,
-        delta,
-        A,
-        B,
-        C,
-        D=D,
-        z=z,
-        delta_bias=dt_bias,
-        delta_softplus=True,
-        initial_state=ssm_state,
-        seq_idx=seq_idx,
-        return_final_state=True,
-        backend=backend,
-    )
-    return y, conv_out, ssm_out
+from .._dispatch import Op
+from ..causal_conv1d import conv_fwd_op
+from ..selective_scan import scan_fwd_op
 
 
 def _as(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -163,6 +67,20 @@ def _inner_forward(
         u, delta, A, B, C, D, z, dt_bias, True, ssm_state, seq_idx, save
     )
     return y, conv_out, ssm_out, x_dbl, states
+
+
+def mamba_inner_triton(
+    xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias, conv_state,
+    ssm_state, seq_idx,
+):  # fmt: skip
+    """(y, final conv state, final ssm state) by the fused node: one autograd node when a
+    gradient is needed, the same ops without one otherwise (its apply() costs ~40 us of
+    host time per layer)."""
+    weights = (conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias)
+    inputs = (xz, *weights, conv_state, ssm_state)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        return _FusedInner.apply(xz, *weights, conv_state, ssm_state, seq_idx)
+    return _inner_forward(xz, *weights, conv_state, ssm_state, seq_idx, False)[:3]
 
 
 class _FusedInner(torch.autograd.Function):
@@ -261,8 +179,8 @@ def _inner_bwd(
     d dt_proj_weight, dA, dD, d dt_bias, d conv_state, d ssm_state), an absent input's
     gradient an empty tensor. The scan writes dz and the conv dx_in straight into the two
     halves of d xz (no concatenation)."""
-    from ..ops.causal_conv1d.kernels import conv_bwd, conv_fwd
-    from ..ops.selective_scan.kernels import scan_bwd
+    from ..causal_conv1d.kernels import conv_bwd, conv_fwd
+    from ..selective_scan.kernels import scan_bwd
 
     Dn, N = A.shape
     x_in, z = xz[..., :Dn], xz[..., Dn:]
