@@ -120,9 +120,7 @@ def layer_pieces(model, T: int = 64) -> str:
         A, D, dt_bias = mixer._ssm_params()
         cw = mixer.conv1d.weight.squeeze(1)
         u, _ = conv_k.conv_fwd(xz[..., :Dn], cw, mixer.conv1d.bias, None, None, True, True)
-        x_dbl, _, B, C, delta = _projections(
-            u, None, mixer.x_proj.weight, mixer.dt_proj.weight, N
-        )
+        x_dbl, _, B, C, delta = _projections(u, None, mixer.x_proj.weight, mixer.dt_proj.weight, N)
     pieces = {
         "block (norm + mixer)": lambda: block(x, res, bf),
         "norm": lambda: block.norm(x, res, bf),
@@ -144,9 +142,7 @@ def layer_pieces(model, T: int = 64) -> str:
         "conv_fwd (launcher)": lambda: conv_k.conv_fwd(
             xz[..., :Dn], cw, mixer.conv1d.bias, None, None, True, True
         ),
-        "_projections": lambda: _projections(
-            u, None, mixer.x_proj.weight, mixer.dt_proj.weight, N
-        ),
+        "_projections": lambda: _projections(u, None, mixer.x_proj.weight, mixer.dt_proj.weight, N),
         "scan_fwd (launcher)": lambda: scan_k.scan_fwd(
             u, delta, A, B, C, D, xz[..., Dn:], dt_bias, True, None, None, False
         ),

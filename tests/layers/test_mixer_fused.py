@@ -38,10 +38,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
-
 def _chain(xz, *, validate=True, **kw):
     """The op chain in the fused node's place (the mixer's call passes validate)."""
     return mamba_inner_chain(xz, **kw)
+
 
 @pytest.fixture
 def triton_backend(monkeypatch):
