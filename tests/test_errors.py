@@ -181,6 +181,41 @@ def test_mixer_bad_inputs():
         m(x, seq_idx=torch.zeros(2, 6, dtype=torch.int32))
 
 
+def test_mamba_inner_op_bad_inputs():
+    """ops.mamba_inner checks what it is given (the layer passes validate=False, having
+    checked), and its output equals the layer's own call on good inputs."""
+    from mambakit.ops import mamba_inner
+
+    m = Mamba(d_model=8, d_state=4, d_conv=3)  # D 16, R 1
+    A, D, dt_bias = m._ssm_params()
+    w = dict(
+        conv_weight=m.conv1d.weight.detach().squeeze(1), conv_bias=m.conv1d.bias.detach(),
+        x_proj_weight=m.x_proj.weight.detach(), dt_proj_weight=m.dt_proj.weight.detach(),
+        A=A, D=D, dt_bias=dt_bias,
+    )  # fmt: skip
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        xz = m.in_proj(x)
+        y, conv, ssm = mamba_inner(xz, **w)
+        out, (conv_l, ssm_l) = m(x, return_state=True)
+    assert torch.equal(m.out_proj(y), out) and torch.equal(conv, conv_l)
+    assert torch.equal(ssm, ssm_l)
+    bad = [
+        ("xz", dict(xz=xz[..., :31])),
+        ("conv_weight", dict(conv_weight=w["conv_weight"][:15])),
+        ("dt_proj_weight", dict(dt_proj_weight=w["dt_proj_weight"][:15])),
+        ("x_proj_weight", dict(x_proj_weight=w["x_proj_weight"][:, :15])),
+        ("dt_bias", dict(dt_bias=dt_bias[:15])),
+        ("conv_state", dict(conv_state=torch.zeros(2, 3, 16))),
+        ("ssm_state", dict(ssm_state=torch.zeros(3, 16, 4))),
+        ("seq_idx", dict(seq_idx=torch.zeros(2, 6, dtype=torch.int32))),
+    ]
+    for name, change in bad:
+        kw = {"xz": xz, **w, **change}
+        with pytest.raises(ERRORS, match=name):
+            mamba_inner(kw.pop("xz"), **kw)
+
+
 # ---------------------------------------------------------------- config
 
 

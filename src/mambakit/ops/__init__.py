@@ -210,10 +210,9 @@ def mamba_inner(
         check_tensor("xz", xz, (None, None, 2 * Dn), last_dim_contiguous=True)
         Bsz, dev = xz.shape[0], xz.device
         check_tensor("conv_weight", conv_weight, (Dn, None), device=dev)
-        K = conv_weight.shape[1]
-        R = dt_proj_weight.shape[1] if dt_proj_weight.dim() == 2 else -1
+        check_tensor("dt_proj_weight", dt_proj_weight, (Dn, None), device=dev)
+        K, R = conv_weight.shape[1], dt_proj_weight.shape[1]
         check_tensor("x_proj_weight", x_proj_weight, (R + 2 * N, Dn), device=dev)
-        check_tensor("dt_proj_weight", dt_proj_weight, (Dn, R), device=dev)
         for name, t in (("conv_bias", conv_bias), ("D", D), ("dt_bias", dt_bias)):
             if t is not None:
                 check_tensor(name, t, (Dn,), device=dev)
