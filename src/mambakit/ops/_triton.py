@@ -20,6 +20,7 @@ interpreter) goes through the JIT every time.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -46,8 +47,10 @@ def _spec(a):
 def _hooked() -> bool:
     """Launch hooks are registered (a profiler such as proton): they need the JIT's path.
     Triton 3.6 keeps them as chains (`HookChain.calls`), older versions as one callable."""
-    rt = triton.knobs.runtime
-    enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+    knobs = getattr(triton, "knobs", None)
+    rt = knobs.runtime if knobs is not None else triton.compiler.CompiledKernel  # Triton < 3.4
+    enter = getattr(rt, "launch_enter_hook", None)
+    leave = getattr(rt, "launch_exit_hook", None)
     return bool(getattr(enter, "calls", enter)) or bool(getattr(leave, "calls", leave))
 
 
@@ -134,9 +137,20 @@ def cdiv(a: int, b: int) -> int:
 
 
 LOG2E = tl.constexpr(1.4426950408889634)
-# Kernels run compiled (PTX allowed) unless Triton's interpreter runs them (TRITON_INTERPRET=1,
-# read by triton.jit when a kernel is defined: the same setting decides both).
-COMPILED = tl.constexpr(not triton.knobs.runtime.interpret)
+
+
+def _interpreting() -> bool:
+    """TRITON_INTERPRET as triton.jit reads it when a kernel is defined (knobs from Triton
+    3.4, the environment before)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Kernels run compiled (PTX allowed) unless Triton's interpreter runs them: the setting
+# triton.jit read when it defined them decides both.
+COMPILED = tl.constexpr(not _interpreting())
 
 
 @triton.jit
