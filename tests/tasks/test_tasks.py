@@ -184,6 +184,25 @@ def test_task_batches_resume_where_they_stopped():
     assert not torch.equal(val["input_ids"], TaskBatches(task, 4, 32, seed=1).next()["input_ids"])
 
 
+@pytest.mark.parametrize("task", [InductionHeads(), SelectiveCopying(n_tokens=4)])
+def test_task_batches_all_targets_add_the_next_token(task):
+    """targets="all": the same rows, the answers where they are scored, the next input
+    everywhere else, nothing at an unscored last step."""
+    answers = TaskBatches(task, 3, 32, seed=5).next()
+    dense = TaskBatches(task, 3, 32, seed=5, targets="all").next()
+    ids, t, d = answers["input_ids"], answers["targets"], dense["targets"]
+    assert torch.equal(dense["input_ids"], ids)
+    scored = t != -100
+    assert torch.equal(d[scored], t[scored])
+    for b in range(ids.shape[0]):
+        for i in range(ids.shape[1]):
+            if not scored[b, i]:
+                want = ids[b, i + 1] if i + 1 < ids.shape[1] else -100
+                assert d[b, i] == want
+    with pytest.raises(ValueError, match="targets"):
+        TaskBatches(task, 3, 32, targets="everything")
+
+
 # -- the metric -------------------------------------------------------------------------
 
 

@@ -102,6 +102,13 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     p.add_argument(
+        "--train-targets",
+        default="answers",
+        choices=["answers", "all"],
+        help="what training scores: the answers only (as the test), or also the next token "
+        "everywhere else (an LM loss over the row, as safari trains induction heads)",
+    )
+    p.add_argument(
         "--precision",
         default="auto",
         choices=["auto", "bf16", "f16", "f32"],
@@ -218,7 +225,9 @@ def _train_and_test(args, task, tcfg: TrainConfig, lengths, device, run_dir: Pat
         vocab_size=task.vocab_size,
     )
     model = MambaLM(cfg)
-    train = TaskBatches(task, tcfg.batch_size, tcfg.seqlen, seed=args.seed)
+    train = TaskBatches(
+        task, tcfg.batch_size, tcfg.seqlen, seed=args.seed, targets=args.train_targets
+    )
     val = TaskBatches(task, tcfg.batch_size, tcfg.seqlen, seed=args.seed, split=SPLIT_VAL)
     trainer = Trainer(model, tcfg, train, val.take(tcfg.eval_batches))
     print(

@@ -32,6 +32,7 @@ def stream_seed(*parts: int) -> int:
 
 
 SPLIT_TRAIN, SPLIT_VAL, SPLIT_TEST = 0, 1, 2
+TARGETS = ("answers", "all")  # what training scores (TaskBatches)
 
 
 class TaskBatches:
@@ -40,7 +41,12 @@ class TaskBatches:
     Batch i is the stream seeded with stream_seed(split, seed, i), so `state_dict` (the
     next i) is the whole data cursor and a resumed run draws the batches it would have.
     `device` "cpu" by default: the Trainer counts targets on the host and copies the
-    batch into its captured CUDA graph, and a [B, T] batch at training length is small."""
+    batch into its captured CUDA graph, and a [B, T] batch at training length is small.
+
+    `targets`: "answers" scores the task's answers only (as the test does); "all" also
+    asks for the next input token at every other position (a language-model loss over
+    the whole row, as HazyResearch/safari trains its induction heads), the answers
+    unchanged where they are scored."""
 
     def __init__(
         self,
@@ -50,11 +56,15 @@ class TaskBatches:
         seed: int = 0,
         device: torch.device | str = "cpu",
         split: int = SPLIT_TRAIN,
+        targets: str = "answers",
     ) -> None:
+        if targets not in TARGETS:
+            raise ValueError(f"targets must be one of {TARGETS}, got {targets!r}")
         self.task = task
         self.batch_size = _positive_int("batch_size", batch_size)
         self.seqlen = task.check_seqlen(seqlen)
         self.seed, self.device, self.split = int(seed), torch.device(device), split
+        self.targets = targets
         self.index = 0
 
     def next(self) -> dict[str, torch.Tensor]:
@@ -62,6 +72,9 @@ class TaskBatches:
         ids, targets = TaskStream(
             self.task, self.batch_size, self.seqlen, seed, self.device
         ).whole()
+        if self.targets == "all":  # the next input where no answer is scored
+            nxt = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], IGNORE)], 1)
+            targets = torch.where(targets != IGNORE, targets, nxt)
         self.index += 1
         return {"input_ids": ids, "targets": targets}
 
