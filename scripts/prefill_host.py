@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from decode_profile import peer_model  # scripts/: the peer LM, None when not importable
+from host_overhead import per_call_us  # scripts/: host us per call, median of rounds
 from torch.profiler import ProfilerActivity, profile
 
 from mambakit import MambaConfig, MambaLM
@@ -155,21 +156,6 @@ def layer_pieces(model, T: int = 64) -> str:
         for name, fn in pieces.items():
             lines.append(f"  {name:<26} {per_call_us(fn):8.1f}")
     return "\n".join(lines)
-
-
-def per_call_us(fn, n: int = 300) -> float:
-    """Host us per call (tiny GPU work), the median of 5 rounds of n calls."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    rounds = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        rounds.append((time.perf_counter() - t0) / n * 1e6)
-    return sorted(rounds)[2]
 
 
 def main() -> None:
