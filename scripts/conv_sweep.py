@@ -28,10 +28,53 @@ def timed(fn) -> float:
     return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median")
 
 
+PREFILL = [(32, 128, 4), (64, 128, 4), (16, 128, 2), (16, 256, 4), (32, 64, 2), (64, 64, 4),
+           (128, 64, 8), (32, 256, 8), (64, 256, 8)]  # fmt: skip
+
+
+def prefill(rows: list) -> None:
+    """The forward alone at the prefill shapes (1 x 4096 at D 1536 and 4096), GPU time from
+    CUDA graphs; the peer's causal_conv1d too when importable."""
+    try:
+        from causal_conv1d import causal_conv1d_fn
+    except ImportError:
+        causal_conv1d_fn = None
+    default = (K.FWD_BLOCK_T, K.FWD_BLOCK_D, K.FWD_WARPS)
+    for D in (1536, 4096):
+        g = torch.Generator(device="cuda").manual_seed(0)
+        xz = torch.randn(1, 4096, 2 * D, device="cuda", generator=g).to(torch.bfloat16)
+        x = xz[..., :D]
+        w = torch.randn(D, 4, device="cuda", generator=g) * 0.5
+        bias = torch.randn(D, device="cuda", generator=g) * 0.1
+        gb = 4096 * D * 2 * 2 / 1e9
+        for bt, bd, nw in PREFILL:
+            K.FWD_BLOCK_T, K.FWD_BLOCK_D, K.FWD_WARPS = bt, bd, nw
+            fn = lambda x=x, w=w, b=bias: K.conv_fwd(x, w, b, None, None, True, True)  # noqa: E731
+            us = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
+            rows.append(dict(kernel="fwd prefill", D=D, block_t=bt, block_d=bd, warps=nw,
+                             us=us, tb_s=gb / us * 1e3))  # fmt: skip
+            print(rows[-1], flush=True)
+        K.FWD_BLOCK_T, K.FWD_BLOCK_D, K.FWD_WARPS = default
+        if causal_conv1d_fn is not None:
+            xp = x.transpose(1, 2)
+            fn = lambda x=xp, w=w, b=bias: causal_conv1d_fn(x, w, b, activation="silu")  # noqa: E731
+            us = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
+            rows.append(dict(kernel="peer fwd prefill", D=D, us=us, tb_s=gb / us * 1e3))
+            print(rows[-1], flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
+    ap.add_argument("--prefill", action="store_true", help="only the forward at 1 x 4096")
     args = ap.parse_args()
+    if args.prefill:
+        rows: list = []
+        prefill(rows)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     g = torch.Generator(device="cuda").manual_seed(0)
     Bsz, T, D, Kw = 8, 2048, 1536, 4
     xz = torch.randn(Bsz, T, 2 * D, device="cuda", generator=g).to(torch.bfloat16)

@@ -7,7 +7,7 @@ set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"sweep conv scan model tests train decode dprofile host prefill"}  # also: ncu, tasks
+STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile host prefill"}  # also: ncu, tasks
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -25,7 +25,11 @@ if stage sweep; then  # timings only: later stages run the library's own config 
 fi
 if stage conv; then  # the conv kernels' launch parameters, and the peer's causal_conv1d
   echo "== conv_sweep" | tee -a "$LOG"
-  timeout ${T_CONV:-120} python scripts/conv_sweep.py --out "$OUT/conv_sweep.json" 2>&1 | tee -a "$LOG"
+  timeout ${T_CONV:-120} python scripts/conv_sweep.py --out "$OUT/conv_sweep.json" ${CONV_ARGS:-} 2>&1 | tee -a "$LOG"
+fi
+if stage dtproj; then  # the dt_proj kernel (softplus in its epilogue) against the chain, its launch parameters
+  echo "== dt_proj_sweep" | tee -a "$LOG"
+  timeout ${T_DTPROJ:-150} python scripts/dt_proj_sweep.py --out "$OUT/dt_proj_sweep.json" 2>&1 | tee -a "$LOG"
 fi
 if stage ncu; then  # hardware counters of the scan kernels (stall reasons, occupancy)
   echo "== ncu" | tee -a "$LOG"

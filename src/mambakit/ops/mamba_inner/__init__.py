@@ -9,12 +9,14 @@ B batch, T time, D = d_inner, N = d_state, K = d_conv, R = dt_rank.
     y          = scan(u, delta, A, B, C, D, z)      [B, T, D], gated by silu(z)
 
 On the Triton backend one autograd node covers all of it and chooses what the
-backward keeps: xz, x_dbl and the scan's state every TC steps. It recomputes
-u (one conv launch) and delta (a [B T, R] x [R, D] GEMM) instead of storing
-two [B, T, D] activations, as mamba_ssm's `mamba_inner_fn` (checkpoint_lvl=1)
-does (`mamba_inner_triton` here). The reference (reference.py) composes the ops,
-each with its own autograd; it is the CPU path and, run with the Triton ops, the
-oracle of the fused node. `mambakit.ops.mamba_inner` picks between them.
+backward keeps: xz, x_dbl and the scan's state every TC steps. dt_proj is a kernel
+of ours (kernels.py) that also adds the bias and applies softplus, once, for both
+of the scan's passes. The backward recomputes u (one conv launch) and raw delta
+(the same kernel, the same bits) instead of storing two [B, T, D] activations, as
+mamba_ssm's `mamba_inner_fn` (checkpoint_lvl=1) does (`mamba_inner_triton` here). The
+reference (reference.py) composes the ops, each with its own autograd; it is the CPU
+path and, run with the Triton ops, the oracle of the fused node. `mambakit.ops.mamba_inner`
+picks between them.
 """
 
 from __future__ import annotations
@@ -33,38 +35,45 @@ def _as(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return w if w.dtype == dtype else w.to(dtype)
 
 
-def _projections(
-    u: torch.Tensor,  # [B, T, D]
-    x_dbl: torch.Tensor | None,  # [B, T, R + 2N], or None to compute it from u
-    x_proj_weight: torch.Tensor,
-    dt_proj_weight: torch.Tensor,
-    N: int,
-) -> tuple[torch.Tensor, ...]:
-    """(x_dbl, dt_r, B, C, delta) in u.dtype, bit-identical in the forward and the backward.
+@torch.library.custom_op("mambakit::dt_proj", mutates_args=())
+def _dt_proj_op(
+    x_dbl: torch.Tensor, dt_proj_weight: torch.Tensor, dt_bias: torch.Tensor | None, softplus: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """dt_proj for the scan (kernels.py): (softplus(raw + dt_bias) f32, B and C in f32), or
+    (raw, empty) without softplus."""
+    from .kernels import dt_proj
 
-    Autocast is off and the weights are cast by hand, so both passes run the same GEMMs
-    whatever autocast state the backward runs under."""
-    R = dt_proj_weight.shape[1]
-    with torch.autocast(u.device.type, enabled=False):
-        if x_dbl is None:
-            x_dbl = F.linear(u, _as(x_proj_weight, u.dtype))
-        dt_r, B, C = x_dbl.split([R, N, N], dim=-1)
-        delta = F.linear(dt_r, _as(dt_proj_weight, u.dtype))
-    return x_dbl, dt_r, B, C, delta
+    return dt_proj(x_dbl, dt_proj_weight, dt_bias, softplus)
+
+
+@_dt_proj_op.register_fake
+def _(x_dbl, dt_proj_weight, dt_bias, softplus):
+    Bsz, T, W = x_dbl.shape
+    D, R = dt_proj_weight.shape
+    f32 = torch.float32
+    if not softplus:
+        return x_dbl.new_empty((Bsz, T, D)), x_dbl.new_empty((0,), dtype=f32)
+    return x_dbl.new_empty((Bsz, T, D), dtype=f32), x_dbl.new_empty((Bsz, T, W - R), dtype=f32)
+
+
+dt_proj_op = Op(_dt_proj_op)
 
 
 def _inner_forward(
     xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias, conv_state,
     ssm_state, seq_idx, save: bool,
 ):  # fmt: skip
-    """(y, final conv state, final ssm state, x_dbl, the scan's saved states): conv, the
-    projections and the scan; `save`: the scan keeps its states for a backward."""
+    """(y, final conv state, final ssm state, x_dbl, the scan's saved states): conv, x_proj,
+    dt_proj with the bias and softplus (delta in f32), and the scan; `save`: the scan keeps
+    its states for a backward."""
     Dn, N = A.shape
     x_in, z = xz[..., :Dn], xz[..., Dn:]
     u, conv_out = conv_fwd_op(x_in, conv_weight, conv_bias, conv_state, seq_idx, True, True)
-    x_dbl, _, B, C, delta = _projections(u, None, x_proj_weight, dt_proj_weight, N)
+    with torch.autocast(u.device.type, enabled=False):
+        x_dbl = F.linear(u, _as(x_proj_weight, u.dtype))
+    delta, bc = dt_proj_op(x_dbl, dt_proj_weight, dt_bias, True)
     y, ssm_out, states = scan_fwd_op(
-        u, delta, A, B, C, D, z, dt_bias, True, ssm_state, seq_idx, save
+        u, delta, A, bc[..., :N], bc[..., N:], D, z, None, False, ssm_state, seq_idx, save
     )
     return y, conv_out, ssm_out, x_dbl, states
 
@@ -181,11 +190,14 @@ def _inner_bwd(
     halves of d xz (no concatenation)."""
     from ..causal_conv1d.kernels import conv_bwd, conv_fwd
     from ..selective_scan.kernels import scan_bwd
+    from .kernels import dt_proj
 
     Dn, N = A.shape
     x_in, z = xz[..., :Dn], xz[..., Dn:]
     u, _ = conv_fwd(x_in, conv_weight, conv_bias, conv_state, seq_idx, True, False)
-    _, dt_r, B, C, delta = _projections(u, x_dbl, x_proj_weight, dt_proj_weight, N)
+    R = dt_proj_weight.shape[1]
+    dt_r, B, C = x_dbl.split([R, N, N], dim=-1)
+    delta, _ = dt_proj(x_dbl, dt_proj_weight, None, False)  # raw: the forward's bits
     if gy is None:
         gy = torch.zeros_like(u)
     dxz = torch.empty(xz.shape, dtype=xz.dtype, device=xz.device)
