@@ -23,7 +23,17 @@ from mambakit.ops.selective_scan import kernels as KS
 
 SHAPES = {"130m 1x4096": (1, 4096, 1536, 48), "1.4b 1x4096": (1, 4096, 4096, 128),
           "130m 8x2048": (8, 2048, 1536, 48)}  # fmt: skip
-CANDIDATES = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 64, 8), (64, 32, 2), (32, 64, 2)]
+# (BLOCK_M, BLOCK_D, warps, D_TILES, STAGES)
+CANDIDATES = [
+    (64, 64, 4, 1, 1),
+    (64, 64, 4, 2, 2),
+    (64, 64, 4, 4, 2),
+    (64, 64, 4, 4, 3),
+    (64, 128, 4, 2, 2),
+    (128, 64, 4, 2, 2),
+    (128, 64, 8, 4, 2),
+    (64, 64, 8, 4, 2),
+]
 
 
 def timed(fn) -> float:
@@ -73,10 +83,9 @@ def sweep(name: str, Bsz: int, T: int, D: int, R: int, g: torch.Generator) -> li
     }
     for piece, fn in pieces.items():
         rows.append(dict(shape=name, piece=piece, us=timed(fn)))
-    default = (KM.BLOCK_M, KM.BLOCK_D_SMALL, KM.BLOCK_D_LARGE, KM.WARPS)
-    for bm, bd, nw in CANDIDATES:
-        KM.BLOCK_M, KM.BLOCK_D_SMALL, KM.BLOCK_D_LARGE, KM.WARPS = bm, bd, bd, nw
-        cand = (bm, bd, nw)
+    default = (KM.BLOCK_M, KM.BLOCK_D, KM.WARPS, KM.D_TILES, KM.STAGES)
+    for cand in CANDIDATES:
+        KM.BLOCK_M, KM.BLOCK_D, KM.WARPS, KM.D_TILES, KM.STAGES = cand
         try:
             us = timed(lambda: KM.dt_proj(x_dbl, w, bias, True))
             same = torch.equal(KM.dt_proj(x_dbl, w, bias, True)[0], delta)
@@ -84,7 +93,7 @@ def sweep(name: str, Bsz: int, T: int, D: int, R: int, g: torch.Generator) -> li
             rows.append(dict(shape=name, piece="dt_proj kernel", cfg=cand, error=str(e)[:200]))
             continue
         rows.append(dict(shape=name, piece="dt_proj kernel", cfg=cand, us=us, same_bits=same))
-    KM.BLOCK_M, KM.BLOCK_D_SMALL, KM.BLOCK_D_LARGE, KM.WARPS = default
+    KM.BLOCK_M, KM.BLOCK_D, KM.WARPS, KM.D_TILES, KM.STAGES = default
     for r in rows:
         print(r, flush=True)
     return rows

@@ -31,6 +31,10 @@ if stage dtproj; then  # the dt_proj kernel (softplus in its epilogue) against t
   echo "== dt_proj_sweep" | tee -a "$LOG"
   timeout ${T_DTPROJ:-150} python scripts/dt_proj_sweep.py --out "$OUT/dt_proj_sweep.json" 2>&1 | tee -a "$LOG"
 fi
+if stage rms; then  # the RMSNorm forward's tiles at the prefill shapes
+  echo "== rms_sweep" | tee -a "$LOG"
+  timeout ${T_RMS:-90} python scripts/rms_sweep.py --out "$OUT/rms_sweep.json" 2>&1 | tee -a "$LOG"
+fi
 if stage ncu; then  # hardware counters of the scan kernels (stall reasons, occupancy)
   echo "== ncu" | tee -a "$LOG"
   for k in ${NCU_KERNELS:-_bwd_kernel _fwd_kernel}; do

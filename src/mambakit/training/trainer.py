@@ -578,10 +578,14 @@ class Trainer:
             self._restore(snapshot)  # the warm-up steps must not count
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.current_stream()
         try:
             with torch.cuda.graph(graph):
                 loss, norm = self._step_body(static)
         except Exception as e:
+            # when the capture fails, torch.cuda.graph's exit raises before it restores the
+            # stream it made current (its capture stream): put ours back
+            torch.cuda.set_stream(stream)
             if self.cfg.cuda_graph is True:
                 raise
             self.optimizer.zero_grad(set_to_none=True)

@@ -57,9 +57,11 @@ def _dt_proj_kernel(
     stride_xm, stride_wd, stride_wr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_BC: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, IEEE: tl.constexpr,
+    D_TILES: tl.constexpr, STAGES: tl.constexpr,
 ):
     # x_dbl [M, R + 2N] rows (M = B T) with stride 1 along them; delta [M, D] (SOFTPLUS: f32,
-    # else x_dbl's dtype) and bc [M, 2N] f32, contiguous
+    # else x_dbl's dtype) and bc [M, 2N] f32, contiguous. A program: BLOCK_M rows, D_TILES
+    # tiles of BLOCK_D channels one after the other (its dt rows loaded once).
     pid_m = tl.program_id(0)
     pid_d = tl.program_id(1)
     dtype = p_xdbl.dtype.element_ty
@@ -67,44 +69,48 @@ def _dt_proj_kernel(
     mask_m = offs_m < M
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
     p_rows = p_xdbl + offs_m[:, None] * stride_xm
     dt_r = tl.load(p_rows + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-    w = tl.load(
-        p_w + offs_d[None, :] * stride_wd + offs_r[:, None] * stride_wr,
-        mask=mask_r[:, None] & mask_d[None, :], other=0.0,
-    )
-    raw = _dot(dt_r, _round(w, dtype), tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), IEEE)
-    raw = _round(raw, dtype)  # dt_proj's output, as the GEMM rounds it
-    m2 = mask_m[:, None] & mask_d[None, :]
-    p_out = p_delta + offs_m[:, None] * D + offs_d[None, :]
+    for j in tl.range(D_TILES, num_stages=STAGES):
+        offs_d = (pid_d * D_TILES + j) * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        w = tl.load(
+            p_w + offs_d[None, :] * stride_wd + offs_r[:, None] * stride_wr,
+            mask=mask_r[:, None] & mask_d[None, :], other=0.0,
+        )
+        raw = _dot(dt_r, _round(w, dtype), tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), IEEE)
+        raw = _round(raw, dtype)  # dt_proj's output, as the GEMM rounds it
+        m2 = mask_m[:, None] & mask_d[None, :]
+        p_out = p_delta + offs_m[:, None] * D + offs_d[None, :]
+        if SOFTPLUS:
+            bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+            if HAS_BIAS:
+                bias = tl.load(p_bias + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+            _, delta = _delta_of(raw.to(tl.float32), m2, bias, HAS_BIAS, True, True)
+            tl.store(p_out, delta, mask=m2)
+        else:
+            tl.store(p_out, raw, mask=m2)
     if SOFTPLUS:
-        bias = tl.zeros([BLOCK_D], dtype=tl.float32)
-        if HAS_BIAS:
-            bias = tl.load(p_bias + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        _, delta = _delta_of(raw.to(tl.float32), m2, bias, HAS_BIAS, True, True)
-        tl.store(p_out, delta, mask=m2)
         if pid_d == 0:  # B and C, widened
             offs_c = tl.arange(0, BLOCK_BC)
             m_c = mask_m[:, None] & (offs_c < N2)[None, :]
             bc = tl.load(p_rows + R + offs_c[None, :], mask=m_c, other=0.0)
             tl.store(p_bc + offs_m[:, None] * N2 + offs_c[None, :], bc.to(tl.float32), mask=m_c)
-    else:
-        tl.store(p_out, raw, mask=m2)
 
 
 # fmt: on
 
 
-# launch parameters (GPU; the interpreter takes the smallest tiles tl.dot allows, so the
-# tests cover several blocks and the masked edges), measured on the H200 from CUDA graphs by
-# scripts/dt_proj_sweep.py (rows x channels x warps): 130m 1 x 4096, 64 x 64 x 4 10.3 us
-# (64 x 128: 11.8; 32 x 128: 11.7; 128 x 128 x 8: 11.8); 8 x 2048 at D 1536, 35.4 (37.1);
-# 1.4b 1 x 4096, 64 x 128 30.6 (64 x 64: 32.8; 128 x 128 x 8: 31.4). BLOCK_D: up to D 2048 /
-# above. It writes 4 bytes of delta per (t, channel) where cuBLAS wrote 2: 10.3 us against
-# cuBLAS dt_proj 6.0 + widening B, C 2.8, paid back by the scan (88.0 -> 79.7 us).
-BLOCK_M, BLOCK_D_SMALL, BLOCK_D_LARGE, WARPS = 64, 64, 128, 4
+# launch parameters (GPU; the interpreter takes the smallest tiles tl.dot allows, and two
+# channel tiles per program, so the tests cover several blocks, the loop and the masked
+# edges), measured on the H200 from CUDA graphs by scripts/dt_proj_sweep.py as (rows,
+# channels, warps, channel tiles per program, pipeline stages), all with the same bits:
+#   130m 1 x 4096:  64 x 64 x 4, 4 tiles, 3 stages  9.9 us (1 tile: 10.3; 64 x 128: 11.8)
+#   1.4b 1 x 4096:  the same                       26.4 us (64 x 128, 1 tile: 30.6-31.3)
+#   130m 8 x 2048:  the same                       35.1 us (1 tile: 35.4)
+# It writes 4 bytes of delta per (t, channel) where cuBLAS wrote 2: 9.9 us against cuBLAS
+# dt_proj 6.0 + widening B, C 2.8 at 130m, paid back by the scan (88.0 -> 79.7 us).
+BLOCK_M, BLOCK_D, WARPS, D_TILES, STAGES = 64, 64, 4, 4, 3
 
 
 def dt_proj(
@@ -129,14 +135,15 @@ def dt_proj(
     x2 = x_dbl.reshape(M, W)  # a view for the layer's contiguous x_dbl
     interpret = not x_dbl.is_cuda
     bm = 16 if interpret else BLOCK_M
-    bd = 16 if interpret else (BLOCK_D_SMALL if D <= 2048 else BLOCK_D_LARGE)
-    launch(_dt_proj_kernel, (cdiv(M, bm), cdiv(D, bd)),
+    bd = 16 if interpret else BLOCK_D
+    tiles = 2 if interpret else D_TILES  # interpreted: the loop runs in the tests
+    launch(_dt_proj_kernel, (cdiv(M, bm), cdiv(D, bd * tiles)),
         x2, dt_proj_weight, opt(dt_bias, dt_proj_weight), delta, bc,
         M, D, R, N2,
         x2.stride(0), dt_proj_weight.stride(0), dt_proj_weight.stride(1),
         BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=max(16, next_power_of_2(R)),
         BLOCK_BC=next_power_of_2(N2), HAS_BIAS=dt_bias is not None, SOFTPLUS=softplus,
-        IEEE=x_dbl.dtype == f32,
+        IEEE=x_dbl.dtype == f32, D_TILES=tiles, STAGES=STAGES,
         num_warps=WARPS,
     )  # fmt: skip
     return delta, bc

@@ -1,0 +1,57 @@
+"""Time the RMSNorm forward's tiles (rows per program, warps) at the prefill shapes: 4096 rows
+of the 130m and 1.4b widths (768, 2048), bf16 hidden plus the f32 residual, as a block runs
+it; GPU time from CUDA graphs. Candidates replace `_tile` of ops/rms_norm/kernels.py.
+
+PYTHONPATH=src python scripts/rms_sweep.py --out rms_sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton.testing
+
+from mambakit.ops.rms_norm import kernels as K
+
+CANDIDATES = [(1, 4), (1, 2), (1, 8), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8), (16, 16)]
+
+
+def sweep(D: int) -> list[dict]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4096, D, device="cuda", generator=g).to(torch.bfloat16)
+    res = torch.randn(4096, D, device="cuda", generator=g)
+    w = torch.randn(D, device="cuda", generator=g)
+    gb = 4096 * D * (2 + 4 + 4 + 2) / 1e9
+
+    def fn():
+        return K.rms_fwd(x, w, 1e-5, res, torch.bfloat16)
+
+    library, base, rows = K._tile, fn(), []
+    bn = 1 << (D - 1).bit_length()
+    for cand in [None, *CANDIDATES]:
+        if cand is None:
+            K._tile, name = library, "library"
+        else:
+            K._tile, name = (lambda D, c=cand: (c[0], bn, c[1])), f"{cand[0]} rows, {cand[1]} warps"
+        us = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
+        same = all(torch.equal(a, b) for a, b in zip(fn(), base))
+        rows.append(dict(D=D, tile=name, us=us, tb_s=gb / us * 1e3, same_bits=same))
+        print(rows[-1], flush=True)
+    K._tile = library
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    rows = sweep(768) + sweep(2048)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
