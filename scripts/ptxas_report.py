@@ -34,12 +34,9 @@ def report(cfg: dict) -> None:
             if p.is_constexpr:
                 consts[p.name] = cfg.get(p.name, p.name not in ("LOCAL", "SPLIT_N"))
                 sig[p.name] = "constexpr"
-            elif p.name.endswith("_ptr"):
-                sig[p.name] = (
-                    "*i32"
-                    if "seq" in p.name
-                    else ("*bf16" if p.name[0] in "udzC" or p.name.startswith("B_") else "*fp32")
-                )
+            elif p.name.startswith("p_"):
+                t = p.name[2:]  # the tensor
+                sig[p.name] = "*i32" if "seq" in t else ("*bf16" if t[0] in "udzCB" else "*fp32")
             else:
                 sig[p.name] = "i32"
         for k in ("TC", "BLOCK_D", "BLOCK_N"):

@@ -26,7 +26,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from mambakit.ops.selective_scan import kernels as K  # noqa: E402
 from mambakit.ops.selective_scan.channel_sum import reduce_scatter_fits  # noqa: E402
 
-BF16 = {"u_ptr", "dt_ptr", "B_ptr", "C_ptr", "z_ptr", "dy_ptr", "du_ptr", "ddt_ptr", "dz_ptr"}
+BF16 = {"p_u", "p_dt", "p_B", "p_C", "p_z", "p_dy", "p_du", "p_ddt", "p_dz"}
 FLAGS = ["HAS_SEQ", "HAS_G", "HAS_H0", "EVEN"]
 
 
@@ -36,7 +36,7 @@ def rs_layouts(consts: dict, warps: int) -> list[str]:
     for p in fn.params:
         if p.is_constexpr:
             sig[p.name] = "constexpr"
-        elif p.name.endswith("_ptr"):
+        elif p.name.startswith("p_"):
             sig[p.name] = "*i32" if "seq" in p.name else ("*bf16" if p.name in BF16 else "*fp32")
         else:
             sig[p.name] = "i32"

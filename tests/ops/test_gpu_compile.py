@@ -36,7 +36,7 @@ def _signature(fn) -> tuple[dict, dict]:
         if p.is_constexpr:
             consts[name] = CONSTS.get(name, True)  # flags: the path with every feature on
             sig[name] = "constexpr"
-        elif name.endswith("_ptr") or name.startswith("p_"):
+        elif name.startswith("p_"):
             sig[name] = "*i32" if "seq" in name else "*i64" if "tgt" in name else "*fp32"
         elif name == "eps":
             sig[name] = "fp32"

@@ -10,14 +10,14 @@ from mambakit.ops import _triton
 from mambakit.ops._triton import _keyword_order, _spec, launch
 
 
-def _affine(out_ptr, x_ptr, n, shift, BLOCK: tl.constexpr, TWICE: tl.constexpr = True):
+def _affine(p_out, p_x, n, shift, BLOCK: tl.constexpr, TWICE: tl.constexpr = True):
     """out[i] = x[i] * (2 if TWICE else 1) + shift for i < n."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
-    x = tl.load(x_ptr + i, mask=m)
+    x = tl.load(p_x + i, mask=m)
     if TWICE:
         x = x * 2
-    tl.store(out_ptr + i, x + shift, mask=m)
+    tl.store(p_out + i, x + shift, mask=m)
 
 
 _affine_kernel = triton.jit(_affine)

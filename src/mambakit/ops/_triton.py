@@ -1,5 +1,5 @@
 """Host-side helpers shared by the Triton launchers: `launch` (the kernel launch fast path),
-`sm_count`, `opt`, `next_power_of_2`, `cdiv`.
+`sm_count`, `opt`, `strides`, `next_power_of_2`, `cdiv`.
 
 `kernel[grid](*args, **kwargs)` costs about 27 us of host time per call on the H200 host
 (Triton 3.6: argument binding, per-argument specialization, the cache key, the launch), 11 us
@@ -113,6 +113,12 @@ def _keyword_order(kernel, n_positional: int, kwargs: dict):
 def sm_count(index: int) -> int:
     """Streaming multiprocessors of CUDA device `index` (grid sizing)."""
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
+    """The first n strides of an optional input, or n zeros for an absent one (its kernel's
+    HAS_* flag is off, so they are never used)."""
+    return tuple(t.stride()[:n]) if t is not None else (0,) * n
 
 
 def opt(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:

@@ -18,14 +18,14 @@ BLOCK = 8192  # logits per step of a program (8 warps: 32 per thread)
 
 
 @triton.jit
-def _argmax_kernel(x_ptr, out_ptr, V, s_x, BLOCK: tl.constexpr):
+def _argmax_kernel(p_x, p_out, V, s_x, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     idx = tl.zeros([BLOCK], tl.int32)
     for v0 in tl.range(0, V, BLOCK, num_stages=3):
         v = v0 + offs
-        x = tl.load(x_ptr + row * s_x + v, mask=v < V, other=float("-inf")).to(tl.float32)
+        x = tl.load(p_x + row * s_x + v, mask=v < V, other=float("-inf")).to(tl.float32)
         better = (x > best) | ((x != x) & (best == best))  # a NaN beats any number
         best = tl.where(better, x, best)
         idx = tl.where(better, v, idx)
@@ -33,7 +33,7 @@ def _argmax_kernel(x_ptr, out_ptr, V, s_x, BLOCK: tl.constexpr):
     has_nan = tl.max(nan.to(tl.int32), axis=0) > 0
     top = tl.max(tl.where(nan, float("-inf"), best), axis=0)
     hit = tl.where(has_nan, nan, best == top)
-    tl.store(out_ptr + row, tl.min(tl.where(hit, idx, 0x7FFFFFFF), axis=0).to(tl.int64))
+    tl.store(p_out + row, tl.min(tl.where(hit, idx, 0x7FFFFFFF), axis=0).to(tl.int64))
 
 
 def argmax_triton(logits: torch.Tensor) -> torch.Tensor:

@@ -32,43 +32,43 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import cdiv, fast_sigmoid, launch, next_power_of_2, opt
+from .._triton import cdiv, fast_sigmoid, launch, next_power_of_2, opt, strides
 
 
 # fmt: off
 @triton.jit
 def _load_src(
-    p_x, p_init, pos, offs_d, mask_d, T, stride_xt, stride_it, stride_id,
+    p_x, p_init, pos, offs_d, mask_d, T, s_x_t, s_init_t, s_init_d,
     K: tl.constexpr, HAS_INIT: tl.constexpr,
 ):
     """The conv input at times pos [BT] and channels offs_d [BD], in f32."""
     in_x = (pos >= 0) & (pos < T)
     t_x = tl.where(in_x, pos, 0)
     b_x = tl.load(
-        p_x + t_x[:, None] * stride_xt + offs_d[None, :],
+        p_x + t_x[:, None] * s_x_t + offs_d[None, :],
         mask=in_x[:, None] & mask_d[None, :], other=0.0,
     ).to(tl.float32)
     if HAS_INIT:
         in_s = (pos < 0) & (pos >= 1 - K)
         t_s = tl.where(in_s, pos + K - 1, 0)
         b_x += tl.load(
-            p_init + t_s[:, None] * stride_it + offs_d[None, :] * stride_id,
+            p_init + t_s[:, None] * s_init_t + offs_d[None, :] * s_init_d,
             mask=in_s[:, None] & mask_d[None, :], other=0.0,
         ).to(tl.float32)
     return b_x
 
 
 @triton.jit
-def _load_seq(p_seq, pos, T, stride_st):
+def _load_seq(p_seq, pos, T, s_seq_t):
     """seq_idx at times pos, where times before 0 read seq_idx[0] (and past T-1 read T-1)."""
     t = tl.minimum(tl.maximum(pos, 0), T - 1)
-    return tl.load(p_seq + t * stride_st)
+    return tl.load(p_seq + t * s_seq_t)
 
 
 @triton.jit
 def _conv_pre(
     p_x, p_init, p_w, p_b, p_seq, q, seq_q, offs_d, mask_d, T,
-    stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st,
+    s_x_t, s_init_t, s_init_d, s_w_d, s_w_k, s_seq_t,
     K: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
 ):
@@ -76,12 +76,12 @@ def _conv_pre(
     acc = tl.zeros([BT, BD], dtype=tl.float32)
     for k in tl.static_range(K):
         pos = q - (K - 1 - k)
-        b_x = _load_src(p_x, p_init, pos, offs_d, mask_d, T, stride_xt, stride_it, stride_id, K, HAS_INIT)
+        b_x = _load_src(p_x, p_init, pos, offs_d, mask_d, T, s_x_t, s_init_t, s_init_d, K, HAS_INIT)
         if HAS_SEQ:
             if k < K - 1:
-                same = _load_seq(p_seq, pos, T, stride_st) == seq_q
+                same = _load_seq(p_seq, pos, T, s_seq_t) == seq_q
                 b_x = tl.where(same[:, None], b_x, 0.0)
-        b_w = tl.load(p_w + offs_d * stride_wd + k * stride_wk, mask=mask_d, other=0.0).to(tl.float32)
+        b_w = tl.load(p_w + offs_d * s_w_d + k * s_w_k, mask=mask_d, other=0.0).to(tl.float32)
         acc += b_x * b_w[None, :]
     if HAS_BIAS:
         acc += tl.load(p_b + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
@@ -92,12 +92,12 @@ def _conv_pre(
 def _conv_fwd_kernel(
     p_x, p_w, p_b, p_init, p_seq, p_out, p_final,
     T, D,
-    stride_xb, stride_xt,
-    stride_wd, stride_wk,
-    stride_ib, stride_it, stride_id,
-    stride_sb, stride_st,
-    stride_ob, stride_ot,
-    stride_fb, stride_ft,
+    s_x_b, s_x_t,
+    s_w_d, s_w_k,
+    s_init_b, s_init_t, s_init_d,
+    s_seq_b, s_seq_t,
+    s_out_b, s_out_t,
+    s_final_b, s_final_t,
     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
     SILU: tl.constexpr, STORE_FINAL: tl.constexpr,
@@ -109,21 +109,21 @@ def _conv_fwd_kernel(
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_t = offs_t < T
     mask_d = offs_d < D
-    p_x += pid_b * stride_xb
-    p_init += pid_b * stride_ib
-    p_seq += pid_b * stride_sb
+    p_x += pid_b * s_x_b
+    p_init += pid_b * s_init_b
+    p_seq += pid_b * s_seq_b
 
     seq_t = offs_t
     if HAS_SEQ:
-        seq_t = _load_seq(p_seq, offs_t, T, stride_st)
+        seq_t = _load_seq(p_seq, offs_t, T, s_seq_t)
     acc = _conv_pre(
         p_x, p_init, p_w, p_b, p_seq, offs_t, seq_t, offs_d, mask_d, T,
-        stride_xt, stride_it, stride_id, stride_wd, stride_wk, stride_st,
+        s_x_t, s_init_t, s_init_d, s_w_d, s_w_k, s_seq_t,
         K, BLOCK_T, BLOCK_D, HAS_BIAS, HAS_INIT, HAS_SEQ,
     )
     if SILU:
         acc = acc * fast_sigmoid(acc)
-    p_o = p_out + pid_b * stride_ob + offs_t[:, None] * stride_ot + offs_d[None, :]
+    p_o = p_out + pid_b * s_out_b + offs_t[:, None] * s_out_t + offs_d[None, :]
     tl.store(p_o, acc.to(p_out.dtype.element_ty), mask=mask_t[:, None] & mask_d[None, :])
 
     if STORE_FINAL:
@@ -132,31 +132,31 @@ def _conv_fwd_kernel(
             offs_j = tl.arange(0, BLOCK_K)
             mask_j = offs_j < K - 1
             pos = (T - (K - 1) + offs_j).to(tl.int64)
-            b_f = _load_src(p_x, p_init, pos, offs_d, mask_d, T, stride_xt, stride_it, stride_id, K, HAS_INIT)
+            b_f = _load_src(p_x, p_init, pos, offs_d, mask_d, T, s_x_t, s_init_t, s_init_d, K, HAS_INIT)
             if HAS_SEQ:
-                seq_last = tl.load(p_seq + (T - 1) * stride_st)
-                same = _load_seq(p_seq, pos, T, stride_st) == seq_last
+                seq_last = tl.load(p_seq + (T - 1) * s_seq_t)
+                same = _load_seq(p_seq, pos, T, s_seq_t) == seq_last
                 b_f = tl.where(same[:, None], b_f, 0.0)
-            p_f = p_final + pid_b * stride_fb + offs_j[:, None] * stride_ft + offs_d[None, :]
+            p_f = p_final + pid_b * s_final_b + offs_j[:, None] * s_final_t + offs_d[None, :]
             tl.store(p_f, b_f, mask=mask_j[:, None] & mask_d[None, :])
 
 
 @triton.jit
 def _load_x(
-    p_x, p_init, pos, offs_d, mask, T, stride_xt, stride_it, stride_id,
+    p_x, p_init, pos, offs_d, mask, T, s_x_t, s_init_t, s_init_d,
     K: tl.constexpr, HAS_INIT: tl.constexpr, pos0,
 ):
     """The conv input in f32 at times pos [BT] (none before pos0) and channels offs_d [VEC]
     as [BT, VEC] (mask: the elements wanted), negative times reading the initial state."""
     b_x = tl.load(
-        p_x + pos.to(tl.int64)[:, None] * stride_xt + offs_d[None, :],
+        p_x + pos.to(tl.int64)[:, None] * s_x_t + offs_d[None, :],
         mask=mask & ((pos >= 0) & (pos < T))[:, None], other=0.0,
     ).to(tl.float32)
     if HAS_INIT:
         if pos0 < 0:
             t_s = pos + (K - 1)
             b_x += tl.load(
-                p_init + t_s[:, None] * stride_it + offs_d[None, :] * stride_id,
+                p_init + t_s[:, None] * s_init_t + offs_d[None, :] * s_init_d,
                 mask=mask & ((pos < 0) & (t_s >= 0))[:, None], other=0.0,
             ).to(tl.float32)
     return b_x
@@ -167,13 +167,13 @@ def _conv_bwd_kernel(
     p_x, p_w, p_b, p_init, p_seq, p_dout, p_dfinal,
     p_dx, p_dinit, p_dw_part, p_db_part,
     T, D, N_TBLK,
-    stride_xb, stride_xt,
-    stride_wd, stride_wk,
-    stride_ib, stride_it, stride_id,
-    stride_sb, stride_st,
-    stride_gb, stride_gt, stride_gd,
-    stride_fb, stride_ft, stride_fd,
-    stride_dxb, stride_dxt,
+    s_x_b, s_x_t,
+    s_w_d, s_w_k,
+    s_init_b, s_init_t, s_init_d,
+    s_seq_b, s_seq_t,
+    s_dout_b, s_dout_t, s_dout_d,
+    s_final_b, s_final_t, s_final_d,
+    s_dx_b, s_dx_t,
     K: tl.constexpr, BLOCK_T: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
     SILU: tl.constexpr, HAS_DFINAL: tl.constexpr,
@@ -196,18 +196,18 @@ def _conv_bwd_kernel(
     lag = tl.where(mask_k, K - 1 - offs_k, 0)  # tap k: c_t reads x_{t-lag}, dx_s reads dc_{s+lag}
     offs_r = tl.arange(0, BLOCK_T)
     own_r = offs_r < BLOCK_T - (K - 1)
-    p_x += pid_b * stride_xb
-    p_init += pid_b * stride_ib
-    p_seq += pid_b * stride_sb
-    p_dout += pid_b * stride_gb
-    p_dfinal += pid_b * stride_fb
-    p_dx += pid_b * stride_dxb
+    p_x += pid_b * s_x_b
+    p_init += pid_b * s_init_b
+    p_seq += pid_b * s_seq_b
+    p_dout += pid_b * s_dout_b
+    p_dfinal += pid_b * s_final_b
+    p_dx += pid_b * s_dx_b
     p_dinit += pid_b * (K - 1) * D
     s_begin = 0
     if HAS_INIT:
         s_begin = 1 - K
     b_w = tl.load(
-        p_w + offs_d[:, None] * stride_wd + offs_k[None, :] * stride_wk,
+        p_w + offs_d[:, None] * s_w_d + offs_k[None, :] * s_w_k,
         mask=mask_d[:, None] & mask_k[None, :], other=0.0,
     ).to(tl.float32)[None, :, :]  # [1, VEC, BK]
     b_bias = tl.zeros([VEC], dtype=tl.float32)
@@ -222,9 +222,9 @@ def _conv_bwd_kernel(
         in_q = (q >= 0) & (q < T)
         seq_q = q
         if HAS_SEQ:
-            seq_q = _load_seq(p_seq, q, T, stride_st)
+            seq_q = _load_seq(p_seq, q, T, s_seq_t)
         b_dc = tl.load(
-            p_dout + q.to(tl.int64)[:, None] * stride_gt + offs_d[None, :] * stride_gd,
+            p_dout + q.to(tl.int64)[:, None] * s_dout_t + offs_d[None, :] * s_dout_d,
             mask=in_q[:, None] & mask_d[None, :], other=0.0,
         ).to(tl.float32)
         if SILU:
@@ -234,12 +234,12 @@ def _conv_bwd_kernel(
             for k in tl.static_range(K):
                 pos = q - (K - 1 - k)
                 b_x = _load_x(
-                    p_x, p_init, pos, offs_d, mask_d[None, :], T, stride_xt, stride_it, stride_id,
+                    p_x, p_init, pos, offs_d, mask_d[None, :], T, s_x_t, s_init_t, s_init_d,
                     K, HAS_INIT, q0 - (K - 1),
                 )
                 if HAS_SEQ:
                     if k < K - 1:
-                        b_x = tl.where((_load_seq(p_seq, pos, T, stride_st) == seq_q)[:, None], b_x, 0.0)
+                        b_x = tl.where((_load_seq(p_seq, pos, T, s_seq_t) == seq_q)[:, None], b_x, 0.0)
                 c += b_x * tl.sum(tl.where(offs_k[None, None, :] == k, b_w, -0.0), axis=2)
             sig = fast_sigmoid(c)
             b_dc = b_dc * sig * (1.0 + c * (1.0 - sig))
@@ -252,13 +252,13 @@ def _conv_bwd_kernel(
             tl.broadcast_to(idx[:, None, :], shape), axis=0,
         )
         if HAS_SEQ:
-            same = _load_seq(p_seq, q[:, None] + lag[None, :], T, stride_st) == seq_q[:, None]
+            same = _load_seq(p_seq, q[:, None] + lag[None, :], T, s_seq_t) == seq_q[:, None]
             b_dck = tl.where(same[:, None, :], b_dck, 0.0)
         b_dx = tl.sum(b_dck * b_w, axis=2)
         # dweight[k] = sum over the owned s of dc_{s+lag} x_s same(s, s+lag); x_s is a cache hit,
         # loaded masked to the owned times so that the sum stays a fused multiply-add
         b_xo = _load_x(
-            p_x, p_init, q, offs_d, own_r[:, None] & mask_d[None, :], T, stride_xt, stride_it, stride_id,
+            p_x, p_init, q, offs_d, own_r[:, None] & mask_d[None, :], T, s_x_t, s_init_t, s_init_d,
             K, HAS_INIT, q0,
         )
         b_dw += b_dck * tl.reshape(b_xo, [BLOCK_T, VEC, 1])
@@ -269,13 +269,13 @@ def _conv_bwd_kernel(
                 j_f = q - (T - (K - 1))
                 in_f = (j_f >= 0) & (q < T)
                 if HAS_SEQ:
-                    in_f = in_f & (seq_q == tl.load(p_seq + (T - 1) * stride_st))
+                    in_f = in_f & (seq_q == tl.load(p_seq + (T - 1) * s_seq_t))
                 b_dx += tl.load(
-                    p_dfinal + j_f[:, None] * stride_ft + offs_d[None, :] * stride_fd,
+                    p_dfinal + j_f[:, None] * s_final_t + offs_d[None, :] * s_final_d,
                     mask=in_f[:, None] & mask_d[None, :], other=0.0,
                 ).to(tl.float32)
         own = own_r & (q < T)
-        p_o = p_dx + q.to(tl.int64)[:, None] * stride_dxt + offs_d[None, :]
+        p_o = p_dx + q.to(tl.int64)[:, None] * s_dx_t + offs_d[None, :]
         m_o = own[:, None] & mask_d[None, :]
         tl.store(p_o, b_dx.to(p_dx.dtype.element_ty), mask=m_o & (q >= 0)[:, None])
         if HAS_INIT:
@@ -304,10 +304,6 @@ BWD_VEC_BYTES = 16  # channels per backward thread, in bytes of x
 
 def _blocks(T: int, D: int, block_t: int, block_d: int) -> tuple[int, int]:
     return min(block_t, next_power_of_2(max(T, 1))), min(block_d, next_power_of_2(D))
-
-
-def _strides(t: torch.Tensor | None, n: int) -> tuple[int, ...]:
-    return tuple(t.stride()) if t is not None else (0,) * n
 
 
 def conv_fwd(
@@ -342,8 +338,8 @@ def conv_fwd(
         T, D,
         x.stride(0), x.stride(1),
         weight.stride(0), weight.stride(1),
-        *_strides(initial_state, 3),
-        *_strides(seq_idx, 2),
+        *strides(initial_state, 3),
+        *strides(seq_idx, 2),
         out.stride(0), out.stride(1),
         *(final.stride()[:2] if return_final_state else (0, 0)),
         K=K, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K,
@@ -404,10 +400,10 @@ def conv_bwd(
         T, D, tblk_per_chunk,
         x.stride(0), x.stride(1),
         weight.stride(0), weight.stride(1),
-        *_strides(initial_state, 3),
-        *_strides(seq_idx, 2),
+        *strides(initial_state, 3),
+        *strides(seq_idx, 2),
         *dout.stride(),
-        *_strides(dfinal, 3),
+        *strides(dfinal, 3),
         dx.stride(0), dx.stride(1),
         K=K, BLOCK_T=BLOCK_T, VEC=VEC, BLOCK_K=next_power_of_2(K),
         HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,

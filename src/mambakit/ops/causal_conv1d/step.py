@@ -29,13 +29,13 @@ def _conv_update_kernel(
     p_b,
     p_out,
     D,
-    stride_sb,
-    stride_sk,
-    stride_sd,
-    stride_xb,
-    stride_wd,
-    stride_wk,
-    stride_ob,
+    s_state_b,
+    s_state_k,
+    s_state_d,
+    s_x_b,
+    s_w_d,
+    s_w_k,
+    s_out_b,
     K: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -45,9 +45,9 @@ def _conv_update_kernel(
     pid_b = tl.program_id(1).to(tl.int64)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    p_s = p_state + pid_b * stride_sb + offs_d * stride_sd
-    b_x = tl.load(p_x + pid_b * stride_xb + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    acc = b_x * tl.load(p_w + offs_d * stride_wd + (K - 1) * stride_wk, mask=mask_d, other=0.0).to(
+    p_s = p_state + pid_b * s_state_b + offs_d * s_state_d
+    b_x = tl.load(p_x + pid_b * s_x_b + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    acc = b_x * tl.load(p_w + offs_d * s_w_d + (K - 1) * s_w_k, mask=mask_d, other=0.0).to(
         tl.float32
     )
     if HAS_BIAS:
@@ -55,16 +55,16 @@ def _conv_update_kernel(
     # window row k is state row k (k < K-1); the state becomes window rows 1..K-1
     b_prev = tl.load(p_s, mask=mask_d, other=0.0)
     for k in tl.static_range(K - 1):
-        b_w = tl.load(p_w + offs_d * stride_wd + k * stride_wk, mask=mask_d, other=0.0)
+        b_w = tl.load(p_w + offs_d * s_w_d + k * s_w_k, mask=mask_d, other=0.0)
         acc += b_prev.to(tl.float32) * b_w.to(tl.float32)
         if k < K - 2:
-            b_next = tl.load(p_s + (k + 1) * stride_sk, mask=mask_d, other=0.0)
-            tl.store(p_s + k * stride_sk, b_next, mask=mask_d)
+            b_next = tl.load(p_s + (k + 1) * s_state_k, mask=mask_d, other=0.0)
+            tl.store(p_s + k * s_state_k, b_next, mask=mask_d)
             b_prev = b_next
-    tl.store(p_s + (K - 2) * stride_sk, b_x.to(p_state.dtype.element_ty), mask=mask_d)
+    tl.store(p_s + (K - 2) * s_state_k, b_x.to(p_state.dtype.element_ty), mask=mask_d)
     if SILU:
         acc = acc / (1.0 + tl.exp(-acc))
-    tl.store(p_out + pid_b * stride_ob + offs_d, acc.to(p_out.dtype.element_ty), mask=mask_d)
+    tl.store(p_out + pid_b * s_out_b + offs_d, acc.to(p_out.dtype.element_ty), mask=mask_d)
 
 
 def conv_update(

@@ -36,13 +36,13 @@ def _ce_fwd_kernel(
     p_loss,
     p_lse,
     V,
-    stride_row,
+    s_row,
     BLOCK_V: tl.constexpr,
     IGNORE: tl.constexpr,
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     row = tl.program_id(0).to(tl.int64)
-    p_row = p_logits + row * stride_row
+    p_row = p_logits + row * s_row
     cols = tl.arange(0, BLOCK_V)
     b_m = tl.full([], float("-inf"), tl.float32)  # running max of x * log2(e)
     b_s = tl.zeros([], dtype=tl.float32)  # running sum of exp2(x * log2(e) - b_m)
@@ -69,7 +69,7 @@ def _ce_bwd_kernel(
     p_lse,
     p_g,
     V,
-    stride_row,
+    s_row,
     BLOCK_V: tl.constexpr,
     IGNORE: tl.constexpr,
 ):
@@ -77,7 +77,7 @@ def _ce_bwd_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = offs < V
-    p_row = p_logits + row * stride_row
+    p_row = p_logits + row * s_row
     tgt = tl.load(p_tgt + row)
     b_scale = tl.where(tgt == IGNORE, 0.0, tl.load(p_g).to(tl.float32))
     b_lse2 = tl.load(p_lse + row) * LOG2E

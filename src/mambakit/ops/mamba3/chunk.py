@@ -37,8 +37,8 @@ def _last_row(x, rows, last):
 
 @triton.jit
 def _chunk_fwd_kernel(
-    x_ptr, q_ptr, k_ptr, adt_ptr, gam_ptr, late_ptr, seq_ptr, z_ptr, D_ptr,
-    s0_ptr, k0_ptr, x0_ptr, y_ptr, sT_ptr, kT_ptr, xT_ptr, st_ptr,
+    p_x, p_q, p_k, p_adt, p_gam, p_late, p_seq, p_z, p_D,
+    p_s0, p_k0, p_x0, p_y, p_sT, p_kT, p_xT, p_st,
     T, H, P, N,
     s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b, s_z_b, s_z_t, s_z_h,
     s_y_b, s_y_t, s_y_h,
@@ -56,41 +56,41 @@ def _chunk_fwd_kernel(
     mp, mn = p < P, n < N
     mpn = mp[:, None] & mn[None, :]
     bh = (b * H + h)
-    S = tl.load(s0_ptr + bh * P * N + p[:, None] * N + n[None, :], mask=mpn, other=0.0)
-    k_prev = tl.load(k0_ptr + bh * N + n, mask=mn, other=0.0)
-    x_prev = tl.load(x0_ptr + bh * P + p, mask=mp, other=0.0)
+    S = tl.load(p_s0 + bh * P * N + p[:, None] * N + n[None, :], mask=mpn, other=0.0)
+    k_prev = tl.load(p_k0 + bh * N + n, mask=mn, other=0.0)
+    x_prev = tl.load(p_x0 + bh * P + p, mask=mp, other=0.0)
     Dh = 0.0
     if HAS_D:
-        Dh = tl.load(D_ptr + h)
+        Dh = tl.load(p_D + h)
     causal = rows[:, None] >= rows[None, :]
     prev_doc = 0
     if HAS_SEQ:
-        prev_doc = tl.load(seq_ptr + b * s_seq_b)  # the initial state's document: the first
+        prev_doc = tl.load(p_seq + b * s_seq_b)  # the initial state's document: the first
     for c0 in range(0, T, L):
         t = c0 + rows
         mt = t < T
         last = tl.minimum(L, T - c0) - 1
-        xc = tl.load(x_ptr + b * s_x_b + t[:, None] * s_x_t + h * s_x_h + p[None, :],
+        xc = tl.load(p_x + b * s_x_b + t[:, None] * s_x_t + h * s_x_h + p[None, :],
                      mask=mt[:, None] & mp[None, :], other=0.0).to(tl.float32)
         qn = t[:, None] * s_q_t + h * s_q_h + n[None, :]
         mq = mt[:, None] & mn[None, :]
-        qc = tl.load(q_ptr + b * s_q_b + qn, mask=mq, other=0.0)
-        kc = tl.load(k_ptr + b * s_q_b + qn, mask=mq, other=0.0)
+        qc = tl.load(p_q + b * s_q_b + qn, mask=mq, other=0.0)
+        kc = tl.load(p_k + b * s_q_b + qn, mask=mq, other=0.0)
         wo = b * s_w_b + t * s_w_t + h
-        adt = tl.load(adt_ptr + wo, mask=mt, other=0.0)
-        gam = tl.load(gam_ptr + wo, mask=mt, other=0.0)
+        adt = tl.load(p_adt + wo, mask=mt, other=0.0)
+        gam = tl.load(p_gam + wo, mask=mt, other=0.0)
         # the next token's late term joins this one's weight, inside the chunk only
-        nxt = tl.load(late_ptr + wo + s_w_t, mask=(t + 1 < T) & (rows < last), other=0.0)
+        nxt = tl.load(p_late + wo + s_w_t, mask=(t + 1 < T) & (rows < last), other=0.0)
         w = gam + nxt
         cs = tl.cumsum(adt, axis=0)
         cs_last = tl.sum(tl.where(rows == last, cs, 0.0), axis=0)
-        late0 = tl.load(late_ptr + b * s_w_b + c0 * s_w_t + h)
+        late0 = tl.load(p_late + b * s_w_b + c0 * s_w_t + h)
         start = S + late0 * x_prev[:, None] * k_prev[None, :]  # [P, N]
         same = causal & mt[None, :]
         carry = mt.to(tl.float32)
         keep_doc = mt
         if HAS_SEQ:
-            doc = tl.load(seq_ptr + b * s_seq_b + t, mask=mt, other=-1)
+            doc = tl.load(p_seq + b * s_seq_b + t, mask=mt, other=-1)
             same = same & (doc[:, None] == doc[None, :])
             carry = tl.where(doc == prev_doc, carry, 0.0)
             doc_last = tl.sum(tl.where(rows == last, doc, 0), axis=0)
@@ -98,7 +98,7 @@ def _chunk_fwd_kernel(
             prev_doc = doc_last
         if STORE_STATES:
             c = c0 // L
-            tl.store(st_ptr + ((bh * tl.cdiv(T, L) + c) * P + p[:, None]) * N + n[None, :],
+            tl.store(p_st + ((bh * tl.cdiv(T, L) + c) * P + p[:, None]) * N + n[None, :],
                      start, mask=mpn)
         if COMPUTE_Y:
             decay = tl.exp(tl.where(same, cs[:, None] - cs[None, :], float("-inf")))
@@ -111,11 +111,11 @@ def _chunk_fwd_kernel(
             if HAS_D:
                 y += Dh * xc
             if HAS_Z:
-                zc = tl.load(z_ptr + b * s_z_b + t[:, None] * s_z_t + h * s_z_h + p[None, :],
+                zc = tl.load(p_z + b * s_z_b + t[:, None] * s_z_t + h * s_z_h + p[None, :],
                              mask=mt[:, None] & mp[None, :], other=0.0).to(tl.float32)
                 y = y * zc * tl.sigmoid(zc)
-            tl.store(y_ptr + b * s_y_b + t[:, None] * s_y_t + h * s_y_h + p[None, :],
-                     y.to(y_ptr.dtype.element_ty), mask=mt[:, None] & mp[None, :])
+            tl.store(p_y + b * s_y_b + t[:, None] * s_y_t + h * s_y_h + p[None, :],
+                     y.to(p_y.dtype.element_ty), mask=mt[:, None] & mp[None, :])
         # the state after the chunk (its last token's late term is the next chunk's)
         tail = tl.where(rows == last, gam, tl.exp(cs_last - cs) * w)
         tail = tl.where(keep_doc, tail, 0.0)
@@ -124,16 +124,16 @@ def _chunk_fwd_kernel(
         k_prev = _last_row(kc, rows, last)
         x_prev = _last_row(xc, rows, last)
     if COMPUTE_Y:
-        tl.store(sT_ptr + bh * P * N + p[:, None] * N + n[None, :], S, mask=mpn)
-        tl.store(kT_ptr + bh * N + n, k_prev, mask=mn)
-        tl.store(xT_ptr + bh * P + p, x_prev, mask=mp)
+        tl.store(p_sT + bh * P * N + p[:, None] * N + n[None, :], S, mask=mpn)
+        tl.store(p_kT + bh * N + n, k_prev, mask=mn)
+        tl.store(p_xT + bh * P + p, x_prev, mask=mp)
 
 
 @triton.jit
 def _chunk_bwd_kernel(
-    x_ptr, q_ptr, k_ptr, adt_ptr, gam_ptr, late_ptr, seq_ptr, st_ptr, k0_ptr, x0_ptr,
-    dy_ptr, dsT_ptr,
-    dx_ptr, dq_ptr, dk_ptr, dadt_ptr, dgam_ptr, dlate_ptr, ds0_ptr, dk0_ptr, dx0_ptr,
+    p_x, p_q, p_k, p_adt, p_gam, p_late, p_seq, p_st, p_k0, p_x0,
+    p_dy, p_dsT,
+    p_dx, p_dq, p_dk, p_dadt, p_dgam, p_dlate, p_ds0, p_dk0, p_dx0,
     T, H, P, N,
     s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b, s_dy_b, s_dy_t, s_dy_h,
     s_dx_b, s_dx_t, s_dx_h,
@@ -157,7 +157,7 @@ def _chunk_bwd_kernel(
     diag = rows[:, None] == rows[None, :]
     below = rows[:, None] == rows[None, :] + 1  # [r, s]: s = r - 1
     if HAS_DST:
-        dS = tl.load(dsT_ptr + bh * P * N + p[:, None] * N + n[None, :], mask=mpn, other=0.0)
+        dS = tl.load(p_dsT + bh * P * N + p[:, None] * N + n[None, :], mask=mpn, other=0.0)
     else:
         dS = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
     dx_owed = tl.zeros([BLOCK_P], dtype=tl.float32)
@@ -170,38 +170,38 @@ def _chunk_bwd_kernel(
         mt = t < T
         last = tl.minimum(L, T - c0) - 1
         mtp = mt[:, None] & mp[None, :]
-        xc = tl.load(x_ptr + b * s_x_b + t[:, None] * s_x_t + h * s_x_h + p[None, :],
+        xc = tl.load(p_x + b * s_x_b + t[:, None] * s_x_t + h * s_x_h + p[None, :],
                      mask=mtp, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + b * s_dy_b + t[:, None] * s_dy_t + h * s_dy_h + p[None, :],
+        dy = tl.load(p_dy + b * s_dy_b + t[:, None] * s_dy_t + h * s_dy_h + p[None, :],
                      mask=mtp, other=0.0).to(tl.float32)
         qn = t[:, None] * s_q_t + h * s_q_h + n[None, :]
         mq = mt[:, None] & mn[None, :]
-        qc = tl.load(q_ptr + b * s_q_b + qn, mask=mq, other=0.0)
-        kc = tl.load(k_ptr + b * s_q_b + qn, mask=mq, other=0.0)
+        qc = tl.load(p_q + b * s_q_b + qn, mask=mq, other=0.0)
+        kc = tl.load(p_k + b * s_q_b + qn, mask=mq, other=0.0)
         wo = b * s_w_b + t * s_w_t + h
-        adt = tl.load(adt_ptr + wo, mask=mt, other=0.0)
-        gam = tl.load(gam_ptr + wo, mask=mt, other=0.0)
-        nxt = tl.load(late_ptr + wo + s_w_t, mask=(t + 1 < T) & (rows < last), other=0.0)
+        adt = tl.load(p_adt + wo, mask=mt, other=0.0)
+        gam = tl.load(p_gam + wo, mask=mt, other=0.0)
+        nxt = tl.load(p_late + wo + s_w_t, mask=(t + 1 < T) & (rows < last), other=0.0)
         w = gam + nxt
         cs = tl.cumsum(adt, axis=0)
         cs_last = tl.sum(tl.where(rows == last, cs, 0.0), axis=0)
-        late0 = tl.load(late_ptr + b * s_w_b + c0 * s_w_t + h)
-        start = tl.load(st_ptr + ((bh * n_chunks + c) * P + p[:, None]) * N + n[None, :],
+        late0 = tl.load(p_late + b * s_w_b + c0 * s_w_t + h)
+        start = tl.load(p_st + ((bh * n_chunks + c) * P + p[:, None]) * N + n[None, :],
                         mask=mpn, other=0.0)
         # the token before the chunk: the previous chunk's last, or the initial state's
         inside_p, inside_n = (p * 0 + c0) > 0, (n * 0 + c0) > 0  # not the first chunk
-        x_prev = tl.load(x_ptr + b * s_x_b + (c0 - 1) * s_x_t + h * s_x_h + p,
+        x_prev = tl.load(p_x + b * s_x_b + (c0 - 1) * s_x_t + h * s_x_h + p,
                          mask=mp & inside_p, other=0.0).to(tl.float32)
-        x_prev += tl.load(x0_ptr + bh * P + p, mask=mp & ~inside_p, other=0.0)
-        k_prev = tl.load(k_ptr + b * s_q_b + (c0 - 1) * s_q_t + h * s_q_h + n,
+        x_prev += tl.load(p_x0 + bh * P + p, mask=mp & ~inside_p, other=0.0)
+        k_prev = tl.load(p_k + b * s_q_b + (c0 - 1) * s_q_t + h * s_q_h + n,
                          mask=mn & inside_n, other=0.0)
-        k_prev += tl.load(k0_ptr + bh * N + n, mask=mn & ~inside_n, other=0.0)
+        k_prev += tl.load(p_k0 + bh * N + n, mask=mn & ~inside_n, other=0.0)
         same = causal & mt[None, :]
         carry = mt.to(tl.float32)
         keep_doc = mt
         if HAS_SEQ:
-            prev_doc = tl.load(seq_ptr + b * s_seq_b + tl.maximum(c0 - 1, 0))
-            doc = tl.load(seq_ptr + b * s_seq_b + t, mask=mt, other=-1)
+            prev_doc = tl.load(p_seq + b * s_seq_b + tl.maximum(c0 - 1, 0))
+            doc = tl.load(p_seq + b * s_seq_b + t, mask=mt, other=-1)
             same = same & (doc[:, None] == doc[None, :])
             carry = tl.where(doc == prev_doc, carry, 0.0)
             doc_last = tl.sum(tl.where(rows == last, doc, 0), axis=0)
@@ -245,19 +245,19 @@ def _chunk_bwd_kernel(
         dx += tl.where((rows == last)[:, None], dx_owed[None, :], 0.0)
         dk += tl.where((rows == last)[:, None], dk_owed[None, :], 0.0)
         dadt = tl.sum(dcs, axis=0) - tl.cumsum(dcs, axis=0) + dcs  # A delta_r: every cs_t, t >= r
-        tl.store(dx_ptr + b * s_dx_b + t[:, None] * s_dx_t + h * s_dx_h + p[None, :],
-                 dx.to(dx_ptr.dtype.element_ty), mask=mtp)
-        tl.store(dq_ptr + b * s_q_b + qn, dq, mask=mq)
-        tl.store(dk_ptr + b * s_q_b + qn, dk, mask=mq)
-        tl.store(dadt_ptr + wo, dadt, mask=mt)
-        tl.store(dgam_ptr + wo, dgam, mask=mt)
-        tl.store(dlate_ptr + wo, dlate, mask=mt)
+        tl.store(p_dx + b * s_dx_b + t[:, None] * s_dx_t + h * s_dx_h + p[None, :],
+                 dx.to(p_dx.dtype.element_ty), mask=mtp)
+        tl.store(p_dq + b * s_q_b + qn, dq, mask=mq)
+        tl.store(p_dk + b * s_q_b + qn, dk, mask=mq)
+        tl.store(p_dadt + wo, dadt, mask=mt)
+        tl.store(p_dgam + wo, dgam, mask=mt)
+        tl.store(p_dlate + wo, dlate, mask=mt)
         dx_owed = late0 * tl.sum(d_start * k_prev[None, :], axis=1)
         dk_owed = late0 * tl.sum(d_start * x_prev[:, None], axis=0)
         dS = d_start
-    tl.store(ds0_ptr + bh * P * N + p[:, None] * N + n[None, :], dS, mask=mpn)
-    tl.store(dk0_ptr + bh * N + n, dk_owed, mask=mn)
-    tl.store(dx0_ptr + bh * P + p, dx_owed, mask=mp)
+    tl.store(p_ds0 + bh * P * N + p[:, None] * N + n[None, :], dS, mask=mpn)
+    tl.store(p_dk0 + bh * N + n, dk_owed, mask=mn)
+    tl.store(p_dx0 + bh * P + p, dx_owed, mask=mp)
 
 
 # fmt: on

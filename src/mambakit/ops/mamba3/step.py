@@ -49,8 +49,8 @@ def _turn(even, odd, cos, sin):
 
 @triton.jit
 def _step_kernel(
-    x_ptr, z_ptr, q_ptr, k_ptr, dt_ptr, A_ptr, trap_ptr, th_ptr, qb_ptr, kb_ptr, D_ptr,
-    ang_ptr, ssm_ptr, kst_ptr, xst_ptr, y_ptr,
+    p_x, p_z, p_q, p_k, p_dt, p_A, p_trap, p_th, p_qb, p_kb, p_D,
+    p_ang, p_ssm, p_kst, p_xst, p_y,
     P, N, S, heads_per_group,
     s_x_b, s_x_h, s_z_b, s_z_h, s_q_b, s_q_g, s_k_b, s_k_g, s_dt_b, s_A_b, s_tr_b, s_th_b,
     s_qb_h, s_kb_h, s_ang_b, s_ang_h, s_ssm_b, s_ssm_h, s_ssm_p, s_kst_b, s_kst_h,
@@ -66,30 +66,30 @@ def _step_kernel(
     mi = i < S
     me = (2 * i < N)[None, :] & mp[:, None]
     mo = (2 * i + 1 < N)[None, :] & mp[:, None]
-    x = tl.load(x_ptr + b * s_x_b + h * s_x_h + p, mask=mp, other=0.0).to(tl.float32)
-    delta = tl.load(dt_ptr + b * s_dt_b + h).to(tl.float32)
-    A = tl.load(A_ptr + b * s_A_b + h).to(tl.float32)
-    lam = tl.sigmoid(tl.load(trap_ptr + b * s_tr_b + h).to(tl.float32))
+    x = tl.load(p_x + b * s_x_b + h * s_x_h + p, mask=mp, other=0.0).to(tl.float32)
+    delta = tl.load(p_dt + b * s_dt_b + h).to(tl.float32)
+    A = tl.load(p_A + b * s_A_b + h).to(tl.float32)
+    lam = tl.sigmoid(tl.load(p_trap + b * s_tr_b + h).to(tl.float32))
     # the angles: those past S stay 0 (an identity turn)
-    theta = tl.load(th_ptr + b * s_th_b + i, mask=mi, other=0.0).to(tl.float32)
-    p_ang = ang_ptr + b * s_ang_b + h * s_ang_h + i
-    phi = tl.load(p_ang, mask=mi, other=0.0) + PI * (2 * tl.sigmoid(2 * theta) - 1) * delta
+    theta = tl.load(p_th + b * s_th_b + i, mask=mi, other=0.0).to(tl.float32)
+    p_ang_h = p_ang + b * s_ang_b + h * s_ang_h + i
+    phi = tl.load(p_ang_h, mask=mi, other=0.0) + PI * (2 * tl.sigmoid(2 * theta) - 1) * delta
     phi = tl.where(mi, phi - TWO_PI * tl.floor(phi / TWO_PI), 0.0)
     cos, sin = tl.cos(phi), tl.sin(phi)
-    ke, ko = _load_pairs(k_ptr + b * s_k_b + g * s_k_g, 1, i, N)
-    kbe, kbo = _load_pairs(kb_ptr + h * s_kb_h, 1, i, N)
+    ke, ko = _load_pairs(p_k + b * s_k_b + g * s_k_g, 1, i, N)
+    kbe, kbo = _load_pairs(p_kb + h * s_kb_h, 1, i, N)
     ke, ko = _turn(ke + kbe, ko + kbo, cos, sin)
-    qe, qo = _load_pairs(q_ptr + b * s_q_b + g * s_q_g, 1, i, N)
-    qbe, qbo = _load_pairs(qb_ptr + h * s_qb_h, 1, i, N)
+    qe, qo = _load_pairs(p_q + b * s_q_b + g * s_q_g, 1, i, N)
+    qbe, qbo = _load_pairs(p_qb + h * s_qb_h, 1, i, N)
     qe, qo = _turn(qe + qbe, qo + qbo, cos, sin)
     # the state: even and odd columns, and the previous token's key and value
-    p_s = ssm_ptr + b * s_ssm_b + h * s_ssm_h + p[:, None] * s_ssm_p + 2 * i[None, :]
+    p_s = p_ssm + b * s_ssm_b + h * s_ssm_h + p[:, None] * s_ssm_p + 2 * i[None, :]
     se = tl.load(p_s, mask=me, other=0.0)
     so = tl.load(p_s + 1, mask=mo, other=0.0)
-    p_kst = kst_ptr + b * s_kst_b + h * s_kst_h
-    kpe, kpo = _load_pairs(p_kst, 1, i, N)
-    p_xst = xst_ptr + b * s_xst_b + h * s_xst_h + p
-    xp = tl.load(p_xst, mask=mp, other=0.0)
+    p_kst_h = p_kst + b * s_kst_b + h * s_kst_h
+    kpe, kpo = _load_pairs(p_kst_h, 1, i, N)
+    p_xst_h = p_xst + b * s_xst_b + h * s_xst_h + p
+    xp = tl.load(p_xst_h, mask=mp, other=0.0)
     alpha = tl.exp(A * delta)
     beta = (1 - lam) * delta * alpha
     gamma = lam * delta
@@ -97,18 +97,18 @@ def _step_kernel(
     so = alpha * so + (beta * xp)[:, None] * kpo[None, :] + (gamma * x)[:, None] * ko[None, :]
     y = tl.sum(se * qe[None, :], axis=1) + tl.sum(so * qo[None, :], axis=1)
     if HAS_D:
-        y += tl.load(D_ptr + h).to(tl.float32) * x
+        y += tl.load(p_D + h).to(tl.float32) * x
     if HAS_Z:
-        z = tl.load(z_ptr + b * s_z_b + h * s_z_h + p, mask=mp, other=0.0).to(tl.float32)
+        z = tl.load(p_z + b * s_z_b + h * s_z_h + p, mask=mp, other=0.0).to(tl.float32)
         y = y * z * tl.sigmoid(z)
     tl.debug_barrier()  # a value held by several threads: all of them load before any stores
     tl.store(p_s, se, mask=me)
     tl.store(p_s + 1, so, mask=mo)
-    tl.store(p_kst + 2 * i, ke, mask=2 * i < N)
-    tl.store(p_kst + 2 * i + 1, ko, mask=2 * i + 1 < N)
-    tl.store(p_xst, x, mask=mp)
-    tl.store(p_ang, phi, mask=mi)
-    tl.store(y_ptr + b * s_y_b + h * s_y_h + p, y.to(y_ptr.dtype.element_ty), mask=mp)
+    tl.store(p_kst_h + 2 * i, ke, mask=2 * i < N)
+    tl.store(p_kst_h + 2 * i + 1, ko, mask=2 * i + 1 < N)
+    tl.store(p_xst_h, x, mask=mp)
+    tl.store(p_ang_h, phi, mask=mi)
+    tl.store(p_y + b * s_y_b + h * s_y_h + p, y.to(p_y.dtype.element_ty), mask=mp)
 
 
 # fmt: on

@@ -51,45 +51,45 @@ def _row(x, rows, r):
 
 
 @triton.jit
-def _bias(b_ptr, h, N, i):
+def _bias(p_b, h, N, i):
     """Head h's bias [N] as its even and odd halves [BLOCK_H2], f32."""
-    be = tl.load(b_ptr + h * N + 2 * i, mask=2 * i < N, other=0.0).to(tl.float32)
-    bo = tl.load(b_ptr + h * N + 2 * i + 1, mask=2 * i + 1 < N, other=0.0).to(tl.float32)
+    be = tl.load(p_b + h * N + 2 * i, mask=2 * i < N, other=0.0).to(tl.float32)
+    bo = tl.load(p_b + h * N + 2 * i + 1, mask=2 * i + 1 < N, other=0.0).to(tl.float32)
     return be, bo
 
 
 @triton.jit
-def _halves(v_ptr, src, m_e, m_o, be, bo):
+def _halves(p_v, src, m_e, m_o, be, bo):
     """Rows of v at src as even and odd halves [BT, BLOCK_H2], f32, plus the bias halves."""
-    ve = tl.load(v_ptr + src, mask=m_e, other=0.0).to(tl.float32) + be[None, :]
-    vo = tl.load(v_ptr + src + 1, mask=m_o, other=0.0).to(tl.float32) + bo[None, :]
+    ve = tl.load(p_v + src, mask=m_e, other=0.0).to(tl.float32) + be[None, :]
+    vo = tl.load(p_v + src + 1, mask=m_o, other=0.0).to(tl.float32) + bo[None, :]
     return ve, vo
 
 
 @triton.jit
-def _turn(v_ptr, out_ptr, src, dst, m_e, m_o, be, bo, cos, sin):
+def _turn(p_v, p_out, src, dst, m_e, m_o, be, bo, cos, sin):
     """The biased rows turned pair by pair, stored to out at dst."""
-    ve, vo = _halves(v_ptr, src, m_e, m_o, be, bo)
-    tl.store(out_ptr + dst, ve * cos - vo * sin, mask=m_e)
-    tl.store(out_ptr + dst + 1, ve * sin + vo * cos, mask=m_o)
+    ve, vo = _halves(p_v, src, m_e, m_o, be, bo)
+    tl.store(p_out + dst, ve * cos - vo * sin, mask=m_e)
+    tl.store(p_out + dst + 1, ve * sin + vo * cos, mask=m_o)
 
 
 @triton.jit
-def _unturn(v_ptr, dr_ptr, dv_ptr, src, dst, m_e, m_o, be, bo, cos, sin):
+def _unturn(p_v, p_dr, p_dv, src, dst, m_e, m_o, be, bo, cos, sin):
     """The turned rows' gradient (dr, at dst) back through the rotation, stored to dv at dst;
     returns the angle's gradient [BT, BLOCK_H2]."""
-    ve, vo = _halves(v_ptr, src, m_e, m_o, be, bo)
-    dre = tl.load(dr_ptr + dst, mask=m_e, other=0.0)
-    dro = tl.load(dr_ptr + dst + 1, mask=m_o, other=0.0)
-    tl.store(dv_ptr + dst, dre * cos + dro * sin, mask=m_e)
-    tl.store(dv_ptr + dst + 1, dro * cos - dre * sin, mask=m_o)
+    ve, vo = _halves(p_v, src, m_e, m_o, be, bo)
+    dre = tl.load(p_dr + dst, mask=m_e, other=0.0)
+    dro = tl.load(p_dr + dst + 1, mask=m_o, other=0.0)
+    tl.store(p_dv + dst, dre * cos + dro * sin, mask=m_e)
+    tl.store(p_dv + dst + 1, dro * cos - dre * sin, mask=m_o)
     return dro * (ve * cos - vo * sin) - dre * (ve * sin + vo * cos)
 
 
 @triton.jit
 def _terms_fwd_kernel(
-    q_ptr, k_ptr, qb_ptr, kb_ptr, delta_ptr, A_ptr, trap_ptr, theta_ptr, angle0_ptr, seq_ptr,
-    qr_ptr, kr_ptr, phi_ptr, adt_ptr, gam_ptr, late_ptr, phiT_ptr,
+    p_q, p_k, p_qb, p_kb, p_delta, p_A, p_trap, p_theta, p_angle0, p_seq,
+    p_qr, p_kr, p_phi, p_adt, p_gam, p_late, p_phiT,
     T, H, G, N, S,
     s_q_b, s_q_t, s_q_g, s_w_b, s_w_t, s_tr_b, s_tr_t, s_th_b, s_th_t, s_seq_b,
     HAS_SEQ: tl.constexpr, BT: tl.constexpr, BLOCK_H2: tl.constexpr,
@@ -101,34 +101,34 @@ def _terms_fwd_kernel(
     i = tl.arange(0, BLOCK_H2)
     me, mo, mr = 2 * i < N, 2 * i + 1 < N, i < S
     bh = b * H + h
-    ang = tl.load(angle0_ptr + bh * S + i, mask=mr, other=0.0)
-    qbe, qbo = _bias(qb_ptr, h, N, i)
-    kbe, kbo = _bias(kb_ptr, h, N, i)
+    ang = tl.load(p_angle0 + bh * S + i, mask=mr, other=0.0)
+    qbe, qbo = _bias(p_qb, h, N, i)
+    kbe, kbo = _bias(p_kb, h, N, i)
     carry_doc = 0
     if HAS_SEQ:
-        carry_doc = tl.load(seq_ptr + b * s_seq_b)
+        carry_doc = tl.load(p_seq + b * s_seq_b)
     for t0 in range(0, T, BT):
         t = t0 + rows
         mt = t < T
         last = tl.minimum(BT, T - t0) - 1
         wo = b * s_w_b + t * s_w_t + h
-        delta = tl.load(delta_ptr + wo, mask=mt, other=0.0).to(tl.float32)
-        A = tl.load(A_ptr + wo, mask=mt, other=0.0).to(tl.float32)
-        trap = tl.load(trap_ptr + b * s_tr_b + t * s_tr_t + h, mask=mt, other=0.0).to(tl.float32)
+        delta = tl.load(p_delta + wo, mask=mt, other=0.0).to(tl.float32)
+        A = tl.load(p_A + wo, mask=mt, other=0.0).to(tl.float32)
+        trap = tl.load(p_trap + b * s_tr_b + t * s_tr_t + h, mask=mt, other=0.0).to(tl.float32)
         mti = mt[:, None] & mr[None, :]
-        th = tl.load(theta_ptr + b * s_th_b + t[:, None] * s_th_t + i[None, :], mask=mti,
+        th = tl.load(p_theta + b * s_th_b + t[:, None] * s_th_t + i[None, :], mask=mti,
                      other=0.0).to(tl.float32)
         inc = 3.141592653589793 * _tanh(th) * delta[:, None]
         same = mt
         doc = rows
         if HAS_SEQ:
-            doc = tl.load(seq_ptr + b * s_seq_b + t, mask=mt, other=-1)
-            prev = tl.load(seq_ptr + b * s_seq_b + tl.maximum(t - 1, 0), mask=mt, other=-1)
+            doc = tl.load(p_seq + b * s_seq_b + t, mask=mt, other=-1)
+            prev = tl.load(p_seq + b * s_seq_b + tl.maximum(t - 1, 0), mask=mt, other=-1)
             same = doc == prev
         phi = _angle_block(inc, doc, ang, carry_doc, rows, HAS_SEQ)
         phi = phi - 6.283185307179586 * tl.floor(phi / 6.283185307179586)
         phi = tl.where(mti, phi, 0.0)
-        tl.store(phi_ptr + ((b * T + t[:, None]) * H + h) * S + i[None, :], phi, mask=mti)
+        tl.store(p_phi + ((b * T + t[:, None]) * H + h) * S + i[None, :], phi, mask=mti)
         ang = _row(phi, rows, last)
         if HAS_SEQ:
             carry_doc = tl.sum(tl.where(rows == last, doc, 0), axis=0)
@@ -136,21 +136,21 @@ def _terms_fwd_kernel(
         src = b * s_q_b + t[:, None] * s_q_t + g * s_q_g + 2 * i[None, :]
         dst = ((b * T + t[:, None]) * H + h) * N + 2 * i[None, :]
         m_e, m_o = mt[:, None] & me[None, :], mt[:, None] & mo[None, :]
-        _turn(q_ptr, qr_ptr, src, dst, m_e, m_o, qbe, qbo, cos, sin)
-        _turn(k_ptr, kr_ptr, src, dst, m_e, m_o, kbe, kbo, cos, sin)
+        _turn(p_q, p_qr, src, dst, m_e, m_o, qbe, qbo, cos, sin)
+        _turn(p_k, p_kr, src, dst, m_e, m_o, kbe, kbo, cos, sin)
         lam = tl.sigmoid(trap)
         out = (b * T + t) * H + h
-        tl.store(adt_ptr + out, A * delta, mask=mt)
-        tl.store(gam_ptr + out, lam * delta, mask=mt)
-        tl.store(late_ptr + out, tl.where(same, (1.0 - lam) * delta, 0.0), mask=mt)
-    tl.store(phiT_ptr + bh * S + i, ang, mask=mr)
+        tl.store(p_adt + out, A * delta, mask=mt)
+        tl.store(p_gam + out, lam * delta, mask=mt)
+        tl.store(p_late + out, tl.where(same, (1.0 - lam) * delta, 0.0), mask=mt)
+    tl.store(p_phiT + bh * S + i, ang, mask=mr)
 
 
 @triton.jit
 def _terms_bwd_kernel(
-    q_ptr, k_ptr, qb_ptr, kb_ptr, delta_ptr, A_ptr, trap_ptr, theta_ptr, seq_ptr, phi_ptr,
-    dqr_ptr, dkr_ptr, dadt_ptr, dgam_ptr, dlate_ptr, dphiT_ptr,
-    dqh_ptr, dkh_ptr, ddelta_ptr, dA_ptr, dtrap_ptr, dth_ptr, dangle0_ptr,
+    p_q, p_k, p_qb, p_kb, p_delta, p_A, p_trap, p_theta, p_seq, p_phi,
+    p_dqr, p_dkr, p_dadt, p_dgam, p_dlate, p_dphiT,
+    p_dqh, p_dkh, p_ddelta, p_dA, p_dtrap, p_dth, p_dangle0,
     T, H, G, N, S,
     s_q_b, s_q_t, s_q_g, s_w_b, s_w_t, s_tr_b, s_tr_t, s_th_b, s_th_t, s_seq_b,
     HAS_SEQ: tl.constexpr, HAS_DPHIT: tl.constexpr, BT: tl.constexpr,
@@ -167,33 +167,33 @@ def _terms_bwd_kernel(
     bh = b * H + h
     acc = tl.zeros([BLOCK_H2], dtype=tl.float32)
     if HAS_DPHIT:
-        acc = tl.load(dphiT_ptr + bh * S + i, mask=mr, other=0.0)
-    qbe, qbo = _bias(qb_ptr, h, N, i)
-    kbe, kbo = _bias(kb_ptr, h, N, i)
+        acc = tl.load(p_dphiT + bh * S + i, mask=mr, other=0.0)
+    qbe, qbo = _bias(p_qb, h, N, i)
+    kbe, kbo = _bias(p_kb, h, N, i)
     carry_doc = 0
     if HAS_SEQ:
-        carry_doc = tl.load(seq_ptr + b * s_seq_b + tl.maximum(T - 1, 0))
+        carry_doc = tl.load(p_seq + b * s_seq_b + tl.maximum(T - 1, 0))
     n_blocks = tl.cdiv(T, BT)
     for j in range(0, n_blocks):
         t0 = (n_blocks - 1 - j) * BT
         t = t0 + rows
         mt = t < T
         mti = mt[:, None] & mr[None, :]
-        phi = tl.load(phi_ptr + ((b * T + t[:, None]) * H + h) * S + i[None, :], mask=mti,
+        phi = tl.load(p_phi + ((b * T + t[:, None]) * H + h) * S + i[None, :], mask=mti,
                       other=0.0)
         cos, sin = tl.cos(phi), tl.sin(phi)
         src = b * s_q_b + t[:, None] * s_q_t + g * s_q_g + 2 * i[None, :]
         dst = ((b * T + t[:, None]) * H + h) * N + 2 * i[None, :]
         m_e, m_o = mt[:, None] & me[None, :], mt[:, None] & mo[None, :]
         # q~ and k~'s gradients back through the rotation, and the angle's
-        dphi = _unturn(q_ptr, dqr_ptr, dqh_ptr, src, dst, m_e, m_o, qbe, qbo, cos, sin)
-        dphi += _unturn(k_ptr, dkr_ptr, dkh_ptr, src, dst, m_e, m_o, kbe, kbo, cos, sin)
+        dphi = _unturn(p_q, p_dqr, p_dqh, src, dst, m_e, m_o, qbe, qbo, cos, sin)
+        dphi += _unturn(p_k, p_dkr, p_dkh, src, dst, m_e, m_o, kbe, kbo, cos, sin)
         dphi = tl.where(mti, dphi, 0.0)
         # d inc_r = the sum of dphi_t over t >= r in r's document
         same = mt
         if HAS_SEQ:
-            doc = tl.load(seq_ptr + b * s_seq_b + t, mask=mt, other=-1)
-            prev = tl.load(seq_ptr + b * s_seq_b + tl.maximum(t - 1, 0), mask=mt, other=-1)
+            doc = tl.load(p_seq + b * s_seq_b + t, mask=mt, other=-1)
+            prev = tl.load(p_seq + b * s_seq_b + tl.maximum(t - 1, 0), mask=mt, other=-1)
             same = doc == prev
             m = (rows[None, :] >= rows[:, None]) & (doc[:, None] == doc[None, :])
             dinc = tl.dot(m.to(tl.float32), dphi, input_precision="ieee")
@@ -203,26 +203,26 @@ def _terms_bwd_kernel(
             dinc = tl.cumsum(dphi, axis=0, reverse=True) + acc[None, :]
         acc = _row(dinc, rows, 0)
         wo = b * s_w_b + t * s_w_t + h
-        delta = tl.load(delta_ptr + wo, mask=mt, other=0.0).to(tl.float32)
-        A = tl.load(A_ptr + wo, mask=mt, other=0.0).to(tl.float32)
-        trap = tl.load(trap_ptr + b * s_tr_b + t * s_tr_t + h, mask=mt, other=0.0).to(tl.float32)
-        th = tl.load(theta_ptr + b * s_th_b + t[:, None] * s_th_t + i[None, :], mask=mti,
+        delta = tl.load(p_delta + wo, mask=mt, other=0.0).to(tl.float32)
+        A = tl.load(p_A + wo, mask=mt, other=0.0).to(tl.float32)
+        trap = tl.load(p_trap + b * s_tr_b + t * s_tr_t + h, mask=mt, other=0.0).to(tl.float32)
+        th = tl.load(p_theta + b * s_th_b + t[:, None] * s_th_t + i[None, :], mask=mti,
                      other=0.0).to(tl.float32)
         tt = _tanh(th)
         dinc = tl.where(mti, dinc, 0.0)
-        tl.store(dth_ptr + ((b * T + t[:, None]) * H + h) * S + i[None, :],
+        tl.store(p_dth + ((b * T + t[:, None]) * H + h) * S + i[None, :],
                  dinc * delta[:, None] * 3.141592653589793 * (1.0 - tt * tt), mask=mti)
         out = (b * T + t) * H + h
-        dadt = tl.load(dadt_ptr + out, mask=mt, other=0.0)
-        dgam = tl.load(dgam_ptr + out, mask=mt, other=0.0)
-        dlate = tl.where(same, tl.load(dlate_ptr + out, mask=mt, other=0.0), 0.0)
+        dadt = tl.load(p_dadt + out, mask=mt, other=0.0)
+        dgam = tl.load(p_dgam + out, mask=mt, other=0.0)
+        dlate = tl.where(same, tl.load(p_dlate + out, mask=mt, other=0.0), 0.0)
         lam = tl.sigmoid(trap)
         ddelta = tl.sum(dinc * 3.141592653589793 * tt, axis=1)
         ddelta += dadt * A + dgam * lam + dlate * (1.0 - lam)
-        tl.store(ddelta_ptr + out, ddelta, mask=mt)
-        tl.store(dA_ptr + out, dadt * delta, mask=mt)
-        tl.store(dtrap_ptr + out, (dgam - dlate) * delta * lam * (1.0 - lam), mask=mt)
-    tl.store(dangle0_ptr + bh * S + i, acc, mask=mr)
+        tl.store(p_ddelta + out, ddelta, mask=mt)
+        tl.store(p_dA + out, dadt * delta, mask=mt)
+        tl.store(p_dtrap + out, (dgam - dlate) * delta * lam * (1.0 - lam), mask=mt)
+    tl.store(p_dangle0 + bh * S + i, acc, mask=mr)
 
 
 # fmt: on

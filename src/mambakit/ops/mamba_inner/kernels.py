@@ -54,7 +54,7 @@ def _round(x, dtype: tl.constexpr):
 def _dt_proj_kernel(
     p_xdbl, p_w, p_bias, p_delta, p_bc,
     M, D, R, N2,
-    stride_xm, stride_wd, stride_wr,
+    s_xdbl_m, s_w_d, s_w_r,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_BC: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, IEEE: tl.constexpr,
     D_TILES: tl.constexpr, STAGES: tl.constexpr,
@@ -69,13 +69,13 @@ def _dt_proj_kernel(
     mask_m = offs_m < M
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
-    p_rows = p_xdbl + offs_m[:, None] * stride_xm
+    p_rows = p_xdbl + offs_m[:, None] * s_xdbl_m
     dt_r = tl.load(p_rows + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0)
     for j in tl.range(D_TILES, num_stages=STAGES):
         offs_d = (pid_d * D_TILES + j) * BLOCK_D + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         w = tl.load(
-            p_w + offs_d[None, :] * stride_wd + offs_r[:, None] * stride_wr,
+            p_w + offs_d[None, :] * s_w_d + offs_r[:, None] * s_w_r,
             mask=mask_r[:, None] & mask_d[None, :], other=0.0,
         )
         raw = _dot(dt_r, _round(w, dtype), tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), IEEE)

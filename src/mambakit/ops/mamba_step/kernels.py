@@ -87,11 +87,11 @@ def _pdl_wait(PDL: tl.constexpr):
 
 
 @triton.jit
-def _load_row(x_ptr, res_ptr, b, k, mk, s_x, s_res, HAS_RES: tl.constexpr):
+def _load_row(p_x, p_res, b, k, mk, s_x, s_res, HAS_RES: tl.constexpr):
     """Row b of x (+ residual) in f32."""
-    r = tl.load(x_ptr + b * s_x + k, mask=mk, other=0.0).to(tl.float32)
+    r = tl.load(p_x + b * s_x + k, mask=mk, other=0.0).to(tl.float32)
     if HAS_RES:
-        r += tl.load(res_ptr + b * s_res + k, mask=mk, other=0.0)
+        r += tl.load(p_res + b * s_res + k, mask=mk, other=0.0)
     return r
 
 
@@ -104,8 +104,8 @@ def _norm_row(r, nw, M, eps, cdt: tl.constexpr):
 
 @triton.jit
 def _layer_in_kernel(
-    x_ptr, res_ptr, nw_ptr, res_out_ptr, w_in_ptr, b_in_ptr, conv_ptr, cw_ptr, cb_ptr,
-    z_ptr, u_ptr,
+    p_x, p_res, p_nw, p_res_out, p_w_in, p_b_in, p_conv, p_cw, p_cb,
+    p_z, p_u,
     Bsz, M, Dn, eps,
     s_x, s_res, s_ro, s_win, s_cs_b, s_cs_k, s_cs_d, s_cw_d, s_cw_k, s_z, s_u,
     K: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr,
@@ -116,71 +116,71 @@ def _layer_in_kernel(
     _pdl_start(PDL)
     pid_b = tl.program_id(0)
     pid_d = tl.program_id(1)
-    cdt: tl.constexpr = w_in_ptr.dtype.element_ty
+    cdt: tl.constexpr = p_w_in.dtype.element_ty
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     md = d < Dn
     k = tl.arange(0, K_PAD)
     mk = k < M
     mw = md[:, None] & mk[None, :]
     # the slabs first: every program's weights in flight before any other load
-    w_x = tl.load(w_in_ptr + d[:, None] * s_win + k[None, :], mask=mw, other=0.0)
-    w_z = tl.load(w_in_ptr + (d + Dn)[:, None] * s_win + k[None, :], mask=mw, other=0.0)
+    w_x = tl.load(p_w_in + d[:, None] * s_win + k[None, :], mask=mw, other=0.0)
+    w_z = tl.load(p_w_in + (d + Dn)[:, None] * s_win + k[None, :], mask=mw, other=0.0)
     if HAS_NORM:
-        nw = tl.load(nw_ptr + k, mask=mk, other=0.0).to(tl.float32)
-    cw_last = tl.load(cw_ptr + d * s_cw_d + (K - 1) * s_cw_k, mask=md, other=0.0).to(tl.float32)
+        nw = tl.load(p_nw + k, mask=mk, other=0.0).to(tl.float32)
+    cw_last = tl.load(p_cw + d * s_cw_d + (K - 1) * s_cw_k, mask=md, other=0.0).to(tl.float32)
     j = tl.arange(0, KC)  # conv taps 0..K-2 are the history rows of the state
     mh = (j < K - 1)[:, None] & md[None, :]
-    cw_hist = tl.load(cw_ptr + d[None, :] * s_cw_d + j[:, None] * s_cw_k, mask=mh, other=0.0
+    cw_hist = tl.load(p_cw + d[None, :] * s_cw_d + j[:, None] * s_cw_k, mask=mh, other=0.0
                       ).to(tl.float32)
     _pdl_wait(PDL)
     for i in tl.static_range(BLOCK_B):
         b = pid_b * BLOCK_B + i
         if b < Bsz:
-            r = _load_row(x_ptr, res_ptr, b, k, mk, s_x, s_res, HAS_RES)
+            r = _load_row(p_x, p_res, b, k, mk, s_x, s_res, HAS_RES)
             if HAS_NORM:
                 if pid_d == 0:
-                    tl.store(res_out_ptr + b * s_ro + k, r, mask=mk)
+                    tl.store(p_res_out + b * s_ro + k, r, mask=mk)
                 a = _norm_row(r, nw, M, eps, cdt)
             else:
                 a = r
             xin = tl.sum(w_x.to(tl.float32) * a[None, :], axis=1)
             z = tl.sum(w_z.to(tl.float32) * a[None, :], axis=1)
             if HAS_IN_BIAS:
-                xin += tl.load(b_in_ptr + d, mask=md, other=0.0).to(tl.float32)
-                z += tl.load(b_in_ptr + Dn + d, mask=md, other=0.0).to(tl.float32)
-            tl.store(z_ptr + b * s_z + d, z.to(cdt), mask=md)
+                xin += tl.load(p_b_in + d, mask=md, other=0.0).to(tl.float32)
+                z += tl.load(p_b_in + Dn + d, mask=md, other=0.0).to(tl.float32)
+            tl.store(p_z + b * s_z + d, z.to(cdt), mask=md)
             xin = xin.to(cdt).to(tl.float32)
             # conv update: window = [state rows 0..K-2, x]; the state keeps rows 1..K-1.
             # A channel's value may sit in several threads (a small BLOCK_D): all of
             # them load the history before any of them stores its shift.
-            p_s = conv_ptr + b * s_cs_b + j[:, None] * s_cs_k + d[None, :] * s_cs_d
+            p_s = p_conv + b * s_cs_b + j[:, None] * s_cs_k + d[None, :] * s_cs_d
             hist = tl.load(p_s, mask=mh, other=0.0)
             c = tl.sum(hist.to(tl.float32) * cw_hist, axis=0) + xin * cw_last
             if HAS_CONV_BIAS:
-                c += tl.load(cb_ptr + d, mask=md, other=0.0).to(tl.float32)
+                c += tl.load(p_cb + d, mask=md, other=0.0).to(tl.float32)
             tl.debug_barrier()
             tl.store(p_s - s_cs_k, hist, mask=mh & (j >= 1)[:, None])
-            tl.store(conv_ptr + b * s_cs_b + (K - 2) * s_cs_k + d * s_cs_d,
-                     xin.to(conv_ptr.dtype.element_ty), mask=md)
-            tl.store(u_ptr + b * s_u + d, (c * tl.sigmoid(c)).to(cdt), mask=md)
+            tl.store(p_conv + b * s_cs_b + (K - 2) * s_cs_k + d * s_cs_d,
+                     xin.to(p_conv.dtype.element_ty), mask=md)
+            tl.store(p_u + b * s_u + d, (c * tl.sigmoid(c)).to(cdt), mask=md)
 
 
 @triton.jit
 def _layer_ssm_kernel(
-    xd_ptr, w_dt_ptr, delta_ptr, dtb_ptr, A_ptr, Dv_ptr, u_ptr, z_ptr, h_ptr, y_ptr,
+    p_xd, p_w_dt, p_delta, p_dtb, p_A, p_Dv, p_u, p_z, p_h, p_y,
     Bsz, Dn, R, N,
     s_xd, s_wdt, s_delta, s_A, s_u, s_z, s_hb, s_hd, s_y,
     DT_PROJ: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     """y = state update(u, delta, B, C) * silu(z) for BLOCK_B rows x BLOCK_D channels, delta
-    = x_dbl[:, :R] W_dt^T computed here (DT_PROJ) or read from delta_ptr. The rows are one
+    = x_dbl[:, :R] W_dt^T computed here (DT_PROJ) or read from p_delta. The rows are one
     tile dimension, not a loop: every row's loads are issued before any store, and A and
     W_dt are read once per BLOCK_B rows."""
     _pdl_start(PDL)
     pid_b = tl.program_id(0)
     pid_d = tl.program_id(1)
-    cdt: tl.constexpr = w_dt_ptr.dtype.element_ty
+    cdt: tl.constexpr = p_w_dt.dtype.element_ty
     rb = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
     mb = rb < Bsz
     rb = rb.to(tl.int64)
@@ -190,44 +190,44 @@ def _layer_ssm_kernel(
     n = tl.arange(0, BLOCK_N)
     mn = n < N
     if DT_PROJ:
-        w_dt = tl.load(w_dt_ptr + d[:, None] * s_wdt + r[None, :],
+        w_dt = tl.load(p_w_dt + d[:, None] * s_wdt + r[None, :],
                        mask=md[:, None] & (r < R)[None, :], other=0.0).to(tl.float32)
-    A = tl.load(A_ptr + d[:, None] * s_A + n[None, :], mask=md[:, None] & mn[None, :],
+    A = tl.load(p_A + d[:, None] * s_A + n[None, :], mask=md[:, None] & mn[None, :],
                 other=0.0) * LOG2E
-    dt_bias = tl.load(dtb_ptr + d, mask=md, other=0.0)
-    Dv = tl.load(Dv_ptr + d, mask=md, other=0.0)
+    dt_bias = tl.load(p_dtb + d, mask=md, other=0.0)
+    Dv = tl.load(p_Dv + d, mask=md, other=0.0)
     _pdl_wait(PDL)
     mbd = mb[:, None] & md[None, :]  # [BLOCK_B, BLOCK_D]
     mbn = mb[:, None] & mn[None, :]  # [BLOCK_B, BLOCK_N]
     # x_proj's output of the rows: dt_low [R], B [N], C [N]
-    Bv = tl.load(xd_ptr + rb[:, None] * s_xd + R + n[None, :], mask=mbn, other=0.0)
-    Cv = tl.load(xd_ptr + rb[:, None] * s_xd + R + N + n[None, :], mask=mbn, other=0.0)
-    p_h = h_ptr + rb[:, None, None] * s_hb + d[None, :, None] * s_hd + n[None, None, :]
+    Bv = tl.load(p_xd + rb[:, None] * s_xd + R + n[None, :], mask=mbn, other=0.0)
+    Cv = tl.load(p_xd + rb[:, None] * s_xd + R + N + n[None, :], mask=mbn, other=0.0)
+    p_h_tile = p_h + rb[:, None, None] * s_hb + d[None, :, None] * s_hd + n[None, None, :]
     m_h = mbd[:, :, None] & mn[None, None, :]
-    h = tl.load(p_h, mask=m_h, other=0.0)
-    u = tl.load(u_ptr + rb[:, None] * s_u + d[None, :], mask=mbd, other=0.0).to(tl.float32)
-    zv = tl.load(z_ptr + rb[:, None] * s_z + d[None, :], mask=mbd, other=0.0).to(tl.float32)
+    h = tl.load(p_h_tile, mask=m_h, other=0.0)
+    u = tl.load(p_u + rb[:, None] * s_u + d[None, :], mask=mbd, other=0.0).to(tl.float32)
+    zv = tl.load(p_z + rb[:, None] * s_z + d[None, :], mask=mbd, other=0.0).to(tl.float32)
     if DT_PROJ:  # [BLOCK_B, BLOCK_D, R] products summed over R
-        dt_low = tl.load(xd_ptr + rb[:, None] * s_xd + r[None, :],
+        dt_low = tl.load(p_xd + rb[:, None] * s_xd + r[None, :],
                          mask=mb[:, None] & (r < R)[None, :], other=0.0).to(tl.float32)
         raw = tl.sum(w_dt[None, :, :] * dt_low[:, None, :], axis=2)
         raw = raw.to(cdt).to(tl.float32)  # rounded as the GEMM's output would be
     else:
-        raw = tl.load(delta_ptr + rb[:, None] * s_delta + d[None, :], mask=mbd,
+        raw = tl.load(p_delta + rb[:, None] * s_delta + d[None, :], mask=mbd,
                       other=0.0).to(tl.float32)
     dt = _softplus(raw + dt_bias[None, :])
     h = (tl.exp2(dt[:, :, None] * A[None, :, :]) * h
          + (dt * u)[:, :, None] * Bv.to(tl.float32)[:, None, :])
     tl.debug_barrier()  # every copy of a state element is loaded before one is stored
-    tl.store(p_h, h, mask=m_h)
+    tl.store(p_h_tile, h, mask=m_h)
     y = tl.sum(h * Cv.to(tl.float32)[:, None, :], axis=2) + Dv[None, :] * u
     y = y * zv * tl.sigmoid(zv)
-    tl.store(y_ptr + rb[:, None] * s_y + d[None, :], y.to(cdt), mask=mbd)
+    tl.store(p_y + rb[:, None] * s_y + d[None, :], y.to(cdt), mask=mbd)
 
 
 @triton.jit
 def _linear_kernel(
-    x_ptr, res_ptr, nw_ptr, w_ptr, bias_ptr, out_ptr,
+    p_x, p_res, p_nw, p_w, p_bias, p_out,
     Bsz, Nout, Kin, eps,
     s_x, s_res, s_w, s_o,
     HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -237,28 +237,28 @@ def _linear_kernel(
     _pdl_start(PDL)
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
-    cdt: tl.constexpr = w_ptr.dtype.element_ty
+    cdt: tl.constexpr = p_w.dtype.element_ty
     nn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mn = nn < Nout
     k = tl.arange(0, K_PAD)
     mk = k < Kin
-    w = tl.load(w_ptr + nn[:, None].to(tl.int64) * s_w + k[None, :],
+    w = tl.load(p_w + nn[:, None].to(tl.int64) * s_w + k[None, :],
                 mask=mn[:, None] & mk[None, :], other=0.0)
     if HAS_NORM:
-        nw = tl.load(nw_ptr + k, mask=mk, other=0.0).to(tl.float32)
+        nw = tl.load(p_nw + k, mask=mk, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + nn, mask=mn, other=0.0).to(tl.float32)
+        bias = tl.load(p_bias + nn, mask=mn, other=0.0).to(tl.float32)
     _pdl_wait(PDL)
     for i in tl.static_range(BLOCK_B):
         b = pid_b * BLOCK_B + i
         if b < Bsz:
-            a = _load_row(x_ptr, res_ptr, b, k, mk, s_x, s_res, HAS_RES)
+            a = _load_row(p_x, p_res, b, k, mk, s_x, s_res, HAS_RES)
             if HAS_NORM:
                 a = _norm_row(a, nw, Kin, eps, cdt)
             out = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
             if HAS_BIAS:
                 out += bias
-            tl.store(out_ptr + b * s_o + nn, out.to(out_ptr.dtype.element_ty), mask=mn)
+            tl.store(p_out + b * s_o + nn, out.to(p_out.dtype.element_ty), mask=mn)
 
 
 # fmt: on

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import cdiv, launch, next_power_of_2, sm_count
+from .._triton import cdiv, launch, next_power_of_2, sm_count, strides
 
 
 @triton.jit
@@ -40,10 +40,10 @@ def _rms_fwd_kernel(
     M,
     D,
     eps,
-    stride_xm,
-    stride_resm,
-    stride_om,
-    stride_rom,
+    s_x_m,
+    s_res_m,
+    s_out_m,
+    s_rout_m,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_RES: tl.constexpr,
@@ -51,19 +51,17 @@ def _rms_fwd_kernel(
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < D)[None, :]
-    b_r = tl.load(p_x + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(
-        tl.float32
-    )
+    b_r = tl.load(p_x + rows[:, None] * s_x_m + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
-        b_r += tl.load(
-            p_res + rows[:, None] * stride_resm + cols[None, :], mask=mask, other=0.0
-        ).to(tl.float32)
-    tl.store(p_rout + rows[:, None] * stride_rom + cols[None, :], b_r, mask=mask)
+        b_r += tl.load(p_res + rows[:, None] * s_res_m + cols[None, :], mask=mask, other=0.0).to(
+            tl.float32
+        )
+    tl.store(p_rout + rows[:, None] * s_rout_m + cols[None, :], b_r, mask=mask)
     b_rstd = 1.0 / tl.sqrt(tl.sum(b_r * b_r, axis=1) / D + eps)  # [BLOCK_M]
     b_w = tl.load(p_w + cols, mask=cols < D, other=0.0).to(tl.float32)
     b_o = b_r * b_rstd[:, None] * b_w[None, :]
     tl.store(
-        p_out + rows[:, None] * stride_om + cols[None, :], b_o.to(p_out.dtype.element_ty), mask=mask
+        p_out + rows[:, None] * s_out_m + cols[None, :], b_o.to(p_out.dtype.element_ty), mask=mask
     )
     tl.store(p_rstd + rows, b_rstd, mask=rows < M)
 
@@ -81,13 +79,13 @@ def _rms_bwd_kernel(
     M,
     D,
     N_ITER,
-    stride_rom,
-    stride_gm,
-    stride_gn,
-    stride_grm,
-    stride_grn,
-    stride_dxm,
-    stride_dresm,
+    s_rout_m,
+    s_dout_m,
+    s_dout_n,
+    s_drout_m,
+    s_drout_n,
+    s_dx_m,
+    s_dres_m,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_DOUT: tl.constexpr,
@@ -105,11 +103,11 @@ def _rms_bwd_kernel(
         mask = mask_m[:, None] & mask_n[None, :]
         b_dr = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if HAS_DOUT:
-            b_r = tl.load(p_rout + rows[:, None] * stride_rom + cols[None, :], mask=mask, other=0.0)
+            b_r = tl.load(p_rout + rows[:, None] * s_rout_m + cols[None, :], mask=mask, other=0.0)
             b_rstd = tl.load(p_rstd + rows, mask=mask_m, other=0.0)
             b_rhat = b_r * b_rstd[:, None]
             b_g = tl.load(
-                p_dout + rows[:, None] * stride_gm + cols[None, :] * stride_gn, mask=mask, other=0.0
+                p_dout + rows[:, None] * s_dout_m + cols[None, :] * s_dout_n, mask=mask, other=0.0
             ).to(tl.float32)
             b_dw += tl.sum(b_g * b_rhat, axis=0)
             b_gw = b_g * b_w[None, :]
@@ -117,18 +115,18 @@ def _rms_bwd_kernel(
             b_dr = (b_gw - b_rhat * b_c[:, None]) * b_rstd[:, None]
         if HAS_DROUT:
             b_dr += tl.load(
-                p_drout + rows[:, None] * stride_grm + cols[None, :] * stride_grn,
+                p_drout + rows[:, None] * s_drout_m + cols[None, :] * s_drout_n,
                 mask=mask,
                 other=0.0,
             ).to(tl.float32)
         tl.store(
-            p_dx + rows[:, None] * stride_dxm + cols[None, :],
+            p_dx + rows[:, None] * s_dx_m + cols[None, :],
             b_dr.to(p_dx.dtype.element_ty),
             mask=mask,
         )
         if HAS_DRES:
             tl.store(
-                p_dres + rows[:, None] * stride_dresm + cols[None, :],
+                p_dres + rows[:, None] * s_dres_m + cols[None, :],
                 b_dr.to(p_dres.dtype.element_ty),
                 mask=mask,
             )
@@ -217,7 +215,7 @@ def rms_bwd(
         rout, rstd, weight, g2 if g2 is not None else rout, gr2 if gr2 is not None else rout,
         dx, dres if dres is not None else dx, dw_part,
         M, D, n_iter,
-        D, *(g2.stride() if g2 is not None else (0, 0)), *(gr2.stride() if gr2 is not None else (0, 0)),
+        D, *strides(g2, 2), *strides(gr2, 2),
         D, D,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         HAS_DOUT=g2 is not None, HAS_DROUT=gr2 is not None, HAS_DRES=dres is not None,

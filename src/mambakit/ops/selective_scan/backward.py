@@ -36,12 +36,12 @@ from .tiles import (
 
 
 @triton.jit
-def _tile_gate(dy_ptr, s_dy_b, s_dy_t, s_dy_d, z_ptr, s_z_b, s_z_t, b, t0, rows, d, m2,
+def _tile_gate(p_dy, s_dy_b, s_dy_t, s_dy_d, p_z, s_z_b, s_z_t, b, t0, rows, d, m2,
                HAS_Z: tl.constexpr, EVEN: tl.constexpr):
     """dy, z, sigmoid(z), gy = dy * silu(z) (the gradient reaching y before the gate)."""
-    dy = _ld(_tile_ptrs(dy_ptr, s_dy_b, s_dy_t, b, t0, rows, d, s_dy_d), m2, EVEN)
+    dy = _ld(_tile_ptrs(p_dy, s_dy_b, s_dy_t, b, t0, rows, d, s_dy_d), m2, EVEN)
     if HAS_Z:
-        z = _tile_rows(z_ptr, s_z_b, s_z_t, b, t0, rows, d, m2, EVEN)
+        z = _tile_rows(p_z, s_z_b, s_z_t, b, t0, rows, d, m2, EVEN)
         sz = fast_sigmoid(z)
         gy = dy * z * sz
     else:
@@ -53,7 +53,7 @@ def _tile_gate(dy_ptr, s_dy_b, s_dy_t, s_dy_d, z_ptr, s_z_b, s_z_t, b, t0, rows,
 
 @triton.jit
 def _bwd_local_kernel(
-    dt_ptr, A_ptr, C_ptr, z_ptr, bias_ptr, seq_ptr, dy_ptr, W_ptr, P_ptr,
+    p_dt, p_A, p_C, p_z, p_bias, p_seq, p_dy, p_W, p_P,
     T, Dn, N, Bsz, nseg, seg_chunks,
     s_dt_b, s_dt_t, s_C_b, s_C_t, s_z_b, s_z_t, s_seq_b, s_seq_t, s_dy_b, s_dy_t, s_dy_d,
     HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_SEQ: tl.constexpr,
@@ -62,7 +62,7 @@ def _bwd_local_kernel(
     """A segment's reverse recurrence from a zero carry: W = a_first g_first, and the segment's
     decay product P (the carry into its end reaches its start times P)."""
     pid_d, s, b, pid_n, d, n, md, mn, mdn, A, bias = _program_block(
-        A_ptr, bias_ptr, Dn, N, Bsz, HAS_BIAS, BLOCK_D, BLOCK_N
+        p_A, p_bias, Dn, N, Bsz, HAS_BIAS, BLOCK_D, BLOCK_N
     )
     s += 1  # segments 1.. (the first one's summary is never used)
     A2 = A * LOG2E
@@ -76,24 +76,24 @@ def _bwd_local_kernel(
         t = t0 + rows
         mt = t < T
         m2, _raw, _dt, a = _tile_decay(
-            t0, rows, mt, b, d, md, dt_ptr, s_dt_b, s_dt_t, seq_ptr, s_seq_b, s_seq_t, A2, bias,
+            t0, rows, mt, b, d, md, p_dt, s_dt_b, s_dt_t, p_seq, s_seq_b, s_seq_t, A2, bias,
             HAS_BIAS, SOFTPLUS, HAS_SEQ, EVEN,
         )
         _dy, _z, _sz, gy = _tile_gate(
-            dy_ptr, s_dy_b, s_dy_t, s_dy_d, z_ptr, s_z_b, s_z_t, b, t0, rows, d, m2, HAS_Z, EVEN
+            p_dy, s_dy_b, s_dy_t, s_dy_d, p_z, s_z_b, s_z_t, b, t0, rows, d, m2, HAS_Z, EVEN
         )
-        Ct = _tile_rows(C_ptr, s_C_b, s_C_t, b, t0, rows, n, mt[:, None] & mn[None, :], EVEN)
+        Ct = _tile_rows(p_C, s_C_b, s_C_t, b, t0, rows, n, mt[:, None] & mn[None, :], EVEN)
         _g, G = _reverse_scan(Ct[:, :, None] * gy[:, None, :], a, G, rows, TC)
         p = p * tl.reduce(a, 0, _mul)
     off_seg = ((b * nseg + s) * Dn + d[None, :]) * N + n[:, None]
-    tl.store(W_ptr + off_seg, G, mask=mdn)
-    tl.store(P_ptr + off_seg, p, mask=mdn)
+    tl.store(p_W + off_seg, G, mask=mdn)
+    tl.store(p_P + off_seg, p, mask=mdn)
 
 
 @triton.jit
 def _bwd_loads(
-    c, rows, b, d, n, md, mn, mdn, T, Dn, N, nc, u_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, dy_ptr,
-    states_ptr, s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b, s_z_t, s_dy_b,
+    c, rows, b, d, n, md, mn, mdn, T, Dn, N, nc, p_u, p_dt, p_B, p_C, p_z, p_dy,
+    p_states, s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b, s_z_t, s_dy_b,
     s_dy_t, s_dy_d, HAS_Z: tl.constexpr, TC: tl.constexpr, EVEN: tl.constexpr,
 ):
     """The inputs of backward tile c, as f32: raw delta, u, B, C, dy, z (dy without z) and
@@ -102,24 +102,24 @@ def _bwd_loads(
     mt = (t0 + rows) < T
     m2 = mt[:, None] & md[None, :]
     mtn = mt[:, None] & mn[None, :]
-    raw = _ld(_tile_ptrs(dt_ptr, s_dt_b, s_dt_t, b, t0, rows, d, 1), m2, EVEN)
-    u = _tile_rows(u_ptr, s_u_b, s_u_t, b, t0, rows, d, m2, EVEN)
-    Bt = _tile_rows(B_ptr, s_B_b, s_B_t, b, t0, rows, n, mtn, EVEN)
-    Ct = _tile_rows(C_ptr, s_C_b, s_C_t, b, t0, rows, n, mtn, EVEN)
-    dy = _ld(_tile_ptrs(dy_ptr, s_dy_b, s_dy_t, b, t0, rows, d, s_dy_d), m2, EVEN)
+    raw = _ld(_tile_ptrs(p_dt, s_dt_b, s_dt_t, b, t0, rows, d, 1), m2, EVEN)
+    u = _tile_rows(p_u, s_u_b, s_u_t, b, t0, rows, d, m2, EVEN)
+    Bt = _tile_rows(p_B, s_B_b, s_B_t, b, t0, rows, n, mtn, EVEN)
+    Ct = _tile_rows(p_C, s_C_b, s_C_t, b, t0, rows, n, mtn, EVEN)
+    dy = _ld(_tile_ptrs(p_dy, s_dy_b, s_dy_t, b, t0, rows, d, s_dy_d), m2, EVEN)
     if HAS_Z:
-        z = _tile_rows(z_ptr, s_z_b, s_z_t, b, t0, rows, d, m2, EVEN)
+        z = _tile_rows(p_z, s_z_b, s_z_t, b, t0, rows, d, m2, EVEN)
     else:
         z = dy
     off_c = ((b * nc + c) * Dn + d[None, :]) * N + n[:, None]  # [B, nc, D, N]
-    h0 = tl.load(states_ptr + off_c, mask=_in_range(mdn, c, nc), other=0.0)
+    h0 = tl.load(p_states + off_c, mask=_in_range(mdn, c, nc), other=0.0)
     return raw, u, Bt, Ct, dy, z, h0
 
 
 @triton.jit
 def _bwd_kernel(
-    u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr, dy_ptr, states_ptr,
-    gin_ptr, du_ptr, ddt_ptr, dz_ptr, ys_ptr, dB_ptr, dC_ptr, dA_ptr, dD_ptr, db_ptr, dh0_ptr,
+    p_u, p_dt, p_A, p_B, p_C, p_D, p_z, p_bias, p_seq, p_dy, p_states,
+    p_gin, p_du, p_ddt, p_dz, p_ys, p_dB, p_dC, p_dA, p_dD, p_db, p_dh0,
     T, Dn, N, Bsz, nc, nseg, seg_chunks,
     s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b, s_z_t, s_seq_b, s_seq_t,
     s_dy_b, s_dy_t, s_dy_d, s_dz_b, s_dz_t,
@@ -131,18 +131,18 @@ def _bwd_kernel(
     """Every gradient of one segment, tiles last to first: states by a forward scan from the
     saved tile-start state, adjoints by a reverse scan from the carry G."""
     pid_d, s, b, pid_n, d, n, md, mn, mdn, A, bias = _program_block(
-        A_ptr, bias_ptr, Dn, N, Bsz, HAS_BIAS, BLOCK_D, BLOCK_N
+        p_A, p_bias, Dn, N, Bsz, HAS_BIAS, BLOCK_D, BLOCK_N
     )
     A2 = A * LOG2E
     rows = tl.arange(0, TC)
     off_seg = ((b * nseg + s) * Dn + d[None, :]) * N + n[:, None]  # [B, nseg, D, N]
     if HAS_G:
-        G = tl.load(gin_ptr + off_seg, mask=mdn, other=0.0)
+        G = tl.load(p_gin + off_seg, mask=mdn, other=0.0)
     else:
         G = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     Dv = tl.zeros([BLOCK_D], tl.float32)
     if HAS_D:
-        Dv = tl.load(D_ptr + d, mask=_in_range(md, pid_n, 1), other=0.0)
+        Dv = tl.load(p_D + d, mask=_in_range(md, pid_n, 1), other=0.0)
     dA_acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dD_acc = tl.zeros([BLOCK_D], tl.float32)
     db_acc = tl.zeros([BLOCK_D], tl.float32)
@@ -153,16 +153,16 @@ def _bwd_kernel(
     # a tile's loads are issued one iteration ahead, behind the previous tile's arithmetic:
     # few warps per SM are resident at this register count to hide them
     nx_raw, nx_u, nx_B, nx_C, nx_dy, nx_z, nx_h0 = _bwd_loads(
-        c_last, rows, b, d, n, md, mn, mdn, T, Dn, N, nc, u_ptr, dt_ptr, B_ptr, C_ptr, z_ptr,
-        dy_ptr, states_ptr, s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b,
+        c_last, rows, b, d, n, md, mn, mdn, T, Dn, N, nc, p_u, p_dt, p_B, p_C, p_z,
+        p_dy, p_states, s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b,
         s_z_t, s_dy_b, s_dy_t, s_dy_d, HAS_Z, TC, EVEN,
     )
     for i in tl.range(seg_chunks, num_stages=1):  # loads run one tile ahead by hand (above)
         c = c_last - i
         raw, u, Bt, Ct, dy, z, h0 = nx_raw, nx_u, nx_B, nx_C, nx_dy, nx_z, nx_h0
         nx_raw, nx_u, nx_B, nx_C, nx_dy, nx_z, nx_h0 = _bwd_loads(
-            tl.maximum(c - 1, c0), rows, b, d, n, md, mn, mdn, T, Dn, N, nc, u_ptr, dt_ptr,
-            B_ptr, C_ptr, z_ptr, dy_ptr, states_ptr, s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b,
+            tl.maximum(c - 1, c0), rows, b, d, n, md, mn, mdn, T, Dn, N, nc, p_u, p_dt,
+            p_B, p_C, p_z, p_dy, p_states, s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b,
             s_B_t, s_C_b, s_C_t, s_z_b, s_z_t, s_dy_b, s_dy_t, s_dy_d, HAS_Z, TC, EVEN,
         )  # the next tile's (the first tile's again on the last iteration: unused)
         t0 = c * TC
@@ -173,7 +173,7 @@ def _bwd_kernel(
         raw, dt = _delta_of(raw, m2, bias, HAS_BIAS, SOFTPLUS, EVEN)
         a = tl.exp2(dt[:, None, :] * A2[None, :, :])
         if HAS_SEQ:
-            starts = _doc_starts(t, mt, b, seq_ptr, s_seq_b, s_seq_t)
+            starts = _doc_starts(t, mt, b, p_seq, s_seq_b, s_seq_t)
             a = tl.where(starts[:, None, None], 0.0, a)
         if HAS_Z:
             sz = fast_sigmoid(z)
@@ -195,12 +195,12 @@ def _bwd_kernel(
         if HAS_Z:
             ys = tl.sum(hs * Ct[:, :, None], axis=1)
             if SPLIT_N:  # y needs every state block: dz is finished outside
-                _st(_tile_ptrs(ys_ptr + out_base, 0, Dn, b, t0, rows, d, 1), ys, m2, EVEN)
+                _st(_tile_ptrs(p_ys + out_base, 0, Dn, b, t0, rows, d, 1), ys, m2, EVEN)
             else:
                 if HAS_D:
                     ys += Dv[None, :] * u
                 dz = dy * ys * sz * (1.0 + z * (1.0 - sz))
-                _st(_tile_ptrs(dz_ptr, s_dz_b, s_dz_t, b, t0, rows, d, 1), dz, m2, EVEN)
+                _st(_tile_ptrs(p_dz, s_dz_b, s_dz_t, b, t0, rows, d, 1), dz, m2, EVEN)
         xhb = x * (hs - bx)  # g_t a_t h_{t-1}
         xB = tl.sum(x * Bt[:, :, None], axis=1)
         ddt = u * xB + tl.sum(xhb * A[None, :, :], axis=1)
@@ -214,18 +214,18 @@ def _bwd_kernel(
             db_acc += tl.sum(ddt, axis=0)
         else:
             db_acc += tl.sum(tl.where(m2, ddt, 0.0), axis=0)
-        _st(_tile_ptrs(du_ptr + out_base, 0, Dn, b, t0, rows, d, 1), du, m2, EVEN)
-        _st(_tile_ptrs(ddt_ptr + out_base, 0, Dn, b, t0, rows, d, 1), ddt, m2, EVEN)
-        _store_channel_sum(dB_ptr + part_base, x * dtu[:, None, :], t0, rows, n, mtn, T, N,
+        _st(_tile_ptrs(p_du + out_base, 0, Dn, b, t0, rows, d, 1), du, m2, EVEN)
+        _st(_tile_ptrs(p_ddt + out_base, 0, Dn, b, t0, rows, d, 1), ddt, m2, EVEN)
+        _store_channel_sum(p_dB + part_base, x * dtu[:, None, :], t0, rows, n, mtn, T, N,
                            pid_n, TC, BLOCK_N, BLOCK_D, RS, RS_ASM, EVEN)
-        _store_channel_sum(dC_ptr + part_base, hs * gy[:, None, :], t0, rows, n, mtn, T, N,
+        _store_channel_sum(p_dC + part_base, hs * gy[:, None, :], t0, rows, n, mtn, T, N,
                            pid_n, TC, BLOCK_N, BLOCK_D, RS, RS_ASM, EVEN)
         dA_acc += tl.sum(xhb * dt[:, None, :], axis=0)
-    tl.store(dA_ptr + off_seg, dA_acc, mask=mdn)  # [B, nseg, D, N] partials
+    tl.store(p_dA + off_seg, dA_acc, mask=mdn)  # [B, nseg, D, N] partials
     off_part = (b * nseg + s) * Dn + d  # [B, nseg, D] partials
-    tl.store(db_ptr + pid_n * Bsz * nseg * Dn + off_part, db_acc, mask=md)
+    tl.store(p_db + pid_n * Bsz * nseg * Dn + off_part, db_acc, mask=md)
     if HAS_D:
-        tl.store(dD_ptr + off_part, dD_acc, mask=_in_range(md, pid_n, 1))
+        tl.store(p_dD + off_part, dD_acc, mask=_in_range(md, pid_n, 1))
     if HAS_H0:  # after the first segment, G is dL/d initial_state
         off_0 = (b * Dn + d[None, :]) * N + n[:, None]
-        tl.store(dh0_ptr + off_0, G, mask=_in_range(mdn, s, 1))
+        tl.store(p_dh0 + off_0, G, mask=_in_range(mdn, s, 1))

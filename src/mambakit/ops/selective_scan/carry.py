@@ -18,7 +18,7 @@ from .tiles import _combine
 
 @triton.jit
 def _carry_bwd_kernel(
-    W_ptr, P_ptr, gT_ptr, gin_ptr, nc, DN,
+    p_W, p_P, p_gT, p_gin, nc, DN,
     HAS_GT: tl.constexpr, BLOCK_E: tl.constexpr, CB: tl.constexpr,
 ):
     """Gin_{nc-1} = dL/dh_T, Gin_{c-1} = W_c + P_c Gin_c: the adjoint carried into the end
@@ -28,20 +28,20 @@ def _carry_bwd_kernel(
     b = tl.program_id(1).to(tl.int64)
     me = e < DN
     if HAS_GT:
-        G = tl.load(gT_ptr + b * DN + e, mask=me, other=0.0)
+        G = tl.load(p_gT + b * DN + e, mask=me, other=0.0)
     else:
         G = tl.zeros([BLOCK_E], tl.float32)
     base = b * nc * DN
-    tl.store(gin_ptr + base + (nc - 1) * DN + e, G, mask=me)
+    tl.store(p_gin + base + (nc - 1) * DN + e, G, mask=me)
     rows = tl.arange(0, CB)
     for k in range(0, nc, CB):
         cs = nc - 1 - k - rows  # row r holds chunk nc-1-k-r: the scan runs backwards in time
         m2 = (cs >= 1)[:, None] & me[None, :]
         off = base + cs[:, None].to(tl.int64) * DN + e[None, :]
-        P = tl.load(P_ptr + off, mask=m2, other=1.0)
-        W = tl.load(W_ptr + off, mask=m2, other=0.0)
+        P = tl.load(p_P + off, mask=m2, other=1.0)
+        W = tl.load(p_W + off, mask=m2, other=0.0)
         Pc, Wc = tl.associative_scan((P, W), 0, _combine)
         X = Wc + Pc * G[None, :]  # dL/dh just before chunk cs
-        tl.store(gin_ptr + off - DN, X, mask=m2)
+        tl.store(p_gin + off - DN, X, mask=m2)
         last = tl.minimum(CB, nc - k) - 1
         G = tl.sum(tl.where((rows == last)[:, None], X, 0.0), axis=0)

@@ -110,18 +110,18 @@ def _store_channel_sum(
 
 
 @triton.jit
-def _sum_blocks_kernel(pb_ptr, pc_ptr, ob_ptr, oc_ptr, P, M, BLOCK_E: tl.constexpr):
+def _sum_blocks_kernel(p_pb, p_pc, p_ob, p_oc, P, M, BLOCK_E: tl.constexpr):
     """The second stage of the sums over channels: out[m] = sum_p part[p, m] over the P
     channel blocks, in order (deterministic), f32, stored in the output's dtype; dB's
     partials on program axis 1 = 0, dC's on 1."""
     offs = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     mask = offs < M
     if tl.program_id(1) == 0:
-        src = pb_ptr
-        dst = ob_ptr
+        src = p_pb
+        dst = p_ob
     else:
-        src = pc_ptr
-        dst = oc_ptr
+        src = p_pc
+        dst = p_oc
     acc = tl.zeros([BLOCK_E], tl.float32)
     ptrs = src + offs
     for _ in tl.range(P, num_stages=4):

@@ -30,8 +30,8 @@ from .tiles import (
 
 @triton.jit
 def _fwd_kernel(
-    u_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, seq_ptr,
-    h0_ptr, states_ptr, hT_ptr, hloc_ptr, P_ptr, y_ptr,
+    p_u, p_dt, p_A, p_B, p_C, p_D, p_z, p_bias, p_seq,
+    p_h0, p_states, p_hT, p_hloc, p_P, p_y,
     T, Dn, N, Bsz, nc, ns, nseg, seg_chunks,
     s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b, s_z_t, s_seq_b, s_seq_t,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
@@ -43,27 +43,27 @@ def _fwd_kernel(
     state and decay product; else, from h0 (HAS_H0) and the summaries of the earlier segments
     (hloc, P: [B, nseg, D, N]), y, the state every TS steps (SAVE) and h_T (last segment)."""
     pid_d, s, b, pid_n, d, n, md, mn, mdn, A, bias = _program_block(
-        A_ptr, bias_ptr, Dn, N, Bsz, HAS_BIAS, BLOCK_D, BLOCK_N
+        p_A, p_bias, Dn, N, Bsz, HAS_BIAS, BLOCK_D, BLOCK_N
     )
     A2 = A * LOG2E
     rows = tl.arange(0, TC)
     off_dn = d[None, :] * N + n[:, None]  # [BLOCK_N, BLOCK_D] in a [D, N] state
     off_seg = (b * nseg + s) * Dn * N + off_dn  # [B, nseg, D, N]
     if HAS_H0:
-        h = tl.load(h0_ptr + b * Dn * N + off_dn, mask=mdn, other=0.0)
+        h = tl.load(p_h0 + b * Dn * N + off_dn, mask=mdn, other=0.0)
     else:
         h = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     if not LOCAL:  # the segment's start: the summaries of the segments before it, in order
         for j in tl.range(s, num_stages=3):
             off_j = (b * nseg + j) * Dn * N + off_dn
-            h = tl.load(P_ptr + off_j, mask=mdn, other=0.0) * h + tl.load(
-                hloc_ptr + off_j, mask=mdn, other=0.0
+            h = tl.load(p_P + off_j, mask=mdn, other=0.0) * h + tl.load(
+                p_hloc + off_j, mask=mdn, other=0.0
             )
     p = tl.full([BLOCK_N, BLOCK_D], 1.0, tl.float32)
     Dv = tl.zeros([BLOCK_D], tl.float32)
     if HAS_D:
-        Dv = tl.load(D_ptr + d, mask=_in_range(md, pid_n, 1), other=0.0)
-    y_base = y_ptr + (pid_n * Bsz + b) * T * Dn  # [nb, B, T, D] (nb = 1: [B, T, D])
+        Dv = tl.load(p_D + d, mask=_in_range(md, pid_n, 1), other=0.0)
+    y_base = p_y + (pid_n * Bsz + b) * T * Dn  # [nb, B, T, D] (nb = 1: [B, T, D])
     c0 = s * seg_chunks
     for i in tl.range(seg_chunks, num_stages=3):  # pipelined: later tiles load during this one
         c = c0 + i  # past the last tile (c >= nc) every row is masked: an identity
@@ -71,11 +71,11 @@ def _fwd_kernel(
         t = t0 + rows
         mt = t < T
         m2, _raw, dt, a = _tile_decay(
-            t0, rows, mt, b, d, md, dt_ptr, s_dt_b, s_dt_t, seq_ptr, s_seq_b, s_seq_t, A2, bias,
+            t0, rows, mt, b, d, md, p_dt, s_dt_b, s_dt_t, p_seq, s_seq_b, s_seq_t, A2, bias,
             HAS_BIAS, SOFTPLUS, HAS_SEQ, EVEN,
         )
-        u = _tile_rows(u_ptr, s_u_b, s_u_t, b, t0, rows, d, m2, EVEN)
-        Bt = _tile_rows(B_ptr, s_B_b, s_B_t, b, t0, rows, n, mt[:, None] & mn[None, :], EVEN)
+        u = _tile_rows(p_u, s_u_b, s_u_t, b, t0, rows, d, m2, EVEN)
+        Bt = _tile_rows(p_B, s_B_b, s_B_t, b, t0, rows, n, mt[:, None] & mn[None, :], EVEN)
         bx = (dt * u)[:, None, :] * Bt[:, :, None]
         # the carried state enters through the first row; the scan's decay products are then
         # only needed for a LOCAL pass (unused, they compile away)
@@ -86,7 +86,7 @@ def _fwd_kernel(
                 c_s = (c * TC) // TS
                 off_c = (b * ns + c_s) * Dn * N + off_dn
                 m_s = _in_range(_in_range(mdn, c_s, ns), (c * TC) % TS, 1)
-                tl.store(states_ptr + off_c, h, mask=m_s)
+                tl.store(p_states + off_c, h, mask=m_s)
             else:
                 for k in tl.static_range(TC // TS):
                     c_s = c * (TC // TS) + k
@@ -95,22 +95,22 @@ def _fwd_kernel(
                         hk = h
                     else:
                         hk = _row(hs, rows, k * TS - 1)
-                    tl.store(states_ptr + off_c, hk, mask=_in_range(mdn, c_s, ns))
+                    tl.store(p_states + off_c, hk, mask=_in_range(mdn, c_s, ns))
         if LOCAL:
             p = p * _row(pa, rows, TC - 1)
         else:
-            Ct = _tile_rows(C_ptr, s_C_b, s_C_t, b, t0, rows, n, mt[:, None] & mn[None, :], EVEN)
+            Ct = _tile_rows(p_C, s_C_b, s_C_t, b, t0, rows, n, mt[:, None] & mn[None, :], EVEN)
             y = tl.sum(hs * Ct[:, :, None], axis=1)
             if not SPLIT_N:  # the whole of y is here: finish it
                 if HAS_D:
                     y += Dv[None, :] * u
                 if HAS_Z:
-                    zt = _tile_rows(z_ptr, s_z_b, s_z_t, b, t0, rows, d, m2, EVEN)
+                    zt = _tile_rows(p_z, s_z_b, s_z_t, b, t0, rows, d, m2, EVEN)
                     y = y * zt * fast_sigmoid(zt)
             _st(_tile_ptrs(y_base, 0, Dn, b, t0, rows, d, 1), y, m2, EVEN)
         h = _row(hs, rows, TC - 1)
     if LOCAL:
-        tl.store(hloc_ptr + off_seg, h, mask=mdn)
-        tl.store(P_ptr + off_seg, p, mask=mdn)
+        tl.store(p_hloc + off_seg, h, mask=mdn)
+        tl.store(p_P + off_seg, p, mask=mdn)
     else:
-        tl.store(hT_ptr + b * Dn * N + off_dn, h, mask=_in_range(mdn, nseg - 1 - s, 1))  # last
+        tl.store(p_hT + b * Dn * N + off_dn, h, mask=_in_range(mdn, nseg - 1 - s, 1))  # last

@@ -39,7 +39,7 @@ import functools
 
 import torch
 
-from .._triton import cdiv, launch, next_power_of_2, opt, sm_count
+from .._triton import cdiv, launch, next_power_of_2, opt, sm_count, strides
 from .backward import _bwd_kernel, _bwd_local_kernel
 from .carry import _carry_bwd_kernel
 from .channel_sum import _sum_blocks_kernel, reduce_scatter_fits
@@ -161,9 +161,8 @@ def _f32_bc(B: torch.Tensor, C: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return B.float(), C.float()
 
 
-def _strides(u, delta, B, C, z, seq_idx):
-    zs = z.stride()[:2] if z is not None else (0, 0)
-    ss = seq_idx.stride() if seq_idx is not None else (0, 0)
+def _input_strides(u, delta, B, C, z, seq_idx) -> tuple[int, ...]:
+    """The scan kernels' stride arguments of its [B, T, *] inputs: rows and steps of each."""
     return (
         u.stride(0),
         u.stride(1),
@@ -173,8 +172,8 @@ def _strides(u, delta, B, C, z, seq_idx):
         B.stride(1),
         C.stride(0),
         C.stride(1),
-        *zs,
-        *ss,
+        *strides(z, 2),
+        *strides(seq_idx, 2),
     )
 
 
@@ -228,7 +227,7 @@ def scan_fwd(
     )
     grid = (ndb, nseg, Bsz * nb)
     ins = (u, delta, A, B, C, opt(D, A), opt(z, u), opt(delta_bias, A), opt(seq_idx, A))
-    sizes = (T, Dn, N, Bsz, nc, ns, nseg, per, *_strides(u, delta, B, C, z, seq_idx))
+    sizes = (T, Dn, N, Bsz, nc, ns, nseg, per, *_input_strides(u, delta, B, C, z, seq_idx))
     hT = _new((Bsz, Dn, N), f32, dev)
     hloc = P = A  # segment summaries: none with one segment
     if nseg > 1:  # each segment's summary; the output pass composes those before its segment
@@ -316,7 +315,7 @@ def scan_bwd(
         num_warps=cfg.bwd_warps,
     )
     grid = (ndb, nseg, Bsz * nb)
-    strides = _strides(u, delta, B, C, z, seq_idx)
+    s_in = _input_strides(u, delta, B, C, z, seq_idx)
     s_dy = gy.stride()
     gin = g_final.contiguous() if g_final is not None else None
     if nseg > 1:  # each segment's summary, then the carry into every segment's end
@@ -325,7 +324,7 @@ def scan_bwd(
         # the first segment's summary is never used (its start is dL/d initial_state)
         launch(_bwd_local_kernel, (ndb, nseg - 1, Bsz * nb),
             delta, A, C, opt(z, u), opt(delta_bias, A), opt(seq_idx, A), gy, W, P,
-            T, Dn, N, Bsz, nseg, per, *strides[2:4], *strides[6:], *s_dy, **common,
+            T, Dn, N, Bsz, nseg, per, *s_in[2:4], *s_in[6:], *s_dy, **common,
         )  # fmt: skip
         G = torch.empty_like(W)
         launch(
@@ -365,8 +364,8 @@ def scan_bwd(
         u, delta, A, B, C, opt(D, A), opt(z, u), opt(delta_bias, A), opt(seq_idx, A), gy,
         states, opt(gin, A), du, ddt, opt(dz, du), opt(ys, du), dBp, dCp, dAp,
         opt(dDp, A), dbp, opt(dh0, A),
-        T, Dn, N, Bsz, nc, nseg, per, *strides, *s_dy,
-        *(dz.stride()[:2] if dz is not None else (0, 0)),
+        T, Dn, N, Bsz, nc, nseg, per, *s_in, *s_dy,
+        *strides(dz, 2),
         HAS_D=D is not None, HAS_G=gin is not None, HAS_H0=dh0 is not None, SPLIT_N=nb > 1,
         RS=reduce_scatter_fits(tc, bd, bn, cfg.bwd_warps),
         RS_ASM=u.is_cuda, **common,

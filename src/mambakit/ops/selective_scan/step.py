@@ -14,22 +14,22 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import cdiv, launch, next_power_of_2
+from .._triton import cdiv, launch, next_power_of_2, strides
 from .tiles import LOG2E, _softplus
 
 
 @triton.jit
 def _state_update_kernel(
-    state_ptr,
-    u_ptr,
-    dt_ptr,
-    A_ptr,
-    B_ptr,
-    C_ptr,
-    D_ptr,
-    z_ptr,
-    bias_ptr,
-    y_ptr,
+    p_state,
+    p_u,
+    p_dt,
+    p_A,
+    p_B,
+    p_C,
+    p_D,
+    p_z,
+    p_bias,
+    p_y,
     Dn,
     N,
     s_h_b,
@@ -60,26 +60,26 @@ def _state_update_kernel(
     md = d < Dn
     mn = n < N
     mdn = md[:, None] & mn[None, :]
-    p_h = state_ptr + b * s_h_b + d[:, None] * s_h_d + n[None, :] * s_h_n
+    p_h = p_state + b * s_h_b + d[:, None] * s_h_d + n[None, :] * s_h_n
     h = tl.load(p_h, mask=mdn, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + b * s_u_b + d, mask=md, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr + b * s_dt_b + d * s_dt_d, mask=md, other=0.0).to(tl.float32)
+    u = tl.load(p_u + b * s_u_b + d, mask=md, other=0.0).to(tl.float32)
+    dt = tl.load(p_dt + b * s_dt_b + d * s_dt_d, mask=md, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        dt += tl.load(bias_ptr + d * s_bias, mask=md, other=0.0).to(tl.float32)
+        dt += tl.load(p_bias + d * s_bias, mask=md, other=0.0).to(tl.float32)
     if SOFTPLUS:
         dt = _softplus(dt)
-    A = tl.load(A_ptr + d[:, None] * s_A_d + n[None, :] * s_A_n, mask=mdn, other=0.0).to(tl.float32)
-    Bv = tl.load(B_ptr + b * s_B_b + n, mask=mn, other=0.0).to(tl.float32)
-    Cv = tl.load(C_ptr + b * s_C_b + n, mask=mn, other=0.0).to(tl.float32)
+    A = tl.load(p_A + d[:, None] * s_A_d + n[None, :] * s_A_n, mask=mdn, other=0.0).to(tl.float32)
+    Bv = tl.load(p_B + b * s_B_b + n, mask=mn, other=0.0).to(tl.float32)
+    Cv = tl.load(p_C + b * s_C_b + n, mask=mn, other=0.0).to(tl.float32)
     h = tl.exp2(dt[:, None] * A * LOG2E) * h + (dt * u)[:, None] * Bv[None, :]
-    tl.store(p_h, h.to(state_ptr.dtype.element_ty), mask=mdn)
+    tl.store(p_h, h.to(p_state.dtype.element_ty), mask=mdn)
     y = tl.sum(h * Cv[None, :], axis=1)
     if HAS_D:
-        y += tl.load(D_ptr + d * s_D, mask=md, other=0.0).to(tl.float32) * u
+        y += tl.load(p_D + d * s_D, mask=md, other=0.0).to(tl.float32) * u
     if HAS_Z:
-        zv = tl.load(z_ptr + b * s_z_b + d * s_z_d, mask=md, other=0.0).to(tl.float32)
+        zv = tl.load(p_z + b * s_z_b + d * s_z_d, mask=md, other=0.0).to(tl.float32)
         y = y * zv * tl.sigmoid(zv)
-    tl.store(y_ptr + b * s_y_b + d, y.to(y_ptr.dtype.element_ty), mask=md)
+    tl.store(p_y + b * s_y_b + d, y.to(p_y.dtype.element_ty), mask=md)
 
 
 def state_update(
@@ -108,7 +108,7 @@ def state_update(
         delta_bias if delta_bias is not None else A, y,
         Dn, N,
         *ssm_state.stride(), u.stride(0), *delta.stride(), *A.stride(), B.stride(0), C.stride(0),
-        D.stride(0) if D is not None else 0, *(z.stride() if z is not None else (0, 0)),
+        D.stride(0) if D is not None else 0, *strides(z, 2),
         delta_bias.stride(0) if delta_bias is not None else 0, y.stride(0),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         SOFTPLUS=bool(delta_softplus), BLOCK_D=block_d, BLOCK_N=block_n,

@@ -89,7 +89,7 @@ def _pick(x, rows, r):
 
 
 @triton.jit
-def _program_block(A_ptr, bias_ptr, Dn, N, Bsz, HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr,
+def _program_block(p_A, p_bias, Dn, N, Bsz, HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr):
     """This program's (segment, row, channel block, state block) on the grid (D blocks,
     segments, rows x state blocks), its masks, A [BLOCK_N, BLOCK_D] and the dt bias [BLOCK_D]."""
@@ -102,10 +102,10 @@ def _program_block(A_ptr, bias_ptr, Dn, N, Bsz, HAS_BIAS: tl.constexpr, BLOCK_D:
     md = d < Dn
     mn = n < N
     mdn = mn[:, None] & md[None, :]  # [BLOCK_N, BLOCK_D]: channels along the lanes
-    A = tl.load(A_ptr + d[None, :] * N + n[:, None], mask=mdn, other=0.0)
+    A = tl.load(p_A + d[None, :] * N + n[:, None], mask=mdn, other=0.0)
     bias = tl.zeros([BLOCK_D], tl.float32)
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + d, mask=md, other=0.0)
+        bias = tl.load(p_bias + d, mask=md, other=0.0)
     return pid_d, s, b, pid_n, d, n, md, mn, mdn, A, bias
 
 
@@ -142,39 +142,39 @@ def _delta_of(raw, m2, bias, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, EVE
 
 @triton.jit
 def _tile_dt(
-    t0, rows, mt, b, d, md, dt_ptr, s_dt_b, s_dt_t, bias,
+    t0, rows, mt, b, d, md, p_dt, s_dt_b, s_dt_t, bias,
     HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, EVEN: tl.constexpr,
 ):
     """Tile rows t0 + rows: mask [TC, BD], raw delta (+ bias), delta (0 on rows past T)."""
     m2 = mt[:, None] & md[None, :]
-    raw = _ld(_tile_ptrs(dt_ptr, s_dt_b, s_dt_t, b, t0, rows, d, 1), m2, EVEN)
+    raw = _ld(_tile_ptrs(p_dt, s_dt_b, s_dt_t, b, t0, rows, d, 1), m2, EVEN)
     raw, dt = _delta_of(raw, m2, bias, HAS_BIAS, SOFTPLUS, EVEN)
     return m2, raw, dt
 
 
 @triton.jit
-def _doc_starts(t, mt, b, seq_ptr, s_seq_b, s_seq_t):
+def _doc_starts(t, mt, b, p_seq, s_seq_b, s_seq_t):
     """[TC] bool: a document starts at row t (nothing flows in from t - 1)."""
     t64 = t.to(tl.int64)
     first = mt & (t > 0)
-    cur = tl.load(seq_ptr + b * s_seq_b + t64 * s_seq_t, mask=first, other=0)
-    prev = tl.load(seq_ptr + b * s_seq_b + (t64 - 1) * s_seq_t, mask=first, other=0)
+    cur = tl.load(p_seq + b * s_seq_b + t64 * s_seq_t, mask=first, other=0)
+    prev = tl.load(p_seq + b * s_seq_b + (t64 - 1) * s_seq_t, mask=first, other=0)
     return cur != prev
 
 
 @triton.jit
 def _tile_decay(
-    t0, rows, mt, b, d, md, dt_ptr, s_dt_b, s_dt_t, seq_ptr, s_seq_b, s_seq_t, A2, bias,
+    t0, rows, mt, b, d, md, p_dt, s_dt_b, s_dt_t, p_seq, s_seq_b, s_seq_t, A2, bias,
     HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_SEQ: tl.constexpr, EVEN: tl.constexpr,
 ):
     """_tile_dt, and a_t [TC, BN, BD] (A2 = A^T log2(e), [BN, BD]). Rows past T are identities
     (delta 0: a = 1, b = 0)."""
     m2, raw, dt = _tile_dt(
-        t0, rows, mt, b, d, md, dt_ptr, s_dt_b, s_dt_t, bias, HAS_BIAS, SOFTPLUS, EVEN
+        t0, rows, mt, b, d, md, p_dt, s_dt_b, s_dt_t, bias, HAS_BIAS, SOFTPLUS, EVEN
     )
     a = tl.exp2(dt[:, None, :] * A2[None, :, :])
     if HAS_SEQ:
-        starts = _doc_starts(t0 + rows, mt, b, seq_ptr, s_seq_b, s_seq_t)
+        starts = _doc_starts(t0 + rows, mt, b, p_seq, s_seq_b, s_seq_t)
         a = tl.where(starts[:, None, None], 0.0, a)
     return m2, raw, dt, a
 
