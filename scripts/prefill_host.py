@@ -105,7 +105,7 @@ def layer_pieces(model, T: int = 64) -> str:
 
     from mambakit.ops import mamba_inner as inner_op
     from mambakit.ops.causal_conv1d import kernels as conv_k
-    from mambakit.ops.mamba_inner import _projections
+    from mambakit.ops.mamba_inner.kernels import dt_proj
     from mambakit.ops.selective_scan import kernels as scan_k
 
     block = model.backbone.layers[0]
@@ -121,7 +121,9 @@ def layer_pieces(model, T: int = 64) -> str:
         A, D, dt_bias = mixer._ssm_params()
         cw = mixer.conv1d.weight.squeeze(1)
         u, _ = conv_k.conv_fwd(xz[..., :Dn], cw, mixer.conv1d.bias, None, None, True, True)
-        x_dbl, _, B, C, delta = _projections(u, None, mixer.x_proj.weight, mixer.dt_proj.weight, N)
+        x_dbl = F.linear(u, mixer.x_proj.weight)
+        delta, bc = dt_proj(x_dbl, mixer.dt_proj.weight, dt_bias, True)
+        B, C = bc[..., :N], bc[..., N:]
     pieces = {
         "block (norm + mixer)": lambda: block(x, res, bf),
         "norm": lambda: block.norm(x, res, bf),
@@ -143,11 +145,11 @@ def layer_pieces(model, T: int = 64) -> str:
         "conv_fwd (launcher)": lambda: conv_k.conv_fwd(
             xz[..., :Dn], cw, mixer.conv1d.bias, None, None, True, True
         ),
-        "_projections": lambda: _projections(u, None, mixer.x_proj.weight, mixer.dt_proj.weight, N),
+        "F.linear x_proj": lambda: F.linear(u, mixer.x_proj.weight),
+        "dt_proj (launcher)": lambda: dt_proj(x_dbl, mixer.dt_proj.weight, dt_bias, True),
         "scan_fwd (launcher)": lambda: scan_k.scan_fwd(
-            u, delta, A, B, C, D, xz[..., Dn:], dt_bias, True, None, None, False
+            u, delta, A, B, C, D, xz[..., Dn:], None, False, None, None, False
         ),
-        "_f32_bc": lambda: scan_k._f32_bc(B, C),
         "out_proj (module)": lambda: mixer.out_proj(u),
         "torch.empty": lambda: torch.empty(T, Dn, device="cuda"),
     }
