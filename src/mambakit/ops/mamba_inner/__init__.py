@@ -117,49 +117,22 @@ class _FusedInner(torch.autograd.Function):
             xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias,
             conv_state, ssm_state, seq_idx, True,
         )  # fmt: skip
+        # in the order mamba_inner_bwd takes them after the three output gradients
         ctx.save_for_backward(
-            xz,
-            x_dbl,
-            conv_weight,
-            conv_bias,
-            x_proj_weight,
-            dt_proj_weight,
-            A,
-            D,
-            dt_bias,
-            conv_state,
-            ssm_state,
-            seq_idx,
-            states,
-        )
+            xz, x_dbl, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias,
+            conv_state, ssm_state, seq_idx, states,
+        )  # fmt: skip
+        # which inputs get a gradient (the backward op returns empty tensors for the absent)
+        ctx.present = (True, True, conv_bias is not None, True, True, True, True, True)
+        ctx.present += (conv_state is not None, ssm_state is not None)
         ctx.set_materialize_grads(False)
         return y, conv_out, ssm_out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, gy, g_conv_out, g_ssm_out):
-        (
-            xz,
-            x_dbl,
-            conv_weight,
-            conv_bias,
-            x_proj_weight,
-            dt_proj_weight,
-            A,
-            D,
-            dt_bias,
-            conv_state,
-            ssm_state,
-            seq_idx,
-            states,
-        ) = ctx.saved_tensors
-        grads = inner_bwd_op(
-            gy, g_conv_out, g_ssm_out, xz, x_dbl, conv_weight, conv_bias, x_proj_weight,
-            dt_proj_weight, A, D, dt_bias, conv_state, ssm_state, seq_idx, states,
-        )  # fmt: skip
-        present = (True, True, conv_bias is not None, True, True, True, True, True)
-        present += (conv_state is not None, ssm_state is not None)
-        return *(g if p else None for g, p in zip(grads, present)), None
+        grads = inner_bwd_op(gy, g_conv_out, g_ssm_out, *ctx.saved_tensors)
+        return *(g if p else None for g, p in zip(grads, ctx.present)), None
 
 
 @torch.library.custom_op("mambakit::mamba_inner_bwd", mutates_args=())
