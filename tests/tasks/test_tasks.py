@@ -333,6 +333,32 @@ def test_cli_trains_tests_and_writes_the_table(task, tmp_path, capsys):
     assert "already holds a run" in capsys.readouterr().err
 
 
+def test_cli_resume_trains_on_from_the_latest_checkpoint(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    assert main(task_args(runs, "induction-heads")) == 0
+    capsys.readouterr()
+    args = task_args(runs, "induction-heads", "--resume")
+    args[args.index("--steps") + 1] = "5"
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "at step 3" in out and "trained: step 5," in out
+    table = json.loads((runs / "induction-heads" / "accuracy.json").read_text())
+    assert table["steps"] == 5
+    metrics = (runs / "induction-heads" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(m)["step"] for m in metrics if '"loss"' in m][-1] == 5
+
+
+def test_cli_max_minutes_stops_training_then_tests(tmp_path, capsys):
+    # a time limit shorter than one step: the trainer stops after its first step, checks
+    # the clock, saves, and the test still runs at every length
+    runs = tmp_path / "runs"
+    assert main(task_args(runs, "induction-heads", "--max-minutes", "1e-9")) == 0
+    table = json.loads((runs / "induction-heads" / "accuracy.json").read_text())
+    assert table["steps"] == 1
+    assert [r["seqlen"] for r in table["results"]] == [64, 128, 256]
+    assert "trained: step 1," in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
@@ -342,6 +368,7 @@ def test_cli_trains_tests_and_writes_the_table(task, tmp_path, capsys):
         (["--seqlen", "2"], "--seqlen must be at least 3"),
         (["--steps", "0"], "--steps must be at least 1"),
         (["--chunk-len", "0"], "--chunk-len must be at least 1"),
+        (["--max-minutes", "0"], "--max-minutes must be positive"),
     ],
 )
 def test_cli_errors_are_one_line_naming_the_flag(extra, message, tmp_path, capsys):

@@ -93,6 +93,12 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--lr", type=float, default=None, help="learning rate (default: 1e-3 CUDA, 5e-3 CPU)"
     )
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="stop training after this many minutes even before --steps, then test",
+    )
     p.add_argument("--warmup-steps", type=int, default=10, help="linear warmup steps")
     p.add_argument(
         "--min-lr-ratio",
@@ -135,6 +141,12 @@ def add_parser(sub) -> None:
     p.add_argument("--no-cuda-graph", action="store_true", help="train eagerly on CUDA")
     p.add_argument("--name", default=None, help="run name: files go to RUNS/NAME/ (default: task)")
     p.add_argument("--runs-dir", default="runs", help="folder of the runs (RUNS)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue RUNS/NAME from its latest checkpoint (the same flags; a higher --steps "
+        "trains on, the same --steps only tests again)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
@@ -148,6 +160,8 @@ def _check_args(args) -> None:
         raise UsageError(f"--vocab must be at least 2, got {args.vocab}")
     if args.steps is not None and args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
+    if args.max_minutes is not None and not args.max_minutes > 0:
+        raise UsageError(f"--max-minutes must be positive, got {args.max_minutes:g}")
     if not 0 <= args.min_lr_ratio <= 1:
         raise UsageError(f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio:g}")
 
@@ -190,8 +204,10 @@ def run(args: argparse.Namespace) -> int:
             f"--min-len {args.min_len} is shorter than {args.task} allows ({task.min_seqlen()})"
         )
     run_dir = Path(args.runs_dir) / (args.name or args.task)
-    if (run_dir / "latest").exists():
-        raise UsageError(f"{run_dir} already holds a run: pass --name for a new one")
+    if (run_dir / "latest").exists() and not args.resume:
+        raise UsageError(
+            f"{run_dir} already holds a run: pass --resume to continue it or --name for a new one"
+        )
     try:
         tcfg = TrainConfig(
             steps=steps,
@@ -208,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
             eval_every=args.eval_every,
             eval_batches=4,
             ckpt_every_minutes=0,
+            max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
             run_dir=str(run_dir),
         )
     except ValueError as e:
@@ -230,6 +247,11 @@ def _train_and_test(args, task, tcfg: TrainConfig, lengths, device, run_dir: Pat
     )
     val = TaskBatches(task, tcfg.batch_size, tcfg.seqlen, seed=args.seed, split=SPLIT_VAL)
     trainer = Trainer(model, tcfg, train, val.take(tcfg.eval_batches))
+    if args.resume:
+        if trainer.resume():
+            print(f"resumed {run_dir} at step {trainer.step}")
+        else:
+            print(f"no checkpoint in {run_dir}: starting fresh")
     print(
         f"{task.name}: {model.num_parameters() / 1e6:.3f}M parameters ({args.n_layers} layers, "
         f"d_model {args.d_model}), device {device}, precision {trainer.precision}, "
