@@ -1,6 +1,10 @@
-"""The device a run asks for: "auto" (CUDA when present), "cpu", "cuda" or "cuda:N"."""
+"""The device a run asks for ("auto", "cpu", "cuda", "cuda:N") and CUDA-graph capture that
+leaves the process usable when it fails."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -13,3 +17,33 @@ def resolve_device(spec: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"TrainConfig.device is {spec!r} but no CUDA device is available")
     return dev
+
+
+@contextlib.contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph, pool=None) -> Iterator[None]:
+    """`torch.cuda.graph(graph, pool=pool)`, except that a capture that fails leaves the
+    process as it found it before the exception goes on.
+
+    When the captured code raises (a host sync, say), torch.cuda.graph's exit fails in
+    `capture_end` before two things it would have done: putting back the caller's stream
+    (its capture stream stays current) and ending the default CUDA generator's capture
+    (the generator stays marked as capturing, so every later random op on the device
+    raises "Offset increment outside graph capture encountered unexpectedly"). Here the
+    stream is restored and the generator gets a fresh state with its seed and offset."""
+    stream = torch.cuda.current_stream()
+    device = stream.device
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    except BaseException:
+        torch.cuda.set_stream(stream)
+        _reset_generator(device)
+        raise
+
+
+def _reset_generator(device: torch.device) -> None:
+    """The default generator of `device`, no longer capturing, at the seed and offset it had."""
+    gen = torch.cuda.default_generators[device.index]
+    fresh = torch.Generator(device=device)
+    fresh.set_state(gen.get_state())
+    gen.graphsafe_set_state(fresh)

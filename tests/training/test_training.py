@@ -931,6 +931,7 @@ def test_a_loss_that_syncs_the_host_falls_back_to_eager(restore_determinism):
 
     said = []
     batches = [random_batch(seed=s) for s in range(2)]
+    stream = torch.cuda.current_stream()
     trainer = Trainer(
         tiny_lm(),
         tcfg(device="cuda", precision="bf16", lr=1e-2, deterministic=True),
@@ -938,9 +939,18 @@ def test_a_loss_that_syncs_the_host_falls_back_to_eager(restore_determinism):
         loss_fn=syncing_loss,
         log=said.append,
     )
+    rng = torch.cuda.get_rng_state()
     losses = [float(trainer.train_step()[0]) for _ in range(3)]
     assert not trainer.use_graph and trainer._graph is None
     assert any("cuda graph off" in s for s in said), said
+    # the failed capture left the caller's stream current and the default generator where
+    # it was (a step draws no random numbers): random ops work and continue its sequence
+    assert torch.cuda.current_stream() == stream
+    assert torch.equal(torch.cuda.get_rng_state(), rng)
+    same = torch.Generator(device="cuda")
+    same.set_state(rng)
+    drawn = torch.randn(64, device="cuda")
+    assert torch.equal(drawn, torch.randn(64, device="cuda", generator=same))
     eager = gpu_trainer(ListData(batches), False)
     assert losses == [float(eager.train_step()[0]) for _ in range(3)]
     for n, v in weights_of(trainer.model).items():

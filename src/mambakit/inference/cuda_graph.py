@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..device import graph_capture
 from ..state import MambaState
 
 __all__ = ["CUDAGraphStep", "capture", "clear_cuda_graphs", "graph_cache", "use_cuda_graph"]
@@ -61,7 +62,7 @@ def capture(fn: Callable[[], Any], warmup: int = 2, pool=None) -> tuple[torch.cu
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with graph_capture(graph, pool=pool):
         out = fn()
     return graph, out
 

@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..device import resolve_device
+from ..device import graph_capture, resolve_device
 from ..hf import CheckpointError, read_state_dict
 from ..state import MambaState
 from . import distributed as dist_
@@ -578,14 +578,10 @@ class Trainer:
             self._restore(snapshot)  # the warm-up steps must not count
         self.optimizer.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.current_stream()
         try:
-            with torch.cuda.graph(graph):
+            with graph_capture(graph):  # a failed capture leaves the stream and RNG usable
                 loss, norm = self._step_body(static)
         except Exception as e:
-            # when the capture fails, torch.cuda.graph's exit raises before it restores the
-            # stream it made current (its capture stream): put ours back
-            torch.cuda.set_stream(stream)
             if self.cfg.cuda_graph is True:
                 raise
             self.optimizer.zero_grad(set_to_none=True)
