@@ -1,5 +1,6 @@
-"""Host-side helpers shared by the Triton launchers: `launch` (the kernel launch fast path),
-`sm_count`, `opt`, `strides`, `next_power_of_2`, `cdiv`.
+"""Helpers shared by the Triton kernels and their launchers: `launch` (the kernel launch fast
+path), `sm_count`, `opt`, `strides`, `next_power_of_2`, `cdiv`, programmatic dependent launch
+(`pdl_args`, `pdl_start`, `pdl_wait`) and the jit functions `fast_rcp`, `fast_sigmoid`.
 
 `kernel[grid](*args, **kwargs)` costs about 27 us of host time per call on the H200 host
 (Triton 3.6: argument binding, per-argument specialization, the cache key, the launch), 11 us
@@ -177,3 +178,42 @@ def fast_sigmoid(x):
     """sigmoid(x) for f32 x by exp2 (one MUFU instruction; `tl.exp` and `tl.sigmoid` add a
     range fix-up) and `fast_rcp`. Where e^-x overflows to inf the result is 0."""
     return fast_rcp(1.0 + tl.exp2(-x * LOG2E))
+
+
+# Programmatic dependent launch (sm_90+). A kernel launched with `pdl_args` may start while
+# the kernel before it in the stream is still running: its programs can load what no earlier
+# kernel writes (weights, parameters) and must call `pdl_wait` before they read anything an
+# earlier kernel wrote or write anything at all (the caching allocator hands a kernel memory
+# that the one before may still be reading). `pdl_wait` returns once the previous kernel has
+# completed and its writes are visible; every program calls it, so a kernel never completes
+# before its predecessor and the chain stays ordered. `pdl_start` lets the next kernel launch
+# once every program of this one has called it.
+USE_PDL = True
+_SM90: dict[int, bool] = {}
+
+
+def pdl_args(x: torch.Tensor) -> dict:
+    """Launch arguments for a kernel with a `PDL: tl.constexpr` parameter: programmatic
+    dependent launch on sm_90+ devices, off on older ones, on the CPU and in the interpreter."""
+    if not (USE_PDL and x.is_cuda):
+        return {"PDL": False}
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if dev not in _SM90:
+        _SM90[dev] = torch.cuda.get_device_capability(dev)[0] >= 9
+    return {"PDL": True, "launch_pdl": True} if _SM90[dev] else {"PDL": False}
+
+
+@triton.jit
+def pdl_start(PDL: tl.constexpr):
+    """Let the next kernel launch (programmatic dependent launch): its programs load their
+    weights while this kernel finishes."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Wait for the previous kernel (and so every earlier one) to complete: nothing it writes
+    may be read, and nothing may be written, before this."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .._triton import cdiv, launch, next_power_of_2
+from .._triton import cdiv, launch, next_power_of_2, pdl_args, pdl_start, pdl_wait
 from ..causal_conv1d.step import conv_update
 from ..rms_norm.kernels import rms_fwd
 from ..selective_scan.tiles import LOG2E, _softplus
@@ -59,7 +59,6 @@ from ..selective_scan.tiles import LOG2E, _softplus
 # 130m 213-218 us at any of them
 TILE = 16384
 DT_PROJ_FUSED_BYTES = 16 << 20  # batch x dt_proj weight bytes up to which the SSM kernel runs it
-USE_PDL = True  # programmatic dependent launch on sm_90+ (see _pdl_start)
 ROWS_MAX_BATCH = 1  # up to this batch the weights stream through these kernels; above, cuBLAS
 # batch rows per program of _layer_ssm_kernel. H200, graph step at batch 64
 # (scripts/step_sweep.py): 130m 675.5 us at 2 (1: 699.2; 4: 852.9, 8: 718.1, registers
@@ -68,22 +67,6 @@ SSM_ROWS = 2
 SSM_BLOCK_D, SSM_WARPS = 32, 4  # channels and warps per program of _layer_ssm_kernel
 
 # fmt: off
-
-
-@triton.jit
-def _pdl_start(PDL: tl.constexpr):
-    """Let the next kernel launch now (programmatic dependent launch): its programs
-    load their weights while this kernel finishes."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _pdl_wait(PDL: tl.constexpr):
-    """Wait for the previous kernel (and so every earlier one) to complete: nothing
-    it writes may be read before this."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -113,7 +96,7 @@ def _layer_in_kernel(
     BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr, K_PAD: tl.constexpr, KC: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    _pdl_start(PDL)
+    pdl_start(PDL)
     pid_b = tl.program_id(0)
     pid_d = tl.program_id(1)
     cdt: tl.constexpr = p_w_in.dtype.element_ty
@@ -132,7 +115,7 @@ def _layer_in_kernel(
     mh = (j < K - 1)[:, None] & md[None, :]
     cw_hist = tl.load(p_cw + d[None, :] * s_cw_d + j[:, None] * s_cw_k, mask=mh, other=0.0
                       ).to(tl.float32)
-    _pdl_wait(PDL)
+    pdl_wait(PDL)
     for i in tl.static_range(BLOCK_B):
         b = pid_b * BLOCK_B + i
         if b < Bsz:
@@ -177,7 +160,7 @@ def _layer_ssm_kernel(
     = x_dbl[:, :R] W_dt^T computed here (DT_PROJ) or read from p_delta. The rows are one
     tile dimension, not a loop: every row's loads are issued before any store, and A and
     W_dt are read once per BLOCK_B rows."""
-    _pdl_start(PDL)
+    pdl_start(PDL)
     pid_b = tl.program_id(0)
     pid_d = tl.program_id(1)
     cdt: tl.constexpr = p_w_dt.dtype.element_ty
@@ -196,7 +179,7 @@ def _layer_ssm_kernel(
                 other=0.0) * LOG2E
     dt_bias = tl.load(p_dtb + d, mask=md, other=0.0)
     Dv = tl.load(p_Dv + d, mask=md, other=0.0)
-    _pdl_wait(PDL)
+    pdl_wait(PDL)
     mbd = mb[:, None] & md[None, :]  # [BLOCK_B, BLOCK_D]
     mbn = mb[:, None] & mn[None, :]  # [BLOCK_B, BLOCK_N]
     # x_proj's output of the rows: dt_low [R], B [N], C [N]
@@ -234,7 +217,7 @@ def _linear_kernel(
     BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """out = rmsnorm(x + residual) W^T (+ bias), or x W^T (+ bias) without the norm."""
-    _pdl_start(PDL)
+    pdl_start(PDL)
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     cdt: tl.constexpr = p_w.dtype.element_ty
@@ -248,7 +231,7 @@ def _linear_kernel(
         nw = tl.load(p_nw + k, mask=mk, other=0.0).to(tl.float32)
     if HAS_BIAS:
         bias = tl.load(p_bias + nn, mask=mn, other=0.0).to(tl.float32)
-    _pdl_wait(PDL)
+    pdl_wait(PDL)
     for i in tl.static_range(BLOCK_B):
         b = pid_b * BLOCK_B + i
         if b < Bsz:
@@ -273,19 +256,6 @@ def _rows_per_program(n_rows: int, k_pad: int, tile: int, interp: bool) -> int:
     while block > 1 and cdiv(n_rows, block) < 264:
         block //= 2
     return block
-
-
-_SM90: dict[int, bool] = {}
-
-
-def _pdl(x: torch.Tensor) -> dict:
-    """Launch arguments for programmatic dependent launch: on sm_90+ (not the interpreter)."""
-    if not (USE_PDL and x.is_cuda):
-        return {"PDL": False}
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    if dev not in _SM90:
-        _SM90[dev] = torch.cuda.get_device_capability(dev)[0] >= 9
-    return {"PDL": True, "launch_pdl": True} if _SM90[dev] else {"PDL": False}
 
 
 def _block_b(batch: int) -> int:
@@ -342,7 +312,7 @@ def layer_step(
         K=K, HAS_NORM=fuse_norm, HAS_RES=x_res is not None,
         HAS_IN_BIAS=w.in_b is not None, HAS_CONV_BIAS=w.conv_b is not None,
         BLOCK_B=block_b, BLOCK_D=block_d, K_PAD=k_pad, KC=next_power_of_2(K),
-        num_warps=_warps(2 * block_d * k_pad), **_pdl(x),
+        num_warps=_warps(2 * block_d * k_pad), **pdl_args(x),
     )  # fmt: skip
     x_dbl = linear(u, w.x_w)
     y = _ssm(x_dbl, w, u, z, ssm_state, interp)
@@ -372,7 +342,7 @@ def _ssm(x_dbl, w, u, z, ssm_state, interp: bool) -> torch.Tensor:
         z.stride(0), ssm_state.stride(0), ssm_state.stride(1), y.stride(0),
         DT_PROJ=dt_proj, BLOCK_B=block_b, BLOCK_D=block_d,
         BLOCK_R=max(2, next_power_of_2(R)), BLOCK_N=max(2, next_power_of_2(N)),
-        num_warps=SSM_WARPS, **_pdl(u),
+        num_warps=SSM_WARPS, **pdl_args(u),
     )  # fmt: skip
     return y
 
@@ -409,6 +379,6 @@ def linear(
         HAS_RES=residual is not None, HAS_NORM=norm_weight is not None,
         HAS_BIAS=bias is not None,
         BLOCK_B=block_b, BLOCK_N=block_n, K_PAD=k_pad, num_warps=_warps(block_n * k_pad),
-        **_pdl(x),
+        **pdl_args(x),
     )  # fmt: skip
     return out
