@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import COMPILED, cdiv, launch, next_power_of_2, opt, pdl_args, pdl_start, pdl_wait
+from .._triton import COMPILED, cdiv, launch, next_power_of_2, opt
 from ..selective_scan.tiles import _delta_of
 
 
@@ -57,13 +57,11 @@ def _dt_proj_kernel(
     s_xdbl_m, s_w_d, s_w_r,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_BC: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, IEEE: tl.constexpr,
-    D_TILES: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr,
+    D_TILES: tl.constexpr, STAGES: tl.constexpr,
 ):
     # x_dbl [M, R + 2N] rows (M = B T) with stride 1 along them; delta [M, D] (SOFTPLUS: f32,
     # else x_dbl's dtype) and bc [M, 2N] f32, contiguous. A program: BLOCK_M rows, D_TILES
     # tiles of BLOCK_D channels one after the other (its dt rows loaded once).
-    pdl_start(PDL)  # the scan that follows launches while this kernel finishes
-    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_d = tl.program_id(1)
     dtype = p_xdbl.dtype.element_ty
@@ -146,6 +144,6 @@ def dt_proj(
         BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=max(16, next_power_of_2(R)),
         BLOCK_BC=next_power_of_2(N2), HAS_BIAS=dt_bias is not None, SOFTPLUS=softplus,
         IEEE=x_dbl.dtype == f32, D_TILES=tiles, STAGES=STAGES,
-        num_warps=WARPS, **pdl_args(x_dbl),
+        num_warps=WARPS,
     )  # fmt: skip
     return delta, bc

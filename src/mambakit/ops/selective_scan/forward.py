@@ -12,7 +12,7 @@ multiply-adds each, read from L2).
 import triton
 import triton.language as tl
 
-from .._triton import fast_sigmoid, pdl_start, pdl_wait
+from .._triton import fast_sigmoid
 from .tiles import (
     LOG2E,
     _combine,
@@ -37,14 +37,11 @@ def _fwd_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_H0: tl.constexpr, LOCAL: tl.constexpr, SAVE: tl.constexpr,
     SPLIT_N: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, EVEN: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
 ):
     """One segment of one row, tile by tile. LOCAL: from a zero state, only the segment's end
     state and decay product; else, from h0 (HAS_H0) and the summaries of the earlier segments
-    (hloc, P: [B, nseg, D, N]), y, the state every TS steps (SAVE) and h_T (last segment).
-    PDL: launched early (programmatic dependent launch), it waits for the kernel before."""
-    pdl_start(PDL)  # the output pass launches while the LOCAL pass finishes
-    pdl_wait(PDL)
+    (hloc, P: [B, nseg, D, N]), y, the state every TS steps (SAVE) and h_T (last segment)."""
     pid_d, s, b, pid_n, d, n, md, mn, mdn, A, bias = _program_block(
         p_A, p_bias, Dn, N, Bsz, HAS_BIAS, BLOCK_D, BLOCK_N
     )

@@ -39,7 +39,7 @@ import functools
 
 import torch
 
-from .._triton import cdiv, launch, next_power_of_2, opt, pdl_args, sm_count, strides
+from .._triton import cdiv, launch, next_power_of_2, opt, sm_count, strides
 from .backward import _bwd_kernel, _bwd_local_kernel
 from .carry import _carry_bwd_kernel
 from .channel_sum import _sum_blocks_kernel, reduce_scatter_fits
@@ -224,7 +224,6 @@ def scan_fwd(
         BLOCK_N=bn,
         EVEN=_even(T, Dn, N, tc, bd, bn, nseg * per == nc),
         num_warps=cfg.fwd_warps,
-        **pdl_args(u),
     )
     grid = (ndb, nseg, Bsz * nb)
     ins = (u, delta, A, B, C, opt(D, A), opt(z, u), opt(delta_bias, A), opt(seq_idx, A))
