@@ -17,6 +17,7 @@ from mambakit import MambaBackbone, MambaConfig, MambaLM
 from mambakit.training import ByteTokenizer, RowBatches, TrainConfig, Trainer, lm_loss
 from mambakit.training.data import pack_documents
 from mambakit.training.optim import WarmupCosine
+from mambakit.training.trainer import count_targets
 
 V = 32  # vocabulary of the synthetic streams
 
@@ -859,6 +860,37 @@ def test_graph_steps_equal_eager_steps(kw, restore_determinism):
     assert runs[True][0] == runs[False][0]
     for n, w in runs[True][1].items():
         assert torch.equal(w, runs[False][1][n]), n
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graph_steps_refresh_what_is_cached_from_the_parameters(restore_determinism):
+    """A replayed step updates the parameters in place where PyTorch does not see it; their
+    version counters must still move, or what is cached from them without autograd (the
+    layers' A = -exp(A_log), D, dt bias) would keep its first values: evaluation after
+    graph training would then run a model that is not the one trained (and saved)."""
+    batches = [random_batch(seed=s) for s in range(2)]
+    trainer = gpu_trainer(ListData(batches), True)
+    trainer.train_step()
+    assert trainer._graph is not None
+    mixer = trainer.model.backbone.layers[0].mixer
+    with torch.no_grad():
+        first = mixer._ssm_params()[0].clone()  # cached now
+    for _ in range(3):
+        trainer.train_step()
+    with torch.no_grad():
+        A = mixer._ssm_params()[0]
+        assert torch.equal(A, -torch.exp(mixer.A_log.float()))
+    assert not torch.equal(A, first)  # training moved A_log
+    # the trainer's validation loss is the loss of the weights it has, as a fresh copy sees them
+    fresh = tiny_lm().cuda()
+    fresh.load_state_dict(trainer.model.state_dict())
+    val = [random_batch(seed=9)]
+    trainer.val_batches = val
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):  # as gpu_trainer's
+        expected, _ = lm_loss(fresh, {k: v.cuda() for k, v in val[0].items()}, None)
+    expected = float(expected) / int(count_targets(val[0]))
+    assert trainer.evaluate() == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.gpu

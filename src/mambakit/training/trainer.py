@@ -61,6 +61,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import increment_version
 
 from ..device import graph_capture, resolve_device
 from ..hf import CheckpointError, read_state_dict
@@ -530,6 +531,10 @@ class Trainer:
             for key, v in src.items():
                 dst[key].copy_(v, non_blocking=True)
         self._graph.replay()
+        # the replay updated the parameters in place behind PyTorch's back: move their
+        # version counters, or caches keyed on them (the layers' A = -exp(A_log), D and dt
+        # bias; the decode weights) would keep serving the values of their first use
+        increment_version(self.params)
         # copies: the graph's outputs are overwritten by the next replay
         return self._static["loss"].clone(), self._static["norm"].clone()
 
