@@ -91,7 +91,10 @@ class Mamba(nn.Module):
         """A = -exp(A_log), D and the dt bias, in f32 (f64 for a float64 model).
 
         Without autograd (decode) they are cached until A_log, D or the bias change
-        (their version counters move), so a decode step does not recompute them."""
+        (their version counters move), so a decode step does not recompute them. Code
+        that updates the parameters where PyTorch does not see it (a replayed CUDA graph
+        of an optimizer step) must move their counters with
+        `torch.autograd.graph.increment_version`, as the Trainer does."""
         params = (self.A_log, self.D, self.dt_proj.bias)
         if torch.is_grad_enabled() and any(p.requires_grad for p in params):
             return ssm_params(*params)
