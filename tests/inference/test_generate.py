@@ -537,3 +537,40 @@ def test_cuda_graph_step_backbone_equals_eager_step():
                 state.reset_(done)
     torch.testing.assert_close(actor.state.ssm, state.ssm)
     assert math.isfinite(float(actor.state.ssm.abs().sum()))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_step_follows_parameter_updates_after_capture():
+    """A policy trains in place between rollouts: the captured step must run the new
+    weights, including A = -exp(A_log), D and the dt bias it derives and caches."""
+    torch.manual_seed(0)
+    cfg = MambaConfig(d_model=64, n_layers=2, input_dim=11, d_state=8)
+    bb = MambaBackbone(cfg).cuda().eval()
+    actor = CUDAGraphStep(bb, batch_size=4)
+    x = torch.randn(4, 11, device="cuda")
+    actor(x)
+    with torch.no_grad():
+        for p in bb.parameters():  # an optimizer step's worth, A_log, D and dt bias included
+            p.add_(torch.randn_like(p) * 0.05)
+    actor.reset()
+    state = bb.init_state(4)
+    with torch.no_grad():
+        for _ in range(3):
+            ref, state = bb.step(x, state)
+            torch.testing.assert_close(actor(x), ref)
+
+
+@pytest.mark.gpu
+def test_graph_generate_follows_parameter_updates(randomize):
+    """Cached prefill and decode graphs run the weights of the call, not those of the capture."""
+    model = make_lm(randomize, device="cuda", d_model=64, n_layers=3, vocab_size=V)
+    ids = torch.randint(0, V, (2, 7), device="cuda")
+    generate(model, ids, max_new_tokens=16, temperature=0, cuda_graph=True)  # captured
+    with torch.no_grad():
+        for mixer in (layer.mixer for layer in model.backbone.layers):
+            mixer.A_log.add_(0.5)
+            mixer.D.mul_(-1.0)
+            mixer.dt_proj.bias.sub_(1.0)
+    eager = generate(model, ids, max_new_tokens=16, temperature=0, cuda_graph=False)
+    graph = generate(model, ids, max_new_tokens=16, temperature=0, cuda_graph=True)
+    torch.testing.assert_close(graph, eager, rtol=0, atol=0)

@@ -67,6 +67,30 @@ def capture(fn: Callable[[], Any], warmup: int = 2, pool=None) -> tuple[torch.cu
     return graph, out
 
 
+# model -> ([Mamba mixers], [their A_log, D, dt bias], versions at the last refresh)
+_DERIVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def refresh_derived(model: torch.nn.Module) -> None:
+    """Before replaying a graph captured on `model`: the graph reads the tensors its Mamba
+    layers derived from their parameters when it was captured (A = -exp(A_log), D and the
+    dt bias in f32). When those parameters changed since (an optimizer step, a load, a
+    Trainer's graph step), the layers recompute them into the same tensors. The check is
+    one version read per parameter (a few us for a 24-layer model)."""
+    entry = _DERIVED.get(model)
+    if entry is None:
+        mixers = [m for m in model.modules() if hasattr(m, "_ssm_params")]
+        params = [p for m in mixers for p in (m.A_log, m.D, m.dt_proj.bias)]
+        entry = _DERIVED[model] = [mixers, params, None]
+    mixers, params, seen = entry
+    now = [p._version for p in params]
+    if now != seen:
+        with torch.no_grad():
+            for m in mixers:
+                m._ssm_params()
+        entry[2] = now
+
+
 # model -> {"pool": mempool handle, key -> entry}; entries die with the model.
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -164,6 +188,7 @@ class CUDAGraphStep:
             if self.graph is None:
                 self.out = self._run()
             else:
+                refresh_derived(self.module)  # the policy may have trained since the capture
                 self.graph.replay()
         return self.out
 

@@ -42,7 +42,14 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ..state import MambaState
-from .cuda_graph import capture, graph_cache, params_signature, static_mode, use_cuda_graph
+from .cuda_graph import (
+    capture,
+    graph_cache,
+    params_signature,
+    refresh_derived,
+    static_mode,
+    use_cuda_graph,
+)
 from .prompts import Prompts, parse_prompts
 from .sampling import SamplingConfig, sample
 
@@ -266,6 +273,8 @@ class _Run:
 
     @static_mode()
     def first(self) -> torch.Tensor:
+        if self.graphs:  # cached graphs read what the layers derived from their parameters
+            refresh_derived(self.model)
         T_b = self.prompts.bucket
         if (
             (self.graphs or self.device.type == "cuda")

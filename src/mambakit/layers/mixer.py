@@ -94,7 +94,11 @@ class Mamba(nn.Module):
         (their version counters move), so a decode step does not recompute them. Code
         that updates the parameters where PyTorch does not see it (a replayed CUDA graph
         of an optimizer step) must move their counters with
-        `torch.autograd.graph.increment_version`, as the Trainer does."""
+        `torch.autograd.graph.increment_version`, as the Trainer does.
+
+        A refresh writes the new values into the cached tensors when their shapes, dtypes
+        and devices still match: CUDA graphs captured on them (decode, prefill) read those
+        tensors, and `inference.cuda_graph.refresh_derived` calls this before a replay."""
         params = (self.A_log, self.D, self.dt_proj.bias)
         if torch.is_grad_enabled() and any(p.requires_grad for p in params):
             return ssm_params(*params)
@@ -103,6 +107,13 @@ class Mamba(nn.Module):
         if cache is None or cache[0] != key:
             with torch.no_grad():
                 values = ssm_params(*params)
+            if cache is not None and all(map(_same_layout, cache[1], values)):
+                # inference mode: the cached tensors may have been made under it
+                with torch.inference_mode():
+                    for old, new in zip(cache[1], values):
+                        if old is not new:
+                            old.copy_(new)
+                values = cache[1]
             cache = (key, values)
             self.__dict__["_ssm_cache"] = cache
         return cache[1]
@@ -235,6 +246,10 @@ def ssm_params(A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor) -> t
     caches."""
     f = state_dtype(A_log)
     return -torch.exp(A_log.to(f)), D.to(f), dt_bias.to(f)
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
 
 def _p(module: nn.Module, name: str) -> torch.Tensor | None:
