@@ -71,10 +71,11 @@ def main() -> None:
         with torch.no_grad(), backend("reference"):
             paths["reference cuda"] = gpu(idc).logits
         paths["triton graph"] = graphed(gpu, idc)
+        tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = True
         with torch.no_grad():
             paths["triton tf32"] = gpu(idc).logits
-        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = tf32
         c, n = count_correct(ref, tg)
         print(f"T {T} B {a.batch}: cpu reference accuracy {int(c) / int(n):.3f}", flush=True)
         for name, lg in paths.items():

@@ -1,5 +1,5 @@
 """The device a run asks for ("auto", "cpu", "cuda", "cuda:N") and CUDA-graph capture that
-leaves the process usable when it fails."""
+keeps the stream and the random generator usable when it fails."""
 
 from __future__ import annotations
 
@@ -21,23 +21,25 @@ def resolve_device(spec: str) -> torch.device:
 
 @contextlib.contextmanager
 def graph_capture(graph: torch.cuda.CUDAGraph, pool=None) -> Iterator[None]:
-    """`torch.cuda.graph(graph, pool=pool)`, except that a capture that fails leaves the
-    process as it found it before the exception goes on.
+    """`torch.cuda.graph(graph, pool=pool)`, except that a capture that fails does not leave
+    the caller's stream or the CUDA random generator unusable.
 
-    When the captured code raises (a host sync, say), torch.cuda.graph's exit fails in
+    When the captured code raises (a host sync, say), torch.cuda.graph's exit can fail in
     `capture_end` before two things it would have done: putting back the caller's stream
     (its capture stream stays current) and ending the default CUDA generator's capture
-    (the generator stays marked as capturing, so every later random op on the device
-    raises "Offset increment outside graph capture encountered unexpectedly"). Here the
-    stream is restored and the generator gets a fresh state with its seed and offset."""
+    (torch 2.11: the generator stays marked as capturing, so every later random op on the
+    device raises "Offset increment outside graph capture encountered unexpectedly").
+    Then the stream is restored and the generator gets a fresh state at its seed and
+    offset. Graphs captured before keep the generator's old state object, so their random
+    numbers no longer advance the default generator's offset."""
     stream = torch.cuda.current_stream()
-    device = stream.device
     try:
         with torch.cuda.graph(graph, pool=pool):
             yield
     except BaseException:
-        torch.cuda.set_stream(stream)
-        _reset_generator(device)
+        if torch.cuda.current_stream() != stream:  # capture_end failed before its epilogue
+            torch.cuda.set_stream(stream)
+            _reset_generator(stream.device)
         raise
 
 

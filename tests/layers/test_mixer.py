@@ -261,6 +261,36 @@ def test_refresh_derived_recomputes_what_a_graph_would_read():
             layer.mixer.A_log.add_(0.5)
         refresh_derived(bb)
     for layer, A in zip(bb.layers, cached):
-        key, (A_now, _, _) = layer.mixer.__dict__["_ssm_cache"]
+        _, _, (A_now, _, _) = layer.mixer.__dict__["_ssm_cache"]
         assert A_now is A
         torch.testing.assert_close(A, -torch.exp(layer.mixer.A_log.float()), rtol=0, atol=0)
+
+
+def test_cached_ssm_params_never_alias_or_overwrite_parameters():
+    """In f32, D and the dt bias need no conversion, but the cache keeps copies: a refresh
+    must never write into a parameter, nor a call with other tensors (a functional call, a
+    replaced parameter) into the cache or the parameters it was made for."""
+    torch.manual_seed(0)
+    m = Mamba(d_model=16, d_state=4)
+    D0, bias0 = m.D.detach().clone(), m.dt_proj.bias.detach().clone()
+    with torch.no_grad():
+        A, D, bias = m._ssm_params()
+        assert D.data_ptr() != m.D.data_ptr() and bias.data_ptr() != m.dt_proj.bias.data_ptr()
+        # a functional call: for its duration the module's D is another tensor
+        mine = m._parameters["D"]
+        m._parameters["D"] = torch.nn.Parameter(torch.full_like(D0, 7.0))
+        D_other = m._ssm_params()[1]
+        m._parameters["D"] = mine
+        assert torch.equal(D_other, torch.full_like(D0, 7.0))
+        assert torch.equal(m.D, D0) and torch.equal(m.dt_proj.bias, bias0)
+        assert m._ssm_params()[1] is D and torch.equal(D, D0)  # the cache is untouched
+        # an in-place update refreshes the copies, not the parameters
+        m.D.add_(1.0)
+        assert m._ssm_params()[1] is D and torch.equal(D, D0 + 1.0)
+        assert torch.equal(m.dt_proj.bias, bias0)
+    # a parameter replaced while the old one lives on (an optimizer still holds it)
+    old = m.A_log
+    m.A_log = torch.nn.Parameter(old.detach() + 0.5)
+    with torch.no_grad():
+        torch.testing.assert_close(m._ssm_params()[0], -torch.exp(m.A_log), rtol=0, atol=0)
+        torch.testing.assert_close(A, -torch.exp(old), rtol=0, atol=0)  # not written into

@@ -67,28 +67,22 @@ def capture(fn: Callable[[], Any], warmup: int = 2, pool=None) -> tuple[torch.cu
     return graph, out
 
 
-# model -> ([Mamba mixers], [their A_log, D, dt bias], versions at the last refresh)
-_DERIVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# model -> its Mamba mixers (the layers that cache what they derive from parameters)
+_MIXERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def refresh_derived(model: torch.nn.Module) -> None:
     """Before replaying a graph captured on `model`: the graph reads the tensors its Mamba
     layers derived from their parameters when it was captured (A = -exp(A_log), D and the
-    dt bias in f32). When those parameters changed since (an optimizer step, a load, a
-    Trainer's graph step), the layers recompute them into the same tensors. The check is
-    one version read per parameter (a few us for a 24-layer model)."""
-    entry = _DERIVED.get(model)
-    if entry is None:
-        mixers = [m for m in model.modules() if hasattr(m, "_ssm_params")]
-        params = [p for m in mixers for p in (m.A_log, m.D, m.dt_proj.bias)]
-        entry = _DERIVED[model] = [mixers, params, None]
-    mixers, params, seen = entry
-    now = [p._version for p in params]
-    if now != seen:
-        with torch.no_grad():
-            for m in mixers:
-                m._ssm_params()
-        entry[2] = now
+    dt bias in f32, `Mamba._ssm_params`). Where those parameters changed since (an
+    optimizer step, a load, a Trainer's graph step), each layer recomputes them into the
+    same tensors. A couple of us per layer when nothing changed."""
+    mixers = _MIXERS.get(model)
+    if mixers is None:
+        mixers = _MIXERS[model] = [m for m in model.modules() if hasattr(m, "_ssm_params")]
+    with torch.no_grad():
+        for m in mixers:
+            m._ssm_params()
 
 
 # model -> {"pool": mempool handle, key -> entry}; entries die with the model.
@@ -127,7 +121,9 @@ class CUDAGraphStep:
     keep it. On a CPU model, or with `enabled=False`, the same API runs without a
     graph; `compile=True` wraps the step in `torch.compile` first (on the CPU it
     cuts the per-op dispatch cost that bounds a small model's step; the first
-    call compiles, for tens of seconds).
+    call compiles, for tens of seconds). The graph reads the parameters where they
+    live, so in-place updates between calls (an optimizer step between rollouts) are
+    followed; replacing a parameter or moving the module needs a new CUDAGraphStep.
 
         actor = CUDAGraphStep(backbone, batch_size=64)
         for t in range(T):

@@ -7,6 +7,8 @@ mamba_ssm `Mamba`, so state dicts map one to one.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -96,27 +98,38 @@ class Mamba(nn.Module):
         of an optimizer step) must move their counters with
         `torch.autograd.graph.increment_version`, as the Trainer does.
 
-        A refresh writes the new values into the cached tensors when their shapes, dtypes
-        and devices still match: CUDA graphs captured on them (decode, prefill) read those
-        tensors, and `inference.cuda_graph.refresh_derived` calls this before a replay."""
+        The cache owns its tensors (never a parameter itself, even where D and the bias
+        are already f32). A refresh writes the new values into them when shapes, dtypes
+        and devices still match: CUDA graphs captured on them (decode, prefill) read
+        those tensors, and `inference.cuda_graph.refresh_derived` calls this before a
+        replay. Called with other parameter objects than those cached for (a functional
+        call, a parameter replaced while the old one lives on), it computes the values
+        and leaves the cache alone."""
         params = (self.A_log, self.D, self.dt_proj.bias)
         if torch.is_grad_enabled() and any(p.requires_grad for p in params):
             return ssm_params(*params)
+        cache = self.__dict__.get("_ssm_cache")  # (weakrefs to the parameters, key, values)
+        if cache is not None and any(r() is not p for r, p in zip(cache[0], params)):
+            if all(r() is not None for r in cache[0]):
+                with torch.no_grad():
+                    return ssm_params(*params)
+            cache = None  # the cached-for parameters are gone: cache the new ones
         key = tuple((p.data_ptr(), p._version) for p in params)
-        cache = self.__dict__.get("_ssm_cache")
-        if cache is None or cache[0] != key:
+        if cache is None or cache[1] != key:
             with torch.no_grad():
-                values = ssm_params(*params)
-            if cache is not None and all(map(_same_layout, cache[1], values)):
+                values = tuple(
+                    v.clone() if v.data_ptr() == p.data_ptr() else v
+                    for v, p in zip(ssm_params(*params), params)
+                )
+            if cache is not None and all(map(_same_layout, cache[2], values)):
                 # inference mode: the cached tensors may have been made under it
                 with torch.inference_mode():
-                    for old, new in zip(cache[1], values):
-                        if old is not new:
-                            old.copy_(new)
-                values = cache[1]
-            cache = (key, values)
+                    for old, new in zip(cache[2], values):
+                        old.copy_(new)
+                values = cache[2]
+            cache = (tuple(weakref.ref(p) for p in params), key, values)
             self.__dict__["_ssm_cache"] = cache
-        return cache[1]
+        return cache[2]
 
     def forward(
         self,

@@ -196,6 +196,15 @@ def _in_process_state(method):
     return run
 
 
+def _increment_versions(tensors: list[torch.Tensor]) -> None:
+    """increment_version over a list: one call from torch 2.5, one per tensor before."""
+    try:
+        increment_version(tensors)
+    except TypeError:
+        for t in tensors:
+            increment_version(t)
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor of `t`, which is a DTensor when computed from FSDP2's sharded grads."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -534,7 +543,7 @@ class Trainer:
         # the replay updated the parameters in place behind PyTorch's back: move their
         # version counters, or caches keyed on them (the layers' A = -exp(A_log), D and dt
         # bias; the decode weights) would keep serving the values of their first use
-        increment_version(self.params)
+        _increment_versions(self.params)
         # copies: the graph's outputs are overwritten by the next replay
         return self._static["loss"].clone(), self._static["norm"].clone()
 
