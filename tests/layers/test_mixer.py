@@ -294,3 +294,21 @@ def test_cached_ssm_params_never_alias_or_overwrite_parameters():
     with torch.no_grad():
         torch.testing.assert_close(m._ssm_params()[0], -torch.exp(m.A_log), rtol=0, atol=0)
         torch.testing.assert_close(A, -torch.exp(old), rtol=0, atol=0)  # not written into
+
+
+def test_a_layer_with_caches_pickles_and_copies_without_them(tmp_path):
+    """torch.save of a whole module and copy.deepcopy (an RL target network) leave out the
+    derived caches (they hold weak references): the copy derives its own."""
+    import copy
+
+    torch.manual_seed(0)
+    m = Mamba(d_model=16, d_state=4)
+    with torch.no_grad():
+        A = m._ssm_params()[0]
+        m._decode_params()
+    c = copy.deepcopy(m)
+    assert "_ssm_cache" not in c.__dict__ and "_decode_cache" not in c.__dict__
+    torch.save(m, tmp_path / "m.pt")  # pickles the whole module: no weak reference in it
+    assert (tmp_path / "m.pt").stat().st_size > 0
+    with torch.no_grad():
+        assert torch.equal(c._ssm_params()[0], A) and c._ssm_params()[0] is not A

@@ -89,6 +89,12 @@ class Mamba(nn.Module):
         init_A_log(self.A_log)
         init_dt_proj(self.dt_proj, R, dt_min, dt_max, dt_init, dt_scale, dt_init_floor)
 
+    def __getstate__(self) -> dict:
+        """Pickling and deepcopy leave out what is derived from the parameters (the caches
+        of `_ssm_params` and `_decode_params`): a copy derives its own."""
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
+        return {k: v for k, v in state.items() if k not in _CACHES}
+
     def _ssm_params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A = -exp(A_log), D and the dt bias, in f32 (f64 for a float64 model).
 
@@ -259,6 +265,9 @@ def ssm_params(A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor) -> t
     caches."""
     f = state_dtype(A_log)
     return -torch.exp(A_log.to(f)), D.to(f), dt_bias.to(f)
+
+
+_CACHES = ("_ssm_cache", "_decode_cache")  # derived from the parameters, never pickled
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
