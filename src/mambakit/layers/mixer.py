@@ -92,8 +92,7 @@ class Mamba(nn.Module):
     def __getstate__(self) -> dict:
         """Pickling and deepcopy leave out what is derived from the parameters (the caches
         of `_ssm_params` and `_decode_params`): a copy derives its own."""
-        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
-        return {k: v for k, v in state.items() if k not in _CACHES}
+        return {k: v for k, v in self.__dict__.items() if k not in _CACHES}
 
     def _ssm_params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A = -exp(A_log), D and the dt bias, in f32 (f64 for a float64 model).

@@ -198,11 +198,14 @@ def _in_process_state(method):
 
 def _increment_versions(tensors: list[torch.Tensor]) -> None:
     """increment_version over a list: one call from torch 2.5, one per tensor before."""
-    try:
+    if _VERSIONS_OF_A_LIST:
         increment_version(tensors)
-    except TypeError:
+    else:
         for t in tensors:
             increment_version(t)
+
+
+_VERSIONS_OF_A_LIST = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 5)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
