@@ -16,10 +16,12 @@ import torch
 from torch import nn
 
 from .config import MambaConfig
+from .inference.plan import derived as derived_plan
 from .layers.block import MambaBlock, RMSNorm
-from .layers.decode import decode_layers, decode_weights
+from .layers.decode import decode_layers, reference_weights
 from .layers.init import init_model_weights
 from .layers.loss import next_token_targets
+from .layers.mixer import mixer_weights
 from .ops import linear_cross_entropy, norm_linear, resolve_backend, rms_norm
 from .ops._checks import check_seq_idx, check_tensor, state_dtype
 from .state import Mamba3ModelState, MambaState
@@ -152,11 +154,22 @@ class MambaBackbone(nn.Module):
         h = self.embed(x)
         cdt = compute_dtype(self._param.dtype, x.device)
         backend = resolve_backend("auto", h)  # once per call, for every layer's ops
+        plan = None  # without autograd, the layers' A, D and dt bias from the decode plan
+        if (
+            self.config.mixer == "mamba1"
+            and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+            # under FSDP2 the blocks hold shards (DTensors) until each one's forward
+            # gathers its parameters: the layers derive from those
+            and not hasattr(self.layers[0].mixer.A_log, "full_tensor")
+        ):
+            plan = self._decode_plan()
         residual = None
         finals = []
         for i, layer in enumerate(self.layers):
             layer_state = None if state is None else state.layer(i)
-            h, residual, final = layer(h, residual, cdt, layer_state, seq_idx, backend)
+            ssm = None if plan is None else plan[i][0].ssm
+            h, residual, final = layer(h, residual, cdt, layer_state, seq_idx, backend, ssm)
             finals.append(final)
         out, _ = self.norm_f(h, residual, cdt, backend=backend)
         if self.config.mixer == "mamba3":
@@ -195,6 +208,12 @@ class MambaBackbone(nn.Module):
             return state.requires_grad
         return state.conv.requires_grad or state.ssm.requires_grad
 
+    def _decode_plan(self) -> list[tuple]:
+        """(MixerWeights, StepWeights) of every Mamba-1 block, derived from the parameters
+        once and kept until one changes (`inference.plan`): what decode steps and no-grad
+        forwards read, and CUDA graphs captured on them."""
+        return derived_plan(self, "step", _step_plan, _norm_eps)
+
     def _decode_layers(
         self, x: torch.Tensor, state: MambaState
     ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype, str]:
@@ -220,13 +239,38 @@ class MambaBackbone(nn.Module):
                 h, residual = layer.step_mamba3(h, residual, cdt, state.layer(i), backend)
             return h, residual, cdt, backend
         if backend == "reference" and not compiling and h.dtype == cdt == state.dtype == p.dtype:
-            weights = decode_weights(self.layers, self.__dict__.setdefault("_decode_cache", {}))
+            weights = derived_plan(self, "reference", _reference_plan, _norm_eps)
             if weights is not None:
                 return decode_layers(h, weights, state.conv, state.ssm), None, cdt, backend
         fused = backend == "triton" and not compiling
-        for layer, conv, ssm in zip(self.layers, state.conv.unbind(0), state.ssm.unbind(0)):
-            h, residual = layer.step(h, residual, cdt, conv, ssm, backend, fused)
+        # torch.compile traces the parameters themselves (cached tensors as extra graph
+        # inputs would cost it guards and alias handling): the layers derive their own
+        plan = None if compiling else self._decode_plan()
+        for i, (layer, conv, ssm) in enumerate(
+            zip(self.layers, state.conv.unbind(0), state.ssm.unbind(0))
+        ):
+            w, fw = (None, None) if plan is None else plan[i]
+            h, residual = layer.step(h, residual, cdt, conv, ssm, backend, fused, w, fw)
         return h, residual, cdt, backend
+
+
+# the backbone's decode plans (`inference.plan`): what its steps and no-grad forwards read
+def _step_plan(backbone: MambaBackbone) -> list[tuple]:
+    """(MixerWeights, StepWeights) of every Mamba-1 block."""
+    plan = []
+    for block in backbone.layers:
+        w = mixer_weights(block.mixer)
+        plan.append((w, block.fused_weights(w)))
+    return plan
+
+
+def _reference_plan(backbone: MambaBackbone):
+    """`layers.decode`'s weights of every block (None when the norms differ in eps)."""
+    return reference_weights(backbone.layers)
+
+
+def _norm_eps(backbone: MambaBackbone) -> list[float]:
+    return [block._modules["norm"].eps for block in backbone._modules["layers"]]
 
 
 @dataclass

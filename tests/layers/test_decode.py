@@ -27,7 +27,7 @@ def op_chain_step(bb64: MambaBackbone, x: torch.Tensor, state: MambaState) -> to
     """One float64 step through the op chain, the state advanced in place."""
     h, residual = bb64.embed(x), None
     for block, conv, ssm in zip(bb64.layers, state.conv.unbind(0), state.ssm.unbind(0)):
-        h, residual = mamba_layer_step_reference(h, residual, block._step_weights(), conv, ssm)
+        h, residual = mamba_layer_step_reference(h, residual, block.fused_weights(), conv, ssm)
     return rms_norm_reference(h, bb64.norm_f.weight, bb64.norm_f.eps, residual)[0]
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mambakit import Mamba, MambaBackbone, MambaConfig
+from mambakit import Mamba
 
 
 def oracle(mixer, x, conv_state=None, ssm_state=None, seq_idx=None):
@@ -222,93 +222,3 @@ def test_gradcheck_mixer_parameters_through_final_state(seed, randomize):
         return y, ssm
 
     assert torch.autograd.gradcheck(f, tuple(params[k] for k in names), eps=1e-6, atol=1e-5)
-
-
-def test_cached_ssm_params_follow_updates_in_the_same_tensors():
-    """Without autograd A = -exp(A_log), D and the dt bias are cached; an in-place update of
-    the parameters refreshes them in the same tensors (captured CUDA graphs read those),
-    a change of dtype makes new ones."""
-    torch.manual_seed(0)
-    m = Mamba(d_model=16, d_state=4).to(torch.bfloat16)
-    with torch.no_grad():
-        A, D, bias = m._ssm_params()
-        assert A.dtype == D.dtype == bias.dtype == torch.float32
-        assert m._ssm_params()[0] is A  # cached
-        m.A_log.add_(0.25)
-        m.D.mul_(2.0)
-        m.dt_proj.bias.sub_(1.0)
-        A2, D2, bias2 = m._ssm_params()
-        assert A2 is A and D2 is D and bias2 is bias
-        torch.testing.assert_close(A, -torch.exp(m.A_log.float()), rtol=0, atol=0)
-        torch.testing.assert_close(D, m.D.float(), rtol=0, atol=0)
-        torch.testing.assert_close(bias, m.dt_proj.bias.float(), rtol=0, atol=0)
-        m.double()
-        A3 = m._ssm_params()[0]
-        assert A3 is not A and A3.dtype == torch.float64
-
-
-def test_refresh_derived_recomputes_what_a_graph_would_read():
-    """`refresh_derived` (called before a graph replay) brings every layer's cached
-    A, D and dt bias up to date after an in-place update, in the tensors it cached."""
-    from mambakit.inference.cuda_graph import refresh_derived
-
-    torch.manual_seed(0)
-    bb = MambaBackbone(MambaConfig(d_model=16, n_layers=2, d_state=4, input_dim=5))
-    with torch.no_grad():
-        refresh_derived(bb)
-        cached = [layer.mixer._ssm_params()[0] for layer in bb.layers]
-        for layer in bb.layers:
-            layer.mixer.A_log.add_(0.5)
-        refresh_derived(bb)
-    for layer, A in zip(bb.layers, cached):
-        _, _, (A_now, _, _) = layer.mixer.__dict__["_ssm_cache"]
-        assert A_now is A
-        torch.testing.assert_close(A, -torch.exp(layer.mixer.A_log.float()), rtol=0, atol=0)
-
-
-def test_cached_ssm_params_never_alias_or_overwrite_parameters():
-    """In f32, D and the dt bias need no conversion, but the cache keeps copies: a refresh
-    must never write into a parameter, nor a call with other tensors (a functional call, a
-    replaced parameter) into the cache or the parameters it was made for."""
-    torch.manual_seed(0)
-    m = Mamba(d_model=16, d_state=4)
-    D0, bias0 = m.D.detach().clone(), m.dt_proj.bias.detach().clone()
-    with torch.no_grad():
-        A, D, bias = m._ssm_params()
-        assert D.data_ptr() != m.D.data_ptr() and bias.data_ptr() != m.dt_proj.bias.data_ptr()
-        # a functional call: for its duration the module's D is another tensor
-        mine = m._parameters["D"]
-        m._parameters["D"] = torch.nn.Parameter(torch.full_like(D0, 7.0))
-        D_other = m._ssm_params()[1]
-        m._parameters["D"] = mine
-        assert torch.equal(D_other, torch.full_like(D0, 7.0))
-        assert torch.equal(m.D, D0) and torch.equal(m.dt_proj.bias, bias0)
-        assert m._ssm_params()[1] is D and torch.equal(D, D0)  # the cache is untouched
-        # an in-place update refreshes the copies, not the parameters
-        m.D.add_(1.0)
-        assert m._ssm_params()[1] is D and torch.equal(D, D0 + 1.0)
-        assert torch.equal(m.dt_proj.bias, bias0)
-    # a parameter replaced while the old one lives on (an optimizer still holds it)
-    old = m.A_log
-    m.A_log = torch.nn.Parameter(old.detach() + 0.5)
-    with torch.no_grad():
-        torch.testing.assert_close(m._ssm_params()[0], -torch.exp(m.A_log), rtol=0, atol=0)
-        torch.testing.assert_close(A, -torch.exp(old), rtol=0, atol=0)  # not written into
-
-
-def test_a_layer_with_caches_pickles_and_copies_without_them(tmp_path):
-    """torch.save of a whole module and copy.deepcopy (an RL target network) leave out the
-    derived caches (they hold weak references): the copy derives its own."""
-    import copy
-
-    torch.manual_seed(0)
-    m = Mamba(d_model=16, d_state=4)
-    with torch.no_grad():
-        A = m._ssm_params()[0]
-        m._decode_params()
-    c = copy.deepcopy(m)
-    assert "_ssm_cache" not in c.__dict__ and "_decode_cache" not in c.__dict__
-    torch.save(m, tmp_path / "m.pt")  # pickles the whole module: no weak reference in it
-    assert (tmp_path / "m.pt").stat().st_size > 0
-    with torch.no_grad():
-        assert torch.equal(c._ssm_params()[0], A) and c._ssm_params()[0] is not A

@@ -867,20 +867,19 @@ def test_graph_steps_equal_eager_steps(kw, restore_determinism):
 def test_graph_steps_refresh_what_is_cached_from_the_parameters(restore_determinism):
     """A replayed step updates the parameters in place where PyTorch does not see it; their
     version counters must still move, or what is cached from them without autograd (the
-    layers' A = -exp(A_log), D, dt bias) would keep its first values: evaluation after
+    decode plan's A = -exp(A_log), D, dt bias) would keep its first values: evaluation after
     graph training would then run a model that is not the one trained (and saved)."""
     batches = [random_batch(seed=s) for s in range(2)]
     trainer = gpu_trainer(ListData(batches), True)
     trainer.train_step()
     assert trainer._graph is not None
-    mixer = trainer.model.backbone.layers[0].mixer
-    with torch.no_grad():
-        first = mixer._ssm_params()[0].clone()  # cached now
+    bb = trainer.model.backbone
+    mixer = bb.layers[0].mixer
+    first = bb._decode_plan()[0][0].ssm[0].clone()  # the decode plan
     for _ in range(3):
         trainer.train_step()
-    with torch.no_grad():
-        A = mixer._ssm_params()[0]
-        assert torch.equal(A, -torch.exp(mixer.A_log.float()))
+    A = bb._decode_plan()[0][0].ssm[0]
+    assert torch.equal(A, -torch.exp(mixer.A_log.float()))
     assert not torch.equal(A, first)  # training moved A_log
     # the trainer's validation loss is the loss of the weights it has, as a fresh copy sees them
     fresh = tiny_lm().cuda()

@@ -25,6 +25,7 @@ import torch
 
 from ..device import graph_capture
 from ..state import MambaState
+from .plan import refresh
 
 __all__ = ["CUDAGraphStep", "capture", "clear_cuda_graphs", "graph_cache", "use_cuda_graph"]
 
@@ -65,24 +66,6 @@ def capture(fn: Callable[[], Any], warmup: int = 2, pool=None) -> tuple[torch.cu
     with graph_capture(graph, pool=pool):
         out = fn()
     return graph, out
-
-
-# model -> its Mamba mixers (the layers that cache what they derive from parameters)
-_MIXERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def refresh_derived(model: torch.nn.Module) -> None:
-    """Before replaying a graph captured on `model`: the graph reads the tensors its Mamba
-    layers derived from their parameters when it was captured (A = -exp(A_log), D and the
-    dt bias in f32, `Mamba._ssm_params`). Where those parameters changed since (an
-    optimizer step, a load, a Trainer's graph step), each layer recomputes them into the
-    same tensors. A couple of us per layer when nothing changed."""
-    mixers = _MIXERS.get(model)
-    if mixers is None:
-        mixers = _MIXERS[model] = [m for m in model.modules() if hasattr(m, "_ssm_params")]
-    with torch.no_grad():
-        for m in mixers:
-            m._ssm_params()
 
 
 # model -> {"pool": mempool handle, key -> entry}; entries die with the model.
@@ -184,7 +167,8 @@ class CUDAGraphStep:
             if self.graph is None:
                 self.out = self._run()
             else:
-                refresh_derived(self.module)  # the policy may have trained since the capture
+                refresh(self.module)  # the policy may have trained since the capture: the
+                # graph reads the decode plan's tensors (`inference.plan`)
                 self.graph.replay()
         return self.out
 

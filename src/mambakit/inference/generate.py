@@ -46,10 +46,10 @@ from .cuda_graph import (
     capture,
     graph_cache,
     params_signature,
-    refresh_derived,
     static_mode,
     use_cuda_graph,
 )
+from .plan import refresh
 from .prompts import Prompts, parse_prompts
 from .sampling import SamplingConfig, sample
 
@@ -273,8 +273,8 @@ class _Run:
 
     @static_mode()
     def first(self) -> torch.Tensor:
-        if self.graphs:  # cached graphs read what the layers derived from their parameters
-            refresh_derived(self.model)
+        if self.graphs:  # cached graphs read the decode plan derived from the parameters
+            refresh(self.model)
         T_b = self.prompts.bucket
         if (
             (self.graphs or self.device.type == "cuda")

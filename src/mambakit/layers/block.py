@@ -13,7 +13,7 @@ from ..config import MambaConfig
 from ..ops import StepWeights, mamba_layer_step, rms_norm
 from .init import no_weight_decay
 from .mamba3 import Mamba3
-from .mixer import Mamba, _p
+from .mixer import Mamba, MixerWeights, _p, mixer_weights
 
 
 class RMSNorm(nn.Module):
@@ -90,6 +90,7 @@ class MambaBlock(nn.Module):
         state=None,  # this layer's state: (conv, ssm) for Mamba-1, a Mamba3State for Mamba-3
         seq_idx: torch.Tensor | None = None,
         backend: str = "auto",  # the model resolves it once per call
+        derived: tuple | None = None,  # Mamba-1: (A, D, dt bias) from the decode plan
     ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
         """(the mixer's output, the residual [B, T, M] f32, the layer's final state)."""
         normed, residual = self.norm(hidden, residual, compute_dtype, backend=backend)
@@ -97,7 +98,9 @@ class MambaBlock(nn.Module):
             out, new = self.mixer(normed, state, seq_idx, return_state=True, backend=backend)
         else:
             conv, ssm = (None, None) if state is None else state
-            out, new = self.mixer(normed, conv, ssm, seq_idx, return_state=True, backend=backend)
+            out, new = self.mixer(
+                normed, conv, ssm, seq_idx, return_state=True, backend=backend, derived=derived
+            )
         return out, residual, new
 
     def step(
@@ -109,22 +112,26 @@ class MambaBlock(nn.Module):
         ssm_state: torch.Tensor,
         backend: str = "auto",
         fused: bool = False,
+        weights: MixerWeights | None = None,
+        fused_weights: StepWeights | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step: (the mixer's output [B, M], the residual [B, M] f32).
 
         `fused` (the Triton backend, outside torch.compile): add, norm and mixer as
-        one `mamba_layer_step` when the weights are in the compute dtype."""
+        one `mamba_layer_step` when the weights are in the compute dtype. `weights` and
+        `fused_weights`: the mixer's tensors when the caller holds them (the model's
+        decode plan); None derives them from the parameters."""
         norm = self._modules["norm"]
         mixer = self._modules["mixer"]
         if fused:
-            w = self._step_weights()
+            w = fused_weights if fused_weights is not None else self.fused_weights(weights)
             if w.in_w.dtype == compute_dtype:
                 return mamba_layer_step(hidden, residual, w, conv_state, ssm_state, backend, False)
         # the op, not the module: a module call costs a few us, as much as two small ops
         normed, residual = rms_norm(
             hidden, _p(norm, "weight"), norm.eps, residual, compute_dtype, backend, False
         )
-        return mixer.step(normed, conv_state, ssm_state, backend), residual
+        return mixer.step(normed, conv_state, ssm_state, backend, weights), residual
 
     def step_mamba3(
         self,
@@ -141,11 +148,14 @@ class MambaBlock(nn.Module):
         )
         return self._modules["mixer"].step_(normed, state, backend), residual
 
-    def _step_weights(self) -> StepWeights:
-        """The tensors of the fused decode step, from the mixer's decode cache."""
+    def fused_weights(self, weights: MixerWeights | None = None) -> StepWeights:
+        """The tensors of the fused decode step, from the mixer's `MixerWeights` (derived
+        from its parameters when None)."""
         mixer = self._modules["mixer"]
         mods = mixer._modules
-        (in_w, x_w, dt_w, out_w), conv_w, (A, D, dt_bias) = mixer._decode_params()
+        (in_w, x_w, dt_w, out_w), conv_w, (A, D, dt_bias) = (
+            weights if weights is not None else mixer_weights(mixer)
+        )
         norm = self._modules["norm"]
         return StepWeights(
             _p(norm, "weight"), norm.eps, in_w[0], _p(mods["in_proj"], "bias"), conv_w,

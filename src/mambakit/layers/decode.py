@@ -27,8 +27,8 @@ but in_proj), so it is written for few calls:
 - the conv bias is the last row of the [K, D] addend of the conv's product, absent
   biases are zeros where an op adds them anyway, GEMM weights are contiguous
   transposed copies (MKL runs a batch-1 GEMM on them up to twice as fast as on a
-  transposed view): `BlockWeights`, derived once and cached by `decode_weights`
-  until a parameter changes.
+  transposed view): `BlockWeights`, derived by `reference_weights` and kept by
+  the model's decode plan (`inference.plan`) until a parameter changes.
 - the blocks run under inference mode, which drops the per-call autograd bookkeeping
   that no_grad keeps; the caller's next op (the final norm) is outside it, so what
   the step returns is a normal tensor.
@@ -37,7 +37,6 @@ but in_proj), so it is written for few calls:
 from __future__ import annotations
 
 import math
-import operator
 from typing import NamedTuple
 
 import torch
@@ -145,50 +144,11 @@ def _derive(block: nn.Module) -> BlockWeights:
     )
 
 
-def _slots(blocks: nn.ModuleList) -> list[tuple[dict, str]]:
-    """(parameter dict, name) of every parameter of the blocks (a parametrized weight's
-    `original` included: the weight is computed from it)."""
-    return [
-        (m._parameters, name)
-        for m in blocks.modules()
-        for name, p in m._parameters.items()
-        if p is not None
-    ]
-
-
-def decode_weights(blocks: nn.ModuleList, cache: dict) -> DecodeWeights | None:
+def reference_weights(blocks: nn.ModuleList) -> DecodeWeights | None:
     """Every block's `BlockWeights`, or None when the blocks' norms differ in eps (the
-    constant column of r holds one).
-
-    Kept in `cache` while each parameter keeps its identity, storage and version
-    (checked on every call: an optimizer step, a load or a `.to()` changes one)."""
-    params = cache.get("params")
-    if params is not None:
-        now = [d.get(name) for d, name in cache["slots"]]
-        if (
-            all(map(operator.is_, now, params))
-            and list(map(_version, params)) == cache["versions"]
-            and list(map(torch.Tensor.data_ptr, params)) == cache["ptrs"]
-            and cache["eps"] == [b._modules["norm"].eps for b in blocks]
-        ):
-            return cache["weights"]
-    eps = [b._modules["norm"].eps for b in blocks]
-    weights = None
-    if len(set(eps)) == 1:
-        with torch.no_grad():
-            M = _p(blocks[0]._modules["norm"], "weight").shape[0]
-            weights = DecodeWeights([_derive(b) for b in blocks], math.sqrt(eps[0] * M))
-    slots = _slots(blocks)
-    params = [d[name] for d, name in slots]
-    cache.update(
-        slots=slots,
-        params=params,
-        versions=list(map(_version, params)),
-        ptrs=list(map(torch.Tensor.data_ptr, params)),
-        eps=eps,
-        weights=weights,
-    )
-    return weights
-
-
-_version = operator.attrgetter("_version")
+    constant column of r holds one)."""
+    eps = {b._modules["norm"].eps for b in blocks}
+    if len(eps) != 1:
+        return None
+    M = _p(blocks[0]._modules["norm"], "weight").shape[0]
+    return DecodeWeights([_derive(b) for b in blocks], math.sqrt(eps.pop() * M))

@@ -7,7 +7,7 @@ mamba_ssm `Mamba`, so state dicts map one to one.
 
 from __future__ import annotations
 
-import weakref
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -89,52 +89,9 @@ class Mamba(nn.Module):
         init_A_log(self.A_log)
         init_dt_proj(self.dt_proj, R, dt_min, dt_max, dt_init, dt_scale, dt_init_floor)
 
-    def __getstate__(self) -> dict:
-        """Pickling and deepcopy leave out what is derived from the parameters (the caches
-        of `_ssm_params` and `_decode_params`): a copy derives its own."""
-        return {k: v for k, v in self.__dict__.items() if k not in _CACHES}
-
     def _ssm_params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A = -exp(A_log), D and the dt bias, in f32 (f64 for a float64 model).
-
-        Without autograd (decode) they are cached until A_log, D or the bias change
-        (their version counters move), so a decode step does not recompute them. Code
-        that updates the parameters where PyTorch does not see it (a replayed CUDA graph
-        of an optimizer step) must move their counters with
-        `torch.autograd.graph.increment_version`, as the Trainer does.
-
-        The cache owns its tensors (never a parameter itself, even where D and the bias
-        are already f32). A refresh writes the new values into them when shapes, dtypes
-        and devices still match: CUDA graphs captured on them (decode, prefill) read
-        those tensors, and `inference.cuda_graph.refresh_derived` calls this before a
-        replay. Called with other parameter objects than those cached for (a functional
-        call, a parameter replaced while the old one lives on), it computes the values
-        and leaves the cache alone."""
-        params = (self.A_log, self.D, self.dt_proj.bias)
-        if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-            return ssm_params(*params)
-        cache = self.__dict__.get("_ssm_cache")  # (weakrefs to the parameters, key, values)
-        if cache is not None and any(r() is not p for r, p in zip(cache[0], params)):
-            if all(r() is not None for r in cache[0]):
-                with torch.no_grad():
-                    return ssm_params(*params)
-            cache = None  # the cached-for parameters are gone: cache the new ones
-        key = tuple((p.data_ptr(), p._version) for p in params)
-        if cache is None or cache[1] != key:
-            with torch.no_grad():
-                values = tuple(
-                    v.clone() if v.data_ptr() == p.data_ptr() else v
-                    for v, p in zip(ssm_params(*params), params)
-                )
-            if cache is not None and all(map(_same_layout, cache[2], values)):
-                # inference mode: the cached tensors may have been made under it
-                with torch.inference_mode():
-                    for old, new in zip(cache[2], values):
-                        old.copy_(new)
-                values = cache[2]
-            cache = (tuple(weakref.ref(p) for p in params), key, values)
-            self.__dict__["_ssm_cache"] = cache
-        return cache[2]
+        """A = -exp(A_log), D and the dt bias, in f32 (f64 for a float64 model)."""
+        return ssm_params(self.A_log, self.D, self.dt_proj.bias)
 
     def forward(
         self,
@@ -145,7 +102,10 @@ class Mamba(nn.Module):
         return_state: bool = False,
         inference_params=None,  # mamba_ssm's cache object (also accepted second, positionally)
         backend: str = "auto",
+        derived: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """`derived`: (A, D, dt bias) as `ssm_params` gives them, when the caller holds them
+        already (the model's decode plan, `inference.plan`, without autograd)."""
         if inference_params is None and hasattr(conv_state, "key_value_memory_dict"):
             inference_params, conv_state = conv_state, None  # mixer(hidden, inference_params)
         if inference_params is not None:
@@ -159,7 +119,7 @@ class Mamba(nn.Module):
         if ssm_state is not None:
             check_tensor("ssm_state", ssm_state, (Bsz, self.d_inner, self.d_state), device=x.device)
         xz = self.in_proj(x)  # [B, T, 2D]
-        A, D, dt_bias = self._ssm_params()
+        A, D, dt_bias = self._ssm_params() if derived is None else derived
         y, conv_out, ssm_out = mamba_inner(
             xz,
             conv_weight=self.conv1d.weight.squeeze(1),  # [D, K]
@@ -184,19 +144,23 @@ class Mamba(nn.Module):
         conv_state: torch.Tensor,  # [B, K-1, D], updated in place
         ssm_state: torch.Tensor,  # [B, D, N], updated in place
         backend: str = "auto",
+        weights: MixerWeights | None = None,
     ):
         """One timestep of decode: the states advance in place; returns [B, M].
 
         Given mamba_ssm's form, x [B, 1, M] with its conv cache [B, D, K], it is mamba_ssm's
         step: returns (out [B, 1, M], conv_state, ssm_state) (`_ssm_compat.step`).
 
-        At batch 1 on a CPU the step is bound by per-call overhead, not arithmetic: it
-        reads its tensors from `_decode_params` (no module calls or attribute lookups),
-        skips the per-op checks (the backbone checked the state) and runs with the
-        `backend` the caller resolved once for the whole step."""
+        `weights`: the layer's `MixerWeights` when the caller holds them (the model's
+        decode plan); None derives them from the parameters. At batch 1 on a CPU the step
+        is bound by per-call overhead, not arithmetic: it skips the per-op checks (the
+        backbone checked the state) and runs with the `backend` the caller resolved once
+        for the whole step."""
         if x.dim() == 3:
             return _ssm_compat.step(self, x, conv_state, ssm_state)
-        (in_w, x_w, dt_w, out_w), conv_w, (A, D, dt_bias) = self._decode_params()
+        (in_w, x_w, dt_w, out_w), conv_w, (A, D, dt_bias) = (
+            weights if weights is not None else mixer_weights(self)
+        )
         autocast = torch.is_autocast_enabled(x.device.type)
         mods = self._modules
         Dn, R, N = self.d_inner, self.dt_rank, self.d_state
@@ -221,56 +185,41 @@ class Mamba(nn.Module):
         """mamba_ssm's: this layer's (conv, ssm) cache in `inference_params`, made on first use."""
         return _ssm_compat.states_from_cache(self, inference_params, batch_size, initialize_states)
 
-    def _decode_params(self) -> tuple:
-        """((w, w.t()) of in_proj, x_proj, dt_proj, out_proj), conv weight [D, K],
-        (A, D, dt_bias) as `_ssm_params` gives them.
 
-        Read from the parameter dicts (an nn.Module attribute lookup costs about 1 us,
-        as much as one of the step's ops) and, without autograd, cached while every
-        parameter they derive from keeps its identity, storage and version. The cache
-        holds those parameters, so their ids cannot be reused by new ones."""
-        mods = self._modules
-        params = (
+class MixerWeights(NamedTuple):
+    """What a decode step of a `Mamba` layer reads: the GEMM weights with their
+    transposes (views), the conv weight [D, K] and the SSM parameters."""
+
+    gemms: tuple  # ((w, w.t()) of in_proj, x_proj, dt_proj and out_proj)
+    conv_w: torch.Tensor  # [D, K]
+    ssm: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # A, D, dt bias (`ssm_params`)
+
+
+def mixer_weights(mixer: Mamba) -> MixerWeights:
+    """A layer's `MixerWeights` from its parameters, read from the parameter dicts (an
+    nn.Module attribute lookup costs about 1 us, as much as one of the step's ops)."""
+    mods = mixer._modules
+    gemms = tuple(
+        (w, w.t())
+        for w in (
             _p(mods["in_proj"], "weight"),
             _p(mods["x_proj"], "weight"),
             _p(mods["dt_proj"], "weight"),
             _p(mods["out_proj"], "weight"),
-            _p(mods["conv1d"], "weight"),
-            _p(self, "A_log"),
-            _p(self, "D"),
-            _p(mods["dt_proj"], "bias"),
         )
-        # torch.compile traces the parameters themselves: cached views as extra graph
-        # inputs aliasing them would cost it guards and alias handling on every call
-        fresh = torch.is_grad_enabled() or torch.compiler.is_compiling()
-        key = None if fresh else tuple((id(p), p._version, p.data_ptr()) for p in params)
-        cache = self.__dict__.get("_decode_cache")
-        if fresh or cache is None or cache[0] != key:
-            if torch.compiler.is_compiling():  # `_ssm_params`' cache check breaks the graph
-                ssm = ssm_params(*params[5:])
-            else:
-                ssm = self._ssm_params()
-            values = (tuple((w, w.t()) for w in params[:4]), params[4].squeeze(1), ssm)
-            if fresh:  # nor are tensors that may carry a graph
-                return values
-            cache = (key, params, values)
-            self.__dict__["_decode_cache"] = cache
-        return cache[2]
+    )
+    conv_w = _p(mods["conv1d"], "weight").squeeze(1)
+    return MixerWeights(
+        gemms, conv_w, ssm_params(_p(mixer, "A_log"), _p(mixer, "D"), _p(mods["dt_proj"], "bias"))
+    )
 
 
 def ssm_params(A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor) -> tuple:
     """(A = -exp(A_log), D, dt bias) in the state dtype (f32; f64 for a float64 model): the one
-    place the layer's SSM parameters are derived, for the forward, the decode steps and their
-    caches."""
+    place the layer's SSM parameters are derived, for the forward, the decode steps and the
+    decode plan (`inference.plan`)."""
     f = state_dtype(A_log)
     return -torch.exp(A_log.to(f)), D.to(f), dt_bias.to(f)
-
-
-_CACHES = ("_ssm_cache", "_decode_cache")  # derived from the parameters, never pickled
-
-
-def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
 
 
 def _p(module: nn.Module, name: str) -> torch.Tensor | None:

@@ -544,8 +544,8 @@ class Trainer:
                 dst[key].copy_(v, non_blocking=True)
         self._graph.replay()
         # the replay updated the parameters in place behind PyTorch's back: move their
-        # version counters, or caches keyed on them (the layers' A = -exp(A_log), D and dt
-        # bias; the decode weights) would keep serving the values of their first use
+        # version counters, or the decode plan keyed on them (`inference.plan`: A =
+        # -exp(A_log), D and dt bias, the decode weights) would keep its first values
         _increment_versions(self.params)
         # copies: the graph's outputs are overwritten by the next replay
         return self._static["loss"].clone(), self._static["norm"].clone()

@@ -1,0 +1,174 @@
+"""Decode plans: what decode steps and no-grad forwards read, derived from a module's
+parameters once and kept until one of those parameters changes.
+
+A decode step at batch 1 is bound by per-call overhead, so it should not recompute
+A = -exp(A_log), cast D and the dt bias to f32, or look up and transpose its weights on
+every token. `derived(module, name, build)` runs `build(module)` once (without autograd)
+and returns its result again while every parameter of `module` keeps its identity,
+storage and version, and `key(module)` (non-parameter inputs of the build, such as the
+norms' eps) is unchanged. An optimizer step, a load or a `.to()` moves one of those, and
+the next call derives the plan again.
+
+The plan is also what CUDA graphs captured on the module read: a graph replays the
+addresses it saw at capture. So a new derivation writes its values into the tensors of the
+old plan where the plan owns them (a tensor sharing no storage with a parameter, such as
+A or an f32 copy of a bf16 D) and their shapes, dtypes and devices still match; tensors
+that are parameters or views of them (the GEMM weights) are read by the graph directly.
+Code that replays a graph calls `refresh(model)` first (`inference.cuda_graph`), since no
+Python runs inside a replay. Code that updates parameters where PyTorch does not see it
+(the Trainer's replayed optimizer step) must move their version counters
+(`torch.autograd.graph.increment_version`), or the plan would not notice.
+
+Plans live in a table beside the module (keyed on its id, the entry dropped when the
+module dies), so they are never pickled, saved or deep-copied with it.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["derived", "refresh"]
+
+# id(module) -> {name: _Plan}, removed when the module dies (a plain dict: a weak-keyed
+# one makes a weak reference on every lookup, which a decode step would pay per token)
+_PLANS: dict[int, dict[str, _Plan]] = {}
+# id(root) -> (the _generation it was found at, weak references to the modules under the
+# root that have plans): `refresh` walks a model's modules once, not per replay
+_ROOTS: dict[int, tuple[int, list]] = {}
+_generation = 0  # moves whenever a module gains its first plan or one with plans dies
+
+_version = operator.attrgetter("_version")
+
+
+class _Plan:
+    """One derived value and what it was derived from."""
+
+    __slots__ = ("build", "key", "slots", "params", "versions", "ptrs", "extra", "value")
+
+    def fresh(self, module: nn.Module) -> bool:
+        now = [d.get(name) for d, name in self.slots]
+        return (
+            all(map(operator.is_, now, self.params))
+            and list(map(_version, self.params)) == self.versions
+            and list(map(torch.Tensor.data_ptr, self.params)) == self.ptrs
+            and (self.key is None or self.key(module) == self.extra)
+        )
+
+
+def derived(
+    module: nn.Module,
+    name: str,
+    build: Callable[[nn.Module], Any],
+    key: Callable[[nn.Module], Any] | None = None,
+) -> Any:
+    """`build(module)`, derived without autograd and kept until a parameter of `module`
+    (or `key(module)`) changes; the module's plans are told apart by `name`. `build` and
+    `key` must be plain functions of the module (the table holds them, not the module)."""
+    plans = _PLANS.get(id(module))
+    if plans is None:
+        plans = _PLANS[id(module)] = {}
+        weakref.finalize(module, _forget, id(module))
+        _moved()
+    plan = plans.get(name)
+    if plan is not None and plan.fresh(module):
+        return plan.value
+    slots = _slots(module)
+    params = [d[n] for d, n in slots]
+    with torch.no_grad():
+        value = build(module)
+    if plan is not None:  # never write into a parameter, old or new
+        storages = {p.untyped_storage().data_ptr() for p in params + plan.params}
+        value = _refresh_into(plan.value, value, storages)
+    new = _Plan()
+    new.build, new.key, new.slots, new.params = build, key, slots, params
+    new.versions = list(map(_version, params))
+    new.ptrs = list(map(torch.Tensor.data_ptr, params))
+    new.extra = None if key is None else key(module)
+    new.value = value
+    plans[name] = new
+    return value
+
+
+def refresh(model: nn.Module) -> None:
+    """Bring every plan of `model` and its submodules up to date with their parameters
+    (before a graph replay: the graph reads the plans' tensors). About 10 us for a
+    3-layer model when nothing changed."""
+    found = _ROOTS.get(id(model))
+    if found is None or found[0] != _generation:
+        if found is None:
+            weakref.finalize(model, _ROOTS.pop, id(model), None)
+        found = (_generation, [weakref.ref(m) for m in model.modules() if id(m) in _PLANS])
+        _ROOTS[id(model)] = found
+    for ref in found[1]:
+        m = ref()
+        if m is not None:
+            for name, plan in list(_PLANS[id(m)].items()):
+                derived(m, name, plan.build, plan.key)
+
+
+def _forget(key: int) -> None:
+    _PLANS.pop(key, None)
+    _moved()
+
+
+def _moved() -> None:
+    global _generation
+    _generation += 1
+
+
+def _slots(module: nn.Module) -> list[tuple[dict, str]]:
+    """(parameter dict, name) of every parameter under `module` (a parametrized weight's
+    `original` included: the weight is computed from it)."""
+    return [
+        (m._parameters, name)
+        for m in module.modules()
+        for name, p in m._parameters.items()
+        if p is not None
+    ]
+
+
+def _refresh_into(old: Any, new: Any, param_storages: set[int]) -> Any:
+    """`new`, keeping each tensor of `old` that the plan owns (no parameter's storage)
+    with `new`'s values copied in, where the two have the same structure and layouts.
+    Where they do not, `new` whole: the old tensors stay as they were."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def merge(o, n):
+        if isinstance(n, torch.Tensor):
+            if not isinstance(o, torch.Tensor):
+                raise _Mismatch
+            if o.untyped_storage().data_ptr() in param_storages:
+                return n
+            if o.shape != n.shape or o.dtype != n.dtype or o.device != n.device:
+                raise _Mismatch
+            pairs.append((o, n))
+            return o
+        if isinstance(n, (tuple, list)):
+            if type(o) is not type(n) or len(o) != len(n):
+                raise _Mismatch
+            items = [merge(a, b) for a, b in zip(o, n)]
+            if isinstance(n, list):
+                return items
+            return type(n)(*items) if hasattr(n, "_fields") else tuple(items)
+        return n
+
+    try:
+        merged = merge(old, new)
+    except _Mismatch:
+        return new
+    # inference mode: the old tensors may have been made under it
+    with torch.inference_mode():
+        for o, n in pairs:
+            if o is not n:
+                o.copy_(n)
+    return merged
+
+
+class _Mismatch(Exception):
+    pass
