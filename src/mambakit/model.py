@@ -154,7 +154,7 @@ class MambaBackbone(nn.Module):
         h = self.embed(x)
         cdt = compute_dtype(self._param.dtype, x.device)
         backend = resolve_backend("auto", h)  # once per call, for every layer's ops
-        plan = None  # without autograd, the layers' A, D and dt bias from the decode plan
+        plan = None  # without autograd, the layers' A, D and dt bias kept (`inference.plan`)
         if (
             self.config.mixer == "mamba1"
             and not torch.is_grad_enabled()
@@ -163,12 +163,12 @@ class MambaBackbone(nn.Module):
             # gathers its parameters: the layers derive from those
             and not hasattr(self.layers[0].mixer.A_log, "full_tensor")
         ):
-            plan = self._decode_plan()
+            plan = derived_plan(self, "ssm", _ssm_plan)
         residual = None
         finals = []
         for i, layer in enumerate(self.layers):
             layer_state = None if state is None else state.layer(i)
-            ssm = None if plan is None else plan[i][0].ssm
+            ssm = None if plan is None else plan[i]
             h, residual, final = layer(h, residual, cdt, layer_state, seq_idx, backend, ssm)
             finals.append(final)
         out, _ = self.norm_f(h, residual, cdt, backend=backend)
@@ -262,6 +262,12 @@ def _step_plan(backbone: MambaBackbone) -> list[tuple]:
         w = mixer_weights(block.mixer)
         plan.append((w, block.fused_weights(w)))
     return plan
+
+
+def _ssm_plan(backbone: MambaBackbone) -> list[tuple]:
+    """(A, D, dt bias) of every Mamba-1 block, for no-grad forwards (prefill, evaluation):
+    a plan of its own, so that a forward keeps no view of the weights alive."""
+    return [block.mixer._ssm_params() for block in backbone.layers]
 
 
 def _reference_plan(backbone: MambaBackbone):

@@ -52,23 +52,52 @@ def test_a_plan_is_kept_until_a_parameter_or_its_key_changes():
 def test_owned_tensors_are_refreshed_in_place_and_parameters_are_never_written():
     """bf16 weights: the plan's A, D and dt bias are f32 tensors it owns, refreshed in the
     same tensors (a captured graph reads those). f32 weights: D and the bias are the
-    parameters themselves, which a refresh must leave alone."""
+    parameters themselves, no copies, so a graph reads them directly."""
     for dtype in (torch.bfloat16, torch.float32):
         bb = backbone(dtype)
         mixer = bb.layers[0].mixer
         (A, D, bias) = step_plan(bb)[0][0].ssm
         assert A.dtype == D.dtype == bias.dtype == torch.float32
-        assert (D.data_ptr() == mixer.D.data_ptr()) == (dtype == torch.float32)
-        D0 = mixer.D.detach().clone()
+        if dtype == torch.float32:
+            assert D is mixer.D and bias is mixer.dt_proj.bias
+        else:
+            assert D.data_ptr() != mixer.D.data_ptr()
         with torch.no_grad():
             mixer.A_log.add_(0.25)
+            mixer.D.mul_(2.0)
             mixer.dt_proj.bias.sub_(1.0)
+        D_now = mixer.D.detach().clone()
         (A2, D2, bias2) = step_plan(bb)[0][0].ssm
-        assert A2 is A  # owned: refreshed in place
+        assert A2 is A and D2 is D and bias2 is bias  # the same tensors, new values
         torch.testing.assert_close(A, -torch.exp(mixer.A_log.float()), rtol=0, atol=0)
-        torch.testing.assert_close(bias2, mixer.dt_proj.bias.float(), rtol=0, atol=0)
-        assert torch.equal(mixer.D, D0)  # nothing written into a parameter
-        assert bias2 is bias  # bf16: refreshed in place; f32: the parameter itself
+        torch.testing.assert_close(D, mixer.D.float(), rtol=0, atol=0)
+        torch.testing.assert_close(bias, mixer.dt_proj.bias.float(), rtol=0, atol=0)
+        assert torch.equal(mixer.D, D_now)  # the refresh wrote nothing into a parameter
+
+
+def test_parameters_moved_to_new_storage_are_followed_and_the_old_storage_left_alone():
+    """`p.data = other` (a weight swap, `vector_to_parameters`) keeps each parameter but
+    moves its storage: the plan's views of the old storage are not its own, so the next
+    derivation must take new views, never copy into the old storage (someone else's)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        bb = backbone(dtype)
+        x = torch.randn(2, 5, dtype=dtype)
+        with torch.no_grad():
+            bb.step(x, bb.init_state(2))  # plans made on the first storages
+            bb(x[:, None])
+        params = list(bb.parameters())
+        backup = [p.data for p in params]
+        saved = [b.clone() for b in backup]
+        for p in params:
+            p.data = p.data + 0.05 * torch.randn_like(p)
+        fresh = copy.deepcopy(bb)
+        with torch.no_grad():
+            y1, _ = bb.step(x, bb.init_state(2))
+            y2, _ = fresh.step(x, fresh.init_state(2))
+            assert torch.equal(y1, y2)
+            assert torch.equal(bb(x[:, None])[0], fresh(x[:, None])[0])
+        for b, s in zip(backup, saved):
+            assert torch.equal(b, s)  # the old storages are as they were
 
 
 def test_a_replaced_parameter_is_not_written_into():
@@ -87,22 +116,27 @@ def test_a_replaced_parameter_is_not_written_into():
 
 def test_refresh_brings_every_plan_up_to_date_in_its_tensors():
     """`refresh` (before a graph replay, where no Python runs) re-derives the plans of a
-    model and of its submodules into the tensors a graph would have captured."""
+    model and of its submodules into the tensors a graph would have captured: the no-grad
+    forward's (prefill graphs) and the step's (decode graphs)."""
+    from mambakit.inference import plan as plan_module
+
     bb = backbone(torch.bfloat16)
     with torch.no_grad():
-        bb(torch.randn(2, 3, 5, dtype=torch.bfloat16))  # a no-grad forward makes the plan
-    cached = [layer[0].ssm[0] for layer in step_plan(bb)]
+        bb(torch.randn(2, 3, 5, dtype=torch.bfloat16))  # the forward's plan
+        bb.step(torch.randn(2, 5, dtype=torch.bfloat16), bb.init_state(2))  # the step's
+    plans = plan_module._PLANS[id(bb)]
+    forward_A = [ssm[0] for ssm in plans["ssm"].value]
+    step_A = [w.ssm[0] for w, _ in plans["step"].value]
     with torch.no_grad():
         for layer in bb.layers:
             layer.mixer.A_log.add_(0.5)
-    outer = torch.nn.Sequential(bb)
-    refresh(outer)
-    from mambakit.inference import plan as plan_module
-
-    now = plan_module._PLANS[id(bb)]["step"].value
-    for layer, A, (w, _) in zip(bb.layers, cached, now):
-        assert w.ssm[0] is A
-        torch.testing.assert_close(A, -torch.exp(layer.mixer.A_log.float()), rtol=0, atol=0)
+    refresh(torch.nn.Sequential(bb))
+    for i, layer in enumerate(bb.layers):
+        want = -torch.exp(layer.mixer.A_log.float())
+        assert plans["ssm"].value[i][0] is forward_A[i]
+        assert plans["step"].value[i][0].ssm[0] is step_A[i]
+        torch.testing.assert_close(forward_A[i], want, rtol=0, atol=0)
+        torch.testing.assert_close(step_A[i], want, rtol=0, atol=0)
 
 
 def test_steps_and_forwards_follow_parameter_updates():
@@ -127,17 +161,25 @@ def test_steps_and_forwards_follow_parameter_updates():
 
 
 def test_a_model_with_plans_copies_and_pickles_without_them(tmp_path):
-    """Plans live beside the model, keyed weakly: torch.save of the whole module and
-    copy.deepcopy (an RL target network) carry none, and the copy derives its own."""
+    """Plans live beside the model: torch.save of the whole module and copy.deepcopy (an
+    RL target network) carry none, and the copy derives its own, equal ones; updating the
+    copy leaves the original's plan alone."""
     bb = backbone()
+    x = torch.randn(2, 5)
     with torch.no_grad():
-        bb.step(torch.randn(2, 5), bb.init_state(2))
+        y0, _ = bb.step(x, bb.init_state(2))
     A = step_plan(bb)[0][0].ssm[0]
+    torch.save(bb, tmp_path / "bb.pt")  # raises if the module holds a weak reference
     c = copy.deepcopy(bb)
-    torch.save(bb, tmp_path / "bb.pt")
-    assert (tmp_path / "bb.pt").stat().st_size > 0
     A_c = step_plan(c)[0][0].ssm[0]
     assert A_c is not A and torch.equal(A_c, A)
+    with torch.no_grad():
+        c.layers[0].mixer.D.add_(1.0)
+        c.layers[0].mixer.A_log.add_(1.0)
+        y_c, _ = c.step(x, c.init_state(2))
+        y, _ = bb.step(x, bb.init_state(2))
+    assert not torch.equal(y_c, y0) and torch.equal(y, y0)
+    assert step_plan(bb)[0][0].ssm[0] is A and torch.equal(A, -torch.exp(bb.layers[0].mixer.A_log))
 
 
 def test_plans_die_with_their_model():

@@ -831,6 +831,27 @@ def poison_loss(model, batch, state):
     return loss + (p * batch["poison"].to(p.dtype)).sum(), state
 
 
+def test_evaluation_after_fused_optimizer_steps_sees_the_new_weights():
+    """A fused AdamW (the Trainer's on CUDA) writes the parameters without moving their
+    version counters. The Trainer moves them after every step, so what no-grad forwards
+    keep from the parameters (the decode plan: A = -exp(A_log), D, dt bias) follows:
+    `evaluate()` after training equals the loss of a fresh copy of the weights."""
+    trainer = Trainer(tiny_lm(), tcfg(lr=5e-2), ListData([random_batch(seed=s) for s in range(2)]))
+    val = [random_batch(seed=9)]
+    trainer.val_batches = val
+    before = trainer.evaluate()  # the plan is made here
+    trainer.optimizer = torch.optim.AdamW(trainer.params, lr=5e-2, fused=True)
+    for _ in range(3):
+        trainer.train_step()
+    fresh = tiny_lm()
+    fresh.load_state_dict(trainer.model.state_dict())
+    with torch.no_grad():
+        expected, _ = lm_loss(fresh, val[0], None)
+    expected = float(expected) / int(count_targets(val[0]))
+    assert expected != pytest.approx(before, rel=1e-3)  # training moved the weights
+    assert trainer.evaluate() == pytest.approx(expected, rel=1e-6)
+
+
 def gpu_trainer(data, graph, **kw) -> Trainer:
     fields = dict(device="cuda", precision="bf16", lr=1e-2, cuda_graph=graph, deterministic=True)
     fields.update(kw)

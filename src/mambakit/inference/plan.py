@@ -16,8 +16,10 @@ A or an f32 copy of a bf16 D) and their shapes, dtypes and devices still match; 
 that are parameters or views of them (the GEMM weights) are read by the graph directly.
 Code that replays a graph calls `refresh(model)` first (`inference.cuda_graph`), since no
 Python runs inside a replay. Code that updates parameters where PyTorch does not see it
-(the Trainer's replayed optimizer step) must move their version counters
-(`torch.autograd.graph.increment_version`), or the plan would not notice.
+must move their version counters (`torch.autograd.graph.increment_version`), or the plan
+would not notice: a replayed CUDA graph of an optimizer step, the fused AdamW
+(`fused=True` writes without moving them; the Trainer moves them after every step), an
+in-place op on `p.data`. Assigning `p.data = other` is seen (the storage moves).
 
 Plans live in a table beside the module (keyed on its id, the entry dropped when the
 module dies), so they are never pickled, saved or deep-copied with it.
@@ -49,7 +51,7 @@ _version = operator.attrgetter("_version")
 class _Plan:
     """One derived value and what it was derived from."""
 
-    __slots__ = ("build", "key", "slots", "params", "versions", "ptrs", "extra", "value")
+    __slots__ = ("build", "key", "slots", "params", "versions", "ptrs", "extra", "value", "owned")
 
     def fresh(self, module: nn.Module) -> bool:
         now = [d.get(name) for d, name in self.slots]
@@ -82,14 +84,16 @@ def derived(
     params = [d[n] for d, n in slots]
     with torch.no_grad():
         value = build(module)
-    if plan is not None:  # never write into a parameter, old or new
-        storages = {p.untyped_storage().data_ptr() for p in params + plan.params}
-        value = _refresh_into(plan.value, value, storages)
+    storages = {p.untyped_storage().data_ptr() for p in params}
+    if plan is not None:
+        value = _refresh_into(plan.value, value, plan.owned)
     new = _Plan()
     new.build, new.key, new.slots, new.params = build, key, slots, params
     new.versions = list(map(_version, params))
     new.ptrs = list(map(torch.Tensor.data_ptr, params))
     new.extra = None if key is None else key(module)
+    # the plan's own tensors: those sharing no storage with a parameter when derived
+    new.owned = {id(t) for t in _tensors(value) if t.untyped_storage().data_ptr() not in storages}
     new.value = value
     plans[name] = new
     return value
@@ -133,17 +137,27 @@ def _slots(module: nn.Module) -> list[tuple[dict, str]]:
     ]
 
 
-def _refresh_into(old: Any, new: Any, param_storages: set[int]) -> Any:
-    """`new`, keeping each tensor of `old` that the plan owns (no parameter's storage)
-    with `new`'s values copied in, where the two have the same structure and layouts.
-    Where they do not, `new` whole: the old tensors stay as they were."""
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _refresh_into(old: Any, new: Any, owned: set[int]) -> Any:
+    """`new`, keeping each tensor of `old` that the plan owns (`owned`: their ids) with
+    `new`'s values copied in, where the two have the same structure and those tensors the
+    same layouts; where they do not, `new` whole. A tensor the plan does not own (a
+    parameter or a view of one, even of a storage the parameter has since left) is never
+    written: `new`'s takes its place."""
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def merge(o, n):
         if isinstance(n, torch.Tensor):
             if not isinstance(o, torch.Tensor):
                 raise _Mismatch
-            if o.untyped_storage().data_ptr() in param_storages:
+            if id(o) not in owned:
                 return n
             if o.shape != n.shape or o.dtype != n.dtype or o.device != n.device:
                 raise _Mismatch
@@ -165,8 +179,7 @@ def _refresh_into(old: Any, new: Any, param_storages: set[int]) -> Any:
     # inference mode: the old tensors may have been made under it
     with torch.inference_mode():
         for o, n in pairs:
-            if o is not n:
-                o.copy_(n)
+            o.copy_(n)
     return merged
 
 

@@ -493,6 +493,11 @@ class Trainer:
         if self._found_inf is not None:  # decided on the device: no sync, capturable
             self._found_inf.copy_(~(torch.isfinite(norm) & torch.isfinite(loss)))
             self.optimizer.step()  # reads optimizer.found_inf: a skip changes no state
+            # the fused AdamW writes the parameters without moving their version counters:
+            # move them, or the decode plan keyed on them (`inference.plan`: A = -exp(A_log),
+            # D and dt bias, the decode weights) would keep serving the old values (a replay
+            # runs no Python: `_graph_step` does this after it)
+            _increment_versions(self.params)
             skipped = self._found_inf.to(torch.int64)
             self._skipped_dev += skipped
             self._streak_dev.add_(1).mul_(skipped)  # +1 on a skip, 0 on an applied step
@@ -506,6 +511,7 @@ class Trainer:
             skipped = not bool(torch.isfinite(norm) & torch.isfinite(loss))
             if not skipped:
                 self.optimizer.step()
+        _increment_versions(self.params)  # as above (a fused optimizer)
         self._skipped_host += skipped
         self._streak_host = self._streak_host + 1 if skipped else 0
         return norm
@@ -544,8 +550,7 @@ class Trainer:
                 dst[key].copy_(v, non_blocking=True)
         self._graph.replay()
         # the replay updated the parameters in place behind PyTorch's back: move their
-        # version counters, or the decode plan keyed on them (`inference.plan`: A =
-        # -exp(A_log), D and dt bias, the decode weights) would keep its first values
+        # version counters, as `_clip_and_step` does on the eager path
         _increment_versions(self.params)
         # copies: the graph's outputs are overwritten by the next replay
         return self._static["loss"].clone(), self._static["norm"].clone()
