@@ -210,8 +210,8 @@ class MambaBackbone(nn.Module):
 
     def _decode_plan(self) -> list[tuple]:
         """(MixerWeights, StepWeights) of every Mamba-1 block, derived from the parameters
-        once and kept until one changes (`inference.plan`): what decode steps and no-grad
-        forwards read, and CUDA graphs captured on them."""
+        once and kept until one changes (`inference.plan`): what decode steps read, and
+        CUDA graphs captured on them. (No-grad forwards read a plan of their own, `_ssm_plan`.)"""
         return derived_plan(self, "step", _step_plan, _norm_eps)
 
     def _decode_layers(

@@ -196,3 +196,21 @@ def test_plans_die_with_their_model():
     del bb
     gc.collect()
     assert key not in plan_module._PLANS and key not in plan_module._ROOTS
+
+
+def test_clear_cuda_graphs_drops_the_plans():
+    """The step plan holds views of the weights: `clear_cuda_graphs` lets them go, so a
+    model moved elsewhere frees its old storage; the next step derives anew."""
+    from mambakit.inference import clear_cuda_graphs
+    from mambakit.inference import plan as plan_module
+
+    bb = backbone()
+    x = torch.randn(2, 5)
+    with torch.no_grad():
+        y, _ = bb.step(x, bb.init_state(2))
+    assert id(bb) in plan_module._PLANS
+    clear_cuda_graphs(bb)
+    assert id(bb) not in plan_module._PLANS
+    with torch.no_grad():
+        y2, _ = bb.step(x, bb.init_state(2))
+    assert torch.equal(y, y2) and id(bb) in plan_module._PLANS

@@ -25,7 +25,7 @@ import torch
 
 from ..device import graph_capture
 from ..state import MambaState
-from .plan import refresh
+from .plan import drop, refresh
 
 __all__ = ["CUDAGraphStep", "capture", "clear_cuda_graphs", "graph_cache", "use_cuda_graph"]
 
@@ -82,8 +82,10 @@ def graph_cache(model: torch.nn.Module) -> dict:
 
 
 def clear_cuda_graphs(model: torch.nn.Module) -> None:
-    """Drop the decode graphs captured for `model` (and their static buffers)."""
+    """Drop the decode graphs captured for `model` (and their static buffers) and its
+    decode plans (`inference.plan`, which hold views of its weights)."""
     _CACHE.pop(model, None)
+    drop(model)
 
 
 def params_signature(model: torch.nn.Module) -> tuple:

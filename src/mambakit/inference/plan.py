@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["derived", "refresh"]
+__all__ = ["derived", "drop", "refresh"]
 
 # id(module) -> {name: _Plan}, removed when the module dies (a plain dict: a weak-keyed
 # one makes a weak reference on every lookup, which a decode step would pay per token)
@@ -114,6 +114,14 @@ def refresh(model: nn.Module) -> None:
         if m is not None:
             for name, plan in list(_PLANS[id(m)].items()):
                 derived(m, name, plan.build, plan.key)
+
+
+def drop(model: nn.Module) -> None:
+    """Forget the plans of `model` and its submodules (they hold views of the weights,
+    which keep a storage alive after `model.to(...)` until the next call derives anew)."""
+    for m in model.modules():
+        if _PLANS.pop(id(m), None) is not None:
+            _moved()
 
 
 def _forget(key: int) -> None:
