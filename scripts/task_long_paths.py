@@ -11,28 +11,14 @@ rounding over a million steps shows apart from one the model itself loses.
 """
 
 import argparse
-import contextlib
-import os
 
 import torch
+from task_paths import backend  # this script's folder is on sys.path
 
 from mambakit.model import MambaLM
 from mambakit.tasks import make_task
 from mambakit.tasks.evaluate import SPLIT_TEST, stream_seed
 from mambakit.tasks.generators import IGNORE, TaskStream
-
-
-@contextlib.contextmanager
-def backend(name):
-    old = os.environ.get("MAMBAKIT_BACKEND")
-    os.environ["MAMBAKIT_BACKEND"] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["MAMBAKIT_BACKEND"]
-        else:
-            os.environ["MAMBAKIT_BACKEND"] = old
 
 
 def margins(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
