@@ -4,9 +4,10 @@ B batch, T time, D = d_inner, N = d_state. A program owns (row, BLOCK_D channels
 states, one segment of time) and walks its segment TC steps at a time, carrying only the
 state between tiles; inside a tile the recurrence h_t = a_t h_{t-1} + b_t is one
 `tl.associative_scan` over time. The same kernel, LOCAL, gives a segment's end state from a
-zero start and its decay product (its summary: h -> P h + h_loc); an output program starts its
-segment by composing the summaries of the segments before it (a few [BLOCK_N, BLOCK_D]
-multiply-adds each, read from L2).
+zero start and its decay product (its summary: h -> P h + h_loc; P = exp2(A log2(e) sum(delta))
+once per segment, or the product of the decays when a document may start inside it); an
+output program starts its segment by composing the summaries of the segments before it (a
+few [BLOCK_N, BLOCK_D] multiply-adds each, read from L2).
 """
 
 import triton
@@ -60,6 +61,7 @@ def _fwd_kernel(
                 p_hloc + off_j, mask=mdn, other=0.0
             )
     p = tl.full([BLOCK_N, BLOCK_D], 1.0, tl.float32)
+    dsum = tl.zeros([BLOCK_D], tl.float32)  # LOCAL without documents: the segment's sum of delta
     Dv = tl.zeros([BLOCK_D], tl.float32)
     if HAS_D:
         Dv = tl.load(p_D + d, mask=_in_range(md, pid_n, 1), other=0.0)
@@ -97,7 +99,10 @@ def _fwd_kernel(
                         hk = _row(hs, rows, k * TS - 1)
                     tl.store(p_states + off_c, hk, mask=_in_range(mdn, c_s, ns))
         if LOCAL:
-            p = p * _row(pa, rows, TC - 1)
+            if HAS_SEQ:  # a document start zeroes the product: multiply the decays out
+                p = p * _row(pa, rows, TC - 1)
+            else:  # exp2(A sum(delta)) once at the end; pa is unused and compiles away
+                dsum += tl.sum(dt, axis=0)
         else:
             Ct = _tile_rows(p_C, s_C_b, s_C_t, b, t0, rows, n, mt[:, None] & mn[None, :], EVEN)
             y = tl.sum(hs * Ct[:, :, None], axis=1)
@@ -110,6 +115,8 @@ def _fwd_kernel(
             _st(_tile_ptrs(y_base, 0, Dn, b, t0, rows, d, 1), y, m2, EVEN)
         h = _row(hs, rows, TC - 1)
     if LOCAL:
+        if not HAS_SEQ:
+            p = tl.exp2(A2 * dsum[None, :])
         tl.store(p_hloc + off_seg, h, mask=mdn)
         tl.store(p_P + off_seg, p, mask=mdn)
     else:

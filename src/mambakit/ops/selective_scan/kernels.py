@@ -58,6 +58,7 @@ class ScanConfig:
     whenever its tile layout allows (`reduce_scatter_fits`)."""
 
     fwd_tile: int  # FWD_TC: time steps per forward tile
+    fwd_local_tiles: int  # forward tiles per tile of the segment summaries' (LOCAL) pass
     bwd_tile: int  # TC: time steps per backward tile; the forward saves the state every TC steps
     fwd_block_d: int  # channels per forward program
     bwd_block_d: int  # channels per backward program
@@ -78,7 +79,7 @@ def config(Dn: int, interpret: bool) -> ScanConfig:
     p2 = next_power_of_2(Dn)
     if interpret:  # small tiles, and segments of two tiles so the carries run in every test
         return ScanConfig(
-            fwd_tile=4, bwd_tile=8, fwd_block_d=min(8, p2), bwd_block_d=min(8, p2),
+            fwd_tile=4, fwd_local_tiles=2, bwd_tile=8, fwd_block_d=min(8, p2), bwd_block_d=min(8, p2),
             fwd_warps=1, bwd_warps=1, carry_block=64, carry_rows=8,
             seg_tiles=2, seg_below_per_sm=2, seg_target_per_sm=8, fwd_seg_target_per_sm=8,
         )  # fmt: skip
@@ -94,7 +95,7 @@ def config(Dn: int, interpret: bool) -> ScanConfig:
     # summaries before them): aiming at 8 per SM 0.094 ms at D 1536 (16: 0.106, 32: 0.150;
     # the longer serial compositions), 0.216 ms at D 4096 (16: 0.219, 32: 0.232).
     return ScanConfig(
-        fwd_tile=8, bwd_tile=4, fwd_block_d=min(32, p2), bwd_block_d=min(16, p2),
+        fwd_tile=8, fwd_local_tiles=1, bwd_tile=4, fwd_block_d=min(32, p2), bwd_block_d=min(16, p2),
         fwd_warps=1, bwd_warps=1, carry_block=256, carry_rows=16,
         seg_tiles=0, seg_below_per_sm=2, seg_target_per_sm=16, fwd_seg_target_per_sm=8,
     )  # fmt: skip
@@ -233,10 +234,14 @@ def scan_fwd(
     if nseg > 1:  # each segment's summary; the output pass composes those before its segment
         hloc = torch.empty(Bsz, nseg, Dn, N, dtype=f32, device=dev)
         P = torch.empty_like(hloc)
-        # the last segment's summary is never used (its end is h_T, stored by the pass below)
+        # the last segment's summary is never used (its end is h_T, stored by the pass below);
+        # the segments before it lie inside the sequence, so only D and N may need masks
+        m = cfg.fwd_local_tiles if per % cfg.fwd_local_tiles == 0 else 1
+        local = dict(flags, TC=tc * m, EVEN=_even(0, Dn, N, 1, bd, bn, True))
         launch(
             _fwd_kernel, (ndb, nseg - 1, Bsz * nb),
-            *ins, A, A, A, hloc, P, A, *sizes, HAS_H0=False, LOCAL=True, SAVE=False, **flags,
+            *ins, A, A, A, hloc, P, A, T, Dn, N, Bsz, cdiv(T, tc * m), ns, nseg, per // m,
+            *sizes[8:], HAS_H0=False, LOCAL=True, SAVE=False, **local,
         )  # fmt: skip
     states = _new((Bsz, ns, Dn, N), f32, dev) if save_states else _new((0,), f32, dev)
     y = _new((Bsz, T, Dn), u.dtype, dev) if nb == 1 else _new((nb, Bsz, T, Dn), f32, dev)
