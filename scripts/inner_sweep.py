@@ -1,14 +1,14 @@
-"""The mixer's forward between in_proj and out_proj, piece by piece: the fused conv + x_proj
-kernel (`mambakit::conv_x_dt`) against the chain it replaces, its launch parameters, and
-the scan's segment-summary (LOCAL) tile; bf16, GPU time from CUDA graphs (us).
+"""The mixer's forward between in_proj and out_proj, piece by piece: x_proj and dt_proj in
+one kernel (`mambakit::x_dt_proj`) against the chain it replaces, its launch parameters,
+and the scan's segment-summary (LOCAL) tile; bf16, GPU time from CUDA graphs (us).
 
 PYTHONPATH=src python scripts/inner_sweep.py --out inner_sweep.json
 
-chain: conv kernel -> cuBLAS x_proj -> dt_proj kernel; fused: conv + x_proj partial sums
--> dt_proj adding them. Shapes: the 130m and 1.4b prefill (1 x 4096), the 130m training
-forward (8 x 2048). Candidates replace the module constants of mamba_inner/kernels.py; each
-is checked against the chain. Then the whole no-grad mixer inner (fused vs chain, the scan
-included) and the scan forward with 1 or 2 forward tiles per LOCAL tile.
+chain: cuBLAS x_proj -> dt_proj kernel; fused: the x_dt_proj kernel. Shapes: the 130m and
+1.4b prefill (1 x 4096), the 130m training forward (8 x 2048). Candidates replace the module
+constants of mamba_inner/kernels.py; each is checked against the chain. Then the whole
+no-grad mixer inner (fused vs chain, the scan included) and the scan forward with 1, 2 or 4
+forward tiles per LOCAL tile.
 """
 
 from __future__ import annotations
@@ -30,17 +30,17 @@ MI = sys.modules["mambakit.ops.mamba_inner"]  # the package (mambakit.ops.mamba_
 SHAPES = {"130m 1x4096": (1, 4096, 1536, 48), "1.4b 1x4096": (1, 4096, 4096, 128),
           "130m 8x2048": (8, 2048, 1536, 48)}  # fmt: skip
 N, K = 16, 4
-# (BLOCK_T, BLOCK_D, warps, PARTS, STAGES)
+# (BLOCK_M, BLOCK_K, BLOCK_D, warps, STAGES)
 CANDIDATES = [
-    (32, 128, 4, 4, 2),
-    (32, 128, 4, 8, 2),
-    (32, 128, 4, 2, 2),
-    (64, 128, 4, 4, 2),
-    (64, 128, 8, 4, 2),
-    (32, 64, 4, 4, 2),
-    (16, 128, 4, 4, 2),
-    (32, 128, 4, 4, 1),
-    (64, 64, 4, 8, 2),
+    (32, 128, 64, 4, 3),
+    (16, 128, 64, 4, 3),
+    (64, 128, 64, 4, 3),
+    (32, 64, 64, 4, 3),
+    (32, 128, 128, 4, 3),
+    (16, 256, 64, 4, 2),
+    (32, 128, 64, 8, 3),
+    (16, 64, 128, 2, 3),
+    (32, 128, 64, 4, 2),
 ]
 
 
@@ -71,53 +71,51 @@ def sweep(name, Bsz, T, D, R, g) -> list[dict]:
     xz, cw, cb, wx, wdt, bdt, A, Dv = shape_inputs(Bsz, T, D, R, g)
     x = xz[..., :D]
 
+    u, fin = conv_fwd(x, cw, cb, None, None, True, True)
+
     def chain():
-        u, fin = conv_fwd(x, cw, cb, None, None, True, True)
         x_dbl = F.linear(u, wx)
-        return (u, fin, x_dbl, *KM.dt_proj(x_dbl, wdt, bdt, True))
+        return (x_dbl, *KM.dt_proj(x_dbl, wdt, bdt, True))
 
     def fused():
-        return MI._conv_x_dt_op(x, cw, cb, None, None, wx, wdt, bdt)
+        return KM.x_dt_proj(u, wx, wdt, bdt)
 
     ref = chain()
     for piece, fn in {
         "conv": lambda: conv_fwd(x, cw, cb, None, None, True, True),
-        "x_proj (cuBLAS)": lambda u=ref[0]: F.linear(u, wx),
-        "dt_proj": lambda xd=ref[2]: KM.dt_proj(xd, wdt, bdt, True),
-        "chain": chain,
+        "x_proj (cuBLAS)": lambda: F.linear(u, wx),
+        "dt_proj": lambda xd=ref[0]: KM.dt_proj(xd, wdt, bdt, True),
+        "chain x_proj + dt_proj": chain,
     }.items():
         rows.append({"shape": name, "piece": piece, "us": timed(fn)})
         print(rows[-1], flush=True)
-    default = (KM.CX_BLOCK_T, KM.CX_BLOCK_D, KM.CX_WARPS, KM.CX_PARTS, KM.CX_STAGES)
+    default = (KM.XD_BLOCK_M, KM.XD_BLOCK_K, KM.XD_BLOCK_D, KM.XD_WARPS, KM.XD_STAGES)
     for cand in CANDIDATES:
-        KM.CX_BLOCK_T, KM.CX_BLOCK_D, KM.CX_WARPS, KM.CX_PARTS, KM.CX_STAGES = cand
+        KM.XD_BLOCK_M, KM.XD_BLOCK_K, KM.XD_BLOCK_D, KM.XD_WARPS, KM.XD_STAGES = cand
         got = fused()
         err = {
-            "u_same": torch.equal(got[0], ref[0]),
             "x_dbl_rel": (
-                (got[2].float() - ref[2].float()).abs().max() / ref[2].float().abs().max()
+                (got[0].float() - ref[0].float()).abs().max() / ref[0].float().abs().max()
             ).item(),  # fmt: skip
-            "delta_rel": ((got[3] - ref[3]).abs().max() / ref[3].abs().max()).item(),
+            "delta_rel": ((got[1] - ref[1]).abs().max() / ref[1].abs().max()).item(),
+            "bc_same": torch.equal(got[2], ref[2]),
         }
-        us_cx = timed(
-            lambda: KM.conv_x_proj(x, cw, cb, None, None, wx)  # the first launch alone
-        )
-        rows.append({"shape": name, "piece": "fused", "cfg": cand, "us": timed(fused),
-                     "conv_x_proj_us": us_cx, **err})  # fmt: skip
+        rows.append({"shape": name, "piece": "x_dt_proj", "cfg": cand, "us": timed(fused),
+                     **err})  # fmt: skip
         print(rows[-1], flush=True)
-    KM.CX_BLOCK_T, KM.CX_BLOCK_D, KM.CX_WARPS, KM.CX_PARTS, KM.CX_STAGES = default
+    KM.XD_BLOCK_M, KM.XD_BLOCK_K, KM.XD_BLOCK_D, KM.XD_WARPS, KM.XD_STAGES = default
     # the whole inner, no grad (conv .. scan), fused against the chain
     args = (xz, cw, cb, wx, wdt, A, Dv, bdt, None, None, None)
-    for label, max_w in (("inner, chain", 0), ("inner, fused", MI.FUSED_MAX_W)):
-        saved, MI.FUSED_MAX_W = MI.FUSED_MAX_W, max_w
+    for label, max_w in (("inner, chain", 0), ("inner, fused", MI.FUSED_MAX_WIDTH)):
+        saved, MI.FUSED_MAX_WIDTH = MI.FUSED_MAX_WIDTH, max_w
         with torch.no_grad():
             rows.append({"shape": name, "piece": label,
                          "us": timed(lambda: MI.mamba_inner_triton(*args))})  # fmt: skip
-        MI.FUSED_MAX_W = saved
+        MI.FUSED_MAX_WIDTH = saved
         print(rows[-1], flush=True)
     # the scan forward alone, LOCAL tile of 1 or 2 forward tiles
     if Bsz == 1:
-        u, _, x_dbl, delta, bc = ref
+        _, delta, bc = ref
         base = KS.config(D, DEV != "cuda")
         y0 = None
         for m in (1, 2, 4):

@@ -128,30 +128,17 @@ def _conv_fwd_kernel(
 
     if STORE_FINAL:
         if pid_t == tl.num_programs(0) - 1:
-            _store_final(
-                p_x, p_init, p_seq, p_final + pid_b * s_final_b, offs_d, mask_d, T,
-                s_x_t, s_init_t, s_init_d, s_seq_t, s_final_t, K, BLOCK_K, HAS_INIT, HAS_SEQ,
-            )
-
-
-@triton.jit
-def _store_final(
-    p_x, p_init, p_seq, p_final, offs_d, mask_d, T,
-    s_x_t, s_init_t, s_init_d, s_seq_t, s_final_t,
-    K: tl.constexpr, BLOCK_K: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
-):
-    """The final state's rows at channels offs_d (pointers at the row's start): row j = the
-    input at time T-(K-1)+j, zero outside the last document."""
-    offs_j = tl.arange(0, BLOCK_K)
-    mask_j = offs_j < K - 1
-    pos = (T - (K - 1) + offs_j).to(tl.int64)
-    b_f = _load_src(p_x, p_init, pos, offs_d, mask_d, T, s_x_t, s_init_t, s_init_d, K, HAS_INIT)
-    if HAS_SEQ:
-        seq_last = tl.load(p_seq + (T - 1) * s_seq_t)
-        same = _load_seq(p_seq, pos, T, s_seq_t) == seq_last
-        b_f = tl.where(same[:, None], b_f, 0.0)
-    p_f = p_final + offs_j[:, None] * s_final_t + offs_d[None, :]
-    tl.store(p_f, b_f, mask=mask_j[:, None] & mask_d[None, :])
+            # final state row j = the input at time T-(K-1)+j, zero outside the last document
+            offs_j = tl.arange(0, BLOCK_K)
+            mask_j = offs_j < K - 1
+            pos = (T - (K - 1) + offs_j).to(tl.int64)
+            b_f = _load_src(p_x, p_init, pos, offs_d, mask_d, T, s_x_t, s_init_t, s_init_d, K, HAS_INIT)
+            if HAS_SEQ:
+                seq_last = tl.load(p_seq + (T - 1) * s_seq_t)
+                same = _load_seq(p_seq, pos, T, s_seq_t) == seq_last
+                b_f = tl.where(same[:, None], b_f, 0.0)
+            p_f = p_final + pid_b * s_final_b + offs_j[:, None] * s_final_t + offs_d[None, :]
+            tl.store(p_f, b_f, mask=mask_j[:, None] & mask_d[None, :])
 
 
 @triton.jit

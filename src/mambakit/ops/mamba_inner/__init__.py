@@ -58,50 +58,38 @@ def _(x_dbl, dt_proj_weight, dt_bias, softplus):
 
 dt_proj_op = Op(_dt_proj_op)
 
-# x_proj widths (dt_rank + 2 d_state) up to this take the fused conv + x_proj kernel; wider
-# ones run the conv, then x_proj by cuBLAS (its accumulator tile grows with the width)
-FUSED_MAX_W = 256
+# dt_rank and 2 d_state up to this take x_proj and dt_proj in one kernel (its accumulators
+# are [rows, R] and [rows, 2N] tiles); wider ones run cuBLAS x_proj, then the dt_proj kernel
+FUSED_MAX_WIDTH = 256
 
 
-@torch.library.custom_op("mambakit::conv_x_dt", mutates_args=())
-def _conv_x_dt_op(
-    x_in: torch.Tensor,
-    conv_weight: torch.Tensor,
-    conv_bias: torch.Tensor | None,
-    conv_state: torch.Tensor | None,
-    seq_idx: torch.Tensor | None,
+@torch.library.custom_op("mambakit::x_dt_proj", mutates_args=())
+def _x_dt_proj_op(
+    u: torch.Tensor,
     x_proj_weight: torch.Tensor,
     dt_proj_weight: torch.Tensor,
     dt_bias: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(u, the conv's final state, x_dbl, delta, B and C in f32) in two launches: the conv
-    with x_proj's partial sums over channel blocks, then dt_proj, which adds them in order
-    into x_dbl (kernels.py)."""
-    from .kernels import conv_x_proj, dt_proj
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_dbl, delta through softplus in f32, B and C in f32): x_proj and dt_proj in one
+    launch (kernels.py)."""
+    from .kernels import x_dt_proj
 
-    u, conv_out, parts = conv_x_proj(
-        x_in, conv_weight, conv_bias, conv_state, seq_idx, x_proj_weight
-    )
-    x_dbl = torch.empty((*u.shape[:2], x_proj_weight.shape[0]), dtype=u.dtype, device=u.device)
-    delta, bc = dt_proj(x_dbl, dt_proj_weight, dt_bias, True, parts=parts)
-    return u, conv_out, x_dbl, delta, bc
+    return x_dt_proj(u, x_proj_weight, dt_proj_weight, dt_bias)
 
 
-@_conv_x_dt_op.register_fake
-def _(x_in, conv_weight, conv_bias, conv_state, seq_idx, x_proj_weight, dt_proj_weight, dt_bias):
-    Bsz, T, D = x_in.shape
-    K, W, R = conv_weight.shape[1], x_proj_weight.shape[0], dt_proj_weight.shape[1]
+@_x_dt_proj_op.register_fake
+def _(u, x_proj_weight, dt_proj_weight, dt_bias):
+    Bsz, T, D = u.shape
+    W, R = x_proj_weight.shape[0], dt_proj_weight.shape[1]
     f32 = torch.float32
     return (
-        x_in.new_empty((Bsz, T, D)),
-        x_in.new_empty((Bsz, K - 1, D), dtype=f32),
-        x_in.new_empty((Bsz, T, W)),
-        x_in.new_empty((Bsz, T, D), dtype=f32),
-        x_in.new_empty((Bsz, T, W - R), dtype=f32),
+        u.new_empty((Bsz, T, W)),
+        u.new_empty((Bsz, T, D), dtype=f32),
+        u.new_empty((Bsz, T, W - R), dtype=f32),
     )
 
 
-conv_x_dt_op = Op(_conv_x_dt_op)
+x_dt_proj_op = Op(_x_dt_proj_op)
 
 
 def _inner_forward(
@@ -113,13 +101,11 @@ def _inner_forward(
     its states for a backward."""
     Dn, N = A.shape
     x_in, z = xz[..., :Dn], xz[..., Dn:]
-    if x_proj_weight.shape[0] <= FUSED_MAX_W and xz.numel() > 0:
-        u, conv_out, x_dbl, delta, bc = conv_x_dt_op(
-            x_in, conv_weight, conv_bias, conv_state, seq_idx, x_proj_weight, dt_proj_weight,
-            dt_bias,
-        )  # fmt: skip
+    u, conv_out = conv_fwd_op(x_in, conv_weight, conv_bias, conv_state, seq_idx, True, True)
+    R = dt_proj_weight.shape[1]
+    if max(R, x_proj_weight.shape[0] - R) <= FUSED_MAX_WIDTH:
+        x_dbl, delta, bc = x_dt_proj_op(u, x_proj_weight, dt_proj_weight, dt_bias)
     else:
-        u, conv_out = conv_fwd_op(x_in, conv_weight, conv_bias, conv_state, seq_idx, True, True)
         with torch.autocast(u.device.type, enabled=False):
             x_dbl = F.linear(u, _as(x_proj_weight, u.dtype))
         delta, bc = dt_proj_op(x_dbl, dt_proj_weight, dt_bias, True)
