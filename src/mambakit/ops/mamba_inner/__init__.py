@@ -58,39 +58,6 @@ def _(x_dbl, dt_proj_weight, dt_bias, softplus):
 
 dt_proj_op = Op(_dt_proj_op)
 
-# dt_rank and 2 d_state up to this take x_proj and dt_proj in one kernel (its accumulators
-# are [rows, R] and [rows, 2N] tiles); wider ones run cuBLAS x_proj, then the dt_proj kernel
-FUSED_MAX_WIDTH = 256
-
-
-@torch.library.custom_op("mambakit::x_dt_proj", mutates_args=())
-def _x_dt_proj_op(
-    u: torch.Tensor,
-    x_proj_weight: torch.Tensor,
-    dt_proj_weight: torch.Tensor,
-    dt_bias: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x_dbl, delta through softplus in f32, B and C in f32): x_proj and dt_proj in one
-    launch (kernels.py)."""
-    from .kernels import x_dt_proj
-
-    return x_dt_proj(u, x_proj_weight, dt_proj_weight, dt_bias)
-
-
-@_x_dt_proj_op.register_fake
-def _(u, x_proj_weight, dt_proj_weight, dt_bias):
-    Bsz, T, D = u.shape
-    W, R = x_proj_weight.shape[0], dt_proj_weight.shape[1]
-    f32 = torch.float32
-    return (
-        u.new_empty((Bsz, T, W)),
-        u.new_empty((Bsz, T, D), dtype=f32),
-        u.new_empty((Bsz, T, W - R), dtype=f32),
-    )
-
-
-x_dt_proj_op = Op(_x_dt_proj_op)
-
 
 def _inner_forward(
     xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias, conv_state,
@@ -102,13 +69,9 @@ def _inner_forward(
     Dn, N = A.shape
     x_in, z = xz[..., :Dn], xz[..., Dn:]
     u, conv_out = conv_fwd_op(x_in, conv_weight, conv_bias, conv_state, seq_idx, True, True)
-    R = dt_proj_weight.shape[1]
-    if max(R, x_proj_weight.shape[0] - R) <= FUSED_MAX_WIDTH:
-        x_dbl, delta, bc = x_dt_proj_op(u, x_proj_weight, dt_proj_weight, dt_bias)
-    else:
-        with torch.autocast(u.device.type, enabled=False):
-            x_dbl = F.linear(u, _as(x_proj_weight, u.dtype))
-        delta, bc = dt_proj_op(x_dbl, dt_proj_weight, dt_bias, True)
+    with torch.autocast(u.device.type, enabled=False):
+        x_dbl = F.linear(u, _as(x_proj_weight, u.dtype))
+    delta, bc = dt_proj_op(x_dbl, dt_proj_weight, dt_bias, True)
     y, ssm_out, states = scan_fwd_op(
         u, delta, A, bc[..., :N], bc[..., N:], D, z, None, False, ssm_state, seq_idx, save
     )

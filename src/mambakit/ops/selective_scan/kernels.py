@@ -93,9 +93,12 @@ def config(Dn: int, interpret: bool) -> ScanConfig:
     # 42.2), 1x4096 0.67 (8: 0.69); 8x2048 unchanged (below 8 per SM, cutting it: 2.50).
     # The forward alone (inference, 1 x 4096, from CUDA graphs, output programs composing the
     # summaries before them): aiming at 8 per SM 0.094 ms at D 1536 (16: 0.106, 32: 0.150;
-    # the longer serial compositions), 0.216 ms at D 4096 (16: 0.219, 32: 0.232).
+    # the longer serial compositions), 0.216 ms at D 4096 (16: 0.219, 32: 0.232). The segment
+    # summaries (LOCAL) in tiles of 16 steps, two forward tiles: 78.2 us at D 1536 and 186.1
+    # at D 4096, against 79.5 and 190.0 in tiles of 8 and 84.6 and 210.5 in tiles of 32
+    # (session 16, with their decay product as one exp2 of the summed delta).
     return ScanConfig(
-        fwd_tile=8, fwd_local_tiles=1, bwd_tile=4, fwd_block_d=min(32, p2), bwd_block_d=min(16, p2),
+        fwd_tile=8, fwd_local_tiles=2, bwd_tile=4, fwd_block_d=min(32, p2), bwd_block_d=min(16, p2),
         fwd_warps=1, bwd_warps=1, carry_block=256, carry_rows=16,
         seg_tiles=0, seg_below_per_sm=2, seg_target_per_sm=16, fwd_seg_target_per_sm=8,
     )  # fmt: skip
