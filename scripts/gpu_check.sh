@@ -7,7 +7,7 @@ set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile host prefill"}  # also: ncu, tasks
+STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile host prefill"}  # also: ncu, tasks, m3
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -84,5 +84,13 @@ fi
 if stage dprofile; then  # per-kernel GPU time of a decode step and of an eager prefill
   echo "== decode_profile" | tee -a "$LOG"
   timeout ${T_DPROFILE:-120} python scripts/decode_profile.py --out "$OUT/decode_profile.txt" ${DPROFILE_ARGS:-} 2>&1 | tail -80 | tee -a "$LOG"
+fi
+if stage m3; then  # Mamba-3: the terms kernels' blocks, chunks and warps; the layer beside upstream's
+  echo "== m3_terms_sweep" | tee -a "$LOG"
+  for shape in ${M3_SHAPES:-8x2048 1x4096}; do
+    timeout ${T_M3SWEEP:-90} python scripts/m3_terms_sweep.py --shape $shape 2>&1 | tee -a "$LOG"
+  done
+  echo "== bench_mamba3" | tee -a "$LOG"
+  timeout ${T_M3:-150} python benchmarks/bench_mamba3.py --out "$OUT/bench_mamba3.json" ${M3_ARGS:---only layer --prune-peer} 2>&1 | tail -30 | tee -a "$LOG"
 fi
 echo "== done" | tee -a "$LOG"

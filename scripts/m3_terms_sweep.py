@@ -1,5 +1,6 @@
 """Time the Mamba-3 per-token terms kernels (ops/mamba3/terms.py) at the 130m-mamba3 layer
-shape for block sizes and warp counts, forward and backward, against the bytes they move.
+shape for block sizes, chunk lengths (blocks per chunk: the programs along time) and warp
+counts, forward and backward, against the bytes they move.
 
     PYTHONPATH=src python scripts/m3_terms_sweep.py [--shape 8x2048]
 """
@@ -37,35 +38,37 @@ def main() -> int:
     leaves = [q, k, delta, A, trap, theta, qb, kb]
     moved = 2 * Bn * T * H * N * 4 + Bn * T * H * S * 4  # q~, k~, phi written (f32)
     print(f"forward writes {moved / 2**20:.0f} MiB: {moved / 3.3e12 * 1e3:.3f} ms at 3.3 TB/s")
-    for BT in (16, 32, 64):
-        for warps in (4, 8):
-            terms.BT = BT
+    configs = [(bt, cb, w) for bt in (16, 32) for cb in (1, 4, 8, 16, 1 << 20) for w in (4, 8)]
+    for BT, chunk_blocks, warps in configs:  # chunk_blocks 2^20: one chunk, the whole row
+        terms.BT, terms.CHUNK_BLOCKS = BT, chunk_blocks
 
-            def fwd():
-                with torch.no_grad():
-                    terms.token_terms_kernel(q, k, delta, A, trap, theta, qb, kb, a0, None)
+        def fwd():
+            with torch.no_grad():
+                terms.token_terms_kernel(q, k, delta, A, trap, theta, qb, kb, a0, None)
 
-            try:
-                terms.NUM_WARPS = warps
-                ms_f = cuda_time_ms(fwd, warmup=2, iters=10)
-                for t in leaves:
-                    t.requires_grad_(True)
-                out = terms.token_terms_kernel(q, k, delta, A, trap, theta, qb, kb, a0, None)
-                cots = [torch.randn_like(o) for o in out]
-                ms_b = cuda_time_ms(
-                    lambda out=out, cots=cots: torch.autograd.grad(out, leaves, cots,
-                                                                   retain_graph=True),
-                    warmup=2,
-                    iters=10,
-                )  # fmt: skip
-                for t in leaves:
-                    t.requires_grad_(False)
-                print(
-                    f"BT {BT:3d} warps {warps}: forward {ms_f:.3f} ms, backward {ms_b:.3f} ms",
-                    flush=True,
-                )
-            except Exception as e:
-                print(f"BT {BT} warps {warps}: failed {type(e).__name__}: {str(e)[:100]}")
+        try:
+            terms.NUM_WARPS = warps
+            ms_f = cuda_time_ms(fwd, warmup=2, iters=10)
+            for t in leaves:
+                t.requires_grad_(True)
+            out = terms.token_terms_kernel(q, k, delta, A, trap, theta, qb, kb, a0, None)
+            cots = [torch.randn_like(o) for o in out]
+            ms_b = cuda_time_ms(
+                lambda out=out, cots=cots: torch.autograd.grad(out, leaves, cots,
+                                                               retain_graph=True),
+                warmup=2,
+                iters=10,
+            )  # fmt: skip
+            for t in leaves:
+                t.requires_grad_(False)
+            print(
+                f"BT {BT:3d} chunk {chunk_blocks:7d} blocks warps {warps}: "
+                f"forward {ms_f:.3f} ms, backward {ms_b:.3f} ms",
+                flush=True,
+            )
+        except Exception as e:
+            print(f"BT {BT} chunk {chunk_blocks} warps {warps}: failed "
+                  f"{type(e).__name__}: {str(e)[:100]}")  # fmt: skip
     return 0
 
 

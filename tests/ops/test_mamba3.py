@@ -485,18 +485,21 @@ def test_chunk_kernels_on_gpu_at_the_130m_head_shape(dtype):
      (2, 1, 2, 1, 16, 8, False), (2, 65, 2, 1, 12, 3, False)],
     ids=["blocks", "documents", "odd-pairs-documents", "one-step", "partial-block"],
 )  # fmt: skip
-@pytest.mark.parametrize("block", [16, 32])
-def test_token_terms_kernels_equal_the_reference(Bn, T_, Hn, G_, Nn, Sn, seq, block, monkeypatch):
-    """terms.py (blocks of 16 or 32 steps carrying the angle, pairs as even/odd halves) against
-    reference.token_terms in float64: the final angle, q~, k~, A delta, gamma, late, and
-    the gradient of every input (group rows summed over their heads, biases over rows and
-    time, theta over the heads). The final angle is compared through its sine: it is
-    taken mod 2 pi."""
+@pytest.mark.parametrize("block, chunk_blocks", [(16, 1), (16, 8), (32, 1), (32, 2)])
+def test_token_terms_kernels_equal_the_reference(
+    Bn, T_, Hn, G_, Nn, Sn, seq, block, chunk_blocks, monkeypatch
+):
+    """terms.py (blocks of 16 or 32 steps carrying the angle, pairs as even/odd halves, chunks
+    of 1 to 8 blocks in parallel, composed from their sums) against reference.token_terms
+    in float64: the final angle, q~, k~, A delta, gamma, late, and the gradient of every
+    input (group rows summed over their heads, biases over rows and time, theta over the
+    heads). The final angle is compared through its sine: it is taken mod 2 pi."""
     from mambakit.ops.mamba3 import terms
     from mambakit.ops.mamba3.reference import token_terms
     from mambakit.ops.mamba3.terms import token_terms_kernel
 
     monkeypatch.setattr(terms, "BT", block)
+    monkeypatch.setattr(terms, "CHUNK_BLOCKS", chunk_blocks)
     g = torch.Generator().manual_seed(T_)
 
     def r(*s):

@@ -1,8 +1,9 @@
 """The Mamba-3 per-token terms as Triton kernels: reference.token_terms and its backward.
 
 B batch, T time, H heads, G groups (head h reads group h // (H / G)), N = d_state,
-S angles. For one (row, head) a program walks the time in blocks of BT steps,
-carrying the angle, and writes what the scan kernels read:
+S angles. Time is cut into chunks of CHUNK_BLOCKS blocks of BT steps; a program owns one
+(row, head, chunk), walks its chunk block by block carrying the angle, and writes what the
+scan kernels read:
 
     phi_t = (phi_{t-1} + pi tanh(theta_t) delta_t) mod 2 pi        (0 at a document start,
                                                                      angle0 before t = 0)
@@ -15,6 +16,13 @@ is a cumsum, or with documents a [BT, BT] same-document lower-triangular product
 (ieee). The backward walks the blocks in reverse with the reverse sum of dphi; the
 gradients of the group rows and of the biases are per head ([B, T, H, N]) and summed in
 PyTorch, as is theta's over the heads.
+
+The chunks run in parallel, as the scan's segments do: a first launch (SUMS) gives what
+each chunk adds to the carry (forward: the angle at its end from 0; backward: dphi summed
+back to its first step from 0), and each program of the second launch composes the sums
+of the chunks before (forward) or after (backward) its own in order, restarting where a
+document starts inside a chunk. One program per (row, head) walking all of T left 192
+programs at 8 x 2048 and 24 at a 1 x T prefill (session 9's terms time).
 """
 
 from __future__ import annotations
@@ -87,34 +95,64 @@ def _unturn(p_v, p_dr, p_dv, src, dst, m_e, m_o, be, bo, cos, sin):
 
 
 @triton.jit
+def _doc_at(p_seq, t, HAS_SEQ: tl.constexpr):
+    """The document id at step t (p_seq at the row's start), or 0 without documents."""
+    if HAS_SEQ:
+        return tl.load(p_seq + t)
+    return 0
+
+
+@triton.jit
+def _dangle(p_v, p_dr, src, dst, m_e, m_o, be, bo, cos, sin):
+    """The angle's gradient [BT, BLOCK_H2] of _unturn, without v's."""
+    ve, vo = _halves(p_v, src, m_e, m_o, be, bo)
+    dre = tl.load(p_dr + dst, mask=m_e, other=0.0)
+    dro = tl.load(p_dr + dst + 1, mask=m_o, other=0.0)
+    return dro * (ve * cos - vo * sin) - dre * (ve * sin + vo * cos)
+
+
+@triton.jit
 def _terms_fwd_kernel(
-    p_q, p_k, p_qb, p_kb, p_delta, p_A, p_trap, p_theta, p_angle0, p_seq,
+    p_q, p_k, p_qb, p_kb, p_delta, p_A, p_trap, p_theta, p_angle0, p_seq, p_sum,
     p_qr, p_kr, p_phi, p_adt, p_gam, p_late, p_phiT,
-    T, H, G, N, S,
+    T, H, G, N, S, CH, C,
     s_q_b, s_q_t, s_q_g, s_w_b, s_w_t, s_tr_b, s_tr_t, s_th_b, s_th_t, s_seq_b,
-    HAS_SEQ: tl.constexpr, BT: tl.constexpr, BLOCK_H2: tl.constexpr,
+    HAS_SEQ: tl.constexpr, SUMS: tl.constexpr, BT: tl.constexpr, BLOCK_H2: tl.constexpr,
 ):
+    """One chunk of CH steps of one (row, head), in blocks of BT. SUMS: from a zero angle,
+    only the angle at the chunk's end (sum [B, H, C, S]: what the chunk adds to an angle
+    carried into it, or the angle itself when a document starts inside it). Else: the
+    chunk's start angle from the sums of the chunks before it, then every output."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    c = tl.program_id(2)
     g = h // (H // G)
     rows = tl.arange(0, BT)
     i = tl.arange(0, BLOCK_H2)
     me, mo, mr = 2 * i < N, 2 * i + 1 < N, i < S
     bh = b * H + h
-    ang = tl.load(p_angle0 + bh * S + i, mask=mr, other=0.0)
+    p_row_seq = p_seq + b * s_seq_b
+    ang = tl.zeros([BLOCK_H2], dtype=tl.float32)
+    if not SUMS:  # the angle at the chunk's start: the chunks before it, in order
+        ang = tl.load(p_angle0 + bh * S + i, mask=mr, other=0.0)
+        for j in range(0, c):
+            inc = tl.load(p_sum + (bh * C + j) * S + i, mask=mr, other=0.0)
+            if HAS_SEQ:  # a document starting inside chunk j drops what came before it
+                restart = _doc_at(p_row_seq, tl.maximum(j * CH - 1, 0), HAS_SEQ) != _doc_at(
+                    p_row_seq, tl.minimum((j + 1) * CH, T) - 1, HAS_SEQ
+                )
+                ang = tl.where(restart, 0.0, ang)
+            ang = ang + inc
+            ang = ang - 6.283185307179586 * tl.floor(ang / 6.283185307179586)
+    carry_doc = _doc_at(p_row_seq, tl.maximum(c * CH - 1, 0), HAS_SEQ)
     qbe, qbo = _bias(p_qb, h, N, i)
     kbe, kbo = _bias(p_kb, h, N, i)
-    carry_doc = 0
-    if HAS_SEQ:
-        carry_doc = tl.load(p_seq + b * s_seq_b)
-    for t0 in range(0, T, BT):
+    for t0 in range(c * CH, tl.minimum(c * CH + CH, T), BT):
         t = t0 + rows
-        mt = t < T
+        mt = t < T  # CH is a whole number of blocks
         last = tl.minimum(BT, T - t0) - 1
         wo = b * s_w_b + t * s_w_t + h
         delta = tl.load(p_delta + wo, mask=mt, other=0.0).to(tl.float32)
-        A = tl.load(p_A + wo, mask=mt, other=0.0).to(tl.float32)
-        trap = tl.load(p_trap + b * s_tr_b + t * s_tr_t + h, mask=mt, other=0.0).to(tl.float32)
         mti = mt[:, None] & mr[None, :]
         th = tl.load(p_theta + b * s_th_b + t[:, None] * s_th_t + i[None, :], mask=mti,
                      other=0.0).to(tl.float32)
@@ -122,60 +160,79 @@ def _terms_fwd_kernel(
         same = mt
         doc = rows
         if HAS_SEQ:
-            doc = tl.load(p_seq + b * s_seq_b + t, mask=mt, other=-1)
-            prev = tl.load(p_seq + b * s_seq_b + tl.maximum(t - 1, 0), mask=mt, other=-1)
+            doc = tl.load(p_row_seq + t, mask=mt, other=-1)
+            prev = tl.load(p_row_seq + tl.maximum(t - 1, 0), mask=mt, other=-1)
             same = doc == prev
         phi = _angle_block(inc, doc, ang, carry_doc, rows, HAS_SEQ)
         phi = phi - 6.283185307179586 * tl.floor(phi / 6.283185307179586)
         phi = tl.where(mti, phi, 0.0)
-        tl.store(p_phi + ((b * T + t[:, None]) * H + h) * S + i[None, :], phi, mask=mti)
         ang = _row(phi, rows, last)
         if HAS_SEQ:
             carry_doc = tl.sum(tl.where(rows == last, doc, 0), axis=0)
-        cos, sin = tl.cos(phi), tl.sin(phi)
-        src = b * s_q_b + t[:, None] * s_q_t + g * s_q_g + 2 * i[None, :]
-        dst = ((b * T + t[:, None]) * H + h) * N + 2 * i[None, :]
-        m_e, m_o = mt[:, None] & me[None, :], mt[:, None] & mo[None, :]
-        _turn(p_q, p_qr, src, dst, m_e, m_o, qbe, qbo, cos, sin)
-        _turn(p_k, p_kr, src, dst, m_e, m_o, kbe, kbo, cos, sin)
-        lam = tl.sigmoid(trap)
-        out = (b * T + t) * H + h
-        tl.store(p_adt + out, A * delta, mask=mt)
-        tl.store(p_gam + out, lam * delta, mask=mt)
-        tl.store(p_late + out, tl.where(same, (1.0 - lam) * delta, 0.0), mask=mt)
-    tl.store(p_phiT + bh * S + i, ang, mask=mr)
+        if not SUMS:
+            tl.store(p_phi + ((b * T + t[:, None]) * H + h) * S + i[None, :], phi, mask=mti)
+            cos, sin = tl.cos(phi), tl.sin(phi)
+            src = b * s_q_b + t[:, None] * s_q_t + g * s_q_g + 2 * i[None, :]
+            dst = ((b * T + t[:, None]) * H + h) * N + 2 * i[None, :]
+            m_e, m_o = mt[:, None] & me[None, :], mt[:, None] & mo[None, :]
+            _turn(p_q, p_qr, src, dst, m_e, m_o, qbe, qbo, cos, sin)
+            _turn(p_k, p_kr, src, dst, m_e, m_o, kbe, kbo, cos, sin)
+            A = tl.load(p_A + wo, mask=mt, other=0.0).to(tl.float32)
+            trap = tl.load(p_trap + b * s_tr_b + t * s_tr_t + h, mask=mt, other=0.0).to(tl.float32)
+            lam = tl.sigmoid(trap)
+            out = (b * T + t) * H + h
+            tl.store(p_adt + out, A * delta, mask=mt)
+            tl.store(p_gam + out, lam * delta, mask=mt)
+            tl.store(p_late + out, tl.where(same, (1.0 - lam) * delta, 0.0), mask=mt)
+    if SUMS:
+        tl.store(p_sum + (bh * C + c) * S + i, ang, mask=mr)
+    elif c == C - 1:
+        tl.store(p_phiT + bh * S + i, ang, mask=mr)
 
 
 @triton.jit
 def _terms_bwd_kernel(
-    p_q, p_k, p_qb, p_kb, p_delta, p_A, p_trap, p_theta, p_seq, p_phi,
+    p_q, p_k, p_qb, p_kb, p_delta, p_A, p_trap, p_theta, p_seq, p_phi, p_sum,
     p_dqr, p_dkr, p_dadt, p_dgam, p_dlate, p_dphiT,
     p_dqh, p_dkh, p_ddelta, p_dA, p_dtrap, p_dth, p_dangle0,
-    T, H, G, N, S,
+    T, H, G, N, S, CH, C, C0,
     s_q_b, s_q_t, s_q_g, s_w_b, s_w_t, s_tr_b, s_tr_t, s_th_b, s_th_t, s_seq_b,
-    HAS_SEQ: tl.constexpr, HAS_DPHIT: tl.constexpr, BT: tl.constexpr,
+    HAS_SEQ: tl.constexpr, HAS_DPHIT: tl.constexpr, SUMS: tl.constexpr, BT: tl.constexpr,
     BLOCK_H2: tl.constexpr,
 ):
-    """Blocks in reverse, carrying acc [S]: the sum of dphi over the later steps of the
-    document the block's end continues (dphiT for the last one)."""
+    """One chunk (C0 + program_id(2)) of one (row, head), its blocks in reverse, carrying acc
+    [S]: the sum of dphi over the later steps of the document the block's end continues.
+    SUMS: from a zero carry, only acc at the chunk's first step (sum [B, H, C, S]). Else:
+    the carry into the chunk's end from the sums of the chunks after it (dphiT beyond the
+    last), then every gradient."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    c = C0 + tl.program_id(2)
     g = h // (H // G)
     rows = tl.arange(0, BT)
     i = tl.arange(0, BLOCK_H2)
     me, mo, mr = 2 * i < N, 2 * i + 1 < N, i < S
     bh = b * H + h
+    p_row_seq = p_seq + b * s_seq_b
     acc = tl.zeros([BLOCK_H2], dtype=tl.float32)
-    if HAS_DPHIT:
-        acc = tl.load(p_dphiT + bh * S + i, mask=mr, other=0.0)
+    if not SUMS:  # the carry into the chunk's end: the chunks after it, last first
+        if HAS_DPHIT:
+            acc = tl.load(p_dphiT + bh * S + i, mask=mr, other=0.0)
+        carry_doc = _doc_at(p_row_seq, T - 1, HAS_SEQ)
+        for jj in range(0, C - 1 - c):
+            j = C - 1 - jj
+            if HAS_SEQ:  # the carry reaches chunk j's first step only within one document
+                first = _doc_at(p_row_seq, j * CH, HAS_SEQ)
+                acc = tl.where(first == carry_doc, acc, 0.0)
+                carry_doc = first
+            acc += tl.load(p_sum + (bh * C + j) * S + i, mask=mr, other=0.0)
+    # the document the carry belongs to: the next chunk's first step's (the last step's)
+    carry_doc = _doc_at(p_row_seq, tl.minimum(c * CH + CH, T - 1), HAS_SEQ)
     qbe, qbo = _bias(p_qb, h, N, i)
     kbe, kbo = _bias(p_kb, h, N, i)
-    carry_doc = 0
-    if HAS_SEQ:
-        carry_doc = tl.load(p_seq + b * s_seq_b + tl.maximum(T - 1, 0))
-    n_blocks = tl.cdiv(T, BT)
-    for j in range(0, n_blocks):
-        t0 = (n_blocks - 1 - j) * BT
+    n_blocks = tl.cdiv(tl.minimum(CH, T - c * CH), BT)
+    for jb in range(0, n_blocks):
+        t0 = c * CH + (n_blocks - 1 - jb) * BT
         t = t0 + rows
         mt = t < T
         mti = mt[:, None] & mr[None, :]
@@ -185,15 +242,19 @@ def _terms_bwd_kernel(
         src = b * s_q_b + t[:, None] * s_q_t + g * s_q_g + 2 * i[None, :]
         dst = ((b * T + t[:, None]) * H + h) * N + 2 * i[None, :]
         m_e, m_o = mt[:, None] & me[None, :], mt[:, None] & mo[None, :]
-        # q~ and k~'s gradients back through the rotation, and the angle's
-        dphi = _unturn(p_q, p_dqr, p_dqh, src, dst, m_e, m_o, qbe, qbo, cos, sin)
-        dphi += _unturn(p_k, p_dkr, p_dkh, src, dst, m_e, m_o, kbe, kbo, cos, sin)
+        # q~ and k~'s gradients back through the rotation (stored unless SUMS), and the angle's
+        if SUMS:
+            dphi = _dangle(p_q, p_dqr, src, dst, m_e, m_o, qbe, qbo, cos, sin)
+            dphi += _dangle(p_k, p_dkr, src, dst, m_e, m_o, kbe, kbo, cos, sin)
+        else:
+            dphi = _unturn(p_q, p_dqr, p_dqh, src, dst, m_e, m_o, qbe, qbo, cos, sin)
+            dphi += _unturn(p_k, p_dkr, p_dkh, src, dst, m_e, m_o, kbe, kbo, cos, sin)
         dphi = tl.where(mti, dphi, 0.0)
         # d inc_r = the sum of dphi_t over t >= r in r's document
         same = mt
         if HAS_SEQ:
-            doc = tl.load(p_seq + b * s_seq_b + t, mask=mt, other=-1)
-            prev = tl.load(p_seq + b * s_seq_b + tl.maximum(t - 1, 0), mask=mt, other=-1)
+            doc = tl.load(p_row_seq + t, mask=mt, other=-1)
+            prev = tl.load(p_row_seq + tl.maximum(t - 1, 0), mask=mt, other=-1)
             same = doc == prev
             m = (rows[None, :] >= rows[:, None]) & (doc[:, None] == doc[None, :])
             dinc = tl.dot(m.to(tl.float32), dphi, input_precision="ieee")
@@ -202,33 +263,44 @@ def _terms_bwd_kernel(
         else:
             dinc = tl.cumsum(dphi, axis=0, reverse=True) + acc[None, :]
         acc = _row(dinc, rows, 0)
-        wo = b * s_w_b + t * s_w_t + h
-        delta = tl.load(p_delta + wo, mask=mt, other=0.0).to(tl.float32)
-        A = tl.load(p_A + wo, mask=mt, other=0.0).to(tl.float32)
-        trap = tl.load(p_trap + b * s_tr_b + t * s_tr_t + h, mask=mt, other=0.0).to(tl.float32)
-        th = tl.load(p_theta + b * s_th_b + t[:, None] * s_th_t + i[None, :], mask=mti,
-                     other=0.0).to(tl.float32)
-        tt = _tanh(th)
-        dinc = tl.where(mti, dinc, 0.0)
-        tl.store(p_dth + ((b * T + t[:, None]) * H + h) * S + i[None, :],
-                 dinc * delta[:, None] * 3.141592653589793 * (1.0 - tt * tt), mask=mti)
-        out = (b * T + t) * H + h
-        dadt = tl.load(p_dadt + out, mask=mt, other=0.0)
-        dgam = tl.load(p_dgam + out, mask=mt, other=0.0)
-        dlate = tl.where(same, tl.load(p_dlate + out, mask=mt, other=0.0), 0.0)
-        lam = tl.sigmoid(trap)
-        ddelta = tl.sum(dinc * 3.141592653589793 * tt, axis=1)
-        ddelta += dadt * A + dgam * lam + dlate * (1.0 - lam)
-        tl.store(p_ddelta + out, ddelta, mask=mt)
-        tl.store(p_dA + out, dadt * delta, mask=mt)
-        tl.store(p_dtrap + out, (dgam - dlate) * delta * lam * (1.0 - lam), mask=mt)
-    tl.store(p_dangle0 + bh * S + i, acc, mask=mr)
+        if not SUMS:
+            wo = b * s_w_b + t * s_w_t + h
+            delta = tl.load(p_delta + wo, mask=mt, other=0.0).to(tl.float32)
+            A = tl.load(p_A + wo, mask=mt, other=0.0).to(tl.float32)
+            trap = tl.load(p_trap + b * s_tr_b + t * s_tr_t + h, mask=mt, other=0.0).to(tl.float32)
+            th = tl.load(p_theta + b * s_th_b + t[:, None] * s_th_t + i[None, :], mask=mti,
+                         other=0.0).to(tl.float32)
+            tt = _tanh(th)
+            dinc = tl.where(mti, dinc, 0.0)
+            tl.store(p_dth + ((b * T + t[:, None]) * H + h) * S + i[None, :],
+                     dinc * delta[:, None] * 3.141592653589793 * (1.0 - tt * tt), mask=mti)
+            out = (b * T + t) * H + h
+            dadt = tl.load(p_dadt + out, mask=mt, other=0.0)
+            dgam = tl.load(p_dgam + out, mask=mt, other=0.0)
+            dlate = tl.where(same, tl.load(p_dlate + out, mask=mt, other=0.0), 0.0)
+            lam = tl.sigmoid(trap)
+            ddelta = tl.sum(dinc * 3.141592653589793 * tt, axis=1)
+            ddelta += dadt * A + dgam * lam + dlate * (1.0 - lam)
+            tl.store(p_ddelta + out, ddelta, mask=mt)
+            tl.store(p_dA + out, dadt * delta, mask=mt)
+            tl.store(p_dtrap + out, (dgam - dlate) * delta * lam * (1.0 - lam), mask=mt)
+    if SUMS:
+        tl.store(p_sum + (bh * C + c) * S + i, acc, mask=mr)
+    elif c == 0:
+        tl.store(p_dangle0 + bh * S + i, acc, mask=mr)
 
 
 # fmt: on
 
 BT = 16  # time steps per block (device run 4: 16 halves the time of 32 at 8x2048)
 NUM_WARPS = 8  # (scripts/m3_terms_sweep.py times the choices)
+CHUNK_BLOCKS = 8  # blocks per chunk: the programs along time
+
+
+def _chunks(T: int) -> tuple[int, int]:
+    """(steps per chunk, chunks) for T steps."""
+    ch = BT * CHUNK_BLOCKS
+    return ch, max(1, -(-T // ch))
 
 
 def _h2(N: int) -> int:
@@ -254,14 +326,18 @@ class _Terms(torch.autograd.Function):
         adt, gam, late = (torch.empty(Bsz, T, H, **f) for _ in range(3))
         phiT = torch.empty(Bsz, H, S, **f)
         seqt = seq if seq is not None else adt
-        launch(_terms_fwd_kernel, (Bsz, H),
-            q, k, q_bias, k_bias, delta, A, trap, theta, angle0, seqt,
-            qr, kr, phi, adt, gam, late, phiT,
-            T, H, G, N, S,
-            q.stride(0), q.stride(1), q.stride(2), delta.stride(0), delta.stride(1),
-            trap.stride(0), trap.stride(1), theta.stride(0), theta.stride(1), seqt.stride(0),
-            HAS_SEQ=seq is not None, BT=BT, BLOCK_H2=_h2(N), num_warps=NUM_WARPS,
-        )  # fmt: skip
+        ch, C = _chunks(T)
+        sums = torch.empty(Bsz, H, C, S, **f)
+        args = (q, k, q_bias, k_bias, delta, A, trap, theta, angle0, seqt, sums,
+                qr, kr, phi, adt, gam, late, phiT,
+                T, H, G, N, S, ch, C,
+                q.stride(0), q.stride(1), q.stride(2), delta.stride(0), delta.stride(1),
+                trap.stride(0), trap.stride(1), theta.stride(0), theta.stride(1),
+                seqt.stride(0))  # fmt: skip
+        flags = dict(HAS_SEQ=seq is not None, BT=BT, BLOCK_H2=_h2(N), num_warps=NUM_WARPS)
+        if C > 1:  # what each chunk but the last adds to the angle
+            launch(_terms_fwd_kernel, (Bsz, H, C - 1), *args, SUMS=True, **flags)
+        launch(_terms_fwd_kernel, (Bsz, H, C), *args, SUMS=False, **flags)
         ctx.save_for_backward(q, k, delta, A, trap, theta, q_bias, k_bias, seq, phi)
         ctx.dtypes = (q.dtype, k.dtype, trap.dtype, theta.dtype, angle0.dtype)
         return phiT, qr, kr, adt, gam, late
@@ -284,16 +360,20 @@ class _Terms(torch.autograd.Function):
         dth = torch.empty(Bsz, T, H, S, **f)
         dangle0 = torch.empty(Bsz, H, S, **f)
         seqt = seq if seq is not None else delta
-        launch(_terms_bwd_kernel, (Bsz, H),
-            q, k, q_bias, k_bias, delta, A, trap, theta, seqt, phi,
-            dqr, dkr, dadt, dgam, dlate, dphiT if dphiT is not None else dangle0,
-            dqh, dkh, ddelta, dA, dtrap, dth, dangle0,
-            T, H, G, N, S,
-            q.stride(0), q.stride(1), q.stride(2), delta.stride(0), delta.stride(1),
-            trap.stride(0), trap.stride(1), theta.stride(0), theta.stride(1), seqt.stride(0),
-            HAS_SEQ=seq is not None, HAS_DPHIT=dphiT is not None, BT=BT, BLOCK_H2=_h2(N),
-            num_warps=NUM_WARPS,
-        )  # fmt: skip
+        ch, C = _chunks(T)
+        sums = torch.empty(Bsz, H, C, S, **f)
+        args = (q, k, q_bias, k_bias, delta, A, trap, theta, seqt, phi, sums,
+                dqr, dkr, dadt, dgam, dlate, dphiT if dphiT is not None else dangle0,
+                dqh, dkh, ddelta, dA, dtrap, dth, dangle0,
+                T, H, G, N, S, ch, C)  # fmt: skip
+        strides = (q.stride(0), q.stride(1), q.stride(2), delta.stride(0), delta.stride(1),
+                   trap.stride(0), trap.stride(1), theta.stride(0), theta.stride(1),
+                   seqt.stride(0))  # fmt: skip
+        flags = dict(HAS_SEQ=seq is not None, HAS_DPHIT=dphiT is not None, BT=BT,
+                     BLOCK_H2=_h2(N), num_warps=NUM_WARPS)  # fmt: skip
+        if C > 1:  # what reaches each chunk's first step from inside it, all but the first
+            launch(_terms_bwd_kernel, (Bsz, H, C - 1), *args, 1, *strides, SUMS=True, **flags)
+        launch(_terms_bwd_kernel, (Bsz, H, C), *args, 0, *strides, SUMS=False, **flags)
         qd, kd, trd, thd, ad = ctx.dtypes
         dq = dqh.view(Bsz, T, G, H // G, N).sum(3).to(qd)
         dk = dkh.view(Bsz, T, G, H // G, N).sum(3).to(kd)
