@@ -38,16 +38,19 @@ def main() -> int:
     leaves = [q, k, delta, A, trap, theta, qb, kb]
     moved = 2 * Bn * T * H * N * 4 + Bn * T * H * S * 4  # q~, k~, phi written (f32)
     print(f"forward writes {moved / 2**20:.0f} MiB: {moved / 3.3e12 * 1e3:.3f} ms at 3.3 TB/s")
-    configs = [(bt, cb, w) for bt in (16, 32) for cb in (1, 4, 8, 16, 1 << 20) for w in (4, 8)]
+    configs = [
+        (bt, cb, w) for bt in (16, 32) for cb in (1, 4, 8, 16, terms.WHOLE_ROW) for w in (4, 8)
+    ]
     for BT, chunk_blocks, warps in configs:  # chunk_blocks 2^20: one chunk, the whole row
-        terms.BT, terms.CHUNK_BLOCKS = BT, chunk_blocks
+        terms.BT, terms.FWD_CHUNK_BLOCKS, terms.BWD_CHUNK_BLOCKS = BT, chunk_blocks, chunk_blocks
+        terms.BWD_CHUNK_BELOW = float("inf")  # the backward in these chunks too
 
         def fwd():
             with torch.no_grad():
                 terms.token_terms_kernel(q, k, delta, A, trap, theta, qb, kb, a0, None)
 
         try:
-            terms.NUM_WARPS = warps
+            terms.FWD_WARPS = terms.BWD_WARPS = warps
             ms_f = cuda_time_ms(fwd, warmup=2, iters=10)
             for t in leaves:
                 t.requires_grad_(True)

@@ -499,7 +499,8 @@ def test_token_terms_kernels_equal_the_reference(
     from mambakit.ops.mamba3.terms import token_terms_kernel
 
     monkeypatch.setattr(terms, "BT", block)
-    monkeypatch.setattr(terms, "CHUNK_BLOCKS", chunk_blocks)
+    monkeypatch.setattr(terms, "FWD_CHUNK_BLOCKS", chunk_blocks)
+    monkeypatch.setattr(terms, "BWD_CHUNK_BLOCKS", chunk_blocks)
     g = torch.Generator().manual_seed(T_)
 
     def r(*s):

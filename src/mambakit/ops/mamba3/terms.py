@@ -1,7 +1,7 @@
 """The Mamba-3 per-token terms as Triton kernels: reference.token_terms and its backward.
 
 B batch, T time, H heads, G groups (head h reads group h // (H / G)), N = d_state,
-S angles. Time is cut into chunks of CHUNK_BLOCKS blocks of BT steps; a program owns one
+S angles. Time is cut into chunks of a few blocks of BT steps; a program owns one
 (row, head, chunk), walks its chunk block by block carrying the angle, and writes what the
 scan kernels read:
 
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import launch, next_power_of_2
+from .._triton import launch, next_power_of_2, sm_count
 
 # fmt: off
 
@@ -292,15 +292,34 @@ def _terms_bwd_kernel(
 
 # fmt: on
 
-BT = 16  # time steps per block (device run 4: 16 halves the time of 32 at 8x2048)
-NUM_WARPS = 8  # (scripts/m3_terms_sweep.py times the choices)
-CHUNK_BLOCKS = 8  # blocks per chunk: the programs along time
+# Launch parameters, H200, 130m-mamba3 head shape (scripts/m3_terms_sweep.py, session 16):
+# forward in chunks of 8 blocks with 4 warps: 0.869 ms at 8 x 2048 and 0.254 at 1 x 4096
+# (one program walking the whole row: 1.109 and 1.318 with 8 warps). The backward's chunk
+# sums recompute dphi, which pays only when (row, head) programs are few: at 8 x 2048 (192)
+# the whole row with 8 warps takes 1.672 ms (chunks of 8: 1.858), at 1 x 4096 (24) chunks
+# of 4 with 8 warps 0.821 (the whole row: 1.817). Blocks of 32 steps were slower throughout.
+# These are the sweep's times per kernel pair; the layer was timed with chunks of 8 blocks
+# and 8 warps both ways (11.08 ms forward + backward at 8 x 2048).
+BT = 16  # time steps per block
+FWD_WARPS, FWD_CHUNK_BLOCKS = 4, 8
+BWD_WARPS, BWD_CHUNK_BLOCKS = 8, 4
+BWD_CHUNK_BELOW = 1.0  # (row, head) programs per SM below which the backward is chunked
+WHOLE_ROW = 1 << 20  # blocks per chunk that leave one chunk: the row in one program
 
 
-def _chunks(T: int) -> tuple[int, int]:
-    """(steps per chunk, chunks) for T steps."""
-    ch = BT * CHUNK_BLOCKS
+def _chunks(T: int, blocks: int) -> tuple[int, int]:
+    """(steps per chunk, chunks) for T steps in chunks of `blocks` blocks."""
+    ch = BT * blocks
     return ch, max(1, -(-T // ch))
+
+
+def _bwd_chunk_blocks(programs: int, device: torch.device) -> int:
+    """The backward's blocks per chunk for `programs` (row, head) programs: chunked below
+    BWD_CHUNK_BELOW programs per SM, and always under the interpreter (so tests run it)."""
+    if device.type != "cuda":
+        return BWD_CHUNK_BLOCKS
+    few = programs < BWD_CHUNK_BELOW * sm_count(device.index or 0)
+    return BWD_CHUNK_BLOCKS if few else WHOLE_ROW
 
 
 def _h2(N: int) -> int:
@@ -326,7 +345,7 @@ class _Terms(torch.autograd.Function):
         adt, gam, late = (torch.empty(Bsz, T, H, **f) for _ in range(3))
         phiT = torch.empty(Bsz, H, S, **f)
         seqt = seq if seq is not None else adt
-        ch, C = _chunks(T)
+        ch, C = _chunks(T, FWD_CHUNK_BLOCKS)
         sums = torch.empty(Bsz, H, C, S, **f)
         args = (q, k, q_bias, k_bias, delta, A, trap, theta, angle0, seqt, sums,
                 qr, kr, phi, adt, gam, late, phiT,
@@ -334,7 +353,7 @@ class _Terms(torch.autograd.Function):
                 q.stride(0), q.stride(1), q.stride(2), delta.stride(0), delta.stride(1),
                 trap.stride(0), trap.stride(1), theta.stride(0), theta.stride(1),
                 seqt.stride(0))  # fmt: skip
-        flags = dict(HAS_SEQ=seq is not None, BT=BT, BLOCK_H2=_h2(N), num_warps=NUM_WARPS)
+        flags = dict(HAS_SEQ=seq is not None, BT=BT, BLOCK_H2=_h2(N), num_warps=FWD_WARPS)
         if C > 1:  # what each chunk but the last adds to the angle
             launch(_terms_fwd_kernel, (Bsz, H, C - 1), *args, SUMS=True, **flags)
         launch(_terms_fwd_kernel, (Bsz, H, C), *args, SUMS=False, **flags)
@@ -360,7 +379,7 @@ class _Terms(torch.autograd.Function):
         dth = torch.empty(Bsz, T, H, S, **f)
         dangle0 = torch.empty(Bsz, H, S, **f)
         seqt = seq if seq is not None else delta
-        ch, C = _chunks(T)
+        ch, C = _chunks(T, _bwd_chunk_blocks(Bsz * H, q.device))
         sums = torch.empty(Bsz, H, C, S, **f)
         args = (q, k, q_bias, k_bias, delta, A, trap, theta, seqt, phi, sums,
                 dqr, dkr, dadt, dgam, dlate, dphiT if dphiT is not None else dangle0,
@@ -370,7 +389,7 @@ class _Terms(torch.autograd.Function):
                    trap.stride(0), trap.stride(1), theta.stride(0), theta.stride(1),
                    seqt.stride(0))  # fmt: skip
         flags = dict(HAS_SEQ=seq is not None, HAS_DPHIT=dphiT is not None, BT=BT,
-                     BLOCK_H2=_h2(N), num_warps=NUM_WARPS)  # fmt: skip
+                     BLOCK_H2=_h2(N), num_warps=BWD_WARPS)  # fmt: skip
         if C > 1:  # what reaches each chunk's first step from inside it, all but the first
             launch(_terms_bwd_kernel, (Bsz, H, C - 1), *args, 1, *strides, SUMS=True, **flags)
         launch(_terms_bwd_kernel, (Bsz, H, C), *args, 0, *strides, SUMS=False, **flags)
