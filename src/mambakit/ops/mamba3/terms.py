@@ -218,7 +218,7 @@ def _terms_bwd_kernel(
     if not SUMS:  # the carry into the chunk's end: the chunks after it, last first
         if HAS_DPHIT:
             acc = tl.load(p_dphiT + bh * S + i, mask=mr, other=0.0)
-        carry_doc = _doc_at(p_row_seq, T - 1, HAS_SEQ)
+        carry_doc = _doc_at(p_row_seq, tl.maximum(T - 1, 0), HAS_SEQ)
         for jj in range(0, C - 1 - c):
             j = C - 1 - jj
             if HAS_SEQ:  # the carry reaches chunk j's first step only within one document
@@ -227,7 +227,7 @@ def _terms_bwd_kernel(
                 carry_doc = first
             acc += tl.load(p_sum + (bh * C + j) * S + i, mask=mr, other=0.0)
     # the document the carry belongs to: the next chunk's first step's (the last step's)
-    carry_doc = _doc_at(p_row_seq, tl.minimum(c * CH + CH, T - 1), HAS_SEQ)
+    carry_doc = _doc_at(p_row_seq, tl.maximum(tl.minimum(c * CH + CH, T - 1), 0), HAS_SEQ)
     qbe, qbo = _bias(p_qb, h, N, i)
     kbe, kbo = _bias(p_kb, h, N, i)
     n_blocks = tl.cdiv(tl.minimum(CH, T - c * CH), BT)
