@@ -83,14 +83,15 @@ def _turn(p_v, p_out, src, dst, m_e, m_o, be, bo, cos, sin):
 
 
 @triton.jit
-def _unturn(p_v, p_dr, p_dv, src, dst, m_e, m_o, be, bo, cos, sin):
-    """The turned rows' gradient (dr, at dst) back through the rotation, stored to dv at dst;
-    returns the angle's gradient [BT, BLOCK_H2]."""
+def _unturn(p_v, p_dr, p_dv, src, dst, m_e, m_o, be, bo, cos, sin, STORE: tl.constexpr):
+    """The turned rows' gradient (dr, at dst) back through the rotation, stored to dv at dst
+    (STORE); returns the angle's gradient [BT, BLOCK_H2]."""
     ve, vo = _halves(p_v, src, m_e, m_o, be, bo)
     dre = tl.load(p_dr + dst, mask=m_e, other=0.0)
     dro = tl.load(p_dr + dst + 1, mask=m_o, other=0.0)
-    tl.store(p_dv + dst, dre * cos + dro * sin, mask=m_e)
-    tl.store(p_dv + dst + 1, dro * cos - dre * sin, mask=m_o)
+    if STORE:
+        tl.store(p_dv + dst, dre * cos + dro * sin, mask=m_e)
+        tl.store(p_dv + dst + 1, dro * cos - dre * sin, mask=m_o)
     return dro * (ve * cos - vo * sin) - dre * (ve * sin + vo * cos)
 
 
@@ -100,15 +101,6 @@ def _doc_at(p_seq, t, HAS_SEQ: tl.constexpr):
     if HAS_SEQ:
         return tl.load(p_seq + t)
     return 0
-
-
-@triton.jit
-def _dangle(p_v, p_dr, src, dst, m_e, m_o, be, bo, cos, sin):
-    """The angle's gradient [BT, BLOCK_H2] of _unturn, without v's."""
-    ve, vo = _halves(p_v, src, m_e, m_o, be, bo)
-    dre = tl.load(p_dr + dst, mask=m_e, other=0.0)
-    dro = tl.load(p_dr + dst + 1, mask=m_o, other=0.0)
-    return dro * (ve * cos - vo * sin) - dre * (ve * sin + vo * cos)
 
 
 @triton.jit
@@ -243,12 +235,8 @@ def _terms_bwd_kernel(
         dst = ((b * T + t[:, None]) * H + h) * N + 2 * i[None, :]
         m_e, m_o = mt[:, None] & me[None, :], mt[:, None] & mo[None, :]
         # q~ and k~'s gradients back through the rotation (stored unless SUMS), and the angle's
-        if SUMS:
-            dphi = _dangle(p_q, p_dqr, src, dst, m_e, m_o, qbe, qbo, cos, sin)
-            dphi += _dangle(p_k, p_dkr, src, dst, m_e, m_o, kbe, kbo, cos, sin)
-        else:
-            dphi = _unturn(p_q, p_dqr, p_dqh, src, dst, m_e, m_o, qbe, qbo, cos, sin)
-            dphi += _unturn(p_k, p_dkr, p_dkh, src, dst, m_e, m_o, kbe, kbo, cos, sin)
+        dphi = _unturn(p_q, p_dqr, p_dqh, src, dst, m_e, m_o, qbe, qbo, cos, sin, not SUMS)
+        dphi += _unturn(p_k, p_dkr, p_dkh, src, dst, m_e, m_o, kbe, kbo, cos, sin, not SUMS)
         dphi = tl.where(mti, dphi, 0.0)
         # d inc_r = the sum of dphi_t over t >= r in r's document
         same = mt
