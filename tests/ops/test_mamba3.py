@@ -430,7 +430,7 @@ def test_chunk_kernels_on_gpu_at_the_130m_head_shape(dtype):
     """On the GPU at the 130m-mamba3 head shape (P 64, N 128, 32 angles, one group),
     300 steps (10 backward chunks, a partial last one), documents and an initial state: the
     kernel scan's y, final state and every gradient against the float64 reference. x, z and
-    the cotangent in `dtype`; products in tf32 for bf16 inputs, tf32x3 for f32 ones."""
+    the cotangent in `dtype`; products with bf16 operands for bf16 inputs, tf32x3 for f32 ones."""
     from mambakit.ops.mamba3.chunk import mamba3_scan_kernel
 
     Bn, T_, Hn, Pn, Nn, Sn = 2, 300, 3, 64, 128, 32

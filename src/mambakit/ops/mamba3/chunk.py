@@ -11,8 +11,8 @@ last token's k~ and x, and per chunk computes, as reference.py's chunked form,
     S_end = exp(cs_last) carry_last S'_start + sum_s tail_s x_s k~_s^T
 
 with three matrix products ([L, N] x [N, L], [L, L] x [L, P], [P, L] x [L, N]) and
-the start-state product. Products run in tf32 for 16-bit inputs and tf32x3 (f32
-accuracy) for f32 ones; the state is f32.
+the start-state product. Products take bf16 operands for bf16 inputs, tf32 for f16
+ones and tf32x3 (f32 accuracy) for f32 ones, always accumulating in f32; the state is f32.
 """
 
 from __future__ import annotations
@@ -33,6 +33,17 @@ from .terms import token_terms_kernel
 def _last_row(x, rows, last):
     """Row `last` of a [L, K] tile as [K]."""
     return tl.sum(tl.where((rows == last)[:, None], x, 0.0), axis=0)
+
+
+@triton.jit
+def _mm(a, b, PREC: tl.constexpr, acc=None):
+    """a @ b with f32 accumulation: operands rounded to bf16 for PREC "bf16", else
+    `input_precision=PREC` (tf32, tf32x3, ieee)."""
+    if PREC == "bf16":
+        out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc=acc)
+    else:
+        out = tl.dot(a, b, acc=acc, input_precision=PREC)
+    return out
 
 
 @triton.jit
@@ -104,9 +115,9 @@ def _chunk_fwd_kernel(
             decay = tl.exp(tl.where(same, cs[:, None] - cs[None, :], float("-inf")))
             weight = tl.where(rows[:, None] == rows[None, :], gam[None, :], decay * w[None, :])
             weight = tl.where(same, weight, 0.0)
-            scores = tl.dot(qc, tl.trans(kc), input_precision=PREC) * weight  # [L(t), L(s)]
-            y = tl.dot(scores, xc, input_precision=PREC)  # [L, P]
-            into = tl.dot(qc, tl.trans(start), input_precision=PREC)  # [L, P]: q~_t S'_start
+            scores = _mm(qc, tl.trans(kc), PREC) * weight  # [L(t), L(s)]
+            y = _mm(scores, xc, PREC)  # [L, P]
+            into = _mm(qc, tl.trans(start), PREC)  # [L, P]: q~_t S'_start
             y += (tl.exp(cs) * carry)[:, None] * into
             if HAS_D:
                 y += Dh * xc
@@ -120,7 +131,7 @@ def _chunk_fwd_kernel(
         tail = tl.where(rows == last, gam, tl.exp(cs_last - cs) * w)
         tail = tl.where(keep_doc, tail, 0.0)
         keep = tl.exp(cs_last) * tl.sum(tl.where(rows == last, carry, 0.0), axis=0)
-        S = keep * start + tl.dot(tl.trans(xc * tail[:, None]), kc, input_precision=PREC)
+        S = keep * start + _mm(tl.trans(xc * tail[:, None]), kc, PREC)
         k_prev = _last_row(kc, rows, last)
         x_prev = _last_row(xc, rows, last)
     if COMPUTE_Y:
@@ -210,21 +221,21 @@ def _chunk_bwd_kernel(
         decay = tl.exp(tl.where(same, cs[:, None] - cs[None, :], float("-inf")))
         weight = tl.where(diag, gam[None, :], decay * w[None, :])
         weight = tl.where(same, weight, 0.0)
-        qk = tl.dot(qc, tl.trans(kc), input_precision=PREC)  # [L(t), L(s)]
+        qk = _mm(qc, tl.trans(kc), PREC)  # [L(t), L(s)]
         e_cs = tl.exp(cs) * carry
         tail_decay = tl.where(keep_doc & (rows != last), tl.exp(cs_last - cs), 0.0)
         tail = tl.where(rows == last, gam, tail_decay * w)
         tail = tl.where(keep_doc, tail, 0.0)
         keep = tl.exp(cs_last) * tl.sum(tl.where(rows == last, carry, 0.0), axis=0)
         # y = (qk * weight) x + e_cs q~ S'^T ;  S_end = keep S' + x^T diag(tail) k~
-        d_scores = tl.dot(dy, tl.trans(xc), input_precision=PREC)  # [L(t), L(s)]
+        d_scores = _mm(dy, tl.trans(xc), PREC)  # [L(t), L(s)]
         d_qk = d_scores * weight
-        k_ds = tl.dot(kc, tl.trans(dS), input_precision=PREC)  # [L, P]: dS k~_s
-        dx = tl.dot(tl.trans(qk * weight), dy, input_precision=PREC) + tail[:, None] * k_ds
-        dy_s = tl.dot(dy, start, input_precision=PREC)  # [L, N]: dy_t S'
-        dq = tl.dot(d_qk, kc, input_precision=PREC) + e_cs[:, None] * dy_s
-        dk = tl.dot(tl.trans(d_qk), qc, input_precision=PREC)
-        dk += tail[:, None] * tl.dot(xc, dS, input_precision=PREC)
+        k_ds = _mm(kc, tl.trans(dS), PREC)  # [L, P]: dS k~_s
+        dx = _mm(tl.trans(qk * weight), dy, PREC) + tail[:, None] * k_ds
+        dy_s = _mm(dy, start, PREC)  # [L, N]: dy_t S'
+        dq = _mm(d_qk, kc, PREC) + e_cs[:, None] * dy_s
+        dk = _mm(tl.trans(d_qk), qc, PREC)
+        dk += tail[:, None] * _mm(xc, dS, PREC)
         d_weight = d_scores * qk
         g = d_weight * weight  # d/d(cs_t - cs_s), zero off the mask and net zero on the diagonal
         d_tail = tl.sum(xc * k_ds, axis=1)
@@ -238,7 +249,7 @@ def _chunk_bwd_kernel(
         dgam = tl.sum(tl.where(diag & same, d_weight, 0.0), axis=0) + dw
         dgam += tl.where((rows == last) & keep_doc, d_tail, 0.0)
         dlate = tl.sum(tl.where(below, dw[None, :], 0.0), axis=1)  # token r's late term: w_{r-1}
-        d_start = tl.dot(tl.trans(dy * e_cs[:, None]), qc, acc=keep * dS, input_precision=PREC)
+        d_start = _mm(tl.trans(dy * e_cs[:, None]), qc, PREC, keep * dS)
         dlate += tl.where(rows == 0, tl.sum(tl.sum(d_start * x_prev[:, None] * k_prev[None, :],
                                                    axis=1), axis=0), 0.0)
         # what the next chunk's start owed this chunk's last token
@@ -263,25 +274,43 @@ def _chunk_bwd_kernel(
 # fmt: on
 
 
-# 16 steps a chunk: [P, N] state, start state, q~, k~ and the [L, L] scores stay in registers
-# (sm_90, headdim 64 x d_state 128, 8 warps: no spills in tf32; Triton 3.6's ptxas report)
+# 16 steps a chunk in the forward: [P, N] state, start state, q~, k~ and the [L, L] scores
+# held in registers (sm_90, headdim 64 x d_state 128: with 4 warps and bf16 products, 376
+# bytes of spills a thread, which the sweep below still finds the faster; chunks of 32
+# with 8 warps: 1.70 ms, 208 bytes)
 CHUNK_L = 16
 
 
+# The products' precision for 16-bit inputs: "bf16" (operands rounded to bf16 as upstream's
+# kernels round theirs, f32 accumulation) or "tf32". H200, 130m-mamba3 heads, 8 x 2048
+# (scripts/m3_chunk_sweep.py, session 17): forward 2.19 ms in bf16 against 2.50 in tf32
+# (8 warps), forward + backward 7.62 against 8.53; against float64 every output and gradient
+# of tests/ops/test_mamba3.py's GPU case within 6e-3 relative (tf32: 2.7e-3).
+PREC_16BIT = "bf16"
+
+
 def _precision(x: torch.Tensor) -> str:
-    """tf32 products for 16-bit inputs (finer than the inputs), tf32x3 (f32 accuracy) for
-    f32 ones; the interpreter computes in f32."""
+    """PREC_16BIT for bf16 inputs, tf32 for f16 ones (bf16 would drop 3 of their bits),
+    tf32x3 (f32 accuracy) for f32 ones; the interpreter computes in f32."""
     if not x.is_cuda:
         return "ieee"
-    return "tf32x3" if x.dtype == torch.float32 else "tf32"
+    return {torch.float32: "tf32x3", torch.bfloat16: PREC_16BIT}.get(x.dtype, "tf32")
 
 
 def _block(v: int) -> int:
     return max(16, next_power_of_2(v))
 
 
-def _warps(P: int, N: int) -> int:
-    return 8 if P * N >= 8192 else 4
+# Warps for a state of 8192 values or more (4 below): the forward computing y (chunks of
+# CHUNK_L) and the backward's pass storing the chunk start states (chunks of CHUNK_BWD).
+# H200, 8 x 2048, bf16 products: the forward 1.49 ms with 4 warps against 2.19 with 8; the
+# states pass spills 408 bytes a thread with 4 warps and 8 with 8 (ptxas, sm_90a).
+FWD_WARPS = 4
+STATES_WARPS = 8
+
+
+def _warps(P: int, N: int, states: bool) -> int:
+    return (STATES_WARPS if states else FWD_WARPS) if P * N >= 8192 else 4
 
 
 def _launch_fwd(x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L, states=None):
@@ -303,7 +332,8 @@ def _launch_fwd(x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L, st
         ys.stride(0), ys.stride(1), ys.stride(2),
         HAS_SEQ=seq_idx is not None, HAS_Z=z is not None, HAS_D=D is not None,
         L=L, BLOCK_P=_block(P), BLOCK_N=_block(N), PREC=_precision(x),
-        COMPUTE_Y=y is not None, STORE_STATES=states is not None, num_warps=_warps(P, N),
+        COMPUTE_Y=y is not None, STORE_STATES=states is not None,
+        num_warps=_warps(P, N, states is not None),
     )  # fmt: skip
     return sT, kT, xT
 

@@ -1,0 +1,162 @@
+"""Time the Mamba-3 chunk kernels (ops/mamba3/chunk.py) at the 130m-mamba3 head shape for
+chunk lengths, warp counts and the products' precision for bf16 inputs (tf32 or bf16
+operands), forward and forward + backward, each candidate's outputs against the library's
+defaults; then the per-kernel profile of the layer's forward + backward, mambakit's and
+upstream's (when mamba_ssm is importable).
+
+    PYTHONPATH=src python scripts/m3_chunk_sweep.py [--shape 8x2048] [--profile-out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from common import cuda_time_ms  # noqa: E402
+
+from mambakit.ops.mamba3 import chunk  # noqa: E402
+
+FWD = [(16, 8, "tf32"), (16, 8, "bf16"), (16, 4, "bf16"), (32, 8, "bf16")]
+BWD = [(32, 8, "tf32"), (32, 8, "bf16"), (16, 8, "tf32"), (16, 8, "bf16"), (16, 4, "bf16"),
+       (64, 8, "bf16")]  # fmt: skip
+
+
+DEV = "cuda"  # --dry: "cpu" (TRITON_INTERPRET=1, small heads, untimed), to test the script
+
+
+def timed(fn) -> float:
+    if DEV != "cuda":
+        fn()
+        return 0.0
+    return cuda_time_ms(fn, warmup=2, iters=10)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def inputs(Bn: int, T: int):
+    H, G, P, N, S = (24, 1, 64, 128, 32) if DEV == "cuda" else (2, 1, 16, 16, 4)
+    dev, bf = DEV, torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def r(*s, scale=1.0, dtype=torch.float32):
+        return (torch.randn(*s, device=dev, generator=g) * scale).to(dtype)
+
+    return dict(
+        x=r(Bn, T, H, P, dtype=bf), q=r(Bn, T, G, N, scale=0.1, dtype=bf),
+        k=r(Bn, T, G, N, scale=0.1, dtype=bf),
+        delta=torch.rand(Bn, T, H, device=dev, generator=g) * 0.1 + 0.001,
+        A=-(torch.rand(Bn, T, H, device=dev, generator=g) * 2 + 0.1),
+        trap=r(Bn, T, H, dtype=bf), theta=r(Bn, T, S, dtype=bf),
+        q_bias=r(H, N, scale=0.3) + 1, k_bias=r(H, N, scale=0.3) + 1,
+    )  # fmt: skip
+
+
+def run_fwd(inp, y_ref=None) -> dict:
+    def fwd():
+        with torch.no_grad():
+            return chunk.mamba3_scan_fwd(**inp)
+
+    y, _ = fwd()
+    ms = timed(fwd)
+    return {"ms": ms, "err": rel(y, y_ref) if y_ref is not None else 0.0}, y
+
+
+def run_bwd(inp, cot, ref=None) -> dict:
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in inp.items()}
+
+    def fwd_bwd():
+        y, _ = chunk.mamba3_scan_kernel(**leaves)
+        return torch.autograd.grad(y, [leaves["x"], leaves["q"], leaves["delta"]], cot)
+
+    grads = fwd_bwd()
+    ms = timed(fwd_bwd)
+    errs = [rel(a, b) for a, b in zip(grads, ref)] if ref is not None else [0.0] * 3
+    return {"ms": ms, "err_dx_dq_ddelta": [f"{e:.1e}" for e in errs]}, grads
+
+
+def profile(fn, label: str, path: str | None) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25,
+                                      max_name_column_width=60)  # fmt: skip
+    text = f"== {label}\n{table}\n"
+    print(text, flush=True)
+    if path:
+        with open(path, "a") as f:
+            f.write(text)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="8x2048")
+    p.add_argument("--profile-out", default=None)
+    p.add_argument("--dry", action="store_true", help="CPU interpreter, small heads, no timing")
+    args = p.parse_args()
+    global DEV
+    if args.dry:
+        DEV = "cpu"
+    Bn, T = (int(v) for v in args.shape.split("x"))
+    inp = inputs(Bn, T)
+    defaults = (chunk.CHUNK_L, chunk.FWD_WARPS, chunk.PREC_16BIT, chunk.CHUNK_BWD,
+                chunk.BWD_WARPS)  # fmt: skip
+    y_ref = None
+    for L, warps, prec in FWD:
+        chunk.CHUNK_L, chunk.FWD_WARPS, chunk.PREC_16BIT = L, warps, prec
+        try:
+            rec, y = run_fwd(inp, y_ref)
+            y_ref = y if y_ref is None else y_ref
+        except Exception as e:  # out of registers / shared memory
+            rec = {"failed": f"{type(e).__name__}: {str(e)[:100]}"}
+        print({"shape": args.shape, "fwd_chunk": L, "warps": warps, "prec": prec, **rec},
+              flush=True)  # fmt: skip
+    chunk.CHUNK_L, chunk.FWD_WARPS, chunk.PREC_16BIT = defaults[:3]
+    cot = torch.randn_like(inp["x"])
+    ref = None
+    for L, warps, prec in BWD:
+        chunk.CHUNK_BWD, chunk.BWD_WARPS, chunk.PREC_16BIT = L, warps, prec
+        try:
+            rec, grads = run_bwd(inp, cot, ref)
+            ref = grads if ref is None else ref
+        except Exception as e:
+            rec = {"failed": f"{type(e).__name__}: {str(e)[:100]}"}
+        print({"shape": args.shape, "bwd_chunk": L, "warps": warps, "prec": prec, **rec},
+              flush=True)  # fmt: skip
+    chunk.CHUNK_BWD, chunk.BWD_WARPS, chunk.PREC_16BIT = defaults[3], defaults[4], defaults[2]
+
+    if args.dry:
+        return 0
+    from mambakit.layers.mamba3 import Mamba3
+
+    torch.manual_seed(0)
+    layer = Mamba3(768, d_state=128, headdim=64, device="cuda", dtype=torch.bfloat16)
+    u = torch.randn(Bn, T, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    profile(lambda: layer(u).sum().backward(), f"mambakit Mamba3 layer fwd+bwd {args.shape}",
+            args.profile_out)  # fmt: skip
+    try:
+        from bench_mamba3 import prune_upstream_autotune
+        from mamba_ssm.modules.mamba3 import Mamba3 as Up
+    except ImportError:
+        return 0
+    prune_upstream_autotune()  # minutes of autotuning otherwise: one configuration a kernel
+    up = Up(768, d_state=128, expand=2, headdim=64, ngroups=1, rope_fraction=0.5, A_floor=1e-4,
+            is_outproj_norm=False, is_mimo=False, chunk_size=64, layer_idx=0, device="cuda",
+            dtype=torch.bfloat16)  # fmt: skip
+    profile(lambda: up(u).sum().backward(), f"upstream Mamba3 layer fwd+bwd {args.shape}",
+            args.profile_out)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
