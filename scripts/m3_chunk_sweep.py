@@ -20,9 +20,25 @@ from common import cuda_time_ms  # noqa: E402
 
 from mambakit.ops.mamba3 import chunk  # noqa: E402
 
-FWD = [(16, 8, "tf32"), (16, 8, "bf16"), (16, 4, "bf16"), (32, 8, "bf16")]
-BWD = [(32, 8, "tf32"), (32, 8, "bf16"), (16, 8, "tf32"), (16, 8, "bf16"), (16, 4, "bf16"),
-       (64, 8, "bf16")]  # fmt: skip
+# (chunk, warps, products for bf16 inputs, P values a program); the first is the reference
+FWD = [
+    (16, 4, "bf16", 64),
+    (16, 4, "bf16", 32),
+    (16, 2, "bf16", 32),
+    (16, 2, "bf16", 16),
+    (16, 4, "bf16", 16),
+    (32, 4, "bf16", 32),
+]
+# (chunk, warps, products, N states a program); the first is the reference
+BWD = [
+    (32, 8, "bf16", 128),
+    (32, 8, "bf16", 64),
+    (16, 8, "bf16", 64),
+    (16, 4, "bf16", 64),
+    (16, 4, "bf16", 32),
+    (32, 8, "bf16", 32),
+]
+# fmt: skip
 
 
 DEV = "cuda"  # --dry: "cpu" (TRITON_INTERPRET=1, small heads, untimed), to test the script
@@ -57,10 +73,10 @@ def inputs(Bn: int, T: int):
     )  # fmt: skip
 
 
-def run_fwd(inp, y_ref=None) -> dict:
+def run_fwd(inp, y_ref=None, gate=None) -> dict:
     def fwd():
         with torch.no_grad():
-            return chunk.mamba3_scan_fwd(**inp)
+            return chunk.mamba3_scan_fwd(**inp, **(gate or {}))
 
     y, _ = fwd()
     ms = timed(fwd)
@@ -109,31 +125,37 @@ def main() -> int:
         DEV = "cpu"
     Bn, T = (int(v) for v in args.shape.split("x"))
     inp = inputs(Bn, T)
-    defaults = (chunk.CHUNK_L, chunk.FWD_WARPS, chunk.PREC_16BIT, chunk.CHUNK_BWD,
-                chunk.BWD_WARPS)  # fmt: skip
-    y_ref = None
-    for L, warps, prec in FWD:
-        chunk.CHUNK_L, chunk.FWD_WARPS, chunk.PREC_16BIT = L, warps, prec
-        try:
-            rec, y = run_fwd(inp, y_ref)
-            y_ref = y if y_ref is None else y_ref
-        except Exception as e:  # out of registers / shared memory
-            rec = {"failed": f"{type(e).__name__}: {str(e)[:100]}"}
-        print({"shape": args.shape, "fwd_chunk": L, "warps": warps, "prec": prec, **rec},
-              flush=True)  # fmt: skip
-    chunk.CHUNK_L, chunk.FWD_WARPS, chunk.PREC_16BIT = defaults[:3]
+    defaults = (chunk.CHUNK_L, chunk.FWD_WARPS, chunk.PREC_16BIT, chunk.FWD_BLOCK_P,
+                chunk.CHUNK_BWD, chunk.BWD_WARPS, chunk.BWD_BLOCK_N)  # fmt: skip
+    H, P = inp["x"].shape[2:]
+    gate = {"D": torch.randn(H, device=DEV), "z": torch.randn_like(inp["x"])}
+    for with_gate in (False, True):  # the second: the layer's no-grad path (D, gate inside)
+        y_ref = None
+        for L, warps, prec, block_p in FWD:
+            chunk.CHUNK_L, chunk.FWD_WARPS, chunk.PREC_16BIT = L, warps, prec
+            chunk.FWD_BLOCK_P = block_p
+            try:
+                rec, y = run_fwd(inp, y_ref, gate if with_gate else None)
+                y_ref = y if y_ref is None else y_ref
+            except Exception as e:  # out of registers / shared memory
+                rec = {"failed": f"{type(e).__name__}: {str(e)[:100]}"}
+            print({"shape": args.shape, "gate": with_gate, "fwd_chunk": L, "warps": warps,
+                   "prec": prec, "block_p": block_p, **rec}, flush=True)  # fmt: skip
+    chunk.CHUNK_L, chunk.FWD_WARPS, chunk.PREC_16BIT, chunk.FWD_BLOCK_P = defaults[:4]
     cot = torch.randn_like(inp["x"])
     ref = None
-    for L, warps, prec in BWD:
+    for L, warps, prec, block_n in BWD:
         chunk.CHUNK_BWD, chunk.BWD_WARPS, chunk.PREC_16BIT = L, warps, prec
+        chunk.BWD_BLOCK_N = block_n
         try:
             rec, grads = run_bwd(inp, cot, ref)
             ref = grads if ref is None else ref
         except Exception as e:
             rec = {"failed": f"{type(e).__name__}: {str(e)[:100]}"}
-        print({"shape": args.shape, "bwd_chunk": L, "warps": warps, "prec": prec, **rec},
-              flush=True)  # fmt: skip
-    chunk.CHUNK_BWD, chunk.BWD_WARPS, chunk.PREC_16BIT = defaults[3], defaults[4], defaults[2]
+        print({"shape": args.shape, "bwd_chunk": L, "warps": warps, "prec": prec,
+               "block_n": block_n, **rec}, flush=True)  # fmt: skip
+    chunk.CHUNK_BWD, chunk.BWD_WARPS, chunk.BWD_BLOCK_N = defaults[4:]
+    chunk.PREC_16BIT = defaults[2]
 
     if args.dry:
         return 0

@@ -265,9 +265,9 @@ def test_layer_step_kernel_equals_reference_over_tokens():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _kernel_case(T_, G_, seq, state_in, gate, seed=5):
+def _kernel_case(T_, G_, seq, state_in, gate, seed=5, Pn=16, Nn=16):
     """Inputs of the kernel tests (f32, CPU): (scan inputs, initial state or None, seq_idx)."""
-    Bn, Hn, Pn, Nn, Sn = 2, 4, 16, 16, 4
+    Bn, Hn, Sn = 2, 4, 4
     g = torch.Generator().manual_seed(seed)
 
     def r(*s, scale=1.0):
@@ -343,9 +343,44 @@ def test_chunk_kernels_gradients_equal_float64_scan(T_, G_, seq, state_in, gate)
     reverse, the per-token terms through autograd) against the float64 reference: y, the
     final state, and the gradient of every input and of every initial state field, for a
     random cotangent on y and on the final S, k~ and x."""
+    _check_kernel_gradients(*_kernel_case(T_, G_, seq, state_in, gate, seed=T_))
+
+
+@pytest.mark.parametrize(
+    "seq, state_in", [(True, True), (False, False)], ids=["documents", "plain"]
+)
+def test_chunk_kernels_in_blocks_of_p_and_n(monkeypatch, seq, state_in):
+    """The forward programs own blocks of 16 of the head's P values and the backward's
+    blocks of 16 of its N states (P 40, N 32: a partial block of P), the backward's block
+    sums added after: values and every gradient as the float64 reference, without
+    autograd (D and the gate inside the kernel) and with it."""
+    from mambakit.ops.mamba3 import chunk
+
+    for name in ("FWD_BLOCK_P", "STATES_BLOCK_P", "BWD_BLOCK_N"):
+        monkeypatch.setattr(chunk, name, 16)
+    inp, state, seq_idx = _kernel_case(45, 2, seq, state_in, True, seed=7, Pn=40, Nn=32)
+    y64, f64 = mamba3_scan_reference(
+        **{k: v.double() for k, v in inp.items()},
+        initial_state=Mamba3State(*(t.double() for t in state)) if state else None,
+        seq_idx=seq_idx,
+        chunk=6,
+    )
+    y, final = chunk.mamba3_scan_fwd(
+        **{k: v.to(DEVICE) for k, v in inp.items()},
+        initial_state=Mamba3State(*(t.to(DEVICE) for t in state)) if state else None,
+        seq_idx=seq_idx.to(DEVICE) if seq_idx is not None else None,
+    )
+    torch.testing.assert_close(y.cpu().double(), y64, rtol=1e-5, atol=1e-5)
+    for name in ("ssm", "k", "x"):
+        got, want = getattr(final, name).cpu().double(), getattr(f64, name)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+    _check_kernel_gradients(inp, state, seq_idx)
+
+
+def _check_kernel_gradients(inp, state, seq_idx):
+    """mamba3_scan_kernel's y, final state and every gradient against the float64 scan."""
     from mambakit.ops.mamba3.chunk import mamba3_scan_kernel
 
-    inp, state, seq_idx = _kernel_case(T_, G_, seq, state_in, gate, seed=T_)
     g = torch.Generator().manual_seed(9)
     names = [k for k, v in inp.items() if v is not None]
 

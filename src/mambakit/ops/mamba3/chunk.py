@@ -58,11 +58,13 @@ def _chunk_fwd_kernel(
     COMPUTE_Y: tl.constexpr, STORE_STATES: tl.constexpr,
 ):
     """COMPUTE_Y: y and the final state; STORE_STATES: each chunk's start state S'_start
-    to st [B, H, chunks, P, N] (the backward's recomputation)."""
+    to st [B, H, chunks, P, N] (the backward's recomputation). A program owns BLOCK_P of the
+    head's P values (rows of S: they advance independently); the last token's k~ is the
+    head's, written by the first block."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     rows = tl.arange(0, L)
-    p = tl.arange(0, BLOCK_P)
+    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
     mp, mn = p < P, n < N
     mpn = mp[:, None] & mn[None, :]
@@ -136,7 +138,8 @@ def _chunk_fwd_kernel(
         x_prev = _last_row(xc, rows, last)
     if COMPUTE_Y:
         tl.store(p_sT + bh * P * N + p[:, None] * N + n[None, :], S, mask=mpn)
-        tl.store(p_kT + bh * N + n, k_prev, mask=mn)
+        if tl.program_id(2) == 0:
+            tl.store(p_kT + bh * N + n, k_prev, mask=mn)
         tl.store(p_xT + bh * P + p, x_prev, mask=mp)
 
 
@@ -147,21 +150,34 @@ def _chunk_bwd_kernel(
     p_dx, p_dq, p_dk, p_dadt, p_dgam, p_dlate, p_ds0, p_dk0, p_dx0,
     T, H, P, N,
     s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b, s_dy_b, s_dy_t, s_dy_h,
-    s_dx_b, s_dx_t, s_dx_h,
+    s_dx_b, s_dx_t, s_dx_h, s_part_x, s_part_w, s_part_x0,
     HAS_SEQ: tl.constexpr, HAS_DST: tl.constexpr,
-    L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NF: tl.constexpr,
+    PREC: tl.constexpr,
 ):
-    """One (row, head), the chunks in reverse, carrying dS [P, N] (the gradient of the state
-    after the chunk) and what the next chunk's start term owes this chunk's last x and k~.
-    The chunk's start state S'_start comes from st (the forward kernel's STORE_STATES pass).
-    Gradients of the core (no D, no gate): x, q~, k~ (as x's layout / [B, T, H, N], f32),
-    A delta, gamma, late [B, T, H] f32, and the initial state's S, k~, x."""
+    """One (row, head) and BLOCK_N of its N states, the chunks in reverse, carrying dS
+    [P, BLOCK_N] (the gradient of the state after the chunk) and what the next chunk's
+    start term owes this chunk's last x and k~. The chunk's start state S'_start comes from
+    st (the forward kernel's STORE_STATES pass). Gradients of the core (no D, no gate): x,
+    q~, k~ (as x's layout / [B, T, H, N], f32), A delta, gamma, late [B, T, H] f32, and the
+    initial state's S, k~, x. The states' columns are independent but for q~ . k~ (read
+    whole, BLOCK_NF) and the sums over N: what a block adds to x, A delta, gamma, late and
+    the initial x goes to its own slice of those outputs (s_part_*: the stride between
+    blocks' slices), summed after; q~, k~ and the initial S and k~ are the block's alone.
+    Terms that do not depend on the block are added by the first."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    nb = tl.program_id(2)
+    first = nb == 0
     rows = tl.arange(0, L)
     p = tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     mp, mn = p < P, n < N
+    p_dx += nb * s_part_x
+    p_dadt += nb * s_part_w
+    p_dgam += nb * s_part_w
+    p_dlate += nb * s_part_w
+    p_dx0 += nb * s_part_x0
     mpn = mp[:, None] & mn[None, :]
     bh = b * H + h
     causal = rows[:, None] >= rows[None, :]
@@ -221,7 +237,14 @@ def _chunk_bwd_kernel(
         decay = tl.exp(tl.where(same, cs[:, None] - cs[None, :], float("-inf")))
         weight = tl.where(diag, gam[None, :], decay * w[None, :])
         weight = tl.where(same, weight, 0.0)
-        qk = _mm(qc, tl.trans(kc), PREC)  # [L(t), L(s)]
+        if BLOCK_N < BLOCK_NF:  # q~ . k~ over all N states
+            nf = tl.arange(0, BLOCK_NF)
+            qf_off = b * s_q_b + t[:, None] * s_q_t + h * s_q_h + nf[None, :]
+            mqf = mt[:, None] & (nf < N)[None, :]
+            qk = _mm(tl.load(p_q + qf_off, mask=mqf, other=0.0),
+                     tl.trans(tl.load(p_k + qf_off, mask=mqf, other=0.0)), PREC)
+        else:
+            qk = _mm(qc, tl.trans(kc), PREC)  # [L(t), L(s)]
         e_cs = tl.exp(cs) * carry
         tail_decay = tl.where(keep_doc & (rows != last), tl.exp(cs_last - cs), 0.0)
         tail = tl.where(rows == last, gam, tail_decay * w)
@@ -231,7 +254,7 @@ def _chunk_bwd_kernel(
         d_scores = _mm(dy, tl.trans(xc), PREC)  # [L(t), L(s)]
         d_qk = d_scores * weight
         k_ds = _mm(kc, tl.trans(dS), PREC)  # [L, P]: dS k~_s
-        dx = _mm(tl.trans(qk * weight), dy, PREC) + tail[:, None] * k_ds
+        dx = tl.where(first, _mm(tl.trans(qk * weight), dy, PREC), 0.0) + tail[:, None] * k_ds
         dy_s = _mm(dy, start, PREC)  # [L, N]: dy_t S'
         dq = _mm(d_qk, kc, PREC) + e_cs[:, None] * dy_s
         dk = _mm(tl.trans(d_qk), qc, PREC)
@@ -241,12 +264,14 @@ def _chunk_bwd_kernel(
         d_tail = tl.sum(xc * k_ds, axis=1)
         g_tail = d_tail * tail  # d/d(cs_last - cs_s)
         # the start term e_cs_t (q~_t S'^T) . dy_t = e_cs_t q~_t . (dy_t S')
-        dcs = tl.sum(g, axis=1) - tl.sum(g, axis=0) + e_cs * tl.sum(qc * dy_s, axis=1) - g_tail
+        dcs = tl.where(first, tl.sum(g, axis=1) - tl.sum(g, axis=0), 0.0)
+        dcs += e_cs * tl.sum(qc * dy_s, axis=1) - g_tail
         dcs += tl.where(rows == last, keep * tl.sum(tl.sum(dS * start, axis=1), axis=0)
                         + tl.sum(g_tail, axis=0), 0.0)
         strict = same & (rows[:, None] > rows[None, :])
-        dw = tl.sum(tl.where(strict, d_weight * decay, 0.0), axis=0) + d_tail * tail_decay
-        dgam = tl.sum(tl.where(diag & same, d_weight, 0.0), axis=0) + dw
+        dw = tl.sum(tl.where(strict & first, d_weight * decay, 0.0), axis=0)
+        dw += d_tail * tail_decay
+        dgam = tl.sum(tl.where(diag & same & first, d_weight, 0.0), axis=0) + dw
         dgam += tl.where((rows == last) & keep_doc, d_tail, 0.0)
         dlate = tl.sum(tl.where(below, dw[None, :], 0.0), axis=1)  # token r's late term: w_{r-1}
         d_start = _mm(tl.trans(dy * e_cs[:, None]), qc, PREC, keep * dS)
@@ -307,10 +332,16 @@ def _block(v: int) -> int:
 # states pass spills 408 bytes a thread with 4 warps and 8 with 8 (ptxas, sm_90a).
 FWD_WARPS = 4
 STATES_WARPS = 8
+# The head's P values per forward program (each block of P carries its rows of S alone):
+# more programs than the (row, head) pairs, each with a smaller state
+FWD_BLOCK_P = 64
+STATES_BLOCK_P = 64
 
 
-def _warps(P: int, N: int, states: bool) -> int:
-    return (STATES_WARPS if states else FWD_WARPS) if P * N >= 8192 else 4
+def _warps(block_p: int, N: int, states: bool) -> int:
+    """Warps for a program holding a [block_p, N] state (at most 4 below 8192 values)."""
+    w = STATES_WARPS if states else FWD_WARPS
+    return w if block_p * N >= 8192 else min(w, 4)
 
 
 def _launch_fwd(x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L, states=None):
@@ -321,7 +352,8 @@ def _launch_fwd(x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L, st
     sT, kT, xT = torch.empty_like(s0), torch.empty_like(k0), torch.empty_like(x0)
     seq = seq_idx if seq_idx is not None else adt
     ys = y if y is not None else x
-    launch(_chunk_fwd_kernel, (Bsz, H),
+    block_p = min(_block(P), FWD_BLOCK_P if y is not None else STATES_BLOCK_P)
+    launch(_chunk_fwd_kernel, (Bsz, H, cdiv(P, block_p)),
         x, qr, kr, adt, gamma, late, seq, z if z is not None else x,
         D.float() if D is not None else adt, s0, k0, x0, ys, sT, kT, xT,
         states if states is not None else s0,
@@ -331,9 +363,9 @@ def _launch_fwd(x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L, st
         *(z.stride()[:3] if z is not None else (0, 0, 0)),
         ys.stride(0), ys.stride(1), ys.stride(2),
         HAS_SEQ=seq_idx is not None, HAS_Z=z is not None, HAS_D=D is not None,
-        L=L, BLOCK_P=_block(P), BLOCK_N=_block(N), PREC=_precision(x),
+        L=L, BLOCK_P=block_p, BLOCK_N=_block(N), PREC=_precision(x),
         COMPUTE_Y=y is not None, STORE_STATES=states is not None,
-        num_warps=_warps(P, N, states is not None),
+        num_warps=_warps(block_p, N, states is not None),
     )  # fmt: skip
     return sT, kT, xT
 
@@ -389,9 +421,12 @@ def mamba3_scan_fwd(
 
 
 # The backward's chunk and warps: its loop carries dS [P, N] and reads S'_start [P, N] per
-# chunk (benchmarks/bench_mamba3.py --sweep-bwd times the choices)
+# chunk (benchmarks/bench_mamba3.py --sweep-bwd times the choices); BWD_BLOCK_N of the N
+# states per program (below N: more programs, each with a smaller state, and the block
+# sums of dx and the per-token weights' gradients added after)
 CHUNK_BWD = 32
 BWD_WARPS = 8
+BWD_BLOCK_N = 128
 
 
 class _Core(torch.autograd.Function):
@@ -419,24 +454,34 @@ class _Core(torch.autograd.Function):
         _launch_fwd(x, qr, kr, adt, gamma, late, seq, None, None, s0, k0, x0, None, L, states)
         dy = dy if dy is not None else torch.zeros_like(x, dtype=torch.float32)
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()
-        dx = torch.empty(Bsz, T, H, P, device=x.device, dtype=torch.float32)
+        block_n = min(_block(N), BWD_BLOCK_N)
+        nb = cdiv(N, block_n)
+        f32 = dict(device=x.device, dtype=torch.float32)
+        # what each block of N adds (summed below); adt's layout for the per-token terms
+        dx = torch.empty(nb, Bsz, T, H, P, **f32)
+        dadt, dgam, dlate = (torch.empty(nb, *adt.shape, **f32) for _ in range(3))
+        dx0 = torch.empty(nb, *x0.shape, **f32)
         dq, dk = torch.empty_like(qr), torch.empty_like(kr)
-        dadt, dgam, dlate = torch.empty_like(adt), torch.empty_like(gamma), torch.empty_like(late)
-        ds0, dk0, dx0 = torch.empty_like(s0), torch.empty_like(k0), torch.empty_like(x0)
+        ds0, dk0 = torch.empty_like(s0), torch.empty_like(k0)
         dsT = dsT.contiguous() if dsT is not None else None
         seqt = seq if seq is not None else adt
-        launch(_chunk_bwd_kernel, (Bsz, H),
+        launch(_chunk_bwd_kernel, (Bsz, H, nb),
             x, qr, kr, adt, gamma, late, seqt, states, k0, x0,
             dy, dsT if dsT is not None else s0,
             dx, dq, dk, dadt, dgam, dlate, ds0, dk0, dx0,
             T, H, P, N,
             x.stride(0), x.stride(1), x.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
             adt.stride(0), adt.stride(1), seqt.stride(0), dy.stride(0), dy.stride(1),
-            dy.stride(2), dx.stride(0), dx.stride(1), dx.stride(2),
+            dy.stride(2), dx.stride(1), dx.stride(2), dx.stride(3), dx.stride(0),
+            dadt.stride(0), dx0.stride(0),
             HAS_SEQ=seq is not None, HAS_DST=dsT is not None,
-            L=L, BLOCK_P=_block(P), BLOCK_N=_block(N), PREC=_precision(x),
-            num_warps=BWD_WARPS if P * N >= 8192 else 4,
+            L=L, BLOCK_P=_block(P), BLOCK_N=block_n, BLOCK_NF=_block(N), PREC=_precision(x),
+            num_warps=BWD_WARPS if P * block_n >= 8192 else 4,
         )  # fmt: skip
+        if nb > 1:  # fixed order: bit-identical reruns
+            dx, dadt, dgam, dlate, dx0 = (t.sum(0) for t in (dx, dadt, dgam, dlate, dx0))
+        else:
+            dx, dadt, dgam, dlate, dx0 = dx[0], dadt[0], dgam[0], dlate[0], dx0[0]
         return dx.to(x.dtype), dq, dk, dadt, dgam, dlate, None, ds0, dk0, dx0
 
 
