@@ -339,7 +339,7 @@ def test_chunk_kernel_equals_float64_scan(nan_empty, T_, G_, seq, state_in, gate
     ids=["3-chunks", "documents", "documents-no-state", "one-step", "one-full-chunk"],
 )  # fmt: skip
 def test_chunk_kernels_gradients_equal_float64_scan(T_, G_, seq, state_in, gate):
-    """The differentiable kernel scan (forward kernel, backward kernel over chunks of 32 in
+    """The differentiable kernel scan (forward kernel, backward kernel over chunks of 16 in
     reverse, the per-token terms through autograd) against the float64 reference: y, the
     final state, and the gradient of every input and of every initial state field, for a
     random cotangent on y and on the final S, k~ and x."""

@@ -18,11 +18,10 @@ ones and tf32x3 (f32 accuracy) for f32 ones, always accumulating in f32; the sta
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .._triton import cdiv, launch, next_power_of_2
+from .._triton import cdiv, launch, next_power_of_2, opt
 from .reference import Mamba3State
 from .terms import token_terms_kernel
 
@@ -49,18 +48,19 @@ def _mm(a, b, PREC: tl.constexpr, acc=None):
 @triton.jit
 def _chunk_fwd_kernel(
     p_x, p_q, p_k, p_adt, p_gam, p_late, p_seq, p_z, p_D,
-    p_s0, p_k0, p_x0, p_y, p_sT, p_kT, p_xT, p_st,
+    p_s0, p_k0, p_x0, p_y, p_pre, p_sT, p_kT, p_xT, p_st,
     T, H, P, N,
     s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b, s_z_b, s_z_t, s_z_h,
     s_y_b, s_y_t, s_y_h,
     HAS_SEQ: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
-    COMPUTE_Y: tl.constexpr, STORE_STATES: tl.constexpr,
+    COMPUTE_Y: tl.constexpr, STORE_STATES: tl.constexpr, STORE_PRE: tl.constexpr,
 ):
-    """COMPUTE_Y: y and the final state; STORE_STATES: each chunk's start state S'_start
-    to st [B, H, chunks, P, N] (the backward's recomputation). A program owns BLOCK_P of the
-    head's P values (rows of S: they advance independently); the last token's k~ is the
-    head's, written by the first block."""
+    """COMPUTE_Y: y and the final state (STORE_PRE: y before the gate, to pre, with y's
+    strides: what the backward's gate gradient reads); STORE_STATES: each chunk's start
+    state S'_start to st [B, H, chunks, P, N] (the backward's recomputation). A program owns
+    BLOCK_P of the head's P values (rows of S: they advance independently); the last token's
+    k~ is the head's, written by the first block."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     rows = tl.arange(0, L)
@@ -123,12 +123,15 @@ def _chunk_fwd_kernel(
             y += (tl.exp(cs) * carry)[:, None] * into
             if HAS_D:
                 y += Dh * xc
+            y_off = b * s_y_b + t[:, None] * s_y_t + h * s_y_h + p[None, :]
+            if STORE_PRE:
+                tl.store(p_pre + y_off, y.to(p_pre.dtype.element_ty),
+                         mask=mt[:, None] & mp[None, :])
             if HAS_Z:
                 zc = tl.load(p_z + b * s_z_b + t[:, None] * s_z_t + h * s_z_h + p[None, :],
                              mask=mt[:, None] & mp[None, :], other=0.0).to(tl.float32)
                 y = y * zc * tl.sigmoid(zc)
-            tl.store(p_y + b * s_y_b + t[:, None] * s_y_t + h * s_y_h + p[None, :],
-                     y.to(p_y.dtype.element_ty), mask=mt[:, None] & mp[None, :])
+            tl.store(p_y + y_off, y.to(p_y.dtype.element_ty), mask=mt[:, None] & mp[None, :])
         # the state after the chunk (its last token's late term is the next chunk's)
         tail = tl.where(rows == last, gam, tl.exp(cs_last - cs) * w)
         tail = tl.where(keep_doc, tail, 0.0)
@@ -146,12 +149,12 @@ def _chunk_fwd_kernel(
 @triton.jit
 def _chunk_bwd_kernel(
     p_x, p_q, p_k, p_adt, p_gam, p_late, p_seq, p_st, p_k0, p_x0,
-    p_dy, p_dsT,
-    p_dx, p_dq, p_dk, p_dadt, p_dgam, p_dlate, p_ds0, p_dk0, p_dx0,
+    p_dy, p_dsT, p_z, p_pre, p_D,
+    p_dx, p_dq, p_dk, p_dadt, p_dgam, p_dlate, p_ds0, p_dk0, p_dx0, p_dz, p_dD,
     T, H, P, N,
     s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b, s_dy_b, s_dy_t, s_dy_h,
-    s_dx_b, s_dx_t, s_dx_h, s_part_x, s_part_w, s_part_x0,
-    HAS_SEQ: tl.constexpr, HAS_DST: tl.constexpr,
+    s_dx_b, s_dx_t, s_dx_h, s_part_x, s_part_w, s_part_x0, s_z_b, s_z_t, s_z_h,
+    HAS_SEQ: tl.constexpr, HAS_DST: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NF: tl.constexpr,
     PREC: tl.constexpr,
 ):
@@ -164,7 +167,11 @@ def _chunk_bwd_kernel(
     whole, BLOCK_NF) and the sums over N: what a block adds to x, A delta, gamma, late and
     the initial x goes to its own slice of those outputs (s_part_*: the stride between
     blocks' slices), summed after; q~, k~ and the initial S and k~ are the block's alone.
-    Terms that do not depend on the block are added by the first."""
+    Terms that do not depend on the block are added by the first.
+
+    With the gate (HAS_Z) dy is the gated output's gradient: the core's is dy silu(z), and
+    dz = dy pre silu'(z) from the forward's pre-gate y (pre, dy's strides), stored by the
+    first block; with D (HAS_D) dx gains D dy_core and dD [B, H] sums dy_core x."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     nb = tl.program_id(2)
@@ -189,6 +196,7 @@ def _chunk_bwd_kernel(
         dS = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
     dx_owed = tl.zeros([BLOCK_P], dtype=tl.float32)
     dk_owed = tl.zeros([BLOCK_N], dtype=tl.float32)
+    dD = tl.sum(tl.zeros([BLOCK_P], dtype=tl.float32), axis=0)  # f32 scalar, carried
     n_chunks = tl.cdiv(T, L)
     for i in range(0, n_chunks):
         c = n_chunks - 1 - i
@@ -199,8 +207,20 @@ def _chunk_bwd_kernel(
         mtp = mt[:, None] & mp[None, :]
         xc = tl.load(p_x + b * s_x_b + t[:, None] * s_x_t + h * s_x_h + p[None, :],
                      mask=mtp, other=0.0).to(tl.float32)
-        dy = tl.load(p_dy + b * s_dy_b + t[:, None] * s_dy_t + h * s_dy_h + p[None, :],
-                     mask=mtp, other=0.0).to(tl.float32)
+        dy_off = b * s_dy_b + t[:, None] * s_dy_t + h * s_dy_h + p[None, :]
+        dy = tl.load(p_dy + dy_off, mask=mtp, other=0.0).to(tl.float32)
+        if HAS_Z:  # y = pre silu(z)
+            zc = tl.load(p_z + b * s_z_b + t[:, None] * s_z_t + h * s_z_h + p[None, :],
+                         mask=mtp, other=0.0).to(tl.float32)
+            sz = tl.sigmoid(zc)
+            if first:
+                pre = tl.load(p_pre + dy_off, mask=mtp, other=0.0).to(tl.float32)
+                dz = dy * pre * sz * (1.0 + zc * (1.0 - sz))
+                tl.store(p_dz + b * s_dx_b + t[:, None] * s_dx_t + h * s_dx_h + p[None, :],
+                         dz.to(p_dz.dtype.element_ty), mask=mtp)
+            dy = dy * zc * sz
+        if HAS_D:  # pre = core + D x
+            dD += tl.sum(tl.sum(dy * xc, axis=1), axis=0)
         qn = t[:, None] * s_q_t + h * s_q_h + n[None, :]
         mq = mt[:, None] & mn[None, :]
         qc = tl.load(p_q + b * s_q_b + qn, mask=mq, other=0.0)
@@ -254,7 +274,10 @@ def _chunk_bwd_kernel(
         d_scores = _mm(dy, tl.trans(xc), PREC)  # [L(t), L(s)]
         d_qk = d_scores * weight
         k_ds = _mm(kc, tl.trans(dS), PREC)  # [L, P]: dS k~_s
-        dx = tl.where(first, _mm(tl.trans(qk * weight), dy, PREC), 0.0) + tail[:, None] * k_ds
+        dx = _mm(tl.trans(qk * weight), dy, PREC)
+        if HAS_D:
+            dx += tl.load(p_D + h).to(tl.float32) * dy
+        dx = tl.where(first, dx, 0.0) + tail[:, None] * k_ds
         dy_s = _mm(dy, start, PREC)  # [L, N]: dy_t S'
         dq = _mm(d_qk, kc, PREC) + e_cs[:, None] * dy_s
         dk = _mm(tl.trans(d_qk), qc, PREC)
@@ -294,6 +317,9 @@ def _chunk_bwd_kernel(
     tl.store(p_ds0 + bh * P * N + p[:, None] * N + n[None, :], dS, mask=mpn)
     tl.store(p_dk0 + bh * N + n, dk_owed, mask=mn)
     tl.store(p_dx0 + bh * P + p, dx_owed, mask=mp)
+    if HAS_D:
+        if first:
+            tl.store(p_dD + bh, dD)
 
 
 # fmt: on
@@ -344,9 +370,12 @@ def _warps(block_p: int, N: int, states: bool) -> int:
     return w if block_p * N >= 8192 else min(w, 4)
 
 
-def _launch_fwd(x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L, states=None):
+def _launch_fwd(
+    x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L, states=None, pre=None
+):
     """The forward kernel over (row, head): y and the final state into y, and the returned
-    (sT, kT, xT), or only each chunk's start state into `states` (y is None)."""
+    (sT, kT, xT), or only each chunk's start state into `states` (y is None). `pre` (y's
+    shape and strides): y before the gate, stored too."""
     Bsz, T, H, P = x.shape
     N = qr.shape[-1]
     sT, kT, xT = torch.empty_like(s0), torch.empty_like(k0), torch.empty_like(x0)
@@ -355,8 +384,8 @@ def _launch_fwd(x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L, st
     block_p = min(_block(P), FWD_BLOCK_P if y is not None else STATES_BLOCK_P)
     launch(_chunk_fwd_kernel, (Bsz, H, cdiv(P, block_p)),
         x, qr, kr, adt, gamma, late, seq, z if z is not None else x,
-        D.float() if D is not None else adt, s0, k0, x0, ys, sT, kT, xT,
-        states if states is not None else s0,
+        D.float() if D is not None else adt, s0, k0, x0, ys, pre if pre is not None else ys,
+        sT, kT, xT, states if states is not None else s0,
         T, H, P, N,
         x.stride(0), x.stride(1), x.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
         adt.stride(0), adt.stride(1), seq.stride(0),
@@ -364,7 +393,7 @@ def _launch_fwd(x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L, st
         ys.stride(0), ys.stride(1), ys.stride(2),
         HAS_SEQ=seq_idx is not None, HAS_Z=z is not None, HAS_D=D is not None,
         L=L, BLOCK_P=block_p, BLOCK_N=_block(N), PREC=_precision(x),
-        COMPUTE_Y=y is not None, STORE_STATES=states is not None,
+        COMPUTE_Y=y is not None, STORE_STATES=states is not None, STORE_PRE=pre is not None,
         num_warps=_warps(block_p, N, states is not None),
     )  # fmt: skip
     return sT, kT, xT
@@ -421,39 +450,45 @@ def mamba3_scan_fwd(
 
 
 # The backward's chunk and warps: its loop carries dS [P, N] and reads S'_start [P, N] per
-# chunk (benchmarks/bench_mamba3.py --sweep-bwd times the choices); BWD_BLOCK_N of the N
-# states per program (below N: more programs, each with a smaller state, and the block
-# sums of dx and the per-token weights' gradients added after)
-CHUNK_BWD = 32
+# chunk; BWD_BLOCK_N of the N states per program (below N: more programs, each with a
+# smaller state, and the block sums of dx and the per-token weights' gradients added
+# after). H200, 130m-mamba3 heads, 8 x 2048, bf16 products, terms + forward + backward
+# (scripts/m3_chunk_sweep.py, session 17): chunks of 16 in blocks of 64 states, 8 warps,
+# 6.71 ms; 4 warps 6.71; blocks of 32: 6.85; chunks of 32: 7.16 in blocks of 64, 7.42
+# whole, 10.8 in blocks of 32. Chunks of 16 keep twice the start states of 32 for the
+# backward ([B, H, T/16, P, N] f32, 805 MB at that shape, freed after the layer).
+CHUNK_BWD = 16
 BWD_WARPS = 8
-BWD_BLOCK_N = 128
+BWD_BLOCK_N = 64
 
 
 class _Core(torch.autograd.Function):
-    """The scan's core with its kernels: (x, q~, k~, A delta, gamma, late, initial S, k~, x)
-    -> (y without D and the gate, f32; the final S). The backward recomputes each chunk's
-    start state (the forward kernel, STORE_STATES) and walks the chunks in reverse."""
+    """The scan with its kernels: (x, q~, k~, A delta, gamma, late, initial S, k~, x, D, z)
+    -> (y with D and the gate, in x.dtype; the final S). The forward keeps y before the gate
+    (in x.dtype) when there is one; the backward recomputes each chunk's start state (the
+    forward kernel, STORE_STATES), then walks the chunks in reverse, the gate's and D's
+    gradients included."""
 
     @staticmethod
-    def forward(ctx, x, qr, kr, adt, gamma, late, seq, s0, k0, x0):
-        Bsz, T, H, P = x.shape
-        y = torch.empty(Bsz, T, H, P, device=x.device, dtype=torch.float32)
-        sT, _, _ = _launch_fwd(x, qr, kr, adt, gamma, late, seq, None, None, s0, k0, x0, y,
-                               CHUNK_L)  # fmt: skip
-        ctx.save_for_backward(x, qr, kr, adt, gamma, late, seq, s0, k0, x0)
+    def forward(ctx, x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z):
+        y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+        pre = torch.empty_like(y) if z is not None else None
+        sT, _, _ = _launch_fwd(x, qr, kr, adt, gamma, late, seq, D, z, s0, k0, x0, y, CHUNK_L,
+                               pre=pre)  # fmt: skip
+        ctx.save_for_backward(x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, pre)
         return y, sT
 
     @staticmethod
     def backward(ctx, dy, dsT):
-        x, qr, kr, adt, gamma, late, seq, s0, k0, x0 = ctx.saved_tensors
+        x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, pre = ctx.saved_tensors
         Bsz, T, H, P = x.shape
         N = qr.shape[-1]
         L = CHUNK_BWD
         states = torch.empty(Bsz, H, cdiv(T, L), P, N, device=x.device,
                              dtype=torch.float32)  # fmt: skip
         _launch_fwd(x, qr, kr, adt, gamma, late, seq, None, None, s0, k0, x0, None, L, states)
-        dy = dy if dy is not None else torch.zeros_like(x, dtype=torch.float32)
-        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+        dy = dy if dy is not None else torch.zeros_like(x)
+        dy = dy.contiguous()  # pre (the gate's input) is read with dy's strides
         block_n = min(_block(N), BWD_BLOCK_N)
         nb = cdiv(N, block_n)
         f32 = dict(device=x.device, dtype=torch.float32)
@@ -463,18 +498,21 @@ class _Core(torch.autograd.Function):
         dx0 = torch.empty(nb, *x0.shape, **f32)
         dq, dk = torch.empty_like(qr), torch.empty_like(kr)
         ds0, dk0 = torch.empty_like(s0), torch.empty_like(k0)
+        dz = torch.empty(z.shape, device=z.device, dtype=z.dtype) if z is not None else None
+        dD = torch.empty(Bsz, H, **f32) if D is not None else None
         dsT = dsT.contiguous() if dsT is not None else None
         seqt = seq if seq is not None else adt
         launch(_chunk_bwd_kernel, (Bsz, H, nb),
             x, qr, kr, adt, gamma, late, seqt, states, k0, x0,
-            dy, dsT if dsT is not None else s0,
-            dx, dq, dk, dadt, dgam, dlate, ds0, dk0, dx0,
+            dy, dsT if dsT is not None else s0, opt(z, x), opt(pre, dy), opt(D, adt),
+            dx, dq, dk, dadt, dgam, dlate, ds0, dk0, dx0, opt(dz, dx), opt(dD, adt),
             T, H, P, N,
             x.stride(0), x.stride(1), x.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
             adt.stride(0), adt.stride(1), seqt.stride(0), dy.stride(0), dy.stride(1),
             dy.stride(2), dx.stride(1), dx.stride(2), dx.stride(3), dx.stride(0),
-            dadt.stride(0), dx0.stride(0),
-            HAS_SEQ=seq is not None, HAS_DST=dsT is not None,
+            dadt.stride(0), dx0.stride(0), *(z.stride()[:3] if z is not None else (0, 0, 0)),
+            HAS_SEQ=seq is not None, HAS_DST=dsT is not None, HAS_Z=z is not None,
+            HAS_D=D is not None,
             L=L, BLOCK_P=_block(P), BLOCK_N=block_n, BLOCK_NF=_block(N), PREC=_precision(x),
             num_warps=BWD_WARPS if P * block_n >= 8192 else 4,
         )  # fmt: skip
@@ -482,7 +520,8 @@ class _Core(torch.autograd.Function):
             dx, dadt, dgam, dlate, dx0 = (t.sum(0) for t in (dx, dadt, dgam, dlate, dx0))
         else:
             dx, dadt, dgam, dlate, dx0 = dx[0], dadt[0], dgam[0], dlate[0], dx0[0]
-        return dx.to(x.dtype), dq, dk, dadt, dgam, dlate, None, ds0, dk0, dx0
+        dD = dD.sum(0).to(D.dtype) if D is not None else None
+        return dx.to(x.dtype), dq, dk, dadt, dgam, dlate, None, ds0, dk0, dx0, dD, dz
 
 
 def mamba3_scan_kernel(
@@ -503,7 +542,7 @@ def mamba3_scan_kernel(
     """`mamba3_scan_reference` on the kernels, differentiable in every input and the initial
     state: (y [B, T, H, P] in x.dtype, the final f32 state). Outside autograd it is
     `mamba3_scan_fwd` (D and the gate inside the kernel). Under autograd the per-token terms
-    are `_Terms` (terms.py), the scan is `_Core`, D and the gate are PyTorch ops."""
+    are `_Terms` (terms.py) and the scan with D and the gate is `_Core`."""
     tensors = (x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z, *(initial_state or ()))
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors):
         return mamba3_scan_fwd(x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z,
@@ -513,10 +552,6 @@ def mamba3_scan_kernel(
     )
     if x.shape[1] == 0:
         return x.new_empty(x.shape), Mamba3State(*(t.float() for t in initial_state))
-    y, sT = _Core.apply(xs, qr, kr, adt, gamma, late, seq, s0, k0, x0)
-    if D is not None:
-        y = y + D.float()[:, None] * x.float()
-    if z is not None:
-        y = y * F.silu(z.float())
-    final = Mamba3State(phi_T, sT, kr[:, -1], x[:, -1].float())
-    return y.to(x.dtype), final
+    zs = z if z is None or z.stride(-1) == 1 else z.contiguous()
+    y, sT = _Core.apply(xs, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, zs)
+    return y, Mamba3State(phi_T, sT, kr[:, -1], x[:, -1].float())
