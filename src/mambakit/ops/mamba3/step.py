@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import launch, next_power_of_2
+from .._triton import fast_cos_sin, launch, next_power_of_2
 from .reference import Mamba3State
 
 PI = tl.constexpr(math.pi)
@@ -75,7 +75,7 @@ def _step_kernel(
     p_ang_h = p_ang + b * s_ang_b + h * s_ang_h + i
     phi = tl.load(p_ang_h, mask=mi, other=0.0) + PI * (2 * tl.sigmoid(2 * theta) - 1) * delta
     phi = tl.where(mi, phi - TWO_PI * tl.floor(phi / TWO_PI), 0.0)
-    cos, sin = tl.cos(phi), tl.sin(phi)
+    cos, sin = fast_cos_sin(phi)
     ke, ko = _load_pairs(p_k + b * s_k_b + g * s_k_g, 1, i, N)
     kbe, kbo = _load_pairs(p_kb + h * s_kb_h, 1, i, N)
     ke, ko = _turn(ke + kbe, ko + kbo, cos, sin)

@@ -14,8 +14,9 @@ Pairs are read as the even and odd halves of a row, so the rotation is elementwi
 [BT, N/2] tiles; angle i >= S is held at 0 (cos 1, sin 0). Within a block the angle sum
 is a cumsum, or with documents a [BT, BT] same-document lower-triangular product in f32
 (ieee). The backward walks the blocks in reverse with the reverse sum of dphi; the
-gradients of the group rows and of the biases are per head ([B, T, H, N]) and summed in
-PyTorch, as is theta's over the heads.
+gradients of the group rows are per head ([B, T, H, N]) and summed over the heads in
+PyTorch, as is theta's; the biases' are summed over each program's steps in the kernel
+and over the programs after. cos and sin are the GPU's approximations (`fast_cos_sin`).
 
 The chunks run in parallel, as the scan's segments do: a first launch (SUMS) gives what
 each chunk adds to the carry (forward: the angle at its end from 0; backward: dphi summed
@@ -31,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import launch, next_power_of_2, sm_count
+from .._triton import fast_cos_sin, launch, next_power_of_2, sm_count
 
 # fmt: off
 
@@ -85,14 +86,20 @@ def _turn(p_v, p_out, src, dst, m_e, m_o, be, bo, cos, sin):
 @triton.jit
 def _unturn(p_v, p_dr, p_dv, src, dst, m_e, m_o, be, bo, cos, sin, STORE: tl.constexpr):
     """The turned rows' gradient (dr, at dst) back through the rotation, stored to dv at dst
-    (STORE); returns the angle's gradient [BT, BLOCK_H2]."""
+    (STORE); returns the angle's gradient [BT, BLOCK_H2] and the rows' gradient summed over
+    the rows, as even and odd halves [BLOCK_H2] (the bias's share; zeros unless STORE)."""
     ve, vo = _halves(p_v, src, m_e, m_o, be, bo)
     dre = tl.load(p_dr + dst, mask=m_e, other=0.0)
     dro = tl.load(p_dr + dst + 1, mask=m_o, other=0.0)
+    dphi = dro * (ve * cos - vo * sin) - dre * (ve * sin + vo * cos)
     if STORE:
-        tl.store(p_dv + dst, dre * cos + dro * sin, mask=m_e)
-        tl.store(p_dv + dst + 1, dro * cos - dre * sin, mask=m_o)
-    return dro * (ve * cos - vo * sin) - dre * (ve * sin + vo * cos)
+        dve, dvo = dre * cos + dro * sin, dro * cos - dre * sin
+        tl.store(p_dv + dst, dve, mask=m_e)
+        tl.store(p_dv + dst + 1, dvo, mask=m_o)
+        return dphi, tl.sum(dve, axis=0), tl.sum(dvo, axis=0)
+    else:
+        zero = tl.zeros([dre.shape[1]], dtype=tl.float32)
+        return dphi, zero, zero
 
 
 @triton.jit
@@ -163,7 +170,7 @@ def _terms_fwd_kernel(
             carry_doc = tl.sum(tl.where(rows == last, doc, 0), axis=0)
         if not SUMS:
             tl.store(p_phi + ((b * T + t[:, None]) * H + h) * S + i[None, :], phi, mask=mti)
-            cos, sin = tl.cos(phi), tl.sin(phi)
+            cos, sin = fast_cos_sin(phi)
             src = b * s_q_b + t[:, None] * s_q_t + g * s_q_g + 2 * i[None, :]
             dst = ((b * T + t[:, None]) * H + h) * N + 2 * i[None, :]
             m_e, m_o = mt[:, None] & me[None, :], mt[:, None] & mo[None, :]
@@ -186,7 +193,7 @@ def _terms_fwd_kernel(
 def _terms_bwd_kernel(
     p_q, p_k, p_qb, p_kb, p_delta, p_A, p_trap, p_theta, p_seq, p_phi, p_sum,
     p_dqr, p_dkr, p_dadt, p_dgam, p_dlate, p_dphiT,
-    p_dqh, p_dkh, p_ddelta, p_dA, p_dtrap, p_dth, p_dangle0,
+    p_dqh, p_dkh, p_ddelta, p_dA, p_dtrap, p_dth, p_dangle0, p_dqb, p_dkb,
     T, H, G, N, S, CH, C, C0,
     s_q_b, s_q_t, s_q_g, s_w_b, s_w_t, s_tr_b, s_tr_t, s_th_b, s_th_t, s_seq_b,
     HAS_SEQ: tl.constexpr, HAS_DPHIT: tl.constexpr, SUMS: tl.constexpr, BT: tl.constexpr,
@@ -196,7 +203,8 @@ def _terms_bwd_kernel(
     [S]: the sum of dphi over the later steps of the document the block's end continues.
     SUMS: from a zero carry, only acc at the chunk's first step (sum [B, H, C, S]). Else:
     the carry into the chunk's end from the sums of the chunks after it (dphiT beyond the
-    last), then every gradient."""
+    last), then every gradient, and the chunk's share of the biases' (dqb, dkb [B, H, C,
+    N], summed after)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     c = C0 + tl.program_id(2)
@@ -222,6 +230,8 @@ def _terms_bwd_kernel(
     carry_doc = _doc_at(p_row_seq, tl.maximum(tl.minimum(c * CH + CH, T - 1), 0), HAS_SEQ)
     qbe, qbo = _bias(p_qb, h, N, i)
     kbe, kbo = _bias(p_kb, h, N, i)
+    dqbe = tl.zeros([BLOCK_H2], dtype=tl.float32)
+    dqbo, dkbe, dkbo = dqbe, dqbe, dqbe
     n_blocks = tl.cdiv(tl.minimum(CH, T - c * CH), BT)
     for jb in range(0, n_blocks):
         t0 = c * CH + (n_blocks - 1 - jb) * BT
@@ -230,14 +240,18 @@ def _terms_bwd_kernel(
         mti = mt[:, None] & mr[None, :]
         phi = tl.load(p_phi + ((b * T + t[:, None]) * H + h) * S + i[None, :], mask=mti,
                       other=0.0)
-        cos, sin = tl.cos(phi), tl.sin(phi)
+        cos, sin = fast_cos_sin(phi)
         src = b * s_q_b + t[:, None] * s_q_t + g * s_q_g + 2 * i[None, :]
         dst = ((b * T + t[:, None]) * H + h) * N + 2 * i[None, :]
         m_e, m_o = mt[:, None] & me[None, :], mt[:, None] & mo[None, :]
         # q~ and k~'s gradients back through the rotation (stored unless SUMS), and the angle's
-        dphi = _unturn(p_q, p_dqr, p_dqh, src, dst, m_e, m_o, qbe, qbo, cos, sin, not SUMS)
-        dphi += _unturn(p_k, p_dkr, p_dkh, src, dst, m_e, m_o, kbe, kbo, cos, sin, not SUMS)
-        dphi = tl.where(mti, dphi, 0.0)
+        dphi, se, so = _unturn(p_q, p_dqr, p_dqh, src, dst, m_e, m_o, qbe, qbo, cos, sin,
+                               not SUMS)  # fmt: skip
+        dqbe, dqbo = dqbe + se, dqbo + so
+        dphi_k, se, so = _unturn(p_k, p_dkr, p_dkh, src, dst, m_e, m_o, kbe, kbo, cos, sin,
+                                 not SUMS)  # fmt: skip
+        dkbe, dkbo = dkbe + se, dkbo + so
+        dphi = tl.where(mti, dphi + dphi_k, 0.0)
         # d inc_r = the sum of dphi_t over t >= r in r's document
         same = mt
         if HAS_SEQ:
@@ -274,8 +288,14 @@ def _terms_bwd_kernel(
             tl.store(p_dtrap + out, (dgam - dlate) * delta * lam * (1.0 - lam), mask=mt)
     if SUMS:
         tl.store(p_sum + (bh * C + c) * S + i, acc, mask=mr)
-    elif c == 0:
-        tl.store(p_dangle0 + bh * S + i, acc, mask=mr)
+    else:
+        ob = (bh * C + c) * N + 2 * i
+        tl.store(p_dqb + ob, dqbe, mask=me)
+        tl.store(p_dqb + ob + 1, dqbo, mask=mo)
+        tl.store(p_dkb + ob, dkbe, mask=me)
+        tl.store(p_dkb + ob + 1, dkbo, mask=mo)
+        if c == 0:
+            tl.store(p_dangle0 + bh * S + i, acc, mask=mr)
 
 
 # fmt: on
@@ -369,9 +389,10 @@ class _Terms(torch.autograd.Function):
         seqt = seq if seq is not None else delta
         ch, C = _chunks(T, _bwd_chunk_blocks(Bsz * H, q.device))
         sums = torch.empty(Bsz, H, C, S, **f)
+        dqb, dkb = torch.empty(Bsz, H, C, N, **f), torch.empty(Bsz, H, C, N, **f)
         args = (q, k, q_bias, k_bias, delta, A, trap, theta, seqt, phi, sums,
                 dqr, dkr, dadt, dgam, dlate, dphiT if dphiT is not None else dangle0,
-                dqh, dkh, ddelta, dA, dtrap, dth, dangle0,
+                dqh, dkh, ddelta, dA, dtrap, dth, dangle0, dqb, dkb,
                 T, H, G, N, S, ch, C)  # fmt: skip
         strides = (q.stride(0), q.stride(1), q.stride(2), delta.stride(0), delta.stride(1),
                    trap.stride(0), trap.stride(1), theta.stride(0), theta.stride(1),
@@ -384,8 +405,8 @@ class _Terms(torch.autograd.Function):
         qd, kd, trd, thd, ad = ctx.dtypes
         dq = dqh.view(Bsz, T, G, H // G, N).sum(3).to(qd)
         dk = dkh.view(Bsz, T, G, H // G, N).sum(3).to(kd)
-        dq_bias = dqh.sum((0, 1)).to(q_bias.dtype)
-        dk_bias = dkh.sum((0, 1)).to(k_bias.dtype)
+        dq_bias = dqb.sum((0, 2)).to(q_bias.dtype)  # per program: no second pass over dqh
+        dk_bias = dkb.sum((0, 2)).to(k_bias.dtype)
         return (dq, dk, ddelta, dA, dtrap.to(trd), dth.sum(2).to(thd), dq_bias, dk_bias,
                 dangle0.to(ad), None)  # fmt: skip
 
