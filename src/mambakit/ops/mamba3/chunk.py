@@ -149,12 +149,12 @@ def _chunk_fwd_kernel(
 @triton.jit
 def _chunk_bwd_kernel(
     p_x, p_q, p_k, p_adt, p_gam, p_late, p_seq, p_st, p_k0, p_x0,
-    p_dy, p_dsT, p_z, p_pre, p_D,
-    p_dx, p_dq, p_dk, p_dadt, p_dgam, p_dlate, p_ds0, p_dk0, p_dx0, p_dz, p_dD,
+    p_dy, p_dsT, p_D,
+    p_dx, p_dq, p_dk, p_dadt, p_dgam, p_dlate, p_ds0, p_dk0, p_dx0,
     T, H, P, N,
     s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b, s_dy_b, s_dy_t, s_dy_h,
-    s_dx_b, s_dx_t, s_dx_h, s_part_x, s_part_w, s_part_x0, s_z_b, s_z_t, s_z_h,
-    HAS_SEQ: tl.constexpr, HAS_DST: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
+    s_dx_b, s_dx_t, s_dx_h, s_part_x, s_part_w, s_part_x0,
+    HAS_SEQ: tl.constexpr, HAS_DST: tl.constexpr, HAS_D: tl.constexpr,
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NF: tl.constexpr,
     PREC: tl.constexpr,
 ):
@@ -167,11 +167,8 @@ def _chunk_bwd_kernel(
     whole, BLOCK_NF) and the sums over N: what a block adds to x, A delta, gamma, late and
     the initial x goes to its own slice of those outputs (s_part_*: the stride between
     blocks' slices), summed after; q~, k~ and the initial S and k~ are the block's alone.
-    Terms that do not depend on the block are added by the first.
-
-    With the gate (HAS_Z) dy is the gated output's gradient: the core's is dy silu(z), and
-    dz = dy pre silu'(z) from the forward's pre-gate y (pre, dy's strides), stored by the
-    first block; with D (HAS_D) dx gains D dy_core and dD [B, H] sums dy_core x."""
+    Terms that do not depend on the block are added by the first. With D (HAS_D), dx
+    gains D dy (dy: the gradient of y before the gate, `_gate_bwd`'s)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     nb = tl.program_id(2)
@@ -196,7 +193,6 @@ def _chunk_bwd_kernel(
         dS = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
     dx_owed = tl.zeros([BLOCK_P], dtype=tl.float32)
     dk_owed = tl.zeros([BLOCK_N], dtype=tl.float32)
-    dD = tl.sum(tl.zeros([BLOCK_P], dtype=tl.float32), axis=0)  # f32 scalar, carried
     n_chunks = tl.cdiv(T, L)
     for i in range(0, n_chunks):
         c = n_chunks - 1 - i
@@ -207,20 +203,8 @@ def _chunk_bwd_kernel(
         mtp = mt[:, None] & mp[None, :]
         xc = tl.load(p_x + b * s_x_b + t[:, None] * s_x_t + h * s_x_h + p[None, :],
                      mask=mtp, other=0.0).to(tl.float32)
-        dy_off = b * s_dy_b + t[:, None] * s_dy_t + h * s_dy_h + p[None, :]
-        dy = tl.load(p_dy + dy_off, mask=mtp, other=0.0).to(tl.float32)
-        if HAS_Z:  # y = pre silu(z)
-            zc = tl.load(p_z + b * s_z_b + t[:, None] * s_z_t + h * s_z_h + p[None, :],
-                         mask=mtp, other=0.0).to(tl.float32)
-            sz = tl.sigmoid(zc)
-            if first:
-                pre = tl.load(p_pre + dy_off, mask=mtp, other=0.0).to(tl.float32)
-                dz = dy * pre * sz * (1.0 + zc * (1.0 - sz))
-                tl.store(p_dz + b * s_dx_b + t[:, None] * s_dx_t + h * s_dx_h + p[None, :],
-                         dz.to(p_dz.dtype.element_ty), mask=mtp)
-            dy = dy * zc * sz
-        if HAS_D:  # pre = core + D x
-            dD += tl.sum(tl.sum(dy * xc, axis=1), axis=0)
+        dy = tl.load(p_dy + b * s_dy_b + t[:, None] * s_dy_t + h * s_dy_h + p[None, :],
+                     mask=mtp, other=0.0).to(tl.float32)
         qn = t[:, None] * s_q_t + h * s_q_h + n[None, :]
         mq = mt[:, None] & mn[None, :]
         qc = tl.load(p_q + b * s_q_b + qn, mask=mq, other=0.0)
@@ -317,9 +301,38 @@ def _chunk_bwd_kernel(
     tl.store(p_ds0 + bh * P * N + p[:, None] * N + n[None, :], dS, mask=mpn)
     tl.store(p_dk0 + bh * N + n, dk_owed, mask=mn)
     tl.store(p_dx0 + bh * P + p, dx_owed, mask=mp)
+
+
+@triton.jit
+def _gate_bwd_kernel(
+    p_dy, p_z, p_pre, p_x, p_dyc, p_dz, p_dD,
+    M, T, H, P, s_z_b, s_z_t, s_z_h, s_x_b, s_x_t, s_x_h,
+    HAS_Z: tl.constexpr, HAS_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    """y = pre silu(z), pre = core + D x, over the rows m = b T + t of [B, T, H, P] (dy, pre,
+    dyc, dz contiguous; z and x strided): dyc = dy silu(z) (the core's gradient, f32),
+    dz = dy pre silu'(z), and this program's share of dD [programs along M, H]."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    b, t = m // T, m % T
+    p = tl.arange(0, BLOCK_P)
+    mask = (m < M)[:, None] & (p < P)[None, :]
+    off = (m[:, None] * H + h) * P + p[None, :]
+    dy = tl.load(p_dy + off, mask=mask, other=0.0).to(tl.float32)
+    if HAS_Z:
+        z_off = (b * s_z_b + t * s_z_t)[:, None] + h * s_z_h + p[None, :]
+        z = tl.load(p_z + z_off, mask=mask, other=0.0).to(tl.float32)
+        pre = tl.load(p_pre + off, mask=mask, other=0.0).to(tl.float32)
+        sz = tl.sigmoid(z)
+        tl.store(p_dz + off, (dy * pre * sz * (1.0 + z * (1.0 - sz))).to(p_dz.dtype.element_ty),
+                 mask=mask)
+        dy = dy * z * sz
+    tl.store(p_dyc + off, dy, mask=mask)
     if HAS_D:
-        if first:
-            tl.store(p_dD + bh, dD)
+        x_off = (b * s_x_b + t * s_x_t)[:, None] + h * s_x_h + p[None, :]
+        x = tl.load(p_x + x_off, mask=mask, other=0.0).to(tl.float32)
+        tl.store(p_dD + pid_m * H + h, tl.sum(tl.sum(dy * x, axis=1), axis=0))
 
 
 # fmt: on
@@ -487,8 +500,10 @@ class _Core(torch.autograd.Function):
         states = torch.empty(Bsz, H, cdiv(T, L), P, N, device=x.device,
                              dtype=torch.float32)  # fmt: skip
         _launch_fwd(x, qr, kr, adt, gamma, late, seq, None, None, s0, k0, x0, None, L, states)
-        dy = dy if dy is not None else torch.zeros_like(x)
-        dy = dy.contiguous()  # pre (the gate's input) is read with dy's strides
+        dy = dy.contiguous() if dy is not None else torch.zeros_like(x)
+        dz = dD = None
+        if z is not None or D is not None:  # dy becomes the gradient of y before the gate
+            dy, dz, dD = _gate_bwd(dy, z, pre, x, D is not None)
         block_n = min(_block(N), BWD_BLOCK_N)
         nb = cdiv(N, block_n)
         f32 = dict(device=x.device, dtype=torch.float32)
@@ -498,21 +513,18 @@ class _Core(torch.autograd.Function):
         dx0 = torch.empty(nb, *x0.shape, **f32)
         dq, dk = torch.empty_like(qr), torch.empty_like(kr)
         ds0, dk0 = torch.empty_like(s0), torch.empty_like(k0)
-        dz = torch.empty(z.shape, device=z.device, dtype=z.dtype) if z is not None else None
-        dD = torch.empty(Bsz, H, **f32) if D is not None else None
         dsT = dsT.contiguous() if dsT is not None else None
         seqt = seq if seq is not None else adt
         launch(_chunk_bwd_kernel, (Bsz, H, nb),
             x, qr, kr, adt, gamma, late, seqt, states, k0, x0,
-            dy, dsT if dsT is not None else s0, opt(z, x), opt(pre, dy), opt(D, adt),
-            dx, dq, dk, dadt, dgam, dlate, ds0, dk0, dx0, opt(dz, dx), opt(dD, adt),
+            dy, dsT if dsT is not None else s0, opt(D, adt),
+            dx, dq, dk, dadt, dgam, dlate, ds0, dk0, dx0,
             T, H, P, N,
             x.stride(0), x.stride(1), x.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
             adt.stride(0), adt.stride(1), seqt.stride(0), dy.stride(0), dy.stride(1),
             dy.stride(2), dx.stride(1), dx.stride(2), dx.stride(3), dx.stride(0),
-            dadt.stride(0), dx0.stride(0), *(z.stride()[:3] if z is not None else (0, 0, 0)),
-            HAS_SEQ=seq is not None, HAS_DST=dsT is not None, HAS_Z=z is not None,
-            HAS_D=D is not None,
+            dadt.stride(0), dx0.stride(0),
+            HAS_SEQ=seq is not None, HAS_DST=dsT is not None, HAS_D=D is not None,
             L=L, BLOCK_P=_block(P), BLOCK_N=block_n, BLOCK_NF=_block(N), PREC=_precision(x),
             num_warps=BWD_WARPS if P * block_n >= 8192 else 4,
         )  # fmt: skip
@@ -522,6 +534,27 @@ class _Core(torch.autograd.Function):
             dx, dadt, dgam, dlate, dx0 = dx[0], dadt[0], dgam[0], dlate[0], dx0[0]
         dD = dD.sum(0).to(D.dtype) if D is not None else None
         return dx.to(x.dtype), dq, dk, dadt, dgam, dlate, None, ds0, dk0, dx0, dD, dz
+
+
+GATE_BLOCK_M = 32  # rows (b, t) per program of the gate's backward
+
+
+def _gate_bwd(dy, z, pre, x, has_D):
+    """`_gate_bwd_kernel`: (dy_core f32, dz in z's dtype or None, dD [programs, H] f32 or
+    None); dy contiguous [B, T, H, P]."""
+    Bsz, T, H, P = dy.shape
+    M = Bsz * T
+    dyc = torch.empty(dy.shape, device=dy.device, dtype=torch.float32)
+    dz = torch.empty(z.shape, device=z.device, dtype=z.dtype) if z is not None else None
+    grid = (cdiv(M, GATE_BLOCK_M), H)
+    dD = torch.empty(grid, device=dy.device, dtype=torch.float32) if has_D else None
+    zs = z.stride()[:3] if z is not None else (0, 0, 0)
+    launch(_gate_bwd_kernel, grid,
+        dy, opt(z, dy), opt(pre, dy), x, dyc, opt(dz, dyc), opt(dD, dyc),
+        M, T, H, P, *zs, x.stride(0), x.stride(1), x.stride(2),
+        HAS_Z=z is not None, HAS_D=has_D, BLOCK_M=GATE_BLOCK_M, BLOCK_P=_block(P),
+    )  # fmt: skip
+    return dyc, dz, dD
 
 
 def mamba3_scan_kernel(

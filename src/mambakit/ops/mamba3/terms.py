@@ -86,8 +86,8 @@ def _turn(p_v, p_out, src, dst, m_e, m_o, be, bo, cos, sin):
 @triton.jit
 def _unturn(p_v, p_dr, p_dv, src, dst, m_e, m_o, be, bo, cos, sin, STORE: tl.constexpr):
     """The turned rows' gradient (dr, at dst) back through the rotation, stored to dv at dst
-    (STORE); returns the angle's gradient [BT, BLOCK_H2] and the rows' gradient summed over
-    the rows, as even and odd halves [BLOCK_H2] (the bias's share; zeros unless STORE)."""
+    (STORE); returns the angle's gradient [BT, BLOCK_H2] and the rows' gradient as even and
+    odd halves [BT, BLOCK_H2] (zero where masked; zeros unless STORE)."""
     ve, vo = _halves(p_v, src, m_e, m_o, be, bo)
     dre = tl.load(p_dr + dst, mask=m_e, other=0.0)
     dro = tl.load(p_dr + dst + 1, mask=m_o, other=0.0)
@@ -96,10 +96,9 @@ def _unturn(p_v, p_dr, p_dv, src, dst, m_e, m_o, be, bo, cos, sin, STORE: tl.con
         dve, dvo = dre * cos + dro * sin, dro * cos - dre * sin
         tl.store(p_dv + dst, dve, mask=m_e)
         tl.store(p_dv + dst + 1, dvo, mask=m_o)
-        return dphi, tl.sum(dve, axis=0), tl.sum(dvo, axis=0)
+        return dphi, dve, dvo
     else:
-        zero = tl.zeros([dre.shape[1]], dtype=tl.float32)
-        return dphi, zero, zero
+        return dphi, tl.zeros_like(dre), tl.zeros_like(dre)
 
 
 @triton.jit
@@ -230,7 +229,8 @@ def _terms_bwd_kernel(
     carry_doc = _doc_at(p_row_seq, tl.maximum(tl.minimum(c * CH + CH, T - 1), 0), HAS_SEQ)
     qbe, qbo = _bias(p_qb, h, N, i)
     kbe, kbo = _bias(p_kb, h, N, i)
-    dqbe = tl.zeros([BLOCK_H2], dtype=tl.float32)
+    # the biases' gradients, summed over the program's steps elementwise (over rows at the end)
+    dqbe = tl.zeros([BT, BLOCK_H2], dtype=tl.float32)
     dqbo, dkbe, dkbo = dqbe, dqbe, dqbe
     n_blocks = tl.cdiv(tl.minimum(CH, T - c * CH), BT)
     for jb in range(0, n_blocks):
@@ -290,10 +290,10 @@ def _terms_bwd_kernel(
         tl.store(p_sum + (bh * C + c) * S + i, acc, mask=mr)
     else:
         ob = (bh * C + c) * N + 2 * i
-        tl.store(p_dqb + ob, dqbe, mask=me)
-        tl.store(p_dqb + ob + 1, dqbo, mask=mo)
-        tl.store(p_dkb + ob, dkbe, mask=me)
-        tl.store(p_dkb + ob + 1, dkbo, mask=mo)
+        tl.store(p_dqb + ob, tl.sum(dqbe, axis=0), mask=me)
+        tl.store(p_dqb + ob + 1, tl.sum(dqbo, axis=0), mask=mo)
+        tl.store(p_dkb + ob, tl.sum(dkbe, axis=0), mask=me)
+        tl.store(p_dkb + ob + 1, tl.sum(dkbo, axis=0), mask=mo)
         if c == 0:
             tl.store(p_dangle0 + bh * S + i, acc, mask=mr)
 
@@ -307,10 +307,13 @@ def _terms_bwd_kernel(
 # the whole row with 8 warps takes 1.672 ms (chunks of 8: 1.858), at 1 x 4096 (24) chunks
 # of 4 with 8 warps 0.821 (the whole row: 1.817). Blocks of 32 steps were slower throughout.
 # These are the sweep's times per kernel pair; the layer was timed with chunks of 8 blocks
-# and 8 warps both ways (11.08 ms forward + backward at 8 x 2048).
+# and 8 warps both ways (11.08 ms forward + backward at 8 x 2048). Session 17, with cos and
+# sin by fast_cos_sin: the backward with 4 warps, 1.658 ms for the whole row at 8 x 2048
+# (8 warps: 2.014) and 0.556 in chunks of 8 at 1 x 4096 (chunks of 4: 0.619); the forward
+# unchanged (0.860 and 0.237).
 BT = 16  # time steps per block
 FWD_WARPS, FWD_CHUNK_BLOCKS = 4, 8
-BWD_WARPS, BWD_CHUNK_BLOCKS = 8, 4
+BWD_WARPS, BWD_CHUNK_BLOCKS = 4, 8
 BWD_CHUNK_BELOW = 1.0  # (row, head) programs per SM below which the backward is chunked
 WHOLE_ROW = 1 << 20  # blocks per chunk that leave one chunk: the row in one program
 
