@@ -149,12 +149,12 @@ def _chunk_fwd_kernel(
 @triton.jit
 def _chunk_bwd_kernel(
     p_x, p_q, p_k, p_adt, p_gam, p_late, p_seq, p_st, p_k0, p_x0,
-    p_dy, p_dsT, p_D,
+    p_dy, p_dsT,
     p_dx, p_dq, p_dk, p_dadt, p_dgam, p_dlate, p_ds0, p_dk0, p_dx0,
     T, H, P, N,
     s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b, s_dy_b, s_dy_t, s_dy_h,
     s_dx_b, s_dx_t, s_dx_h, s_part_x, s_part_w, s_part_x0,
-    HAS_SEQ: tl.constexpr, HAS_DST: tl.constexpr, HAS_D: tl.constexpr,
+    HAS_SEQ: tl.constexpr, HAS_DST: tl.constexpr,
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NF: tl.constexpr,
     PREC: tl.constexpr,
 ):
@@ -167,8 +167,8 @@ def _chunk_bwd_kernel(
     whole, BLOCK_NF) and the sums over N: what a block adds to x, A delta, gamma, late and
     the initial x goes to its own slice of those outputs (s_part_*: the stride between
     blocks' slices), summed after; q~, k~ and the initial S and k~ are the block's alone.
-    Terms that do not depend on the block are added by the first. With D (HAS_D), dx
-    gains D dy (dy: the gradient of y before the gate, `_gate_bwd`'s)."""
+    Terms that do not depend on the block are added by the first. dy is the gradient of
+    the core (`_gate_bwd`'s, which adds D dy to dx as one more slice)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     nb = tl.program_id(2)
@@ -258,10 +258,7 @@ def _chunk_bwd_kernel(
         d_scores = _mm(dy, tl.trans(xc), PREC)  # [L(t), L(s)]
         d_qk = d_scores * weight
         k_ds = _mm(kc, tl.trans(dS), PREC)  # [L, P]: dS k~_s
-        dx = _mm(tl.trans(qk * weight), dy, PREC)
-        if HAS_D:
-            dx += tl.load(p_D + h).to(tl.float32) * dy
-        dx = tl.where(first, dx, 0.0) + tail[:, None] * k_ds
+        dx = tl.where(first, _mm(tl.trans(qk * weight), dy, PREC), 0.0) + tail[:, None] * k_ds
         dy_s = _mm(dy, start, PREC)  # [L, N]: dy_t S'
         dq = _mm(d_qk, kc, PREC) + e_cs[:, None] * dy_s
         dk = _mm(tl.trans(d_qk), qc, PREC)
@@ -305,13 +302,14 @@ def _chunk_bwd_kernel(
 
 @triton.jit
 def _gate_bwd_kernel(
-    p_dy, p_z, p_pre, p_x, p_dyc, p_dz, p_dD,
+    p_dy, p_z, p_pre, p_x, p_D, p_dyc, p_dz, p_dD, p_dxD,
     M, T, H, P, s_z_b, s_z_t, s_z_h, s_x_b, s_x_t, s_x_h,
     HAS_Z: tl.constexpr, HAS_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """y = pre silu(z), pre = core + D x, over the rows m = b T + t of [B, T, H, P] (dy, pre,
-    dyc, dz contiguous; z and x strided): dyc = dy silu(z) (the core's gradient, f32),
-    dz = dy pre silu'(z), and this program's share of dD [programs along M, H]."""
+    dyc, dz, dxD contiguous; z and x strided): dyc = dy silu(z) (the core's gradient, f32),
+    dz = dy pre silu'(z), x's share D dyc (dxD, f32) and this program's share of dD
+    [programs along M, H]."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -333,6 +331,7 @@ def _gate_bwd_kernel(
         x_off = (b * s_x_b + t * s_x_t)[:, None] + h * s_x_h + p[None, :]
         x = tl.load(p_x + x_off, mask=mask, other=0.0).to(tl.float32)
         tl.store(p_dD + pid_m * H + h, tl.sum(tl.sum(dy * x, axis=1), axis=0))
+        tl.store(p_dxD + off, tl.load(p_D + h).to(tl.float32) * dy, mask=mask)
 
 
 # fmt: on
@@ -501,14 +500,15 @@ class _Core(torch.autograd.Function):
                              dtype=torch.float32)  # fmt: skip
         _launch_fwd(x, qr, kr, adt, gamma, late, seq, None, None, s0, k0, x0, None, L, states)
         dy = dy.contiguous() if dy is not None else torch.zeros_like(x)
-        dz = dD = None
-        if z is not None or D is not None:  # dy becomes the gradient of y before the gate
-            dy, dz, dD = _gate_bwd(dy, z, pre, x, D is not None)
         block_n = min(_block(N), BWD_BLOCK_N)
         nb = cdiv(N, block_n)
         f32 = dict(device=x.device, dtype=torch.float32)
-        # what each block of N adds (summed below); adt's layout for the per-token terms
-        dx = torch.empty(nb, Bsz, T, H, P, **f32)
+        # what each block of N adds (summed below; D x's share in one more), adt's layout for
+        # the per-token terms
+        dx = torch.empty(nb + (D is not None), Bsz, T, H, P, **f32)
+        dz = dD = None
+        if z is not None or D is not None:  # dy becomes the gradient of the core
+            dy, dz, dD = _gate_bwd(dy, z, pre, x, D, dx[nb] if D is not None else None)
         dadt, dgam, dlate = (torch.empty(nb, *adt.shape, **f32) for _ in range(3))
         dx0 = torch.empty(nb, *x0.shape, **f32)
         dq, dk = torch.empty_like(qr), torch.empty_like(kr)
@@ -517,21 +517,23 @@ class _Core(torch.autograd.Function):
         seqt = seq if seq is not None else adt
         launch(_chunk_bwd_kernel, (Bsz, H, nb),
             x, qr, kr, adt, gamma, late, seqt, states, k0, x0,
-            dy, dsT if dsT is not None else s0, opt(D, adt),
+            dy, dsT if dsT is not None else s0,
             dx, dq, dk, dadt, dgam, dlate, ds0, dk0, dx0,
             T, H, P, N,
             x.stride(0), x.stride(1), x.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
             adt.stride(0), adt.stride(1), seqt.stride(0), dy.stride(0), dy.stride(1),
             dy.stride(2), dx.stride(1), dx.stride(2), dx.stride(3), dx.stride(0),
             dadt.stride(0), dx0.stride(0),
-            HAS_SEQ=seq is not None, HAS_DST=dsT is not None, HAS_D=D is not None,
+            HAS_SEQ=seq is not None, HAS_DST=dsT is not None,
             L=L, BLOCK_P=_block(P), BLOCK_N=block_n, BLOCK_NF=_block(N), PREC=_precision(x),
             num_warps=BWD_WARPS if P * block_n >= 8192 else 4,
         )  # fmt: skip
-        if nb > 1:  # fixed order: bit-identical reruns
-            dx, dadt, dgam, dlate, dx0 = (t.sum(0) for t in (dx, dadt, dgam, dlate, dx0))
+        # fixed order: bit-identical reruns
+        dx = dx.sum(0) if dx.shape[0] > 1 else dx[0]
+        if nb > 1:
+            dadt, dgam, dlate, dx0 = (t.sum(0) for t in (dadt, dgam, dlate, dx0))
         else:
-            dx, dadt, dgam, dlate, dx0 = dx[0], dadt[0], dgam[0], dlate[0], dx0[0]
+            dadt, dgam, dlate, dx0 = dadt[0], dgam[0], dlate[0], dx0[0]
         dD = dD.sum(0).to(D.dtype) if D is not None else None
         return dx.to(x.dtype), dq, dk, dadt, dgam, dlate, None, ds0, dk0, dx0, dD, dz
 
@@ -539,9 +541,10 @@ class _Core(torch.autograd.Function):
 GATE_BLOCK_M = 32  # rows (b, t) per program of the gate's backward
 
 
-def _gate_bwd(dy, z, pre, x, has_D):
+def _gate_bwd(dy, z, pre, x, D, dxD):
     """`_gate_bwd_kernel`: (dy_core f32, dz in z's dtype or None, dD [programs, H] f32 or
-    None); dy contiguous [B, T, H, P]."""
+    None), D dy_core into dxD; dy contiguous [B, T, H, P]."""
+    has_D = D is not None
     Bsz, T, H, P = dy.shape
     M = Bsz * T
     dyc = torch.empty(dy.shape, device=dy.device, dtype=torch.float32)
@@ -550,7 +553,8 @@ def _gate_bwd(dy, z, pre, x, has_D):
     dD = torch.empty(grid, device=dy.device, dtype=torch.float32) if has_D else None
     zs = z.stride()[:3] if z is not None else (0, 0, 0)
     launch(_gate_bwd_kernel, grid,
-        dy, opt(z, dy), opt(pre, dy), x, dyc, opt(dz, dyc), opt(dD, dyc),
+        dy, opt(z, dy), opt(pre, dy), x, opt(D, dyc), dyc, opt(dz, dyc), opt(dD, dyc),
+        opt(dxD, dyc),
         M, T, H, P, *zs, x.stride(0), x.stride(1), x.stride(2),
         HAS_Z=z is not None, HAS_D=has_D, BLOCK_M=GATE_BLOCK_M, BLOCK_P=_block(P),
     )  # fmt: skip
