@@ -1,29 +1,31 @@
 """The Mamba-3 per-token terms as Triton kernels: reference.token_terms and its backward.
 
 B batch, T time, H heads, G groups (head h reads group h // (H / G)), N = d_state,
-S angles. Time is cut into chunks of a few blocks of BT steps; a program owns one
-(row, head, chunk), walks its chunk block by block carrying the angle, and writes what the
-scan kernels read:
+S angles. What the scan kernels read:
 
     phi_t = (phi_{t-1} + pi tanh(theta_t) delta_t) mod 2 pi        (0 at a document start,
                                                                      angle0 before t = 0)
     q~_t, k~_t = rot(q_t + q_bias, phi_t), rot(k_t + k_bias, phi_t)  [N]: pair (2i, 2i+1), i < S
     A delta, gamma = lam delta, late = (1 - lam) delta (0 at a document start),  lam = sigmoid(trap)
 
-Pairs are read as the even and odd halves of a row, so the rotation is elementwise on
-[BT, N/2] tiles; angle i >= S is held at 0 (cos 1, sin 0). Within a block the angle sum
-is a cumsum, or with documents a [BT, BT] same-document lower-triangular product in f32
-(ieee). The backward walks the blocks in reverse with the reverse sum of dphi; the
-gradients of the group rows are per head ([B, T, H, N]) and summed over the heads in
-PyTorch, as is theta's; the biases' are summed over each program's steps in the kernel
-and over the programs after. cos and sin are the GPU's approximations (`fast_cos_sin`).
+Two parts. The angles carry along time: time is cut into chunks of a few blocks of BT
+steps, and a program owns one (row, head, chunk), walks its chunk block by block
+carrying the angle and writes phi [B, T, H, S], A delta, gamma and late. Within a block the
+angle sum is a cumsum, or with documents a [BT, BT] same-document lower-triangular product
+in f32 (ieee). The chunks run in parallel, as the scan's segments do: a first launch
+(SUMS) gives what each chunk adds to the carry (forward: the angle at its end from 0;
+backward: dphi summed back to its first step from 0), and each program of the second
+launch composes the sums of the chunks before (forward) or after (backward) its own in
+order, restarting where a document starts inside a chunk. The turn carries nothing:
+`_turn_kernel` turns each (row, head, block of steps) by phi, pairs read as the even and
+odd halves of a row so the rotation is elementwise on [BT, N/2] tiles (angle i >= S: 0).
 
-The chunks run in parallel, as the scan's segments do: a first launch (SUMS) gives what
-each chunk adds to the carry (forward: the angle at its end from 0; backward: dphi summed
-back to its first step from 0), and each program of the second launch composes the sums
-of the chunks before (forward) or after (backward) its own in order, restarting where a
-document starts inside a chunk. One program per (row, head) walking all of T left 192
-programs at 8 x 2048 and 24 at a 1 x T prefill (session 9's terms time).
+The backward runs the other way round: `_unturn_kernel` takes q~ and k~'s gradients back
+through the turn for one (row, group, block of steps), its heads in order, summing q and
+k's gradients over the group's heads in registers, writing dphi [B, T, H, S] and each
+head's bias gradient summed over the block; then the angle kernels walk the blocks in
+reverse with the reverse sum of dphi. theta's gradient is per head, summed in PyTorch.
+cos and sin are the GPU's approximations (`fast_cos_sin`).
 """
 
 from __future__ import annotations
@@ -84,21 +86,15 @@ def _turn(p_v, p_out, src, dst, m_e, m_o, be, bo, cos, sin):
 
 
 @triton.jit
-def _unturn(p_v, p_dr, p_dv, src, dst, m_e, m_o, be, bo, cos, sin, STORE: tl.constexpr):
-    """The turned rows' gradient (dr, at dst) back through the rotation, stored to dv at dst
-    (STORE); returns the angle's gradient [BT, BLOCK_H2] and the rows' gradient as even and
-    odd halves [BT, BLOCK_H2] (zero where masked; zeros unless STORE)."""
+def _unturn(p_v, p_dr, src, dst, m_e, m_o, be, bo, cos, sin):
+    """The turned rows' gradient (dr, at dst) back through the rotation: (the angle's
+    gradient, the rows' gradient as even and odd halves), each [BT, BLOCK_H2], zero where
+    masked."""
     ve, vo = _halves(p_v, src, m_e, m_o, be, bo)
     dre = tl.load(p_dr + dst, mask=m_e, other=0.0)
     dro = tl.load(p_dr + dst + 1, mask=m_o, other=0.0)
     dphi = dro * (ve * cos - vo * sin) - dre * (ve * sin + vo * cos)
-    if STORE:
-        dve, dvo = dre * cos + dro * sin, dro * cos - dre * sin
-        tl.store(p_dv + dst, dve, mask=m_e)
-        tl.store(p_dv + dst + 1, dvo, mask=m_o)
-        return dphi, dve, dvo
-    else:
-        return dphi, tl.zeros_like(dre), tl.zeros_like(dre)
+    return dphi, dre * cos + dro * sin, dro * cos - dre * sin
 
 
 @triton.jit
@@ -111,26 +107,26 @@ def _doc_at(p_seq, t, HAS_SEQ: tl.constexpr):
 
 @triton.jit
 def _terms_fwd_kernel(
-    p_q, p_k, p_qb, p_kb, p_delta, p_A, p_trap, p_theta, p_angle0, p_seq, p_sum,
-    p_qr, p_kr, p_phi, p_adt, p_gam, p_late, p_phiT,
-    T, H, G, N, S, CH, C,
-    s_q_b, s_q_t, s_q_g, s_w_b, s_w_t, s_tr_b, s_tr_t, s_th_b, s_th_t, s_seq_b,
-    HAS_SEQ: tl.constexpr, SUMS: tl.constexpr, BT: tl.constexpr, BLOCK_H2: tl.constexpr,
+    p_delta, p_A, p_trap, p_theta, p_angle0, p_seq, p_sum,
+    p_phi, p_adt, p_gam, p_late, p_phiT,
+    T, H, S, CH, C,
+    s_w_b, s_w_t, s_tr_b, s_tr_t, s_th_b, s_th_t, s_seq_b,
+    HAS_SEQ: tl.constexpr, SUMS: tl.constexpr, BT: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """One chunk of CH steps of one (row, head), in blocks of BT. SUMS: from a zero angle,
     only the angle at the chunk's end (sum [B, H, C, S]: what the chunk adds to an angle
     carried into it, or the angle itself when a document starts inside it). Else: the
-    chunk's start angle from the sums of the chunks before it, then every output."""
+    chunk's start angle from the sums of the chunks before it, then phi, A delta, gamma
+    and late (`_turn_kernel` turns q and k by phi)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     c = tl.program_id(2)
-    g = h // (H // G)
     rows = tl.arange(0, BT)
-    i = tl.arange(0, BLOCK_H2)
-    me, mo, mr = 2 * i < N, 2 * i + 1 < N, i < S
+    i = tl.arange(0, BLOCK_S)
+    mr = i < S
     bh = b * H + h
     p_row_seq = p_seq + b * s_seq_b
-    ang = tl.zeros([BLOCK_H2], dtype=tl.float32)
+    ang = tl.zeros([BLOCK_S], dtype=tl.float32)
     if not SUMS:  # the angle at the chunk's start: the chunks before it, in order
         ang = tl.load(p_angle0 + bh * S + i, mask=mr, other=0.0)
         for j in range(0, c):
@@ -143,8 +139,6 @@ def _terms_fwd_kernel(
             ang = ang + inc
             ang = ang - 6.283185307179586 * tl.floor(ang / 6.283185307179586)
     carry_doc = _doc_at(p_row_seq, tl.maximum(c * CH - 1, 0), HAS_SEQ)
-    qbe, qbo = _bias(p_qb, h, N, i)
-    kbe, kbo = _bias(p_kb, h, N, i)
     for t0 in range(c * CH, tl.minimum(c * CH + CH, T), BT):
         t = t0 + rows
         mt = t < T  # CH is a whole number of blocks
@@ -169,12 +163,6 @@ def _terms_fwd_kernel(
             carry_doc = tl.sum(tl.where(rows == last, doc, 0), axis=0)
         if not SUMS:
             tl.store(p_phi + ((b * T + t[:, None]) * H + h) * S + i[None, :], phi, mask=mti)
-            cos, sin = fast_cos_sin(phi)
-            src = b * s_q_b + t[:, None] * s_q_t + g * s_q_g + 2 * i[None, :]
-            dst = ((b * T + t[:, None]) * H + h) * N + 2 * i[None, :]
-            m_e, m_o = mt[:, None] & me[None, :], mt[:, None] & mo[None, :]
-            _turn(p_q, p_qr, src, dst, m_e, m_o, qbe, qbo, cos, sin)
-            _turn(p_k, p_kr, src, dst, m_e, m_o, kbe, kbo, cos, sin)
             A = tl.load(p_A + wo, mask=mt, other=0.0).to(tl.float32)
             trap = tl.load(p_trap + b * s_tr_b + t * s_tr_t + h, mask=mt, other=0.0).to(tl.float32)
             lam = tl.sigmoid(trap)
@@ -190,30 +178,28 @@ def _terms_fwd_kernel(
 
 @triton.jit
 def _terms_bwd_kernel(
-    p_q, p_k, p_qb, p_kb, p_delta, p_A, p_trap, p_theta, p_seq, p_phi, p_sum,
-    p_dqr, p_dkr, p_dadt, p_dgam, p_dlate, p_dphiT,
-    p_dqh, p_dkh, p_ddelta, p_dA, p_dtrap, p_dth, p_dangle0, p_dqb, p_dkb,
-    T, H, G, N, S, CH, C, C0,
-    s_q_b, s_q_t, s_q_g, s_w_b, s_w_t, s_tr_b, s_tr_t, s_th_b, s_th_t, s_seq_b,
+    p_delta, p_A, p_trap, p_theta, p_seq, p_dphi, p_sum,
+    p_dadt, p_dgam, p_dlate, p_dphiT,
+    p_ddelta, p_dA, p_dtrap, p_dth, p_dangle0,
+    T, H, S, CH, C, C0,
+    s_w_b, s_w_t, s_tr_b, s_tr_t, s_th_b, s_th_t, s_seq_b,
     HAS_SEQ: tl.constexpr, HAS_DPHIT: tl.constexpr, SUMS: tl.constexpr, BT: tl.constexpr,
-    BLOCK_H2: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     """One chunk (C0 + program_id(2)) of one (row, head), its blocks in reverse, carrying acc
-    [S]: the sum of dphi over the later steps of the document the block's end continues.
-    SUMS: from a zero carry, only acc at the chunk's first step (sum [B, H, C, S]). Else:
-    the carry into the chunk's end from the sums of the chunks after it (dphiT beyond the
-    last), then every gradient, and the chunk's share of the biases' (dqb, dkb [B, H, C,
-    N], summed after)."""
+    [S]: the sum of dphi (`_unturn_kernel`'s, [B, T, H, S]) over the later steps of the
+    document the block's end continues. SUMS: from a zero carry, only acc at the chunk's
+    first step (sum [B, H, C, S]). Else: the carry into the chunk's end from the sums of the
+    chunks after it (dphiT beyond the last), then every gradient."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     c = C0 + tl.program_id(2)
-    g = h // (H // G)
     rows = tl.arange(0, BT)
-    i = tl.arange(0, BLOCK_H2)
-    me, mo, mr = 2 * i < N, 2 * i + 1 < N, i < S
+    i = tl.arange(0, BLOCK_S)
+    mr = i < S
     bh = b * H + h
     p_row_seq = p_seq + b * s_seq_b
-    acc = tl.zeros([BLOCK_H2], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_S], dtype=tl.float32)
     if not SUMS:  # the carry into the chunk's end: the chunks after it, last first
         if HAS_DPHIT:
             acc = tl.load(p_dphiT + bh * S + i, mask=mr, other=0.0)
@@ -227,31 +213,14 @@ def _terms_bwd_kernel(
             acc += tl.load(p_sum + (bh * C + j) * S + i, mask=mr, other=0.0)
     # the document the carry belongs to: the next chunk's first step's (the last step's)
     carry_doc = _doc_at(p_row_seq, tl.maximum(tl.minimum(c * CH + CH, T - 1), 0), HAS_SEQ)
-    qbe, qbo = _bias(p_qb, h, N, i)
-    kbe, kbo = _bias(p_kb, h, N, i)
-    # the biases' gradients, summed over the program's steps elementwise (over rows at the end)
-    dqbe = tl.zeros([BT, BLOCK_H2], dtype=tl.float32)
-    dqbo, dkbe, dkbo = dqbe, dqbe, dqbe
     n_blocks = tl.cdiv(tl.minimum(CH, T - c * CH), BT)
     for jb in range(0, n_blocks):
         t0 = c * CH + (n_blocks - 1 - jb) * BT
         t = t0 + rows
         mt = t < T
         mti = mt[:, None] & mr[None, :]
-        phi = tl.load(p_phi + ((b * T + t[:, None]) * H + h) * S + i[None, :], mask=mti,
-                      other=0.0)
-        cos, sin = fast_cos_sin(phi)
-        src = b * s_q_b + t[:, None] * s_q_t + g * s_q_g + 2 * i[None, :]
-        dst = ((b * T + t[:, None]) * H + h) * N + 2 * i[None, :]
-        m_e, m_o = mt[:, None] & me[None, :], mt[:, None] & mo[None, :]
-        # q~ and k~'s gradients back through the rotation (stored unless SUMS), and the angle's
-        dphi, se, so = _unturn(p_q, p_dqr, p_dqh, src, dst, m_e, m_o, qbe, qbo, cos, sin,
-                               not SUMS)  # fmt: skip
-        dqbe, dqbo = dqbe + se, dqbo + so
-        dphi_k, se, so = _unturn(p_k, p_dkr, p_dkh, src, dst, m_e, m_o, kbe, kbo, cos, sin,
-                                 not SUMS)  # fmt: skip
-        dkbe, dkbo = dkbe + se, dkbo + so
-        dphi = tl.where(mti, dphi + dphi_k, 0.0)
+        dphi = tl.load(p_dphi + ((b * T + t[:, None]) * H + h) * S + i[None, :], mask=mti,
+                       other=0.0)
         # d inc_r = the sum of dphi_t over t >= r in r's document
         same = mt
         if HAS_SEQ:
@@ -288,14 +257,84 @@ def _terms_bwd_kernel(
             tl.store(p_dtrap + out, (dgam - dlate) * delta * lam * (1.0 - lam), mask=mt)
     if SUMS:
         tl.store(p_sum + (bh * C + c) * S + i, acc, mask=mr)
-    else:
-        ob = (bh * C + c) * N + 2 * i
-        tl.store(p_dqb + ob, tl.sum(dqbe, axis=0), mask=me)
-        tl.store(p_dqb + ob + 1, tl.sum(dqbo, axis=0), mask=mo)
-        tl.store(p_dkb + ob, tl.sum(dkbe, axis=0), mask=me)
-        tl.store(p_dkb + ob + 1, tl.sum(dkbo, axis=0), mask=mo)
-        if c == 0:
-            tl.store(p_dangle0 + bh * S + i, acc, mask=mr)
+    elif c == 0:
+        tl.store(p_dangle0 + bh * S + i, acc, mask=mr)
+
+
+@triton.jit
+def _turn_kernel(
+    p_q, p_k, p_qb, p_kb, p_phi, p_qr, p_kr,
+    T, H, G, N, S, s_q_b, s_q_t, s_q_g,
+    BT: tl.constexpr, BLOCK_H2: tl.constexpr,
+):
+    """q~, k~ [B, T, H, N] for BT steps of one (row, head): the group's rows plus the head's
+    bias, turned by phi [B, T, H, S] (angles past S: 0). No carry: every block is its own
+    program."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    b = tl.program_id(1).to(tl.int64)
+    h = tl.program_id(2)
+    g = h // (H // G)
+    i = tl.arange(0, BLOCK_H2)
+    mt = t < T
+    m_e, m_o = mt[:, None] & (2 * i < N)[None, :], mt[:, None] & (2 * i + 1 < N)[None, :]
+    phi = tl.load(p_phi + ((b * T + t[:, None]) * H + h) * S + i[None, :],
+                  mask=mt[:, None] & (i < S)[None, :], other=0.0)
+    cos, sin = fast_cos_sin(phi)
+    src = b * s_q_b + t[:, None] * s_q_t + g * s_q_g + 2 * i[None, :]
+    dst = ((b * T + t[:, None]) * H + h) * N + 2 * i[None, :]
+    qbe, qbo = _bias(p_qb, h, N, i)
+    kbe, kbo = _bias(p_kb, h, N, i)
+    _turn(p_q, p_qr, src, dst, m_e, m_o, qbe, qbo, cos, sin)
+    _turn(p_k, p_kr, src, dst, m_e, m_o, kbe, kbo, cos, sin)
+
+
+@triton.jit
+def _unturn_kernel(
+    p_q, p_k, p_qb, p_kb, p_phi, p_dqr, p_dkr, p_dq, p_dk, p_dphi, p_dqb, p_dkb,
+    T, H, G, N, S, s_q_b, s_q_t, s_q_g,
+    BT: tl.constexpr, BLOCK_H2: tl.constexpr,
+):
+    """q~ and k~'s gradients [B, T, H, N] back through the turn for BT steps of one (row,
+    group), its heads in order: dq, dk [B, T, G, N] summed over the group's heads, dphi
+    [B, T, H, S], and each head's bias gradient summed over the block's steps (dqb, dkb
+    [blocks, B, H, N], summed after)."""
+    tb = tl.program_id(0)
+    t = tb * BT + tl.arange(0, BT)
+    b = tl.program_id(1).to(tl.int64)
+    g = tl.program_id(2)
+    HG = H // G
+    i = tl.arange(0, BLOCK_H2)
+    me, mo = 2 * i < N, 2 * i + 1 < N
+    mt = t < T
+    m_e, m_o = mt[:, None] & me[None, :], mt[:, None] & mo[None, :]
+    mti = mt[:, None] & (i < S)[None, :]
+    src = b * s_q_b + t[:, None] * s_q_t + g * s_q_g + 2 * i[None, :]
+    dqe = tl.zeros([BT, BLOCK_H2], dtype=tl.float32)
+    dqo, dke, dko = dqe, dqe, dqe
+    for hh in range(0, HG):
+        h = g * HG + hh
+        phi = tl.load(p_phi + ((b * T + t[:, None]) * H + h) * S + i[None, :], mask=mti,
+                      other=0.0)
+        cos, sin = fast_cos_sin(phi)
+        dst = ((b * T + t[:, None]) * H + h) * N + 2 * i[None, :]
+        qbe, qbo = _bias(p_qb, h, N, i)
+        kbe, kbo = _bias(p_kb, h, N, i)
+        dphi, ve, vo = _unturn(p_q, p_dqr, src, dst, m_e, m_o, qbe, qbo, cos, sin)
+        dqe, dqo = dqe + ve, dqo + vo
+        ob = ((tb * tl.num_programs(1) + b) * H + h) * N + 2 * i
+        tl.store(p_dqb + ob, tl.sum(ve, axis=0), mask=me)
+        tl.store(p_dqb + ob + 1, tl.sum(vo, axis=0), mask=mo)
+        dphi_k, ve, vo = _unturn(p_k, p_dkr, src, dst, m_e, m_o, kbe, kbo, cos, sin)
+        dke, dko = dke + ve, dko + vo
+        tl.store(p_dkb + ob, tl.sum(ve, axis=0), mask=me)
+        tl.store(p_dkb + ob + 1, tl.sum(vo, axis=0), mask=mo)
+        tl.store(p_dphi + ((b * T + t[:, None]) * H + h) * S + i[None, :], dphi + dphi_k,
+                 mask=mti)
+    og = ((b * T + t[:, None]) * G + g) * N + 2 * i[None, :]
+    tl.store(p_dq + og, dqe, mask=m_e)
+    tl.store(p_dq + og + 1, dqo, mask=m_o)
+    tl.store(p_dk + og, dke, mask=m_e)
+    tl.store(p_dk + og + 1, dko, mask=m_o)
 
 
 # fmt: on
@@ -315,6 +354,7 @@ BT = 16  # time steps per block
 FWD_WARPS, FWD_CHUNK_BLOCKS = 4, 8
 BWD_WARPS, BWD_CHUNK_BLOCKS = 4, 8
 BWD_CHUNK_BELOW = 1.0  # (row, head) programs per SM below which the backward is chunked
+TURN_BT, TURN_WARPS = 16, 4  # steps per program and warps of the turn and its backward
 WHOLE_ROW = 1 << 20  # blocks per chunk that leave one chunk: the row in one program
 
 
@@ -335,6 +375,10 @@ def _bwd_chunk_blocks(programs: int, device: torch.device) -> int:
 
 def _h2(N: int) -> int:
     return max(16, next_power_of_2((N + 1) // 2))
+
+
+def _s(S: int) -> int:
+    return max(16, next_power_of_2(S))
 
 
 class _Terms(torch.autograd.Function):
@@ -358,16 +402,21 @@ class _Terms(torch.autograd.Function):
         seqt = seq if seq is not None else adt
         ch, C = _chunks(T, FWD_CHUNK_BLOCKS)
         sums = torch.empty(Bsz, H, C, S, **f)
-        args = (q, k, q_bias, k_bias, delta, A, trap, theta, angle0, seqt, sums,
-                qr, kr, phi, adt, gam, late, phiT,
-                T, H, G, N, S, ch, C,
-                q.stride(0), q.stride(1), q.stride(2), delta.stride(0), delta.stride(1),
-                trap.stride(0), trap.stride(1), theta.stride(0), theta.stride(1),
-                seqt.stride(0))  # fmt: skip
-        flags = dict(HAS_SEQ=seq is not None, BT=BT, BLOCK_H2=_h2(N), num_warps=FWD_WARPS)
+        args = (delta, A, trap, theta, angle0, seqt, sums,
+                phi, adt, gam, late, phiT,
+                T, H, S, ch, C,
+                delta.stride(0), delta.stride(1), trap.stride(0), trap.stride(1),
+                theta.stride(0), theta.stride(1), seqt.stride(0))  # fmt: skip
+        flags = dict(HAS_SEQ=seq is not None, BT=BT, BLOCK_S=_s(S), num_warps=FWD_WARPS)
         if C > 1:  # what each chunk but the last adds to the angle
             launch(_terms_fwd_kernel, (Bsz, H, C - 1), *args, SUMS=True, **flags)
         launch(_terms_fwd_kernel, (Bsz, H, C), *args, SUMS=False, **flags)
+        if T > 0:
+            launch(_turn_kernel, (-(-T // TURN_BT), Bsz, H),
+                q, k, q_bias, k_bias, phi, qr, kr,
+                T, H, G, N, S, q.stride(0), q.stride(1), q.stride(2),
+                BT=TURN_BT, BLOCK_H2=_h2(N), num_warps=TURN_WARPS,
+            )  # fmt: skip
         ctx.save_for_backward(q, k, delta, A, trap, theta, q_bias, k_bias, seq, phi)
         ctx.dtypes = (q.dtype, k.dtype, trap.dtype, theta.dtype, angle0.dtype)
         return phiT, qr, kr, adt, gam, late
@@ -385,31 +434,38 @@ class _Terms(torch.autograd.Function):
         dqr, dkr = grad(dqr, (Bsz, T, H, N)), grad(dkr, (Bsz, T, H, N))
         dadt, dgam, dlate = (grad(t, (Bsz, T, H)) for t in (dadt, dgam, dlate))
         dphiT = dphiT.float().contiguous() if dphiT is not None else None
-        dqh, dkh = torch.empty(Bsz, T, H, N, **f), torch.empty(Bsz, T, H, N, **f)
+        # through the turn first: q and k per group, dphi per head, the biases' block sums
+        nt = -(-T // TURN_BT)
+        dqg, dkg = torch.empty(Bsz, T, G, N, **f), torch.empty(Bsz, T, G, N, **f)
+        dphi = torch.empty(Bsz, T, H, S, **f)
+        dqb, dkb = torch.empty(nt, Bsz, H, N, **f), torch.empty(nt, Bsz, H, N, **f)
+        if T > 0:
+            launch(_unturn_kernel, (nt, Bsz, G),
+                q, k, q_bias, k_bias, phi, dqr, dkr, dqg, dkg, dphi, dqb, dkb,
+                T, H, G, N, S, q.stride(0), q.stride(1), q.stride(2),
+                BT=TURN_BT, BLOCK_H2=_h2(N), num_warps=TURN_WARPS,
+            )  # fmt: skip
         ddelta, dA, dtrap = (torch.empty(Bsz, T, H, **f) for _ in range(3))
         dth = torch.empty(Bsz, T, H, S, **f)
         dangle0 = torch.empty(Bsz, H, S, **f)
         seqt = seq if seq is not None else delta
         ch, C = _chunks(T, _bwd_chunk_blocks(Bsz * H, q.device))
         sums = torch.empty(Bsz, H, C, S, **f)
-        dqb, dkb = torch.empty(Bsz, H, C, N, **f), torch.empty(Bsz, H, C, N, **f)
-        args = (q, k, q_bias, k_bias, delta, A, trap, theta, seqt, phi, sums,
-                dqr, dkr, dadt, dgam, dlate, dphiT if dphiT is not None else dangle0,
-                dqh, dkh, ddelta, dA, dtrap, dth, dangle0, dqb, dkb,
-                T, H, G, N, S, ch, C)  # fmt: skip
-        strides = (q.stride(0), q.stride(1), q.stride(2), delta.stride(0), delta.stride(1),
-                   trap.stride(0), trap.stride(1), theta.stride(0), theta.stride(1),
-                   seqt.stride(0))  # fmt: skip
+        args = (delta, A, trap, theta, seqt, dphi, sums,
+                dadt, dgam, dlate, dphiT if dphiT is not None else dangle0,
+                ddelta, dA, dtrap, dth, dangle0,
+                T, H, S, ch, C)  # fmt: skip
+        strides = (delta.stride(0), delta.stride(1), trap.stride(0), trap.stride(1),
+                   theta.stride(0), theta.stride(1), seqt.stride(0))  # fmt: skip
         flags = dict(HAS_SEQ=seq is not None, HAS_DPHIT=dphiT is not None, BT=BT,
-                     BLOCK_H2=_h2(N), num_warps=BWD_WARPS)  # fmt: skip
+                     BLOCK_S=_s(S), num_warps=BWD_WARPS)  # fmt: skip
         if C > 1:  # what reaches each chunk's first step from inside it, all but the first
             launch(_terms_bwd_kernel, (Bsz, H, C - 1), *args, 1, *strides, SUMS=True, **flags)
         launch(_terms_bwd_kernel, (Bsz, H, C), *args, 0, *strides, SUMS=False, **flags)
         qd, kd, trd, thd, ad = ctx.dtypes
-        dq = dqh.view(Bsz, T, G, H // G, N).sum(3).to(qd)
-        dk = dkh.view(Bsz, T, G, H // G, N).sum(3).to(kd)
-        dq_bias = dqb.sum((0, 2)).to(q_bias.dtype)  # per program: no second pass over dqh
-        dk_bias = dkb.sum((0, 2)).to(k_bias.dtype)
+        dq, dk = dqg.to(qd), dkg.to(kd)
+        dq_bias = dqb.sum((0, 1)).to(q_bias.dtype)
+        dk_bias = dkb.sum((0, 1)).to(k_bias.dtype)
         return (dq, dk, ddelta, dA, dtrap.to(trd), dth.sum(2).to(thd), dq_bias, dk_bias,
                 dangle0.to(ad), None)  # fmt: skip
 
