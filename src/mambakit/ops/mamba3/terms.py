@@ -70,29 +70,43 @@ def _bias(p_b, h, N, i):
 
 
 @triton.jit
-def _halves(p_v, src, m_e, m_o, be, bo):
-    """Rows of v at src as even and odd halves [BT, BLOCK_H2], f32, plus the bias halves."""
-    ve = tl.load(p_v + src, mask=m_e, other=0.0).to(tl.float32) + be[None, :]
-    vo = tl.load(p_v + src + 1, mask=m_o, other=0.0).to(tl.float32) + bo[None, :]
-    return ve, vo
+def _halves(p_v, rows, mask):
+    """Rows [BT, 2 BLOCK_H2] of v (row offsets `rows` [BT], the row's values contiguous;
+    mask [BT, 2 BLOCK_H2]) as their even and odd halves [BT, BLOCK_H2] in f32: one
+    contiguous load, split in registers."""
+    BT: tl.constexpr = mask.shape[0]
+    W: tl.constexpr = mask.shape[1]
+    j = tl.arange(0, W)
+    v = tl.load(p_v + rows[:, None] + j[None, :], mask=mask, other=0.0).to(tl.float32)
+    return tl.split(tl.reshape(v, [BT, W // 2, 2]))
 
 
 @triton.jit
-def _turn(p_v, p_out, src, dst, m_e, m_o, be, bo, cos, sin):
-    """The biased rows turned pair by pair, stored to out at dst."""
-    ve, vo = _halves(p_v, src, m_e, m_o, be, bo)
-    tl.store(p_out + dst, ve * cos - vo * sin, mask=m_e)
-    tl.store(p_out + dst + 1, ve * sin + vo * cos, mask=m_o)
+def _store_halves(p_v, rows, mask, ve, vo):
+    """Even and odd halves [BT, BLOCK_H2] stored interleaved as rows of v: one contiguous
+    store."""
+    BT: tl.constexpr = mask.shape[0]
+    W: tl.constexpr = mask.shape[1]
+    j = tl.arange(0, W)
+    tl.store(p_v + rows[:, None] + j[None, :], tl.reshape(tl.join(ve, vo), [BT, W]), mask=mask)
 
 
 @triton.jit
-def _unturn(p_v, p_dr, src, dst, m_e, m_o, be, bo, cos, sin):
+def _turn(p_v, p_out, src, dst, mask, be, bo, cos, sin):
+    """The rows of v at src plus the bias, turned pair by pair, stored to out at dst."""
+    ve, vo = _halves(p_v, src, mask)
+    ve, vo = ve + be[None, :], vo + bo[None, :]
+    _store_halves(p_out, dst, mask, ve * cos - vo * sin, ve * sin + vo * cos)
+
+
+@triton.jit
+def _unturn(p_v, p_dr, src, dst, mask, be, bo, cos, sin):
     """The turned rows' gradient (dr, at dst) back through the rotation: (the angle's
     gradient, the rows' gradient as even and odd halves), each [BT, BLOCK_H2], zero where
     masked."""
-    ve, vo = _halves(p_v, src, m_e, m_o, be, bo)
-    dre = tl.load(p_dr + dst, mask=m_e, other=0.0)
-    dro = tl.load(p_dr + dst + 1, mask=m_o, other=0.0)
+    ve, vo = _halves(p_v, src, mask)
+    ve, vo = ve + be[None, :], vo + bo[None, :]
+    dre, dro = _halves(p_dr, dst, mask)
     dphi = dro * (ve * cos - vo * sin) - dre * (ve * sin + vo * cos)
     return dphi, dre * cos + dro * sin, dro * cos - dre * sin
 
@@ -276,16 +290,16 @@ def _turn_kernel(
     g = h // (H // G)
     i = tl.arange(0, BLOCK_H2)
     mt = t < T
-    m_e, m_o = mt[:, None] & (2 * i < N)[None, :], mt[:, None] & (2 * i + 1 < N)[None, :]
+    mask = mt[:, None] & (tl.arange(0, 2 * BLOCK_H2) < N)[None, :]
     phi = tl.load(p_phi + ((b * T + t[:, None]) * H + h) * S + i[None, :],
                   mask=mt[:, None] & (i < S)[None, :], other=0.0)
     cos, sin = fast_cos_sin(phi)
-    src = b * s_q_b + t[:, None] * s_q_t + g * s_q_g + 2 * i[None, :]
-    dst = ((b * T + t[:, None]) * H + h) * N + 2 * i[None, :]
+    src = b * s_q_b + t * s_q_t + g * s_q_g  # [BT] row offsets
+    dst = ((b * T + t) * H + h) * N
     qbe, qbo = _bias(p_qb, h, N, i)
     kbe, kbo = _bias(p_kb, h, N, i)
-    _turn(p_q, p_qr, src, dst, m_e, m_o, qbe, qbo, cos, sin)
-    _turn(p_k, p_kr, src, dst, m_e, m_o, kbe, kbo, cos, sin)
+    _turn(p_q, p_qr, src, dst, mask, qbe, qbo, cos, sin)
+    _turn(p_k, p_kr, src, dst, mask, kbe, kbo, cos, sin)
 
 
 @triton.jit
@@ -306,9 +320,9 @@ def _unturn_kernel(
     i = tl.arange(0, BLOCK_H2)
     me, mo = 2 * i < N, 2 * i + 1 < N
     mt = t < T
-    m_e, m_o = mt[:, None] & me[None, :], mt[:, None] & mo[None, :]
+    mask = mt[:, None] & (tl.arange(0, 2 * BLOCK_H2) < N)[None, :]
     mti = mt[:, None] & (i < S)[None, :]
-    src = b * s_q_b + t[:, None] * s_q_t + g * s_q_g + 2 * i[None, :]
+    src = b * s_q_b + t * s_q_t + g * s_q_g  # [BT] row offsets
     dqe = tl.zeros([BT, BLOCK_H2], dtype=tl.float32)
     dqo, dke, dko = dqe, dqe, dqe
     for hh in range(0, HG):
@@ -316,25 +330,23 @@ def _unturn_kernel(
         phi = tl.load(p_phi + ((b * T + t[:, None]) * H + h) * S + i[None, :], mask=mti,
                       other=0.0)
         cos, sin = fast_cos_sin(phi)
-        dst = ((b * T + t[:, None]) * H + h) * N + 2 * i[None, :]
+        dst = ((b * T + t) * H + h) * N
         qbe, qbo = _bias(p_qb, h, N, i)
         kbe, kbo = _bias(p_kb, h, N, i)
-        dphi, ve, vo = _unturn(p_q, p_dqr, src, dst, m_e, m_o, qbe, qbo, cos, sin)
+        dphi, ve, vo = _unturn(p_q, p_dqr, src, dst, mask, qbe, qbo, cos, sin)
         dqe, dqo = dqe + ve, dqo + vo
         ob = ((tb * tl.num_programs(1) + b) * H + h) * N + 2 * i
         tl.store(p_dqb + ob, tl.sum(ve, axis=0), mask=me)
         tl.store(p_dqb + ob + 1, tl.sum(vo, axis=0), mask=mo)
-        dphi_k, ve, vo = _unturn(p_k, p_dkr, src, dst, m_e, m_o, kbe, kbo, cos, sin)
+        dphi_k, ve, vo = _unturn(p_k, p_dkr, src, dst, mask, kbe, kbo, cos, sin)
         dke, dko = dke + ve, dko + vo
         tl.store(p_dkb + ob, tl.sum(ve, axis=0), mask=me)
         tl.store(p_dkb + ob + 1, tl.sum(vo, axis=0), mask=mo)
         tl.store(p_dphi + ((b * T + t[:, None]) * H + h) * S + i[None, :], dphi + dphi_k,
                  mask=mti)
-    og = ((b * T + t[:, None]) * G + g) * N + 2 * i[None, :]
-    tl.store(p_dq + og, dqe, mask=m_e)
-    tl.store(p_dq + og + 1, dqo, mask=m_o)
-    tl.store(p_dk + og, dke, mask=m_e)
-    tl.store(p_dk + og + 1, dko, mask=m_o)
+    og = ((b * T + t) * G + g) * N
+    _store_halves(p_dq, og, mask, dqe, dqo)
+    _store_halves(p_dk, og, mask, dke, dko)
 
 
 # fmt: on
@@ -354,7 +366,9 @@ BT = 16  # time steps per block
 FWD_WARPS, FWD_CHUNK_BLOCKS = 4, 8
 BWD_WARPS, BWD_CHUNK_BLOCKS = 4, 8
 BWD_CHUNK_BELOW = 1.0  # (row, head) programs per SM below which the backward is chunked
-TURN_BT, TURN_WARPS = 16, 4  # steps per program and warps of the turn and its backward
+# steps per program of the turn and its backward, and their warps (sm_90a, offline: the
+# backward spills 384 bytes a thread with 4 warps, none with 8; the turn none with 4)
+TURN_BT, TURN_WARPS, UNTURN_WARPS = 16, 4, 8
 WHOLE_ROW = 1 << 20  # blocks per chunk that leave one chunk: the row in one program
 
 
@@ -443,7 +457,7 @@ class _Terms(torch.autograd.Function):
             launch(_unturn_kernel, (nt, Bsz, G),
                 q, k, q_bias, k_bias, phi, dqr, dkr, dqg, dkg, dphi, dqb, dkb,
                 T, H, G, N, S, q.stride(0), q.stride(1), q.stride(2),
-                BT=TURN_BT, BLOCK_H2=_h2(N), num_warps=TURN_WARPS,
+                BT=TURN_BT, BLOCK_H2=_h2(N), num_warps=UNTURN_WARPS,
             )  # fmt: skip
         ddelta, dA, dtrap = (torch.empty(Bsz, T, H, **f) for _ in range(3))
         dth = torch.empty(Bsz, T, H, S, **f)
