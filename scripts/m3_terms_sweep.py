@@ -43,7 +43,6 @@ def main() -> int:
     ]
     for BT, chunk_blocks, warps in configs:  # chunk_blocks 2^20: one chunk, the whole row
         terms.BT, terms.FWD_CHUNK_BLOCKS, terms.BWD_CHUNK_BLOCKS = BT, chunk_blocks, chunk_blocks
-        terms.BWD_CHUNK_BELOW = float("inf")  # the backward in these chunks too
 
         def fwd():
             with torch.no_grad():

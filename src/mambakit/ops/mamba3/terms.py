@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import fast_cos_sin, launch, next_power_of_2, sm_count
+from .._triton import fast_cos_sin, launch, next_power_of_2
 
 # fmt: off
 
@@ -361,11 +361,14 @@ def _unturn_kernel(
 # and 8 warps both ways (11.08 ms forward + backward at 8 x 2048). Session 17, with cos and
 # sin by fast_cos_sin: the backward with 4 warps, 1.658 ms for the whole row at 8 x 2048
 # (8 warps: 2.014) and 0.556 in chunks of 8 at 1 x 4096 (chunks of 4: 0.619); the forward
-# unchanged (0.860 and 0.237).
+# unchanged (0.860 and 0.237). Then the turn moved out of these kernels into kernels of its
+# own (_turn_kernel, _unturn_kernel) and the backward's chunk sums no longer recompute the
+# turn: at 8 x 2048 the pair with chunks of 8 blocks and 4 warps took 0.777 ms forward and
+# 0.886 backward, against 0.941 and 1.065 for the whole row, so the backward is chunked at
+# any size.
 BT = 16  # time steps per block
 FWD_WARPS, FWD_CHUNK_BLOCKS = 4, 8
 BWD_WARPS, BWD_CHUNK_BLOCKS = 4, 8
-BWD_CHUNK_BELOW = 1.0  # (row, head) programs per SM below which the backward is chunked
 # steps per program of the turn and its backward, and their warps (sm_90a, offline: the
 # backward spills 384 bytes a thread with 4 warps, none with 8; the turn none with 4)
 TURN_BT, TURN_WARPS, UNTURN_WARPS = 16, 4, 8
@@ -376,15 +379,6 @@ def _chunks(T: int, blocks: int) -> tuple[int, int]:
     """(steps per chunk, chunks) for T steps in chunks of `blocks` blocks."""
     ch = BT * blocks
     return ch, max(1, -(-T // ch))
-
-
-def _bwd_chunk_blocks(programs: int, device: torch.device) -> int:
-    """The backward's blocks per chunk for `programs` (row, head) programs: chunked below
-    BWD_CHUNK_BELOW programs per SM, and always under the interpreter (so tests run it)."""
-    if device.type != "cuda":
-        return BWD_CHUNK_BLOCKS
-    few = programs < BWD_CHUNK_BELOW * sm_count(device.index or 0)
-    return BWD_CHUNK_BLOCKS if few else WHOLE_ROW
 
 
 def _h2(N: int) -> int:
@@ -463,7 +457,7 @@ class _Terms(torch.autograd.Function):
         dth = torch.empty(Bsz, T, H, S, **f)
         dangle0 = torch.empty(Bsz, H, S, **f)
         seqt = seq if seq is not None else delta
-        ch, C = _chunks(T, _bwd_chunk_blocks(Bsz * H, q.device))
+        ch, C = _chunks(T, BWD_CHUNK_BLOCKS)
         sums = torch.empty(Bsz, H, C, S, **f)
         args = (delta, A, trap, theta, seqt, dphi, sums,
                 dadt, dgam, dlate, dphiT if dphiT is not None else dangle0,
