@@ -24,7 +24,6 @@ from mambakit.ops.mamba3 import chunk  # noqa: E402
 FWD = [(16, 4, "bf16", 64), (16, 2, "bf16", 32)]
 # (chunk, warps, products, N states a program); the first is the reference
 BWD = [(16, 8, "bf16", 64), (16, 4, "bf16", 64), (32, 8, "bf16", 64)]
-# fmt: skip
 
 
 DEV = "cuda"  # --dry: "cpu" (TRITON_INTERPRET=1, small heads, untimed), to test the script
