@@ -18,14 +18,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from common import cuda_time_ms  # noqa: E402
 
-from mambakit.ops.mamba3 import chunk, terms  # noqa: E402
+from mambakit.ops.mamba3 import chunk  # noqa: E402
 
 # (chunk, warps, products for bf16 inputs, P values a program); the first is the reference
 FWD = [(16, 4, "bf16", 64), (16, 2, "bf16", 32)]
 # (chunk, warps, products, N states a program); the first is the reference
 BWD = [(16, 8, "bf16", 64), (16, 4, "bf16", 64), (32, 8, "bf16", 64)]
-# (P values a program of the backward's states pass, heads a program of the turn's backward)
-MORE = [(64, 6), (64, 24), (32, 6)]
+# P values a program of the backward's states pass
+STATES_P = [64, 32]
 
 
 DEV = "cuda"  # --dry: "cpu" (TRITON_INTERPRET=1, small heads, untimed), to test the script
@@ -143,13 +143,12 @@ def main() -> int:
                "block_n": block_n, **rec}, flush=True)  # fmt: skip
     chunk.CHUNK_BWD, chunk.BWD_WARPS, chunk.BWD_BLOCK_N = defaults[4:]
     chunk.PREC_16BIT = defaults[2]
-    more = (chunk.STATES_BLOCK_P, terms.UNTURN_HEADS)
-    for states_p, heads in MORE:
-        chunk.STATES_BLOCK_P, terms.UNTURN_HEADS = states_p, heads
+    states_default = chunk.STATES_BLOCK_P
+    for states_p in STATES_P:
+        chunk.STATES_BLOCK_P = states_p
         rec, _ = run_bwd(inp, cot, ref)
-        print({"shape": args.shape, "states_block_p": states_p, "unturn_heads": heads, **rec},
-              flush=True)  # fmt: skip
-    chunk.STATES_BLOCK_P, terms.UNTURN_HEADS = more
+        print({"shape": args.shape, "states_block_p": states_p, **rec}, flush=True)
+    chunk.STATES_BLOCK_P = states_default
 
     if args.dry:
         return 0

@@ -526,11 +526,10 @@ def test_token_terms_kernels_equal_the_reference(
 ):
     """terms.py (blocks of 16 or 32 steps carrying the angle, pairs as even/odd halves, chunks
     of 1 to 8 blocks in parallel, composed from their sums; the turn and its backward in
-    blocks of as many steps, the latter over a group's heads, whole or one a program)
-    against reference.token_terms in float64: the final angle, q~, k~, A delta, gamma,
-    late, and the gradient of every input (group rows summed over their heads, biases over
-    rows and time, theta over the heads). The final angle is compared through its sine:
-    it is taken mod 2 pi."""
+    blocks of as many steps, the latter over a group's heads) against reference.token_terms
+    in float64: the final angle, q~, k~, A delta, gamma, late, and the gradient of every
+    input (group rows summed over their heads, biases over rows and time, theta over the
+    heads). The final angle is compared through its sine: it is taken mod 2 pi."""
     from mambakit.ops.mamba3 import terms
     from mambakit.ops.mamba3.reference import token_terms
     from mambakit.ops.mamba3.terms import token_terms_kernel
@@ -539,7 +538,6 @@ def test_token_terms_kernels_equal_the_reference(
     monkeypatch.setattr(terms, "FWD_CHUNK_BLOCKS", chunk_blocks)
     monkeypatch.setattr(terms, "BWD_CHUNK_BLOCKS", chunk_blocks)
     monkeypatch.setattr(terms, "TURN_BT", block)
-    monkeypatch.setattr(terms, "UNTURN_HEADS", 1 if block == 32 else 6)  # slices of heads
     g = torch.Generator().manual_seed(T_)
 
     def r(*s):

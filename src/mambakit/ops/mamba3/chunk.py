@@ -371,9 +371,12 @@ def _block(v: int) -> int:
 FWD_WARPS = 4
 STATES_WARPS = 8
 # The head's P values per forward program (each block of P carries its rows of S alone):
-# more programs than the (row, head) pairs, each with a smaller state
+# more programs than the (row, head) pairs, each with a smaller state. H200, 8 x 2048
+# (scripts/m3_chunk_sweep.py, session 17): y's pass 0.83 ms whole, 0.81 in blocks of 32
+# with 2 warps (no gain kept); the backward's states pass in blocks of 32 brings terms +
+# forward + backward from 5.19 ms to 4.95.
 FWD_BLOCK_P = 64
-STATES_BLOCK_P = 64
+STATES_BLOCK_P = 32
 
 
 def _warps(block_p: int, N: int, states: bool) -> int:

@@ -306,21 +306,17 @@ def _turn_kernel(
 def _unturn_kernel(
     p_q, p_k, p_qb, p_kb, p_phi, p_dqr, p_dkr, p_dq, p_dk, p_dphi, p_dqb, p_dkb,
     T, H, G, N, S, s_q_b, s_q_t, s_q_g,
-    BT: tl.constexpr, BLOCK_H2: tl.constexpr, HS: tl.constexpr,
+    BT: tl.constexpr, BLOCK_H2: tl.constexpr,
 ):
     """q~ and k~'s gradients [B, T, H, N] back through the turn for BT steps of one (row,
-    group, slice of HS of the group's heads), those heads in order: dq, dk [slices, B, T,
-    G, N] summed over them (over the slices after), dphi [B, T, H, S], and each head's bias
-    gradient summed over the block's steps (dqb, dkb [blocks, B, H, N], summed after)."""
+    group), its heads in order: dq, dk [B, T, G, N] summed over the group's heads, dphi
+    [B, T, H, S], and each head's bias gradient summed over the block's steps (dqb, dkb
+    [blocks, B, H, N], summed after)."""
     tb = tl.program_id(0)
     t = tb * BT + tl.arange(0, BT)
     b = tl.program_id(1).to(tl.int64)
+    g = tl.program_id(2)
     HG = H // G
-    n_sl = tl.cdiv(HG, HS)
-    g = tl.program_id(2) // n_sl
-    sl = tl.program_id(2) % n_sl
-    p_dq += sl * tl.num_programs(1) * T * G * N
-    p_dk += sl * tl.num_programs(1) * T * G * N
     i = tl.arange(0, BLOCK_H2)
     me, mo = 2 * i < N, 2 * i + 1 < N
     mt = t < T
@@ -329,7 +325,7 @@ def _unturn_kernel(
     src = b * s_q_b + t * s_q_t + g * s_q_g  # [BT] row offsets
     dqe = tl.zeros([BT, BLOCK_H2], dtype=tl.float32)
     dqo, dke, dko = dqe, dqe, dqe
-    for hh in range(sl * HS, tl.minimum(sl * HS + HS, HG)):
+    for hh in range(0, HG):
         h = g * HG + hh
         phi = tl.load(p_phi + ((b * T + t[:, None]) * H + h) * S + i[None, :], mask=mti,
                       other=0.0)
@@ -376,7 +372,6 @@ BWD_WARPS, BWD_CHUNK_BLOCKS = 4, 8
 # steps per program of the turn and its backward, and their warps (sm_90a, offline: the
 # backward spills 384 bytes a thread with 4 warps, none with 8; the turn none with 4)
 TURN_BT, TURN_WARPS, UNTURN_WARPS = 16, 4, 8
-UNTURN_HEADS = 6  # heads a program of the turn's backward walks (its q, k sums: per slice)
 WHOLE_ROW = 1 << 20  # blocks per chunk that leave one chunk: the row in one program
 
 
@@ -449,16 +444,14 @@ class _Terms(torch.autograd.Function):
         dphiT = dphiT.float().contiguous() if dphiT is not None else None
         # through the turn first: q and k per group, dphi per head, the biases' block sums
         nt = -(-T // TURN_BT)
-        hs = min(UNTURN_HEADS, H // G)
-        n_sl = -(-(H // G) // hs)
-        dqg, dkg = torch.empty(n_sl, Bsz, T, G, N, **f), torch.empty(n_sl, Bsz, T, G, N, **f)
+        dqg, dkg = torch.empty(Bsz, T, G, N, **f), torch.empty(Bsz, T, G, N, **f)
         dphi = torch.empty(Bsz, T, H, S, **f)
         dqb, dkb = torch.empty(nt, Bsz, H, N, **f), torch.empty(nt, Bsz, H, N, **f)
         if T > 0:
-            launch(_unturn_kernel, (nt, Bsz, G * n_sl),
+            launch(_unturn_kernel, (nt, Bsz, G),
                 q, k, q_bias, k_bias, phi, dqr, dkr, dqg, dkg, dphi, dqb, dkb,
                 T, H, G, N, S, q.stride(0), q.stride(1), q.stride(2),
-                BT=TURN_BT, BLOCK_H2=_h2(N), HS=hs, num_warps=UNTURN_WARPS,
+                BT=TURN_BT, BLOCK_H2=_h2(N), num_warps=UNTURN_WARPS,
             )  # fmt: skip
         ddelta, dA, dtrap = (torch.empty(Bsz, T, H, **f) for _ in range(3))
         dth = torch.empty(Bsz, T, H, S, **f)
@@ -478,8 +471,7 @@ class _Terms(torch.autograd.Function):
             launch(_terms_bwd_kernel, (Bsz, H, C - 1), *args, 1, *strides, SUMS=True, **flags)
         launch(_terms_bwd_kernel, (Bsz, H, C), *args, 0, *strides, SUMS=False, **flags)
         qd, kd, trd, thd, ad = ctx.dtypes
-        dq, dk = (t.sum(0) if n_sl > 1 else t[0] for t in (dqg, dkg))  # fixed order
-        dq, dk = dq.to(qd), dk.to(kd)
+        dq, dk = dqg.to(qd), dkg.to(kd)
         dq_bias = dqb.sum((0, 1)).to(q_bias.dtype)
         dk_bias = dkb.sum((0, 1)).to(k_bias.dtype)
         return (dq, dk, ddelta, dA, dtrap.to(trd), dth.sum(2).to(thd), dq_bias, dk_bias,
