@@ -37,7 +37,8 @@ def _last_row(x, rows, last):
 @triton.jit
 def _mm(a, b, PREC: tl.constexpr, acc=None):
     """a @ b with f32 accumulation: operands rounded to bf16 for PREC "bf16", else
-    `input_precision=PREC` (tf32, tf32x3, ieee)."""
+    `input_precision=PREC` (tf32, tf32x3, ieee). Triton 3.6's interpreter multiplies bf16
+    dot operands as raw bits, so the CPU runs ieee and only the GPU tests cover bf16."""
     if PREC == "bf16":
         out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc=acc)
     else:
@@ -373,8 +374,8 @@ STATES_WARPS = 8
 # The head's P values per forward program (each block of P carries its rows of S alone):
 # more programs than the (row, head) pairs, each with a smaller state. H200, 8 x 2048
 # (scripts/m3_chunk_sweep.py, session 17): y's pass 0.83 ms whole, 0.81 in blocks of 32
-# with 2 warps (no gain kept); the backward's states pass in blocks of 32 brings terms +
-# forward + backward from 5.19 ms to 4.95.
+# with 2 warps (no gain kept); the backward's states pass in blocks of 32 (so 4 warps)
+# brings terms + forward + backward from 5.19 ms to 4.95.
 FWD_BLOCK_P = 64
 STATES_BLOCK_P = 32
 
