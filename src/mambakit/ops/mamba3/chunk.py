@@ -37,7 +37,7 @@ def _last_row(x, rows, last):
 @triton.jit
 def _mm(a, b, PREC: tl.constexpr, acc=None):
     """a @ b with f32 accumulation: operands rounded to bf16 for PREC "bf16", else
-    `input_precision=PREC` (tf32, tf32x3, ieee). Triton 3.6's interpreter multiplies bf16
+    `input_precision=PREC` (tf32, tf32x3, ieee). Triton's interpreter (3.9) multiplies bf16
     dot operands as raw bits, so the CPU runs ieee and only the GPU tests cover bf16."""
     if PREC == "bf16":
         out = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc=acc)
@@ -368,7 +368,7 @@ def _block(v: int) -> int:
 # Warps for a state of 8192 values or more (4 below): the forward computing y (chunks of
 # CHUNK_L) and the backward's pass storing the chunk start states (chunks of CHUNK_BWD).
 # H200, 8 x 2048, bf16 products: the forward 1.49 ms with 4 warps against 2.19 with 8; the
-# states pass spills 408 bytes a thread with 4 warps and 8 with 8 (ptxas, sm_90a).
+# states pass spills 408 bytes a thread with 4 warps and 8 with 8 (Triton 3.9 offline, sm_90a).
 FWD_WARPS = 4
 STATES_WARPS = 8
 # The head's P values per forward program (each block of P carries its rows of S alone):

@@ -369,7 +369,7 @@ def _unturn_kernel(
 BT = 16  # time steps per block
 FWD_WARPS, FWD_CHUNK_BLOCKS = 4, 8
 BWD_WARPS, BWD_CHUNK_BLOCKS = 4, 8
-# steps per program of the turn and its backward, and their warps (sm_90a, offline: the
+# steps per program of the turn and its backward, and their warps (Triton 3.9, sm_90a: the
 # backward spills 384 bytes a thread with 4 warps, none with 8; the turn none with 4)
 TURN_BT, TURN_WARPS, UNTURN_WARPS = 16, 4, 8
 WHOLE_ROW = 1 << 20  # blocks per chunk that leave one chunk: the row in one program
