@@ -91,6 +91,13 @@ def layer_rows(batch: int, seqlen: int, d_model: int, iters: int) -> list[dict]:
         for what, fn in (("forward", fwd), ("forward+backward", fwd_bwd)):
             ms = cuda_time_ms(fn, warmup=3, iters=iters)
             rec = {"workload": f"Mamba3 layer {what} {batch}x{seqlen}", "impl": name, "ms": ms}
+            # what one call holds beyond the inputs and weights (saved activations, transients)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            fn()
+            torch.cuda.synchronize()
+            rec["peak_extra_mib"] = round((torch.cuda.max_memory_allocated() - before) / 2**20)
             if name == "mambakit":
                 base[what] = ms
             else:

@@ -87,7 +87,7 @@ if stage dprofile; then  # per-kernel GPU time of a decode step and of an eager 
 fi
 if stage m3; then  # Mamba-3: the terms kernels' blocks, chunks and warps; the layer beside upstream's
   echo "== m3_terms_sweep" | tee -a "$LOG"
-  for shape in ${M3_SHAPES:-8x2048 1x4096}; do
+  for shape in ${M3_SHAPES-8x2048 1x4096}; do  # M3_SHAPES="": none
     timeout ${T_M3SWEEP:-90} python scripts/m3_terms_sweep.py --shape $shape 2>&1 | tee -a "$LOG"
   done
   echo "== m3_chunk_sweep" | tee -a "$LOG"

@@ -143,12 +143,16 @@ def main() -> int:
                "block_n": block_n, **rec}, flush=True)  # fmt: skip
     chunk.CHUNK_BWD, chunk.BWD_WARPS, chunk.BWD_BLOCK_N = defaults[4:]
     chunk.PREC_16BIT = defaults[2]
+    # the backward's own pass for the chunk start states (only when its chunks are not the
+    # forward's, which then stores none)
     states_default = chunk.STATES_BLOCK_P
+    chunk.CHUNK_BWD = 2 * chunk.CHUNK_L
     for states_p in STATES_P:
         chunk.STATES_BLOCK_P = states_p
         rec, _ = run_bwd(inp, cot, ref)
-        print({"shape": args.shape, "states_block_p": states_p, **rec}, flush=True)
-    chunk.STATES_BLOCK_P = states_default
+        print({"shape": args.shape, "bwd_chunk": chunk.CHUNK_BWD, "states_block_p": states_p,
+               **rec}, flush=True)  # fmt: skip
+    chunk.STATES_BLOCK_P, chunk.CHUNK_BWD = states_default, defaults[4]
 
     if args.dry:
         return 0

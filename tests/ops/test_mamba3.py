@@ -377,6 +377,17 @@ def test_chunk_kernels_in_blocks_of_p_and_n(monkeypatch, seq, state_in):
     _check_kernel_gradients(inp, state, seq_idx)
 
 
+@pytest.mark.parametrize("chunk_bwd", [8, 32])
+def test_chunk_kernels_backward_in_other_chunks_than_the_forward(monkeypatch, chunk_bwd):
+    """The forward keeps its chunks' start states for the backward only when their chunks
+    agree; a backward in other chunks recomputes them in a pass of its own (the forward
+    kernel storing states alone). Every gradient as the float64 reference either way."""
+    from mambakit.ops.mamba3 import chunk
+
+    monkeypatch.setattr(chunk, "CHUNK_BWD", chunk_bwd)
+    _check_kernel_gradients(*_kernel_case(45, 2, True, True, True, seed=11))
+
+
 def _check_kernel_gradients(inp, state, seq_idx):
     """mamba3_scan_kernel's y, final state and every gradient against the float64 scan."""
     from mambakit.ops.mamba3.chunk import mamba3_scan_kernel

@@ -76,14 +76,16 @@ def _launch_fwd(
     x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L, states=None, pre=None
 ):
     """The forward kernel over (row, head): y and the final state into y, and the returned
-    (sT, kT, xT), or only each chunk's start state into `states` (y is None). `pre` (y's
-    shape and strides): y before the gate, stored too."""
+    (sT, kT, xT); each chunk's start state into `states` when given (the backward's, with y
+    or as a pass of its own when y is None). `pre` (y's shape and strides): y before the
+    gate, stored too."""
     Bsz, T, H, P = x.shape
     N = qr.shape[-1]
     sT, kT, xT = torch.empty_like(s0), torch.empty_like(k0), torch.empty_like(x0)
     seq = seq_idx if seq_idx is not None else adt
     ys = y if y is not None else x
     block_p = min(_block(P), FWD_BLOCK_P if y is not None else STATES_BLOCK_P)
+    states_only = y is None
     launch(_chunk_fwd_kernel, (Bsz, H, cdiv(P, block_p)),
         x, qr, kr, adt, gamma, late, seq, z if z is not None else x,
         D.float() if D is not None else adt, s0, k0, x0, ys, pre if pre is not None else ys,
@@ -96,7 +98,7 @@ def _launch_fwd(
         HAS_SEQ=seq_idx is not None, HAS_Z=z is not None, HAS_D=D is not None,
         L=L, BLOCK_P=block_p, BLOCK_N=_block(N), PREC=_precision(x),
         COMPUTE_Y=y is not None, STORE_STATES=states is not None, STORE_PRE=pre is not None,
-        num_warps=_warps(block_p, N, states is not None),
+        num_warps=_warps(block_p, N, states_only),
     )  # fmt: skip
     return sT, kT, xT
 
@@ -157,8 +159,10 @@ def mamba3_scan_fwd(
 # after). H200, 130m-mamba3 heads, 8 x 2048, bf16 products, terms + forward + backward
 # (scripts/m3_chunk_sweep.py, session 17): chunks of 16 in blocks of 64 states, 8 warps,
 # 6.71 ms; 4 warps 6.71; blocks of 32: 6.85; chunks of 32: 7.16 in blocks of 64, 7.42
-# whole, 10.8 in blocks of 32. Chunks of 16 keep twice the start states of 32 for the
-# backward ([B, H, T/16, P, N] f32, 805 MB at that shape, freed after the layer).
+# whole, 10.8 in blocks of 32. The start states of chunks of 16 are [B, H, T/16, P, N]
+# f32: 4 H P N / 16 bytes a token, 805 MB at that shape. The forward stores them beside y
+# (CHUNK_L == CHUNK_BWD) and they live until the layer's backward: session 18's profile
+# (ncu, H200) had the pass that recomputed them at 0.755 ms against 0.684 for the forward.
 CHUNK_BWD = 16
 BWD_WARPS = 8
 BWD_BLOCK_N = 64
@@ -167,28 +171,37 @@ BWD_BLOCK_N = 64
 class _Core(torch.autograd.Function):
     """The scan with its kernels: (x, q~, k~, A delta, gamma, late, initial S, k~, x, D, z)
     -> (y with D and the gate, in x.dtype; the final S). The forward keeps y before the gate
-    (in x.dtype) when there is one; the backward recomputes each chunk's start state (the
-    forward kernel, STORE_STATES), then walks the chunks in reverse, the gate's and D's
-    gradients included."""
+    (in x.dtype) when there is one, and each chunk's start state S'_start (f32, the
+    forward kernel's STORE_STATES beside y) when its chunk is the backward's (else the
+    backward recomputes them in a pass of their own); the backward walks the chunks in
+    reverse, the gate's and D's gradients included."""
 
     @staticmethod
     def forward(ctx, x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z):
+        Bsz, T, H, P = x.shape
         y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
         pre = torch.empty_like(y) if z is not None else None
+        states = None
+        if CHUNK_L == CHUNK_BWD:
+            states = torch.empty(Bsz, H, cdiv(T, CHUNK_L), P, qr.shape[-1], device=x.device,
+                                 dtype=torch.float32)  # fmt: skip
         sT, _, _ = _launch_fwd(x, qr, kr, adt, gamma, late, seq, D, z, s0, k0, x0, y, CHUNK_L,
-                               pre=pre)  # fmt: skip
-        ctx.save_for_backward(x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, pre)
+                               states, pre)  # fmt: skip
+        ctx.save_for_backward(x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, pre, states)
+        ctx.chunk = CHUNK_BWD
         return y, sT
 
     @staticmethod
     def backward(ctx, dy, dsT):
-        x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, pre = ctx.saved_tensors
+        x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, pre, states = ctx.saved_tensors
         Bsz, T, H, P = x.shape
         N = qr.shape[-1]
-        L = CHUNK_BWD
-        states = torch.empty(Bsz, H, cdiv(T, L), P, N, device=x.device,
-                             dtype=torch.float32)  # fmt: skip
-        _launch_fwd(x, qr, kr, adt, gamma, late, seq, None, None, s0, k0, x0, None, L, states)
+        L = ctx.chunk
+        if states is None:  # the forward ran other chunks: a pass for the backward's
+            states = torch.empty(Bsz, H, cdiv(T, L), P, N, device=x.device,
+                                 dtype=torch.float32)  # fmt: skip
+            _launch_fwd(x, qr, kr, adt, gamma, late, seq, None, None, s0, k0, x0, None, L,
+                        states)  # fmt: skip
         dy = dy.contiguous() if dy is not None else torch.zeros_like(x)
         block_n = min(_block(N), BWD_BLOCK_N)
         nb = cdiv(N, block_n)

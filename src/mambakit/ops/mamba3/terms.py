@@ -100,11 +100,10 @@ def _turn(p_v, p_out, src, dst, mask, be, bo, cos, sin):
 
 
 @triton.jit
-def _unturn(p_v, p_dr, src, dst, mask, be, bo, cos, sin):
-    """The turned rows' gradient (dr, at dst) back through the rotation: (the angle's
-    gradient, the rows' gradient as even and odd halves), each [BT, BLOCK_H2], zero where
-    masked."""
-    ve, vo = _halves(p_v, src, mask)
+def _unturn(ve, vo, p_dr, dst, mask, be, bo, cos, sin):
+    """The turned rows' gradient (dr, at dst) back through the rotation of the rows (ve, vo:
+    even and odd halves, before the bias): (the angle's gradient, the rows' gradient as even
+    and odd halves), each [BT, BLOCK_H2], zero where masked."""
     ve, vo = ve + be[None, :], vo + bo[None, :]
     dre, dro = _halves(p_dr, dst, mask)
     dphi = dro * (ve * cos - vo * sin) - dre * (ve * sin + vo * cos)
@@ -325,6 +324,8 @@ def _unturn_kernel(
     src = b * s_q_b + t * s_q_t + g * s_q_g  # [BT] row offsets
     dqe = tl.zeros([BT, BLOCK_H2], dtype=tl.float32)
     dqo, dke, dko = dqe, dqe, dqe
+    qe, qo = _halves(p_q, src, mask)  # the group's rows, the same for each of its heads
+    ke, ko = _halves(p_k, src, mask)
     for hh in range(0, HG):
         h = g * HG + hh
         phi = tl.load(p_phi + ((b * T + t[:, None]) * H + h) * S + i[None, :], mask=mti,
@@ -333,12 +334,12 @@ def _unturn_kernel(
         dst = ((b * T + t) * H + h) * N
         qbe, qbo = _bias(p_qb, h, N, i)
         kbe, kbo = _bias(p_kb, h, N, i)
-        dphi, ve, vo = _unturn(p_q, p_dqr, src, dst, mask, qbe, qbo, cos, sin)
+        dphi, ve, vo = _unturn(qe, qo, p_dqr, dst, mask, qbe, qbo, cos, sin)
         dqe, dqo = dqe + ve, dqo + vo
         ob = ((tb * tl.num_programs(1) + b) * H + h) * N + 2 * i
         tl.store(p_dqb + ob, tl.sum(ve, axis=0), mask=me)
         tl.store(p_dqb + ob + 1, tl.sum(vo, axis=0), mask=mo)
-        dphi_k, ve, vo = _unturn(p_k, p_dkr, src, dst, mask, kbe, kbo, cos, sin)
+        dphi_k, ve, vo = _unturn(ke, ko, p_dkr, dst, mask, kbe, kbo, cos, sin)
         dke, dko = dke + ve, dko + vo
         tl.store(p_dkb + ob, tl.sum(ve, axis=0), mask=me)
         tl.store(p_dkb + ob + 1, tl.sum(vo, axis=0), mask=mo)
