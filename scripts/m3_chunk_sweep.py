@@ -26,6 +26,8 @@ FWD = [(16, 4, "bf16", 64), (16, 2, "bf16", 32)]
 BWD = [(16, 8, "bf16", 64), (16, 4, "bf16", 64), (32, 8, "bf16", 64)]
 # P values a program of the backward's states pass
 STATES_P = [64, 32]
+# register caps of the backward kernel (3 programs of 4 warps an SM need 168 or fewer)
+BWD_MAXNREG = [168, 128]
 
 
 DEV = "cuda"  # --dry: "cpu" (TRITON_INTERPRET=1, small heads, untimed), to test the script
@@ -142,6 +144,14 @@ def main() -> int:
         print({"shape": args.shape, "bwd_chunk": L, "warps": warps, "prec": prec,
                "block_n": block_n, **rec}, flush=True)  # fmt: skip
     chunk.CHUNK_BWD, chunk.BWD_WARPS, chunk.BWD_BLOCK_N = defaults[4:]
+    for maxnreg in BWD_MAXNREG:  # fewer registers: more programs an SM, more spills
+        chunk.BWD_MAXNREG = maxnreg
+        try:
+            rec, _ = run_bwd(inp, cot, ref)
+        except Exception as e:
+            rec = {"failed": f"{type(e).__name__}: {str(e)[:100]}"}
+        print({"shape": args.shape, "bwd_maxnreg": maxnreg, **rec}, flush=True)
+    chunk.BWD_MAXNREG = None
     chunk.PREC_16BIT = defaults[2]
     # the backward's own pass for the chunk start states (only when its chunks are not the
     # forward's, which then stores none)

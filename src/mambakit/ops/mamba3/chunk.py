@@ -73,12 +73,28 @@ def _warps(block_p: int, N: int, states: bool) -> int:
 
 
 def _launch_fwd(
-    x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L, states=None, pre=None
+    x,
+    qr,
+    kr,
+    adt,
+    gamma,
+    late,
+    seq_idx,
+    D,
+    z,
+    s0,
+    k0,
+    x0,
+    y,
+    L,
+    states=None,
+    pre=None,
+    qk=None,
 ):
     """The forward kernel over (row, head): y and the final state into y, and the returned
     (sT, kT, xT); each chunk's start state into `states` when given (the backward's, with y
     or as a pass of its own when y is None). `pre` (y's shape and strides): y before the
-    gate, stored too."""
+    gate, stored too; `qk` [B, H, chunks, L, L] f32: each chunk's q~ k~^T, stored too."""
     Bsz, T, H, P = x.shape
     N = qr.shape[-1]
     sT, kT, xT = torch.empty_like(s0), torch.empty_like(k0), torch.empty_like(x0)
@@ -89,7 +105,7 @@ def _launch_fwd(
     launch(_chunk_fwd_kernel, (Bsz, H, cdiv(P, block_p)),
         x, qr, kr, adt, gamma, late, seq, z if z is not None else x,
         D.float() if D is not None else adt, s0, k0, x0, ys, pre if pre is not None else ys,
-        sT, kT, xT, states if states is not None else s0,
+        sT, kT, xT, states if states is not None else s0, qk if qk is not None else s0,
         T, H, P, N,
         x.stride(0), x.stride(1), x.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
         adt.stride(0), adt.stride(1), seq.stride(0),
@@ -98,6 +114,7 @@ def _launch_fwd(
         HAS_SEQ=seq_idx is not None, HAS_Z=z is not None, HAS_D=D is not None,
         L=L, BLOCK_P=block_p, BLOCK_N=_block(N), PREC=_precision(x),
         COMPUTE_Y=y is not None, STORE_STATES=states is not None, STORE_PRE=pre is not None,
+        STORE_QK=qk is not None,
         num_warps=_warps(block_p, N, states_only),
     )  # fmt: skip
     return sT, kT, xT
@@ -166,34 +183,37 @@ def mamba3_scan_fwd(
 CHUNK_BWD = 16
 BWD_WARPS = 8
 BWD_BLOCK_N = 64
+BWD_MAXNREG = None  # registers a thread, when capped (more programs an SM, more spills)
 
 
 class _Core(torch.autograd.Function):
     """The scan with its kernels: (x, q~, k~, A delta, gamma, late, initial S, k~, x, D, z)
     -> (y with D and the gate, in x.dtype; the final S). The forward keeps y before the gate
-    (in x.dtype) when there is one, and each chunk's start state S'_start (f32, the
-    forward kernel's STORE_STATES beside y) when its chunk is the backward's (else the
-    backward recomputes them in a pass of their own); the backward walks the chunks in
-    reverse, the gate's and D's gradients included."""
+    (in x.dtype) when there is one, and, when its chunk is the backward's, each chunk's
+    start state S'_start and q~ k~^T (f32, stored by the forward kernel beside y; else the
+    backward recomputes the states in a pass of their own and q~ k~^T in its kernel); the
+    backward walks the chunks in reverse, the gate's and D's gradients included."""
 
     @staticmethod
     def forward(ctx, x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z):
         Bsz, T, H, P = x.shape
         y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
         pre = torch.empty_like(y) if z is not None else None
-        states = None
+        states = qk = None
         if CHUNK_L == CHUNK_BWD:
-            states = torch.empty(Bsz, H, cdiv(T, CHUNK_L), P, qr.shape[-1], device=x.device,
-                                 dtype=torch.float32)  # fmt: skip
+            nc, f32 = cdiv(T, CHUNK_L), dict(device=x.device, dtype=torch.float32)
+            states = torch.empty(Bsz, H, nc, P, qr.shape[-1], **f32)
+            qk = torch.empty(Bsz, H, nc, CHUNK_L, CHUNK_L, **f32)
         sT, _, _ = _launch_fwd(x, qr, kr, adt, gamma, late, seq, D, z, s0, k0, x0, y, CHUNK_L,
-                               states, pre)  # fmt: skip
-        ctx.save_for_backward(x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, pre, states)
+                               states, pre, qk)  # fmt: skip
+        ctx.save_for_backward(x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, pre, states,
+                              qk)  # fmt: skip
         ctx.chunk = CHUNK_BWD
         return y, sT
 
     @staticmethod
     def backward(ctx, dy, dsT):
-        x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, pre, states = ctx.saved_tensors
+        x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, pre, states, qk = ctx.saved_tensors
         Bsz, T, H, P = x.shape
         N = qr.shape[-1]
         L = ctx.chunk
@@ -219,7 +239,7 @@ class _Core(torch.autograd.Function):
         dsT = dsT.contiguous() if dsT is not None else None
         seqt = seq if seq is not None else adt
         launch(_chunk_bwd_kernel, (Bsz, H, nb),
-            x, qr, kr, adt, gamma, late, seqt, states, k0, x0,
+            x, qr, kr, adt, gamma, late, seqt, states, qk if qk is not None else s0, k0, x0,
             dy, dsT if dsT is not None else s0,
             dx, dq, dk, dadt, dgam, dlate, ds0, dk0, dx0,
             T, H, P, N,
@@ -227,9 +247,10 @@ class _Core(torch.autograd.Function):
             adt.stride(0), adt.stride(1), seqt.stride(0), dy.stride(0), dy.stride(1),
             dy.stride(2), dx.stride(1), dx.stride(2), dx.stride(3), dx.stride(0),
             dadt.stride(0), dx0.stride(0),
-            HAS_SEQ=seq is not None, HAS_DST=dsT is not None,
+            HAS_SEQ=seq is not None, HAS_DST=dsT is not None, HAS_QK=qk is not None,
             L=L, BLOCK_P=_block(P), BLOCK_N=block_n, BLOCK_NF=_block(N), PREC=_precision(x),
             num_warps=BWD_WARPS if P * block_n >= 8192 else 4,
+            **({"maxnreg": BWD_MAXNREG} if BWD_MAXNREG and x.is_cuda else {}),
         )  # fmt: skip
         # fixed order: bit-identical reruns
         dx = dx.sum(0) if dx.shape[0] > 1 else dx[0]

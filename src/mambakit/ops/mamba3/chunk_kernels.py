@@ -30,17 +30,19 @@ def _mm(a, b, PREC: tl.constexpr, acc=None):
 @triton.jit
 def _chunk_fwd_kernel(
     p_x, p_q, p_k, p_adt, p_gam, p_late, p_seq, p_z, p_D,
-    p_s0, p_k0, p_x0, p_y, p_pre, p_sT, p_kT, p_xT, p_st,
+    p_s0, p_k0, p_x0, p_y, p_pre, p_sT, p_kT, p_xT, p_st, p_qk,
     T, H, P, N,
     s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b, s_z_b, s_z_t, s_z_h,
     s_y_b, s_y_t, s_y_h,
     HAS_SEQ: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
     COMPUTE_Y: tl.constexpr, STORE_STATES: tl.constexpr, STORE_PRE: tl.constexpr,
+    STORE_QK: tl.constexpr,
 ):
     """COMPUTE_Y: y and the final state (STORE_PRE: y before the gate, to pre, with y's
-    strides: what the backward's gate gradient reads); STORE_STATES: each chunk's start
-    state S'_start to st [B, H, chunks, P, N] (the backward's recomputation). A program owns
+    strides: what the backward's gate gradient reads; STORE_QK: each chunk's q~ k~^T [L, L]
+    to qk [B, H, chunks, L, L], f32, by the first block of P); STORE_STATES: each chunk's
+    start state S'_start to st [B, H, chunks, P, N] (what the backward reads). A program owns
     BLOCK_P of the head's P values (rows of S: they advance independently); the last token's
     k~ is the head's, written by the first block."""
     b = tl.program_id(0).to(tl.int64)
@@ -99,7 +101,12 @@ def _chunk_fwd_kernel(
             decay = tl.exp(tl.where(same, cs[:, None] - cs[None, :], float("-inf")))
             weight = tl.where(rows[:, None] == rows[None, :], gam[None, :], decay * w[None, :])
             weight = tl.where(same, weight, 0.0)
-            scores = _mm(qc, tl.trans(kc), PREC) * weight  # [L(t), L(s)]
+            qk = _mm(qc, tl.trans(kc), PREC)  # [L(t), L(s)]
+            if STORE_QK:
+                if tl.program_id(2) == 0:
+                    tl.store(p_qk + ((bh * tl.cdiv(T, L) + c0 // L) * L + rows[:, None]) * L
+                             + rows[None, :], qk)
+            scores = qk * weight
             y = _mm(scores, xc, PREC)  # [L, P]
             into = _mm(qc, tl.trans(start), PREC)  # [L, P]: q~_t S'_start
             y += (tl.exp(cs) * carry)[:, None] * into
@@ -130,27 +137,28 @@ def _chunk_fwd_kernel(
 
 @triton.jit
 def _chunk_bwd_kernel(
-    p_x, p_q, p_k, p_adt, p_gam, p_late, p_seq, p_st, p_k0, p_x0,
+    p_x, p_q, p_k, p_adt, p_gam, p_late, p_seq, p_st, p_qk, p_k0, p_x0,
     p_dy, p_dsT,
     p_dx, p_dq, p_dk, p_dadt, p_dgam, p_dlate, p_ds0, p_dk0, p_dx0,
     T, H, P, N,
     s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b, s_dy_b, s_dy_t, s_dy_h,
     s_dx_b, s_dx_t, s_dx_h, s_part_x, s_part_w, s_part_x0,
-    HAS_SEQ: tl.constexpr, HAS_DST: tl.constexpr,
+    HAS_SEQ: tl.constexpr, HAS_DST: tl.constexpr, HAS_QK: tl.constexpr,
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NF: tl.constexpr,
     PREC: tl.constexpr,
 ):
     """One (row, head) and BLOCK_N of its N states, the chunks in reverse, carrying dS
     [P, BLOCK_N] (the gradient of the state after the chunk) and what the next chunk's
     start term owes this chunk's last x and k~. The chunk's start state S'_start comes from
-    st (the forward kernel's STORE_STATES pass). Gradients of the core (no D, no gate): x,
-    q~, k~ (as x's layout / [B, T, H, N], f32), A delta, gamma, late [B, T, H] f32, and the
-    initial state's S, k~, x. The states' columns are independent but for q~ . k~ (read
-    whole, BLOCK_NF) and the sums over N: what a block adds to x, A delta, gamma, late and
-    the initial x goes to its own slice of those outputs (s_part_*: the stride between
-    blocks' slices), summed after; q~, k~ and the initial S and k~ are the block's alone.
-    Terms that do not depend on the block are added by the first. dy is the gradient of
-    the core (`_gate_bwd`'s, which adds D dy to dx as one more slice)."""
+    st and q~ k~^T from qk (HAS_QK; else it is computed here), both the forward kernel's.
+    Gradients of the core (no D, no gate): x, q~, k~ (as x's layout / [B, T, H, N], f32),
+    A delta, gamma, late [B, T, H] f32, and the initial state's S, k~, x. The states'
+    columns are independent but for q~ . k~ (HAS_QK, or read whole: BLOCK_NF) and the sums
+    over N: what a block adds to x, A delta, gamma, late and the initial x goes to its own
+    slice of those outputs (s_part_*: the stride between blocks' slices), summed after; q~,
+    k~ and the initial S and k~ are the block's alone. Terms that do not depend on the
+    block are added by the first. dy is the gradient of the core (`_gate_bwd`'s, which adds
+    D dy to dx as one more slice)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     nb = tl.program_id(2)
@@ -223,7 +231,9 @@ def _chunk_bwd_kernel(
         decay = tl.exp(tl.where(same, cs[:, None] - cs[None, :], float("-inf")))
         weight = tl.where(diag, gam[None, :], decay * w[None, :])
         weight = tl.where(same, weight, 0.0)
-        if BLOCK_N < BLOCK_NF:  # q~ . k~ over all N states
+        if HAS_QK:  # the forward's q~ k~^T
+            qk = tl.load(p_qk + ((bh * n_chunks + c) * L + rows[:, None]) * L + rows[None, :])
+        elif BLOCK_N < BLOCK_NF:  # q~ . k~ over all N states
             nf = tl.arange(0, BLOCK_NF)
             qf_off = b * s_q_b + t[:, None] * s_q_t + h * s_q_h + nf[None, :]
             mqf = mt[:, None] & (nf < N)[None, :]
