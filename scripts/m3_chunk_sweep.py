@@ -23,7 +23,12 @@ from mambakit.ops.mamba3 import chunk  # noqa: E402
 # (chunk, warps, products for bf16 inputs, P values a program); the first is the reference
 FWD = [(16, 4, "bf16", 64), (16, 2, "bf16", 32)]
 # (chunk, warps, products, N states a program); the first is the reference
-BWD = [(16, 8, "bf16", 64), (16, 4, "bf16", 64), (32, 8, "bf16", 64)]
+BWD = [(16, 8, "bf16", 64), (16, 4, "bf16", 32), (32, 8, "bf16", 64)]
+# the forward under autograd (y, and the states and q~ k~^T it keeps): (warps, P values a
+# program), timed forward + backward
+FWD_GRAD = [(2, 32), (4, 32)]
+# the unturn kernel: (steps a program, warps)
+UNTURN = [(16, 4), (32, 8), (8, 4)]
 # P values a program of the backward's states pass
 STATES_P = [64, 32]
 # register caps of the backward kernel (3 programs of 4 warps an SM need 168 or fewer)
@@ -152,6 +157,20 @@ def main() -> int:
             rec = {"failed": f"{type(e).__name__}: {str(e)[:100]}"}
         print({"shape": args.shape, "bwd_maxnreg": maxnreg, **rec}, flush=True)
     chunk.BWD_MAXNREG = None
+    for warps, block_p in FWD_GRAD:
+        chunk.FWD_WARPS, chunk.FWD_BLOCK_P = warps, block_p
+        rec, _ = run_bwd(inp, cot, ref)
+        print({"shape": args.shape, "fwd_in_bwd_warps": warps, "block_p": block_p, **rec},
+              flush=True)  # fmt: skip
+    chunk.FWD_WARPS, chunk.FWD_BLOCK_P = defaults[1], defaults[3]
+    from mambakit.ops.mamba3 import terms
+
+    unturn_default = terms.TURN_BT, terms.UNTURN_WARPS
+    for bt, warps in UNTURN:
+        terms.TURN_BT, terms.UNTURN_WARPS = bt, warps
+        rec, _ = run_bwd(inp, cot, ref)
+        print({"shape": args.shape, "unturn_bt": bt, "warps": warps, **rec}, flush=True)
+    terms.TURN_BT, terms.UNTURN_WARPS = unturn_default
     chunk.PREC_16BIT = defaults[2]
     # the backward's own pass for the chunk start states (only when its chunks are not the
     # forward's, which then stores none)
