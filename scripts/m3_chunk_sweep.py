@@ -28,7 +28,7 @@ BWD = [(16, 8, "bf16", 64), (16, 4, "bf16", 32), (32, 8, "bf16", 64)]
 # program), timed forward + backward
 FWD_GRAD = [(2, 32), (4, 32)]
 # the unturn kernel: (steps a program, warps)
-UNTURN = [(16, 4), (32, 8), (8, 4)]
+UNTURN = [(16, 4), (16, 2), (32, 8), (8, 4)]
 # P values a program of the backward's states pass
 STATES_P = [64, 32]
 # register caps of the backward kernel (3 programs of 4 warps an SM need 168 or fewer)
