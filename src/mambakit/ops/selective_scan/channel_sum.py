@@ -107,24 +107,3 @@ def _store_channel_sum(
             tl.store(ptr + off, r, mask=((t0 + tt) < T) & (nn < N))
     else:
         _st(_tile_ptrs(ptr, 0, N, 0, t0, rows, n, 1), tl.sum(p, axis=2), mtn, EVEN)
-
-
-@triton.jit
-def _sum_blocks_kernel(p_pb, p_pc, p_ob, p_oc, P, M, BLOCK_E: tl.constexpr):
-    """The second stage of the sums over channels: out[m] = sum_p part[p, m] over the P
-    channel blocks, in order (deterministic), f32, stored in the output's dtype; dB's
-    partials on program axis 1 = 0, dC's on 1."""
-    offs = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    mask = offs < M
-    if tl.program_id(1) == 0:
-        src = p_pb
-        dst = p_ob
-    else:
-        src = p_pc
-        dst = p_oc
-    acc = tl.zeros([BLOCK_E], tl.float32)
-    ptrs = src + offs
-    for _ in tl.range(P, num_stages=4):
-        acc += tl.load(ptrs, mask=mask, other=0.0)
-        ptrs += M  # 64-bit pointers: no overflow past 2^31 elements
-    tl.store(dst + offs, acc.to(dst.dtype.element_ty), mask=mask)

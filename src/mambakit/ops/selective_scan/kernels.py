@@ -39,10 +39,10 @@ import functools
 
 import torch
 
-from .._triton import cdiv, launch, next_power_of_2, opt, sm_count, strides
+from .._triton import cdiv, launch, next_power_of_2, opt, sm_count, strides, sum_blocks_kernel
 from .backward import _bwd_kernel, _bwd_local_kernel
 from .carry import _carry_bwd_kernel
-from .channel_sum import _sum_blocks_kernel, reduce_scatter_fits
+from .channel_sum import reduce_scatter_fits
 from .forward import _fwd_kernel
 
 MAX_BLOCK_N = 32  # states per program; larger N is split over programs
@@ -392,7 +392,7 @@ def scan_bwd(
     dC = _new((Bsz, T, N), C.dtype, dev)
     M = Bsz * T * N
     block = 1024 if u.is_cuda else 64
-    launch(_sum_blocks_kernel, (cdiv(M, block), 2), dBp, dCp, dB, dC, ndb, M, BLOCK_E=block)
+    launch(sum_blocks_kernel, (cdiv(M, block), 2), dBp, dCp, dB, dC, ndb, M, BLOCK_E=block)
     dA = dAp.sum((0, 1))
     dD = dDp.sum((0, 1)) if dDp is not None else None
     dbias = dbp.sum((0, 1, 2)) if delta_bias is not None else None
