@@ -29,10 +29,12 @@ BWD = [(16, 8, "bf16", 64), (16, 4, "bf16", 32), (32, 8, "bf16", 64)]
 FWD_GRAD = [(2, 32), (4, 32)]
 # the unturn kernel: (steps a program, warps)
 UNTURN = [(16, 4), (16, 2), (32, 8), (8, 4)]
-# P values a program of the backward's states pass
-STATES_P = [64, 32]
-# register caps of the backward kernel (3 programs of 4 warps an SM need 168 or fewer)
-BWD_MAXNREG = [168, 128]
+# P values a program of the backward's states pass (used only when its chunks are not the
+# forward's; session 18, backward in chunks of 32: 5.57 ms with 64, 5.47 with 32)
+STATES_P = [32]
+# register caps of the backward kernel (3 programs of 4 warps an SM need 168 or fewer;
+# session 18: 5.08 ms with 168, 5.79 with 128, against 4.42 uncapped)
+BWD_MAXNREG = []
 
 
 DEV = "cuda"  # --dry: "cpu" (TRITON_INTERPRET=1, small heads, untimed), to test the script
