@@ -176,13 +176,17 @@ def mamba3_scan_fwd(
 # after). H200, 130m-mamba3 heads, 8 x 2048, bf16 products, terms + forward + backward
 # (scripts/m3_chunk_sweep.py, session 17): chunks of 16 in blocks of 64 states, 8 warps,
 # 6.71 ms; 4 warps 6.71; blocks of 32: 6.85; chunks of 32: 7.16 in blocks of 64, 7.42
-# whole, 10.8 in blocks of 32. The start states of chunks of 16 are [B, H, T/16, P, N]
-# f32: 4 H P N / 16 bytes a token, 805 MB at that shape. The forward stores them beside y
-# (CHUNK_L == CHUNK_BWD) and they live until the layer's backward: session 18's profile
-# (ncu, H200) had the pass that recomputed them at 0.755 ms against 0.684 for the forward.
+# whole, 10.8 in blocks of 32. Session 18, with q~ k~^T from the forward (no per-block
+# reload of whole q~, k~ rows) and the start states too: blocks of 32 states with 4 warps
+# 4.03 ms against 4.33 for blocks of 64 (the scan's forward + backward; blocks of 64 make
+# 384 programs at 8 x 2048, two an SM: 1.45 waves). The start states of chunks of 16 are
+# [B, H, T/16, P, N] f32: 4 H P N / 16 bytes a token, 805 MB at that shape. The forward
+# stores them beside y (CHUNK_L == CHUNK_BWD) and they live until the layer's backward:
+# session 18's profile (ncu, H200) had the pass that recomputed them at 0.755 ms against
+# 0.684 for the forward.
 CHUNK_BWD = 16
 BWD_WARPS = 8
-BWD_BLOCK_N = 64
+BWD_BLOCK_N = 32
 BWD_MAXNREG = None  # registers a thread, when capped (more programs an SM, more spills)
 # elements a program of the sum of dx's slices (torch's sum over them, 0.236 ms at 8 x 2048 in
 # session 18's profile, then a cast to x's dtype)

@@ -24,7 +24,8 @@ The backward runs the other way round: `_unturn_kernel` takes q~ and k~'s gradie
 through the turn for one (row, group, block of steps), its heads in order, summing q and
 k's gradients over the group's heads in registers, writing dphi [B, T, H, S] and each
 head's bias gradient summed over the block; then the angle kernels walk the blocks in
-reverse with the reverse sum of dphi. theta's gradient is per head, summed in PyTorch.
+reverse with the reverse sum of dphi. theta's gradient is per head ([H, B, T, S]), summed
+over the heads in a fixed order by `sum_blocks_kernel`.
 cos and sin are the GPU's approximations (`fast_cos_sin`).
 """
 
@@ -34,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import fast_cos_sin, launch, next_power_of_2
+from .._triton import fast_cos_sin, launch, next_power_of_2, sum_blocks_kernel
 
 # fmt: off
 
@@ -256,7 +257,7 @@ def _terms_bwd_kernel(
                          other=0.0).to(tl.float32)
             tt = _tanh(th)
             dinc = tl.where(mti, dinc, 0.0)
-            tl.store(p_dth + ((b * T + t[:, None]) * H + h) * S + i[None, :],
+            tl.store(p_dth + ((h * tl.num_programs(0) + b) * T + t[:, None]) * S + i[None, :],
                      dinc * delta[:, None] * 3.141592653589793 * (1.0 - tt * tt), mask=mti)
             out = (b * T + t) * H + h
             dadt = tl.load(p_dadt + out, mask=mt, other=0.0)
@@ -370,9 +371,13 @@ def _unturn_kernel(
 BT = 16  # time steps per block
 FWD_WARPS, FWD_CHUNK_BLOCKS = 4, 8
 BWD_WARPS, BWD_CHUNK_BLOCKS = 4, 8
-# steps per program of the turn and its backward, and their warps (Triton 3.9, sm_90a: the
-# backward spills 384 bytes a thread with 4 warps, none with 8; the turn none with 4)
-TURN_BT, TURN_WARPS, UNTURN_WARPS = 16, 4, 8
+# steps per program of the turn and its backward, and their warps. The backward with 2
+# warps (H200, 8 x 2048, the scan's forward + backward by scripts/m3_chunk_sweep.py, session
+# 18): 3.92 ms, against 4.05 with 4 warps, 4.33 with 8 (0.63 ms of it the unturn, which
+# ncu found at 91% of its L1 throughput), 4.24 for 32 steps with 8 warps, 4.12 for 8 steps
+# with 4 warps.
+TURN_BT, TURN_WARPS, UNTURN_WARPS = 16, 4, 2
+SUM_BLOCK = 1024  # elements a program of the sum of theta's per-head gradients
 WHOLE_ROW = 1 << 20  # blocks per chunk that leave one chunk: the row in one program
 
 
@@ -455,7 +460,7 @@ class _Terms(torch.autograd.Function):
                 BT=TURN_BT, BLOCK_H2=_h2(N), num_warps=UNTURN_WARPS,
             )  # fmt: skip
         ddelta, dA, dtrap = (torch.empty(Bsz, T, H, **f) for _ in range(3))
-        dth = torch.empty(Bsz, T, H, S, **f)
+        dth = torch.empty(H, Bsz, T, S, **f)  # per head, summed below
         dangle0 = torch.empty(Bsz, H, S, **f)
         seqt = seq if seq is not None else delta
         ch, C = _chunks(T, BWD_CHUNK_BLOCKS)
@@ -475,8 +480,15 @@ class _Terms(torch.autograd.Function):
         dq, dk = dqg.to(qd), dkg.to(kd)
         dq_bias = dqb.sum((0, 1)).to(q_bias.dtype)
         dk_bias = dkb.sum((0, 1)).to(k_bias.dtype)
-        return (dq, dk, ddelta, dA, dtrap.to(trd), dth.sum(2).to(thd), dq_bias, dk_bias,
-                dangle0.to(ad), None)  # fmt: skip
+        # theta's gradient: the heads' in order, in one pass (torch's sum over the middle
+        # dimension of [B, T, H, S] took 0.11 ms at 8 x 2048, session 18)
+        dtheta = torch.empty(Bsz, T, S, device=q.device, dtype=thd)
+        M = dtheta.numel()
+        if M > 0:
+            launch(sum_blocks_kernel, (-(-M // SUM_BLOCK), 1), dth, dth, dtheta, dtheta, H, M,
+                   BLOCK_E=SUM_BLOCK)  # fmt: skip
+        return (dq, dk, ddelta, dA, dtrap.to(trd), dtheta, dq_bias, dk_bias, dangle0.to(ad),
+                None)  # fmt: skip
 
 
 def token_terms_kernel(q, k, delta, A, trap, theta, q_bias, k_bias, angle0, seq):
