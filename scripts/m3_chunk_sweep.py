@@ -23,17 +23,15 @@ from mambakit.ops.mamba3 import chunk  # noqa: E402
 # (chunk, warps, products for bf16 inputs, P values a program); the first is the reference
 FWD = [(16, 4, "bf16", 64)]
 # (chunk, warps, products, N states a program); the first is the reference
-BWD = [(16, 8, "bf16", 32), (16, 8, "bf16", 64)]
+BWD = [(16, 8, "bf16", 32), (16, 4, "bf16", 16), (16, 8, "bf16", 64)]
 # the forward under autograd (y, and the states and q~ k~^T it keeps): (warps, P values a
 # program), timed forward + backward
 FWD_GRAD = []  # session 18: (2, 32) 4.35 ms, (4, 32) 4.68 against 4.33 whole
 # the unturn kernel: (steps a program, warps)
-UNTURN = []  # session 18: (16, 1) and (32, 2) slower than (16, 2)
+UNTURN = [(16, 1), (32, 2)]
 # P values a program of the backward's states pass (used only when its chunks are not the
 # forward's; session 18, backward in chunks of 32: 5.57 ms with 64, 5.47 with 32)
 STATES_P = []
-# the kernel of the terms inside the chunks: (warps, register cap or None)
-INTRA = [(4, 128), (8, None), (2, None)]
 # register caps of the backward kernel (3 programs of 4 warps an SM need 168 or fewer;
 # session 18: 5.08 ms with 168, 5.79 with 128, against 4.42 uncapped)
 BWD_MAXNREG = []
@@ -161,11 +159,6 @@ def main() -> int:
             rec = {"failed": f"{type(e).__name__}: {str(e)[:100]}"}
         print({"shape": args.shape, "bwd_maxnreg": maxnreg, **rec}, flush=True)
     chunk.BWD_MAXNREG = None
-    for warps, maxnreg in INTRA:
-        chunk.INTRA_WARPS, chunk.INTRA_MAXNREG = warps, maxnreg
-        rec, _ = run_bwd(inp, cot, ref)
-        print({"shape": args.shape, "intra_warps": warps, "maxnreg": maxnreg, **rec}, flush=True)
-    chunk.INTRA_WARPS, chunk.INTRA_MAXNREG = 4, None
     for warps, block_p in FWD_GRAD:
         chunk.FWD_WARPS, chunk.FWD_BLOCK_P = warps, block_p
         rec, _ = run_bwd(inp, cot, ref)

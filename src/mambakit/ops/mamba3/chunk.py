@@ -20,12 +20,7 @@ from __future__ import annotations
 import torch
 
 from .._triton import cdiv, launch, next_power_of_2, opt, sum_blocks_kernel
-from .chunk_kernels import (
-    _chunk_bwd_intra_kernel,
-    _chunk_bwd_kernel,
-    _chunk_fwd_kernel,
-    _gate_bwd_kernel,
-)
+from .chunk_kernels import _chunk_bwd_kernel, _chunk_fwd_kernel, _gate_bwd_kernel
 from .reference import Mamba3State
 from .terms import token_terms_kernel
 
@@ -94,11 +89,12 @@ def _launch_fwd(
     L,
     states=None,
     pre=None,
+    qk=None,
 ):
     """The forward kernel over (row, head): y and the final state into y, and the returned
     (sT, kT, xT); each chunk's start state into `states` when given (the backward's, with y
     or as a pass of its own when y is None). `pre` (y's shape and strides): y before the
-    gate, stored too."""
+    gate, stored too; `qk` [B, H, chunks, L, L] f32: each chunk's q~ k~^T, stored too."""
     Bsz, T, H, P = x.shape
     N = qr.shape[-1]
     sT, kT, xT = torch.empty_like(s0), torch.empty_like(k0), torch.empty_like(x0)
@@ -109,7 +105,7 @@ def _launch_fwd(
     launch(_chunk_fwd_kernel, (Bsz, H, cdiv(P, block_p)),
         x, qr, kr, adt, gamma, late, seq, z if z is not None else x,
         D.float() if D is not None else adt, s0, k0, x0, ys, pre if pre is not None else ys,
-        sT, kT, xT, states if states is not None else s0,
+        sT, kT, xT, states if states is not None else s0, qk if qk is not None else s0,
         T, H, P, N,
         x.stride(0), x.stride(1), x.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
         adt.stride(0), adt.stride(1), seq.stride(0),
@@ -118,6 +114,7 @@ def _launch_fwd(
         HAS_SEQ=seq_idx is not None, HAS_Z=z is not None, HAS_D=D is not None,
         L=L, BLOCK_P=block_p, BLOCK_N=_block(N), PREC=_precision(x),
         COMPUTE_Y=y is not None, STORE_STATES=states is not None, STORE_PRE=pre is not None,
+        STORE_QK=qk is not None,
         num_warps=_warps(block_p, N, states_only),
     )  # fmt: skip
     return sT, kT, xT
@@ -179,16 +176,17 @@ def mamba3_scan_fwd(
 # after). H200, 130m-mamba3 heads, 8 x 2048, bf16 products, terms + forward + backward
 # (scripts/m3_chunk_sweep.py, session 17): chunks of 16 in blocks of 64 states, 8 warps,
 # 6.71 ms; 4 warps 6.71; blocks of 32: 6.85; chunks of 32: 7.16 in blocks of 64, 7.42
-# whole, 10.8 in blocks of 32. Session 18, with the start states from the forward and
-# q~ k~^T from it too (no per-block reload of whole q~, k~ rows): blocks of 32 states with
-# 4 warps 4.03 ms against 4.33 for blocks of 64 (the scan's forward + backward; blocks of 64
-# make 384 programs at 8 x 2048, two an SM: 1.45 waves). Then the terms inside the chunks
-# moved to a kernel of their own (`_chunk_bwd_intra_kernel`, a program per chunk), leaving
-# this loop the terms through the state. The start states of chunks of 16 are
-# [B, H, T/16, P, N] f32: 4 H P N / 16 bytes a token, 805 MB at that shape. The forward
-# stores them beside y (CHUNK_L == CHUNK_BWD) and they live until the layer's backward:
-# session 18's profile (ncu, H200) had the pass that recomputed them at 0.755 ms against
-# 0.684 for the forward.
+# whole, 10.8 in blocks of 32. Session 18, with q~ k~^T from the forward (no per-block
+# reload of whole q~, k~ rows) and the start states too: blocks of 32 states with 4 warps
+# 4.03 ms against 4.33 for blocks of 64 (the scan's forward + backward; blocks of 64 make
+# 384 programs at 8 x 2048, two an SM: 1.45 waves). Measured and dropped (commit 3e417d2):
+# the terms inside the chunks in a kernel of their own, a program per chunk, leaving this
+# loop the terms through the state: 2.16 + 0.53 ms against 2.35 for the one kernel (profile),
+# the scan's forward + backward 4.00 against 3.66 (the loop's time is not in its products).
+# The start states of chunks of 16 are [B, H, T/16, P, N] f32: 4 H P N / 16 bytes a token,
+# 805 MB at that shape. The forward stores them beside y (CHUNK_L == CHUNK_BWD) and they
+# live until the layer's backward: session 18's profile (ncu, H200) had the pass that
+# recomputed them at 0.755 ms against 0.684 for the forward.
 CHUNK_BWD = 16
 BWD_WARPS = 8
 BWD_BLOCK_N = 32
@@ -196,37 +194,36 @@ BWD_MAXNREG = None  # registers a thread, when capped (more programs an SM, more
 # elements a program of the sum of dx's slices (torch's sum over them, 0.236 ms at 8 x 2048 in
 # session 18's profile, then a cast to x's dtype)
 SUM_BLOCK = 1024
-INTRA_WARPS = 4  # the terms inside the chunks: one program per (row, head, chunk)
-INTRA_MAXNREG = None  # its registers a thread, when capped
 
 
 class _Core(torch.autograd.Function):
     """The scan with its kernels: (x, q~, k~, A delta, gamma, late, initial S, k~, x, D, z)
     -> (y with D and the gate, in x.dtype; the final S). The forward keeps y before the gate
     (in x.dtype) when there is one, and, when its chunk is the backward's, each chunk's
-    start state S'_start (f32, stored by the forward kernel beside y; else the backward
-    recomputes them in a pass of their own). The backward: the gate's and D's gradients,
-    the terms inside each chunk (a program per chunk), then those through the state (the
-    chunks in reverse), then the block sums."""
+    start state S'_start and q~ k~^T (f32, stored by the forward kernel beside y; else the
+    backward recomputes the states in a pass of their own and q~ k~^T in its kernel); the
+    backward walks the chunks in reverse, the gate's and D's gradients included."""
 
     @staticmethod
     def forward(ctx, x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z):
         Bsz, T, H, P = x.shape
         y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
         pre = torch.empty_like(y) if z is not None else None
-        states = None
+        states = qk = None
         if CHUNK_L == CHUNK_BWD:
-            states = torch.empty(Bsz, H, cdiv(T, CHUNK_L), P, qr.shape[-1], device=x.device,
-                                 dtype=torch.float32)  # fmt: skip
+            nc, f32 = cdiv(T, CHUNK_L), dict(device=x.device, dtype=torch.float32)
+            states = torch.empty(Bsz, H, nc, P, qr.shape[-1], **f32)
+            qk = torch.empty(Bsz, H, nc, CHUNK_L, CHUNK_L, **f32)
         sT, _, _ = _launch_fwd(x, qr, kr, adt, gamma, late, seq, D, z, s0, k0, x0, y, CHUNK_L,
-                               states, pre)  # fmt: skip
-        ctx.save_for_backward(x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, pre, states)
+                               states, pre, qk)  # fmt: skip
+        ctx.save_for_backward(x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, pre, states,
+                              qk)  # fmt: skip
         ctx.chunk = CHUNK_BWD
         return y, sT
 
     @staticmethod
     def backward(ctx, dy, dsT):
-        x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, pre, states = ctx.saved_tensors
+        x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, pre, states, qk = ctx.saved_tensors
         Bsz, T, H, P = x.shape
         N = qr.shape[-1]
         L = ctx.chunk
@@ -239,39 +236,29 @@ class _Core(torch.autograd.Function):
         block_n = min(_block(N), BWD_BLOCK_N)
         nb = cdiv(N, block_n)
         f32 = dict(device=x.device, dtype=torch.float32)
-        # x's and the per-token weights' shares: one slice per block of N, one for the terms
-        # inside the chunks (and for x, one for D's), summed below
-        dx = torch.empty(nb + 1 + (D is not None), Bsz, T, H, P, **f32)
+        # what each block of N adds (summed below; D x's share in one more), adt's layout for
+        # the per-token terms
+        dx = torch.empty(nb + (D is not None), Bsz, T, H, P, **f32)
         dz = dD = None
         if z is not None or D is not None:  # dy becomes the gradient of the core
-            dy, dz, dD = _gate_bwd(dy, z, pre, x, D, dx[nb + 1] if D is not None else None)
-        dadt, dgam, dlate = (torch.empty(nb + 1, *adt.shape, **f32) for _ in range(3))
+            dy, dz, dD = _gate_bwd(dy, z, pre, x, D, dx[nb] if D is not None else None)
+        dadt, dgam, dlate = (torch.empty(nb, *adt.shape, **f32) for _ in range(3))
         dx0 = torch.empty(nb, *x0.shape, **f32)
         dq, dk = torch.empty_like(qr), torch.empty_like(kr)
         ds0, dk0 = torch.empty_like(s0), torch.empty_like(k0)
         dsT = dsT.contiguous() if dsT is not None else None
         seqt = seq if seq is not None else adt
-        strides = (
-            x.stride(0), x.stride(1), x.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
-            adt.stride(0), adt.stride(1), seqt.stride(0), dy.stride(0), dy.stride(1),
-            dy.stride(2), dx.stride(1), dx.stride(2), dx.stride(3),
-        )  # fmt: skip
-        # the terms inside each chunk (no state: a program per chunk), then those through
-        # the state, which add q~ and k~'s to the first's
-        launch(_chunk_bwd_intra_kernel, (Bsz, H, cdiv(T, L)),
-            x, qr, kr, adt, gamma, late, seqt, dy,
-            dx[nb], dq, dk, dadt[nb], dgam[nb], dlate[nb], T, H, P, N, *strides,
-            HAS_SEQ=seq is not None, L=L, BLOCK_P=_block(P), BLOCK_N=_block(N),
-            PREC=_precision(x), num_warps=INTRA_WARPS,
-            **({"maxnreg": INTRA_MAXNREG} if INTRA_MAXNREG and x.is_cuda else {}),
-        )  # fmt: skip
         launch(_chunk_bwd_kernel, (Bsz, H, nb),
-            x, qr, kr, adt, gamma, late, seqt, states, k0, x0,
+            x, qr, kr, adt, gamma, late, seqt, states, qk if qk is not None else s0, k0, x0,
             dy, dsT if dsT is not None else s0,
             dx, dq, dk, dadt, dgam, dlate, ds0, dk0, dx0,
-            T, H, P, N, *strides, dx.stride(0), dadt.stride(0), dx0.stride(0),
-            HAS_SEQ=seq is not None, HAS_DST=dsT is not None,
-            L=L, BLOCK_P=_block(P), BLOCK_N=block_n, PREC=_precision(x),
+            T, H, P, N,
+            x.stride(0), x.stride(1), x.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
+            adt.stride(0), adt.stride(1), seqt.stride(0), dy.stride(0), dy.stride(1),
+            dy.stride(2), dx.stride(1), dx.stride(2), dx.stride(3), dx.stride(0),
+            dadt.stride(0), dx0.stride(0),
+            HAS_SEQ=seq is not None, HAS_DST=dsT is not None, HAS_QK=qk is not None,
+            L=L, BLOCK_P=_block(P), BLOCK_N=block_n, BLOCK_NF=_block(N), PREC=_precision(x),
             num_warps=BWD_WARPS if P * block_n >= 8192 else 4,
             **({"maxnreg": BWD_MAXNREG} if BWD_MAXNREG and x.is_cuda else {}),
         )  # fmt: skip
@@ -280,8 +267,10 @@ class _Core(torch.autograd.Function):
         M = dx_sum.numel()
         launch(sum_blocks_kernel, (cdiv(M, SUM_BLOCK), 1), dx, dx, dx_sum, dx_sum, dx.shape[0],
                M, BLOCK_E=SUM_BLOCK)  # fmt: skip
-        dadt, dgam, dlate = (t.sum(0) for t in (dadt, dgam, dlate))
-        dx0 = dx0.sum(0) if nb > 1 else dx0[0]
+        if nb > 1:
+            dadt, dgam, dlate, dx0 = (t.sum(0) for t in (dadt, dgam, dlate, dx0))
+        else:
+            dadt, dgam, dlate, dx0 = dadt[0], dgam[0], dlate[0], dx0[0]
         dD = dD.sum(0).to(D.dtype) if D is not None else None
         return dx_sum, dq, dk, dadt, dgam, dlate, None, ds0, dk0, dx0, dD, dz
 

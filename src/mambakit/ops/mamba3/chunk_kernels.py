@@ -30,17 +30,19 @@ def _mm(a, b, PREC: tl.constexpr, acc=None):
 @triton.jit
 def _chunk_fwd_kernel(
     p_x, p_q, p_k, p_adt, p_gam, p_late, p_seq, p_z, p_D,
-    p_s0, p_k0, p_x0, p_y, p_pre, p_sT, p_kT, p_xT, p_st,
+    p_s0, p_k0, p_x0, p_y, p_pre, p_sT, p_kT, p_xT, p_st, p_qk,
     T, H, P, N,
     s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b, s_z_b, s_z_t, s_z_h,
     s_y_b, s_y_t, s_y_h,
     HAS_SEQ: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
     COMPUTE_Y: tl.constexpr, STORE_STATES: tl.constexpr, STORE_PRE: tl.constexpr,
+    STORE_QK: tl.constexpr,
 ):
     """COMPUTE_Y: y and the final state (STORE_PRE: y before the gate, to pre, with y's
-    strides: what the backward's gate gradient reads); STORE_STATES: each chunk's start
-    state S'_start to st [B, H, chunks, P, N] (what the backward reads). A program owns
+    strides: what the backward's gate gradient reads; STORE_QK: each chunk's q~ k~^T [L, L]
+    to qk [B, H, chunks, L, L], f32, by the first block of P); STORE_STATES: each chunk's
+    start state S'_start to st [B, H, chunks, P, N] (what the backward reads). A program owns
     BLOCK_P of the head's P values (rows of S: they advance independently); the last token's
     k~ is the head's, written by the first block."""
     b = tl.program_id(0).to(tl.int64)
@@ -99,7 +101,12 @@ def _chunk_fwd_kernel(
             decay = tl.exp(tl.where(same, cs[:, None] - cs[None, :], float("-inf")))
             weight = tl.where(rows[:, None] == rows[None, :], gam[None, :], decay * w[None, :])
             weight = tl.where(same, weight, 0.0)
-            scores = _mm(qc, tl.trans(kc), PREC) * weight  # [L(t), L(s)]
+            qk = _mm(qc, tl.trans(kc), PREC)  # [L(t), L(s)]
+            if STORE_QK:
+                if tl.program_id(2) == 0:
+                    tl.store(p_qk + ((bh * tl.cdiv(T, L) + c0 // L) * L + rows[:, None]) * L
+                             + rows[None, :], qk)
+            scores = qk * weight
             y = _mm(scores, xc, PREC)  # [L, P]
             into = _mm(qc, tl.trans(start), PREC)  # [L, P]: q~_t S'_start
             y += (tl.exp(cs) * carry)[:, None] * into
@@ -129,127 +136,33 @@ def _chunk_fwd_kernel(
 
 
 @triton.jit
-def _chunk_terms(p_late, p_adt, p_gam, p_seq, b, h, c0, rows, T, s_w_b, s_w_t, s_seq_b,
-                 HAS_SEQ: tl.constexpr):
-    """A chunk's per-token terms: (mt, last, wo, gam, w, cs, cs_last, carry, keep_doc, same)
-    for rows t = c0 + rows: in range, the last row, the weights' offsets, gamma, the weight
-    gamma + the next token's late term, the decays' cumulative sum and its last value, the
-    start state's carry into each row (0 past a document start), the rows in the last row's
-    document, and the causal same-document [L, L] mask."""
-    t = c0 + rows
-    mt = t < T
-    last = tl.minimum(rows.shape[0], T - c0) - 1
-    wo = b * s_w_b + t * s_w_t + h
-    adt = tl.load(p_adt + wo, mask=mt, other=0.0)
-    gam = tl.load(p_gam + wo, mask=mt, other=0.0)
-    nxt = tl.load(p_late + wo + s_w_t, mask=(t + 1 < T) & (rows < last), other=0.0)
-    w = gam + nxt
-    cs = tl.cumsum(adt, axis=0)
-    cs_last = tl.sum(tl.where(rows == last, cs, 0.0), axis=0)
-    same = (rows[:, None] >= rows[None, :]) & mt[None, :]
-    carry = mt.to(tl.float32)
-    keep_doc = mt
-    if HAS_SEQ:
-        prev_doc = tl.load(p_seq + b * s_seq_b + tl.maximum(c0 - 1, 0))
-        doc = tl.load(p_seq + b * s_seq_b + t, mask=mt, other=-1)
-        same = same & (doc[:, None] == doc[None, :])
-        carry = tl.where(doc == prev_doc, carry, 0.0)
-        doc_last = tl.sum(tl.where(rows == last, doc, 0), axis=0)
-        keep_doc = mt & (doc == doc_last)
-    return mt, last, wo, gam, w, cs, cs_last, carry, keep_doc, same
-
-
-@triton.jit
-def _dweights(dcs, dw, dgam, rows):
-    """(A delta, gamma, late)'s gradients of a chunk from those of cs (every cs_t with
-    t >= r holds A delta_r), of the weights w and of gamma alone (w_{r-1} holds late_r)."""
-    below = rows[:, None] == rows[None, :] + 1  # [r, s]: s = r - 1
-    dlate = tl.sum(tl.where(below, dw[None, :], 0.0), axis=1)
-    dadt = tl.sum(dcs, axis=0) - tl.cumsum(dcs, axis=0) + dcs
-    return dadt, dgam + dw, dlate
-
-
-@triton.jit
-def _chunk_bwd_intra_kernel(
-    p_x, p_q, p_k, p_adt, p_gam, p_late, p_seq, p_dy,
-    p_dx, p_dq, p_dk, p_dadt, p_dgam, p_dlate,
-    T, H, P, N,
-    s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b, s_dy_b, s_dy_t, s_dy_h,
-    s_dx_b, s_dx_t, s_dx_h,
-    HAS_SEQ: tl.constexpr, L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    """The terms of one chunk of one (row, head) inside it, y_t = sum_s (q~_t . k~_s)
-    weight_ts x_s: no state, so every chunk is its own program. Writes x's share (its own
-    slice of dx), q~ and k~'s gradients [B, T, H, N] f32 (the state kernel adds its part to
-    them) and the weights' shares (their own slices of dadt, dgam, dlate)."""
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    c0 = tl.program_id(2) * L
-    rows = tl.arange(0, L)
-    p = tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
-    mp, mn = p < P, n < N
-    mt, last, wo, gam, w, cs, cs_last, carry, keep_doc, same = _chunk_terms(
-        p_late, p_adt, p_gam, p_seq, b, h, c0, rows, T, s_w_b, s_w_t, s_seq_b, HAS_SEQ)
-    t = c0 + rows
-    mtp = mt[:, None] & mp[None, :]
-    xc = tl.load(p_x + b * s_x_b + t[:, None] * s_x_t + h * s_x_h + p[None, :],
-                 mask=mtp, other=0.0).to(tl.float32)
-    dy = tl.load(p_dy + b * s_dy_b + t[:, None] * s_dy_t + h * s_dy_h + p[None, :],
-                 mask=mtp, other=0.0).to(tl.float32)
-    qn = b * s_q_b + t[:, None] * s_q_t + h * s_q_h + n[None, :]
-    mq = mt[:, None] & mn[None, :]
-    qc = tl.load(p_q + qn, mask=mq, other=0.0)
-    kc = tl.load(p_k + qn, mask=mq, other=0.0)
-    diag = rows[:, None] == rows[None, :]
-    decay = tl.exp(tl.where(same, cs[:, None] - cs[None, :], float("-inf")))
-    weight = tl.where(diag, gam[None, :], decay * w[None, :])
-    weight = tl.where(same, weight, 0.0)
-    qk = _mm(qc, tl.trans(kc), PREC)  # [L(t), L(s)]
-    d_scores = _mm(dy, tl.trans(xc), PREC)  # [L(t), L(s)]
-    d_qk = d_scores * weight
-    dx = _mm(tl.trans(qk * weight), dy, PREC)
-    dq = _mm(d_qk, kc, PREC)
-    dk = _mm(tl.trans(d_qk), qc, PREC)
-    d_weight = d_scores * qk
-    g = d_weight * weight  # d/d(cs_t - cs_s): zero off the mask, net zero on the diagonal
-    dcs = tl.sum(g, axis=1) - tl.sum(g, axis=0)
-    strict = same & (rows[:, None] > rows[None, :])
-    dw = tl.sum(tl.where(strict, d_weight * decay, 0.0), axis=0)
-    dgam = tl.sum(tl.where(diag & same, d_weight, 0.0), axis=0)
-    dadt, dgam, dlate = _dweights(dcs, dw, dgam, rows)
-    tl.store(p_dx + b * s_dx_b + t[:, None] * s_dx_t + h * s_dx_h + p[None, :], dx, mask=mtp)
-    tl.store(p_dq + qn, dq, mask=mq)
-    tl.store(p_dk + qn, dk, mask=mq)
-    tl.store(p_dadt + wo, dadt, mask=mt)
-    tl.store(p_dgam + wo, dgam, mask=mt)
-    tl.store(p_dlate + wo, dlate, mask=mt)
-
-
-@triton.jit
 def _chunk_bwd_kernel(
-    p_x, p_q, p_k, p_adt, p_gam, p_late, p_seq, p_st, p_k0, p_x0,
+    p_x, p_q, p_k, p_adt, p_gam, p_late, p_seq, p_st, p_qk, p_k0, p_x0,
     p_dy, p_dsT,
     p_dx, p_dq, p_dk, p_dadt, p_dgam, p_dlate, p_ds0, p_dk0, p_dx0,
     T, H, P, N,
     s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b, s_dy_b, s_dy_t, s_dy_h,
     s_dx_b, s_dx_t, s_dx_h, s_part_x, s_part_w, s_part_x0,
-    HAS_SEQ: tl.constexpr, HAS_DST: tl.constexpr,
-    L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    HAS_SEQ: tl.constexpr, HAS_DST: tl.constexpr, HAS_QK: tl.constexpr,
+    L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NF: tl.constexpr,
+    PREC: tl.constexpr,
 ):
-    """The terms through the state, for one (row, head) and BLOCK_N of its N states: the
-    chunks in reverse, carrying dS [P, BLOCK_N] (the gradient of the state after the chunk)
-    and what the next chunk's start term owes this chunk's last x and k~. The chunk's start
-    state S'_start comes from st (the forward kernel's). Gradients of the core (no D, no
-    gate): x's and the weights' shares (A delta, gamma, late) into this block's slices of
-    dx, dadt, dgam, dlate (s_part_*: the stride between slices; summed after), q~ and k~'s
-    added to what `_chunk_bwd_intra_kernel` wrote there, and the initial state's S, k~ and
-    x (its x in this block's slice of dx0). The states' columns are independent but for the
-    sums over N. dy is the gradient of the core (`_gate_bwd`'s)."""
+    """One (row, head) and BLOCK_N of its N states, the chunks in reverse, carrying dS
+    [P, BLOCK_N] (the gradient of the state after the chunk) and what the next chunk's
+    start term owes this chunk's last x and k~. The chunk's start state S'_start comes from
+    st and q~ k~^T from qk (HAS_QK; else it is computed here), both the forward kernel's.
+    Gradients of the core (no D, no gate): x, q~, k~ (as x's layout / [B, T, H, N], f32),
+    A delta, gamma, late [B, T, H] f32, and the initial state's S, k~, x. The states'
+    columns are independent but for q~ . k~ (HAS_QK, or read whole: BLOCK_NF) and the sums
+    over N: what a block adds to x, A delta, gamma, late and the initial x goes to its own
+    slice of those outputs (s_part_*: the stride between blocks' slices), summed after; q~,
+    k~ and the initial S and k~ are the block's alone. Terms that do not depend on the
+    block are added by the first. dy is the gradient of the core (`_gate_bwd`'s, which adds
+    D dy to dx as one more slice)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     nb = tl.program_id(2)
+    first = nb == 0
     rows = tl.arange(0, L)
     p = tl.arange(0, BLOCK_P)
     n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -261,6 +174,9 @@ def _chunk_bwd_kernel(
     p_dx0 += nb * s_part_x0
     mpn = mp[:, None] & mn[None, :]
     bh = b * H + h
+    causal = rows[:, None] >= rows[None, :]
+    diag = rows[:, None] == rows[None, :]
+    below = rows[:, None] == rows[None, :] + 1  # [r, s]: s = r - 1
     if HAS_DST:
         dS = tl.load(p_dsT + bh * P * N + p[:, None] * N + n[None, :], mask=mpn, other=0.0)
     else:
@@ -271,18 +187,25 @@ def _chunk_bwd_kernel(
     for i in range(0, n_chunks):
         c = n_chunks - 1 - i
         c0 = c * L
-        mt, last, wo, gam, w, cs, cs_last, carry, keep_doc, same = _chunk_terms(
-            p_late, p_adt, p_gam, p_seq, b, h, c0, rows, T, s_w_b, s_w_t, s_seq_b, HAS_SEQ)
         t = c0 + rows
+        mt = t < T
+        last = tl.minimum(L, T - c0) - 1
         mtp = mt[:, None] & mp[None, :]
         xc = tl.load(p_x + b * s_x_b + t[:, None] * s_x_t + h * s_x_h + p[None, :],
                      mask=mtp, other=0.0).to(tl.float32)
         dy = tl.load(p_dy + b * s_dy_b + t[:, None] * s_dy_t + h * s_dy_h + p[None, :],
                      mask=mtp, other=0.0).to(tl.float32)
-        qn = b * s_q_b + t[:, None] * s_q_t + h * s_q_h + n[None, :]
+        qn = t[:, None] * s_q_t + h * s_q_h + n[None, :]
         mq = mt[:, None] & mn[None, :]
-        qc = tl.load(p_q + qn, mask=mq, other=0.0)
-        kc = tl.load(p_k + qn, mask=mq, other=0.0)
+        qc = tl.load(p_q + b * s_q_b + qn, mask=mq, other=0.0)
+        kc = tl.load(p_k + b * s_q_b + qn, mask=mq, other=0.0)
+        wo = b * s_w_b + t * s_w_t + h
+        adt = tl.load(p_adt + wo, mask=mt, other=0.0)
+        gam = tl.load(p_gam + wo, mask=mt, other=0.0)
+        nxt = tl.load(p_late + wo + s_w_t, mask=(t + 1 < T) & (rows < last), other=0.0)
+        w = gam + nxt
+        cs = tl.cumsum(adt, axis=0)
+        cs_last = tl.sum(tl.where(rows == last, cs, 0.0), axis=0)
         late0 = tl.load(p_late + b * s_w_b + c0 * s_w_t + h)
         start = tl.load(p_st + ((bh * n_chunks + c) * P + p[:, None]) * N + n[None, :],
                         mask=mpn, other=0.0)
@@ -294,35 +217,70 @@ def _chunk_bwd_kernel(
         k_prev = tl.load(p_k + b * s_q_b + (c0 - 1) * s_q_t + h * s_q_h + n,
                          mask=mn & inside_n, other=0.0)
         k_prev += tl.load(p_k0 + bh * N + n, mask=mn & ~inside_n, other=0.0)
+        same = causal & mt[None, :]
+        carry = mt.to(tl.float32)
+        keep_doc = mt
+        if HAS_SEQ:
+            prev_doc = tl.load(p_seq + b * s_seq_b + tl.maximum(c0 - 1, 0))
+            doc = tl.load(p_seq + b * s_seq_b + t, mask=mt, other=-1)
+            same = same & (doc[:, None] == doc[None, :])
+            carry = tl.where(doc == prev_doc, carry, 0.0)
+            doc_last = tl.sum(tl.where(rows == last, doc, 0), axis=0)
+            keep_doc = mt & (doc == doc_last)
+        # the forward's terms
+        decay = tl.exp(tl.where(same, cs[:, None] - cs[None, :], float("-inf")))
+        weight = tl.where(diag, gam[None, :], decay * w[None, :])
+        weight = tl.where(same, weight, 0.0)
+        if HAS_QK:  # the forward's q~ k~^T
+            qk = tl.load(p_qk + ((bh * n_chunks + c) * L + rows[:, None]) * L + rows[None, :])
+        elif BLOCK_N < BLOCK_NF:  # q~ . k~ over all N states
+            nf = tl.arange(0, BLOCK_NF)
+            qf_off = b * s_q_b + t[:, None] * s_q_t + h * s_q_h + nf[None, :]
+            mqf = mt[:, None] & (nf < N)[None, :]
+            qk = _mm(tl.load(p_q + qf_off, mask=mqf, other=0.0),
+                     tl.trans(tl.load(p_k + qf_off, mask=mqf, other=0.0)), PREC)
+        else:
+            qk = _mm(qc, tl.trans(kc), PREC)  # [L(t), L(s)]
         e_cs = tl.exp(cs) * carry
         tail_decay = tl.where(keep_doc & (rows != last), tl.exp(cs_last - cs), 0.0)
         tail = tl.where(rows == last, gam, tail_decay * w)
         tail = tl.where(keep_doc, tail, 0.0)
         keep = tl.exp(cs_last) * tl.sum(tl.where(rows == last, carry, 0.0), axis=0)
-        # y_t += e_cs_t q~_t S'^T ;  S_end = keep S' + x^T diag(tail) k~
+        # y = (qk * weight) x + e_cs q~ S'^T ;  S_end = keep S' + x^T diag(tail) k~
+        d_scores = _mm(dy, tl.trans(xc), PREC)  # [L(t), L(s)]
+        d_qk = d_scores * weight
         k_ds = _mm(kc, tl.trans(dS), PREC)  # [L, P]: dS k~_s
-        dx = tail[:, None] * k_ds
+        dx = tl.where(first, _mm(tl.trans(qk * weight), dy, PREC), 0.0) + tail[:, None] * k_ds
         dy_s = _mm(dy, start, PREC)  # [L, N]: dy_t S'
-        dq = e_cs[:, None] * dy_s + tl.load(p_dq + qn, mask=mq, other=0.0)
-        dk = tail[:, None] * _mm(xc, dS, PREC) + tl.load(p_dk + qn, mask=mq, other=0.0)
+        dq = _mm(d_qk, kc, PREC) + e_cs[:, None] * dy_s
+        dk = _mm(tl.trans(d_qk), qc, PREC)
+        dk += tail[:, None] * _mm(xc, dS, PREC)
+        d_weight = d_scores * qk
+        g = d_weight * weight  # d/d(cs_t - cs_s), zero off the mask and net zero on the diagonal
         d_tail = tl.sum(xc * k_ds, axis=1)
         g_tail = d_tail * tail  # d/d(cs_last - cs_s)
         # the start term e_cs_t (q~_t S'^T) . dy_t = e_cs_t q~_t . (dy_t S')
-        dcs = e_cs * tl.sum(qc * dy_s, axis=1) - g_tail
+        dcs = tl.where(first, tl.sum(g, axis=1) - tl.sum(g, axis=0), 0.0)
+        dcs += e_cs * tl.sum(qc * dy_s, axis=1) - g_tail
         dcs += tl.where(rows == last, keep * tl.sum(tl.sum(dS * start, axis=1), axis=0)
                         + tl.sum(g_tail, axis=0), 0.0)
-        dgam = tl.where((rows == last) & keep_doc, d_tail, 0.0)
-        dadt, dgam, dlate = _dweights(dcs, d_tail * tail_decay, dgam, rows)
+        strict = same & (rows[:, None] > rows[None, :])
+        dw = tl.sum(tl.where(strict & first, d_weight * decay, 0.0), axis=0)
+        dw += d_tail * tail_decay
+        dgam = tl.sum(tl.where(diag & same & first, d_weight, 0.0), axis=0) + dw
+        dgam += tl.where((rows == last) & keep_doc, d_tail, 0.0)
+        dlate = tl.sum(tl.where(below, dw[None, :], 0.0), axis=1)  # token r's late term: w_{r-1}
         d_start = _mm(tl.trans(dy * e_cs[:, None]), qc, PREC, keep * dS)
         dlate += tl.where(rows == 0, tl.sum(tl.sum(d_start * x_prev[:, None] * k_prev[None, :],
                                                    axis=1), axis=0), 0.0)
         # what the next chunk's start owed this chunk's last token
         dx += tl.where((rows == last)[:, None], dx_owed[None, :], 0.0)
         dk += tl.where((rows == last)[:, None], dk_owed[None, :], 0.0)
+        dadt = tl.sum(dcs, axis=0) - tl.cumsum(dcs, axis=0) + dcs  # A delta_r: every cs_t, t >= r
         tl.store(p_dx + b * s_dx_b + t[:, None] * s_dx_t + h * s_dx_h + p[None, :],
                  dx.to(p_dx.dtype.element_ty), mask=mtp)
-        tl.store(p_dq + qn, dq, mask=mq)
-        tl.store(p_dk + qn, dk, mask=mq)
+        tl.store(p_dq + b * s_q_b + qn, dq, mask=mq)
+        tl.store(p_dk + b * s_q_b + qn, dk, mask=mq)
         tl.store(p_dadt + wo, dadt, mask=mt)
         tl.store(p_dgam + wo, dgam, mask=mt)
         tl.store(p_dlate + wo, dlate, mask=mt)
