@@ -4,7 +4,8 @@ beside mambakit's own Mamba-1.
 Rows (bf16 modules, d_model 768, d_state 128, headdim 64: the 130m-mamba3 layer):
 
 - layer forward (no autograd) and forward + backward at B x T (default 8 x 2048), mambakit
-  against upstream's Triton module with the same weights;
+  against upstream's Triton module with the same weights, the two taking turns (median of
+  rounds: upstream's wall time is bound by its host), and each call's peak extra memory;
 - the 130m-mamba3 training step (Trainer, f32 weights under bf16 autocast) next to the 130m
   Mamba-1 step and to upstream's MambaLMHeadModel built with its Mamba3 layer (eager);
 - prefill 1 x 4096 (forward, CUDA graph) and greedy decode (16 + 256 tokens, CUDA graph) at
@@ -30,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import bench_mambakit  # noqa: E402
 from bench_model import measure_peer, measure_prefill, measure_trainer  # noqa: E402
-from common import cuda_time_ms, write_json  # noqa: E402
+from common import cuda_time_ms, interleaved_median_ms, write_json  # noqa: E402
 
 from mambakit import MambaConfig, MambaLM  # noqa: E402
 from mambakit.layers.mamba3 import Mamba3  # noqa: E402
@@ -78,7 +79,7 @@ def layer_rows(batch: int, seqlen: int, d_model: int, iters: int) -> list[dict]:
     u = torch.randn(batch, seqlen, d_model, device="cuda", dtype=dtype)
     ug = u.clone().requires_grad_(True)
     cot = torch.randn_like(u)
-    rows, base = [], {}
+    fns = {}
     for name, layer in layers.items():
 
         def fwd(layer=layer):
@@ -88,20 +89,25 @@ def layer_rows(batch: int, seqlen: int, d_model: int, iters: int) -> list[dict]:
         def fwd_bwd(layer=layer):
             layer(ug).backward(cot)
 
-        for what, fn in (("forward", fwd), ("forward+backward", fwd_bwd)):
-            ms = cuda_time_ms(fn, warmup=3, iters=iters)
-            rec = {"workload": f"Mamba3 layer {what} {batch}x{seqlen}", "impl": name, "ms": ms}
+        fns[name] = {"forward": fwd, "forward+backward": fwd_bwd}
+    rows = []
+    for what in ("forward", "forward+backward"):
+        # the implementations take turns (median of rounds): upstream's wall time is bound by
+        # its host and moves with it, so a slow spell falls on both sides alike
+        ms = interleaved_median_ms({name: f[what] for name, f in fns.items()}, warmup=3,
+                                   rounds=max(5, iters), iters=2)  # fmt: skip
+        for name, f in fns.items():
+            rec = {"workload": f"Mamba3 layer {what} {batch}x{seqlen}", "impl": name,
+                   "ms": ms[name]}  # fmt: skip
             # what one call holds beyond the inputs and weights (saved activations, transients)
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            fn()
+            f[what]()
             torch.cuda.synchronize()
             rec["peak_extra_mib"] = round((torch.cuda.max_memory_allocated() - before) / 2**20)
-            if name == "mambakit":
-                base[what] = ms
-            else:
-                rec["mambakit_speedup"] = ms / base[what]
+            if name != "mambakit":
+                rec["mambakit_speedup"] = ms[name] / ms["mambakit"]
             rows.append(rec)
             print(rec, flush=True)
     return rows
