@@ -73,24 +73,9 @@ def _warps(block_p: int, N: int, states: bool) -> int:
 
 
 def _launch_fwd(
-    x,
-    qr,
-    kr,
-    adt,
-    gamma,
-    late,
-    seq_idx,
-    D,
-    z,
-    s0,
-    k0,
-    x0,
-    y,
-    L,
-    states=None,
-    pre=None,
+    x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L, states=None, pre=None,
     qk=None,
-):
+):  # fmt: skip
     """The forward kernel over (row, head): y and the final state into y, and the returned
     (sT, kT, xT); each chunk's start state into `states` when given (the backward's, with y
     or as a pass of its own when y is None). `pre` (y's shape and strides): y before the
