@@ -28,6 +28,27 @@ def _mm(a, b, PREC: tl.constexpr, acc=None):
 
 
 @triton.jit
+def _chunk_inputs(p_q, p_k, p_adt, p_gam, p_late, b, h, c0, t, n, mt, mn, rows, last, T,
+                  s_q_b, s_q_t, s_q_h, s_w_b, s_w_t):
+    """What both scans read per chunk: q~ and k~'s rows (offsets qn, mask mq) for the states
+    n, the weights' offsets wo, gamma, w = gamma plus the next token's late term (inside the
+    chunk only), the decays' cumulative sum and its value at the last row, and the chunk's
+    first late term."""
+    qn = t[:, None] * s_q_t + h * s_q_h + n[None, :]
+    mq = mt[:, None] & mn[None, :]
+    qc = tl.load(p_q + b * s_q_b + qn, mask=mq, other=0.0)
+    kc = tl.load(p_k + b * s_q_b + qn, mask=mq, other=0.0)
+    wo = b * s_w_b + t * s_w_t + h
+    adt = tl.load(p_adt + wo, mask=mt, other=0.0)
+    gam = tl.load(p_gam + wo, mask=mt, other=0.0)
+    nxt = tl.load(p_late + wo + s_w_t, mask=(t + 1 < T) & (rows < last), other=0.0)
+    cs = tl.cumsum(adt, axis=0)
+    cs_last = tl.sum(tl.where(rows == last, cs, 0.0), axis=0)
+    late0 = tl.load(p_late + b * s_w_b + c0 * s_w_t + h)
+    return qn, mq, qc, kc, wo, gam, gam + nxt, cs, cs_last, late0
+
+
+@triton.jit
 def _chunk_fwd_kernel(
     p_x, p_q, p_k, p_adt, p_gam, p_late, p_seq, p_z, p_D,
     p_s0, p_k0, p_x0, p_y, p_pre, p_sT, p_kT, p_xT, p_st, p_qk,
@@ -69,19 +90,9 @@ def _chunk_fwd_kernel(
         last = tl.minimum(L, T - c0) - 1
         xc = tl.load(p_x + b * s_x_b + t[:, None] * s_x_t + h * s_x_h + p[None, :],
                      mask=mt[:, None] & mp[None, :], other=0.0).to(tl.float32)
-        qn = t[:, None] * s_q_t + h * s_q_h + n[None, :]
-        mq = mt[:, None] & mn[None, :]
-        qc = tl.load(p_q + b * s_q_b + qn, mask=mq, other=0.0)
-        kc = tl.load(p_k + b * s_q_b + qn, mask=mq, other=0.0)
-        wo = b * s_w_b + t * s_w_t + h
-        adt = tl.load(p_adt + wo, mask=mt, other=0.0)
-        gam = tl.load(p_gam + wo, mask=mt, other=0.0)
-        # the next token's late term joins this one's weight, inside the chunk only
-        nxt = tl.load(p_late + wo + s_w_t, mask=(t + 1 < T) & (rows < last), other=0.0)
-        w = gam + nxt
-        cs = tl.cumsum(adt, axis=0)
-        cs_last = tl.sum(tl.where(rows == last, cs, 0.0), axis=0)
-        late0 = tl.load(p_late + b * s_w_b + c0 * s_w_t + h)
+        qn, mq, qc, kc, wo, gam, w, cs, cs_last, late0 = _chunk_inputs(
+            p_q, p_k, p_adt, p_gam, p_late, b, h, c0, t, n, mt, mn, rows, last, T,
+            s_q_b, s_q_t, s_q_h, s_w_b, s_w_t)
         start = S + late0 * x_prev[:, None] * k_prev[None, :]  # [P, N]
         same = causal & mt[None, :]
         carry = mt.to(tl.float32)
@@ -195,18 +206,9 @@ def _chunk_bwd_kernel(
                      mask=mtp, other=0.0).to(tl.float32)
         dy = tl.load(p_dy + b * s_dy_b + t[:, None] * s_dy_t + h * s_dy_h + p[None, :],
                      mask=mtp, other=0.0).to(tl.float32)
-        qn = t[:, None] * s_q_t + h * s_q_h + n[None, :]
-        mq = mt[:, None] & mn[None, :]
-        qc = tl.load(p_q + b * s_q_b + qn, mask=mq, other=0.0)
-        kc = tl.load(p_k + b * s_q_b + qn, mask=mq, other=0.0)
-        wo = b * s_w_b + t * s_w_t + h
-        adt = tl.load(p_adt + wo, mask=mt, other=0.0)
-        gam = tl.load(p_gam + wo, mask=mt, other=0.0)
-        nxt = tl.load(p_late + wo + s_w_t, mask=(t + 1 < T) & (rows < last), other=0.0)
-        w = gam + nxt
-        cs = tl.cumsum(adt, axis=0)
-        cs_last = tl.sum(tl.where(rows == last, cs, 0.0), axis=0)
-        late0 = tl.load(p_late + b * s_w_b + c0 * s_w_t + h)
+        qn, mq, qc, kc, wo, gam, w, cs, cs_last, late0 = _chunk_inputs(
+            p_q, p_k, p_adt, p_gam, p_late, b, h, c0, t, n, mt, mn, rows, last, T,
+            s_q_b, s_q_t, s_q_h, s_w_b, s_w_t)
         start = tl.load(p_st + ((bh * n_chunks + c) * P + p[:, None]) * N + n[None, :],
                         mask=mpn, other=0.0)
         # the token before the chunk: the previous chunk's last, or the initial state's
