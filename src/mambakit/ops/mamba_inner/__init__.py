@@ -30,12 +30,6 @@ from ..causal_conv1d import conv_fwd_op
 from ..selective_scan import scan_fwd_op
 
 
-def delta_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype dt_proj stores delta in, for a compute dtype: f16, or f32 for f32 models
-    (kernels.py says why)."""
-    return torch.float32 if dtype == torch.float32 else torch.float16
-
-
 def _as(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """w in dtype; w itself when it is already (a no-op `.to` still costs a dispatch)."""
     return w if w.dtype == dtype else w.to(dtype)
@@ -45,8 +39,8 @@ def _as(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _dt_proj_op(
     x_dbl: torch.Tensor, dt_proj_weight: torch.Tensor, dt_bias: torch.Tensor | None, softplus: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """dt_proj for the scan (kernels.py): (softplus(raw + dt_bias) in f16, f32 for f32 x_dbl,
-    B and C in f32), or (raw, empty) without softplus."""
+    """dt_proj for the scan (kernels.py): (softplus(raw + dt_bias) f32, B and C in f32), or
+    (raw, empty) without softplus."""
     from .kernels import dt_proj
 
     return dt_proj(x_dbl, dt_proj_weight, dt_bias, softplus)
@@ -59,8 +53,7 @@ def _(x_dbl, dt_proj_weight, dt_bias, softplus):
     f32 = torch.float32
     if not softplus:
         return x_dbl.new_empty((Bsz, T, D)), x_dbl.new_empty((0,), dtype=f32)
-    delta = x_dbl.new_empty((Bsz, T, D), dtype=delta_dtype(x_dbl.dtype))
-    return delta, x_dbl.new_empty((Bsz, T, W - R), dtype=f32)
+    return x_dbl.new_empty((Bsz, T, D), dtype=f32), x_dbl.new_empty((Bsz, T, W - R), dtype=f32)
 
 
 dt_proj_op = Op(_dt_proj_op)
@@ -183,7 +176,7 @@ def _inner_bwd(
     dxz = torch.empty(xz.shape, dtype=xz.dtype, device=xz.device)
     du, ddelta, dA, dB, dC, dD, _, d_dt_bias, d_ssm_state = scan_bwd(
         gy, g_ssm_out, u, delta, A, B, C, D, z, dt_bias, True, ssm_state, seq_idx, states,
-        dz_out=dxz[..., Dn:], delta_f16=delta_dtype(u.dtype) == torch.float16,
+        dz_out=dxz[..., Dn:],
     )  # fmt: skip
     # the GEMMs' backward in the compute dtype, as autograd runs them on the unfused chain
     cdt = u.dtype

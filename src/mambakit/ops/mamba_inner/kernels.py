@@ -1,10 +1,9 @@
-"""dt_proj for the scan, as one Triton kernel: delta through softplus, B and C widened.
+"""dt_proj for the scan, as one Triton kernel: delta through softplus in f32, B and C widened.
 
 B batch, T time, D = d_inner, N = d_state, R = dt_rank; x_dbl = u W_x^T [B, T, R + 2N].
 
     raw    = x_dbl[..., :R] @ W_dt^T          [B, T, D], rounded to x_dbl's dtype (the GEMM's)
-    delta  = softplus(raw + dt_bias)          [B, T, D], computed in f32, stored in f16
-                                              (f32 when x_dbl is f32)
+    delta  = softplus(raw + dt_bias)          [B, T, D] f32 (the scan's softplus)
     bc     = x_dbl[..., R:] in f32            [B, T, 2N]
 
 The scan reads delta and B, C once per pass, and it makes two passes over a long row (the
@@ -14,15 +13,7 @@ work in each pass. This kernel computes it once, in the epilogue of the dt_proj 
 and widens B and C to the f32 the scan reads (a launch of its own before), so the chain
 cuBLAS dt_proj -> widen B, C -> scan(softplus) becomes this kernel -> scan. The forward of
 the fused node runs it with softplus; its backward with `softplus=False` for raw delta, the
-same bits the forward started from, for the scan's backward (which needs the raw values and
-rounds softplus to f16 as this kernel does).
-
-Why f16 for delta: the kernel's time is its stores (D values per token against R + 2N
-read), and the scan reads delta in both passes. f16 halves those bytes. Its relative
-rounding, 2^-12, is a quarter of raw's own bf16 rounding (2^-9 of raw, which reaches delta
-scaled by sigmoid <= 1), so delta's error stays that of upstream's (softplus of bf16 raw,
-in f32). delta is positive and below f16's range for any finite model (softplus(raw) >
-65504 would need raw + dt_bias > 65504).
+same bits the forward started from, for the scan's backward (which needs the raw values).
 """
 
 from __future__ import annotations
@@ -33,7 +24,6 @@ import triton.language as tl
 
 from .._triton import COMPILED, cdiv, launch, next_power_of_2, opt
 from ..selective_scan.tiles import _delta_of
-from . import delta_dtype
 
 
 # fmt: off
@@ -97,7 +87,7 @@ def _dt_proj_kernel(
             if HAS_BIAS:
                 bias = tl.load(p_bias + offs_d, mask=mask_d, other=0.0).to(tl.float32)
             _, delta = _delta_of(raw.to(tl.float32), m2, bias, HAS_BIAS, True, True)
-            tl.store(p_out, delta.to(p_delta.dtype.element_ty), mask=m2)
+            tl.store(p_out, delta, mask=m2)
         else:
             tl.store(p_out, raw, mask=m2)
     if SOFTPLUS:
@@ -129,16 +119,15 @@ def dt_proj(
     dt_bias: torch.Tensor | None,  # [D]
     softplus: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """softplus: (delta = softplus(raw + dt_bias) [B, T, D] in `delta_dtype(x_dbl.dtype)`,
-    B and C side by side [B, T, 2N] f32); else (raw [B, T, D] in x_dbl's dtype, an empty
-    tensor), where raw = x_dbl[..., :R] @ W_dt^T is rounded to x_dbl's dtype as the GEMM
-    rounds it, the weight as `.to(x_dbl.dtype)` would, and softplus is the scan's own."""
+    """softplus: (delta = softplus(raw + dt_bias) [B, T, D] f32, B and C side by side
+    [B, T, 2N] f32); else (raw [B, T, D] in x_dbl's dtype, an empty tensor), where
+    raw = x_dbl[..., :R] @ W_dt^T is rounded to x_dbl's dtype as the GEMM rounds it, the
+    weight as `.to(x_dbl.dtype)` would, and softplus is the scan's own."""
     Bsz, T, W = x_dbl.shape
     D, R = dt_proj_weight.shape
     N2 = W - R
     dev, f32 = x_dbl.device, torch.float32
-    out_dtype = delta_dtype(x_dbl.dtype) if softplus else x_dbl.dtype
-    delta = torch.empty((Bsz, T, D), device=dev, dtype=out_dtype)
+    delta = torch.empty((Bsz, T, D), device=dev, dtype=f32 if softplus else x_dbl.dtype)
     bc = torch.empty((Bsz, T, N2) if softplus else (0,), device=dev, dtype=f32)
     M = Bsz * T
     if M == 0:

@@ -279,13 +279,10 @@ def scan_bwd(
     states,
     cfg: ScanConfig | None = None,
     dz_out: torch.Tensor | None = None,
-    delta_f16: bool = False,
 ):
     """(du, ddelta, dA, dB, dC, dD, dz, d delta_bias, d initial_state); absent ones None.
     cfg: as for `scan_fwd`, with the bwd_tile the states were saved at. dz_out: a [B, T, D]
-    tensor (any row strides, stride 1 in D) that receives dz, returned as dz. delta_f16: the
-    forward ran on softplus(delta + delta_bias) rounded to f16 (the fused mixer's forward);
-    the backward rounds it the same way (the gradient passes straight through the rounding)."""
+    tensor (any row strides, stride 1 in D) that receives dz, returned as dz."""
     Bsz, T, Dn = u.shape
     N = A.shape[1]
     dev = u.device
@@ -317,7 +314,7 @@ def scan_bwd(
     common = dict(
         HAS_Z=z is not None,
         HAS_BIAS=delta_bias is not None,
-        SOFTPLUS=2 if delta_softplus and delta_f16 else bool(delta_softplus),
+        SOFTPLUS=bool(delta_softplus),
         HAS_SEQ=seq_idx is not None,
         TC=tc,
         BLOCK_D=bd,

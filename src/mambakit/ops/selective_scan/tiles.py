@@ -128,15 +128,11 @@ def _st(ptrs, value, mask, EVEN: tl.constexpr):
 
 @triton.jit
 def _delta_of(raw, m2, bias, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, EVEN: tl.constexpr):
-    """Raw delta [TC, BD] as loaded -> (raw + bias, delta); delta is 0 on rows past T.
-    SOFTPLUS 2: delta rounded to f16, as the fused mixer's forward stores it (ops/mamba_inner),
-    so its backward runs on the forward's values."""
+    """Raw delta [TC, BD] as loaded -> (raw + bias, delta); delta is 0 on rows past T."""
     if HAS_BIAS:
         raw = raw + bias[None, :]
     if SOFTPLUS:
         dt = _softplus(raw)
-        if SOFTPLUS == 2:
-            dt = dt.to(tl.float16).to(tl.float32)
     else:
         dt = raw
     if not EVEN:
