@@ -46,7 +46,13 @@ def check(Bsz, T, D, R, N, with_bias, dtype, gen):
     assert torch.equal(bc, x_dbl[..., R:].float()), "B, C widened"
 
 
-CASES = {"bias": (2, 21, 40, 3, 5, True), "nobias-r1": (1, 17, 24, 1, 1, False)}
+# "even": whole tiles (the kernel's unmasked path) under the interpreter's 16 x 16 tiles and
+# two row tiles per program
+CASES = {
+    "bias": (2, 21, 40, 3, 5, True),
+    "nobias-r1": (1, 17, 24, 1, 1, False),
+    "even": (2, 16, 32, 3, 5, True),
+}
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
