@@ -23,20 +23,20 @@ from mambakit.ops.selective_scan import kernels as KS
 
 SHAPES = {"130m 1x4096": (1, 4096, 1536, 48), "1.4b 1x4096": (1, 4096, 4096, 128),
           "130m 8x2048": (8, 2048, 1536, 48)}  # fmt: skip
-# (BLOCK_M, BLOCK_D, warps, M_TILES, STAGES): a program owns BLOCK_D channels and walks
-# M_TILES tiles of BLOCK_M rows
+# (BLOCK_M, BLOCK_D, warps, D_TILES, STAGES)
 CANDIDATES = [
-    (64, 64, 4, 4, 3),
     (64, 64, 4, 1, 1),
     (64, 64, 4, 2, 2),
-    (64, 64, 4, 8, 3),
-    (128, 64, 4, 2, 2),
-    (128, 64, 8, 2, 2),
+    (64, 64, 4, 4, 2),
+    (64, 64, 4, 4, 3),
     (64, 128, 4, 2, 2),
-    (64, 128, 8, 4, 3),
+    (128, 64, 4, 2, 2),
+    (128, 64, 8, 4, 2),
+    (64, 64, 8, 4, 2),
+    (32, 64, 4, 4, 3),
     (32, 64, 2, 4, 3),
-    (32, 128, 4, 4, 3),
-    (128, 128, 8, 1, 1),
+    (16, 64, 2, 4, 3),
+    (32, 128, 4, 2, 3),
 ]
 
 
@@ -87,9 +87,9 @@ def sweep(name: str, Bsz: int, T: int, D: int, R: int, g: torch.Generator) -> li
     }
     for piece, fn in pieces.items():
         rows.append(dict(shape=name, piece=piece, us=timed(fn)))
-    default = (KM.BLOCK_M, KM.BLOCK_D, KM.WARPS, KM.M_TILES, KM.STAGES)
+    default = (KM.BLOCK_M, KM.BLOCK_D, KM.WARPS, KM.D_TILES, KM.STAGES)
     for cand in CANDIDATES:
-        KM.BLOCK_M, KM.BLOCK_D, KM.WARPS, KM.M_TILES, KM.STAGES = cand
+        KM.BLOCK_M, KM.BLOCK_D, KM.WARPS, KM.D_TILES, KM.STAGES = cand
         try:
             us = timed(lambda: KM.dt_proj(x_dbl, w, bias, True))
             same = torch.equal(KM.dt_proj(x_dbl, w, bias, True)[0], delta)
@@ -97,7 +97,7 @@ def sweep(name: str, Bsz: int, T: int, D: int, R: int, g: torch.Generator) -> li
             rows.append(dict(shape=name, piece="dt_proj kernel", cfg=cand, error=str(e)[:200]))
             continue
         rows.append(dict(shape=name, piece="dt_proj kernel", cfg=cand, us=us, same_bits=same))
-    KM.BLOCK_M, KM.BLOCK_D, KM.WARPS, KM.M_TILES, KM.STAGES = default
+    KM.BLOCK_M, KM.BLOCK_D, KM.WARPS, KM.D_TILES, KM.STAGES = default
     for r in rows:
         print(r, flush=True)
     return rows

@@ -46,8 +46,7 @@ def check(Bsz, T, D, R, N, with_bias, dtype, gen):
     assert torch.equal(bc, x_dbl[..., R:].float()), "B, C widened"
 
 
-# "even": whole tiles (the kernel's unmasked path) under the interpreter's 16 x 16 tiles and
-# two row tiles per program
+# "even": rows and channels in whole 16-wide tiles (the interpreter's), no partial tile
 CASES = {
     "bias": (2, 21, 40, 3, 5, True),
     "nobias-r1": (1, 17, 24, 1, 1, False),

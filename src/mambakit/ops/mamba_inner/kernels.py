@@ -54,76 +54,63 @@ def _round(x, dtype: tl.constexpr):
 def _dt_proj_kernel(
     p_xdbl, p_w, p_bias, p_delta, p_bc,
     M, D, R, N2,
-    s_xdbl_m, s_w_d,
+    s_xdbl_m, s_w_d, s_w_r,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_BC: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, IEEE: tl.constexpr,
-    M_TILES: tl.constexpr, EVEN: tl.constexpr, STAGES: tl.constexpr,
+    D_TILES: tl.constexpr, STAGES: tl.constexpr,
 ):
-    # x_dbl [M, R + 2N] rows (M = B T) and W_dt [D, R] with stride 1 along them; delta [M, D]
-    # (SOFTPLUS: f32, else x_dbl's dtype) and bc [M, 2N] f32, contiguous. A program: BLOCK_D
-    # channels, whose weights and bias it loads once, and M_TILES tiles of BLOCK_M rows one
-    # after the other. Offsets inside a tile are int32 and the same for every tile (computed
-    # once); each tile moves a scalar int64 base. EVEN: every tile is whole (no row or
-    # channel masks).
-    pid_d = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    # x_dbl [M, R + 2N] rows (M = B T) with stride 1 along them; delta [M, D] (SOFTPLUS: f32,
+    # else x_dbl's dtype) and bc [M, 2N] f32, contiguous. A program: BLOCK_M rows, D_TILES
+    # tiles of BLOCK_D channels one after the other (its dt rows loaded once).
+    pid_m = tl.program_id(0)
+    pid_d = tl.program_id(1)
     dtype = p_xdbl.dtype.element_ty
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    mask_m = offs_m < M
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
-    w = tl.load(p_w + offs_d[:, None] * s_w_d + offs_r[None, :],
-                mask=mask_d[:, None] & mask_r[None, :], other=0.0)  # fmt: skip
-    w_t = tl.trans(_round(w, dtype))  # [BLOCK_R, BLOCK_D], as `.to(x_dbl.dtype)` rounds it
-    bias = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(p_bias + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    rows = tl.arange(0, BLOCK_M)
-    in_x = rows[:, None] * s_xdbl_m + offs_r[None, :]
-    in_out = rows[:, None] * D + offs_d[None, :]
-    offs_c = tl.arange(0, BLOCK_BC)
-    in_xbc = rows[:, None] * s_xdbl_m + offs_c[None, :]
-    in_bc = rows[:, None] * N2 + offs_c[None, :]
-    for i in tl.range(M_TILES, num_stages=STAGES):
-        m0 = ((pid_m * M_TILES + i) * BLOCK_M).to(tl.int64)
-        mask_m = (m0 + rows) < M
-        m2 = mask_m[:, None] & mask_d[None, :]
-        p_rows = p_xdbl + m0 * s_xdbl_m
-        if EVEN:
-            dt_r = tl.load(p_rows + in_x, mask=mask_r[None, :], other=0.0)
-        else:
-            dt_r = tl.load(p_rows + in_x, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-        raw = _dot(dt_r, w_t, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), IEEE)
+    p_rows = p_xdbl + offs_m[:, None] * s_xdbl_m
+    dt_r = tl.load(p_rows + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+    for j in tl.range(D_TILES, num_stages=STAGES):
+        offs_d = (pid_d * D_TILES + j) * BLOCK_D + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        w = tl.load(
+            p_w + offs_d[None, :] * s_w_d + offs_r[:, None] * s_w_r,
+            mask=mask_r[:, None] & mask_d[None, :], other=0.0,
+        )
+        raw = _dot(dt_r, _round(w, dtype), tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), IEEE)
         raw = _round(raw, dtype)  # dt_proj's output, as the GEMM rounds it
-        p_out = p_delta + m0 * D + in_out
+        m2 = mask_m[:, None] & mask_d[None, :]
+        p_out = p_delta + offs_m[:, None] * D + offs_d[None, :]
         if SOFTPLUS:
-            _, out = _delta_of(raw.to(tl.float32), m2, bias, HAS_BIAS, True, True)
+            bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+            if HAS_BIAS:
+                bias = tl.load(p_bias + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+            _, delta = _delta_of(raw.to(tl.float32), m2, bias, HAS_BIAS, True, True)
+            tl.store(p_out, delta, mask=m2)
         else:
-            out = raw
-        if EVEN:
-            tl.store(p_out, out)
-        else:
-            tl.store(p_out, out, mask=m2)
-        if SOFTPLUS:
-            if pid_d == 0:  # B and C, widened
-                m_c = mask_m[:, None] & (offs_c < N2)[None, :]
-                bc = tl.load(p_rows + R + in_xbc, mask=m_c, other=0.0)
-                tl.store(p_bc + m0 * N2 + in_bc, bc.to(tl.float32), mask=m_c)
+            tl.store(p_out, raw, mask=m2)
+    if SOFTPLUS:
+        if pid_d == 0:  # B and C, widened
+            offs_c = tl.arange(0, BLOCK_BC)
+            m_c = mask_m[:, None] & (offs_c < N2)[None, :]
+            bc = tl.load(p_rows + R + offs_c[None, :], mask=m_c, other=0.0)
+            tl.store(p_bc + offs_m[:, None] * N2 + offs_c[None, :], bc.to(tl.float32), mask=m_c)
 
 
 # fmt: on
 
 
 # launch parameters (GPU; the interpreter takes the smallest tiles tl.dot allows, and two
-# row tiles per program, so the tests cover several blocks, the loop and the masked edges),
-# measured on the H200 from CUDA graphs by scripts/dt_proj_sweep.py as (rows, channels,
-# warps, row tiles per program, pipeline stages):
-#   (to be measured)
-# Session 13's kernel (a program: 64 rows, 4 tiles of 64 channels, masked everywhere, 64-bit
-# offsets per element) took 9.9 us at 130m 1 x 4096, 26.4 at 1.4b and 35.1 at 130m
-# 8 x 2048; offline sm_90 SASS (Triton 3.9, arguments specialized as on the GPU): 1,168
-# instructions against this kernel's 1,024, each for 64 x 64 outputs per tile.
-BLOCK_M, BLOCK_D, WARPS, M_TILES, STAGES = 64, 64, 4, 4, 3
+# channel tiles per program, so the tests cover several blocks, the loop and the masked
+# edges), measured on the H200 from CUDA graphs by scripts/dt_proj_sweep.py as (rows,
+# channels, warps, channel tiles per program, pipeline stages), all with the same bits:
+#   130m 1 x 4096:  64 x 64 x 4, 4 tiles, 3 stages  9.9 us (1 tile: 10.3; 64 x 128: 11.8)
+#   1.4b 1 x 4096:  the same                       26.4 us (64 x 128, 1 tile: 30.6-31.3)
+#   130m 8 x 2048:  the same                       35.1 us (1 tile: 35.4)
+# It writes 4 bytes of delta per (t, channel) where cuBLAS wrote 2: 9.9 us against cuBLAS
+# dt_proj 6.0 + widening B, C 2.8 at 130m, paid back by the scan (88.0 -> 79.7 us).
+BLOCK_M, BLOCK_D, WARPS, D_TILES, STAGES = 64, 64, 4, 4, 3
 
 
 def dt_proj(
@@ -146,19 +133,17 @@ def dt_proj(
     if M == 0:
         return delta, bc
     x2 = x_dbl.reshape(M, W)  # a view for the layer's contiguous x_dbl
-    w = dt_proj_weight if dt_proj_weight.stride(1) == 1 else dt_proj_weight.contiguous()
     interpret = not x_dbl.is_cuda
     bm = 16 if interpret else BLOCK_M
     bd = 16 if interpret else BLOCK_D
-    tiles = 2 if interpret else M_TILES  # interpreted: the loop runs in the tests
-    even = M % (bm * tiles) == 0 and D % bd == 0
-    launch(_dt_proj_kernel, (cdiv(D, bd), cdiv(M, bm * tiles)),
-        x2, w, opt(dt_bias, w), delta, bc,
+    tiles = 2 if interpret else D_TILES  # interpreted: the loop runs in the tests
+    launch(_dt_proj_kernel, (cdiv(M, bm), cdiv(D, bd * tiles)),
+        x2, dt_proj_weight, opt(dt_bias, dt_proj_weight), delta, bc,
         M, D, R, N2,
-        x2.stride(0), w.stride(0),
+        x2.stride(0), dt_proj_weight.stride(0), dt_proj_weight.stride(1),
         BLOCK_M=bm, BLOCK_D=bd, BLOCK_R=max(16, next_power_of_2(R)),
         BLOCK_BC=next_power_of_2(N2), HAS_BIAS=dt_bias is not None, SOFTPLUS=softplus,
-        IEEE=x_dbl.dtype == f32, M_TILES=tiles, EVEN=even, STAGES=STAGES,
+        IEEE=x_dbl.dtype == f32, D_TILES=tiles, STAGES=STAGES,
         num_warps=WARPS,
     )  # fmt: skip
     return delta, bc
