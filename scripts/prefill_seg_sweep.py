@@ -4,9 +4,9 @@ segments, timed on the scan alone and on the whole 130m graph prefill, mamba_ssm
 
 PYTHONPATH=src:benchmarks python scripts/prefill_seg_sweep.py --out prefill_seg_sweep.json
 
-Each candidate replaces `ScanConfig.fwd_carry` and `fwd_seg_target_per_sm` of the library's
-config (selective_scan/kernels.py); its y is checked against the library's default. GPU
-time from CUDA graphs (scan: do_bench_cudagraph median; prefill: a captured 1 x 4096
+Each candidate replaces `ScanConfig.fwd_carry`, `fwd_seg_target_per_sm` and
+`fwd_local_tiles` of the library's config (selective_scan/kernels.py); its y is checked
+against the library's default. GPU time from CUDA graphs (scan: do_bench_cudagraph median; prefill: a captured 1 x 4096
 forward plus the LM head on the last position, replayed, as bench_decode's table; the
 candidates take turns over rounds and the median is kept).
 """
@@ -29,17 +29,29 @@ from common import graph_time_ms  # noqa: E402
 from mambakit import MambaConfig, MambaLM  # noqa: E402
 from mambakit.ops.selective_scan import kernels as K  # noqa: E402
 
-# (fwd_carry, fwd_seg_target_per_sm)
-CANDIDATES = [(False, 8), (True, 8), (True, 10), (True, 12), (True, 16), (False, 10)]
+# (fwd_carry, fwd_seg_target_per_sm, fwd_local_tiles)
+CANDIDATES = [
+    (False, 8, 2),
+    (True, 8, 2),
+    (True, 10, 2),
+    (True, 12, 2),
+    (True, 16, 2),
+    (True, 24, 2),
+    (False, 12, 2),
+    (True, 12, 1),
+    (True, 16, 4),
+]
 
 
-def patched(carry: bool, target: int):
+def patched(carry: bool, target: int, local_tiles: int):
     """K.config with this candidate's segment settings (restored by the caller)."""
     orig = K.config
 
     def config(Dn: int, interpret: bool):
         base = orig(Dn, interpret)
-        return dataclasses.replace(base, fwd_carry=carry, fwd_seg_target_per_sm=target)
+        return dataclasses.replace(
+            base, fwd_carry=carry, fwd_seg_target_per_sm=target, fwd_local_tiles=local_tiles
+        )
 
     return config
 
@@ -68,8 +80,8 @@ def scan_rows(g: torch.Generator) -> list[dict]:
                 us = triton.testing.do_bench_cudagraph(run, rep=50, return_mode="median") * 1e3
             finally:
                 K.config = orig
-            row = dict(kernel="scan_fwd", shape=f"1x{T}x{D}", carry=cand[0], target=cand[1],
-                       us=us, y_max_diff=(y - ref).abs().max().item())  # fmt: skip
+            row = dict(kernel="scan_fwd", shape=f"1x{T}x{D}", cand=cand, us=us,
+                       y_max_diff=(y - ref).abs().max().item())  # fmt: skip
             print(row, flush=True)
             rows.append(row)
     return rows
