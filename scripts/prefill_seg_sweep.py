@@ -6,9 +6,9 @@ PYTHONPATH=src:benchmarks python scripts/prefill_seg_sweep.py --out prefill_seg_
 
 Each candidate replaces `ScanConfig.fwd_carry`, `fwd_seg_target_per_sm` and
 `fwd_local_tiles` of the library's config (selective_scan/kernels.py); its y is checked
-against the library's default. GPU time from CUDA graphs (scan: do_bench_cudagraph median; prefill: a captured 1 x 4096
-forward plus the LM head on the last position, replayed, as bench_decode's table; the
-candidates take turns over rounds and the median is kept).
+against the library's default. GPU time from CUDA graphs (scan: do_bench_cudagraph median;
+prefill: a captured 1 x 4096 forward plus the LM head on the last position, replayed, as
+bench_decode's table; the candidates take turns over rounds and the median is kept).
 """
 
 from __future__ import annotations
