@@ -46,7 +46,10 @@ from .channel_sum import reduce_scatter_fits
 from .forward import _fwd_kernel
 
 MAX_BLOCK_N = 32  # states per program; larger N is split over programs
-FWD_CARRY = False  # ScanConfig.fwd_carry
+# ScanConfig.fwd_carry: the output pass holds 8 one-warp programs per SM (250 registers), so
+# the segment count is fixed near a wave of 8 per SM; without the carry pass, the last
+# segments' programs first compose up to ~20 summaries each while the first ones scan
+FWD_CARRY = True
 
 
 @dataclasses.dataclass(frozen=True)
