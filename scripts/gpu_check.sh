@@ -7,7 +7,7 @@ set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile host prefill"}  # also: ncu, tasks, m3, segsweep
+STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile host prefill"}  # also: ncu, tasks, m3
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -30,10 +30,6 @@ fi
 if stage dtproj; then  # the dt_proj kernel (softplus in its epilogue) against the chain, its launch parameters
   echo "== dt_proj_sweep" | tee -a "$LOG"
   timeout ${T_DTPROJ:-150} python scripts/dt_proj_sweep.py --out "$OUT/dt_proj_sweep.json" 2>&1 | tee -a "$LOG"
-fi
-if stage segsweep; then  # the forward scan's segments at the prefill shapes, and the 130m graph prefill
-  echo "== prefill_seg_sweep" | tee -a "$LOG"
-  PYTHONPATH=$PYTHONPATH:benchmarks timeout ${T_SEGSWEEP:-200} python scripts/prefill_seg_sweep.py --out "$OUT/prefill_seg_sweep.json" 2>&1 | tee -a "$LOG"
 fi
 if stage rms; then  # the RMSNorm forward's tiles at the prefill shapes
   echo "== rms_sweep" | tee -a "$LOG"

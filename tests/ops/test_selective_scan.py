@@ -192,20 +192,16 @@ def test_sum_loss(c: Case, seed):
 @pytest.mark.parametrize(
     "over, reduce_scatter",
     [
-        ({"seg_tiles": 1, "fwd_carry": False}, None),
-        ({"seg_tiles": 1, "fwd_carry": True}, None),
-        ({"seg_tiles": 3, "fwd_carry": False}, None),
-        ({"seg_tiles": 3, "fwd_carry": True}, None),
+        ({"seg_tiles": 1}, None),
+        ({"seg_tiles": 3}, None),
         ({"fwd_tile": 8, "bwd_tile": 2, "seg_tiles": 2}, None),
         ({"bwd_block_d": 2, "bwd_tile": 8}, False),  # 16 lanes for 4 states: tl.sum
         ({"bwd_block_d": 16, "bwd_tile": 8}, True),
         ({"bwd_block_d": 32, "bwd_tile": 8}, True),
     ],
     ids=[
-        "seg1-outputs-compose",
-        "seg1-carry-pass",
-        "seg3-outputs-compose",
-        "seg3-carry-pass",
+        "seg1",
+        "seg3",
         "fwd-tile-8-bwd-tile-2",
         "channel-sums-by-tl.sum",
         "reduce-scatter-16-channels",
@@ -215,8 +211,7 @@ def test_sum_loss(c: Case, seed):
 @pytest.mark.slow
 def test_tilings_and_segments_agree(over: dict, reduce_scatter: bool | None, seed):
     """Other time tiles and channel blocks, and time cut into segments (with carries between
-    them: forward, composed by each output program or by the carry pass), give the results
-    of one segment per row. reduce_scatter: whether the backward's
+    them), give the results of one segment per row. reduce_scatter: whether the backward's
     channel sums take the warp reduce-scatter (N = 3 is one block of 4 states)."""
     from mambakit.ops.selective_scan import kernels as K
     from mambakit.ops.selective_scan.channel_sum import reduce_scatter_fits

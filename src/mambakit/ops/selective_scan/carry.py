@@ -1,13 +1,11 @@
-"""The scans over segments: the state at each segment's start (forward, when
-`ScanConfig.fwd_carry`), the adjoint carried into each segment's end (backward).
+"""The backward's scan over segments: the adjoint carried into each segment's end.
 
 Used only when time is cut into segments (a long single sequence gives too few programs):
 a first pass gives every segment of a row its own summary, an affine map over the [D, N]
-state or adjoint (decay product P and what builds up from zero inside it), and these
-kernels compose the maps of one row in order (forward) or in reverse order (backward) with
-`tl.associative_scan`, CB segments at a time, BLOCK_E state elements per program. Without
-`fwd_carry` the forward needs no such launch: each output program composes the summaries
-before its own segment.
+adjoint (decay product P and the adjoint that builds up from zero inside it), and this
+kernel composes the maps of one row in reverse order with `tl.associative_scan`, CB segments
+at a time, BLOCK_E state elements per program. (The forward needs no such launch: each
+output program composes the summaries before its own segment.)
 """
 
 import triton
@@ -47,33 +45,3 @@ def _carry_bwd_kernel(
         tl.store(p_gin + off - DN, X, mask=m2)
         last = tl.minimum(CB, nc - k) - 1
         G = tl.sum(tl.where((rows == last)[:, None], X, 0.0), axis=0)
-
-
-@triton.jit
-def _carry_fwd_kernel(
-    p_hloc, p_P, p_h0, p_start, nseg, DN,
-    HAS_H0: tl.constexpr, BLOCK_E: tl.constexpr, CB: tl.constexpr,
-):
-    """start_0 = h0 (or 0), start_{s+1} = hloc_s + P_s start_s: the state at the start of each
-    segment, [B, nseg, D, N] (the last segment's summary is never read)."""
-    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    b = tl.program_id(1).to(tl.int64)
-    me = e < DN
-    if HAS_H0:
-        H = tl.load(p_h0 + b * DN + e, mask=me, other=0.0)
-    else:
-        H = tl.zeros([BLOCK_E], tl.float32)
-    base = b * nseg * DN
-    tl.store(p_start + base + e, H, mask=me)
-    rows = tl.arange(0, CB)
-    for k in range(0, nseg - 1, CB):
-        cs = k + rows  # row r holds segment k + r's summary, in time order
-        m2 = (cs < nseg - 1)[:, None] & me[None, :]
-        off = base + cs[:, None].to(tl.int64) * DN + e[None, :]
-        P = tl.load(p_P + off, mask=m2, other=1.0)
-        W = tl.load(p_hloc + off, mask=m2, other=0.0)
-        Pc, Wc = tl.associative_scan((P, W), 0, _combine)
-        X = Wc + Pc * H[None, :]  # the state at the end of segment cs: the next one's start
-        tl.store(p_start + off + DN, X, mask=m2)
-        last = tl.minimum(CB, nseg - 1 - k) - 1
-        H = tl.sum(tl.where((rows == last)[:, None], X, 0.0), axis=0)

@@ -38,12 +38,11 @@ def _fwd_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_H0: tl.constexpr, LOCAL: tl.constexpr, SAVE: tl.constexpr,
     SPLIT_N: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, EVEN: tl.constexpr, STARTS: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
 ):
     """One segment of one row, tile by tile. LOCAL: from a zero state, only the segment's end
     state and decay product; else, from h0 (HAS_H0) and the summaries of the earlier segments
-    (hloc, P: [B, nseg, D, N]), or (STARTS) from its start state as the carry pass composed
-    it (in hloc's place), y, the state every TS steps (SAVE) and h_T (last segment)."""
+    (hloc, P: [B, nseg, D, N]), y, the state every TS steps (SAVE) and h_T (last segment)."""
     pid_d, s, b, pid_n, d, n, md, mn, mdn, A, bias = _program_block(
         p_A, p_bias, Dn, N, Bsz, HAS_BIAS, BLOCK_D, BLOCK_N
     )
@@ -51,13 +50,11 @@ def _fwd_kernel(
     rows = tl.arange(0, TC)
     off_dn = d[None, :] * N + n[:, None]  # [BLOCK_N, BLOCK_D] in a [D, N] state
     off_seg = (b * nseg + s) * Dn * N + off_dn  # [B, nseg, D, N]
-    if STARTS:
-        h = tl.load(p_hloc + off_seg, mask=mdn, other=0.0)
-    elif HAS_H0:
+    if HAS_H0:
         h = tl.load(p_h0 + b * Dn * N + off_dn, mask=mdn, other=0.0)
     else:
         h = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    if not (LOCAL or STARTS):  # the segment's start: the summaries before it, in order
+    if not LOCAL:  # the segment's start: the summaries of the segments before it, in order
         for j in tl.range(s, num_stages=3):
             off_j = (b * nseg + j) * Dn * N + off_dn
             h = tl.load(p_P + off_j, mask=mdn, other=0.0) * h + tl.load(

@@ -41,15 +41,11 @@ import torch
 
 from .._triton import cdiv, launch, next_power_of_2, opt, sm_count, strides, sum_blocks_kernel
 from .backward import _bwd_kernel, _bwd_local_kernel
-from .carry import _carry_bwd_kernel, _carry_fwd_kernel
+from .carry import _carry_bwd_kernel
 from .channel_sum import reduce_scatter_fits
 from .forward import _fwd_kernel
 
 MAX_BLOCK_N = 32  # states per program; larger N is split over programs
-# ScanConfig.fwd_carry: the output pass holds 8 one-warp programs per SM (250 registers), so
-# the segment count is fixed near a wave of 8 per SM; without the carry pass, the last
-# segments' programs first compose up to ~20 summaries each while the first ones scan
-FWD_CARRY = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +70,6 @@ class ScanConfig:
     seg_below_per_sm: int  # (seg_tiles 0) cut time only below this many programs per SM,
     seg_target_per_sm: int  # into enough segments for this many programs per SM (backward)
     fwd_seg_target_per_sm: int  # the same for the forward
-    fwd_carry: bool  # forward with segments: a carry pass composes each segment's start state
-    # (one small launch); else each output program composes the summaries before its own
 
 
 @functools.cache
@@ -88,7 +82,6 @@ def config(Dn: int, interpret: bool) -> ScanConfig:
             fwd_tile=4, fwd_local_tiles=2, bwd_tile=8, fwd_block_d=min(8, p2), bwd_block_d=min(8, p2),
             fwd_warps=1, bwd_warps=1, carry_block=64, carry_rows=8,
             seg_tiles=2, seg_below_per_sm=2, seg_target_per_sm=8, fwd_seg_target_per_sm=8,
-            fwd_carry=FWD_CARRY,
         )  # fmt: skip
     # measured on the H200 at 8x2048x1536x16 bf16 (scripts/scan_sweep.py): forward tile 8 x
     # 32 channels, 1 warp, 3 pipeline stages 0.363 ms (tile 2: 1.41; tile 16 / 4 warps: 1.52);
@@ -108,7 +101,6 @@ def config(Dn: int, interpret: bool) -> ScanConfig:
         fwd_tile=8, fwd_local_tiles=2, bwd_tile=4, fwd_block_d=min(32, p2), bwd_block_d=min(16, p2),
         fwd_warps=1, bwd_warps=1, carry_block=256, carry_rows=16,
         seg_tiles=0, seg_below_per_sm=2, seg_target_per_sm=16, fwd_seg_target_per_sm=8,
-        fwd_carry=FWD_CARRY,
     )  # fmt: skip
 
 
@@ -242,8 +234,7 @@ def scan_fwd(
     sizes = (T, Dn, N, Bsz, nc, ns, nseg, per, *_input_strides(u, delta, B, C, z, seq_idx))
     hT = _new((Bsz, Dn, N), f32, dev)
     hloc = P = A  # segment summaries: none with one segment
-    carry = nseg > 1 and cfg.fwd_carry
-    if nseg > 1:  # each segment's summary; then each segment's start from those before it
+    if nseg > 1:  # each segment's summary; the output pass composes those before its segment
         hloc = torch.empty(Bsz, nseg, Dn, N, dtype=f32, device=dev)
         P = torch.empty_like(hloc)
         # the last segment's summary is never used (its end is h_T, stored by the pass below);
@@ -253,20 +244,13 @@ def scan_fwd(
         launch(
             _fwd_kernel, (ndb, nseg - 1, Bsz * nb),
             *ins, A, A, A, hloc, P, A, T, Dn, N, Bsz, cdiv(T, tc * m), ns, nseg, per // m,
-            *sizes[8:], HAS_H0=False, LOCAL=True, SAVE=False, STARTS=False, **local,
+            *sizes[8:], HAS_H0=False, LOCAL=True, SAVE=False, **local,
         )  # fmt: skip
-    if carry:  # the starts, in hloc's place: [B, nseg, D, N] (start 0: h0 or zero)
-        starts = torch.empty_like(hloc)
-        launch(_carry_fwd_kernel, (cdiv(Dn * N, cfg.carry_block), Bsz),
-            hloc, P, opt(h0, A), starts, nseg, Dn * N,
-            HAS_H0=h0 is not None, BLOCK_E=cfg.carry_block, CB=cfg.carry_rows,
-        )  # fmt: skip
-        hloc, h0 = starts, None
     states = _new((Bsz, ns, Dn, N), f32, dev) if save_states else _new((0,), f32, dev)
     y = _new((Bsz, T, Dn), u.dtype, dev) if nb == 1 else _new((nb, Bsz, T, Dn), f32, dev)
     launch(_fwd_kernel, grid,
         *ins, opt(h0, A), opt(states, A), hT, hloc, P, y, *sizes,
-        HAS_H0=h0 is not None, LOCAL=False, SAVE=save_states, STARTS=carry, **flags,
+        HAS_H0=h0 is not None, LOCAL=False, SAVE=save_states, **flags,
     )  # fmt: skip
     if nb > 1:  # the state blocks' partial sums, then D u and the gate
         y = y.sum(0)
