@@ -30,6 +30,26 @@ def timed(fn) -> float:
 
 PREFILL = [(32, 128, 4), (64, 128, 4), (16, 128, 2), (16, 256, 4), (32, 64, 2), (64, 64, 4),
            (128, 64, 8), (32, 256, 8), (64, 256, 8)]  # fmt: skip
+ROWS = [(8, 1), (16, 1), (32, 1), (64, 1), (128, 1), (16, 2), (32, 2), (64, 2), (32, 4)]
+
+
+def rows_sweep(rows: list, label: str, x, w, bias) -> None:
+    """The row-walking forward's (chunk of times, warps) against the tile kernel (chunk 0),
+    GPU time from CUDA graphs; every candidate's output checked against the tile kernel's."""
+    default = (K.ROWS_CHUNK_T, K.ROWS_WARPS)
+    K.ROWS_CHUNK_T = 0
+    ref = [t.clone() for t in K.conv_fwd(x, w, bias, None, None, True, True)]
+    gb = x.numel() * 2 * 2 / 1e9
+    for chunk, nw in [(0, 0)] + ROWS:
+        K.ROWS_CHUNK_T, K.ROWS_WARPS = chunk, nw
+        fn = lambda x=x, w=w, b=bias: K.conv_fwd(x, w, b, None, None, True, True)  # noqa: E731
+        out = fn()
+        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(out, ref))
+        us = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
+        rows.append(dict(kernel=f"fwd rows {label}", chunk_t=chunk, warps=nw, us=us,
+                         tb_s=gb / us * 1e3, max_diff=diff))  # fmt: skip
+        print(rows[-1], flush=True)
+    K.ROWS_CHUNK_T, K.ROWS_WARPS = default
 
 
 def prefill(rows: list) -> None:
@@ -40,6 +60,7 @@ def prefill(rows: list) -> None:
     except ImportError:
         causal_conv1d_fn = None
     default = (K.FWD_BLOCK_T, K.FWD_BLOCK_D, K.FWD_WARPS)
+    default_rows = K.ROWS_CHUNK_T
     for D in (1536, 4096):
         g = torch.Generator(device="cuda").manual_seed(0)
         xz = torch.randn(1, 4096, 2 * D, device="cuda", generator=g).to(torch.bfloat16)
@@ -47,6 +68,8 @@ def prefill(rows: list) -> None:
         w = torch.randn(D, 4, device="cuda", generator=g) * 0.5
         bias = torch.randn(D, device="cuda", generator=g) * 0.1
         gb = 4096 * D * 2 * 2 / 1e9
+        rows_sweep(rows, f"1x4096x{D}", x, w, bias)
+        K.ROWS_CHUNK_T = 0  # the tile kernel's own launch parameters
         for bt, bd, nw in PREFILL:
             K.FWD_BLOCK_T, K.FWD_BLOCK_D, K.FWD_WARPS = bt, bd, nw
             fn = lambda x=x, w=w, b=bias: K.conv_fwd(x, w, b, None, None, True, True)  # noqa: E731
@@ -55,6 +78,7 @@ def prefill(rows: list) -> None:
                              us=us, tb_s=gb / us * 1e3))  # fmt: skip
             print(rows[-1], flush=True)
         K.FWD_BLOCK_T, K.FWD_BLOCK_D, K.FWD_WARPS = default
+        K.ROWS_CHUNK_T = default_rows
         if causal_conv1d_fn is not None:
             xp = x.transpose(1, 2)
             fn = lambda x=xp, w=w, b=bias: causal_conv1d_fn(x, w, b, activation="silu")  # noqa: E731
@@ -67,6 +91,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--prefill", action="store_true", help="only the forward at 1 x 4096")
+    ap.add_argument("--with-prefill", action="store_true", help="the forward at 1 x 4096 too")
     args = ap.parse_args()
     if args.prefill:
         rows: list = []
@@ -83,6 +108,11 @@ def main() -> None:
     bias = torch.randn(D, device="cuda", generator=g) * 0.1
     dout = torch.randn(Bsz, T, D, device="cuda", generator=g).to(torch.bfloat16)
     rows = []
+    if args.with_prefill:
+        prefill(rows)
+    rows_sweep(rows, f"{Bsz}x{T}x{D}", x, w, bias)
+    default_rows = K.ROWS_CHUNK_T
+    K.ROWS_CHUNK_T = 0  # the tile kernel's own launch parameters
     base_out = K.conv_fwd(x, w, bias, None, None, True, False)[0].float()
     for bt, bd, nw in FWD:
         K.FWD_BLOCK_T, K.FWD_BLOCK_D, K.FWD_WARPS = bt, bd, nw
@@ -92,6 +122,7 @@ def main() -> None:
                          tb_s=BYTES * 2 / 3 / ms / 1e9, max_diff=err.item()))  # fmt: skip
         print(rows[-1], flush=True)
     K.FWD_BLOCK_T, K.FWD_BLOCK_D, K.FWD_WARPS = FWD[0]
+    K.ROWS_CHUNK_T = default_rows
     base = None
     dxz = torch.empty_like(xz)  # dx into a strided half, as in the fused mixer
     for vb in BWD:

@@ -126,6 +126,11 @@ CASES = [
     (1, 300, 3, 4, False, True, 3, True),  # several T-blocks and backward tiles
     (1, 600, 10, 4, True, True, 3, True),  # several backward programs along time
     (2, 70, 9, 3, True, True, 2, True),  # K = 3: a padded tap slot in the backward
+    # no seq_idx and K <= 4: the forward's row-walking kernel
+    (2, 75, 9, 4, True, True, 0, True),  # several chunks, a tail of 3 times
+    (1, 66, 300, 3, False, True, 0, True),  # a tail of 2, three blocks of channels in f32
+    (2, 5, 6, 2, True, True, 0, False),  # K = 2, one chunk shorter than a step
+    (1, 2, 4, 4, True, True, 0, True),  # T < K-1: the final state keeps initial rows
 ]
 
 
