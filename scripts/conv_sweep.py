@@ -30,26 +30,28 @@ def timed(fn) -> float:
 
 PREFILL = [(32, 128, 4), (64, 128, 4), (16, 128, 2), (16, 256, 4), (32, 64, 2), (64, 64, 4),
            (128, 64, 8), (32, 256, 8), (64, 256, 8)]  # fmt: skip
-ROWS = [(8, 1), (16, 1), (32, 1), (64, 1), (128, 1), (16, 2), (32, 2), (64, 2), (32, 4)]
+QUAD = [(8, 128, 4), (4, 128, 2), (16, 128, 4), (32, 128, 4), (8, 256, 4), (16, 256, 8),
+        (4, 256, 4), (8, 64, 2), (16, 128, 8), (16, 64, 2)]  # fmt: skip
 
 
-def rows_sweep(rows: list, label: str, x, w, bias) -> None:
-    """The row-walking forward's (chunk of times, warps) against the tile kernel (chunk 0),
-    GPU time from CUDA graphs; every candidate's output checked against the tile kernel's."""
-    default = (K.ROWS_CHUNK_T, K.ROWS_WARPS)
-    K.ROWS_CHUNK_T = 0
+def quad_sweep(rows: list, label: str, x, w, bias) -> None:
+    """The forward kernel for K <= 4 (groups of 4 times): (groups, channels, warps) per
+    program against the general tile kernel (groups 0), GPU time from CUDA graphs; every
+    candidate's output checked against the tile kernel's."""
+    default = (K.QUAD_BLOCK_G, K.QUAD_BLOCK_D, K.QUAD_WARPS)
+    K.QUAD_BLOCK_G = 0
     ref = [t.clone() for t in K.conv_fwd(x, w, bias, None, None, True, True)]
     gb = x.numel() * 2 * 2 / 1e9
-    for chunk, nw in [(0, 0)] + ROWS:
-        K.ROWS_CHUNK_T, K.ROWS_WARPS = chunk, nw
+    for g, bd, nw in [(0, 0, 0)] + QUAD:
+        K.QUAD_BLOCK_G, K.QUAD_BLOCK_D, K.QUAD_WARPS = g, bd, nw
         fn = lambda x=x, w=w, b=bias: K.conv_fwd(x, w, b, None, None, True, True)  # noqa: E731
         out = fn()
         diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(out, ref))
         us = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
-        rows.append(dict(kernel=f"fwd rows {label}", chunk_t=chunk, warps=nw, us=us,
+        rows.append(dict(kernel=f"fwd quad {label}", groups=g, block_d=bd, warps=nw, us=us,
                          tb_s=gb / us * 1e3, max_diff=diff))  # fmt: skip
         print(rows[-1], flush=True)
-    K.ROWS_CHUNK_T, K.ROWS_WARPS = default
+    K.QUAD_BLOCK_G, K.QUAD_BLOCK_D, K.QUAD_WARPS = default
 
 
 def prefill(rows: list) -> None:
@@ -60,7 +62,7 @@ def prefill(rows: list) -> None:
     except ImportError:
         causal_conv1d_fn = None
     default = (K.FWD_BLOCK_T, K.FWD_BLOCK_D, K.FWD_WARPS)
-    default_rows = K.ROWS_CHUNK_T
+    default_quad = K.QUAD_BLOCK_G
     for D in (1536, 4096):
         g = torch.Generator(device="cuda").manual_seed(0)
         xz = torch.randn(1, 4096, 2 * D, device="cuda", generator=g).to(torch.bfloat16)
@@ -68,8 +70,8 @@ def prefill(rows: list) -> None:
         w = torch.randn(D, 4, device="cuda", generator=g) * 0.5
         bias = torch.randn(D, device="cuda", generator=g) * 0.1
         gb = 4096 * D * 2 * 2 / 1e9
-        rows_sweep(rows, f"1x4096x{D}", x, w, bias)
-        K.ROWS_CHUNK_T = 0  # the tile kernel's own launch parameters
+        quad_sweep(rows, f"1x4096x{D}", x, w, bias)
+        K.QUAD_BLOCK_G = 0  # the tile kernel's own launch parameters
         for bt, bd, nw in PREFILL:
             K.FWD_BLOCK_T, K.FWD_BLOCK_D, K.FWD_WARPS = bt, bd, nw
             fn = lambda x=x, w=w, b=bias: K.conv_fwd(x, w, b, None, None, True, True)  # noqa: E731
@@ -78,7 +80,7 @@ def prefill(rows: list) -> None:
                              us=us, tb_s=gb / us * 1e3))  # fmt: skip
             print(rows[-1], flush=True)
         K.FWD_BLOCK_T, K.FWD_BLOCK_D, K.FWD_WARPS = default
-        K.ROWS_CHUNK_T = default_rows
+        K.QUAD_BLOCK_G = default_quad
         if causal_conv1d_fn is not None:
             xp = x.transpose(1, 2)
             fn = lambda x=xp, w=w, b=bias: causal_conv1d_fn(x, w, b, activation="silu")  # noqa: E731
@@ -110,9 +112,9 @@ def main() -> None:
     rows = []
     if args.with_prefill:
         prefill(rows)
-    rows_sweep(rows, f"{Bsz}x{T}x{D}", x, w, bias)
-    default_rows = K.ROWS_CHUNK_T
-    K.ROWS_CHUNK_T = 0  # the tile kernel's own launch parameters
+    quad_sweep(rows, f"{Bsz}x{T}x{D}", x, w, bias)
+    default_quad = K.QUAD_BLOCK_G
+    K.QUAD_BLOCK_G = 0  # the tile kernel's own launch parameters
     base_out = K.conv_fwd(x, w, bias, None, None, True, False)[0].float()
     for bt, bd, nw in FWD:
         K.FWD_BLOCK_T, K.FWD_BLOCK_D, K.FWD_WARPS = bt, bd, nw
@@ -122,7 +124,7 @@ def main() -> None:
                          tb_s=BYTES * 2 / 3 / ms / 1e9, max_diff=err.item()))  # fmt: skip
         print(rows[-1], flush=True)
     K.FWD_BLOCK_T, K.FWD_BLOCK_D, K.FWD_WARPS = FWD[0]
-    K.ROWS_CHUNK_T = default_rows
+    K.QUAD_BLOCK_G = default_quad
     base = None
     dxz = torch.empty_like(xz)  # dx into a strided half, as in the fused mixer
     for vb in BWD:

@@ -137,34 +137,9 @@ def _conv_fwd_kernel(
 
 
 @triton.jit
-def _when(mask, ok):
-    """mask where the scalar ok holds, else all false (`mask & ok` would do, but Triton 3.6's
-    interpreter turns a vector & a scalar bool into integers, which tl.load refuses as a mask)."""
-    return tl.where(ok, mask, False)
-
-
-@triton.jit
-def _load_row(
-    p_x, p_init, pos, offs_d, mask_d, T, s_x_t, s_init_t, s_init_d,
-    K: tl.constexpr, HAS_INIT: tl.constexpr,
-):
-    """The conv input at one time pos (a scalar, may be negative) and channels offs_d, in f32."""
-    b_x = tl.load(
-        p_x + tl.maximum(pos, 0) * s_x_t + offs_d, mask=_when(mask_d, (pos >= 0) & (pos < T)), other=0.0,
-    ).to(tl.float32)
-    if HAS_INIT:
-        t_s = tl.maximum(pos + K - 1, 0)
-        b_x += tl.load(
-            p_init + t_s * s_init_t + offs_d * s_init_d,
-            mask=_when(mask_d, (pos < 0) & (pos >= 1 - K)), other=0.0,
-        ).to(tl.float32)
-    return b_x
-
-
-@triton.jit
 def _tap(bias, w0, w1, w2, w3, x0, x1, x2, x3,
          K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr):
-    """One output time from the inputs x_i at lag i (tap w_i = weight[:, K-1-i])."""
+    """Outputs from the inputs x_i at lag i (tap w_i = weight[:, K-1-i]; none past lag K-1)."""
     if HAS_BIAS:
         c = w0 * x0 + bias
         c += w1 * x1
@@ -180,7 +155,7 @@ def _tap(bias, w0, w1, w2, w3, x0, x1, x2, x3,
 
 
 @triton.jit
-def _conv_fwd_rows_kernel(
+def _conv_fwd_quad_kernel(
     p_x, p_w, p_b, p_init, p_out, p_final,
     T, D,
     s_x_b, s_x_t,
@@ -188,27 +163,23 @@ def _conv_fwd_rows_kernel(
     s_init_b, s_init_t, s_init_d,
     s_out_b, s_out_t,
     s_final_b, s_final_t,
-    K: tl.constexpr, CHUNK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+    K: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, SILU: tl.constexpr,
     STORE_FINAL: tl.constexpr,
 ):
-    # K <= 4, no seq_idx. A program walks CHUNK_T times of one row and BLOCK_D channels (16
-    # bytes per thread), four times per step, keeping the last K-1 inputs in registers: each
-    # input is loaded and converted once, where the tile kernel loads every time K times.
-    # The next step's four rows are loaded before this step's four are stored, so that two
-    # steps of loads are in flight per warp.
+    # K <= 4, no seq_idx. A program owns 4 BLOCK_G times as BLOCK_G groups of 4 (times
+    # q + j, q = 4 g, j < 4) and BLOCK_D channels. Output j of a group reads the inputs at
+    # q + j - lag; the seven [BLOCK_G, BLOCK_D] tiles of inputs at q - 3 .. q + 3 serve all
+    # four, so each time is loaded and converted 7/4 times per output instead of K.
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
     pid_b = tl.program_id(2).to(tl.int64)
+    q = (pid_t * 4 * BLOCK_G + 4 * tl.arange(0, BLOCK_G)).to(tl.int64)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     p_x += pid_b * s_x_b
     p_init += pid_b * s_init_b
-    p_o = p_out + pid_b * s_out_b + offs_d
-    t0 = pid_t.to(tl.int64) * CHUNK_T
-    t_end = tl.minimum(t0 + CHUNK_T, T)
 
-    # taps by lag: w_i multiplies x_{t-i}; a lag past K-1 has no tap
     w0 = tl.load(p_w + offs_d * s_w_d + (K - 1) * s_w_k, mask=mask_d, other=0.0).to(tl.float32)
     w1 = tl.load(p_w + offs_d * s_w_d + (K - 2) * s_w_k, mask=mask_d, other=0.0).to(tl.float32)
     w2 = w1
@@ -217,43 +188,35 @@ def _conv_fwd_rows_kernel(
         w2 = tl.load(p_w + offs_d * s_w_d + (K - 3) * s_w_k, mask=mask_d, other=0.0).to(tl.float32)
     if K >= 4:
         w3 = tl.load(p_w + offs_d * s_w_d + (K - 4) * s_w_k, mask=mask_d, other=0.0).to(tl.float32)
+    w0 = w0[None, :]
+    w1 = w1[None, :]
+    w2 = w2[None, :]
+    w3 = w3[None, :]
     bias = w0
     if HAS_BIAS:
-        bias = tl.load(p_b + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    # the inputs before the chunk (lags 1..3 of its first time)
-    x1 = _load_row(p_x, p_init, t0 - 1, offs_d, mask_d, T, s_x_t, s_init_t, s_init_d, K, HAS_INIT)
-    x2 = x1
-    x3 = x1
+        bias = tl.load(p_b + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    x_m1 = _load_src(p_x, p_init, q - 1, offs_d, mask_d, T, s_x_t, s_init_t, s_init_d, K, HAS_INIT)
+    x_m2 = x_m1  # (stand-ins for the lags that K leaves out: _tap skips them)
+    x_m3 = x_m1
     if K >= 3:
-        x2 = _load_row(p_x, p_init, t0 - 2, offs_d, mask_d, T, s_x_t, s_init_t, s_init_d, K, HAS_INIT)
+        x_m2 = _load_src(p_x, p_init, q - 2, offs_d, mask_d, T, s_x_t, s_init_t, s_init_d, K, HAS_INIT)
     if K >= 4:
-        x3 = _load_row(p_x, p_init, t0 - 3, offs_d, mask_d, T, s_x_t, s_init_t, s_init_d, K, HAS_INIT)
-    p_t = p_x + offs_d
-    n0 = tl.load(p_t + t0 * s_x_t, mask=_when(mask_d, t0 < t_end), other=0.0)
-    n1 = tl.load(p_t + (t0 + 1) * s_x_t, mask=_when(mask_d, t0 + 1 < t_end), other=0.0)
-    n2 = tl.load(p_t + (t0 + 2) * s_x_t, mask=_when(mask_d, t0 + 2 < t_end), other=0.0)
-    n3 = tl.load(p_t + (t0 + 3) * s_x_t, mask=_when(mask_d, t0 + 3 < t_end), other=0.0)
-    for t in range(t0, t_end, 4):
-        a = n0.to(tl.float32)
-        b = n1.to(tl.float32)
-        c = n2.to(tl.float32)
-        d = n3.to(tl.float32)
-        tn = t + 4
-        n0 = tl.load(p_t + tn * s_x_t, mask=_when(mask_d, tn < t_end), other=0.0)
-        n1 = tl.load(p_t + (tn + 1) * s_x_t, mask=_when(mask_d, tn + 1 < t_end), other=0.0)
-        n2 = tl.load(p_t + (tn + 2) * s_x_t, mask=_when(mask_d, tn + 2 < t_end), other=0.0)
-        n3 = tl.load(p_t + (tn + 3) * s_x_t, mask=_when(mask_d, tn + 3 < t_end), other=0.0)
-        o = _tap(bias, w0, w1, w2, w3, a, x1, x2, x3, K, HAS_BIAS, SILU)
-        tl.store(p_o + t * s_out_t, o.to(p_out.dtype.element_ty), mask=mask_d)
-        o = _tap(bias, w0, w1, w2, w3, b, a, x1, x2, K, HAS_BIAS, SILU)
-        tl.store(p_o + (t + 1) * s_out_t, o.to(p_out.dtype.element_ty), mask=_when(mask_d, t + 1 < t_end))
-        o = _tap(bias, w0, w1, w2, w3, c, b, a, x1, K, HAS_BIAS, SILU)
-        tl.store(p_o + (t + 2) * s_out_t, o.to(p_out.dtype.element_ty), mask=_when(mask_d, t + 2 < t_end))
-        o = _tap(bias, w0, w1, w2, w3, d, c, b, a, K, HAS_BIAS, SILU)
-        tl.store(p_o + (t + 3) * s_out_t, o.to(p_out.dtype.element_ty), mask=_when(mask_d, t + 3 < t_end))
-        x1 = d
-        x2 = c
-        x3 = b
+        x_m3 = _load_src(p_x, p_init, q - 3, offs_d, mask_d, T, s_x_t, s_init_t, s_init_d, K, HAS_INIT)
+    x0 = _load_src(p_x, p_init, q, offs_d, mask_d, T, s_x_t, s_init_t, s_init_d, K, False)
+    x1 = _load_src(p_x, p_init, q + 1, offs_d, mask_d, T, s_x_t, s_init_t, s_init_d, K, False)
+    x2 = _load_src(p_x, p_init, q + 2, offs_d, mask_d, T, s_x_t, s_init_t, s_init_d, K, False)
+    x3 = _load_src(p_x, p_init, q + 3, offs_d, mask_d, T, s_x_t, s_init_t, s_init_d, K, False)
+
+    p_o = p_out + pid_b * s_out_b + q[:, None] * s_out_t + offs_d[None, :]
+    ty = p_out.dtype.element_ty
+    o = _tap(bias, w0, w1, w2, w3, x0, x_m1, x_m2, x_m3, K, HAS_BIAS, SILU)
+    tl.store(p_o, o.to(ty), mask=(q < T)[:, None] & mask_d[None, :])
+    o = _tap(bias, w0, w1, w2, w3, x1, x0, x_m1, x_m2, K, HAS_BIAS, SILU)
+    tl.store(p_o + s_out_t, o.to(ty), mask=(q + 1 < T)[:, None] & mask_d[None, :])
+    o = _tap(bias, w0, w1, w2, w3, x2, x1, x0, x_m1, K, HAS_BIAS, SILU)
+    tl.store(p_o + 2 * s_out_t, o.to(ty), mask=(q + 2 < T)[:, None] & mask_d[None, :])
+    o = _tap(bias, w0, w1, w2, w3, x3, x2, x1, x0, K, HAS_BIAS, SILU)
+    tl.store(p_o + 3 * s_out_t, o.to(ty), mask=(q + 3 < T)[:, None] & mask_d[None, :])
 
     if STORE_FINAL:
         if pid_t == tl.num_programs(0) - 1:
@@ -437,7 +400,7 @@ def _conv_bwd_kernel(
 # slower in Triton: dc shifted in time through a per-program scratch 248-355 us; two passes
 # (dc, then dx from row-shifted loads of dc) 270-535 us.
 FWD_BLOCK_T, FWD_BLOCK_D, FWD_WARPS = 32, 128, 4
-ROWS_CHUNK_T, ROWS_WARPS = 32, 1  # the row-walking forward (K <= 4, no seq_idx); chunk 0: off
+QUAD_BLOCK_G, QUAD_BLOCK_D, QUAD_WARPS = 8, 128, 4  # K <= 4 without seq_idx; groups 0: off
 BWD_VEC_BYTES = 16  # channels per backward thread, in bytes of x
 
 
@@ -470,11 +433,10 @@ def conv_fwd(
             final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
         return out, final
     BLOCK_K = next_power_of_2(K - 1)
-    if K <= 4 and seq_idx is None and ROWS_CHUNK_T > 0:  # the row-walking kernel
-        BLOCK_D = min(16 // x.element_size() * 32 * ROWS_WARPS, next_power_of_2(D))
-        CHUNK_T = min(ROWS_CHUNK_T, 4 * cdiv(T, 4))
-        grid = (cdiv(T, CHUNK_T), cdiv(D, BLOCK_D), Bsz)
-        launch(_conv_fwd_rows_kernel, grid,
+    if K <= 4 and seq_idx is None and QUAD_BLOCK_G > 0:  # groups of 4 times
+        BLOCK_G, BLOCK_D = _blocks(cdiv(T, 4), D, QUAD_BLOCK_G, QUAD_BLOCK_D)
+        grid = (cdiv(T, 4 * BLOCK_G), cdiv(D, BLOCK_D), Bsz)
+        launch(_conv_fwd_quad_kernel, grid,
             x, weight, opt(bias, weight), opt(initial_state, x), out, final,
             T, D,
             x.stride(0), x.stride(1),
@@ -482,10 +444,10 @@ def conv_fwd(
             *strides(initial_state, 3),
             out.stride(0), out.stride(1),
             *(final.stride()[:2] if return_final_state else (0, 0)),
-            K=K, CHUNK_T=CHUNK_T, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K,
+            K=K, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K,
             HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
             SILU=silu, STORE_FINAL=return_final_state,
-            num_warps=ROWS_WARPS,
+            num_warps=QUAD_WARPS,
         )  # fmt: skip
         return out, final
     BLOCK_T, BLOCK_D = _blocks(T, D, FWD_BLOCK_T, FWD_BLOCK_D)
