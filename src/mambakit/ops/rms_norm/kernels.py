@@ -47,6 +47,7 @@ def _rms_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_RES: tl.constexpr,
+    STORE_RES: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -56,7 +57,8 @@ def _rms_fwd_kernel(
         b_r += tl.load(p_res + rows[:, None] * s_res_m + cols[None, :], mask=mask, other=0.0).to(
             tl.float32
         )
-    tl.store(p_rout + rows[:, None] * s_rout_m + cols[None, :], b_r, mask=mask)
+    if STORE_RES:
+        tl.store(p_rout + rows[:, None] * s_rout_m + cols[None, :], b_r, mask=mask)
     b_rstd = 1.0 / tl.sqrt(tl.sum(b_r * b_r, axis=1) / D + eps)  # [BLOCK_M]
     b_w = tl.load(p_w + cols, mask=cols < D, other=0.0).to(tl.float32)
     b_o = b_r * b_rstd[:, None] * b_w[None, :]
@@ -161,8 +163,10 @@ def rms_fwd(
     eps: float,
     residual: torch.Tensor | None,  # [..., D]
     out_dtype: torch.dtype,
+    store_residual: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out [..., D] in out_dtype, residual_out [..., D] f32, rstd [M] f32)."""
+    """(out [..., D] in out_dtype, residual_out [..., D] f32, rstd [M] f32); without
+    store_residual, residual_out is not written (an empty tensor): the caller holds it."""
     D = x.shape[-1]
     weight = weight.contiguous()
     x2 = _rows(x, D)
@@ -171,7 +175,8 @@ def rms_fwd(
     if res2 is not None and D > 1 and res2.stride(1) != 1:
         res2 = res2.contiguous()  # the kernel reads rows with stride 1
     out = torch.empty(x.shape, device=x.device, dtype=out_dtype)
-    rout = torch.empty(x.shape, device=x.device, dtype=torch.float32)
+    rshape = x.shape if store_residual else (0,)
+    rout = torch.empty(rshape, device=x.device, dtype=torch.float32)
     rstd = torch.empty((M,), device=x.device, dtype=torch.float32)
     if M == 0 or D == 0:
         return out, rout, rstd
@@ -180,7 +185,7 @@ def rms_fwd(
         x2, res2 if res2 is not None else x2, weight, out, rout, rstd,
         M, D, eps,
         x2.stride(0), res2.stride(0) if res2 is not None else 0, D, D,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_RES=res2 is not None,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_RES=res2 is not None, STORE_RES=store_residual,
         num_warps=num_warps,
     )  # fmt: skip
     return out, rout, rstd
