@@ -52,12 +52,6 @@ def quad_sweep(rows: list, label: str, x, w, bias) -> None:
                          tb_s=gb / us * 1e3, max_diff=diff))  # fmt: skip
         print(rows[-1], flush=True)
     K.QUAD_BLOCK_G, K.QUAD_BLOCK_D, K.QUAD_WARPS = default
-    K.QUAD_EVEN = False  # the library's setting with masks on whole tiles
-    us = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
-    K.QUAD_EVEN = True
-    rows.append(dict(kernel=f"fwd quad {label} masked", groups=default[0], block_d=default[1],
-                     warps=default[2], us=us, tb_s=gb / us * 1e3))  # fmt: skip
-    print(rows[-1], flush=True)
 
 
 def prefill(rows: list) -> None:

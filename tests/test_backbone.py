@@ -202,3 +202,59 @@ def test_gradcheck_backbone_wrt_state_input_and_parameter(seed, tiny_config, ran
         return h, st.conv, st.ssm
 
     assert torch.autograd.gradcheck(f, (x, conv0, ssm0, a_log), eps=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("input_dim", [None, 7], ids=["d_model", "input_dim7"])
+def test_inference_forward_equals_autograd_forward(seed, tiny_config, randomize, input_dim):
+    """Without autograd each mixer adds its output into the residual stream in place (by its
+    out_proj GEMM); with autograd the block adds it in the next norm. Same values, and the
+    caller's input (the stream's start when there is no input_proj) is left as it was."""
+    bb = make(tiny_config, randomize, torch.float64, input_dim, n_layers=3)
+    x = inputs(input_dim, 2, 9, torch.float64)
+    x0 = x.clone()
+    with torch.no_grad():
+        out, state = bb(x)
+    assert torch.equal(x, x0)
+    ref, ref_state = bb(x)
+    torch.testing.assert_close(out, ref.detach(), **tol(torch.float64))
+    assert_state_close(state, ref_state, **tol(torch.float64))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_add_projection_accumulates_in_f32():
+    """bf16 y and w added into an f32 stream by the GEMM itself: the products are not rounded
+    to bf16 first (a rounded product is off by ~2^-9 of it; this is f32's ~1e-6)."""
+    from mambakit.layers.mixer import add_projection
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    y = torch.randn(300, 256, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(96, 256, device="cuda", generator=g) / 16).to(torch.bfloat16)
+    acc = torch.randn(300, 96, device="cuda", generator=g)
+    ref = acc.double() + y.double() @ w.double().t()
+    add_projection(acc, y, w, None)
+    err = ((acc.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-5, err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_inference_forward_bf16_against_float64(seed, tiny_config, randomize):
+    """The bf16 backbone on the GPU without autograd (the stream added into by the GEMMs)
+    and with it (the chain), against the float64 model on the CPU."""
+    bb64 = make(tiny_config, randomize, torch.float64, None, d_model=128, n_layers=4, d_state=16)
+    bb = MambaBackbone(bb64.config).cuda().to(torch.bfloat16)
+    bb.load_state_dict(bb64.state_dict())
+    x = torch.randn(2, 200, 128, dtype=torch.float64)
+    ref, _ = bb64(x)
+    ref = ref.detach()
+    xb = x.to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        out, _ = bb(xb)
+    chain, _ = bb(xb)
+
+    def rel(t):
+        return ((t.detach().double().cpu() - ref).norm() / ref.norm()).item()
+
+    assert rel(out) < 2e-2, rel(out)
+    assert rel(out) < 1.2 * rel(chain) + 1e-3, (rel(out), rel(chain))

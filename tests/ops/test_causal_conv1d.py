@@ -131,7 +131,7 @@ CASES = [
     (1, 66, 300, 3, False, True, 0, True),  # a tail of 2, three blocks of channels in f32
     (2, 5, 6, 2, True, True, 0, False),  # K = 2, one chunk shorter than a step
     (1, 2, 4, 4, True, True, 0, True),  # T < K-1: the final state keeps initial rows
-    (2, 64, 16, 4, True, True, 0, True),  # whole tiles: no masks
+    (2, 64, 16, 4, True, True, 0, True),  # whole tiles of 32 times
 ]
 
 

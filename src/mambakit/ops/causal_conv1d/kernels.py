@@ -155,23 +155,6 @@ def _tap(bias, w0, w1, w2, w3, x0, x1, x2, x3,
 
 
 @triton.jit
-def _quad_ld(ptrs, pos, mask_d, T, EVEN: tl.constexpr):
-    """x at times pos >= 0 [BG] (pointers [BG, BD]) in f32; EVEN: every one inside x."""
-    if EVEN:
-        return tl.load(ptrs).to(tl.float32)
-    return tl.load(ptrs, mask=(pos < T)[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _quad_st(ptrs, val, pos, mask_d, T, EVEN: tl.constexpr):
-    """Stores outputs at times pos [BG] (pointers [BG, BD]); EVEN: every one inside out."""
-    if EVEN:
-        tl.store(ptrs, val.to(ptrs.dtype.element_ty))
-    else:
-        tl.store(ptrs, val.to(ptrs.dtype.element_ty), mask=(pos < T)[:, None] & mask_d[None, :])
-
-
-@triton.jit
 def _conv_fwd_quad_kernel(
     p_x, p_w, p_b, p_init, p_out, p_final,
     T, D,
@@ -182,7 +165,7 @@ def _conv_fwd_quad_kernel(
     s_final_b, s_final_t,
     K: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, SILU: tl.constexpr,
-    STORE_FINAL: tl.constexpr, EVEN: tl.constexpr,
+    STORE_FINAL: tl.constexpr,
 ):
     # K <= 4, no seq_idx. A program owns 4 BLOCK_G times as BLOCK_G groups of 4 (times
     # q + j, q = 4 g, j < 4) and BLOCK_D channels. Output j of a group reads the inputs at
@@ -219,21 +202,21 @@ def _conv_fwd_quad_kernel(
         x_m2 = _load_src(p_x, p_init, q - 2, offs_d, mask_d, T, s_x_t, s_init_t, s_init_d, K, HAS_INIT)
     if K >= 4:
         x_m3 = _load_src(p_x, p_init, q - 3, offs_d, mask_d, T, s_x_t, s_init_t, s_init_d, K, HAS_INIT)
-    p_i = p_x + q[:, None] * s_x_t + offs_d[None, :]
-    x0 = _quad_ld(p_i, q, mask_d, T, EVEN)
-    x1 = _quad_ld(p_i + s_x_t, q + 1, mask_d, T, EVEN)
-    x2 = _quad_ld(p_i + 2 * s_x_t, q + 2, mask_d, T, EVEN)
-    x3 = _quad_ld(p_i + 3 * s_x_t, q + 3, mask_d, T, EVEN)
+    x0 = _load_src(p_x, p_init, q, offs_d, mask_d, T, s_x_t, s_init_t, s_init_d, K, False)
+    x1 = _load_src(p_x, p_init, q + 1, offs_d, mask_d, T, s_x_t, s_init_t, s_init_d, K, False)
+    x2 = _load_src(p_x, p_init, q + 2, offs_d, mask_d, T, s_x_t, s_init_t, s_init_d, K, False)
+    x3 = _load_src(p_x, p_init, q + 3, offs_d, mask_d, T, s_x_t, s_init_t, s_init_d, K, False)
 
     p_o = p_out + pid_b * s_out_b + q[:, None] * s_out_t + offs_d[None, :]
+    ty = p_out.dtype.element_ty
     o = _tap(bias, w0, w1, w2, w3, x0, x_m1, x_m2, x_m3, K, HAS_BIAS, SILU)
-    _quad_st(p_o, o, q, mask_d, T, EVEN)
+    tl.store(p_o, o.to(ty), mask=(q < T)[:, None] & mask_d[None, :])
     o = _tap(bias, w0, w1, w2, w3, x1, x0, x_m1, x_m2, K, HAS_BIAS, SILU)
-    _quad_st(p_o + s_out_t, o, q + 1, mask_d, T, EVEN)
+    tl.store(p_o + s_out_t, o.to(ty), mask=(q + 1 < T)[:, None] & mask_d[None, :])
     o = _tap(bias, w0, w1, w2, w3, x2, x1, x0, x_m1, K, HAS_BIAS, SILU)
-    _quad_st(p_o + 2 * s_out_t, o, q + 2, mask_d, T, EVEN)
+    tl.store(p_o + 2 * s_out_t, o.to(ty), mask=(q + 2 < T)[:, None] & mask_d[None, :])
     o = _tap(bias, w0, w1, w2, w3, x3, x2, x1, x0, K, HAS_BIAS, SILU)
-    _quad_st(p_o + 3 * s_out_t, o, q + 3, mask_d, T, EVEN)
+    tl.store(p_o + 3 * s_out_t, o.to(ty), mask=(q + 3 < T)[:, None] & mask_d[None, :])
 
     if STORE_FINAL:
         if pid_t == tl.num_programs(0) - 1:
@@ -418,7 +401,6 @@ def _conv_bwd_kernel(
 # (dc, then dx from row-shifted loads of dc) 270-535 us.
 FWD_BLOCK_T, FWD_BLOCK_D, FWD_WARPS = 32, 128, 4
 QUAD_BLOCK_G, QUAD_BLOCK_D, QUAD_WARPS = 8, 128, 4  # K <= 4 without seq_idx; groups 0: off
-QUAD_EVEN = True  # whole tiles without masks (a switch for the sweep)
 BWD_VEC_BYTES = 16  # channels per backward thread, in bytes of x
 
 
@@ -465,7 +447,6 @@ def conv_fwd(
             K=K, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K,
             HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
             SILU=silu, STORE_FINAL=return_final_state,
-            EVEN=QUAD_EVEN and T % (4 * BLOCK_G) == 0 and D % BLOCK_D == 0,
             num_warps=QUAD_WARPS,
         )  # fmt: skip
         return out, final
