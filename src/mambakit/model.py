@@ -17,7 +17,7 @@ from torch import nn
 
 from .config import MambaConfig
 from .inference.plan import derived as derived_plan
-from .layers.block import MambaBlock, RMSNorm, norm_stream
+from .layers.block import MambaBlock, RMSNorm
 from .layers.decode import decode_layers, reference_weights
 from .layers.init import init_model_weights
 from .layers.loss import next_token_targets
@@ -166,20 +166,12 @@ class MambaBackbone(nn.Module):
             plan = derived_plan(self, "ssm", _ssm_plan)
         residual = None
         finals = []
-        # without autograd each mixer adds its output into the residual stream (in its
-        # out_proj GEMM where it can: `add_projection`); the next norm reads the stream alone
-        accumulate = plan is not None
         for i, layer in enumerate(self.layers):
             layer_state = None if state is None else state.layer(i)
             ssm = None if plan is None else plan[i]
-            h, residual, final = layer(
-                h, residual, cdt, layer_state, seq_idx, backend, ssm, accumulate
-            )
+            h, residual, final = layer(h, residual, cdt, layer_state, seq_idx, backend, ssm)
             finals.append(final)
-        if h is None:
-            out = norm_stream(self.norm_f, residual, cdt, backend)
-        else:
-            out, _ = self.norm_f(h, residual, cdt, backend=backend)
+        out, _ = self.norm_f(h, residual, cdt, backend=backend)
         if self.config.mixer == "mamba3":
             return out, Mamba3ModelState.stack(finals)
         convs, ssms = zip(*finals)

@@ -39,18 +39,6 @@ class RMSNorm(nn.Module):
         )  # fmt: skip
 
 
-def norm_stream(
-    norm: RMSNorm, residual: torch.Tensor, out_dtype: torch.dtype, backend: str
-) -> torch.Tensor:
-    """norm(residual) in out_dtype, the f32 residual stream read and not written back (the
-    stream of `MambaBlock.forward`'s accumulate mode)."""
-    if backend == "triton":
-        from ..ops.rms_norm.kernels import rms_fwd
-
-        return rms_fwd(residual, norm.weight, norm.eps, None, out_dtype, store_residual=False)[0]
-    return norm(residual, None, out_dtype, validate=False, backend=backend)[0]
-
-
 class MambaBlock(nn.Module):
     """rmsnorm, then the mixer `cfg.mixer` picks: `Mamba` (Mamba-1) or `Mamba3` (SISO)."""
 
@@ -103,28 +91,9 @@ class MambaBlock(nn.Module):
         seq_idx: torch.Tensor | None = None,
         backend: str = "auto",  # the model resolves it once per call
         derived: tuple | None = None,  # Mamba-1: (A, D, dt bias) from the decode plan
-        accumulate: bool = False,
-    ) -> tuple[torch.Tensor | None, torch.Tensor, tuple]:
-        """(the mixer's output, the residual [B, T, M] f32, the layer's final state).
-
-        `accumulate` (Mamba-1 without autograd): the mixer adds its output into the
-        residual in place (`Mamba.forward`'s add_to) and None comes back in the output's
-        place; the next block gets hidden None and normalizes the residual alone."""
-        hidden_ptr = None
-        if hidden is None:  # the residual holds the stream already
-            normed = norm_stream(self.norm, residual, compute_dtype, backend)
-        else:
-            hidden_ptr = hidden.data_ptr()
-            normed, residual = self.norm(hidden, residual, compute_dtype, backend=backend)
-        if accumulate:
-            if residual.data_ptr() == hidden_ptr or not residual.is_contiguous():
-                residual = residual.contiguous().clone()  # the stream is ours to add into
-            conv, ssm = (None, None) if state is None else state
-            out, new = self.mixer(
-                normed, conv, ssm, seq_idx, return_state=True, backend=backend, derived=derived,
-                add_to=residual,
-            )  # fmt: skip
-            return out, residual, new
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """(the mixer's output, the residual [B, T, M] f32, the layer's final state)."""
+        normed, residual = self.norm(hidden, residual, compute_dtype, backend=backend)
         if self.mamba3:
             out, new = self.mixer(normed, state, seq_idx, return_state=True, backend=backend)
         else:

@@ -103,14 +103,9 @@ class Mamba(nn.Module):
         inference_params=None,  # mamba_ssm's cache object (also accepted second, positionally)
         backend: str = "auto",
         derived: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-        add_to: torch.Tensor | None = None,
-    ) -> torch.Tensor | None | tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]:
+    ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """`derived`: (A, D, dt bias) as `ssm_params` gives them, when the caller holds them
-        already (the model's decode plan, `inference.plan`, without autograd).
-
-        `add_to` (without autograd): the residual stream [B, T, M] (f32, contiguous); the
-        output is added into it in place, by out_proj's GEMM itself where it can be
-        (`add_projection`), and None is returned in the output's place."""
+        already (the model's decode plan, `inference.plan`, without autograd)."""
         if inference_params is None and hasattr(conv_state, "key_value_memory_dict"):
             inference_params, conv_state = conv_state, None  # mixer(hidden, inference_params)
         if inference_params is not None:
@@ -140,11 +135,7 @@ class Mamba(nn.Module):
             backend=backend,
             validate=False,  # x and the states are checked above
         )  # y [B, T, D]
-        if add_to is not None:
-            add_projection(add_to, y, self.out_proj.weight, self.out_proj.bias)
-            out = None
-        else:
-            out = self.out_proj(y)
+        out = self.out_proj(y)
         return (out, (conv_out, ssm_out)) if return_state else out
 
     def step(
@@ -229,31 +220,6 @@ def ssm_params(A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor) -> t
     decode plan (`inference.plan`)."""
     f = state_dtype(A_log)
     return -torch.exp(A_log.to(f)), D.to(f), dt_bias.to(f)
-
-
-# torch.addmm with out_dtype (torch 2.8+, CUDA): bf16/f16 products accumulated into f32
-_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
-
-
-def add_projection(
-    acc: torch.Tensor,  # [..., M], contiguous, the wider dtype (the residual stream)
-    y: torch.Tensor,  # [..., D]
-    w: torch.Tensor,  # [M, D]
-    b: torch.Tensor | None,  # [M]
-) -> None:
-    """acc += y w^T (+ b), in place. The GEMM adds into acc itself (beta = 1) when y and w
-    share acc's dtype, or on CUDA when they are bf16/f16 and acc f32 (`addmm` with out_dtype:
-    the f32 products are not rounded to y's dtype first); otherwise F.linear, then an add."""
-    acc2 = acc.view(-1, acc.shape[-1])
-    y2 = y.reshape(-1, y.shape[-1])
-    if b is None and y.dtype == w.dtype and not torch.is_autocast_enabled(acc.device.type):
-        if y.dtype == acc.dtype:
-            torch.addmm(acc2, y2, w.t(), out=acc2)
-            return
-        if acc.is_cuda and _ADDMM_OUT_DTYPE and y.dtype in (torch.bfloat16, torch.float16):
-            torch.addmm(acc2, y2, w.t(), out_dtype=acc.dtype, out=acc2)
-            return
-    acc.add_(F.linear(y, w, b))
 
 
 def _p(module: nn.Module, name: str) -> torch.Tensor | None:
