@@ -31,10 +31,6 @@ if stage dtproj; then  # the dt_proj kernel (softplus in its epilogue) against t
   echo "== dt_proj_sweep" | tee -a "$LOG"
   timeout ${T_DTPROJ:-150} python scripts/dt_proj_sweep.py --out "$OUT/dt_proj_sweep.json" 2>&1 | tee -a "$LOG"
 fi
-if stage regs; then  # the forward scan's register caps at the prefill shapes
-  echo "== scan_regs_sweep" | tee -a "$LOG"
-  timeout ${T_REGS:-120} python scripts/scan_regs_sweep.py --out "$OUT/scan_regs.json" 2>&1 | tee -a "$LOG"
-fi
 if stage residual; then  # out_proj + the next add & norm: chained, or the GEMM adding into the residual
   echo "== residual_sweep" | tee -a "$LOG"
   timeout ${T_RESIDUAL:-90} python scripts/residual_sweep.py --out "$OUT/residual_sweep.json" 2>&1 | tee -a "$LOG"

@@ -46,14 +46,6 @@ from .channel_sum import reduce_scatter_fits
 from .forward import _fwd_kernel
 
 MAX_BLOCK_N = 32  # states per program; larger N is split over programs
-# register caps (ptxas maxnreg) of the forward's summary (LOCAL) and output launches; None:
-# the compiler's choice (scripts/scan_regs_sweep.py times others)
-FWD_LOCAL_MAXNREG: int | None = None
-FWD_OUT_MAXNREG: int | None = None
-
-
-def _regs(cap: int | None) -> dict:
-    return {"maxnreg": cap} if cap else {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -252,14 +244,13 @@ def scan_fwd(
         launch(
             _fwd_kernel, (ndb, nseg - 1, Bsz * nb),
             *ins, A, A, A, hloc, P, A, T, Dn, N, Bsz, cdiv(T, tc * m), ns, nseg, per // m,
-            *sizes[8:], HAS_H0=False, LOCAL=True, SAVE=False, **local, **_regs(FWD_LOCAL_MAXNREG),
+            *sizes[8:], HAS_H0=False, LOCAL=True, SAVE=False, **local,
         )  # fmt: skip
     states = _new((Bsz, ns, Dn, N), f32, dev) if save_states else _new((0,), f32, dev)
     y = _new((Bsz, T, Dn), u.dtype, dev) if nb == 1 else _new((nb, Bsz, T, Dn), f32, dev)
     launch(_fwd_kernel, grid,
         *ins, opt(h0, A), opt(states, A), hT, hloc, P, y, *sizes,
         HAS_H0=h0 is not None, LOCAL=False, SAVE=save_states, **flags,
-        **_regs(FWD_OUT_MAXNREG),
     )  # fmt: skip
     if nb > 1:  # the state blocks' partial sums, then D u and the gate
         y = y.sum(0)
