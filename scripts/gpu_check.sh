@@ -31,9 +31,9 @@ if stage dtproj; then  # the dt_proj kernel (softplus in its epilogue) against t
   echo "== dt_proj_sweep" | tee -a "$LOG"
   timeout ${T_DTPROJ:-150} python scripts/dt_proj_sweep.py --out "$OUT/dt_proj_sweep.json" 2>&1 | tee -a "$LOG"
 fi
-if stage pconv; then  # the conv's launch settings inside the 130m graph prefill
-  echo "== prefill_conv_sweep" | tee -a "$LOG"
-  timeout ${T_PCONV:-150} python scripts/prefill_conv_sweep.py --out "$OUT/prefill_conv.json" 2>&1 | tee -a "$LOG"
+if stage plaunch; then  # launch settings inside the 130m graph prefill: the conv's (PLAUNCH_ARGS=--dt-proj: dt_proj's)
+  echo "== prefill_launch_sweep" | tee -a "$LOG"
+  timeout ${T_PLAUNCH:-150} python scripts/prefill_launch_sweep.py --out "$OUT/prefill_launch.json" ${PLAUNCH_ARGS:-} 2>&1 | tee -a "$LOG"
 fi
 if stage residual; then  # out_proj + the next add & norm: chained, or the GEMM adding into the residual
   echo "== residual_sweep" | tee -a "$LOG"
