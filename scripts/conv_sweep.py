@@ -1,6 +1,9 @@
 """Time the causal conv1d kernels' launch parameters at 8x2048x1536, K=4, bf16; the peer too.
 
-PYTHONPATH=src python scripts/conv_sweep.py --out conv_sweep.json
+PYTHONPATH=src python scripts/conv_sweep.py --out conv_sweep.json [--with-prefill | --prefill]
+
+The K <= 4 forward (groups of 4 times) is timed over its settings against the general
+kernel first; then the general kernel's own settings (the groups kernel off).
 
 x is the left half of an in_proj output [B, T, 2D] (a strided view, as in the mixer). Each
 candidate replaces the module constants of causal_conv1d/kernels.py (the library runs

@@ -7,7 +7,10 @@ before 0 belong to the document of t = 0.
 
 Forward: one program per (T-block, D-block, batch row). The K shifted loads of a
 [BLOCK_T, BLOCK_D] tile overlap in all but K-1 rows, so DRAM traffic is one
-read of x and one write of out; the overlap is served from L1/L2.
+read of x and one write of out; the overlap is served from L1/L2. For K <= 4
+without seq_idx (the model's case) a program instead holds its times as groups
+of 4 and loads the seven tiles at q - 3 .. q + 3 of its group starts q once
+for all four outputs of a group (`_conv_fwd_quad_kernel`).
 
 Backward: with c the pre-activation, dc = dout * silu'(c) and lag = K-1-k,
 
@@ -398,7 +401,9 @@ def _conv_bwd_kernel(
 # H200 at 8x2048x1536: forward tiles 32 x 128, 4 warps 45 us (64 x 128: 51); backward 16-byte
 # channel vectors 151 us (32-byte: 182). Backward designs with channels along the lanes were
 # slower in Triton: dc shifted in time through a per-program scratch 248-355 us; two passes
-# (dc, then dx from row-shifted loads of dc) 270-535 us.
+# (dc, then dx from row-shifted loads of dc) 270-535 us. The K <= 4 forward: 8 groups of 4
+# times x 128 channels, 4 warps, 32.2 us there (general kernel 40.6), 7.3-7.8 us at 1 x 4096 x
+# 1536 (9.3) and the fastest of six settings inside the 130m graph prefill (README.md).
 FWD_BLOCK_T, FWD_BLOCK_D, FWD_WARPS = 32, 128, 4
 QUAD_BLOCK_G, QUAD_BLOCK_D, QUAD_WARPS = 8, 128, 4  # K <= 4 without seq_idx; groups 0: off
 BWD_VEC_BYTES = 16  # channels per backward thread, in bytes of x
