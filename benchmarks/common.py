@@ -47,18 +47,23 @@ def cpu_time_ms(fn, warmup: int = 1, iters: int = 3) -> float:
     return (time.perf_counter() - t0) / iters * 1e3
 
 
-def graph_time_ms(fn, iters: int = 20) -> float:
-    """GPU time of fn() captured once in a CUDA graph and replayed (no launch overhead)."""
+def capture_graph(fn, warmup: int = 3) -> torch.cuda.CUDAGraph:
+    """fn() captured in a CUDA graph, after `warmup` calls on a side stream."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(3):
+        for _ in range(warmup):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return cuda_time_ms(graph.replay, warmup=3, iters=iters)
+    return graph
+
+
+def graph_time_ms(fn, iters: int = 20) -> float:
+    """GPU time of fn() captured once in a CUDA graph and replayed (no launch overhead)."""
+    return cuda_time_ms(capture_graph(fn).replay, warmup=3, iters=iters)
 
 
 def matmul_tflops(n: int = 8192, dtype=torch.bfloat16) -> float:

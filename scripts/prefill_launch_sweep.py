@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-from mambakit import MambaConfig, MambaLM
-from mambakit.ops.causal_conv1d import kernels as K
-from mambakit.ops.mamba_inner import kernels as DT
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from common import capture_graph, interleaved_median_ms  # noqa: E402
+
+from mambakit import MambaConfig, MambaLM  # noqa: E402
+from mambakit.ops.causal_conv1d import kernels as K  # noqa: E402
+from mambakit.ops.mamba_inner import kernels as DT  # noqa: E402
 
 SETTINGS = [(8, 128, 4), (0, 0, 0), (16, 128, 4), (8, 64, 2), (16, 64, 2), (4, 128, 2)]
 CONV = ("QUAD_BLOCK_G", "QUAD_BLOCK_D", "QUAD_WARPS")
@@ -36,30 +40,6 @@ DT_SETTINGS = [
     (128, 128, 8, 1, 3),
 ]
 DT_NAMES = ("BLOCK_M", "BLOCK_D", "WARPS", "D_TILES", "STAGES")
-
-
-def capture(fn) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
-def replay_ms(graph: torch.cuda.CUDAGraph, iters: int = 10) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main() -> None:
@@ -88,19 +68,16 @@ def main() -> None:
     default = tuple(getattr(module, name) for name in names)
     for s in settings:
         use(s)
-        graphs[s] = capture(lambda s=s: prefill(s))
+        graphs[s] = capture_graph(lambda s=s: prefill(s), warmup=2)
     use(default)
-    times: dict = {s: [] for s in settings}
-    for _ in range(3):
-        for s in settings:
-            times[s].append(replay_ms(graphs[s]))
+    replays = {s: g.replay for s, g in graphs.items()}
+    ms = interleaved_median_ms(replays, warmup=1, rounds=3, iters=10)
     rows = []
     for s in settings:
         graphs[s].replay()
         torch.cuda.synchronize()
         diff = (logits[s].float() - logits[settings[0]].float()).abs().max().item()
-        rows.append(dict(zip(names, s), ms=statistics.median(times[s]), runs=times[s],
-                         logits_max_diff=diff))  # fmt: skip
+        rows.append(dict(zip(names, s), ms=ms[s], logits_max_diff=diff))
         print(rows[-1], flush=True)
     if args.out:
         with open(args.out, "w") as f:
