@@ -278,8 +278,9 @@ def decode_table(args, device: torch.device) -> list[dict]:
 
 
 def prefill_table(args, device: torch.device) -> list[dict]:
-    """Prefill as `generate` runs it: the parallel forward over 1 x T prompt tokens, the LM
-    head on the last position only, under inference_mode; eager (CUDA events around the
+    """Prefill as `generate` runs it (`MambaLM.last_logits`): the parallel forward over 1 x T
+    prompt tokens, the final norm and the LM head on the last position only, under
+    inference_mode; eager (CUDA events around the
     call: launch gaps count; the median of 15 rounds of 2 calls, the implementations taking
     turns) and replayed from a CUDA graph; mamba_ssm's `model(ids, num_last_tokens=1)` the
     same ways."""
@@ -294,8 +295,7 @@ def prefill_table(args, device: torch.device) -> list[dict]:
 
         def ours(model=model, ids=ids):
             with torch.inference_mode():
-                hidden, _ = model.backbone(ids)
-                model.lm_head(hidden[:, -1])
+                model.last_logits(ids)
 
         impls = [("mambakit", ours)]
         peer = None

@@ -176,8 +176,7 @@ def main() -> None:
 
         def ours(ids, m=model):
             with torch.inference_mode():
-                hidden, _ = m.backbone(ids)
-                m.lm_head(hidden[:, -1])
+                m.last_logits(ids)
 
         impls["mambakit"] = ours
         peer = peer_model(cfg, torch.bfloat16)

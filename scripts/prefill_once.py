@@ -21,8 +21,7 @@ def main() -> None:
     model = MambaLM(cfg, device="cuda").to(torch.bfloat16).eval()
     ids = torch.randint(0, cfg.vocab_size, (1, T), device="cuda")
     with torch.inference_mode():
-        hidden, _ = model.backbone(ids)
-        model.lm_head(hidden[:, -1])
+        model.last_logits(ids)
     torch.cuda.synchronize()
 
 

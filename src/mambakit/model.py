@@ -135,6 +135,13 @@ class MambaBackbone(nn.Module):
         seq_idx: torch.Tensor | None = None,  # [B, T] int32
     ) -> tuple[torch.Tensor, MambaState]:
         """(hidden [B, T, M] in the compute dtype, final MambaState)."""
+        h, residual, cdt, backend, state = self._forward_layers(x, state, seq_idx)
+        out, _ = self.norm_f(h, residual, cdt, backend=backend)
+        return out, state
+
+    def _forward_layers(self, x, state, seq_idx) -> tuple:
+        """`forward` up to norm_f: (the last block's output, the residual stream [B, T, M]
+        f32, compute dtype, backend, final state)."""
         want_dim = 2 if self.embeddings is not None else 3
         name = "input_ids" if self.embeddings is not None else "x"
         if not isinstance(x, torch.Tensor) or x.dim() != want_dim:
@@ -171,11 +178,10 @@ class MambaBackbone(nn.Module):
             ssm = None if plan is None else plan[i]
             h, residual, final = layer(h, residual, cdt, layer_state, seq_idx, backend, ssm)
             finals.append(final)
-        out, _ = self.norm_f(h, residual, cdt, backend=backend)
         if self.config.mixer == "mamba3":
-            return out, Mamba3ModelState.stack(finals)
+            return h, residual, cdt, backend, Mamba3ModelState.stack(finals)
         convs, ssms = zip(*finals)
-        return out, MambaState(torch.stack(convs), torch.stack(ssms))
+        return h, residual, cdt, backend, MambaState(torch.stack(convs), torch.stack(ssms))
 
     def step(self, x: torch.Tensor, state: MambaState) -> tuple[torch.Tensor, MambaState]:
         """One timestep: x [B] ids or [B, input_dim or M] -> (hidden [B, M], state)."""
@@ -349,6 +355,35 @@ class MambaLM(nn.Module):
         the head's logits are computed and dropped chunk by chunk (training)."""
         hidden, state = self.backbone(input_ids, state, seq_idx)
         return linear_cross_entropy(hidden, self.lm_head.weight, targets), state
+
+    def last_logits(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        state: MambaState | None = None,
+        seq_idx: torch.Tensor | None = None,  # [B, T] int32
+    ) -> tuple[torch.Tensor, MambaState]:
+        """(logits at the last position [B, V], final state): a prompt's prefill.
+
+        The same values as `forward(...).logits[:, -1]`, but only the last position goes
+        through the final norm and the head; without autograd, on the Triton backend, both
+        are one matrix-vector kernel (`ops.norm_linear`), as in `step`."""
+        bb = self.backbone
+        h, residual, cdt, backend, state = bb._forward_layers(input_ids, state, seq_idx)
+        h, residual = h[:, -1], residual[:, -1]
+        head = self.lm_head
+        w = head.weight
+        grads = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (h, residual, w, bb._param)
+        )
+        fused = backend == "triton" and not grads and w.dtype == cdt
+        if fused and not torch.compiler.is_compiling():
+            logits = norm_linear(
+                h, w, head.bias, residual, bb._param, bb.norm_f.eps, backend, validate=False
+            )
+        else:
+            hidden, _ = rms_norm(h, bb._param, bb.norm_f.eps, residual, cdt, backend, False)
+            logits = head(hidden)
+        return logits, state
 
     def step(self, input_ids: torch.Tensor, state: MambaState) -> tuple[torch.Tensor, MambaState]:
         """ids [B] -> (logits [B, V], state advanced one token).

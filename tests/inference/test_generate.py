@@ -79,6 +79,33 @@ def test_greedy_equals_argmax_of_full_forwards(lm):
     torch.testing.assert_close(lm.generate(ids.int(), 12, temperature=0), out, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(
+    "device, dtype",
+    [("cpu", torch.float32), pytest.param("cuda", torch.bfloat16, marks=pytest.mark.gpu)],
+)
+def test_last_logits_equal_the_forwards_last_position(randomize, device, dtype):
+    """The prefill's `last_logits` (norm_f and the head on the last position only; on the
+    GPU one fused kernel) gives the full forward's last logits and the same final state,
+    with documents packed by seq_idx; with autograd on, through the unfused path."""
+    model = make_lm(randomize, device=device, d_model=64, n_layers=3).to(dtype)
+    ids = torch.randint(0, V, (3, 9), device=device)
+    seq_idx = (torch.arange(9, device=device) >= 4).int().expand(3, 9).contiguous()
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    whole = []
+    for seq in (None, seq_idx):
+        with torch.no_grad():
+            out = model(ids, seq_idx=seq)
+            whole.append(out.logits[:, -1].float())
+            logits, state = model.last_logits(ids, seq_idx=seq)
+        assert logits.shape == (3, V) and logits.dtype == out.logits.dtype
+        torch.testing.assert_close(logits.float(), out.logits[:, -1].float(), **tol)
+        torch.testing.assert_close(state.conv, out.state.conv, rtol=0, atol=0)
+        torch.testing.assert_close(state.ssm, out.state.ssm, rtol=0, atol=0)
+    graded, _ = model.last_logits(ids)
+    assert graded.requires_grad
+    torch.testing.assert_close(graded.detach().float(), whole[0], **tol)
+
+
 def test_greedy_with_repetition_penalty_equals_closed_form(lm):
     ids = torch.randint(0, V, (2, 6), generator=torch.Generator().manual_seed(3))
     out = generate(lm, ids, max_new_tokens=10, temperature=0, repetition_penalty=1.7)

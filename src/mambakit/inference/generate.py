@@ -95,14 +95,14 @@ def _prefill(model, prompts: Prompts, chunk: int) -> tuple[torch.Tensor, MambaSt
         if state is not None and pad is not None:
             # a prompt that starts exactly at s sees no seq_idx change in this chunk
             state.reset_(pad == s)
-        if backbone is not None:
-            hidden, state = backbone(ids[:, s:e].contiguous(), state, part)
-        else:
+        if backbone is None:
             out = model(ids[:, s:e].contiguous(), state=state, seq_idx=part)
-            state = out.state
-    if backbone is not None:
-        return model.lm_head(hidden[:, -1]), state
-    return out.logits[:, -1], state
+            logits, state = out.logits[:, -1], out.state
+        elif e < T:  # a prompt's earlier pieces: only their state
+            _, state = backbone(ids[:, s:e].contiguous(), state, part)
+        else:
+            logits, state = model.last_logits(ids[:, s:e].contiguous(), state, part)
+    return logits, state
 
 
 class _PrefillGraph:
@@ -125,8 +125,7 @@ class _PrefillGraph:
         self.seq_idx.copy_(prompts.mask(T_b))
 
     def run(self) -> None:
-        hidden, self.state = self.model.backbone(self.ids, None, self.seq_idx)
-        self.logits = self.model.lm_head(hidden[:, -1])
+        self.logits, self.state = self.model.last_logits(self.ids, None, self.seq_idx)
 
 
 def _prefill_bucketed(model, prompts: Prompts, graphs: bool) -> tuple[torch.Tensor, MambaState]:
