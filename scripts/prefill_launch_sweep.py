@@ -8,14 +8,12 @@ the K <= 4 kernel; groups 0: the general tile kernel) is captured in its own gra
 whole prefill (backbone, LM head on the last position) and replayed; the settings take
 turns over three rounds, and each keeps its median. Logits are compared with the first's
 (the tile kernel rounds u differently: within bf16). --dt-proj: the dt_proj kernel's
-(rows, channels, warps, channel tiles per program, pipeline stages) instead; --scan: the
-scan forward's (channels and state lanes per program of each pass, tile, programs per SM).
+(rows, channels, warps, channel tiles per program, pipeline stages) instead.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -28,7 +26,6 @@ from common import capture_graph, interleaved_median_ms  # noqa: E402
 from mambakit import MambaConfig, MambaLM  # noqa: E402
 from mambakit.ops.causal_conv1d import kernels as K  # noqa: E402
 from mambakit.ops.mamba_inner import kernels as DT  # noqa: E402
-from mambakit.ops.selective_scan import kernels as SK  # noqa: E402
 
 SETTINGS = [(8, 128, 4), (0, 0, 0), (16, 128, 4), (8, 64, 2), (16, 64, 2), (4, 128, 2)]
 CONV = ("QUAD_BLOCK_G", "QUAD_BLOCK_D", "QUAD_WARPS")
@@ -43,49 +40,16 @@ DT_SETTINGS = [
     (128, 128, 8, 1, 3),
 ]
 DT_NAMES = ("BLOCK_M", "BLOCK_D", "WARPS", "D_TILES", "STAGES")
-SCAN_SETTINGS = [  # replacements of the library's ScanConfig (the first: none)
-    (32, 1, 8, 8, 32, 1),
-    (16, 2, 8, 12, 32, 1),
-    (16, 2, 8, 16, 32, 1),
-    (16, 2, 4, 16, 32, 1),
-    (8, 4, 8, 16, 32, 1),
-    (16, 2, 8, 12, 16, 2),
-]
-SCAN_NAMES = (
-    "fwd_block_d", "fwd_state_lanes", "fwd_tile", "fwd_seg_target_per_sm", "local_block_d",
-    "local_state_lanes",
-)  # fmt: skip
-
-
-class _ScanSettings:
-    """Stands in for the scan's `config` module function: the library's config with the
-    fields set on this object replaced."""
-
-    def __init__(self, library_config) -> None:
-        self.library_config = library_config
-        self.over = {}
-
-    def __call__(self, Dn: int, interpret: bool):
-        return dataclasses.replace(self.library_config(Dn, interpret), **self.over)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--dt-proj", action="store_true")
-    ap.add_argument("--scan", action="store_true")
     args = ap.parse_args()
     module, names, settings = (DT, DT_NAMES, DT_SETTINGS) if args.dt_proj else (K, CONV, SETTINGS)
-    if args.scan:
-        scan = _ScanSettings(SK.config)
-        SK.config = scan
-        names, settings = SCAN_NAMES, SCAN_SETTINGS
-        default = tuple(getattr(SK.config(1536, False), name) for name in names)
 
     def use(setting):
-        if args.scan:
-            scan.over = dict(zip(names, setting))
-            return
         for name, value in zip(names, setting):
             setattr(module, name, value)
 
@@ -100,8 +64,7 @@ def main() -> None:
             logits[key], _ = model.last_logits(ids)
 
     graphs = {}
-    if not args.scan:
-        default = tuple(getattr(module, name) for name in names)
+    default = tuple(getattr(module, name) for name in names)
     for s in settings:
         use(s)
         graphs[s] = capture_graph(lambda s=s: prefill(s), warmup=2)

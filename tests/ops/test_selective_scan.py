@@ -198,8 +198,6 @@ def test_sum_loss(c: Case, seed):
         ({"bwd_block_d": 2, "bwd_tile": 8}, False),  # 16 lanes for 4 states: tl.sum
         ({"bwd_block_d": 16, "bwd_tile": 8}, True),
         ({"bwd_block_d": 32, "bwd_tile": 8}, True),
-        ({"fwd_state_lanes": 1, "local_state_lanes": 2, "local_block_d": 4, "seg_tiles": 2}, None),
-        ({"fwd_state_lanes": 4, "fwd_block_d": 4, "seg_tiles": 3}, None),
     ],
     ids=[
         "seg1",
@@ -208,15 +206,12 @@ def test_sum_loss(c: Case, seed):
         "channel-sums-by-tl.sum",
         "reduce-scatter-16-channels",
         "reduce-scatter-32-channels",
-        "forward-one-state-lane-summaries-two",
-        "forward-four-state-lanes",
     ],
 )
 @pytest.mark.slow
 def test_tilings_and_segments_agree(over: dict, reduce_scatter: bool | None, seed):
-    """Other time tiles, channel blocks and lanes per channel (the forward's states over NL
-    lanes), and time cut into segments (with carries between them), give the results of one
-    segment per row. reduce_scatter: whether the backward's
+    """Other time tiles and channel blocks, and time cut into segments (with carries between
+    them), give the results of one segment per row. reduce_scatter: whether the backward's
     channel sums take the warp reduce-scatter (N = 3 is one block of 4 states)."""
     from mambakit.ops.selective_scan import kernels as K
     from mambakit.ops.selective_scan.channel_sum import reduce_scatter_fits

@@ -17,23 +17,16 @@ from .._triton import fast_sigmoid
 from .tiles import (
     LOG2E,
     _combine,
-    _doc_starts,
     _in_range,
-    _ld,
+    _program_block,
+    _row,
     _st,
-    _tile_dt,
+    _tile_decay,
     _tile_ptrs,
     _tile_rows,
 )
 
 # fmt: off
-
-
-@triton.jit
-def _step(x, rows, r):
-    """Step r of a [TC, NH, NL, BD] tile as [NH, NL, BD] (a choice of registers: the steps of
-    a tile lie within each thread)."""
-    return tl.sum(tl.where((rows == r)[:, None, None, None], x, 0.0), axis=0)
 
 
 @triton.jit
@@ -45,44 +38,29 @@ def _fwd_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_H0: tl.constexpr, LOCAL: tl.constexpr, SAVE: tl.constexpr,
     SPLIT_N: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, NL: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
 ):
     """One segment of one row, tile by tile. LOCAL: from a zero state, only the segment's end
     state and decay product; else, from h0 (HAS_H0) and the summaries of the earlier segments
-    (hloc, P: [B, nseg, D, N]), y, the state every TS steps (SAVE) and h_T (last segment).
-
-    The tiles are [TC, NH, NL, BD]: channels on BD lanes, each channel's BLOCK_N states over
-    NL lanes of NH = BLOCK_N / NL states each, so that a thread's states are adjacent in
-    memory (the state of (nh, nl) is nl NH + nh) and its B, C values load as vectors; y's sum
-    over the NL lanes is a shuffle. More lanes per channel: fewer registers, more programs."""
-    NH: tl.constexpr = BLOCK_N // NL
-    pid_d = tl.program_id(0)
-    s = tl.program_id(1)
-    b = (tl.program_id(2) % Bsz).to(tl.int64)
-    pid_n = tl.program_id(2) // Bsz
-    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    n = pid_n * BLOCK_N + tl.arange(0, NL)[None, :] * NH + tl.arange(0, NH)[:, None]  # [NH, NL]
-    md = d < Dn
-    mn = n < N
-    mdn = mn[:, :, None] & md[None, None, :]  # [NH, NL, BD]
-    off_dn = d[None, None, :] * N + n[:, :, None]  # in a [D, N] state
-    A2 = tl.load(p_A + off_dn, mask=mdn, other=0.0) * LOG2E
-    bias = tl.zeros([BLOCK_D], tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(p_bias + d, mask=md, other=0.0)
+    (hloc, P: [B, nseg, D, N]), y, the state every TS steps (SAVE) and h_T (last segment)."""
+    pid_d, s, b, pid_n, d, n, md, mn, mdn, A, bias = _program_block(
+        p_A, p_bias, Dn, N, Bsz, HAS_BIAS, BLOCK_D, BLOCK_N
+    )
+    A2 = A * LOG2E
     rows = tl.arange(0, TC)
+    off_dn = d[None, :] * N + n[:, None]  # [BLOCK_N, BLOCK_D] in a [D, N] state
     off_seg = (b * nseg + s) * Dn * N + off_dn  # [B, nseg, D, N]
     if HAS_H0:
         h = tl.load(p_h0 + b * Dn * N + off_dn, mask=mdn, other=0.0)
     else:
-        h = tl.zeros([NH, NL, BLOCK_D], tl.float32)
+        h = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     if not LOCAL:  # the segment's start: the summaries of the segments before it, in order
         for j in tl.range(s, num_stages=3):
             off_j = (b * nseg + j) * Dn * N + off_dn
             h = tl.load(p_P + off_j, mask=mdn, other=0.0) * h + tl.load(
                 p_hloc + off_j, mask=mdn, other=0.0
             )
-    p = tl.full([NH, NL, BLOCK_D], 1.0, tl.float32)
+    p = tl.full([BLOCK_N, BLOCK_D], 1.0, tl.float32)
     dsum = tl.zeros([BLOCK_D], tl.float32)  # LOCAL without documents: the segment's sum of delta
     Dv = tl.zeros([BLOCK_D], tl.float32)
     if HAS_D:
@@ -94,20 +72,16 @@ def _fwd_kernel(
         t0 = c * TC
         t = t0 + rows
         mt = t < T
-        m2, _raw, dt = _tile_dt(
-            t0, rows, mt, b, d, md, p_dt, s_dt_b, s_dt_t, bias, HAS_BIAS, SOFTPLUS, EVEN
+        m2, _raw, dt, a = _tile_decay(
+            t0, rows, mt, b, d, md, p_dt, s_dt_b, s_dt_t, p_seq, s_seq_b, s_seq_t, A2, bias,
+            HAS_BIAS, SOFTPLUS, HAS_SEQ, EVEN,
         )
-        a = tl.exp2(dt[:, None, None, :] * A2[None, :, :, :])
-        if HAS_SEQ:
-            starts = _doc_starts(t, mt, b, p_seq, s_seq_b, s_seq_t)
-            a = tl.where(starts[:, None, None, None], 0.0, a)
         u = _tile_rows(p_u, s_u_b, s_u_t, b, t0, rows, d, m2, EVEN)
-        m3 = mt[:, None, None] & mn[None, :, :]
-        Bt = _ld(_state_ptrs(p_B, s_B_b, s_B_t, b, t0, rows, n), m3, EVEN)
-        bx = (dt * u)[:, None, None, :] * Bt[:, :, :, None]
+        Bt = _tile_rows(p_B, s_B_b, s_B_t, b, t0, rows, n, mt[:, None] & mn[None, :], EVEN)
+        bx = (dt * u)[:, None, :] * Bt[:, :, None]
         # the carried state enters through the first row; the scan's decay products are then
         # only needed for a LOCAL pass (unused, they compile away)
-        bx = tl.where((rows == 0)[:, None, None, None], bx + a * h[None, :, :, :], bx)
+        bx = tl.where((rows == 0)[:, None, None], bx + a * h[None, :, :], bx)
         pa, hs = tl.associative_scan((a, bx), 0, _combine)
         if SAVE:  # the state every TS steps (the backward's tile), [B, ns, D, N]
             if TC <= TS:
@@ -122,16 +96,16 @@ def _fwd_kernel(
                     if k == 0:
                         hk = h
                     else:
-                        hk = _step(hs, rows, k * TS - 1)
+                        hk = _row(hs, rows, k * TS - 1)
                     tl.store(p_states + off_c, hk, mask=_in_range(mdn, c_s, ns))
         if LOCAL:
             if HAS_SEQ:  # a document start zeroes the product: multiply the decays out
-                p = p * _step(pa, rows, TC - 1)
+                p = p * _row(pa, rows, TC - 1)
             else:  # exp2(A sum(delta)) once at the end; pa is unused and compiles away
                 dsum += tl.sum(dt, axis=0)
         else:
-            Ct = _ld(_state_ptrs(p_C, s_C_b, s_C_t, b, t0, rows, n), m3, EVEN)
-            y = tl.sum(tl.sum(hs * Ct[:, :, :, None], axis=1), axis=1)
+            Ct = _tile_rows(p_C, s_C_b, s_C_t, b, t0, rows, n, mt[:, None] & mn[None, :], EVEN)
+            y = tl.sum(hs * Ct[:, :, None], axis=1)
             if not SPLIT_N:  # the whole of y is here: finish it
                 if HAS_D:
                     y += Dv[None, :] * u
@@ -139,18 +113,11 @@ def _fwd_kernel(
                     zt = _tile_rows(p_z, s_z_b, s_z_t, b, t0, rows, d, m2, EVEN)
                     y = y * zt * fast_sigmoid(zt)
             _st(_tile_ptrs(y_base, 0, Dn, b, t0, rows, d, 1), y, m2, EVEN)
-        h = _step(hs, rows, TC - 1)
+        h = _row(hs, rows, TC - 1)
     if LOCAL:
         if not HAS_SEQ:
-            p = tl.exp2(A2 * dsum[None, None, :])
+            p = tl.exp2(A2 * dsum[None, :])
         tl.store(p_hloc + off_seg, h, mask=mdn)
         tl.store(p_P + off_seg, p, mask=mdn)
     else:
         tl.store(p_hT + b * Dn * N + off_dn, h, mask=_in_range(mdn, nseg - 1 - s, 1))  # last
-
-
-@triton.jit
-def _state_ptrs(ptr, s_b, s_t, b, t0, rows, n):
-    """Pointers of the [TC, NH, NL] tile of B or C ([B, T, N], states contiguous) at steps
-    t0 + rows for the states n [NH, NL]."""
-    return (ptr + (b * s_b + t0.to(tl.int64) * s_t)) + (rows[:, None, None] * s_t + n[None, :, :])

@@ -61,9 +61,6 @@ class ScanConfig:
     fwd_local_tiles: int  # forward tiles per tile of the segment summaries' (LOCAL) pass
     bwd_tile: int  # TC: time steps per backward tile; the forward saves the state every TC steps
     fwd_block_d: int  # channels per forward program
-    fwd_state_lanes: int  # NL: lanes over each channel's states in the forward (y's pass)
-    local_block_d: int  # channels per program of the segment summaries' (LOCAL) pass
-    local_state_lanes: int  # NL of the LOCAL pass
     bwd_block_d: int  # channels per backward program
     fwd_warps: int  # warps per forward program
     bwd_warps: int  # warps per backward program
@@ -83,7 +80,7 @@ def config(Dn: int, interpret: bool) -> ScanConfig:
     if interpret:  # small tiles, and segments of two tiles so the carries run in every test
         return ScanConfig(
             fwd_tile=4, fwd_local_tiles=2, bwd_tile=8, fwd_block_d=min(8, p2), bwd_block_d=min(8, p2),
-            fwd_state_lanes=2, local_block_d=min(8, p2), local_state_lanes=1, fwd_warps=1, bwd_warps=1, carry_block=64, carry_rows=8,
+            fwd_warps=1, bwd_warps=1, carry_block=64, carry_rows=8,
             seg_tiles=2, seg_below_per_sm=2, seg_target_per_sm=8, fwd_seg_target_per_sm=8,
         )  # fmt: skip
     # measured on the H200 at 8x2048x1536x16 bf16 (scripts/scan_sweep.py): forward tile 8 x
@@ -102,7 +99,7 @@ def config(Dn: int, interpret: bool) -> ScanConfig:
     # (session 16, with their decay product as one exp2 of the summed delta).
     return ScanConfig(
         fwd_tile=8, fwd_local_tiles=2, bwd_tile=4, fwd_block_d=min(32, p2), bwd_block_d=min(16, p2),
-        fwd_state_lanes=1, local_block_d=min(32, p2), local_state_lanes=1, fwd_warps=1, bwd_warps=1, carry_block=256, carry_rows=16,
+        fwd_warps=1, bwd_warps=1, carry_block=256, carry_rows=16,
         seg_tiles=0, seg_below_per_sm=2, seg_target_per_sm=16, fwd_seg_target_per_sm=8,
     )  # fmt: skip
 
@@ -229,7 +226,6 @@ def scan_fwd(
         TS=ts,
         BLOCK_D=bd,
         BLOCK_N=bn,
-        NL=min(cfg.fwd_state_lanes, bn),
         EVEN=_even(T, Dn, N, tc, bd, bn, nseg * per == nc),
         num_warps=cfg.fwd_warps,
     )
@@ -244,13 +240,9 @@ def scan_fwd(
         # the last segment's summary is never used (its end is h_T, stored by the pass below);
         # the segments before it lie inside the sequence, so only D and N may need masks
         m = cfg.fwd_local_tiles if per % cfg.fwd_local_tiles == 0 else 1
-        lbd = cfg.local_block_d
-        local = dict(
-            flags, TC=tc * m, BLOCK_D=lbd, NL=min(cfg.local_state_lanes, bn),
-            EVEN=_even(0, Dn, N, 1, lbd, bn, True),
-        )  # fmt: skip
+        local = dict(flags, TC=tc * m, EVEN=_even(0, Dn, N, 1, bd, bn, True))
         launch(
-            _fwd_kernel, (cdiv(Dn, lbd), nseg - 1, Bsz * nb),
+            _fwd_kernel, (ndb, nseg - 1, Bsz * nb),
             *ins, A, A, A, hloc, P, A, T, Dn, N, Bsz, cdiv(T, tc * m), ns, nseg, per // m,
             *sizes[8:], HAS_H0=False, LOCAL=True, SAVE=False, **local,
         )  # fmt: skip
@@ -327,7 +319,6 @@ def scan_bwd(
         TC=tc,
         BLOCK_D=bd,
         BLOCK_N=bn,
-        NL=min(cfg.fwd_state_lanes, bn),
         EVEN=_even(T, Dn, N, tc, bd, bn, nseg * per == nc),
         num_warps=cfg.bwd_warps,
     )
