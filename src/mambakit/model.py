@@ -139,9 +139,10 @@ class MambaBackbone(nn.Module):
         out, _ = self.norm_f(h, residual, cdt, backend=backend)
         return out, state
 
-    def _forward_layers(self, x, state, seq_idx) -> tuple:
+    def _forward_layers(self, x, state, seq_idx, last: bool = False) -> tuple:
         """`forward` up to norm_f: (the last block's output, the residual stream [B, T, M]
-        f32, compute dtype, backend, final state)."""
+        f32, compute dtype, backend, final state). `last`: only the last step's output is
+        read; the last block may give that step's alone ([B, 1, M], `MambaBlock.forward`)."""
         want_dim = 2 if self.embeddings is not None else 3
         name = "input_ids" if self.embeddings is not None else "x"
         if not isinstance(x, torch.Tensor) or x.dim() != want_dim:
@@ -176,7 +177,8 @@ class MambaBackbone(nn.Module):
         for i, layer in enumerate(self.layers):
             layer_state = None if state is None else state.layer(i)
             ssm = None if plan is None else plan[i]
-            h, residual, final = layer(h, residual, cdt, layer_state, seq_idx, backend, ssm)
+            end = last and i == len(self.layers) - 1
+            h, residual, final = layer(h, residual, cdt, layer_state, seq_idx, backend, ssm, end)
             finals.append(final)
         if self.config.mixer == "mamba3":
             return h, residual, cdt, backend, Mamba3ModelState.stack(finals)
@@ -366,9 +368,10 @@ class MambaLM(nn.Module):
 
         The same values as `forward(...).logits[:, -1]`, but only the last position goes
         through the final norm and the head; without autograd, on the Triton backend, both
-        are one matrix-vector kernel (`ops.norm_linear`), as in `step`."""
+        are one matrix-vector kernel (`ops.norm_linear`), as in `step`, and the last block's
+        scan and out_proj give the last position alone (`scan_last`)."""
         bb = self.backbone
-        h, residual, cdt, backend, state = bb._forward_layers(input_ids, state, seq_idx)
+        h, residual, cdt, backend, state = bb._forward_layers(input_ids, state, seq_idx, True)
         h, residual = h[:, -1], residual[:, -1]
         head = self.lm_head
         w = head.weight

@@ -258,6 +258,31 @@ def test_segments_fill_whole_waves(monkeypatch):
     assert K._segments(512, 2 * 264, cfg.fwd_seg_target_per_sm, cfg, cuda) == (1, 512)
 
 
+@pytest.mark.parametrize(
+    "c",
+    [
+        Case(T=45, N=3, bias=False, softplus=False),
+        Case(T=45, N=3, bias=False, softplus=False, seq=False, h0=False, D=False, z=False),
+        Case(T=30, N=4, bias=False, softplus=False, seq=False, strided=True, dtype=BF16),
+        Case(Bsz=3, T=1, N=3, bias=False, softplus=False),
+        Case(T=19, Dn=37, N=40, bias=False, softplus=False),
+    ],
+    ids=lambda c: c.id,
+)
+def test_last_step_equals_the_oracle(c: Case, seed):
+    """`scan_last` (every segment's summary, then h_T and y_T from them: a prefill's last
+    layer) gives the float64 recurrence's final state and its y at the last step, with
+    documents, an initial state, B and C as strided slices, and N over several blocks."""
+    from mambakit.ops.selective_scan import kernels as K
+
+    inp = make_inputs(c)
+    args = [inp[k] for k in ARGS[:-1]]  # delta is given as the scan uses it (no bias)
+    y, hT = K.scan_last(*args, inp["initial_state"], inp["seq_idx"])
+    yo, hTo = oracle(*args, None, False, inp["initial_state"], inp["seq_idx"])
+    assert y.shape == (c.Bsz, c.Dn) and y.dtype == c.dtype
+    assert rel(y, yo[:, -1]) < TOL[c.dtype] and rel(hT, hTo) < TOL[F32]
+
+
 def test_saved_tile_states(seed):
     """The forward's saved states are the true states at every time-tile start."""
     from mambakit.ops.selective_scan import kernels as K

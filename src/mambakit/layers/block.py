@@ -91,9 +91,16 @@ class MambaBlock(nn.Module):
         seq_idx: torch.Tensor | None = None,
         backend: str = "auto",  # the model resolves it once per call
         derived: tuple | None = None,  # Mamba-1: (A, D, dt bias) from the decode plan
+        last: bool = False,  # only the output at the last step is read (a prefill's last layer)
     ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-        """(the mixer's output, the residual [B, T, M] f32, the layer's final state)."""
+        """(the mixer's output, the residual [B, T, M] f32, the layer's final state). With
+        `last`, a Mamba-1 mixer on the Triton backend without autograd gives its output at
+        the last step alone ([B, 1, M]); otherwise every step's."""
         normed, residual = self.norm(hidden, residual, compute_dtype, backend=backend)
+        if last and not self.mamba3 and backend == "triton" and not torch.is_grad_enabled():
+            conv, ssm = (None, None) if state is None else state
+            out, new = self.mixer._last_forward(normed, conv, ssm, seq_idx, derived)
+            return out, residual, new
         if self.mamba3:
             out, new = self.mixer(normed, state, seq_idx, return_state=True, backend=backend)
         else:

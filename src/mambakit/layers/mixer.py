@@ -138,6 +138,27 @@ class Mamba(nn.Module):
         out = self.out_proj(y)
         return (out, (conv_out, ssm_out)) if return_state else out
 
+    def _last_forward(
+        self,
+        x: torch.Tensor,  # [B, T, M]
+        conv_state: torch.Tensor | None,
+        ssm_state: torch.Tensor | None,
+        seq_idx: torch.Tensor | None,
+        derived: tuple | None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """(the output at the last step [B, 1, M], (conv, ssm) final states) on the Triton
+        backend without autograd, the states already checked: a prefill's last layer
+        (`MambaLM.last_logits`), out_proj on one row per sequence."""
+        from ..ops.mamba_inner import mamba_inner_last
+
+        xz = self.in_proj(x)
+        A, D, dt_bias = self._ssm_params() if derived is None else derived
+        y, conv_out, ssm_out = mamba_inner_last(
+            xz, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.x_proj.weight,
+            self.dt_proj.weight, A, D, dt_bias, conv_state, ssm_state, seq_idx,
+        )  # fmt: skip
+        return self.out_proj(y)[:, None], (conv_out, ssm_out)
+
     def step(
         self,
         x: torch.Tensor,  # [B, M]

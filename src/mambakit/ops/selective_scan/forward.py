@@ -121,3 +121,43 @@ def _fwd_kernel(
         tl.store(p_P + off_seg, p, mask=mdn)
     else:
         tl.store(p_hT + b * Dn * N + off_dn, h, mask=_in_range(mdn, nseg - 1 - s, 1))  # last
+
+
+@triton.jit
+def _fwd_last_kernel(
+    p_u, p_C, p_D, p_z, p_h0, p_hloc, p_P, p_hT, p_y,
+    T, Dn, N, nseg, s_u_b, s_u_t, s_C_b, s_C_t, s_z_b, s_z_t,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_H0: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """h_T and y at the last step only, for (row, BLOCK_D channels), from every segment's
+    summary (hloc, P: [B, nseg, D, N], the LOCAL pass over the whole row): h_T is h0 (or 0)
+    through the summaries in order, y_T = (sum_n h_T C_T + D u_T) silu(z_T). y: [B, D]."""
+    pid_d = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    md = d < Dn
+    mn = n < N
+    mdn = mn[:, None] & md[None, :]
+    off_dn = d[None, :] * N + n[:, None]  # [BLOCK_N, BLOCK_D] in a [D, N] state
+    if HAS_H0:
+        h = tl.load(p_h0 + b * Dn * N + off_dn, mask=mdn, other=0.0)
+    else:
+        h = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for j in tl.range(nseg, num_stages=3):
+        off_j = (b * nseg + j) * Dn * N + off_dn
+        h = tl.load(p_P + off_j, mask=mdn, other=0.0) * h + tl.load(
+            p_hloc + off_j, mask=mdn, other=0.0
+        )
+    tl.store(p_hT + b * Dn * N + off_dn, h, mask=mdn)
+    t = T - 1
+    Ct = tl.load(p_C + b * s_C_b + t * s_C_t + n, mask=mn, other=0.0).to(tl.float32)
+    y = tl.sum(h * Ct[:, None], axis=0)
+    u = tl.load(p_u + b * s_u_b + t * s_u_t + d, mask=md, other=0.0).to(tl.float32)
+    if HAS_D:
+        y += tl.load(p_D + d, mask=md, other=0.0) * u
+    if HAS_Z:
+        zt = tl.load(p_z + b * s_z_b + t * s_z_t + d, mask=md, other=0.0).to(tl.float32)
+        y = y * zt * fast_sigmoid(zt)
+    tl.store(p_y + b * Dn + d, y, mask=md)

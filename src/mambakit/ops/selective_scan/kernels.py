@@ -43,7 +43,7 @@ from .._triton import cdiv, launch, next_power_of_2, opt, sm_count, strides, sum
 from .backward import _bwd_kernel, _bwd_local_kernel
 from .carry import _carry_bwd_kernel
 from .channel_sum import reduce_scatter_fits
-from .forward import _fwd_kernel
+from .forward import _fwd_kernel, _fwd_last_kernel
 
 MAX_BLOCK_N = 32  # states per program; larger N is split over programs
 
@@ -260,6 +260,50 @@ def scan_fwd(
             y = y * torch.nn.functional.silu(z.float())
         y = y.to(u.dtype)
     return y, hT, states
+
+
+def scan_last(u, delta, A, B, C, D, z, initial_state, seq_idx, cfg: ScanConfig | None = None):
+    """(y at the last step [B, D] in u.dtype, final state [B, D, N] f32): `scan_fwd`'s y[:, -1]
+    and final state, for a prefill's last layer, where nothing reads y before the last step.
+    Delta is given as the scan uses it (no bias, no softplus: the dt_proj kernel's). The
+    summaries' pass runs over every segment of the row (the last one too), then one small
+    kernel composes them from the initial state into h_T and takes y_T from it: the output
+    pass over the whole row (its exponentials, y's sums and stores) is not run."""
+    Bsz, T, Dn = u.shape
+    N = A.shape[1]
+    dev = u.device
+    f32 = torch.float32
+    cfg = cfg if cfg is not None else config(Dn, not u.is_cuda)
+    B, C = _f32_bc(B, C)
+    tc, bd, bn = cfg.fwd_tile, cfg.fwd_block_d, _block_n(N)
+    nb, nc, ndb = cdiv(N, bn), cdiv(T, tc), cdiv(Dn, bd)
+    nseg, per = _segments(nc, Bsz * ndb * nb, cfg.fwd_seg_target_per_sm, cfg, dev)
+    m = cfg.fwd_local_tiles if per % cfg.fwd_local_tiles == 0 else 1
+    A = A.contiguous()
+    hloc = torch.empty(Bsz, nseg, Dn, N, dtype=f32, device=dev)
+    P = torch.empty_like(hloc)
+    ins = (u, delta, A, B, C, A, A, A, opt(seq_idx, A))
+    launch(
+        _fwd_kernel, (ndb, nseg, Bsz * nb),
+        *ins, A, A, A, hloc, P, A, T, Dn, N, Bsz, cdiv(T, tc * m), 1, nseg, per // m,
+        *_input_strides(u, delta, B, C, None, seq_idx),
+        HAS_D=False, HAS_Z=False, HAS_BIAS=False, SOFTPLUS=False, HAS_SEQ=seq_idx is not None,
+        HAS_H0=False, LOCAL=True, SAVE=False, SPLIT_N=nb > 1, TC=tc * m, TS=cfg.bwd_tile,
+        BLOCK_D=bd, BLOCK_N=bn, EVEN=_even(T, Dn, N, tc * m, bd, bn, nseg * per == nc),
+        num_warps=cfg.fwd_warps,
+    )  # fmt: skip
+    hT = _new((Bsz, Dn, N), f32, dev)
+    y = _new((Bsz, Dn), u.dtype, dev)
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    block_n = next_power_of_2(N)
+    launch(
+        _fwd_last_kernel, (cdiv(Dn, 32), Bsz),
+        u, C, opt(D, A), opt(z, u), opt(h0, A), hloc, P, hT, y, T, Dn, N, nseg,
+        u.stride(0), u.stride(1), C.stride(0), C.stride(1), *strides(z, 2),
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_H0=h0 is not None, BLOCK_D=32,
+        BLOCK_N=block_n, num_warps=1 if block_n <= 32 else 4,
+    )  # fmt: skip
+    return y, hT
 
 
 def scan_bwd(
