@@ -277,7 +277,8 @@ def test_last_step_equals_the_oracle(c: Case, seed):
 
     inp = make_inputs(c)
     args = [inp[k] for k in ARGS[:-1]]  # delta is given as the scan uses it (no bias)
-    y, hT = K.scan_last(*args, inp["initial_state"], inp["seq_idx"])
+    z_last = inp["z"][:, -1] if c.z else None  # the gate at the last step, a strided view
+    y, hT = K.scan_last(*args[:-1], z_last, inp["initial_state"], inp["seq_idx"])
     yo, hTo = oracle(*args, None, False, inp["initial_state"], inp["seq_idx"])
     assert y.shape == (c.Bsz, c.Dn) and y.dtype == c.dtype
     assert rel(y, yo[:, -1]) < TOL[c.dtype] and rel(hT, hTo) < TOL[F32]

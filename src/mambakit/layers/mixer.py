@@ -151,10 +151,13 @@ class Mamba(nn.Module):
         (`MambaLM.last_logits`), out_proj on one row per sequence."""
         from ..ops.mamba_inner import mamba_inner_last
 
-        xz = self.in_proj(x)
+        # in_proj's x half over every step, its z half (the gate) at the last step only
+        w, b, Dn = self.in_proj.weight, self.in_proj.bias, self.d_inner
+        x_in = F.linear(x, w[:Dn], None if b is None else b[:Dn])
+        z_last = F.linear(x[:, -1], w[Dn:], None if b is None else b[Dn:])
         A, D, dt_bias = self._ssm_params() if derived is None else derived
         y, conv_out, ssm_out = mamba_inner_last(
-            xz, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.x_proj.weight,
+            x_in, z_last, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.x_proj.weight,
             self.dt_proj.weight, A, D, dt_bias, conv_state, ssm_state, seq_idx,
         )  # fmt: skip
         return self.out_proj(y)[:, None], (conv_out, ssm_out)

@@ -93,23 +93,23 @@ def mamba_inner_triton(
 
 
 def mamba_inner_last(
-    xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias, conv_state,
-    ssm_state, seq_idx,
+    x_in, z_last, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias,
+    conv_state, ssm_state, seq_idx,
 ):  # fmt: skip
-    """(y at the last step [B, D], final conv state, final ssm state), without autograd: a
+    """(y at the last step [B, D], final conv state, final ssm state) from in_proj's x half
+    x_in [B, T, D] and its z half at the last step z_last [B, D], without autograd: a
     prefill's last layer, where only the last position's output is read. The conv, x_proj
     and dt_proj run over every step (the scan's summaries need them); the scan keeps its
     segment summaries and takes h_T and y_T from them (`scan_last`), so neither its output
     pass nor out_proj runs over the other steps."""
     from ..selective_scan.kernels import scan_last
 
-    Dn, N = A.shape
-    x_in, z = xz[..., :Dn], xz[..., Dn:]
+    N = A.shape[1]
     u, conv_out = conv_fwd_op(x_in, conv_weight, conv_bias, conv_state, seq_idx, True, True)
     with torch.autocast(u.device.type, enabled=False):
         x_dbl = F.linear(u, _as(x_proj_weight, u.dtype))
     delta, bc = dt_proj_op(x_dbl, dt_proj_weight, dt_bias, True)
-    y, ssm_out = scan_last(u, delta, A, bc[..., :N], bc[..., N:], D, z, ssm_state, seq_idx)
+    y, ssm_out = scan_last(u, delta, A, bc[..., :N], bc[..., N:], D, z_last, ssm_state, seq_idx)
     return y, conv_out, ssm_out
 
 

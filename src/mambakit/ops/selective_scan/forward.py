@@ -126,13 +126,13 @@ def _fwd_kernel(
 @triton.jit
 def _fwd_last_kernel(
     p_u, p_C, p_D, p_z, p_h0, p_hloc, p_P, p_hT, p_y,
-    T, Dn, N, nseg, s_u_b, s_u_t, s_C_b, s_C_t, s_z_b, s_z_t,
+    T, Dn, N, nseg, s_u_b, s_u_t, s_C_b, s_C_t, s_z_b,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_H0: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """h_T and y at the last step only, for (row, BLOCK_D channels), from every segment's
     summary (hloc, P: [B, nseg, D, N], the LOCAL pass over the whole row): h_T is h0 (or 0)
-    through the summaries in order, y_T = (sum_n h_T C_T + D u_T) silu(z_T). y: [B, D]."""
+    through the summaries in order, y_T = (sum_n h_T C_T + D u_T) silu(z_T). z_T, y: [B, D]."""
     pid_d = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -158,6 +158,6 @@ def _fwd_last_kernel(
     if HAS_D:
         y += tl.load(p_D + d, mask=md, other=0.0) * u
     if HAS_Z:
-        zt = tl.load(p_z + b * s_z_b + t * s_z_t + d, mask=md, other=0.0).to(tl.float32)
+        zt = tl.load(p_z + b * s_z_b + d, mask=md, other=0.0).to(tl.float32)
         y = y * zt * fast_sigmoid(zt)
     tl.store(p_y + b * Dn + d, y, mask=md)

@@ -262,10 +262,13 @@ def scan_fwd(
     return y, hT, states
 
 
-def scan_last(u, delta, A, B, C, D, z, initial_state, seq_idx, cfg: ScanConfig | None = None):
+def scan_last(
+    u, delta, A, B, C, D, z_last, initial_state, seq_idx, cfg: ScanConfig | None = None
+):  # fmt: skip
     """(y at the last step [B, D] in u.dtype, final state [B, D, N] f32): `scan_fwd`'s y[:, -1]
     and final state, for a prefill's last layer, where nothing reads y before the last step.
-    Delta is given as the scan uses it (no bias, no softplus: the dt_proj kernel's). The
+    Delta is given as the scan uses it (no bias, no softplus: the dt_proj kernel's); the gate
+    z_last [B, D] (or None) is z at the last step. The
     summaries' pass runs over every segment of the row (the last one too), then one small
     kernel composes them from the initial state into h_T and takes y_T from it: the output
     pass over the whole row (its exponentials, y's sums and stores) is not run."""
@@ -298,9 +301,9 @@ def scan_last(u, delta, A, B, C, D, z, initial_state, seq_idx, cfg: ScanConfig |
     block_n = next_power_of_2(N)
     launch(
         _fwd_last_kernel, (cdiv(Dn, 32), Bsz),
-        u, C, opt(D, A), opt(z, u), opt(h0, A), hloc, P, hT, y, T, Dn, N, nseg,
-        u.stride(0), u.stride(1), C.stride(0), C.stride(1), *strides(z, 2),
-        HAS_D=D is not None, HAS_Z=z is not None, HAS_H0=h0 is not None, BLOCK_D=32,
+        u, C, opt(D, A), opt(z_last, u), opt(h0, A), hloc, P, hT, y, T, Dn, N, nseg,
+        u.stride(0), u.stride(1), C.stride(0), C.stride(1), *strides(z_last, 1),
+        HAS_D=D is not None, HAS_Z=z_last is not None, HAS_H0=h0 is not None, BLOCK_D=32,
         BLOCK_N=block_n, num_warps=1 if block_n <= 32 else 4,
     )  # fmt: skip
     return y, hT
