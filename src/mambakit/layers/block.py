@@ -97,7 +97,8 @@ class MambaBlock(nn.Module):
         `last`, a Mamba-1 mixer on the Triton backend without autograd gives its output at
         the last step alone ([B, 1, M]); otherwise every step's."""
         normed, residual = self.norm(hidden, residual, compute_dtype, backend=backend)
-        if last and not self.mamba3 and backend == "triton" and not torch.is_grad_enabled():
+        last = last and not self.mamba3 and backend == "triton"
+        if last and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             conv, ssm = (None, None) if state is None else state
             out, new = self.mixer._last_forward(normed, conv, ssm, seq_idx, derived)
             return out, residual, new
