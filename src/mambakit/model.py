@@ -373,20 +373,10 @@ class MambaLM(nn.Module):
         bb = self.backbone
         h, residual, cdt, backend, state = bb._forward_layers(input_ids, state, seq_idx, True)
         h, residual = h[:, -1], residual[:, -1]
-        head = self.lm_head
-        w = head.weight
         grads = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (h, residual, w, bb._param)
+            t.requires_grad for t in (h, residual, self.lm_head.weight, bb._param)
         )
-        fused = backend == "triton" and not grads and w.dtype == cdt
-        if fused and not torch.compiler.is_compiling():
-            logits = norm_linear(
-                h, w, head.bias, residual, bb._param, bb.norm_f.eps, backend, validate=False
-            )
-        else:
-            hidden, _ = rms_norm(h, bb._param, bb.norm_f.eps, residual, cdt, backend, False)
-            logits = head(hidden)
-        return logits, state
+        return self._head(h, residual, cdt, backend, fuse=not grads), state
 
     def step(self, input_ids: torch.Tensor, state: MambaState) -> tuple[torch.Tensor, MambaState]:
         """ids [B] -> (logits [B, V], state advanced one token).
@@ -399,16 +389,20 @@ class MambaLM(nn.Module):
             hidden, state = bb.step(input_ids, state)
             return self.lm_head(hidden), state
         h, residual, cdt, backend = bb._decode_layers(input_ids, state)
-        head = self.lm_head
+        return self._head(h, residual, cdt, backend, fuse=True), state
+
+    def _head(self, h, residual, cdt, backend, fuse: bool) -> torch.Tensor:
+        """Logits [B, V] of rows h [B, M] (+ residual): norm_f, then the LM head. With `fuse`
+        (no autograd needed), on the Triton backend with the head in the compute dtype, both
+        are one matrix-vector kernel (`ops.norm_linear`) that streams the head once."""
+        bb, head = self.backbone, self.lm_head
         w = head.weight
-        if backend == "triton" and w.dtype == cdt and not torch.compiler.is_compiling():
-            logits = norm_linear(
+        if fuse and backend == "triton" and w.dtype == cdt and not torch.compiler.is_compiling():
+            return norm_linear(
                 h, w, head.bias, residual, bb._param, bb.norm_f.eps, backend, validate=False
             )
-        else:
-            hidden, _ = rms_norm(h, bb._param, bb.norm_f.eps, residual, cdt, backend, False)
-            logits = head(hidden)
-        return logits, state
+        hidden, _ = rms_norm(h, bb._param, bb.norm_f.eps, residual, cdt, backend, False)
+        return head(hidden)
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 64, **kwargs) -> torch.Tensor:
         """Prefill the prompt in parallel, then decode with step(); see mambakit.inference."""
