@@ -30,6 +30,18 @@ from .tiles import (
 
 
 @triton.jit
+def _compose(h, p_P, p_hloc, b, nseg, count, Dn, N, off_dn, mdn):
+    """h [BLOCK_N, BLOCK_D] carried through the summaries (h -> P h + hloc; [B, nseg, D, N])
+    of segments 0 .. count - 1 of row b, in order (a few multiply-adds each, read from L2)."""
+    for j in tl.range(count, num_stages=3):
+        off_j = (b * nseg + j) * Dn * N + off_dn
+        h = tl.load(p_P + off_j, mask=mdn, other=0.0) * h + tl.load(
+            p_hloc + off_j, mask=mdn, other=0.0
+        )
+    return h
+
+
+@triton.jit
 def _fwd_kernel(
     p_u, p_dt, p_A, p_B, p_C, p_D, p_z, p_bias, p_seq,
     p_h0, p_states, p_hT, p_hloc, p_P, p_y,
@@ -55,11 +67,7 @@ def _fwd_kernel(
     else:
         h = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     if not LOCAL:  # the segment's start: the summaries of the segments before it, in order
-        for j in tl.range(s, num_stages=3):
-            off_j = (b * nseg + j) * Dn * N + off_dn
-            h = tl.load(p_P + off_j, mask=mdn, other=0.0) * h + tl.load(
-                p_hloc + off_j, mask=mdn, other=0.0
-            )
+        h = _compose(h, p_P, p_hloc, b, nseg, s, Dn, N, off_dn, mdn)
     p = tl.full([BLOCK_N, BLOCK_D], 1.0, tl.float32)
     dsum = tl.zeros([BLOCK_D], tl.float32)  # LOCAL without documents: the segment's sum of delta
     Dv = tl.zeros([BLOCK_D], tl.float32)
@@ -145,11 +153,7 @@ def _fwd_last_kernel(
         h = tl.load(p_h0 + b * Dn * N + off_dn, mask=mdn, other=0.0)
     else:
         h = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    for j in tl.range(nseg, num_stages=3):
-        off_j = (b * nseg + j) * Dn * N + off_dn
-        h = tl.load(p_P + off_j, mask=mdn, other=0.0) * h + tl.load(
-            p_hloc + off_j, mask=mdn, other=0.0
-        )
+    h = _compose(h, p_P, p_hloc, b, nseg, nseg, Dn, N, off_dn, mdn)
     tl.store(p_hT + b * Dn * N + off_dn, h, mask=mdn)
     t = T - 1
     Ct = tl.load(p_C + b * s_C_b + t * s_C_t + n, mask=mn, other=0.0).to(tl.float32)

@@ -235,17 +235,10 @@ def scan_fwd(
     hT = _new((Bsz, Dn, N), f32, dev)
     hloc = P = A  # segment summaries: none with one segment
     if nseg > 1:  # each segment's summary; the output pass composes those before its segment
-        hloc = torch.empty(Bsz, nseg, Dn, N, dtype=f32, device=dev)
-        P = torch.empty_like(hloc)
-        # the last segment's summary is never used (its end is h_T, stored by the pass below);
-        # the segments before it lie inside the sequence, so only D and N may need masks
-        m = cfg.fwd_local_tiles if per % cfg.fwd_local_tiles == 0 else 1
-        local = dict(flags, TC=tc * m, EVEN=_even(0, Dn, N, 1, bd, bn, True))
-        launch(
-            _fwd_kernel, (ndb, nseg - 1, Bsz * nb),
-            *ins, A, A, A, hloc, P, A, T, Dn, N, Bsz, cdiv(T, tc * m), ns, nseg, per // m,
-            *sizes[8:], HAS_H0=False, LOCAL=True, SAVE=False, **local,
-        )  # fmt: skip
+        # the last segment's summary is never used (its end is h_T, stored by the pass below)
+        hloc, P = _summaries(
+            u, delta, A, B, C, delta_bias, delta_softplus, seq_idx, nseg, per, False, cfg
+        )
     states = _new((Bsz, ns, Dn, N), f32, dev) if save_states else _new((0,), f32, dev)
     y = _new((Bsz, T, Dn), u.dtype, dev) if nb == 1 else _new((nb, Bsz, T, Dn), f32, dev)
     launch(_fwd_kernel, grid,
@@ -262,39 +255,55 @@ def scan_fwd(
     return y, hT, states
 
 
+def _summaries(u, delta, A, B, C, delta_bias, softplus, seq_idx, nseg, per, with_last, cfg):
+    """(hloc, P [B, nseg, D, N] f32): each segment's end state from a zero start and its decay
+    product (the LOCAL pass, segments of `per` forward tiles, in tiles of `fwd_local_tiles`
+    when they divide it), for the segments before the last, or every one (`with_last`). The
+    segments before the last lie inside the sequence, so only D and N may need masks there."""
+    Bsz, T, Dn = u.shape
+    N = A.shape[1]
+    tc, bd, bn = cfg.fwd_tile, cfg.fwd_block_d, _block_n(N)
+    nb = cdiv(N, bn)
+    m = cfg.fwd_local_tiles if per % cfg.fwd_local_tiles == 0 else 1
+    if with_last:
+        even = _even(T, Dn, N, tc * m, bd, bn, nseg * per == cdiv(T, tc))
+    else:
+        even = _even(0, Dn, N, 1, bd, bn, True)
+    hloc = torch.empty(Bsz, nseg, Dn, N, dtype=torch.float32, device=u.device)
+    P = torch.empty_like(hloc)
+    launch(
+        _fwd_kernel, (cdiv(Dn, bd), nseg if with_last else nseg - 1, Bsz * nb),
+        u, delta, A, B, C, A, A, opt(delta_bias, A), opt(seq_idx, A), A, A, A, hloc, P, A,
+        T, Dn, N, Bsz, cdiv(T, tc * m), 1, nseg, per // m,
+        *_input_strides(u, delta, B, C, None, seq_idx),
+        HAS_D=False, HAS_Z=False, HAS_BIAS=delta_bias is not None, SOFTPLUS=bool(softplus),
+        HAS_SEQ=seq_idx is not None, HAS_H0=False, LOCAL=True, SAVE=False, SPLIT_N=nb > 1,
+        TC=tc * m, TS=cfg.bwd_tile, BLOCK_D=bd, BLOCK_N=bn, EVEN=even, num_warps=cfg.fwd_warps,
+    )  # fmt: skip
+    return hloc, P
+
+
 def scan_last(
     u, delta, A, B, C, D, z_last, initial_state, seq_idx, cfg: ScanConfig | None = None
 ):  # fmt: skip
     """(y at the last step [B, D] in u.dtype, final state [B, D, N] f32): `scan_fwd`'s y[:, -1]
     and final state, for a prefill's last layer, where nothing reads y before the last step.
     Delta is given as the scan uses it (no bias, no softplus: the dt_proj kernel's); the gate
-    z_last [B, D] (or None) is z at the last step. The
-    summaries' pass runs over every segment of the row (the last one too), then one small
-    kernel composes them from the initial state into h_T and takes y_T from it: the output
-    pass over the whole row (its exponentials, y's sums and stores) is not run."""
+    z_last [B, D] (or None) is z at the last step. The summaries' pass runs over every
+    segment of the row (the last one too), then one small kernel composes them from the
+    initial state into h_T and takes y_T from it: the output pass over the whole row (its
+    exponentials, y's sums and stores) is not run."""
     Bsz, T, Dn = u.shape
     N = A.shape[1]
     dev = u.device
     f32 = torch.float32
     cfg = cfg if cfg is not None else config(Dn, not u.is_cuda)
     B, C = _f32_bc(B, C)
-    tc, bd, bn = cfg.fwd_tile, cfg.fwd_block_d, _block_n(N)
-    nb, nc, ndb = cdiv(N, bn), cdiv(T, tc), cdiv(Dn, bd)
-    nseg, per = _segments(nc, Bsz * ndb * nb, cfg.fwd_seg_target_per_sm, cfg, dev)
-    m = cfg.fwd_local_tiles if per % cfg.fwd_local_tiles == 0 else 1
+    bn = _block_n(N)
+    nc, nprog = cdiv(T, cfg.fwd_tile), Bsz * cdiv(Dn, cfg.fwd_block_d) * cdiv(N, bn)
+    nseg, per = _segments(nc, nprog, cfg.fwd_seg_target_per_sm, cfg, dev)
     A = A.contiguous()
-    hloc = torch.empty(Bsz, nseg, Dn, N, dtype=f32, device=dev)
-    P = torch.empty_like(hloc)
-    ins = (u, delta, A, B, C, A, A, A, opt(seq_idx, A))
-    launch(
-        _fwd_kernel, (ndb, nseg, Bsz * nb),
-        *ins, A, A, A, hloc, P, A, T, Dn, N, Bsz, cdiv(T, tc * m), 1, nseg, per // m,
-        *_input_strides(u, delta, B, C, None, seq_idx),
-        HAS_D=False, HAS_Z=False, HAS_BIAS=False, SOFTPLUS=False, HAS_SEQ=seq_idx is not None,
-        HAS_H0=False, LOCAL=True, SAVE=False, SPLIT_N=nb > 1, TC=tc * m, TS=cfg.bwd_tile,
-        BLOCK_D=bd, BLOCK_N=bn, EVEN=_even(T, Dn, N, tc * m, bd, bn, nseg * per == nc),
-        num_warps=cfg.fwd_warps,
-    )  # fmt: skip
+    hloc, P = _summaries(u, delta, A, B, C, None, False, seq_idx, nseg, per, True, cfg)
     hT = _new((Bsz, Dn, N), f32, dev)
     y = _new((Bsz, Dn), u.dtype, dev)
     h0 = initial_state.contiguous() if initial_state is not None else None
