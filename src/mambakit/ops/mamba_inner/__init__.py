@@ -59,6 +59,18 @@ def _(x_dbl, dt_proj_weight, dt_bias, softplus):
 dt_proj_op = Op(_dt_proj_op)
 
 
+def _scan_inputs(
+    x_in, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, dt_bias, conv_state, seq_idx
+):  # fmt: skip
+    """(u, final conv state, x_dbl, delta, B and C in f32): the conv, x_proj, and dt_proj with
+    the bias and softplus (delta in f32), over every step."""
+    u, conv_out = conv_fwd_op(x_in, conv_weight, conv_bias, conv_state, seq_idx, True, True)
+    with torch.autocast(u.device.type, enabled=False):
+        x_dbl = F.linear(u, _as(x_proj_weight, u.dtype))
+    delta, bc = dt_proj_op(x_dbl, dt_proj_weight, dt_bias, True)
+    return u, conv_out, x_dbl, delta, bc
+
+
 def _inner_forward(
     xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias, conv_state,
     ssm_state, seq_idx, save: bool,
@@ -68,10 +80,9 @@ def _inner_forward(
     its states for a backward."""
     Dn, N = A.shape
     x_in, z = xz[..., :Dn], xz[..., Dn:]
-    u, conv_out = conv_fwd_op(x_in, conv_weight, conv_bias, conv_state, seq_idx, True, True)
-    with torch.autocast(u.device.type, enabled=False):
-        x_dbl = F.linear(u, _as(x_proj_weight, u.dtype))
-    delta, bc = dt_proj_op(x_dbl, dt_proj_weight, dt_bias, True)
+    u, conv_out, x_dbl, delta, bc = _scan_inputs(
+        x_in, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, dt_bias, conv_state, seq_idx
+    )
     y, ssm_out, states = scan_fwd_op(
         u, delta, A, bc[..., :N], bc[..., N:], D, z, None, False, ssm_state, seq_idx, save
     )
@@ -105,10 +116,9 @@ def mamba_inner_last(
     from ..selective_scan.kernels import scan_last
 
     N = A.shape[1]
-    u, conv_out = conv_fwd_op(x_in, conv_weight, conv_bias, conv_state, seq_idx, True, True)
-    with torch.autocast(u.device.type, enabled=False):
-        x_dbl = F.linear(u, _as(x_proj_weight, u.dtype))
-    delta, bc = dt_proj_op(x_dbl, dt_proj_weight, dt_bias, True)
+    u, conv_out, _, delta, bc = _scan_inputs(
+        x_in, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, dt_bias, conv_state, seq_idx
+    )
     y, ssm_out = scan_last(u, delta, A, bc[..., :N], bc[..., N:], D, z_last, ssm_state, seq_idx)
     return y, conv_out, ssm_out
 
