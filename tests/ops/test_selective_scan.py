@@ -220,8 +220,8 @@ def test_tilings_and_segments_agree(over: dict, reduce_scatter: bool | None, see
     inp = make_inputs(c)
     args = [inp[k] for k in ARGS]
     h0, seq = inp["initial_state"], inp["seq_idx"]
-    gy = torch.randn(c.Bsz, c.T, c.Dn)
-    gT = torch.randn(c.Bsz, c.Dn, c.N)
+    gy = torch.randn(c.Bsz, c.T, c.Dn, device=DEVICE)
+    gT = torch.randn(c.Bsz, c.Dn, c.N, device=DEVICE)
     base = K.config(c.Dn, DEVICE != "cuda")
     cfg = dataclasses.replace(base, **over)
     if reduce_scatter is not None:
