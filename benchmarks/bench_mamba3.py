@@ -142,19 +142,19 @@ def sweep_bwd(batch: int, seqlen: int, d_model: int, iters: int) -> list[dict]:
     layer = Mamba3(d_model, d_state=128, headdim=64, device="cuda", dtype=torch.bfloat16)
     u = torch.randn(batch, seqlen, d_model, device="cuda", dtype=torch.bfloat16)
     u.requires_grad_(True)
-    rows, default = [], (chunk.CHUNK_BWD, chunk.BWD_WARPS)
+    rows, default = [], (chunk.CHUNK_BWD, chunk.GRAD_WARPS)
     for L in (16, 32, 64):
         for warps in (4, 8):
-            chunk.CHUNK_BWD, chunk.BWD_WARPS = L, warps
+            chunk.CHUNK_BWD, chunk.GRAD_WARPS = L, warps
             try:
                 ms = cuda_time_ms(lambda: layer(u).sum().backward(), warmup=2, iters=iters)
             except Exception as e:  # e.g. out of shared memory / registers
                 ms = f"failed: {type(e).__name__}: {str(e)[:80]}"
             rec = {"workload": f"Mamba3 layer fwd+bwd {batch}x{seqlen}", "bwd_chunk": L,
-                   "bwd_warps": warps, "ms": ms}  # fmt: skip
+                   "grad_warps": warps, "ms": ms}  # fmt: skip
             print(rec, flush=True)
             rows.append(rec)
-    chunk.CHUNK_BWD, chunk.BWD_WARPS = default
+    chunk.CHUNK_BWD, chunk.GRAD_WARPS = default
     return rows
 
 

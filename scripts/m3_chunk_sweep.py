@@ -21,20 +21,24 @@ from common import cuda_time_ms  # noqa: E402
 from mambakit.ops.mamba3 import chunk  # noqa: E402
 
 # (chunk, warps, products for bf16 inputs, P values a program); the first is the reference
-FWD = [(16, 4, "bf16", 64)]
-# (chunk, warps, products, N states a program); the first is the reference
-BWD = [(16, 8, "bf16", 32), (16, 4, "bf16", 16), (16, 8, "bf16", 64)]
-# the forward under autograd (y, and the states and q~ k~^T it keeps): (warps, P values a
-# program), timed forward + backward
-FWD_GRAD = []  # session 18: (2, 32) 4.35 ms, (4, 32) 4.68 against 4.33 whole
-# the unturn kernel: (steps a program, warps)
-UNTURN = [(16, 1), (32, 2)]
-# P values a program of the backward's states pass (used only when its chunks are not the
-# forward's; session 18, backward in chunks of 32: 5.57 ms with 64, 5.47 with 32)
-STATES_P = []
-# register caps of the backward kernel (3 programs of 4 warps an SM need 168 or fewer;
-# session 18: 5.08 ms with 168, 5.79 with 128, against 4.42 uncapped)
-BWD_MAXNREG = []
+FWD = [(16, 4, "bf16", 64), (32, 4, "bf16", 64), (64, 4, "bf16", 64), (64, 8, "bf16", 64)]
+# the backward: (chunk, warps of the per-chunk gradient kernel, products, P values a program
+# of the start states' gradients, its warps); the first is the reference
+BWD = [
+    (64, 8, "bf16", 16, 4),
+    (64, 4, "bf16", 16, 4),
+    (32, 4, "bf16", 16, 4),
+    (64, 8, "bf16", 32, 4),
+    (64, 8, "bf16", 16, 2),
+    (128, 8, "bf16", 16, 4),
+]
+# the forward under autograd (y, and the start states it keeps): (chunk, warps, P values a
+# program), timed forward + backward (session 18, chunks of 16: (2, 32) 4.35 ms, (4, 32)
+# 4.68 against 4.33 whole)
+FWD_GRAD = [(32, 4, 64), (64, 4, 64), (64, 8, 64)]
+# the unturn kernel: (steps a program, warps); session 18: (16, 1) 4.04 ms and (32, 2) 4.12
+# against 3.92 for (16, 2)
+UNTURN = []
 
 
 DEV = "cuda"  # --dry: "cpu" (TRITON_INTERPRET=1, small heads, untimed), to test the script
@@ -122,7 +126,8 @@ def main() -> int:
     Bn, T = (int(v) for v in args.shape.split("x"))
     inp = inputs(Bn, T)
     defaults = (chunk.CHUNK_L, chunk.FWD_WARPS, chunk.PREC_16BIT, chunk.FWD_BLOCK_P,
-                chunk.CHUNK_BWD, chunk.BWD_WARPS, chunk.BWD_BLOCK_N)  # fmt: skip
+                chunk.CHUNK_BWD, chunk.GRAD_WARPS, chunk.DSTATE_BLOCK_P,
+                chunk.DSTATE_WARPS)  # fmt: skip
     H, P = inp["x"].shape[2:]
     gate = {"D": torch.randn(H, device=DEV), "z": torch.randn_like(inp["x"])}
     for with_gate in (False, True):  # the second: the layer's no-grad path (D, gate inside)
@@ -140,31 +145,24 @@ def main() -> int:
     chunk.CHUNK_L, chunk.FWD_WARPS, chunk.PREC_16BIT, chunk.FWD_BLOCK_P = defaults[:4]
     cot = torch.randn_like(inp["x"])
     ref = None
-    for L, warps, prec, block_n in BWD:
-        chunk.CHUNK_BWD, chunk.BWD_WARPS, chunk.PREC_16BIT = L, warps, prec
-        chunk.BWD_BLOCK_N = block_n
+    for L, warps, prec, block_p, dwarps in BWD:
+        chunk.CHUNK_BWD, chunk.GRAD_WARPS, chunk.PREC_16BIT = L, warps, prec
+        chunk.DSTATE_BLOCK_P, chunk.DSTATE_WARPS = block_p, dwarps
         try:
             rec, grads = run_bwd(inp, cot, ref)
             ref = grads if ref is None else ref
         except Exception as e:
             rec = {"failed": f"{type(e).__name__}: {str(e)[:100]}"}
-        print({"shape": args.shape, "bwd_chunk": L, "warps": warps, "prec": prec,
-               "block_n": block_n, **rec}, flush=True)  # fmt: skip
-    chunk.CHUNK_BWD, chunk.BWD_WARPS, chunk.BWD_BLOCK_N = defaults[4:]
-    for maxnreg in BWD_MAXNREG:  # fewer registers: more programs an SM, more spills
-        chunk.BWD_MAXNREG = maxnreg
-        try:
-            rec, _ = run_bwd(inp, cot, ref)
-        except Exception as e:
-            rec = {"failed": f"{type(e).__name__}: {str(e)[:100]}"}
-        print({"shape": args.shape, "bwd_maxnreg": maxnreg, **rec}, flush=True)
-    chunk.BWD_MAXNREG = None
-    for warps, block_p in FWD_GRAD:
-        chunk.FWD_WARPS, chunk.FWD_BLOCK_P = warps, block_p
-        rec, _ = run_bwd(inp, cot, ref)
-        print({"shape": args.shape, "fwd_in_bwd_warps": warps, "block_p": block_p, **rec},
+        print({"shape": args.shape, "bwd_chunk": L, "grad_warps": warps, "prec": prec,
+               "dstate_block_p": block_p, "dstate_warps": dwarps, **rec},
               flush=True)  # fmt: skip
-    chunk.FWD_WARPS, chunk.FWD_BLOCK_P = defaults[1], defaults[3]
+    chunk.CHUNK_BWD, chunk.GRAD_WARPS, chunk.DSTATE_BLOCK_P, chunk.DSTATE_WARPS = defaults[4:]
+    for L, warps, block_p in FWD_GRAD:
+        chunk.CHUNK_L, chunk.FWD_WARPS, chunk.FWD_BLOCK_P = L, warps, block_p
+        rec, _ = run_bwd(inp, cot, ref)
+        print({"shape": args.shape, "fwd_in_bwd_chunk": L, "warps": warps, "block_p": block_p,
+               **rec}, flush=True)  # fmt: skip
+    chunk.CHUNK_L, chunk.FWD_WARPS, chunk.FWD_BLOCK_P = defaults[0], defaults[1], defaults[3]
     from mambakit.ops.mamba3 import terms
 
     unturn_default = terms.TURN_BT, terms.UNTURN_WARPS
@@ -174,16 +172,6 @@ def main() -> int:
         print({"shape": args.shape, "unturn_bt": bt, "warps": warps, **rec}, flush=True)
     terms.TURN_BT, terms.UNTURN_WARPS = unturn_default
     chunk.PREC_16BIT = defaults[2]
-    # the backward's own pass for the chunk start states (only when its chunks are not the
-    # forward's, which then stores none)
-    states_default = chunk.STATES_BLOCK_P
-    chunk.CHUNK_BWD = 2 * chunk.CHUNK_L
-    for states_p in STATES_P:
-        chunk.STATES_BLOCK_P = states_p
-        rec, _ = run_bwd(inp, cot, ref)
-        print({"shape": args.shape, "bwd_chunk": chunk.CHUNK_BWD, "states_block_p": states_p,
-               **rec}, flush=True)  # fmt: skip
-    chunk.STATES_BLOCK_P, chunk.CHUNK_BWD = states_default, defaults[4]
 
     if args.dry:
         return 0

@@ -1,7 +1,7 @@
 """One forward and one backward of the Mamba-3 scan kernels (ops/mamba3/chunk.py) at the
 130m-mamba3 head shape, bf16, 8 x 2048 (or --shape): the program to run under a profiler,
 
-    NCU_PROG=scripts/m3_once.py NCU_KERNELS="_chunk_bwd_kernel" STAGES=ncu \\
+    NCU_PROG=scripts/m3_once.py NCU_KERNELS="_chunk_grad_kernel" STAGES=ncu \\
         bash scripts/gpu_check.sh
 
 --dry: the CPU interpreter on small heads (tests the script).

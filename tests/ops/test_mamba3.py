@@ -350,13 +350,12 @@ def test_chunk_kernels_gradients_equal_float64_scan(T_, G_, seq, state_in, gate)
     "seq, state_in", [(True, True), (False, False)], ids=["documents", "plain"]
 )
 def test_chunk_kernels_in_blocks_of_p_and_n(monkeypatch, seq, state_in):
-    """The forward programs own blocks of 16 of the head's P values and the backward's
-    blocks of 16 of its N states (P 40, N 32: a partial block of P), the backward's block
-    sums added after: values and every gradient as the float64 reference, without
-    autograd (D and the gate inside the kernel) and with it."""
+    """The forward programs own blocks of 16 of the head's P values and so do the backward's
+    start-state gradients (P 40, N 32: a partial block of P): values and every gradient as
+    the float64 reference, without autograd (D and the gate inside the kernel) and with it."""
     from mambakit.ops.mamba3 import chunk
 
-    for name in ("FWD_BLOCK_P", "STATES_BLOCK_P", "BWD_BLOCK_N"):
+    for name in ("FWD_BLOCK_P", "STATES_BLOCK_P", "DSTATE_BLOCK_P"):
         monkeypatch.setattr(chunk, name, 16)
     inp, state, seq_idx = _kernel_case(45, 2, seq, state_in, True, seed=7, Pn=40, Nn=32)
     y64, f64 = mamba3_scan_reference(
@@ -377,11 +376,12 @@ def test_chunk_kernels_in_blocks_of_p_and_n(monkeypatch, seq, state_in):
     _check_kernel_gradients(inp, state, seq_idx)
 
 
-@pytest.mark.parametrize("chunk_bwd", [8, 32])
+@pytest.mark.parametrize("chunk_bwd", [8, 16, 32])
 def test_chunk_kernels_backward_in_other_chunks_than_the_forward(monkeypatch, chunk_bwd):
-    """The forward keeps its chunks' start states for the backward only when their chunks
-    agree; a backward in other chunks recomputes them in a pass of its own (the forward
-    kernel storing states alone). Every gradient as the float64 reference either way."""
+    """The forward (chunks of 16) keeps the start states of the backward's chunks when its
+    chunks divide them (16, 32: every chunk's or every other's); a backward in other chunks
+    (8) recomputes them in a pass of its own (the forward kernel storing states alone).
+    Every gradient as the float64 reference either way."""
     from mambakit.ops.mamba3 import chunk
 
     monkeypatch.setattr(chunk, "CHUNK_BWD", chunk_bwd)

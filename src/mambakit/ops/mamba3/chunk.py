@@ -19,8 +19,13 @@ from __future__ import annotations
 
 import torch
 
-from .._triton import cdiv, launch, next_power_of_2, opt, sum_blocks_kernel
-from .chunk_kernels import _chunk_bwd_kernel, _chunk_fwd_kernel, _gate_bwd_kernel
+from .._triton import cdiv, launch, next_power_of_2, opt
+from .chunk_kernels import (
+    _chunk_fwd_kernel,
+    _chunk_grad_kernel,
+    _dstate_kernel,
+    _gate_bwd_kernel,
+)
 from .reference import Mamba3State
 from .terms import token_terms_kernel
 
@@ -74,12 +79,12 @@ def _warps(block_p: int, N: int, states: bool) -> int:
 
 def _launch_fwd(
     x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L, states=None, pre=None,
-    qk=None,
+    LS=None,
 ):  # fmt: skip
     """The forward kernel over (row, head): y and the final state into y, and the returned
-    (sT, kT, xT); each chunk's start state into `states` when given (the backward's, with y
-    or as a pass of its own when y is None). `pre` (y's shape and strides): y before the
-    gate, stored too; `qk` [B, H, chunks, L, L] f32: each chunk's q~ k~^T, stored too."""
+    (sT, kT, xT); the start state of each chunk of LS steps (default L) into `states` when
+    given (the backward's, with y or as a pass of its own when y is None). `pre` (y's shape
+    and strides): y before the gate, stored too."""
     Bsz, T, H, P = x.shape
     N = qr.shape[-1]
     sT, kT, xT = torch.empty_like(s0), torch.empty_like(k0), torch.empty_like(x0)
@@ -90,7 +95,7 @@ def _launch_fwd(
     launch(_chunk_fwd_kernel, (Bsz, H, cdiv(P, block_p)),
         x, qr, kr, adt, gamma, late, seq, z if z is not None else x,
         D.float() if D is not None else adt, s0, k0, x0, ys, pre if pre is not None else ys,
-        sT, kT, xT, states if states is not None else s0, qk if qk is not None else s0,
+        sT, kT, xT, states if states is not None else s0,
         T, H, P, N,
         x.stride(0), x.stride(1), x.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
         adt.stride(0), adt.stride(1), seq.stride(0),
@@ -99,7 +104,7 @@ def _launch_fwd(
         HAS_SEQ=seq_idx is not None, HAS_Z=z is not None, HAS_D=D is not None,
         L=L, BLOCK_P=block_p, BLOCK_N=_block(N), PREC=_precision(x),
         COMPUTE_Y=y is not None, STORE_STATES=states is not None, STORE_PRE=pre is not None,
-        STORE_QK=qk is not None,
+        LS=LS or L,
         num_warps=_warps(block_p, N, states_only),
     )  # fmt: skip
     return sT, kT, xT
@@ -155,117 +160,98 @@ def mamba3_scan_fwd(
     return y, Mamba3State(phi_T, sT, kT, xT)
 
 
-# The backward's chunk and warps: its loop carries dS [P, N] and reads S'_start [P, N] per
-# chunk; BWD_BLOCK_N of the N states per program (below N: more programs, each with a
-# smaller state, and the block sums of dx and the per-token weights' gradients added
-# after). H200, 130m-mamba3 heads, 8 x 2048, bf16 products, terms + forward + backward
-# (scripts/m3_chunk_sweep.py, session 17): chunks of 16 in blocks of 64 states, 8 warps,
-# 6.71 ms; 4 warps 6.71; blocks of 32: 6.85; chunks of 32: 7.16 in blocks of 64, 7.42
-# whole, 10.8 in blocks of 32. Session 18, with q~ k~^T from the forward (no per-block
-# reload of whole q~, k~ rows) and the start states too: blocks of 32 states with 4 warps
-# 4.03 ms against 4.33 for blocks of 64 (the scan's forward + backward; blocks of 64 make
-# 384 programs at 8 x 2048, two an SM: 1.45 waves). Measured and dropped (commit 3e417d2):
-# the terms inside the chunks in a kernel of their own, a program per chunk, leaving this
-# loop the terms through the state: 2.16 + 0.53 ms against 2.35 for the one kernel (profile),
-# the scan's forward + backward 4.00 against 3.66 (the loop's time is not in its products).
-# The start states of chunks of 16 are [B, H, T/16, P, N] f32: 4 H P N / 16 bytes a token,
-# 805 MB at that shape. The forward stores them beside y (CHUNK_L == CHUNK_BWD) and they
-# live until the layer's backward: session 18's profile (ncu, H200) had the pass that
-# recomputed them at 0.755 ms against 0.684 for the forward.
-CHUNK_BWD = 16
-BWD_WARPS = 8
-BWD_BLOCK_N = 32
-BWD_MAXNREG = None  # registers a thread, when capped (more programs an SM, more spills)
-# elements a program of the sum of dx's slices (torch's sum over them, 0.236 ms at 8 x 2048 in
-# session 18's profile, then a cast to x's dtype)
-SUM_BLOCK = 1024
+# The backward runs in chunks of CHUNK_BWD steps and two kernels. `_dstate_kernel`: the
+# gradient of each chunk's start state, the chunks in reverse, a program per (row, head,
+# DSTATE_BLOCK_P of the P values): one [P, L] x [L, N] product a chunk. `_chunk_grad_kernel`:
+# every other gradient, a program per (row, head, chunk) with no loop, from the chunk's start
+# state (the forward's) and its end state's gradient (the first kernel's). The start states
+# are [B, H, T / CHUNK_BWD, P, N] f32 (4 H P N / CHUNK_BWD bytes a token: 201 MB at 8 x 2048
+# for the 130m-mamba3 heads with chunks of 64), kept from the forward, which stores every
+# (CHUNK_BWD / CHUNK_L)-th of its chunks' when CHUNK_L divides CHUNK_BWD (else the backward
+# recomputes them in a pass of its own); their gradients are as many, transient.
+# Until session 22 one program per (row, head, block of 32 states) walked chunks of 16 in
+# reverse doing all of it (2.35 ms at 8 x 2048 against upstream's 0.83 for its dqkv kernel;
+# ncu: 255 registers, 1.7 active warps a scheduler, 19% issue: latency-bound).
+CHUNK_BWD = 64
+DSTATE_BLOCK_P = 16
+DSTATE_WARPS = 4
+GRAD_WARPS = 8
 
 
 class _Core(torch.autograd.Function):
     """The scan with its kernels: (x, q~, k~, A delta, gamma, late, initial S, k~, x, D, z)
     -> (y with D and the gate, in x.dtype; the final S). The forward keeps y before the gate
-    (in x.dtype) when there is one, and, when its chunk is the backward's, each chunk's
-    start state S'_start and q~ k~^T (f32, stored by the forward kernel beside y; else the
-    backward recomputes the states in a pass of their own and q~ k~^T in its kernel); the
-    backward walks the chunks in reverse, the gate's and D's gradients included."""
+    (in x.dtype) when there is one and, when its chunks divide the backward's, each of the
+    backward's chunks' start state S'_start (f32, stored by the forward kernel beside y; else
+    the backward recomputes them in a pass of their own). The backward: the gate's and D's
+    gradients (`_gate_bwd`), the start states' gradients, then the rest per chunk."""
 
     @staticmethod
     def forward(ctx, x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z):
         Bsz, T, H, P = x.shape
         y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
         pre = torch.empty_like(y) if z is not None else None
-        states = qk = None
-        if CHUNK_L == CHUNK_BWD:
-            nc, f32 = cdiv(T, CHUNK_L), dict(device=x.device, dtype=torch.float32)
-            states = torch.empty(Bsz, H, nc, P, qr.shape[-1], **f32)
-            qk = torch.empty(Bsz, H, nc, CHUNK_L, CHUNK_L, **f32)
+        states = None
+        if CHUNK_BWD % CHUNK_L == 0:
+            states = torch.empty(Bsz, H, cdiv(T, CHUNK_BWD), P, qr.shape[-1],
+                                 device=x.device, dtype=torch.float32)  # fmt: skip
         sT, _, _ = _launch_fwd(x, qr, kr, adt, gamma, late, seq, D, z, s0, k0, x0, y, CHUNK_L,
-                               states, pre, qk)  # fmt: skip
-        ctx.save_for_backward(x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, pre, states,
-                              qk)  # fmt: skip
+                               states, pre, CHUNK_BWD)  # fmt: skip
+        ctx.save_for_backward(x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, pre, states)
         ctx.chunk = CHUNK_BWD
         return y, sT
 
     @staticmethod
     def backward(ctx, dy, dsT):
-        x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, pre, states, qk = ctx.saved_tensors
+        x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, pre, states = ctx.saved_tensors
         Bsz, T, H, P = x.shape
         N = qr.shape[-1]
         L = ctx.chunk
+        nc = cdiv(T, L)
+        f32 = dict(device=x.device, dtype=torch.float32)
         if states is None:  # the forward ran other chunks: a pass for the backward's
-            states = torch.empty(Bsz, H, cdiv(T, L), P, N, device=x.device,
-                                 dtype=torch.float32)  # fmt: skip
+            states = torch.empty(Bsz, H, nc, P, N, **f32)
             _launch_fwd(x, qr, kr, adt, gamma, late, seq, None, None, s0, k0, x0, None, L,
                         states)  # fmt: skip
         dy = dy.contiguous() if dy is not None else torch.zeros_like(x)
-        block_n = min(_block(N), BWD_BLOCK_N)
-        nb = cdiv(N, block_n)
-        f32 = dict(device=x.device, dtype=torch.float32)
-        # what each block of N adds (summed below; D x's share in one more), adt's layout for
-        # the per-token terms
-        dx = torch.empty(nb + (D is not None), Bsz, T, H, P, **f32)
         dz = dD = None
         if z is not None or D is not None:  # dy becomes the gradient of the core
-            dy, dz, dD = _gate_bwd(dy, z, pre, x, D, dx[nb] if D is not None else None)
-        dadt, dgam, dlate = (torch.empty(nb, *adt.shape, **f32) for _ in range(3))
-        dx0 = torch.empty(nb, *x0.shape, **f32)
-        dq, dk = torch.empty_like(qr), torch.empty_like(kr)
-        ds0, dk0 = torch.empty_like(s0), torch.empty_like(k0)
-        dsT = dsT.contiguous() if dsT is not None else None
+            dy, dz, dD = _gate_bwd(dy, z, pre, x, D)
         seqt = seq if seq is not None else adt
-        launch(_chunk_bwd_kernel, (Bsz, H, nb),
-            x, qr, kr, adt, gamma, late, seqt, states, qk if qk is not None else s0, k0, x0,
-            dy, dsT if dsT is not None else s0,
-            dx, dq, dk, dadt, dgam, dlate, ds0, dk0, dx0,
+        common = dict(HAS_SEQ=seq is not None, L=L, BLOCK_N=_block(N), PREC=_precision(x))
+        dst, ds0 = torch.empty_like(states), torch.empty_like(s0)
+        dsT = dsT.contiguous() if dsT is not None else None
+        block_p = min(_block(P), DSTATE_BLOCK_P)
+        launch(_dstate_kernel, (Bsz, H, cdiv(P, block_p)),
+            qr, adt, seqt, dy, dsT if dsT is not None else s0, dst, ds0,
+            T, H, P, N,
+            qr.stride(0), qr.stride(1), qr.stride(2), adt.stride(0), adt.stride(1),
+            seqt.stride(0), dy.stride(0), dy.stride(1), dy.stride(2),
+            HAS_DST=dsT is not None, BLOCK_P=block_p, num_warps=DSTATE_WARPS, **common,
+        )  # fmt: skip
+        dx = torch.empty(dy.shape, device=x.device, dtype=x.dtype)
+        dq, dk = torch.empty_like(qr), torch.empty_like(kr)
+        dadt, dgam, dlate = (torch.empty(adt.shape, **f32) for _ in range(3))
+        dk0, dx0 = torch.empty_like(k0), torch.empty_like(x0)
+        launch(_chunk_grad_kernel, (Bsz, H, nc),
+            x, qr, kr, adt, gamma, late, seqt, states, dst, k0, x0, opt(D, adt),
+            dy, dx, dq, dk, dadt, dgam, dlate, dk0, dx0,
             T, H, P, N,
             x.stride(0), x.stride(1), x.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
             adt.stride(0), adt.stride(1), seqt.stride(0), dy.stride(0), dy.stride(1),
-            dy.stride(2), dx.stride(1), dx.stride(2), dx.stride(3), dx.stride(0),
-            dadt.stride(0), dx0.stride(0),
-            HAS_SEQ=seq is not None, HAS_DST=dsT is not None, HAS_QK=qk is not None,
-            L=L, BLOCK_P=_block(P), BLOCK_N=block_n, BLOCK_NF=_block(N), PREC=_precision(x),
-            num_warps=BWD_WARPS if P * block_n >= 8192 else 4,
-            **({"maxnreg": BWD_MAXNREG} if BWD_MAXNREG and x.is_cuda else {}),
+            dy.stride(2),
+            HAS_D=D is not None, BLOCK_P=_block(P), num_warps=GRAD_WARPS, **common,
         )  # fmt: skip
-        # fixed order: bit-identical reruns; dx's slices summed and cast in one pass
-        dx_sum = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-        M = dx_sum.numel()
-        launch(sum_blocks_kernel, (cdiv(M, SUM_BLOCK), 1), dx, dx, dx_sum, dx_sum, dx.shape[0],
-               M, BLOCK_E=SUM_BLOCK)  # fmt: skip
-        if nb > 1:
-            dadt, dgam, dlate, dx0 = (t.sum(0) for t in (dadt, dgam, dlate, dx0))
-        else:
-            dadt, dgam, dlate, dx0 = dadt[0], dgam[0], dlate[0], dx0[0]
         dD = dD.sum(0).to(D.dtype) if D is not None else None
-        return dx_sum, dq, dk, dadt, dgam, dlate, None, ds0, dk0, dx0, dD, dz
+        return dx, dq, dk, dadt, dgam, dlate, None, ds0, dk0, dx0, dD, dz
 
 
 GATE_BLOCK_M = 32  # rows (b, t) per program of the gate's backward
 
 
-def _gate_bwd(dy, z, pre, x, D, dxD):
+def _gate_bwd(dy, z, pre, x, D):
     """`_gate_bwd_kernel`: (dy_core f32, dz in z's dtype or None, dD [programs, H] f32 or
-    None), D dy_core into dxD; dy contiguous [B, T, H, P]."""
+    None); dy contiguous [B, T, H, P]."""
     has_D = D is not None
     Bsz, T, H, P = dy.shape
     M = Bsz * T
@@ -275,8 +261,7 @@ def _gate_bwd(dy, z, pre, x, D, dxD):
     dD = torch.empty(grid, device=dy.device, dtype=torch.float32) if has_D else None
     zs = z.stride()[:3] if z is not None else (0, 0, 0)
     launch(_gate_bwd_kernel, grid,
-        dy, opt(z, dy), opt(pre, dy), x, opt(D, dyc), dyc, opt(dz, dyc), opt(dD, dyc),
-        opt(dxD, dyc),
+        dy, opt(z, dy), opt(pre, dy), x, dyc, opt(dz, dyc), opt(dD, dyc),
         M, T, H, P, *zs, x.stride(0), x.stride(1), x.stride(2),
         HAS_Z=z is not None, HAS_D=has_D, BLOCK_M=GATE_BLOCK_M, BLOCK_P=_block(P),
     )  # fmt: skip
