@@ -21,21 +21,16 @@ from common import cuda_time_ms  # noqa: E402
 from mambakit.ops.mamba3 import chunk  # noqa: E402
 
 # (chunk, warps, products for bf16 inputs, P values a program); the first is the reference
-FWD = [(16, 4, "bf16", 64), (32, 4, "bf16", 64), (64, 4, "bf16", 64), (64, 8, "bf16", 64)]
-# the backward: (chunk, warps of the per-chunk gradient kernel, products, P values a program
-# of the start states' gradients, its warps); the first is the reference
-BWD = [
-    (64, 8, "bf16", 16, 4),
-    (64, 4, "bf16", 16, 4),
-    (32, 4, "bf16", 16, 4),
-    (64, 8, "bf16", 32, 4),
-    (64, 8, "bf16", 16, 2),
-    (128, 8, "bf16", 16, 4),
-]
+FWD = [(32, 4, "bf16", 64), (16, 4, "bf16", 64), (32, 8, "bf16", 64), (32, 4, "bf16", 32)]
+# the backward: (chunk, warps and N states a block of `_chunk_grad_kernel`, the same of
+# `_chunk_qk_grad_kernel`, P values a program of `_dstate_kernel`); the first is the reference
+BWD = [(64, 8, 32, 8, 32, 16), (64, 8, 64, 8, 64, 16), (64, 4, 32, 4, 32, 16),
+       (64, 8, 32, 8, 32, 32), (64, 8, 32, 8, 32, 64), (32, 4, 32, 4, 32, 16),
+       (64, 16, 32, 8, 32, 16)]  # fmt: skip
 # the forward under autograd (y, and the start states it keeps): (chunk, warps, P values a
 # program), timed forward + backward (session 18, chunks of 16: (2, 32) 4.35 ms, (4, 32)
 # 4.68 against 4.33 whole)
-FWD_GRAD = [(32, 4, 64), (64, 4, 64), (64, 8, 64)]
+FWD_GRAD = [(16, 4, 64), (64, 8, 64)]
 # the unturn kernel: (steps a program, warps); session 18: (16, 1) 4.04 ms and (32, 2) 4.12
 # against 3.92 for (16, 2)
 UNTURN = []
@@ -126,8 +121,8 @@ def main() -> int:
     Bn, T = (int(v) for v in args.shape.split("x"))
     inp = inputs(Bn, T)
     defaults = (chunk.CHUNK_L, chunk.FWD_WARPS, chunk.PREC_16BIT, chunk.FWD_BLOCK_P,
-                chunk.CHUNK_BWD, chunk.GRAD_WARPS, chunk.DSTATE_BLOCK_P,
-                chunk.DSTATE_WARPS)  # fmt: skip
+                chunk.CHUNK_BWD, chunk.GRAD_WARPS, chunk.GRAD_BLOCK_N, chunk.QK_WARPS,
+                chunk.QK_BLOCK_N, chunk.DSTATE_BLOCK_P)  # fmt: skip
     H, P = inp["x"].shape[2:]
     gate = {"D": torch.randn(H, device=DEV), "z": torch.randn_like(inp["x"])}
     for with_gate in (False, True):  # the second: the layer's no-grad path (D, gate inside)
@@ -145,18 +140,18 @@ def main() -> int:
     chunk.CHUNK_L, chunk.FWD_WARPS, chunk.PREC_16BIT, chunk.FWD_BLOCK_P = defaults[:4]
     cot = torch.randn_like(inp["x"])
     ref = None
-    for L, warps, prec, block_p, dwarps in BWD:
-        chunk.CHUNK_BWD, chunk.GRAD_WARPS, chunk.PREC_16BIT = L, warps, prec
-        chunk.DSTATE_BLOCK_P, chunk.DSTATE_WARPS = block_p, dwarps
+    for setting in BWD:
+        (chunk.CHUNK_BWD, chunk.GRAD_WARPS, chunk.GRAD_BLOCK_N, chunk.QK_WARPS,
+         chunk.QK_BLOCK_N, chunk.DSTATE_BLOCK_P) = setting  # fmt: skip
         try:
             rec, grads = run_bwd(inp, cot, ref)
             ref = grads if ref is None else ref
         except Exception as e:
             rec = {"failed": f"{type(e).__name__}: {str(e)[:100]}"}
-        print({"shape": args.shape, "bwd_chunk": L, "grad_warps": warps, "prec": prec,
-               "dstate_block_p": block_p, "dstate_warps": dwarps, **rec},
-              flush=True)  # fmt: skip
-    chunk.CHUNK_BWD, chunk.GRAD_WARPS, chunk.DSTATE_BLOCK_P, chunk.DSTATE_WARPS = defaults[4:]
+        print({"shape": args.shape, "bwd (chunk, grad warps, block_n, qk warps, block_n, "
+               "dstate block_p)": setting, **rec}, flush=True)  # fmt: skip
+    (chunk.CHUNK_BWD, chunk.GRAD_WARPS, chunk.GRAD_BLOCK_N, chunk.QK_WARPS, chunk.QK_BLOCK_N,
+     chunk.DSTATE_BLOCK_P) = defaults[4:]  # fmt: skip
     for L, warps, block_p in FWD_GRAD:
         chunk.CHUNK_L, chunk.FWD_WARPS, chunk.FWD_BLOCK_P = L, warps, block_p
         rec, _ = run_bwd(inp, cot, ref)

@@ -23,17 +23,18 @@ from .._triton import cdiv, launch, next_power_of_2, opt
 from .chunk_kernels import (
     _chunk_fwd_kernel,
     _chunk_grad_kernel,
+    _chunk_qk_grad_kernel,
     _dstate_kernel,
     _gate_bwd_kernel,
 )
 from .reference import Mamba3State
 from .terms import token_terms_kernel
 
-# 16 steps a chunk in the forward: [P, N] state, start state, q~, k~ and the [L, L] scores
-# held in registers (sm_90, headdim 64 x d_state 128: with 4 warps and bf16 products, 376
-# bytes of spills a thread, which the sweep below still finds the faster; chunks of 32
-# with 8 warps: 1.70 ms, 208 bytes)
-CHUNK_L = 16
+# 32 steps a chunk in the forward: [P, N] state, start state, q~, k~ and the [L, L] scores
+# held in registers. H200, 130m-mamba3 heads, 8 x 2048, bf16 products, 4 warps (session 22,
+# scripts/m3_chunk_sweep.py): 0.70 ms against 0.84 in chunks of 16 and 0.90-0.98 in chunks
+# of 64 (4 or 8 warps); with D and the gate 0.86 against 0.89.
+CHUNK_L = 32
 
 
 # The products' precision for 16-bit inputs: "bf16" (operands rounded to bf16 as upstream's
@@ -176,6 +177,9 @@ CHUNK_BWD = 64
 DSTATE_BLOCK_P = 16
 DSTATE_WARPS = 4
 GRAD_WARPS = 8
+GRAD_BLOCK_N = 32  # the states a block of `_chunk_grad_kernel`'s pass over N
+QK_WARPS = 8
+QK_BLOCK_N = 32  # of `_chunk_qk_grad_kernel`'s
 
 
 class _Core(torch.autograd.Function):
@@ -218,7 +222,6 @@ class _Core(torch.autograd.Function):
         if z is not None or D is not None:  # dy becomes the gradient of the core
             dy, dz, dD = _gate_bwd(dy, z, pre, x, D)
         seqt = seq if seq is not None else adt
-        common = dict(HAS_SEQ=seq is not None, L=L, BLOCK_N=_block(N), PREC=_precision(x))
         dst, ds0 = torch.empty_like(states), torch.empty_like(s0)
         dsT = dsT.contiguous() if dsT is not None else None
         block_p = min(_block(P), DSTATE_BLOCK_P)
@@ -227,20 +230,29 @@ class _Core(torch.autograd.Function):
             T, H, P, N,
             qr.stride(0), qr.stride(1), qr.stride(2), adt.stride(0), adt.stride(1),
             seqt.stride(0), dy.stride(0), dy.stride(1), dy.stride(2),
-            HAS_DST=dsT is not None, BLOCK_P=block_p, num_warps=DSTATE_WARPS, **common,
+            HAS_SEQ=seq is not None, HAS_DST=dsT is not None, L=L, BLOCK_P=block_p,
+            BLOCK_N=_block(N), PREC=_precision(x), num_warps=DSTATE_WARPS,
         )  # fmt: skip
         dx = torch.empty(dy.shape, device=x.device, dtype=x.dtype)
         dq, dk = torch.empty_like(qr), torch.empty_like(kr)
         dadt, dgam, dlate = (torch.empty(adt.shape, **f32) for _ in range(3))
         dk0, dx0 = torch.empty_like(k0), torch.empty_like(x0)
-        launch(_chunk_grad_kernel, (Bsz, H, nc),
-            x, qr, kr, adt, gamma, late, seqt, states, dst, k0, x0, opt(D, adt),
-            dy, dx, dq, dk, dadt, dgam, dlate, dk0, dx0,
+        strided = (
             T, H, P, N,
             x.stride(0), x.stride(1), x.stride(2), qr.stride(0), qr.stride(1), qr.stride(2),
             adt.stride(0), adt.stride(1), seqt.stride(0), dy.stride(0), dy.stride(1),
             dy.stride(2),
-            HAS_D=D is not None, BLOCK_P=_block(P), num_warps=GRAD_WARPS, **common,
+        )  # fmt: skip
+        consts = dict(HAS_SEQ=seq is not None, L=L, BLOCK_P=_block(P), PREC=_precision(x))
+        launch(_chunk_grad_kernel, (Bsz, H, nc),
+            x, qr, kr, adt, gamma, late, seqt, states, dst, x0, k0, opt(D, adt),
+            dy, dx, dadt, dgam, dlate, dx0, *strided,
+            HAS_D=D is not None, BLOCK_N=min(_block(N), GRAD_BLOCK_N), num_warps=GRAD_WARPS,
+            **consts,
+        )  # fmt: skip
+        launch(_chunk_qk_grad_kernel, (Bsz, H, nc),
+            x, qr, kr, adt, gamma, late, seqt, states, dst, x0, dy, dq, dk, dk0, *strided,
+            BLOCK_N=min(_block(N), QK_BLOCK_N), num_warps=QK_WARPS, **consts,
         )  # fmt: skip
         dD = dD.sum(0).to(D.dtype) if D is not None else None
         return dx, dq, dk, dadt, dgam, dlate, None, ds0, dk0, dx0, dD, dz

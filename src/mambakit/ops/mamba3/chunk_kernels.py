@@ -213,28 +213,73 @@ def _dstate_kernel(
 
 
 @triton.jit
+def _grad_terms(
+    p_x, p_dy, p_adt, p_gam, p_late, p_seq, b, h, c0, T, rows, p, mp,
+    s_x_b, s_x_t, s_x_h, s_w_b, s_w_t, s_seq_b, s_dy_b, s_dy_t, s_dy_h,
+    HAS_SEQ: tl.constexpr,
+):
+    """What both gradient kernels of a chunk start from: its steps t (mask mt, last row,
+    [L, P] mask mtp), x and dy in f32, the decays (cs, e_cs, keep), the weights' offsets wo,
+    the forward's [L, L] weight and its decay (on the mask `same`), tail and its decay."""
+    t = c0 + rows
+    mt = t < T
+    last = tl.minimum(rows.shape[0], T - c0) - 1
+    mtp = mt[:, None] & mp[None, :]
+    xc = tl.load(p_x + b * s_x_b + t[:, None] * s_x_t + h * s_x_h + p[None, :],
+                 mask=mtp, other=0.0).to(tl.float32)
+    dy = tl.load(p_dy + b * s_dy_b + t[:, None] * s_dy_t + h * s_dy_h + p[None, :],
+                 mask=mtp, other=0.0).to(tl.float32)
+    cs, cs_last, carry, keep_doc, e_cs, keep = _chunk_ctx(
+        p_seq, p_adt, b, h, c0, t, mt, rows, last, s_w_b, s_w_t, s_seq_b, HAS_SEQ)
+    wo = b * s_w_b + t * s_w_t + h
+    gam = tl.load(p_gam + wo, mask=mt, other=0.0)
+    nxt = tl.load(p_late + wo + s_w_t, mask=(t + 1 < T) & (rows < last), other=0.0)
+    w = gam + nxt  # the next token's late term, inside the chunk
+    same = (rows[:, None] >= rows[None, :]) & mt[None, :]
+    if HAS_SEQ:
+        doc = tl.load(p_seq + b * s_seq_b + t, mask=mt, other=-1)
+        same = same & (doc[:, None] == doc[None, :])
+    decay = tl.exp(tl.where(same, cs[:, None] - cs[None, :], float("-inf")))
+    weight = tl.where(rows[:, None] == rows[None, :], gam[None, :], decay * w[None, :])
+    weight = tl.where(same, weight, 0.0)
+    tail_decay = tl.where(keep_doc & (rows != last), tl.exp(cs_last - cs), 0.0)
+    late_next = tl.load(p_late + b * s_w_b + (c0 + last + 1) * s_w_t + h,
+                        mask=c0 + last + 1 < T, other=0.0)
+    tail = tl.where(rows == last, gam + late_next, tail_decay * w)
+    tail = tl.where(keep_doc, tail, 0.0)
+    return (t, mt, last, mtp, xc, dy, e_cs, keep, wo, gam, same, decay, weight, tail_decay,
+            tail)
+
+
+# The gradients of one chunk of one (row, head), independent of the other chunks: the
+# chunk's start state S'_start (st, the forward's) and the gradient dS of its end state
+# (dst, `_dstate_kernel`'s) bring in what the chunks around it see. With w_s = gamma_s plus
+# the next token's late term and tail_s = exp(cs_last - cs_s) w_s,
+#
+#     y   = ((q~ k~^T) * weight) x + e_cs q~ S'^T        (weight: gamma on the diagonal,
+#     end = keep S' + x^T diag(tail) k~                   exp(cs_t - cs_s) w_s below)
+#
+# where the last row's tail holds the next chunk's first late term: the next chunk's start
+# S' + late x_last k~_last^T is folded into this chunk's end. That late term's own gradient,
+# x_prev^T dS'_start k~_prev, is the next chunk's row 0 (its program computes it from its
+# dS'_start = keep dS + (dy e_cs)^T q~, as sums of vectors). Two kernels, so neither holds
+# the other's tiles (in one, 1.6 KB of spills a thread, sm_90 offline): `_chunk_grad_kernel`
+# the gradients of x and the per-token weights, `_chunk_qk_grad_kernel` those of q~ and k~.
+# dy is the core's gradient (`_gate_bwd`'s); the initial state's S gets dS'_0.
+
+
+@triton.jit
 def _chunk_grad_kernel(
-    p_x, p_q, p_k, p_adt, p_gam, p_late, p_seq, p_st, p_dst, p_k0, p_x0, p_D,
-    p_dy, p_dx, p_dq, p_dk, p_dadt, p_dgam, p_dlate, p_dk0, p_dx0,
+    p_x, p_q, p_k, p_adt, p_gam, p_late, p_seq, p_st, p_dst, p_x0, p_k0, p_D,
+    p_dy, p_dx, p_dadt, p_dgam, p_dlate, p_dx0,
     T, H, P, N,
     s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b, s_dy_b, s_dy_t, s_dy_h,
     HAS_SEQ: tl.constexpr, HAS_D: tl.constexpr,
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Every gradient of the scan's inputs on one chunk of one (row, head), independent of
-    the other chunks: the chunk's start state S'_start (st, the forward's) and the gradient
-    of its end state (dst, `_dstate_kernel`'s) bring in what the chunks around it see. With
-    w_s = gamma_s plus the next token's late term, tail_s = exp(cs_last - cs_s) w_s,
-
-        y   = ((q~ k~^T) * weight) x + e_cs q~ S'^T        (weight: gamma on the diagonal,
-        end = keep S' + x^T diag(tail) k~                   exp(cs_t - cs_s) w_s below)
-
-    where the last row's tail holds the next chunk's first late term: the next chunk's
-    start S' + late x_last k~_last^T is folded into this chunk's end. That late term's own
-    gradient, x_prev^T dS'_start k~_prev, is the next chunk's row 0 (its program computes
-    it from its dS'_start = keep dS_end + (dy e_cs)^T q~, as a sum of vectors). dy is the
-    core's gradient (`_gate_bwd`'s); D dy is added to dx here. Chunk 0 also writes the
-    initial state's x and k~ gradients (the initial S's is dS'_0, `_dstate_kernel`'s)."""
+    """A chunk's gradients of x (D dy added, in dy's layout and x's dtype), A delta, gamma and
+    the late terms; chunk 0 also the initial x's. A pass over the N states in blocks of
+    BLOCK_N sums what needs all of them: q~ k~^T, dS k~ (k_ds), q~ S'^T and the vectors."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -242,94 +287,125 @@ def _chunk_grad_kernel(
     c0 = c * L
     rows = tl.arange(0, L)
     p = tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
-    mp, mn = p < P, n < N
-    mpn = mp[:, None] & mn[None, :]
+    mp = p < P
     bh = b * H + h
-    t = c0 + rows
-    mt = t < T
-    last = tl.minimum(L, T - c0) - 1
-    mtp = mt[:, None] & mp[None, :]
-    diag = rows[:, None] == rows[None, :]
-    below = rows[:, None] == rows[None, :] + 1  # [r, s]: s = r - 1
-    xc = tl.load(p_x + b * s_x_b + t[:, None] * s_x_t + h * s_x_h + p[None, :],
-                 mask=mtp, other=0.0).to(tl.float32)
-    dy = tl.load(p_dy + b * s_dy_b + t[:, None] * s_dy_t + h * s_dy_h + p[None, :],
-                 mask=mtp, other=0.0).to(tl.float32)
-    qn, mq, qc, kc, wo, gam, w, _, _, late0 = _chunk_inputs(
-        p_q, p_k, p_adt, p_gam, p_late, b, h, c0, t, n, mt, mn, rows, last, T,
-        s_q_b, s_q_t, s_q_h, s_w_b, s_w_t)
-    cs, cs_last, carry, keep_doc, e_cs, keep = _chunk_ctx(
-        p_seq, p_adt, b, h, c0, t, mt, rows, last, s_w_b, s_w_t, s_seq_b, HAS_SEQ)
-    start = tl.load(p_st + ((bh * n_chunks + c) * P + p[:, None]) * N + n[None, :],
-                    mask=mpn, other=0.0)
-    dS = tl.load(p_dst + ((bh * n_chunks + c) * P + p[:, None]) * N + n[None, :],
-                 mask=mpn, other=0.0)
-    same = (rows[:, None] >= rows[None, :]) & mt[None, :]
-    if HAS_SEQ:
-        doc = tl.load(p_seq + b * s_seq_b + t, mask=mt, other=-1)
-        same = same & (doc[:, None] == doc[None, :])
-    # the forward's terms
-    decay = tl.exp(tl.where(same, cs[:, None] - cs[None, :], float("-inf")))
-    weight = tl.where(diag, gam[None, :], decay * w[None, :])
-    weight = tl.where(same, weight, 0.0)
-    qk = _mm(qc, tl.trans(kc), PREC)  # [L(t), L(s)]
-    tail_decay = tl.where(keep_doc & (rows != last), tl.exp(cs_last - cs), 0.0)
-    late_next = tl.load(p_late + b * s_w_b + (c0 + last + 1) * s_w_t + h,
-                        mask=c0 + last + 1 < T, other=0.0)
-    tail = tl.where(rows == last, gam + late_next, tail_decay * w)
-    tail = tl.where(keep_doc, tail, 0.0)
+    t, mt, last, mtp, xc, dy, e_cs, keep, wo, gam, same, decay, weight, tail_decay, tail = (
+        _grad_terms(p_x, p_dy, p_adt, p_gam, p_late, p_seq, b, h, c0, T, rows, p, mp,
+                    s_x_b, s_x_t, s_x_h, s_w_b, s_w_t, s_seq_b, s_dy_b, s_dy_t, s_dy_h,
+                    HAS_SEQ))
+    # the token before the chunk: the previous chunk's last, or the initial state's
+    inside_p = (p * 0 + c0) > 0
+    x_prev = tl.load(p_x + b * s_x_b + (c0 - 1) * s_x_t + h * s_x_h + p,
+                     mask=mp & inside_p, other=0.0).to(tl.float32)
+    x_prev += tl.load(p_x0 + bh * P + p, mask=mp & ~inside_p, other=0.0)
+    q_row = b * s_q_b + t[:, None] * s_q_t + h * s_q_h  # [L, 1]: q~ and k~'s rows
+    k_prev_at = b * s_q_b + (c0 - 1) * s_q_t + h * s_q_h
+    st_at = (bh * n_chunks + c) * P * N + p[:, None] * N  # [P, 1]: S'_start's and dS's rows
+    qk = tl.zeros([L, L], dtype=tl.float32)  # q~ k~^T
+    k_ds = tl.zeros([L, BLOCK_P], dtype=tl.float32)  # dS k~_s
+    q_st = tl.zeros([L, BLOCK_P], dtype=tl.float32)  # q~_t S'^T
+    q_k = tl.zeros([L], dtype=tl.float32)  # q~_t . k~_prev
+    ds_k = tl.zeros([BLOCK_P], dtype=tl.float32)  # dS k~_prev
+    ds_st = tl.zeros([BLOCK_P], dtype=tl.float32)  # rows of <dS, S'>
+    for j in range(0, N, BLOCK_N):
+        n = j + tl.arange(0, BLOCK_N)
+        mn = n < N
+        mq = mt[:, None] & mn[None, :]
+        mpn = mp[:, None] & mn[None, :]
+        qj = tl.load(p_q + q_row + n[None, :], mask=mq, other=0.0)
+        kj = tl.load(p_k + q_row + n[None, :], mask=mq, other=0.0)
+        stj = tl.load(p_st + st_at + n[None, :], mask=mpn, other=0.0).to(tl.float32)
+        dsj = tl.load(p_dst + st_at + n[None, :], mask=mpn, other=0.0).to(tl.float32)
+        inside_n = (n * 0 + c0) > 0
+        k_prev = tl.load(p_k + k_prev_at + n, mask=mn & inside_n, other=0.0)
+        k_prev += tl.load(p_k0 + bh * N + n, mask=mn & ~inside_n, other=0.0)
+        qk = _mm(qj, tl.trans(kj), PREC, qk)
+        k_ds = _mm(kj, tl.trans(dsj), PREC, k_ds)
+        q_st = _mm(qj, tl.trans(stj), PREC, q_st)
+        q_k += tl.sum(qj * k_prev[None, :], axis=1)
+        ds_k += tl.sum(dsj * k_prev[None, :], axis=1)
+        ds_st += tl.sum(dsj * stj, axis=1)
     d_scores = _mm(dy, tl.trans(xc), PREC)  # [L(t), L(s)]
-    d_qk = d_scores * weight
-    k_ds = _mm(kc, tl.trans(dS), PREC)  # [L, P]: dS k~_s
     dx = _mm(tl.trans(qk * weight), dy, PREC) + tail[:, None] * k_ds
     if HAS_D:
         dx += tl.load(p_D + h).to(tl.float32) * dy
-    dy_s = _mm(dy, start, PREC)  # [L, N]: dy_t S'
-    dq = _mm(d_qk, kc, PREC) + e_cs[:, None] * dy_s
-    dk = _mm(tl.trans(d_qk), qc, PREC) + tail[:, None] * _mm(xc, dS, PREC)
     d_weight = d_scores * qk
     g = d_weight * weight  # d/d(cs_t - cs_s), zero off the mask and net zero on the diagonal
     d_tail = tl.sum(xc * k_ds, axis=1)
     g_tail = d_tail * tail  # d/d(cs_last - cs_s); the last row's nets to zero
-    # the start term e_cs_t (q~_t S'^T) . dy_t = e_cs_t q~_t . (dy_t S')
-    dcs = tl.sum(g, axis=1) - tl.sum(g, axis=0) + e_cs * tl.sum(qc * dy_s, axis=1) - g_tail
-    dcs += tl.where(rows == last, keep * tl.sum(tl.sum(dS * start, axis=1), axis=0)
-                    + tl.sum(g_tail, axis=0), 0.0)
+    # the start term e_cs_t (q~_t S'^T) . dy_t
+    dcs = tl.sum(g, axis=1) - tl.sum(g, axis=0) + e_cs * tl.sum(q_st * dy, axis=1) - g_tail
+    dcs += tl.where(rows == last, keep * tl.sum(ds_st, axis=0) + tl.sum(g_tail, axis=0), 0.0)
     strict = same & (rows[:, None] > rows[None, :])
     dw = tl.sum(tl.where(strict, d_weight * decay, 0.0), axis=0) + d_tail * tail_decay
-    dgam = tl.sum(tl.where(diag & same, d_weight, 0.0), axis=0) + dw
-    dgam += tl.where(rows == last, d_tail, 0.0)
+    dgam = tl.sum(tl.where((rows[:, None] == rows[None, :]) & same, d_weight, 0.0), axis=0)
+    dgam += dw + tl.where(rows == last, d_tail, 0.0)
+    below = rows[:, None] == rows[None, :] + 1  # [r, s]: s = r - 1
     dlate = tl.sum(tl.where(below, dw[None, :], 0.0), axis=1)  # token r's late term: w_{r-1}
     # row 0's late term, late0 x_prev k~_prev^T in S'_start: x_prev^T dS'_start k~_prev, with
-    # dS'_start = keep dS + (dy e_cs)^T q~ (the token before the chunk: the previous chunk's
-    # last, or the initial state's)
-    inside_p, inside_n = (p * 0 + c0) > 0, (n * 0 + c0) > 0
-    x_prev = tl.load(p_x + b * s_x_b + (c0 - 1) * s_x_t + h * s_x_h + p,
-                     mask=mp & inside_p, other=0.0).to(tl.float32)
-    x_prev += tl.load(p_x0 + bh * P + p, mask=mp & ~inside_p, other=0.0)
-    k_prev = tl.load(p_k + b * s_q_b + (c0 - 1) * s_q_t + h * s_q_h + n,
-                     mask=mn & inside_n, other=0.0)
-    k_prev += tl.load(p_k0 + bh * N + n, mask=mn & ~inside_n, other=0.0)
+    # dS'_start = keep dS + (dy e_cs)^T q~
     dy_x = tl.sum(dy * x_prev[None, :], axis=1)  # [L]
-    q_k = tl.sum(qc * k_prev[None, :], axis=1)  # [L]
-    dS_k = keep * tl.sum(dS * k_prev[None, :], axis=1)  # [P]
-    d_late0 = tl.sum(x_prev * dS_k, axis=0) + tl.sum(e_cs * dy_x * q_k, axis=0)
-    dlate += tl.where(rows == 0, d_late0, 0.0)
+    dlate += tl.where(rows == 0, keep * tl.sum(x_prev * ds_k, axis=0)
+                      + tl.sum(e_cs * dy_x * q_k, axis=0), 0.0)
     dadt = tl.sum(dcs, axis=0) - tl.cumsum(dcs, axis=0) + dcs  # A delta_r: every cs_t, t >= r
     tl.store(p_dx + b * s_dy_b + t[:, None] * s_dy_t + h * s_dy_h + p[None, :],
              dx.to(p_dx.dtype.element_ty), mask=mtp)  # dx: dy's layout
-    tl.store(p_dq + b * s_q_b + qn, dq, mask=mq)
-    tl.store(p_dk + b * s_q_b + qn, dk, mask=mq)
     tl.store(p_dadt + wo, dadt, mask=mt)
     tl.store(p_dgam + wo, dgam, mask=mt)
     tl.store(p_dlate + wo, dlate, mask=mt)
-    if c == 0:  # the initial x and k~ through late0 x0 k0^T in S'_start of chunk 0
+    if c == 0:  # the initial x through late0 x0 k0^T in S'_start of chunk 0
+        late0 = tl.load(p_late + b * s_w_b + h)
         tl.store(p_dx0 + bh * P + p,
-                 late0 * (dS_k + tl.sum((e_cs * q_k)[:, None] * dy, axis=0)), mask=mp)
-        tl.store(p_dk0 + bh * N + n,
-                 late0 * (keep * tl.sum(dS * x_prev[:, None], axis=0)
-                          + tl.sum((e_cs * dy_x)[:, None] * qc, axis=0)), mask=mn)
+                 late0 * (keep * ds_k + tl.sum((e_cs * q_k)[:, None] * dy, axis=0)), mask=mp)
+
+
+@triton.jit
+def _chunk_qk_grad_kernel(
+    p_x, p_q, p_k, p_adt, p_gam, p_late, p_seq, p_st, p_dst, p_x0,
+    p_dy, p_dq, p_dk, p_dk0,
+    T, H, P, N,
+    s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b, s_dy_b, s_dy_t, s_dy_h,
+    HAS_SEQ: tl.constexpr,
+    L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+):
+    """A chunk's gradients of q~ and k~, BLOCK_N states at a time (and chunk 0 the initial
+    k~'s): dq~ = ((dy x^T) * weight) k~ + e_cs dy S', dk~ = its transpose's q~ + tail x dS."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    c = tl.program_id(2)
+    n_chunks = tl.cdiv(T, L)
+    c0 = c * L
+    rows = tl.arange(0, L)
+    p = tl.arange(0, BLOCK_P)
+    mp = p < P
+    bh = b * H + h
+    t, mt, last, mtp, xc, dy, e_cs, keep, wo, gam, same, decay, weight, tail_decay, tail = (
+        _grad_terms(p_x, p_dy, p_adt, p_gam, p_late, p_seq, b, h, c0, T, rows, p, mp,
+                    s_x_b, s_x_t, s_x_h, s_w_b, s_w_t, s_seq_b, s_dy_b, s_dy_t, s_dy_h,
+                    HAS_SEQ))
+    d_qk = _mm(dy, tl.trans(xc), PREC) * weight
+    q_row = b * s_q_b + t[:, None] * s_q_t + h * s_q_h
+    st_at = (bh * n_chunks + c) * P * N + p[:, None] * N
+    for j in range(0, N, BLOCK_N):
+        n = j + tl.arange(0, BLOCK_N)
+        mn = n < N
+        mq = mt[:, None] & mn[None, :]
+        mpn = mp[:, None] & mn[None, :]
+        qj = tl.load(p_q + q_row + n[None, :], mask=mq, other=0.0)
+        kj = tl.load(p_k + q_row + n[None, :], mask=mq, other=0.0)
+        stj = tl.load(p_st + st_at + n[None, :], mask=mpn, other=0.0).to(tl.float32)
+        dsj = tl.load(p_dst + st_at + n[None, :], mask=mpn, other=0.0).to(tl.float32)
+        dq = _mm(d_qk, kj, PREC) + e_cs[:, None] * _mm(dy, stj, PREC)
+        dk = _mm(tl.trans(d_qk), qj, PREC) + tail[:, None] * _mm(xc, dsj, PREC)
+        tl.store(p_dq + q_row + n[None, :], dq, mask=mq)
+        tl.store(p_dk + q_row + n[None, :], dk, mask=mq)
+        if c == 0:  # the initial k~ through late0 x0 k0^T in S'_start of chunk 0
+            x0 = tl.load(p_x0 + bh * P + p, mask=mp, other=0.0)
+            dy_x = tl.sum(dy * x0[None, :], axis=1)
+            late0 = tl.load(p_late + b * s_w_b + h)
+            tl.store(p_dk0 + bh * N + n,
+                     late0 * (keep * tl.sum(dsj * x0[:, None], axis=0)
+                              + tl.sum((e_cs * dy_x)[:, None] * qj, axis=0)), mask=mn)
 
 
 @triton.jit
