@@ -53,6 +53,13 @@ def _precision(x: torch.Tensor) -> str:
     return {torch.float32: "tf32x3", torch.bfloat16: PREC_16BIT}.get(x.dtype, "tf32")
 
 
+def _states_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of the chunk start states (and their gradients) kept for the backward: bf16
+    where the products take bf16 operands (they enter the backward's products as such, and
+    its sums over them in f32), else f32. The state the forward carries is always f32."""
+    return torch.bfloat16 if _precision(x) == "bf16" else torch.float32
+
+
 def _block(v: int) -> int:
     return max(16, next_power_of_2(v))
 
@@ -161,24 +168,28 @@ def mamba3_scan_fwd(
     return y, Mamba3State(phi_T, sT, kT, xT)
 
 
-# The backward runs in chunks of CHUNK_BWD steps and two kernels. `_dstate_kernel`: the
-# gradient of each chunk's start state, the chunks in reverse, a program per (row, head,
-# DSTATE_BLOCK_P of the P values): one [P, L] x [L, N] product a chunk. `_chunk_grad_kernel`:
-# every other gradient, a program per (row, head, chunk) with no loop, from the chunk's start
-# state (the forward's) and its end state's gradient (the first kernel's). The start states
-# are [B, H, T / CHUNK_BWD, P, N] f32 (4 H P N / CHUNK_BWD bytes a token: 201 MB at 8 x 2048
-# for the 130m-mamba3 heads with chunks of 64), kept from the forward, which stores every
-# (CHUNK_BWD / CHUNK_L)-th of its chunks' when CHUNK_L divides CHUNK_BWD (else the backward
-# recomputes them in a pass of its own); their gradients are as many, transient.
-# Until session 22 one program per (row, head, block of 32 states) walked chunks of 16 in
-# reverse doing all of it (2.35 ms at 8 x 2048 against upstream's 0.83 for its dqkv kernel;
-# ncu: 255 registers, 1.7 active warps a scheduler, 19% issue: latency-bound).
+# The backward runs in chunks of CHUNK_BWD steps. `_dstate_kernel`: the gradient of each
+# chunk's start state, the chunks in reverse, a program per (row, head, DSTATE_BLOCK_P of
+# the P values), one [P, L] x [L, N] product a chunk. Then, a program per (row, head, chunk)
+# with no loop over chunks, from the chunk's start state (the forward's) and its end state's
+# gradient (the first kernel's): `_chunk_grad_kernel` the gradients of x and the per-token
+# weights, `_chunk_qk_grad_kernel` those of q~ and k~. The start states are
+# [B, H, T / CHUNK_BWD, P, N] (`_states_dtype`: bf16 for bf16 inputs, 100 MB at 8 x 2048 for
+# the 130m-mamba3 heads), kept from the forward, which stores every (CHUNK_BWD / CHUNK_L)-th
+# of its chunks' when CHUNK_L divides CHUNK_BWD (else the backward recomputes them in a pass
+# of its own); their gradients are as many, transient.
+# H200, 8 x 2048, the scan's forward + backward (scripts/m3_chunk_sweep.py, session 22): 2.50
+# ms with 4 warps for both per-chunk kernels and blocks of 32 states (f32 states), 2.72 with
+# 8 warps, 2.84 in blocks of 64, 3.05 in chunks of 32, 2.98 with 16 warps for the first;
+# DSTATE_BLOCK_P 16, 32 or 64 within 0.03. Until session 22 one program per (row, head,
+# block of 32 states) walked chunks of 16 in reverse doing all of it: 3.66 ms (its kernel
+# 2.35 against upstream's dqkv 0.83; ncu: 255 registers, 19% issue, latency-bound).
 CHUNK_BWD = 64
 DSTATE_BLOCK_P = 16
 DSTATE_WARPS = 4
-GRAD_WARPS = 8
+GRAD_WARPS = 4
 GRAD_BLOCK_N = 32  # the states a block of `_chunk_grad_kernel`'s pass over N
-QK_WARPS = 8
+QK_WARPS = 4
 QK_BLOCK_N = 32  # of `_chunk_qk_grad_kernel`'s
 
 
@@ -198,7 +209,7 @@ class _Core(torch.autograd.Function):
         states = None
         if CHUNK_BWD % CHUNK_L == 0:
             states = torch.empty(Bsz, H, cdiv(T, CHUNK_BWD), P, qr.shape[-1],
-                                 device=x.device, dtype=torch.float32)  # fmt: skip
+                                 device=x.device, dtype=_states_dtype(x))  # fmt: skip
         sT, _, _ = _launch_fwd(x, qr, kr, adt, gamma, late, seq, D, z, s0, k0, x0, y, CHUNK_L,
                                states, pre, CHUNK_BWD)  # fmt: skip
         ctx.save_for_backward(x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, pre, states)
@@ -214,7 +225,7 @@ class _Core(torch.autograd.Function):
         nc = cdiv(T, L)
         f32 = dict(device=x.device, dtype=torch.float32)
         if states is None:  # the forward ran other chunks: a pass for the backward's
-            states = torch.empty(Bsz, H, nc, P, N, **f32)
+            states = torch.empty(Bsz, H, nc, P, N, device=x.device, dtype=_states_dtype(x))
             _launch_fwd(x, qr, kr, adt, gamma, late, seq, None, None, s0, k0, x0, None, L,
                         states)  # fmt: skip
         dy = dy.contiguous() if dy is not None else torch.zeros_like(x)

@@ -109,7 +109,7 @@ def _chunk_fwd_kernel(
             if c0 % LS == 0:
                 c = c0 // LS
                 tl.store(p_st + ((bh * tl.cdiv(T, LS) + c) * P + p[:, None]) * N + n[None, :],
-                         start, mask=mpn)
+                         start.to(p_st.dtype.element_ty), mask=mpn)
         if COMPUTE_Y:
             decay = tl.exp(tl.where(same, cs[:, None] - cs[None, :], float("-inf")))
             weight = tl.where(rows[:, None] == rows[None, :], gam[None, :], decay * w[None, :])
@@ -201,7 +201,8 @@ def _dstate_kernel(
         t = c0 + rows
         mt = t < T
         last = tl.minimum(L, T - c0) - 1
-        tl.store(p_dst + ((bh * n_chunks + c) * P + p[:, None]) * N + n[None, :], dS, mask=mpn)
+        tl.store(p_dst + ((bh * n_chunks + c) * P + p[:, None]) * N + n[None, :],
+                 dS.to(p_dst.dtype.element_ty), mask=mpn)
         _, _, _, _, e_cs, keep = _chunk_ctx(p_seq, p_adt, b, h, c0, t, mt, rows, last,
                                             s_w_b, s_w_t, s_seq_b, HAS_SEQ)
         dy = tl.load(p_dy + b * s_dy_b + t[:, None] * s_dy_t + h * s_dy_h + p[None, :],
