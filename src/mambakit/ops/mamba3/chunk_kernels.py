@@ -215,16 +215,28 @@ def _dstate_kernel(
 
 @triton.jit
 def _grad_terms(
-    p_x, p_dy, p_adt, p_gam, p_late, p_seq, b, h, c0, T, rows, p, mp,
-    s_x_b, s_x_t, s_x_h, s_w_b, s_w_t, s_seq_b, s_dy_b, s_dy_t, s_dy_h,
-    HAS_SEQ: tl.constexpr,
+    p_x, p_dy, p_adt, p_gam, p_late, p_seq, T, H, P, N,
+    s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b, s_dy_b, s_dy_t, s_dy_h,
+    HAS_SEQ: tl.constexpr, L: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
-    """What both gradient kernels of a chunk start from: its steps t (mask mt, last row,
-    [L, P] mask mtp), x and dy in f32, the decays (cs, e_cs, keep), the weights' offsets wo,
-    the forward's [L, L] weight and its decay (on the mask `same`), tail and its decay."""
+    """What both gradient kernels of a chunk start from: the program's row b, head h, chunk c
+    (first step c0; bh = b H + h), the chunk's rows and P values p (mask mp), the offsets of
+    q~ and k~'s rows (q_row) and of S'_start's and dS's (st_at), its steps t (mask mt, last
+    row, [L, P] mask mtp), x and dy in f32, the decays (e_cs, keep), the weights' offsets
+    wo, the forward's [L, L] weight and its decay (on the mask `same`), tail and its decay."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    c = tl.program_id(2)
+    c0 = c * L
+    rows = tl.arange(0, L)
+    p = tl.arange(0, BLOCK_P)
+    mp = p < P
+    bh = b * H + h
     t = c0 + rows
     mt = t < T
-    last = tl.minimum(rows.shape[0], T - c0) - 1
+    last = tl.minimum(L, T - c0) - 1
+    q_row = b * s_q_b + t[:, None] * s_q_t + h * s_q_h  # [L, 1]: q~ and k~'s rows
+    st_at = (bh * tl.cdiv(T, L) + c) * P * N + p[:, None] * N  # [P, 1]: S'_start's, dS's rows
     mtp = mt[:, None] & mp[None, :]
     xc = tl.load(p_x + b * s_x_b + t[:, None] * s_x_t + h * s_x_h + p[None, :],
                  mask=mtp, other=0.0).to(tl.float32)
@@ -248,8 +260,23 @@ def _grad_terms(
                         mask=c0 + last + 1 < T, other=0.0)
     tail = tl.where(rows == last, gam + late_next, tail_decay * w)
     tail = tl.where(keep_doc, tail, 0.0)
-    return (t, mt, last, mtp, xc, dy, e_cs, keep, wo, gam, same, decay, weight, tail_decay,
-            tail)
+    return (b, h, c, c0, rows, p, mp, bh, q_row, st_at, t, mt, last, mtp, xc, dy, e_cs, keep, wo,
+            gam, same, decay, weight, tail_decay, tail)
+
+
+@triton.jit
+def _state_blocks(p_q, p_k, p_st, p_dst, q_row, st_at, j, mt, mp, N, BLOCK_N: tl.constexpr):
+    """States j .. j + BLOCK_N of a chunk (n, mask mn; [L, BLOCK_N] mask mq): q~ and k~'s
+    columns [L, BLOCK_N], S'_start's and dS's [P, BLOCK_N] in f32."""
+    n = j + tl.arange(0, BLOCK_N)
+    mn = n < N
+    mq = mt[:, None] & mn[None, :]
+    mpn = mp[:, None] & mn[None, :]
+    qj = tl.load(p_q + q_row + n[None, :], mask=mq, other=0.0)
+    kj = tl.load(p_k + q_row + n[None, :], mask=mq, other=0.0)
+    stj = tl.load(p_st + st_at + n[None, :], mask=mpn, other=0.0).to(tl.float32)
+    dsj = tl.load(p_dst + st_at + n[None, :], mask=mpn, other=0.0).to(tl.float32)
+    return n, mn, mq, qj, kj, stj, dsj
 
 
 # The gradients of one chunk of one (row, head), independent of the other chunks: the
@@ -281,27 +308,17 @@ def _chunk_grad_kernel(
     """A chunk's gradients of x (D dy added, in dy's layout and x's dtype), A delta, gamma and
     the late terms; chunk 0 also the initial x's. A pass over the N states in blocks of
     BLOCK_N sums what needs all of them: q~ k~^T, dS k~ (k_ds), q~ S'^T and the vectors."""
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    c = tl.program_id(2)
-    n_chunks = tl.cdiv(T, L)
-    c0 = c * L
-    rows = tl.arange(0, L)
-    p = tl.arange(0, BLOCK_P)
-    mp = p < P
-    bh = b * H + h
-    t, mt, last, mtp, xc, dy, e_cs, keep, wo, gam, same, decay, weight, tail_decay, tail = (
-        _grad_terms(p_x, p_dy, p_adt, p_gam, p_late, p_seq, b, h, c0, T, rows, p, mp,
-                    s_x_b, s_x_t, s_x_h, s_w_b, s_w_t, s_seq_b, s_dy_b, s_dy_t, s_dy_h,
-                    HAS_SEQ))
+    (b, h, c, c0, rows, p, mp, bh, q_row, st_at, t, mt, last, mtp, xc, dy, e_cs, keep, wo, gam,
+     same, decay, weight, tail_decay, tail) = _grad_terms(
+        p_x, p_dy, p_adt, p_gam, p_late, p_seq, T, H, P, N,
+        s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b, s_dy_b, s_dy_t,
+        s_dy_h, HAS_SEQ, L, BLOCK_P)
     # the token before the chunk: the previous chunk's last, or the initial state's
     inside_p = (p * 0 + c0) > 0
     x_prev = tl.load(p_x + b * s_x_b + (c0 - 1) * s_x_t + h * s_x_h + p,
                      mask=mp & inside_p, other=0.0).to(tl.float32)
     x_prev += tl.load(p_x0 + bh * P + p, mask=mp & ~inside_p, other=0.0)
-    q_row = b * s_q_b + t[:, None] * s_q_t + h * s_q_h  # [L, 1]: q~ and k~'s rows
     k_prev_at = b * s_q_b + (c0 - 1) * s_q_t + h * s_q_h
-    st_at = (bh * n_chunks + c) * P * N + p[:, None] * N  # [P, 1]: S'_start's and dS's rows
     qk = tl.zeros([L, L], dtype=tl.float32)  # q~ k~^T
     k_ds = tl.zeros([L, BLOCK_P], dtype=tl.float32)  # dS k~_s
     q_st = tl.zeros([L, BLOCK_P], dtype=tl.float32)  # q~_t S'^T
@@ -309,14 +326,8 @@ def _chunk_grad_kernel(
     ds_k = tl.zeros([BLOCK_P], dtype=tl.float32)  # dS k~_prev
     ds_st = tl.zeros([BLOCK_P], dtype=tl.float32)  # rows of <dS, S'>
     for j in range(0, N, BLOCK_N):
-        n = j + tl.arange(0, BLOCK_N)
-        mn = n < N
-        mq = mt[:, None] & mn[None, :]
-        mpn = mp[:, None] & mn[None, :]
-        qj = tl.load(p_q + q_row + n[None, :], mask=mq, other=0.0)
-        kj = tl.load(p_k + q_row + n[None, :], mask=mq, other=0.0)
-        stj = tl.load(p_st + st_at + n[None, :], mask=mpn, other=0.0).to(tl.float32)
-        dsj = tl.load(p_dst + st_at + n[None, :], mask=mpn, other=0.0).to(tl.float32)
+        n, mn, mq, qj, kj, stj, dsj = _state_blocks(p_q, p_k, p_st, p_dst, q_row, st_at, j, mt,
+                                                     mp, N, BLOCK_N)
         inside_n = (n * 0 + c0) > 0
         k_prev = tl.load(p_k + k_prev_at + n, mask=mn & inside_n, other=0.0)
         k_prev += tl.load(p_k0 + bh * N + n, mask=mn & ~inside_n, other=0.0)
@@ -371,31 +382,15 @@ def _chunk_qk_grad_kernel(
 ):
     """A chunk's gradients of q~ and k~, BLOCK_N states at a time (and chunk 0 the initial
     k~'s): dq~ = ((dy x^T) * weight) k~ + e_cs dy S', dk~ = its transpose's q~ + tail x dS."""
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    c = tl.program_id(2)
-    n_chunks = tl.cdiv(T, L)
-    c0 = c * L
-    rows = tl.arange(0, L)
-    p = tl.arange(0, BLOCK_P)
-    mp = p < P
-    bh = b * H + h
-    t, mt, last, mtp, xc, dy, e_cs, keep, wo, gam, same, decay, weight, tail_decay, tail = (
-        _grad_terms(p_x, p_dy, p_adt, p_gam, p_late, p_seq, b, h, c0, T, rows, p, mp,
-                    s_x_b, s_x_t, s_x_h, s_w_b, s_w_t, s_seq_b, s_dy_b, s_dy_t, s_dy_h,
-                    HAS_SEQ))
+    (b, h, c, c0, rows, p, mp, bh, q_row, st_at, t, mt, last, mtp, xc, dy, e_cs, keep, wo, gam,
+     same, decay, weight, tail_decay, tail) = _grad_terms(
+        p_x, p_dy, p_adt, p_gam, p_late, p_seq, T, H, P, N,
+        s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b, s_dy_b, s_dy_t,
+        s_dy_h, HAS_SEQ, L, BLOCK_P)
     d_qk = _mm(dy, tl.trans(xc), PREC) * weight
-    q_row = b * s_q_b + t[:, None] * s_q_t + h * s_q_h
-    st_at = (bh * n_chunks + c) * P * N + p[:, None] * N
     for j in range(0, N, BLOCK_N):
-        n = j + tl.arange(0, BLOCK_N)
-        mn = n < N
-        mq = mt[:, None] & mn[None, :]
-        mpn = mp[:, None] & mn[None, :]
-        qj = tl.load(p_q + q_row + n[None, :], mask=mq, other=0.0)
-        kj = tl.load(p_k + q_row + n[None, :], mask=mq, other=0.0)
-        stj = tl.load(p_st + st_at + n[None, :], mask=mpn, other=0.0).to(tl.float32)
-        dsj = tl.load(p_dst + st_at + n[None, :], mask=mpn, other=0.0).to(tl.float32)
+        n, mn, mq, qj, kj, stj, dsj = _state_blocks(p_q, p_k, p_st, p_dst, q_row, st_at, j, mt,
+                                                     mp, N, BLOCK_N)
         dq = _mm(d_qk, kj, PREC) + e_cs[:, None] * _mm(dy, stj, PREC)
         dk = _mm(tl.trans(d_qk), qj, PREC) + tail[:, None] * _mm(xc, dsj, PREC)
         tl.store(p_dq + q_row + n[None, :], dq, mask=mq)
