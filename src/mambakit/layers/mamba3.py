@@ -35,7 +35,7 @@ from ..ops import resolve_backend, rms_norm
 from ..ops._checks import check_seq_idx, check_tensor, state_dtype
 from ..ops.mamba3.chunk import mamba3_scan_kernel
 from ..ops.mamba3.reference import Mamba3State, mamba3_scan_reference, mamba3_step_reference
-from ..ops.mamba3.step import state_update
+from ..ops.mamba3.step import state_update_raw
 from .init import no_weight_decay
 
 
@@ -208,20 +208,26 @@ class Mamba3(nn.Module):
         return Mamba3State.zeros(batch_size, self.nheads, self.headdim, self.d_state,
                                  self.n_angles, device or p.device, f)  # fmt: skip
 
-    def _inputs(self, u: torch.Tensor):
-        """in_proj, split and activated: the scan's inputs over u's leading dims."""
+    def _split(self, u: torch.Tensor):
+        """in_proj's rows over u's leading dims: (z, x as [..., H, P]; B, C as [..., G, N];
+        dd_dt, dd_A, trap, theta)."""
         E, N, G, H, S = self.d_inner, self.d_state, self.ngroups, self.nheads, self.n_angles
         z, x, B, C, dd_dt, dd_A, trap, theta = torch.split(
             self.in_proj(u), [E, E, G * N, G * N, H, H, H, S], dim=-1
         )
-        lead = u.shape[:-1]
-        k = self.B_norm(B.unflatten(-1, (G, N)))
-        q = self.C_norm(C.unflatten(-1, (G, N)))
+        heads, groups = (H, self.headdim), (G, N)
+        return (z.unflatten(-1, heads), x.unflatten(-1, heads), B.unflatten(-1, groups),
+                C.unflatten(-1, groups), dd_dt, dd_A, trap, theta)  # fmt: skip
+
+    def _inputs(self, u: torch.Tensor):
+        """in_proj, split and activated: the scan's inputs over u's leading dims."""
+        z, x, B, C, dd_dt, dd_A, trap, theta = self._split(u)
+        k = self.B_norm(B)
+        q = self.C_norm(C)
         f = state_dtype(u)
         A = -heavy_tail(dd_A.to(f)).clamp(min=self.A_floor)  # min(-f(dd_A), -A_floor)
         delta = F.softplus(dd_dt.to(f) + self.dt_bias.to(f))
-        P = self.headdim
-        return (x.view(*lead, H, P), q, k, delta, A, trap, theta, z.view(*lead, H, P))
+        return x, q, k, delta, A, trap, theta, z
 
     def forward(
         self,
@@ -263,11 +269,15 @@ class Mamba3(nn.Module):
         out [B, M]. On the Triton backend, outside autograd and torch.compile, one kernel
         turns the keys, updates the state and gates y (ops/mamba3/step.py); otherwise the
         reference step runs and its state is copied back. The caller checked the state."""
-        x, q, k, delta, A, trap, theta, z = self._inputs(u)
         q_bias, k_bias = self.C_bias[:, 0], self.B_bias[:, 0]
-        if self._kernels(u, state, backend):
-            y = state_update(state, x, q, k, delta, A, trap, theta, q_bias, k_bias, self.D, z)
+        if self._kernels(u, state, backend):  # one kernel from in_proj's rows to y
+            z, x, B, C, dd_dt, dd_A, trap, theta = self._split(u)
+            C_w, B_w = self.C_norm.weight, self.B_norm.weight
+            y = state_update_raw(state, x, C, B, dd_dt, dd_A, trap, theta, q_bias, k_bias,
+                                 self.D, z, self.dt_bias, self.A_floor, C_w, B_w,
+                                 self.B_norm.eps)  # fmt: skip
         else:
+            x, q, k, delta, A, trap, theta, z = self._inputs(u)
             y, new = mamba3_step_reference(
                 x, q, k, delta, A, trap, theta, q_bias, k_bias, self.D, z, state
             )
