@@ -14,7 +14,8 @@ sigmoid(trap). The rotation turns the pairs (2i, 2i + 1), so the kernel holds th
 even and the odd state columns as two [P, N/2] tiles: each pair's two values meet
 in the same position of both. Pairs i >= S have angle 0 (no turn). State and
 arithmetic are f32; y is stored in x's dtype. No allocation but y, no host sync:
-a step can be captured in a CUDA graph.
+a step can be captured in a CUDA graph. `state_update_raw` (what `Mamba3.step_` runs)
+takes k, q, delta and A as in_proj gives them and makes them in the kernel.
 """
 
 from __future__ import annotations
