@@ -25,11 +25,13 @@ FWD = [(32, 4, "bf16", 64)]
 # session 22: chunks of 16 0.83 ms (gate 0.89), 32 with 8 warps 1.04 (1.16), 32 in blocks
 # of 32 of P 1.03 (1.15), against 0.70 (0.85)
 # the backward: (chunk, warps and N states a block of `_chunk_grad_kernel`, the same of
-# `_chunk_qk_grad_kernel`, P values a program of `_dstate_kernel`); the first is the reference
-BWD = [(64, 4, 32, 4, 32, 16), (64, 4, 64, 4, 64, 16), (64, 8, 32, 4, 32, 16)]
+# `_chunk_qk_grad_kernel`, N states a product and warps of `_dy_chunk_kernel`); the first
+# is the reference
+BWD = [(64, 4, 32, 4, 32, 128, 4), (64, 4, 32, 4, 32, 64, 4), (64, 4, 32, 4, 32, 128, 8)]
 # session 22 (f32 start states): (64, 8, 32, 8, 32, 16) 2.72 ms, (64, 8, 64, 8, 64, 16)
 # 2.84, (64, 4, 32, 4, 32, 16) 2.50, dstate blocks of 32 or 64 2.70 and 2.69, (32, 4, 32,
-# 4, 32, 16) 3.05, (64, 16, 32, 8, 32, 16) 2.98
+# 4, 32, 16) 3.05, (64, 16, 32, 8, 32, 16) 2.98 (the last field then: P values a program
+# of the start states' gradients, since replaced by `_dy_chunk_kernel`)
 # the forward under autograd (y, and the start states it keeps): (chunk, warps, P values a
 # program), timed forward + backward (session 18, chunks of 16: (2, 32) 4.35 ms, (4, 32)
 # 4.68 against 4.33 whole)
@@ -125,7 +127,7 @@ def main() -> int:
     inp = inputs(Bn, T)
     defaults = (chunk.CHUNK_L, chunk.FWD_WARPS, chunk.PREC_16BIT, chunk.FWD_BLOCK_P,
                 chunk.CHUNK_BWD, chunk.GRAD_WARPS, chunk.GRAD_BLOCK_N, chunk.QK_WARPS,
-                chunk.QK_BLOCK_N, chunk.DSTATE_BLOCK_P)  # fmt: skip
+                chunk.QK_BLOCK_N, chunk.DY_BLOCK_N, chunk.DY_WARPS)  # fmt: skip
     H, P = inp["x"].shape[2:]
     gate = {"D": torch.randn(H, device=DEV), "z": torch.randn_like(inp["x"])}
     for with_gate in (False, True):  # the second: the layer's no-grad path (D, gate inside)
@@ -145,16 +147,16 @@ def main() -> int:
     ref = None
     for setting in BWD:
         (chunk.CHUNK_BWD, chunk.GRAD_WARPS, chunk.GRAD_BLOCK_N, chunk.QK_WARPS,
-         chunk.QK_BLOCK_N, chunk.DSTATE_BLOCK_P) = setting  # fmt: skip
+         chunk.QK_BLOCK_N, chunk.DY_BLOCK_N, chunk.DY_WARPS) = setting  # fmt: skip
         try:
             rec, grads = run_bwd(inp, cot, ref)
             ref = grads if ref is None else ref
         except Exception as e:
             rec = {"failed": f"{type(e).__name__}: {str(e)[:100]}"}
         print({"shape": args.shape, "bwd (chunk, grad warps, block_n, qk warps, block_n, "
-               "dstate block_p)": setting, **rec}, flush=True)  # fmt: skip
+               "dy block_n, dy warps)": setting, **rec}, flush=True)  # fmt: skip
     (chunk.CHUNK_BWD, chunk.GRAD_WARPS, chunk.GRAD_BLOCK_N, chunk.QK_WARPS, chunk.QK_BLOCK_N,
-     chunk.DSTATE_BLOCK_P) = defaults[4:]  # fmt: skip
+     chunk.DY_BLOCK_N, chunk.DY_WARPS) = defaults[4:]  # fmt: skip
     for L, warps, block_p in FWD_GRAD:
         chunk.CHUNK_L, chunk.FWD_WARPS, chunk.FWD_BLOCK_P = L, warps, block_p
         rec, _ = run_bwd(inp, cot, ref)

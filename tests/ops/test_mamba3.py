@@ -350,13 +350,15 @@ def test_chunk_kernels_gradients_equal_float64_scan(T_, G_, seq, state_in, gate)
     "seq, state_in", [(True, True), (False, False)], ids=["documents", "plain"]
 )
 def test_chunk_kernels_in_blocks_of_p_and_n(monkeypatch, seq, state_in):
-    """The forward programs own blocks of 16 of the head's P values and so do the backward's
-    start-state gradients (P 40, N 32: a partial block of P): values and every gradient as
-    the float64 reference, without autograd (D and the gate inside the kernel) and with it."""
+    """The forward programs own blocks of 16 of the head's P values, the backward's first
+    kernel walks blocks of 16 of P and N and its scan blocks of 256 of P N (P 40, N 32:
+    partial blocks): values and every gradient as the float64 reference, without autograd
+    (D and the gate inside the kernel) and with it."""
     from mambakit.ops.mamba3 import chunk
 
-    for name in ("FWD_BLOCK_P", "STATES_BLOCK_P", "DSTATE_BLOCK_P"):
+    for name in ("FWD_BLOCK_P", "STATES_BLOCK_P", "DY_BLOCK_P", "DY_BLOCK_N"):
         monkeypatch.setattr(chunk, name, 16)
+    monkeypatch.setattr(chunk, "SCAN_BLOCK", 256)  # P N = 1280: a partial block
     inp, state, seq_idx = _kernel_case(45, 2, seq, state_in, True, seed=7, Pn=40, Nn=32)
     y64, f64 = mamba3_scan_reference(
         **{k: v.double() for k, v in inp.items()},

@@ -24,8 +24,8 @@ from .chunk_kernels import (
     _chunk_fwd_kernel,
     _chunk_grad_kernel,
     _chunk_qk_grad_kernel,
-    _dstate_kernel,
-    _gate_bwd_kernel,
+    _dstate_scan_kernel,
+    _dy_chunk_kernel,
 )
 from .reference import Mamba3State
 from .terms import token_terms_kernel
@@ -168,25 +168,30 @@ def mamba3_scan_fwd(
     return y, Mamba3State(phi_T, sT, kT, xT)
 
 
-# The backward runs in chunks of CHUNK_BWD steps. `_dstate_kernel`: the gradient of each
-# chunk's start state, the chunks in reverse, a program per (row, head, DSTATE_BLOCK_P of
-# the P values), one [P, L] x [L, N] product a chunk. Then, a program per (row, head, chunk)
-# with no loop over chunks, from the chunk's start state (the forward's) and its end state's
-# gradient (the first kernel's): `_chunk_grad_kernel` the gradients of x and the per-token
-# weights, `_chunk_qk_grad_kernel` those of q~ and k~. The start states are
+# The backward runs in chunks of CHUNK_BWD steps, every kernel but one a program per (row,
+# head, chunk). `_dy_chunk_kernel`: from dy alone, the gate's and D's gradients and the
+# chunk's own part u_c = (dy_c e_cs_c)^T q~_c of its start state's gradient (DY_BLOCK_P of
+# the P values by DY_BLOCK_N states a product); `_dstate_scan_kernel` sums those over the
+# chunks in reverse, dS'_c = keep_c dS'_{c+1} + u_c, elementwise over blocks of SCAN_BLOCK of
+# the P N values. Then, with no loop over chunks, from the chunk's start state (the
+# forward's) and its end state's gradient: `_chunk_grad_kernel` the gradients of x and the
+# per-token weights, `_chunk_qk_grad_kernel` those of q~ and k~. The start states are
 # [B, H, T / CHUNK_BWD, P, N] (`_states_dtype`: bf16 for bf16 inputs, 100 MB at 8 x 2048 for
 # the 130m-mamba3 heads), kept from the forward, which stores every (CHUNK_BWD / CHUNK_L)-th
 # of its chunks' when CHUNK_L divides CHUNK_BWD (else the backward recomputes them in a pass
-# of its own); their gradients are as many, transient.
+# of its own); their gradients are as many, transient (u_c, then dS' in its place).
 # H200, 8 x 2048, the scan's forward + backward (scripts/m3_chunk_sweep.py, session 22): 2.50
 # ms with 4 warps for both per-chunk kernels and blocks of 32 states (f32 states), 2.72 with
-# 8 warps, 2.84 in blocks of 64, 3.05 in chunks of 32, 2.98 with 16 warps for the first;
-# DSTATE_BLOCK_P 16, 32 or 64 within 0.03. Until session 22 one program per (row, head,
-# block of 32 states) walked chunks of 16 in reverse doing all of it: 3.66 ms (its kernel
-# 2.35 against upstream's dqkv 0.83; ncu: 255 registers, 19% issue, latency-bound).
+# 8 warps, 2.84 in blocks of 64, 3.05 in chunks of 32, 2.98 with 16 warps for the first.
+# Until session 22 one program per (row, head, block of 32 states) walked chunks of 16 in
+# reverse doing all of it: 3.66 ms (its kernel 2.35 against upstream's dqkv 0.83; ncu: 255
+# registers, 19% issue, latency-bound). Until session 23 the start states' gradients were a
+# program per (row, head, 16 of the P values) walking the chunks in reverse with the
+# product inside the loop (0.22 ms at 8 x 2048), after a kernel of its own for the gate's
+# gradient (0.12 ms).
 CHUNK_BWD = 64
-DSTATE_BLOCK_P = 16
-DSTATE_WARPS = 4
+DY_BLOCK_P, DY_BLOCK_N, DY_WARPS = 64, 128, 4
+SCAN_BLOCK = 1024
 GRAD_WARPS = 4
 GRAD_BLOCK_N = 32  # the states a block of `_chunk_grad_kernel`'s pass over N
 QK_WARPS = 4
@@ -199,7 +204,7 @@ class _Core(torch.autograd.Function):
     (in x.dtype) when there is one and, when its chunks divide the backward's, each of the
     backward's chunks' start state S'_start (f32, stored by the forward kernel beside y; else
     the backward recomputes them in a pass of their own). The backward: the gate's and D's
-    gradients (`_gate_bwd`), the start states' gradients, then the rest per chunk."""
+    gradients with the start states' gradients (`_dstates`), then the rest per chunk."""
 
     @staticmethod
     def forward(ctx, x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z):
@@ -229,21 +234,9 @@ class _Core(torch.autograd.Function):
             _launch_fwd(x, qr, kr, adt, gamma, late, seq, None, None, s0, k0, x0, None, L,
                         states)  # fmt: skip
         dy = dy.contiguous() if dy is not None else torch.zeros_like(x)
-        dz = dD = None
-        if z is not None or D is not None:  # dy becomes the gradient of the core
-            dy, dz, dD = _gate_bwd(dy, z, pre, x, D)
-        seqt = seq if seq is not None else adt
-        dst, ds0 = torch.empty_like(states), torch.empty_like(s0)
         dsT = dsT.contiguous() if dsT is not None else None
-        block_p = min(_block(P), DSTATE_BLOCK_P)
-        launch(_dstate_kernel, (Bsz, H, cdiv(P, block_p)),
-            qr, adt, seqt, dy, dsT if dsT is not None else s0, dst, ds0,
-            T, H, P, N,
-            qr.stride(0), qr.stride(1), qr.stride(2), adt.stride(0), adt.stride(1),
-            seqt.stride(0), dy.stride(0), dy.stride(1), dy.stride(2),
-            HAS_SEQ=seq is not None, HAS_DST=dsT is not None, L=L, BLOCK_P=block_p,
-            BLOCK_N=_block(N), PREC=_precision(x), num_warps=DSTATE_WARPS,
-        )  # fmt: skip
+        dy, dz, dD, dst, ds0 = _dstates(dy, z, pre, x, D, qr, adt, seq, dsT, states, s0, L)
+        seqt = seq if seq is not None else adt
         dx = torch.empty(dy.shape, device=x.device, dtype=x.dtype)
         dq, dk = torch.empty_like(qr), torch.empty_like(kr)
         dadt, dgam, dlate = (torch.empty(adt.shape, **f32) for _ in range(3))
@@ -265,30 +258,41 @@ class _Core(torch.autograd.Function):
             x, qr, kr, adt, gamma, late, seqt, states, dst, x0, dy, dq, dk, dk0, *strided,
             BLOCK_N=min(_block(N), QK_BLOCK_N), num_warps=QK_WARPS, **consts,
         )  # fmt: skip
-        dD = dD.sum(0).to(D.dtype) if D is not None else None
+        dD = dD.sum((0, 1)).to(D.dtype) if D is not None else None
         return dx, dq, dk, dadt, dgam, dlate, None, ds0, dk0, dx0, dD, dz
 
 
-GATE_BLOCK_M = 32  # rows (b, t) per program of the gate's backward
-
-
-def _gate_bwd(dy, z, pre, x, D):
-    """`_gate_bwd_kernel`: (dy_core f32, dz in z's dtype or None, dD [programs, H] f32 or
-    None); dy contiguous [B, T, H, P]."""
-    has_D = D is not None
+def _dstates(dy, z, pre, x, D, qr, adt, seq, dsT, states, s0, L):
+    """The backward's first two kernels, `_dy_chunk_kernel` and `_dstate_scan_kernel`: (the
+    core's gradient (dy itself without a gate, else f32), dz in z's dtype or None, dD's
+    shares [B, chunks, H] f32 or None, the start states' gradients dS'_{c+1} like `states`,
+    dS'_0 f32 like s0); dy contiguous [B, T, H, P]."""
     Bsz, T, H, P = dy.shape
-    M = Bsz * T
-    dyc = torch.empty(dy.shape, device=dy.device, dtype=torch.float32)
+    N = qr.shape[-1]
+    nc = cdiv(T, L)
+    f32 = dict(device=dy.device, dtype=torch.float32)
+    dyc = torch.empty(dy.shape, **f32) if z is not None else dy
     dz = torch.empty(z.shape, device=z.device, dtype=z.dtype) if z is not None else None
-    grid = (cdiv(M, GATE_BLOCK_M), H)
-    dD = torch.empty(grid, device=dy.device, dtype=torch.float32) if has_D else None
+    dD = torch.empty(Bsz, nc, H, **f32) if D is not None else None
+    dst, keep = torch.empty_like(states), torch.empty(Bsz, H, nc, **f32)
+    seqt = seq if seq is not None else adt
     zs = z.stride()[:3] if z is not None else (0, 0, 0)
-    launch(_gate_bwd_kernel, grid,
-        dy, opt(z, dy), opt(pre, dy), x, dyc, opt(dz, dyc), opt(dD, dyc),
-        M, T, H, P, *zs, x.stride(0), x.stride(1), x.stride(2),
-        HAS_Z=z is not None, HAS_D=has_D, BLOCK_M=GATE_BLOCK_M, BLOCK_P=_block(P),
+    launch(_dy_chunk_kernel, (Bsz, H, nc),
+        dy, opt(z, dy), opt(pre, dy), x, qr, adt, seqt, dyc, opt(dz, dyc), opt(dD, dyc),
+        dst, keep,
+        T, H, P, N, *zs, x.stride(0), x.stride(1), x.stride(2),
+        qr.stride(0), qr.stride(1), qr.stride(2), adt.stride(0), adt.stride(1),
+        seqt.stride(0),
+        HAS_SEQ=seq is not None, HAS_Z=z is not None, HAS_D=D is not None, L=L,
+        BLOCK_P=min(_block(P), DY_BLOCK_P), BLOCK_N=min(_block(N), DY_BLOCK_N),
+        PREC=_precision(x), num_warps=DY_WARPS,
     )  # fmt: skip
-    return dyc, dz, dD
+    ds0 = torch.empty_like(s0)
+    launch(_dstate_scan_kernel, (Bsz * H, cdiv(P * N, SCAN_BLOCK)),
+        keep, dsT if dsT is not None else s0, dst, ds0, T, P * N, L,
+        HAS_DST=dsT is not None, BLOCK=SCAN_BLOCK,
+    )  # fmt: skip
+    return dyc, dz, dD, dst, ds0
 
 
 def mamba3_scan_kernel(

@@ -1,7 +1,8 @@
 """The Triton kernels of the Mamba-3 chunk scan (chunk.py has the math, the launchers and
 the autograd): the forward (y, the final state, each chunk's start state for the
-backward), the backward in two kernels (the start states' gradients, chunks in reverse;
-then every other gradient, a program per chunk), and the gate's backward.
+backward), and the backward: what each chunk gets from dy alone (the gate's and D's
+gradients, the chunk's part of its start state's gradient), the start states' gradients
+summed over the chunks in reverse, then every other gradient, a program per chunk.
 """
 
 import triton
@@ -167,50 +168,96 @@ def _chunk_ctx(p_seq, p_adt, b, h, c0, t, mt, rows, last, s_w_b, s_w_t, s_seq_b,
 
 
 @triton.jit
-def _dstate_kernel(
-    p_q, p_adt, p_seq, p_dy, p_dsT, p_dst, p_ds0,
+def _dy_chunk_kernel(
+    p_dy, p_z, p_pre, p_x, p_q, p_adt, p_seq, p_dyc, p_dz, p_dD, p_u, p_keep,
     T, H, P, N,
-    s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b, s_dy_b, s_dy_t, s_dy_h,
-    HAS_SEQ: tl.constexpr, HAS_DST: tl.constexpr,
+    s_z_b, s_z_t, s_z_h, s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b,
+    HAS_SEQ: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
 ):
-    """The gradient of each chunk's start state S'_start, the chunks in reverse, for one
-    (row, head) and BLOCK_P of its P values (rows of dS are independent): S'_start of chunk
-    c enters y_t as e_cs_t q~_t S'^T and the next chunk's start as keep S', so
-
-        dS'_c = keep_c dS'_{c+1} + (dy_c e_cs_c)^T q~_c
-
-    with dS'_{chunks} the final state's gradient. dst [B, H, chunks, P, N] gets, at chunk
-    c, dS'_{c+1} (what `_chunk_grad_kernel` of chunk c reads); ds0 gets dS'_0."""
+    """What the backward of one chunk of one (row, head) needs from dy alone, every chunk in
+    parallel. y = pre silu(z), pre = core + D x (dy, pre, dyc, dz contiguous [B, T, H, P]):
+    HAS_Z: dyc = dy silu(z) (the core's gradient, f32) and dz = dy pre silu'(z); HAS_D: the
+    chunk's share of dD, sum dyc x (dD [B, chunks, H]; x's share, D dyc, is
+    `_chunk_grad_kernel`'s). Then the chunk's own part of its start state's gradient,
+    u [P, N] = (dyc e_cs)^T q~ (to u [B, H, chunks, P, N]), and the factor keep of the start
+    state in the end state (keep [B, H, chunks]): `_dstate_scan_kernel` sums them over the
+    chunks. A loop over blocks of P (dy's columns) and, inside it, of N (q~'s)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    c = tl.program_id(2)
+    c0 = c * L
     rows = tl.arange(0, L)
-    p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
-    n = tl.arange(0, BLOCK_N)
-    mp, mn = p < P, n < N
-    mpn = mp[:, None] & mn[None, :]
+    t = c0 + rows
+    mt = t < T
+    last = tl.minimum(L, T - c0) - 1
     bh = b * H + h
+    nc = tl.cdiv(T, L)
+    _, _, _, _, e_cs, keep = _chunk_ctx(p_seq, p_adt, b, h, c0, t, mt, rows, last,
+                                        s_w_b, s_w_t, s_seq_b, HAS_SEQ)
+    tl.store(p_keep + bh * nc + c, keep)
+    dD = tl.zeros([BLOCK_P], dtype=tl.float32)  # per column of the block, summed at the end
+    for p0 in range(0, P, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        mp = p < P
+        mtp = mt[:, None] & mp[None, :]
+        off = ((b * T + t[:, None]) * H + h) * P + p[None, :]
+        dy = tl.load(p_dy + off, mask=mtp, other=0.0).to(tl.float32)
+        if HAS_Z:
+            z = tl.load(p_z + b * s_z_b + t[:, None] * s_z_t + h * s_z_h + p[None, :], mask=mtp,
+                        other=0.0).to(tl.float32)
+            pre = tl.load(p_pre + off, mask=mtp, other=0.0).to(tl.float32)
+            sz = tl.sigmoid(z)
+            tl.store(p_dz + off, (dy * pre * sz * (1.0 + z * (1.0 - sz))).to(
+                p_dz.dtype.element_ty), mask=mtp)
+            dy = dy * z * sz
+            tl.store(p_dyc + off, dy, mask=mtp)
+        if HAS_D:
+            xc = tl.load(p_x + b * s_x_b + t[:, None] * s_x_t + h * s_x_h + p[None, :],
+                         mask=mtp, other=0.0).to(tl.float32)
+            dD += tl.sum(dy * xc, axis=0)
+        dy_e = tl.trans(dy * e_cs[:, None])  # [P, L]
+        for n0 in range(0, N, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            mn = n < N
+            qc = tl.load(p_q + b * s_q_b + t[:, None] * s_q_t + h * s_q_h + n[None, :],
+                         mask=mt[:, None] & mn[None, :], other=0.0)
+            u = _mm(dy_e, qc, PREC)
+            tl.store(p_u + ((bh * nc + c) * P + p[:, None]) * N + n[None, :],
+                     u.to(p_u.dtype.element_ty), mask=mp[:, None] & mn[None, :])
+    if HAS_D:
+        tl.store(p_dD + (b * nc + c) * H + h, tl.sum(dD, axis=0))
+
+
+@triton.jit
+def _dstate_scan_kernel(
+    p_keep, p_dsT, p_dst, p_ds0, T, PN, L,
+    HAS_DST: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """The gradient of each chunk's start state S'_start, the chunks in reverse, for one
+    (row, head) and BLOCK of its P N values: S'_start of chunk c enters y_t as
+    e_cs_t q~_t S'^T and the next chunk's start as keep_c S', so
+
+        dS'_c = keep_c dS'_{c+1} + u_c,    u_c = (dy_c e_cs_c)^T q~_c
+
+    with dS'_{chunks} the final state's gradient. dst [B, H, chunks, P, N] holds u_c
+    (`_dy_chunk_kernel`'s) and gets, at chunk c, dS'_{c+1} in its place (what
+    `_chunk_grad_kernel` of chunk c reads); ds0 gets dS'_0 (f32)."""
+    bh = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    me = e < PN
     if HAS_DST:
-        dS = tl.load(p_dsT + bh * P * N + p[:, None] * N + n[None, :], mask=mpn, other=0.0)
+        dS = tl.load(p_dsT + bh * PN + e, mask=me, other=0.0)
     else:
-        dS = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+        dS = tl.zeros([BLOCK], dtype=tl.float32)
     n_chunks = tl.cdiv(T, L)
     for i in range(0, n_chunks):
         c = n_chunks - 1 - i
-        c0 = c * L
-        t = c0 + rows
-        mt = t < T
-        last = tl.minimum(L, T - c0) - 1
-        tl.store(p_dst + ((bh * n_chunks + c) * P + p[:, None]) * N + n[None, :],
-                 dS.to(p_dst.dtype.element_ty), mask=mpn)
-        _, _, _, _, e_cs, keep = _chunk_ctx(p_seq, p_adt, b, h, c0, t, mt, rows, last,
-                                            s_w_b, s_w_t, s_seq_b, HAS_SEQ)
-        dy = tl.load(p_dy + b * s_dy_b + t[:, None] * s_dy_t + h * s_dy_h + p[None, :],
-                     mask=mt[:, None] & mp[None, :], other=0.0).to(tl.float32)
-        qc = tl.load(p_q + b * s_q_b + t[:, None] * s_q_t + h * s_q_h + n[None, :],
-                     mask=mt[:, None] & mn[None, :], other=0.0)
-        dS = _mm(tl.trans(dy * e_cs[:, None]), qc, PREC, keep * dS)
-    tl.store(p_ds0 + bh * P * N + p[:, None] * N + n[None, :], dS, mask=mpn)
+        at = p_dst + (bh * n_chunks + c) * PN + e
+        u = tl.load(at, mask=me, other=0.0).to(tl.float32)
+        tl.store(at, dS.to(p_dst.dtype.element_ty), mask=me)
+        dS = tl.load(p_keep + bh * n_chunks + c) * dS + u
+    tl.store(p_ds0 + bh * PN + e, dS, mask=me)
 
 
 @triton.jit
@@ -293,7 +340,7 @@ def _state_blocks(p_q, p_k, p_st, p_dst, q_row, st_at, j, mt, mp, N, BLOCK_N: tl
 # dS'_start = keep dS + (dy e_cs)^T q~, as sums of vectors). Two kernels, so neither holds
 # the other's tiles (in one, 1.6 KB of spills a thread, sm_90 offline): `_chunk_grad_kernel`
 # the gradients of x and the per-token weights, `_chunk_qk_grad_kernel` those of q~ and k~.
-# dy is the core's gradient (`_gate_bwd`'s); the initial state's S gets dS'_0.
+# dy is the core's gradient (`_dy_chunk_kernel`'s); the initial state's S gets dS'_0.
 
 
 @triton.jit
@@ -402,39 +449,6 @@ def _chunk_qk_grad_kernel(
             tl.store(p_dk0 + bh * N + n,
                      late0 * (keep * tl.sum(dsj * x0[:, None], axis=0)
                               + tl.sum((e_cs * dy_x)[:, None] * qj, axis=0)), mask=mn)
-
-
-@triton.jit
-def _gate_bwd_kernel(
-    p_dy, p_z, p_pre, p_x, p_dyc, p_dz, p_dD,
-    M, T, H, P, s_z_b, s_z_t, s_z_h, s_x_b, s_x_t, s_x_h,
-    HAS_Z: tl.constexpr, HAS_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-):
-    """y = pre silu(z), pre = core + D x, over the rows m = b T + t of [B, T, H, P] (dy, pre,
-    dyc, dz contiguous; z and x strided): dyc = dy silu(z) (the core's gradient, f32),
-    dz = dy pre silu'(z) and this program's share of dD [programs along M, H] (x's share,
-    D dyc, is added by `_chunk_grad_kernel`)."""
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    b, t = m // T, m % T
-    p = tl.arange(0, BLOCK_P)
-    mask = (m < M)[:, None] & (p < P)[None, :]
-    off = (m[:, None] * H + h) * P + p[None, :]
-    dy = tl.load(p_dy + off, mask=mask, other=0.0).to(tl.float32)
-    if HAS_Z:
-        z_off = (b * s_z_b + t * s_z_t)[:, None] + h * s_z_h + p[None, :]
-        z = tl.load(p_z + z_off, mask=mask, other=0.0).to(tl.float32)
-        pre = tl.load(p_pre + off, mask=mask, other=0.0).to(tl.float32)
-        sz = tl.sigmoid(z)
-        tl.store(p_dz + off, (dy * pre * sz * (1.0 + z * (1.0 - sz))).to(p_dz.dtype.element_ty),
-                 mask=mask)
-        dy = dy * z * sz
-    tl.store(p_dyc + off, dy, mask=mask)
-    if HAS_D:
-        x_off = (b * s_x_b + t * s_x_t)[:, None] + h * s_x_h + p[None, :]
-        x = tl.load(p_x + x_off, mask=mask, other=0.0).to(tl.float32)
-        tl.store(p_dD + pid_m * H + h, tl.sum(tl.sum(dy * x, axis=1), axis=0))
 
 
 # fmt: on
