@@ -378,16 +378,18 @@ def test_chunk_kernels_in_blocks_of_p_and_n(monkeypatch, seq, state_in):
     _check_kernel_gradients(inp, state, seq_idx)
 
 
-@pytest.mark.parametrize("chunk_bwd", [8, 16, 32])
-def test_chunk_kernels_backward_in_other_chunks_than_the_forward(monkeypatch, chunk_bwd):
+@pytest.mark.parametrize("chunk_bwd, seq", [(8, True), (8, False), (16, True), (32, True)])
+def test_chunk_kernels_backward_in_other_chunks_than_the_forward(monkeypatch, chunk_bwd, seq):
     """The forward (chunks of 16) keeps the start states of the backward's chunks when its
     chunks divide them (16, 32: every chunk's or every other's); a backward in other chunks
     (8) recomputes them in a pass of its own (the forward kernel storing states alone).
-    Every gradient as the float64 reference either way."""
+    The start states' gradients are summed 4 chunks at a time (without documents, so the
+    carry between the tiles matters). Every gradient as the float64 reference either way."""
     from mambakit.ops.mamba3 import chunk
 
     monkeypatch.setattr(chunk, "CHUNK_BWD", chunk_bwd)
-    _check_kernel_gradients(*_kernel_case(45, 2, True, True, True, seed=11))
+    monkeypatch.setattr(chunk, "SCAN_CHUNKS", 4)  # 8: 6 chunks, summed in two tiles of 4
+    _check_kernel_gradients(*_kernel_case(45, 2, seq, True, True, seed=11))
 
 
 def _check_kernel_gradients(inp, state, seq_idx):
