@@ -28,7 +28,7 @@ from .chunk_kernels import (
     _dy_chunk_kernel,
 )
 from .reference import Mamba3State
-from .terms import token_terms_kernel
+from .terms import _Terms, token_terms_kernel
 
 # 32 steps a chunk in the forward: [P, N] state, start state, q~, k~ and the [L, L] scores
 # held in registers. H200, 130m-mamba3 heads, 8 x 2048, bf16 products, 4 warps (session 22,
@@ -53,10 +53,11 @@ def _precision(x: torch.Tensor) -> str:
     return {torch.float32: "tf32x3", torch.bfloat16: PREC_16BIT}.get(x.dtype, "tf32")
 
 
-def _states_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype of the chunk start states (and their gradients) kept for the backward: bf16
-    where the products take bf16 operands (they enter the backward's products as such, and
-    its sums over them in f32), else f32. The state the forward carries is always f32."""
+def _operands_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of what the scan kernels read mostly as products' operands: q~ and k~, the
+    chunk start states kept for the backward and their gradients. bf16 where the products
+    take bf16 operands (the sums and elementwise terms over them are f32 all the same), else
+    f32. The state the forward carries, and every gradient the scan returns, are f32."""
     return torch.bfloat16 if _precision(x) == "bf16" else torch.float32
 
 
@@ -118,27 +119,17 @@ def _launch_fwd(
     return sT, kT, xT
 
 
-def _terms(q, k, delta, A, trap, theta, q_bias, k_bias, initial_state, seq_idx):
-    """The per-token terms on their kernels (terms.py): (phi_T, q~, k~, A delta, gamma, late,
-    int32 document ids or None), f32 and contiguous."""
-    seq = seq_idx.to(torch.int32).contiguous() if seq_idx is not None else None
-    out = token_terms_kernel(q, k, delta, A, trap, theta, q_bias, k_bias, initial_state.angle,
-                             seq)  # fmt: skip
-    return *out, seq
-
-
-def _prepare(x, q, k, delta, A, trap, theta, q_bias, k_bias, initial_state, seq_idx):
-    """What both scans launch with: (the initial state, f32 zeros if None; phi_T, q~, k~,
-    A delta, gamma, late and seq from the terms kernels; x with unit last stride; the
-    initial S, k~, x in f32, contiguous)."""
+def _prepare(x, q, theta, initial_state, seq_idx):
+    """What both scans launch with: (the initial state, f32 zeros if None; int32 document
+    ids or None; x with unit last stride; the initial S, k~, x in f32, contiguous)."""
     Bsz, T, H, P = x.shape
     N, S = q.shape[-1], theta.shape[-1]
     if initial_state is None:
         initial_state = Mamba3State.zeros(Bsz, H, P, N, S, x.device, torch.float32)
-    terms = _terms(q, k, delta, A, trap, theta, q_bias, k_bias, initial_state, seq_idx)
+    seq = seq_idx.to(torch.int32).contiguous() if seq_idx is not None else None
     xs = x if x.stride(-1) == 1 else x.contiguous()
     s0, k0, x0 = (t.float().contiguous() for t in initial_state[1:])
-    return initial_state, *terms, xs, s0, k0, x0
+    return initial_state, seq, xs, s0, k0, x0
 
 
 def mamba3_scan_fwd(
@@ -159,8 +150,9 @@ def mamba3_scan_fwd(
     """`mamba3_scan_reference`'s values without its autograd: (y [B, T, H, P] in x.dtype,
     the final f32 state). The chunk is `CHUNK_L` whatever the layer's chunk_size (the
     result does not depend on it). D and the gate are applied inside the kernel."""
-    _, phi_T, qr, kr, adt, gamma, late, seq, xs, s0, k0, x0 = _prepare(
-        x, q, k, delta, A, trap, theta, q_bias, k_bias, initial_state, seq_idx
+    initial_state, seq, xs, s0, k0, x0 = _prepare(x, q, theta, initial_state, seq_idx)
+    phi_T, qr, kr, adt, gamma, late = token_terms_kernel(
+        q, k, delta, A, trap, theta, q_bias, k_bias, initial_state.angle, seq, _operands_dtype(x)
     )
     zs = z if z is None or z.stride(-1) == 1 else z.contiguous()
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
@@ -176,7 +168,7 @@ def mamba3_scan_fwd(
 # the P N values. Then, with no loop over chunks, from the chunk's start state (the
 # forward's) and its end state's gradient: `_chunk_grad_kernel` the gradients of x and the
 # per-token weights, `_chunk_qk_grad_kernel` those of q~ and k~. The start states are
-# [B, H, T / CHUNK_BWD, P, N] (`_states_dtype`: bf16 for bf16 inputs, 100 MB at 8 x 2048 for
+# [B, H, T / CHUNK_BWD, P, N] (`_operands_dtype`: bf16 for bf16 inputs, 100 MB at 8 x 2048 for
 # the 130m-mamba3 heads), kept from the forward, which stores every (CHUNK_BWD / CHUNK_L)-th
 # of its chunks' when CHUNK_L divides CHUNK_BWD (else the backward recomputes them in a pass
 # of its own); their gradients are as many, transient (u_c, then dS' in its place).
@@ -198,8 +190,9 @@ QK_WARPS = 4
 QK_BLOCK_N = 32  # of `_chunk_qk_grad_kernel`'s
 
 
-class _Core(torch.autograd.Function):
-    """The scan with its kernels: (x, q~, k~, A delta, gamma, late, initial S, k~, x, D, z)
+class _Core:
+    """The forward and backward of an autograd context (`_Scan` runs them): the scan with
+    its kernels: (x, q~, k~, A delta, gamma, late, initial S, k~, x, D, z)
     -> (y with D and the gate, in x.dtype; the final S). The forward keeps y before the gate
     (in x.dtype) when there is one and, when its chunks divide the backward's, each of the
     backward's chunks' start state S'_start (f32, stored by the forward kernel beside y; else
@@ -214,7 +207,7 @@ class _Core(torch.autograd.Function):
         states = None
         if CHUNK_BWD % CHUNK_L == 0:
             states = torch.empty(Bsz, H, cdiv(T, CHUNK_BWD), P, qr.shape[-1],
-                                 device=x.device, dtype=_states_dtype(x))  # fmt: skip
+                                 device=x.device, dtype=_operands_dtype(x))  # fmt: skip
         sT, _, _ = _launch_fwd(x, qr, kr, adt, gamma, late, seq, D, z, s0, k0, x0, y, CHUNK_L,
                                states, pre, CHUNK_BWD)  # fmt: skip
         ctx.save_for_backward(x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, pre, states)
@@ -230,7 +223,7 @@ class _Core(torch.autograd.Function):
         nc = cdiv(T, L)
         f32 = dict(device=x.device, dtype=torch.float32)
         if states is None:  # the forward ran other chunks: a pass for the backward's
-            states = torch.empty(Bsz, H, nc, P, N, device=x.device, dtype=_states_dtype(x))
+            states = torch.empty(Bsz, H, nc, P, N, device=x.device, dtype=_operands_dtype(x))
             _launch_fwd(x, qr, kr, adt, gamma, late, seq, None, None, s0, k0, x0, None, L,
                         states)  # fmt: skip
         dy = dy.contiguous() if dy is not None else torch.zeros_like(x)
@@ -238,7 +231,7 @@ class _Core(torch.autograd.Function):
         dy, dz, dD, dst, ds0 = _dstates(dy, z, pre, x, D, qr, adt, seq, dsT, states, s0, L)
         seqt = seq if seq is not None else adt
         dx = torch.empty(dy.shape, device=x.device, dtype=x.dtype)
-        dq, dk = torch.empty_like(qr), torch.empty_like(kr)
+        dq, dk = torch.empty(qr.shape, **f32), torch.empty(kr.shape, **f32)
         dadt, dgam, dlate = (torch.empty(adt.shape, **f32) for _ in range(3))
         dk0, dx0 = torch.empty_like(k0), torch.empty_like(x0)
         strided = (
@@ -262,6 +255,49 @@ class _Core(torch.autograd.Function):
         )  # fmt: skip
         dD = dD.sum((0, 1)).to(D.dtype) if D is not None else None
         return dx, dq, dk, dadt, dgam, dlate, None, ds0, dk0, dx0, dD, dz
+
+
+class _Ctx:
+    """An autograd context's part that `_Scan` hands to `_Terms` or `_Core`."""
+
+    def __init__(self, saved=(), **attrs):
+        self.saved_tensors = tuple(saved)
+        self.__dict__.update(attrs)
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+
+class _Scan(torch.autograd.Function):
+    """`_Terms` then `_Core` as one autograd node: (y, phi_T, the final S and k~) from x, the
+    per-token inputs, the initial angle, S, k~ and x (f32), D, z and the document ids. In
+    one node q~ and k~ can be bf16 (`_operands_dtype`) while their gradients stay f32."""
+
+    @staticmethod
+    def forward(ctx, x, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, s0, k0, x0, D, z,
+                seq):  # fmt: skip
+        terms, core = _Ctx(), _Ctx()
+        phi_T, qr, kr, adt, gamma, late = _Terms.forward(
+            terms, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, seq, _operands_dtype(x)
+        )
+        y, sT = _Core.forward(core, x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z)
+        ctx.save_for_backward(*terms.saved_tensors, *core.saved_tensors)
+        ctx.n_terms, ctx.dtypes, ctx.chunk = len(terms.saved_tensors), terms.dtypes, core.chunk
+        return y, phi_T, sT, kr[:, -1].float()
+
+    @staticmethod
+    def backward(ctx, dy, dphi_T, dsT, dkT):
+        saved = ctx.saved_tensors
+        terms = _Ctx(saved[: ctx.n_terms], dtypes=ctx.dtypes)
+        core = _Ctx(saved[ctx.n_terms :], chunk=ctx.chunk)
+        dx, dqr, dkr, dadt, dgam, dlate, _, ds0, dk0, dx0, dD, dz = _Core.backward(core, dy, dsT)
+        if dkT is not None:
+            dkr[:, -1] += dkT
+        dq, dk, ddelta, dA, dtrap, dtheta, dq_bias, dk_bias, dangle0, _, _ = _Terms.backward(
+            terms, dphi_T, dqr, dkr, dadt, dgam, dlate
+        )
+        return (dx, dq, dk, ddelta, dA, dtrap, dtheta, dq_bias, dk_bias, dangle0, ds0, dk0, dx0,
+                dD, dz, None)  # fmt: skip
 
 
 def _dstates(dy, z, pre, x, D, qr, adt, seq, dsT, states, s0, L):
@@ -315,17 +351,16 @@ def mamba3_scan_kernel(
 ) -> tuple[torch.Tensor, Mamba3State]:
     """`mamba3_scan_reference` on the kernels, differentiable in every input and the initial
     state: (y [B, T, H, P] in x.dtype, the final f32 state). Outside autograd it is
-    `mamba3_scan_fwd` (D and the gate inside the kernel). Under autograd the per-token terms
-    are `_Terms` (terms.py) and the scan with D and the gate is `_Core`."""
+    `mamba3_scan_fwd` (D and the gate inside the kernel). Under autograd it is `_Scan`: the
+    per-token terms (`_Terms`, terms.py) and the scan with D and the gate (`_Core`)."""
     tensors = (x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z, *(initial_state or ()))
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors):
         return mamba3_scan_fwd(x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z,
                                initial_state, seq_idx)  # fmt: skip
-    initial_state, phi_T, qr, kr, adt, gamma, late, seq, xs, s0, k0, x0 = _prepare(
-        x, q, k, delta, A, trap, theta, q_bias, k_bias, initial_state, seq_idx
-    )
+    initial_state, seq, xs, s0, k0, x0 = _prepare(x, q, theta, initial_state, seq_idx)
     if x.shape[1] == 0:
         return x.new_empty(x.shape), Mamba3State(*(t.float() for t in initial_state))
     zs = z if z is None or z.stride(-1) == 1 else z.contiguous()
-    y, sT = _Core.apply(xs, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, zs)
-    return y, Mamba3State(phi_T, sT, kr[:, -1], x[:, -1].float())
+    y, phi_T, sT, kT = _Scan.apply(xs, q, k, delta, A, trap, theta, q_bias, k_bias,
+                                   initial_state.angle, s0, k0, x0, D, zs, seq)  # fmt: skip
+    return y, Mamba3State(phi_T, sT, kT, x[:, -1].float())

@@ -38,8 +38,8 @@ def _chunk_inputs(p_q, p_k, p_adt, p_gam, p_late, b, h, c0, t, n, mt, mn, rows, 
     first late term."""
     qn = t[:, None] * s_q_t + h * s_q_h + n[None, :]
     mq = mt[:, None] & mn[None, :]
-    qc = tl.load(p_q + b * s_q_b + qn, mask=mq, other=0.0)
-    kc = tl.load(p_k + b * s_q_b + qn, mask=mq, other=0.0)
+    qc = tl.load(p_q + b * s_q_b + qn, mask=mq, other=0.0).to(tl.float32)
+    kc = tl.load(p_k + b * s_q_b + qn, mask=mq, other=0.0).to(tl.float32)
     wo = b * s_w_b + t * s_w_t + h
     adt = tl.load(p_adt + wo, mask=mt, other=0.0)
     gam = tl.load(p_gam + wo, mask=mt, other=0.0)
@@ -219,7 +219,7 @@ def _dy_chunk_kernel(
             n = n0 + tl.arange(0, BLOCK_N)
             mn = n < N
             qc = tl.load(p_q + b * s_q_b + t[:, None] * s_q_t + h * s_q_h + n[None, :],
-                         mask=mt[:, None] & mn[None, :], other=0.0)
+                         mask=mt[:, None] & mn[None, :], other=0.0).to(tl.float32)
             u = _mm(dy_e, qc, PREC)
             tl.store(p_u + ((bh * nc + c) * P + p[:, None]) * N + n[None, :],
                      u.to(p_u.dtype.element_ty), mask=mp[:, None] & mn[None, :])
@@ -337,8 +337,8 @@ def _state_blocks(p_q, p_k, p_st, p_dst, p_dsT, q_row, st_at, bh, c, j, mt, mp, 
     mn = n < N
     mq = mt[:, None] & mn[None, :]
     mpn = mp[:, None] & mn[None, :]
-    qj = tl.load(p_q + q_row + n[None, :], mask=mq, other=0.0)
-    kj = tl.load(p_k + q_row + n[None, :], mask=mq, other=0.0)
+    qj = tl.load(p_q + q_row + n[None, :], mask=mq, other=0.0).to(tl.float32)
+    kj = tl.load(p_k + q_row + n[None, :], mask=mq, other=0.0).to(tl.float32)
     stj = tl.load(p_st + st_at + n[None, :], mask=mpn, other=0.0).to(tl.float32)
     inner = ((n * 0 + c + 1) < tl.cdiv(T, L))[None, :]  # not the last chunk
     dsj = tl.load(p_dst + st_at + P * N + n[None, :], mask=mpn & inner,
@@ -401,7 +401,7 @@ def _chunk_grad_kernel(
                                                      bh, c, j, mt, mp, P, N, T, L, BLOCK_N,
                                                      HAS_DST)
         inside_n = (n * 0 + c0) > 0
-        k_prev = tl.load(p_k + k_prev_at + n, mask=mn & inside_n, other=0.0)
+        k_prev = tl.load(p_k + k_prev_at + n, mask=mn & inside_n, other=0.0).to(tl.float32)
         k_prev += tl.load(p_k0 + bh * N + n, mask=mn & ~inside_n, other=0.0)
         qk = _mm(qj, tl.trans(kj), PREC, qk)
         k_ds = _mm(kj, tl.trans(dsj), PREC, k_ds)

@@ -396,11 +396,13 @@ def _s(S: int) -> int:
 
 
 class _Terms(torch.autograd.Function):
-    """reference.token_terms on the kernels (f32 outputs, contiguous), differentiable in
-    q, k, delta, A, trap, theta, the biases and the initial angle."""
+    """reference.token_terms on the kernels (f32 outputs, contiguous; q~ and k~ in
+    `turned`), differentiable in q, k, delta, A, trap, theta, the biases and the initial
+    angle."""
 
     @staticmethod
-    def forward(ctx, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, seq):
+    def forward(ctx, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, seq,
+                turned=torch.float32):  # fmt: skip
         Bsz, T, G, N = q.shape
         H, S = delta.shape[-1], theta.shape[-1]
         f = dict(device=q.device, dtype=torch.float32)
@@ -409,7 +411,8 @@ class _Terms(torch.autograd.Function):
         trap, theta = (t if t.stride(-1) == 1 else t.contiguous() for t in (trap, theta))
         q_bias, k_bias = q_bias.contiguous(), k_bias.contiguous()
         angle0 = angle0.float().contiguous()
-        qr, kr = torch.empty(Bsz, T, H, N, **f), torch.empty(Bsz, T, H, N, **f)
+        qr = torch.empty(Bsz, T, H, N, device=q.device, dtype=turned)
+        kr = torch.empty_like(qr)
         phi = torch.empty(Bsz, T, H, S, **f)
         adt, gam, late = (torch.empty(Bsz, T, H, **f) for _ in range(3))
         phiT = torch.empty(Bsz, H, S, **f)
@@ -488,11 +491,13 @@ class _Terms(torch.autograd.Function):
             launch(sum_blocks_kernel, (-(-M // SUM_BLOCK), 1), dth, dth, dtheta, dtheta, H, M,
                    BLOCK_E=SUM_BLOCK)  # fmt: skip
         return (dq, dk, ddelta, dA, dtrap.to(trd), dtheta, dq_bias, dk_bias, dangle0.to(ad),
-                None)  # fmt: skip
+                None, None)  # fmt: skip
 
 
-def token_terms_kernel(q, k, delta, A, trap, theta, q_bias, k_bias, angle0, seq):
+def token_terms_kernel(q, k, delta, A, trap, theta, q_bias, k_bias, angle0, seq,
+                       turned=torch.float32):  # fmt: skip
     """reference.token_terms(..., f=float32) on the kernels, but (phi_T [B, H, S], q~, k~,
-    A delta, gamma, late): the final angle instead of every step's. seq: int32 [B, T]
-    contiguous document ids, or None."""
-    return _Terms.apply(q, k, delta, A, trap, theta, q_bias, k_bias, angle0, seq)
+    A delta, gamma, late): the final angle instead of every step's, q~ and k~ in `turned`
+    (f32, or bf16 where the scan's products round them so). seq: int32 [B, T] contiguous
+    document ids, or None."""
+    return _Terms.apply(q, k, delta, A, trap, theta, q_bias, k_bias, angle0, seq, turned)
