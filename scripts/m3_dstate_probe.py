@@ -73,8 +73,8 @@ def main() -> int:
 
         print({"dy_kernel (block_n, warps, stages)": (block_n, warps, stages),
                "ms": timed(dy_kernel)}, flush=True)  # fmt: skip
-    for block, chunks, warps in ((256, 32, 4), (512, 32, 4), (128, 32, 4), (256, 32, 8),
-                                 (256, 16, 4), (1024, 8, 4), (512, 32, 8)):  # fmt: skip
+    for block, chunks, warps in ((1024, 8, 4), (1024, 16, 4), (2048, 8, 8), (512, 8, 4),
+                                 (1024, 4, 4), (2048, 16, 8)):  # fmt: skip
 
         def scan(block=block, chunks=chunks, warps=warps):
             _dstate_scan_kernel[(Bn * H, -(-P * N // block))](

@@ -383,12 +383,12 @@ def test_chunk_kernels_backward_in_other_chunks_than_the_forward(monkeypatch, ch
     """The forward (chunks of 16) keeps the start states of the backward's chunks when its
     chunks divide them (16, 32: every chunk's or every other's); a backward in other chunks
     (8) recomputes them in a pass of its own (the forward kernel storing states alone).
-    The start states' gradients are summed 4 chunks at a time (without documents, so the
-    carry between the tiles matters). Every gradient as the float64 reference either way."""
+    The start states' gradients load 4 chunks at a time (without documents, so the carry
+    between the tiles matters). Every gradient as the float64 reference either way."""
     from mambakit.ops.mamba3 import chunk
 
     monkeypatch.setattr(chunk, "CHUNK_BWD", chunk_bwd)
-    monkeypatch.setattr(chunk, "SCAN_CHUNKS", 4)  # 8: 6 chunks, summed in two tiles of 4
+    monkeypatch.setattr(chunk, "SCAN_CHUNKS", 4)  # 8: 6 chunks, loaded as two tiles of 4
     _check_kernel_gradients(*_kernel_case(45, 2, seq, True, True, seed=11))
 
 

@@ -183,7 +183,7 @@ def mamba3_scan_fwd(
 # gradient (0.12 ms).
 CHUNK_BWD = 64
 DY_BLOCK_P, DY_BLOCK_N, DY_WARPS, DY_STAGES = 64, 128, 4, 1
-SCAN_BLOCK, SCAN_CHUNKS, SCAN_WARPS = 256, 32, 4
+SCAN_BLOCK, SCAN_CHUNKS, SCAN_WARPS = 1024, 8, 4
 GRAD_WARPS = 4
 GRAD_BLOCK_N = 32  # the states a block of `_chunk_grad_kernel`'s pass over N
 QK_WARPS = 4
@@ -240,17 +240,15 @@ class _Core:
             adt.stride(0), adt.stride(1), seqt.stride(0), dy.stride(0), dy.stride(1),
             dy.stride(2),
         )  # fmt: skip
-        consts = dict(HAS_SEQ=seq is not None, HAS_DST=dsT is not None, L=L, BLOCK_P=_block(P),
-                      PREC=_precision(x))  # fmt: skip
+        consts = dict(HAS_SEQ=seq is not None, L=L, BLOCK_P=_block(P), PREC=_precision(x))
         launch(_chunk_grad_kernel, (Bsz, H, nc),
-            x, qr, kr, adt, gamma, late, seqt, states, dst, opt(dsT, s0), x0, k0, opt(D, adt),
+            x, qr, kr, adt, gamma, late, seqt, states, dst, x0, k0, opt(D, adt),
             dy, dx, dadt, dgam, dlate, dx0, *strided,
             HAS_D=D is not None, BLOCK_N=min(_block(N), GRAD_BLOCK_N), num_warps=GRAD_WARPS,
             **consts,
         )  # fmt: skip
         launch(_chunk_qk_grad_kernel, (Bsz, H, nc),
-            x, qr, kr, adt, gamma, late, seqt, states, dst, opt(dsT, s0), x0, dy, dq, dk, dk0,
-            *strided,
+            x, qr, kr, adt, gamma, late, seqt, states, dst, x0, dy, dq, dk, dk0, *strided,
             BLOCK_N=min(_block(N), QK_BLOCK_N), num_warps=QK_WARPS, **consts,
         )  # fmt: skip
         dD = dD.sum((0, 1)).to(D.dtype) if D is not None else None
@@ -303,8 +301,8 @@ class _Scan(torch.autograd.Function):
 def _dstates(dy, z, pre, x, D, qr, adt, seq, dsT, states, s0, L):
     """The backward's first two kernels, `_dy_chunk_kernel` and `_dstate_scan_kernel`: (the
     core's gradient (dy itself without a gate, else f32), dz in z's dtype or None, dD's
-    shares [B, chunks, H] f32 or None, the start states' gradients dS'_c like `states` (c >= 1;
-    dS'_0 in f32 like s0, the last)); dy contiguous [B, T, H, P]."""
+    shares [B, chunks, H] f32 or None, the start states' gradients dS'_{c+1} like `states`,
+    dS'_0 f32 like s0); dy contiguous [B, T, H, P]."""
     Bsz, T, H, P = dy.shape
     N = qr.shape[-1]
     nc = cdiv(T, L)
@@ -329,7 +327,7 @@ def _dstates(dy, z, pre, x, D, qr, adt, seq, dsT, states, s0, L):
     launch(_dstate_scan_kernel, (Bsz * H, cdiv(P * N, SCAN_BLOCK)),
         keep, dsT if dsT is not None else s0, dst, ds0, T, P * N, L,
         HAS_DST=dsT is not None, BLOCK=SCAN_BLOCK,
-        CHUNKS=max(2, min(SCAN_CHUNKS, next_power_of_2(nc))), num_warps=SCAN_WARPS,
+        CHUNKS=min(SCAN_CHUNKS, next_power_of_2(nc)), num_warps=SCAN_WARPS,
     )  # fmt: skip
     return dyc, dz, dD, dst, ds0
 
