@@ -98,9 +98,15 @@ if stage m3; then  # Mamba-3: the terms kernels' blocks, chunks and warps; the l
   for shape in ${M3_SHAPES-8x2048 1x4096}; do  # M3_SHAPES="": none
     timeout ${T_M3SWEEP:-90} python scripts/m3_terms_sweep.py --shape $shape 2>&1 | tee -a "$LOG"
   done
-  echo "== m3_chunk_sweep" | tee -a "$LOG"
-  timeout ${T_M3CHUNK:-250} python scripts/m3_chunk_sweep.py --shape 8x2048 --profile-out "$OUT/m3_profile.txt" 2>&1 | grep "^{" | tee -a "$LOG"
+  if [ "${M3_CHUNK:-1}" = 1 ]; then
+    echo "== m3_chunk_sweep" | tee -a "$LOG"
+    timeout ${T_M3CHUNK:-250} python scripts/m3_chunk_sweep.py --shape 8x2048 --profile-out "$OUT/m3_profile.txt" 2>&1 | grep "^{" | tee -a "$LOG"
+  fi
   echo "== bench_mamba3" | tee -a "$LOG"
   timeout ${T_M3:-150} python benchmarks/bench_mamba3.py --out "$OUT/bench_mamba3.json" ${M3_ARGS:---only layer --prune-peer} 2>&1 | tail -30 | tee -a "$LOG"
+fi
+if stage m3step; then  # the Mamba-3 decode step kernel alone: warps, batch, against a copy of its state
+  echo "== m3_step_probe" | tee -a "$LOG"
+  timeout ${T_M3STEP:-120} python scripts/m3_step_probe.py ${M3STEP_ARGS:---warps 0 1 2 4 8 16} 2>&1 | tee -a "$LOG"
 fi
 echo "== done" | tee -a "$LOG"

@@ -149,12 +149,32 @@ class MambaBlock(nn.Module):
         state,  # this layer's Mamba3State, views advanced in place
         backend: str = "auto",
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step of a Mamba-3 block: (the mixer's output, the residual)."""
+        """One decode step of a Mamba-3 block: (the mixer's output, the residual).
+
+        On the Triton backend with the weights in the compute dtype, three kernels: the add,
+        the norm and in_proj (`norm_linear` with the residual out), the step kernel, then
+        out_proj; at batch 1 the projections stream their weights (`ops.mamba_step`)."""
         norm = self._modules["norm"]
+        mixer = self._modules["mixer"]
+        in_w, out_w = _p(mixer.in_proj, "weight"), _p(mixer.out_proj, "weight")
+        if (
+            mixer._kernels(hidden, state, backend)
+            and in_w.dtype == out_w.dtype == compute_dtype
+            and mixer.in_proj.bias is None
+            and mixer.out_proj.bias is None
+        ):
+            from ..ops.mamba_step.kernels import linear
+
+            zxbc, residual = linear(
+                hidden, in_w, residual=residual, norm_weight=_p(norm, "weight"), eps=norm.eps,
+                return_residual=True,
+            )  # fmt: skip
+            y = mixer.state_update_(zxbc, state)
+            return linear(y.flatten(-2), out_w), residual
         normed, residual = rms_norm(
             hidden, _p(norm, "weight"), norm.eps, residual, compute_dtype, backend, False
         )
-        return self._modules["mixer"].step_(normed, state, backend), residual
+        return mixer.step_(normed, state, backend), residual
 
     def fused_weights(self, weights: MixerWeights | None = None) -> StepWeights:
         """The tensors of the fused decode step, from the mixer's `MixerWeights` (derived

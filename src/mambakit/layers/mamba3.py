@@ -211,9 +211,13 @@ class Mamba3(nn.Module):
     def _split(self, u: torch.Tensor):
         """in_proj's rows over u's leading dims: (z, x as [..., H, P]; B, C as [..., G, N];
         dd_dt, dd_A, trap, theta)."""
+        return self._split_rows(self.in_proj(u))
+
+    def _split_rows(self, zxbc: torch.Tensor):
+        """`_split` of in_proj's output."""
         E, N, G, H, S = self.d_inner, self.d_state, self.ngroups, self.nheads, self.n_angles
         z, x, B, C, dd_dt, dd_A, trap, theta = torch.split(
-            self.in_proj(u), [E, E, G * N, G * N, H, H, H, S], dim=-1
+            zxbc, [E, E, G * N, G * N, H, H, H, S], dim=-1
         )
         heads, groups = (H, self.headdim), (G, N)
         return (z.unflatten(-1, heads), x.unflatten(-1, heads), B.unflatten(-1, groups),
@@ -271,11 +275,7 @@ class Mamba3(nn.Module):
         reference step runs and its state is copied back. The caller checked the state."""
         q_bias, k_bias = self.C_bias[:, 0], self.B_bias[:, 0]
         if self._kernels(u, state, backend):  # one kernel from in_proj's rows to y
-            z, x, B, C, dd_dt, dd_A, trap, theta = self._split(u)
-            C_w, B_w = self.C_norm.weight, self.B_norm.weight
-            y = state_update_raw(state, x, C, B, dd_dt, dd_A, trap, theta, q_bias, k_bias,
-                                 self.D, z, self.dt_bias, self.A_floor, C_w, B_w,
-                                 self.B_norm.eps)  # fmt: skip
+            y = self.state_update_(self.in_proj(u), state)
         else:
             x, q, k, delta, A, trap, theta, z = self._inputs(u)
             y, new = mamba3_step_reference(
@@ -284,6 +284,16 @@ class Mamba3(nn.Module):
             for dst, src in zip(state, new):
                 dst.copy_(src)
         return self.out_proj(y.flatten(-2).to(self.out_proj.weight.dtype))
+
+    def state_update_(self, zxbc: torch.Tensor, state: Mamba3State) -> torch.Tensor:
+        """The decode step kernel from in_proj's output zxbc [B, in_proj rows]: y [B, H, P]
+        (gated, before out_proj) with `state` advanced in place (Triton, no autograd)."""
+        z, x, B, C, dd_dt, dd_A, trap, theta = self._split_rows(zxbc)
+        return state_update_raw(
+            state, x, C, B, dd_dt, dd_A, trap, theta, self.C_bias[:, 0], self.B_bias[:, 0],
+            self.D, z, self.dt_bias, self.A_floor, self.C_norm.weight, self.B_norm.weight,
+            self.B_norm.eps,
+        )  # fmt: skip
 
     def _kernels(
         self,

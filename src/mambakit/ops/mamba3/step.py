@@ -10,12 +10,18 @@ N = d_state, S rotary angles. One program per (row, head) does what
     y     = (S q~ + D x) * silu(z)
 
 with alpha = exp(A delta), beta = (1 - lam) delta alpha, gamma = lam delta, lam =
-sigmoid(trap). The rotation turns the pairs (2i, 2i + 1), so the kernel holds the
-even and the odd state columns as two [P, N/2] tiles: each pair's two values meet
-in the same position of both. Pairs i >= S have angle 0 (no turn). State and
-arithmetic are f32; y is stored in x's dtype. No allocation but y, no host sync:
-a step can be captured in a CUDA graph. `state_update_raw` (what `Mamba3.step_` runs)
-takes k, q, delta and A as in_proj gives them and makes them in the kernel.
+sigmoid(trap). The state [P, N] is one tile, its rows contiguous; the turn acts on the
+vectors k and q alone: column n reads its pair's partner n ^ 1 and the angle n // 2
+(columns 2i, 2i + 1 share angle i; those of i >= S have angle 0, no turn). State and
+arithmetic are f32; y is stored in x's dtype. No allocation but y, no host sync: a step
+can be captured in a CUDA graph. `state_update_raw` (what `Mamba3.step_` runs) takes k, q,
+delta and A as in_proj gives them and makes them in the kernel.
+
+One program holds a head's whole state: the state of its last key and angle is read by
+every row of the head's state, so a head split over programs would need them to agree on
+who writes it after all have read. On sm_90+ the kernel is launched with programmatic
+dependent launch: it loads the weights (biases, norm weights, D) while in_proj finishes
+and waits for it before reading anything a kernel writes.
 """
 
 from __future__ import annotations
@@ -26,37 +32,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import fast_cos_sin, launch, next_power_of_2
+from .._triton import fast_cos_sin, launch, next_power_of_2, pdl_args, pdl_start, pdl_wait
 from .reference import Mamba3State
+
+# warps of a step program; None: by the state's size (STEP_VALUES state values a thread)
+STEP_WARPS = None
+STEP_VALUES = 32
 
 PI = tl.constexpr(math.pi)
 TWO_PI = tl.constexpr(2 * math.pi)
 
 # fmt: off
-
-
-@triton.jit
-def _load_pairs(ptr, col_stride, i, N):
-    """Columns 2i and 2i + 1 of a row, as f32 (0 past N)."""
-    even = tl.load(ptr + (2 * i) * col_stride, mask=2 * i < N, other=0.0).to(tl.float32)
-    odd = tl.load(ptr + (2 * i + 1) * col_stride, mask=2 * i + 1 < N, other=0.0).to(tl.float32)
-    return even, odd
-
-
-@triton.jit
-def _turn(even, odd, cos, sin):
-    return even * cos - odd * sin, even * sin + odd * cos
-
-
-@triton.jit
-def _rms_pairs(even, odd, p_w, i, N, eps, dtype: tl.constexpr):
-    """A row held as its even and odd columns, RMS-normalised over its N values with the
-    weights at p_w (f32 statistics), rounded to `dtype` as `ops.rms_norm` outputs it."""
-    rstd = 1.0 / tl.sqrt((tl.sum(even * even, axis=0) + tl.sum(odd * odd, axis=0)) / N + eps)
-    we, wo = _load_pairs(p_w, 1, i, N)
-    even = (even * rstd * we).to(dtype).to(tl.float32)
-    odd = (odd * rstd * wo).to(dtype).to(tl.float32)
-    return even, odd
 
 
 @triton.jit
@@ -67,71 +53,95 @@ def _step_kernel(
     s_x_b, s_x_h, s_z_b, s_z_h, s_q_b, s_q_g, s_k_b, s_k_g, s_dt_b, s_A_b, s_tr_b, s_th_b,
     s_qb_h, s_kb_h, s_ang_b, s_ang_h, s_ssm_b, s_ssm_h, s_ssm_p, s_kst_b, s_kst_h,
     s_xst_b, s_xst_h, s_y_b, s_y_h,
-    HAS_Z: tl.constexpr, HAS_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_I: tl.constexpr,
-    RAW: tl.constexpr,
+    HAS_Z: tl.constexpr, HAS_D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    RAW: tl.constexpr, PDL: tl.constexpr,
 ):
     """RAW: q, k, delta and A come as in_proj gives them (C, B, dd_dt, dd_A) and are made
     here as the layer's `_inputs` makes them: k, q RMS-normalised over N with the weights
     kw, qw (f32 statistics, rounded to the input's dtype), delta = softplus(dd_dt + dt_bias),
     A = -max(f(dd_A), A_floor) with the heavy-tail f; else they come made."""
+    pdl_start(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     g = h // heads_per_group
     p = tl.arange(0, BLOCK_P)
-    i = tl.arange(0, BLOCK_I)  # pair index: columns 2i, 2i + 1
+    n = tl.arange(0, BLOCK_N)
     mp = p < P
-    mi = i < S
-    me = (2 * i < N)[None, :] & mp[:, None]
-    mo = (2 * i + 1 < N)[None, :] & mp[:, None]
+    mn = n < N
+    pair = n ^ 1  # the column turned with n
+    mpair = pair < N
+    i = n // 2  # its angle
+    mi = mn & (i < S)
+    # the weights: no kernel writes them
+    kb = tl.load(p_kb + h * s_kb_h + n, mask=mn, other=0.0).to(tl.float32)
+    kb_pair = tl.load(p_kb + h * s_kb_h + pair, mask=mpair, other=0.0).to(tl.float32)
+    qb = tl.load(p_qb + h * s_qb_h + n, mask=mn, other=0.0).to(tl.float32)
+    qb_pair = tl.load(p_qb + h * s_qb_h + pair, mask=mpair, other=0.0).to(tl.float32)
+    if RAW:
+        dt_bias = tl.load(p_dtb + h).to(tl.float32)
+        kw = tl.load(p_kw + n, mask=mn, other=0.0).to(tl.float32)
+        kw_pair = tl.load(p_kw + pair, mask=mpair, other=0.0).to(tl.float32)
+        qw = tl.load(p_qw + n, mask=mn, other=0.0).to(tl.float32)
+        qw_pair = tl.load(p_qw + pair, mask=mpair, other=0.0).to(tl.float32)
+    if HAS_D:
+        Dh = tl.load(p_D + h).to(tl.float32)
+    pdl_wait(PDL)
+    # the state: a [P, N] tile, the previous token's key and value, the angles
+    p_s = p_ssm + b * s_ssm_b + h * s_ssm_h + p[:, None] * s_ssm_p + n[None, :]
+    m_s = mp[:, None] & mn[None, :]
+    st = tl.load(p_s, mask=m_s, other=0.0)
+    p_kst_h = p_kst + b * s_kst_b + h * s_kst_h
+    k_prev = tl.load(p_kst_h + n, mask=mn, other=0.0)
+    p_xst_h = p_xst + b * s_xst_b + h * s_xst_h + p
+    x_prev = tl.load(p_xst_h, mask=mp, other=0.0)
+    p_ang_h = p_ang + b * s_ang_b + h * s_ang_h
+    phi = tl.load(p_ang_h + i, mask=mi, other=0.0)
+    # this token's inputs
     x = tl.load(p_x + b * s_x_b + h * s_x_h + p, mask=mp, other=0.0).to(tl.float32)
     delta = tl.load(p_dt + b * s_dt_b + h).to(tl.float32)
     A = tl.load(p_A + b * s_A_b + h).to(tl.float32)
+    lam = tl.sigmoid(tl.load(p_trap + b * s_tr_b + h).to(tl.float32))
+    theta = tl.load(p_th + b * s_th_b + i, mask=mi, other=0.0).to(tl.float32)
+    p_k_g = p_k + b * s_k_b + g * s_k_g
+    k = tl.load(p_k_g + n, mask=mn, other=0.0).to(tl.float32)
+    k_pair = tl.load(p_k_g + pair, mask=mpair, other=0.0).to(tl.float32)
+    p_q_g = p_q + b * s_q_b + g * s_q_g
+    q = tl.load(p_q_g + n, mask=mn, other=0.0).to(tl.float32)
+    q_pair = tl.load(p_q_g + pair, mask=mpair, other=0.0).to(tl.float32)
     if RAW:
-        delta += tl.load(p_dtb + h).to(tl.float32)
+        delta += dt_bias
         delta = tl.where(delta > 20.0, delta, tl.log(1.0 + tl.exp(delta)))  # softplus
         A = -tl.maximum(tl.maximum(A, 0.0) + 1.0 / (1.0 - tl.minimum(A, 0.0)), A_floor)
-    lam = tl.sigmoid(tl.load(p_trap + b * s_tr_b + h).to(tl.float32))
-    # the angles: those past S stay 0 (an identity turn)
-    theta = tl.load(p_th + b * s_th_b + i, mask=mi, other=0.0).to(tl.float32)
-    p_ang_h = p_ang + b * s_ang_b + h * s_ang_h + i
-    phi = tl.load(p_ang_h, mask=mi, other=0.0) + PI * (2 * tl.sigmoid(2 * theta) - 1) * delta
+        # a row's statistics once: the pair's values are the same row's, permuted
+        rstd_k = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) / N + eps)
+        rstd_q = 1.0 / tl.sqrt(tl.sum(q * q, axis=0) / N + eps)
+        k = (k * rstd_k * kw).to(p_k.dtype.element_ty).to(tl.float32)
+        k_pair = (k_pair * rstd_k * kw_pair).to(p_k.dtype.element_ty).to(tl.float32)
+        q = (q * rstd_q * qw).to(p_q.dtype.element_ty).to(tl.float32)
+        q_pair = (q_pair * rstd_q * qw_pair).to(p_q.dtype.element_ty).to(tl.float32)
+    # the angles (those past S stay 0: an identity turn), then the turn: for n = 2i,
+    # k~ = k cos - k_pair sin; for n = 2i + 1, k~ = k cos + k_pair sin
+    phi += PI * (2 * tl.sigmoid(2 * theta) - 1) * delta
     phi = tl.where(mi, phi - TWO_PI * tl.floor(phi / TWO_PI), 0.0)
     cos, sin = fast_cos_sin(phi)
-    ke, ko = _load_pairs(p_k + b * s_k_b + g * s_k_g, 1, i, N)
-    qe, qo = _load_pairs(p_q + b * s_q_b + g * s_q_g, 1, i, N)
-    if RAW:
-        ke, ko = _rms_pairs(ke, ko, p_kw, i, N, eps, p_k.dtype.element_ty)
-        qe, qo = _rms_pairs(qe, qo, p_qw, i, N, eps, p_q.dtype.element_ty)
-    kbe, kbo = _load_pairs(p_kb + h * s_kb_h, 1, i, N)
-    ke, ko = _turn(ke + kbe, ko + kbo, cos, sin)
-    qbe, qbo = _load_pairs(p_qb + h * s_qb_h, 1, i, N)
-    qe, qo = _turn(qe + qbe, qo + qbo, cos, sin)
-    # the state: even and odd columns, and the previous token's key and value
-    p_s = p_ssm + b * s_ssm_b + h * s_ssm_h + p[:, None] * s_ssm_p + 2 * i[None, :]
-    se = tl.load(p_s, mask=me, other=0.0)
-    so = tl.load(p_s + 1, mask=mo, other=0.0)
-    p_kst_h = p_kst + b * s_kst_b + h * s_kst_h
-    kpe, kpo = _load_pairs(p_kst_h, 1, i, N)
-    p_xst_h = p_xst + b * s_xst_b + h * s_xst_h + p
-    xp = tl.load(p_xst_h, mask=mp, other=0.0)
+    sin = tl.where(n % 2 == 0, -sin, sin)
+    k = (k + kb) * cos + (k_pair + kb_pair) * sin
+    q = (q + qb) * cos + (q_pair + qb_pair) * sin
     alpha = tl.exp(A * delta)
     beta = (1 - lam) * delta * alpha
     gamma = lam * delta
-    se = alpha * se + (beta * xp)[:, None] * kpe[None, :] + (gamma * x)[:, None] * ke[None, :]
-    so = alpha * so + (beta * xp)[:, None] * kpo[None, :] + (gamma * x)[:, None] * ko[None, :]
-    y = tl.sum(se * qe[None, :], axis=1) + tl.sum(so * qo[None, :], axis=1)
+    st = alpha * st + (beta * x_prev)[:, None] * k_prev[None, :] + (gamma * x)[:, None] * k[None, :]
+    y = tl.sum(st * q[None, :], axis=1)
     if HAS_D:
-        y += tl.load(p_D + h).to(tl.float32) * x
+        y += Dh * x
     if HAS_Z:
         z = tl.load(p_z + b * s_z_b + h * s_z_h + p, mask=mp, other=0.0).to(tl.float32)
         y = y * z * tl.sigmoid(z)
     tl.debug_barrier()  # a value held by several threads: all of them load before any stores
-    tl.store(p_s, se, mask=me)
-    tl.store(p_s + 1, so, mask=mo)
-    tl.store(p_kst_h + 2 * i, ke, mask=2 * i < N)
-    tl.store(p_kst_h + 2 * i + 1, ko, mask=2 * i + 1 < N)
+    tl.store(p_s, st, mask=m_s)
+    tl.store(p_kst_h + n, k, mask=mn)
     tl.store(p_xst_h, x, mask=mp)
-    tl.store(p_ang_h, phi, mask=mi)
+    tl.store(p_ang_h + i, phi, mask=mi & (n % 2 == 0))
     tl.store(p_y + b * s_y_b + h * s_y_h + p, y.to(p_y.dtype.element_ty), mask=mp)
 
 
@@ -201,6 +211,7 @@ def _launch(state, x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z, raw):
     ang, ssm, kst, xst = state
     zz = z if z is not None else x
     dtb, qw, kw, A_floor, eps = raw if raw is not None else (delta, q, k, 0.0, 0.0)
+    block_n = next_power_of_2(N)
     launch(_step_kernel, (Bsz, H),
         x, zz, q, k, delta, A, trap, theta, q_bias, k_bias, D if D is not None else delta,
         ang, ssm, kst, xst, y, dtb, qw, kw,
@@ -211,8 +222,9 @@ def _launch(state, x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z, raw):
         ssm.stride(0), ssm.stride(1), ssm.stride(2), kst.stride(0), kst.stride(1),
         xst.stride(0), xst.stride(1), y.stride(0), y.stride(1),
         HAS_Z=z is not None, HAS_D=D is not None,
-        BLOCK_P=next_power_of_2(P), BLOCK_I=next_power_of_2((N + 1) // 2), RAW=raw is not None,
-        num_warps=8 if P * N >= 8192 else 4 if P * N >= 2048 else 1,  # <= 32 state values a thread
+        BLOCK_P=next_power_of_2(P), BLOCK_N=block_n, RAW=raw is not None,
+        num_warps=STEP_WARPS or max(1, min(16, next_power_of_2(P) * block_n // (32 * STEP_VALUES))),
+        **pdl_args(x),
     )  # fmt: skip
     return y
 

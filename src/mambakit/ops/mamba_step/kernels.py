@@ -210,13 +210,15 @@ def _layer_ssm_kernel(
 
 @triton.jit
 def _linear_kernel(
-    p_x, p_res, p_nw, p_w, p_bias, p_out,
+    p_x, p_res, p_nw, p_w, p_bias, p_out, p_res_out,
     Bsz, Nout, Kin, eps,
-    s_x, s_res, s_w, s_o,
+    s_x, s_res, s_w, s_o, s_ro,
     HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, HAS_BIAS: tl.constexpr,
+    RES_OUT: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
-    """out = rmsnorm(x + residual) W^T (+ bias), or x W^T (+ bias) without the norm."""
+    """out = rmsnorm(x + residual) W^T (+ bias), or x W^T (+ bias) without the norm.
+    RES_OUT: the first column block's programs also store x + residual (f32)."""
     pdl_start(PDL)
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -236,6 +238,9 @@ def _linear_kernel(
         b = pid_b * BLOCK_B + i
         if b < Bsz:
             a = _load_row(p_x, p_res, b, k, mk, s_x, s_res, HAS_RES)
+            if RES_OUT:
+                if pid_n == 0:
+                    tl.store(p_res_out + b * s_ro + k, a, mask=mk)
             if HAS_NORM:
                 a = _norm_row(a, nw, Kin, eps, cdt)
             out = tl.sum(w.to(tl.float32) * a[None, :], axis=1)
@@ -355,30 +360,42 @@ def linear(
     residual: torch.Tensor | None = None,  # [B, K] f32
     norm_weight: torch.Tensor | None = None,  # [K]: RMSNorm (of x + residual) first
     eps: float = 1e-5,
-) -> torch.Tensor:
-    """x W^T (+ bias) at small batch, streaming W once; optionally on rmsnorm(x + residual)."""
+    return_residual: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x W^T (+ bias) at small batch, streaming W once; optionally on rmsnorm(x + residual).
+    return_residual (with norm_weight): (out, x + residual in f32), the block's next
+    residual, stored by the same kernel."""
+    if return_residual and norm_weight is None:
+        raise ValueError(
+            "linear: return_residual needs norm_weight (the residual is the norm's input)"
+        )
     Bsz = x.shape[0]
     Nout, Kin = weight.shape
     cdt = weight.dtype
     k_pad = next_power_of_2(Kin)
+    res_out = None
     if norm_weight is not None and (Bsz > 1 or k_pad > TILE):
-        x, _, _ = rms_fwd(x, norm_weight, eps, residual, cdt)
+        x, res_out, _ = rms_fwd(x, norm_weight, eps, residual, cdt, store_residual=return_residual)
         residual = norm_weight = None
     if Bsz > ROWS_MAX_BATCH or k_pad > TILE:
-        return F.linear(x if x.dtype == cdt else x.to(cdt), weight, bias)
+        out = F.linear(x if x.dtype == cdt else x.to(cdt), weight, bias)
+        return (out, res_out) if return_residual else out
     out = torch.empty(Bsz, Nout, device=x.device, dtype=cdt)
+    if return_residual and res_out is None:
+        res_out = torch.empty(Bsz, Kin, device=x.device, dtype=torch.float32)
+    store_res = return_residual and norm_weight is not None
     block_b = _block_b(Bsz)
     block_n = _rows_per_program(Nout, k_pad, TILE, not x.is_cuda)
     launch(_linear_kernel, (cdiv(Bsz, block_b), cdiv(Nout, block_n)),
         x, residual if residual is not None else out,
         norm_weight if norm_weight is not None else weight, weight,
-        bias if bias is not None else weight, out,
+        bias if bias is not None else weight, out, res_out if store_res else out,
         Bsz, Nout, Kin, eps,
         x.stride(0), residual.stride(0) if residual is not None else 0, weight.stride(0),
-        out.stride(0),
+        out.stride(0), res_out.stride(0) if store_res else 0,
         HAS_RES=residual is not None, HAS_NORM=norm_weight is not None,
-        HAS_BIAS=bias is not None,
+        HAS_BIAS=bias is not None, RES_OUT=store_res,
         BLOCK_B=block_b, BLOCK_N=block_n, K_PAD=k_pad, num_warps=_warps(block_n * k_pad),
         **pdl_args(x),
     )  # fmt: skip
-    return out
+    return (out, res_out) if return_residual else out
