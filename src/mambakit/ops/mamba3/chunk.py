@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .._triton import cdiv, launch, next_power_of_2, opt
+from .._triton import cdiv, launch, next_power_of_2, opt, sm_count
 from .chunk_kernels import (
     _chunk_fwd_kernel,
     _chunk_grad_kernel,
@@ -100,6 +100,10 @@ def _launch_fwd(
     seq = seq_idx if seq_idx is not None else adt
     ys = y if y is not None else x
     block_p = min(_block(P), FWD_BLOCK_P if y is not None else STATES_BLOCK_P)
+    # each program walks every chunk: while (row, head) pairs leave SMs idle (a prefill at
+    # batch 1), more programs over smaller blocks of P
+    while x.is_cuda and block_p > 16 and Bsz * H * cdiv(P, block_p) < sm_count(x.device.index):
+        block_p //= 2
     states_only = y is None
     launch(_chunk_fwd_kernel, (Bsz, H, cdiv(P, block_p)),
         x, qr, kr, adt, gamma, late, seq, z if z is not None else x,

@@ -32,12 +32,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton import fast_cos_sin, launch, next_power_of_2, pdl_args, pdl_start, pdl_wait
+from .._triton import (
+    cdiv,
+    fast_cos_sin,
+    launch,
+    next_power_of_2,
+    pdl_args,
+    pdl_start,
+    pdl_wait,
+    sm_count,
+)
 from .reference import Mamba3State
 
-# warps of a step program; None: by the state's size (STEP_VALUES state values a thread)
+# warps of a step program; None: `_warps`, by the state's size and the programs per SM
 STEP_WARPS = None
-STEP_VALUES = 32
 
 PI = tl.constexpr(math.pi)
 TWO_PI = tl.constexpr(2 * math.pi)
@@ -223,10 +231,22 @@ def _launch(state, x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z, raw):
         xst.stride(0), xst.stride(1), y.stride(0), y.stride(1),
         HAS_Z=z is not None, HAS_D=D is not None,
         BLOCK_P=next_power_of_2(P), BLOCK_N=block_n, RAW=raw is not None,
-        num_warps=STEP_WARPS or max(1, min(16, next_power_of_2(P) * block_n // (32 * STEP_VALUES))),
+        num_warps=STEP_WARPS or _warps(next_power_of_2(P) * block_n, Bsz * H, x),
         **pdl_args(x),
     )  # fmt: skip
     return y
+
+
+def _warps(values: int, programs: int, x: torch.Tensor) -> int:
+    """Warps of a program holding `values` state values: 32 values a thread while the
+    programs fit the SMs once, 64 up to twice, 128 beyond (more programs an SM, fewer
+    registers on the vectors every thread repeats). H200, 130m-mamba3 layer (24 heads of
+    64 x 128), us a layer (scripts/m3_step_probe.py; a copy of the state: 1.7, 5.0, 26.0):
+    batch 1: 3.07 at 8 warps, 3.61 at 4; batch 8: 7.11 at 4, 9.77 at 8; batch 64: 34.6 at
+    2, 38.0 at 4, 53.0 at 8."""
+    per_sm = cdiv(programs, sm_count(x.device.index or 0)) if x.is_cuda else 1
+    per_thread = 32 * min(4, next_power_of_2(per_sm))
+    return max(1, min(16, values // (32 * per_thread)))
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
