@@ -109,4 +109,8 @@ if stage m3step; then  # the Mamba-3 decode step kernel alone: warps, batch, aga
   echo "== m3_step_probe" | tee -a "$LOG"
   timeout ${T_M3STEP:-120} python scripts/m3_step_probe.py ${M3STEP_ARGS:---warps 0 1 2 4 8 16} 2>&1 | tee -a "$LOG"
 fi
+if stage m3fwd; then  # the Mamba-3 forward without autograd: chunks walked or in parallel, by shape
+  echo "== m3_fwd_probe" | tee -a "$LOG"
+  timeout ${T_M3FWD:-120} python scripts/m3_fwd_probe.py ${M3FWD_ARGS:-} 2>&1 | tee -a "$LOG"
+fi
 echo "== done" | tee -a "$LOG"

@@ -305,11 +305,17 @@ def _kernel_case(T_, G_, seq, state_in, gate, seed=5, Pn=16, Nn=16):
      (5, 4, True, False, True)],
     ids=["chunks", "documents", "one-chunk-no-state", "short-documents"],
 )  # fmt: skip
-def test_chunk_kernel_equals_float64_scan(nan_empty, T_, G_, seq, state_in, gate):
+@pytest.mark.parametrize("parallel", [False, True], ids=["walk", "parallel-chunks"])
+def test_chunk_kernel_equals_float64_scan(monkeypatch, nan_empty, T_, G_, seq, state_in, gate,
+                                          parallel):  # fmt: skip
     """The Triton sequence forward (interpreter on the CPU; chunks of 16 steps, a partial
     last one) equals the float64 reference scan: y and every final state field, with
-    packed documents, with and without an initial state and the D / z terms."""
+    packed documents, with and without an initial state and the D / z terms; one program
+    per (row, head) walking the chunks, or the chunks in parallel (three passes)."""
+    from mambakit.ops.mamba3 import chunk
     from mambakit.ops.mamba3.chunk import mamba3_scan_fwd
+
+    monkeypatch.setattr(chunk, "FWD_PARALLEL_BELOW", 10**9 if parallel else 0)
 
     inp, state, seq_idx = _kernel_case(T_, G_, seq, state_in, gate)
     y64, f64 = mamba3_scan_reference(
@@ -375,6 +381,19 @@ def test_chunk_kernels_in_blocks_of_p_and_n(monkeypatch, seq, state_in):
     for name in ("ssm", "k", "x"):
         got, want = getattr(final, name).cpu().double(), getattr(f64, name)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+    # the chunks in parallel: P in one partial block, N in blocks of 16 for u
+    monkeypatch.setattr(chunk, "FWD_PARALLEL_BELOW", 10**9)
+    monkeypatch.setattr(chunk, "END_BLOCK_N", 16)
+    y, final = chunk.mamba3_scan_fwd(
+        **{k: v.to(DEVICE) for k, v in inp.items()},
+        initial_state=Mamba3State(*(t.to(DEVICE) for t in state)) if state else None,
+        seq_idx=seq_idx.to(DEVICE) if seq_idx is not None else None,
+    )
+    torch.testing.assert_close(y.cpu().double(), y64, rtol=1e-5, atol=1e-5)
+    for name in ("ssm", "k", "x"):
+        got, want = getattr(final, name).cpu().double(), getattr(f64, name)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+    monkeypatch.setattr(chunk, "FWD_PARALLEL_BELOW", 0)
     _check_kernel_gradients(inp, state, seq_idx)
 
 

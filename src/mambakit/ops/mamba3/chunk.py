@@ -21,11 +21,14 @@ import torch
 
 from .._triton import cdiv, launch, next_power_of_2, opt, sm_count
 from .chunk_kernels import (
+    _chunk_end_kernel,
     _chunk_fwd_kernel,
     _chunk_grad_kernel,
     _chunk_qk_grad_kernel,
+    _chunk_y_kernel,
     _dstate_scan_kernel,
     _dy_chunk_kernel,
+    _state_scan_kernel,
 )
 from .reference import Mamba3State
 from .terms import _Terms, token_terms_kernel
@@ -80,6 +83,59 @@ FWD_BLOCK_P = 64
 STATES_BLOCK_P = 32
 
 
+# Below FWD_PARALLEL_BELOW (row, head) pairs (None: the SM count), a forward computing y with
+# nothing stored for the backward runs its chunks in parallel: `_chunk_end_kernel` (each
+# chunk's own part u_c of the next start state, a program per (row, head, chunk)),
+# `_state_scan_kernel` (the start states, the chunks in order, elementwise),
+# `_chunk_y_kernel` (y from them, a program per (row, head, chunk)), with u and then the
+# start states in one f32 buffer [B, H, chunks, P, N] (50 MB at 1 x 4096 for the
+# 130m-mamba3 heads); there, one program per (row, head, block of P) walking every chunk
+# leaves most SMs idle. H200, 130m-mamba3 prefill 1 x 4096 (scripts/decode_profile.py):
+# the walking kernel 0.90 ms a layer in blocks of 64, 0.56 in blocks of 16.
+FWD_PARALLEL_BELOW = None
+END_BLOCK_N = 64  # the states a block of `_chunk_end_kernel`'s product
+PARALLEL_WARPS = 4
+
+
+def _parallel(Bsz: int, H: int, x: torch.Tensor) -> bool:
+    below = FWD_PARALLEL_BELOW
+    if below is None:
+        below = sm_count(x.device.index) if x.is_cuda else 0
+    return Bsz * H < below
+
+
+def _launch_fwd_chunks(x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L):
+    """`_launch_fwd` computing y alone, its chunks in parallel (see FWD_PARALLEL_BELOW)."""
+    Bsz, T, H, P = x.shape
+    N = qr.shape[-1]
+    nc = cdiv(T, L)
+    sT, kT, xT = torch.empty_like(s0), torch.empty_like(k0), torch.empty_like(x0)
+    u = torch.empty(Bsz, H, nc, P, N, device=x.device, dtype=torch.float32)
+    keep = torch.empty(Bsz, H, nc, device=x.device, dtype=torch.float32)
+    seq = seq_idx if seq_idx is not None else adt
+    block_p, block_n = _block(P), _block(N)
+    strides = (x.stride(0), x.stride(1), x.stride(2), qr.stride(0), qr.stride(1),
+               qr.stride(2), adt.stride(0), adt.stride(1), seq.stride(0))  # fmt: skip
+    grid = (Bsz, H, nc * cdiv(P, block_p))
+    launch(_chunk_end_kernel, grid,
+        x, kr, adt, gamma, late, seq, u, keep, T, H, P, N, *strides,
+        HAS_SEQ=seq_idx is not None, L=L, BLOCK_P=block_p, BLOCK_N=min(block_n, END_BLOCK_N),
+        PREC=_precision(x), num_warps=PARALLEL_WARPS,
+    )  # fmt: skip
+    launch(_state_scan_kernel, (Bsz * H, cdiv(P * N, SCAN_BLOCK)),
+        keep, s0, k0, x0, late, u, sT, T, H, P * N, N, L, late.stride(0),
+        BLOCK=SCAN_BLOCK, CHUNKS=min(SCAN_CHUNKS, next_power_of_2(nc)), num_warps=SCAN_WARPS,
+    )  # fmt: skip
+    launch(_chunk_y_kernel, grid,
+        x, qr, kr, adt, gamma, late, seq, z if z is not None else x,
+        D.float() if D is not None else adt, u, y, kT, xT, T, H, P, N, *strides,
+        *(z.stride()[:3] if z is not None else (0, 0, 0)), y.stride(0), y.stride(1), y.stride(2),
+        HAS_SEQ=seq_idx is not None, HAS_Z=z is not None, HAS_D=D is not None, L=L,
+        BLOCK_P=block_p, BLOCK_N=block_n, PREC=_precision(x), num_warps=PARALLEL_WARPS,
+    )  # fmt: skip
+    return sT, kT, xT
+
+
 def _warps(block_p: int, N: int, states: bool) -> int:
     """Warps for a program holding a [block_p, N] state (at most 4 below 8192 values)."""
     w = STATES_WARPS if states else FWD_WARPS
@@ -95,6 +151,8 @@ def _launch_fwd(
     given (the backward's, with y or as a pass of its own when y is None). `pre` (y's shape
     and strides): y before the gate, stored too."""
     Bsz, T, H, P = x.shape
+    if y is not None and states is None and pre is None and T > 0 and _parallel(Bsz, H, x):
+        return _launch_fwd_chunks(x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L)
     N = qr.shape[-1]
     sT, kT, xT = torch.empty_like(s0), torch.empty_like(k0), torch.empty_like(x0)
     seq = seq_idx if seq_idx is not None else adt

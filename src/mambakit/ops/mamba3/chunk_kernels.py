@@ -51,6 +51,35 @@ def _chunk_inputs(p_q, p_k, p_adt, p_gam, p_late, b, h, c0, t, n, mt, mn, rows, 
 
 
 @triton.jit
+def _chunk_y(qc, kc, xc, start, same, cs, gam, w, carry, Dh, rows, t, mt, p, mp, b, h,
+             p_z, p_y, p_pre, s_z_b, s_z_t, s_z_h, s_y_b, s_y_t, s_y_h,
+             HAS_Z: tl.constexpr, HAS_D: tl.constexpr, STORE_PRE: tl.constexpr,
+             PREC: tl.constexpr):
+    """A chunk's y [L, BLOCK_P] from its inputs and its start state S'_start [BLOCK_P, N]:
+    the causal scores (q~ k~^T weighted by the decays, gamma on the diagonal, within a
+    document), S'_start's share where the state carries in, D x, the gate; stored to y
+    (STORE_PRE: before the gate, to pre)."""
+    decay = tl.exp(tl.where(same, cs[:, None] - cs[None, :], float("-inf")))
+    weight = tl.where(rows[:, None] == rows[None, :], gam[None, :], decay * w[None, :])
+    weight = tl.where(same, weight, 0.0)
+    scores = _mm(qc, tl.trans(kc), PREC) * weight  # [L(t), L(s)]
+    y = _mm(scores, xc, PREC)  # [L, P]
+    into = _mm(qc, tl.trans(start), PREC)  # [L, P]: q~_t S'_start
+    y += (tl.exp(cs) * carry)[:, None] * into
+    if HAS_D:
+        y += Dh * xc
+    y_off = b * s_y_b + t[:, None] * s_y_t + h * s_y_h + p[None, :]
+    mtp = mt[:, None] & mp[None, :]
+    if STORE_PRE:
+        tl.store(p_pre + y_off, y.to(p_pre.dtype.element_ty), mask=mtp)
+    if HAS_Z:
+        zc = tl.load(p_z + b * s_z_b + t[:, None] * s_z_t + h * s_z_h + p[None, :],
+                     mask=mtp, other=0.0).to(tl.float32)
+        y = y * zc * tl.sigmoid(zc)
+    tl.store(p_y + y_off, y.to(p_y.dtype.element_ty), mask=mtp)
+
+
+@triton.jit
 def _chunk_fwd_kernel(
     p_x, p_q, p_k, p_adt, p_gam, p_late, p_seq, p_z, p_D,
     p_s0, p_k0, p_x0, p_y, p_pre, p_sT, p_kT, p_xT, p_st,
@@ -112,24 +141,9 @@ def _chunk_fwd_kernel(
                 tl.store(p_st + ((bh * tl.cdiv(T, LS) + c) * P + p[:, None]) * N + n[None, :],
                          start.to(p_st.dtype.element_ty), mask=mpn)
         if COMPUTE_Y:
-            decay = tl.exp(tl.where(same, cs[:, None] - cs[None, :], float("-inf")))
-            weight = tl.where(rows[:, None] == rows[None, :], gam[None, :], decay * w[None, :])
-            weight = tl.where(same, weight, 0.0)
-            scores = _mm(qc, tl.trans(kc), PREC) * weight  # [L(t), L(s)]
-            y = _mm(scores, xc, PREC)  # [L, P]
-            into = _mm(qc, tl.trans(start), PREC)  # [L, P]: q~_t S'_start
-            y += (tl.exp(cs) * carry)[:, None] * into
-            if HAS_D:
-                y += Dh * xc
-            y_off = b * s_y_b + t[:, None] * s_y_t + h * s_y_h + p[None, :]
-            if STORE_PRE:
-                tl.store(p_pre + y_off, y.to(p_pre.dtype.element_ty),
-                         mask=mt[:, None] & mp[None, :])
-            if HAS_Z:
-                zc = tl.load(p_z + b * s_z_b + t[:, None] * s_z_t + h * s_z_h + p[None, :],
-                             mask=mt[:, None] & mp[None, :], other=0.0).to(tl.float32)
-                y = y * zc * tl.sigmoid(zc)
-            tl.store(p_y + y_off, y.to(p_y.dtype.element_ty), mask=mt[:, None] & mp[None, :])
+            _chunk_y(qc, kc, xc, start, same, cs, gam, w, carry, Dh, rows, t, mt, p, mp, b, h,
+                     p_z, p_y, p_pre, s_z_b, s_z_t, s_z_h, s_y_b, s_y_t, s_y_h,
+                     HAS_Z, HAS_D, STORE_PRE, PREC)
         # the state after the chunk (its last token's late term is the next chunk's)
         tail = tl.where(rows == last, gam, tl.exp(cs_last - cs) * w)
         tail = tl.where(keep_doc, tail, 0.0)
@@ -142,6 +156,157 @@ def _chunk_fwd_kernel(
         if tl.program_id(2) == 0:
             tl.store(p_kT + bh * N + n, k_prev, mask=mn)
         tl.store(p_xT + bh * P + p, x_prev, mask=mp)
+
+
+@triton.jit
+def _chunk_end_kernel(
+    p_x, p_k, p_adt, p_gam, p_late, p_seq, p_u, p_keep,
+    T, H, P, N,
+    s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b,
+    HAS_SEQ: tl.constexpr, L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """The forward's chunks in parallel, first pass: what chunk c adds to the next chunk's
+    start state from its own tokens, u_c [P, N] = (x tail)^T k~ with tail_s = e^(cs_last -
+    cs_s) (gamma_s + late_{s+1}) over the rows of the chunk's last document (the next
+    chunk's first late term is its last row's; none past T), to u [B, H, chunks, P, N] f32,
+    and the factor keep of the start state (keep [B, H, chunks]):
+    S'_start(c + 1) = keep_c S'_start(c) + u_c. A program per (row, head, chunk, block of P)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    blocks = tl.cdiv(P, BLOCK_P)
+    c = tl.program_id(2) // blocks
+    p = (tl.program_id(2) % blocks) * BLOCK_P + tl.arange(0, BLOCK_P)
+    mp = p < P
+    c0 = c * L
+    rows = tl.arange(0, L)
+    t = c0 + rows
+    mt = t < T
+    last = tl.minimum(L, T - c0) - 1
+    bh = b * H + h
+    nc = tl.cdiv(T, L)
+    cs, cs_last, _, keep_doc, _, keep = _chunk_ctx(p_seq, p_adt, b, h, c0, t, mt, rows, last,
+                                                   s_w_b, s_w_t, s_seq_b, HAS_SEQ)
+    wo = b * s_w_b + t * s_w_t + h
+    gam = tl.load(p_gam + wo, mask=mt, other=0.0)
+    nxt = tl.load(p_late + wo + s_w_t, mask=t + 1 < T, other=0.0)
+    tail = tl.where(keep_doc, tl.exp(cs_last - cs) * (gam + nxt), 0.0)
+    xc = tl.load(p_x + b * s_x_b + t[:, None] * s_x_t + h * s_x_h + p[None, :],
+                 mask=mt[:, None] & mp[None, :], other=0.0).to(tl.float32)
+    xt = tl.trans(xc * tail[:, None])  # [P, L]
+    for n0 in range(0, N, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        mn = n < N
+        kc = tl.load(p_k + b * s_q_b + t[:, None] * s_q_t + h * s_q_h + n[None, :],
+                     mask=mt[:, None] & mn[None, :], other=0.0).to(tl.float32)
+        tl.store(p_u + ((bh * nc + c) * P + p[:, None]) * N + n[None, :], _mm(xt, kc, PREC),
+                 mask=mp[:, None] & mn[None, :])
+    if tl.program_id(2) % blocks == 0:
+        tl.store(p_keep + bh * nc + c, keep)
+
+
+@triton.jit
+def _walk_chunks(p_u, p_keep, S, bh, e, me, PN, n_chunks, i, REVERSE: tl.constexpr,
+                 CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+    """CHUNKS steps of the scan S <- keep_c S + u_c from step i (chunks i + j, or
+    n_chunks - 1 - i - j in REVERSE) over BLOCK of the P N values e of u [B, H, chunks,
+    P, N]: u_c is loaded as one [CHUNKS, BLOCK] tile (one chunk at a time the loop waits
+    on each load: 0.30 ms against 0.10 at 8 x 2048, H200) and replaced by the S that meets
+    it, keep_c S's factor (keep [B, H, chunks]). Returns S after them."""
+    j = tl.arange(0, CHUNKS)
+    if REVERSE:
+        c = n_chunks - 1 - i - j
+    else:
+        c = i + j
+    ok = (c >= 0) & (c < n_chunks)
+    mc = ok[:, None] & me[None, :]
+    at = p_u + (bh * n_chunks + c[:, None]) * PN + e[None, :]
+    u = tl.load(at, mask=mc, other=0.0).to(tl.float32)
+    keep = tl.load(p_keep + bh * n_chunks + c, mask=ok, other=1.0)
+    out = tl.zeros([CHUNKS, BLOCK], dtype=tl.float32)
+    for r in tl.static_range(CHUNKS):
+        row = j == r
+        out = tl.where(row[:, None], S[None, :], out)
+        k_r = tl.sum(tl.where(row, keep, 0.0), axis=0)
+        S = k_r * S + tl.sum(tl.where(row[:, None], u, 0.0), axis=0)  # 0 past the ends
+    tl.store(at, out.to(p_u.dtype.element_ty), mask=mc)
+    return S
+
+
+@triton.jit
+def _state_scan_kernel(
+    p_keep, p_s0, p_k0, p_x0, p_late, p_u, p_sT, T, H, PN, N, L, s_w_b,
+    BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
+):
+    """The forward's chunks in parallel, second pass: each chunk's start state for one
+    (row, head) and BLOCK of its P N values, the chunks in order, from S'_start(0) = S0 +
+    late_0 x0 k~0^T (the initial state with the first token's late term):
+    S'_start(c + 1) = keep_c S'_start(c) + u_c. u [B, H, chunks, P, N] (`_chunk_end_kernel`'s)
+    gets S'_start(c) in u_c's place; sT the final state (the last chunk's end, f32)."""
+    bh = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    me = e < PN
+    late0 = tl.load(p_late + (bh // H) * s_w_b + bh % H)
+    x0 = tl.load(p_x0 + bh * (PN // N) + e // N, mask=me, other=0.0)
+    k0 = tl.load(p_k0 + bh * N + e % N, mask=me, other=0.0)
+    S = tl.load(p_s0 + bh * PN + e, mask=me, other=0.0) + late0 * x0 * k0
+    n_chunks = tl.cdiv(T, L)
+    for i in range(0, n_chunks, CHUNKS):
+        S = _walk_chunks(p_u, p_keep, S, bh, e, me, PN, n_chunks, i, False, CHUNKS, BLOCK)
+    tl.store(p_sT + bh * PN + e, S, mask=me)
+
+
+@triton.jit
+def _chunk_y_kernel(
+    p_x, p_q, p_k, p_adt, p_gam, p_late, p_seq, p_z, p_D, p_st, p_y, p_kT, p_xT,
+    T, H, P, N,
+    s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b, s_z_b, s_z_t, s_z_h,
+    s_y_b, s_y_t, s_y_h,
+    HAS_SEQ: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr,
+    L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+):
+    """The forward's chunks in parallel, last pass: chunk c's y from its start state
+    (st [B, H, chunks, P, N], `_state_scan_kernel`'s), as `_chunk_fwd_kernel` computes it;
+    the last chunk's programs also store the last token's k~ (kT) and x (xT), f32. A program
+    per (row, head, chunk, block of P)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    blocks = tl.cdiv(P, BLOCK_P)
+    c = tl.program_id(2) // blocks
+    p = (tl.program_id(2) % blocks) * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    mp, mn = p < P, n < N
+    c0 = c * L
+    rows = tl.arange(0, L)
+    t = c0 + rows
+    mt = t < T
+    last = tl.minimum(L, T - c0) - 1
+    bh = b * H + h
+    nc = tl.cdiv(T, L)
+    start = tl.load(p_st + ((bh * nc + c) * P + p[:, None]) * N + n[None, :],
+                    mask=mp[:, None] & mn[None, :], other=0.0)
+    xc = tl.load(p_x + b * s_x_b + t[:, None] * s_x_t + h * s_x_h + p[None, :],
+                 mask=mt[:, None] & mp[None, :], other=0.0).to(tl.float32)
+    _, _, qc, kc, _, gam, w, cs, _, _ = _chunk_inputs(
+        p_q, p_k, p_adt, p_gam, p_late, b, h, c0, t, n, mt, mn, rows, last, T,
+        s_q_b, s_q_t, s_q_h, s_w_b, s_w_t)
+    same = (rows[:, None] >= rows[None, :]) & mt[None, :]
+    carry = mt.to(tl.float32)
+    if HAS_SEQ:
+        prev_doc = tl.load(p_seq + b * s_seq_b + tl.maximum(c0 - 1, 0))
+        doc = tl.load(p_seq + b * s_seq_b + t, mask=mt, other=-1)
+        same = same & (doc[:, None] == doc[None, :])
+        carry = tl.where(doc == prev_doc, carry, 0.0)
+    Dh = 0.0
+    if HAS_D:
+        Dh = tl.load(p_D + h)
+    _chunk_y(qc, kc, xc, start, same, cs, gam, w, carry, Dh, rows, t, mt, p, mp, b, h,
+             p_z, p_y, p_y, s_z_b, s_z_t, s_z_h, s_y_b, s_y_t, s_y_h,
+             HAS_Z, HAS_D, False, PREC)
+    if c == nc - 1:
+        tl.store(p_xT + bh * P + p, _last_row(xc, rows, last), mask=mp)
+        if tl.program_id(2) % blocks == 0:
+            tl.store(p_kT + bh * N + n, _last_row(kc, rows, last), mask=mn)
 
 
 @triton.jit
@@ -243,31 +408,18 @@ def _dstate_scan_kernel(
 
     with dS'_{chunks} the final state's gradient. dst [B, H, chunks, P, N] holds u_c
     (`_dy_chunk_kernel`'s) and gets, at chunk c, dS'_{c+1} in its place (what
-    `_chunk_grad_kernel` of chunk c reads); ds0 gets dS'_0 (f32). CHUNKS chunks' u are
-    loaded at once, as one [CHUNKS, BLOCK] tile (one chunk at a time the loop waits on
-    each load: 0.30 ms against 0.10 at 8 x 2048, H200)."""
+    `_chunk_grad_kernel` of chunk c reads); ds0 gets dS'_0 (f32). CHUNKS chunks at a time
+    (`_walk_chunks`)."""
     bh = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     me = e < PN
-    j = tl.arange(0, CHUNKS)
     if HAS_DST:
         dS = tl.load(p_dsT + bh * PN + e, mask=me, other=0.0)
     else:
         dS = tl.zeros([BLOCK], dtype=tl.float32)
     n_chunks = tl.cdiv(T, L)
     for i in range(0, n_chunks, CHUNKS):
-        c = n_chunks - 1 - i - j  # [CHUNKS], in reverse
-        mc = (c >= 0)[:, None] & me[None, :]
-        at = p_dst + (bh * n_chunks + c[:, None]) * PN + e[None, :]
-        u = tl.load(at, mask=mc, other=0.0).to(tl.float32)
-        keep = tl.load(p_keep + bh * n_chunks + c, mask=c >= 0, other=1.0)
-        out = tl.zeros([CHUNKS, BLOCK], dtype=tl.float32)
-        for r in tl.static_range(CHUNKS):
-            row = j == r
-            out = tl.where(row[:, None], dS[None, :], out)
-            k_r = tl.sum(tl.where(row, keep, 0.0), axis=0)
-            dS = k_r * dS + tl.sum(tl.where(row[:, None], u, 0.0), axis=0)  # 0 past chunk 0
-        tl.store(at, out.to(p_dst.dtype.element_ty), mask=mc)
+        dS = _walk_chunks(p_dst, p_keep, dS, bh, e, me, PN, n_chunks, i, True, CHUNKS, BLOCK)
     tl.store(p_ds0 + bh * PN + e, dS, mask=me)
 
 
