@@ -495,11 +495,13 @@ def test_layer_runs_the_chunk_kernels_with_and_without_autograd(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-def test_chunk_kernels_on_gpu_at_the_130m_head_shape(dtype):
+def test_chunk_kernels_on_gpu_at_the_130m_head_shape(monkeypatch, dtype):
     """On the GPU at the 130m-mamba3 head shape (P 64, N 128, 32 angles, one group),
     300 steps (10 backward chunks, a partial last one), documents and an initial state: the
-    kernel scan's y, final state and every gradient against the float64 reference. x, z and
-    the cotangent in `dtype`; products with bf16 operands for bf16 inputs, tf32x3 for f32 ones."""
+    kernel scan's y, final state and every gradient against the float64 reference, and y
+    and the final state without autograd, the chunks walked and in parallel. x, z and the
+    cotangent in `dtype`; products with bf16 operands for bf16 inputs, tf32x3 for f32 ones."""
+    from mambakit.ops.mamba3 import chunk
     from mambakit.ops.mamba3.chunk import mamba3_scan_kernel
 
     Bn, T_, Hn, Pn, Nn, Sn = 2, 300, 3, 64, 128, 32
@@ -539,11 +541,24 @@ def test_chunk_kernels_on_gpu_at_the_130m_head_shape(dtype):
         got.update({f"d{k}": v.grad for k, v in leaves.items()})
         got.update({f"dstate.{n}": t.grad for n, t in zip(Mamba3State._fields, st)})
         outs[key] = {k: v.detach().cpu().double() for k, v in got.items()}
+    # without autograd: the chunks walked, and in parallel (what a prefill runs)
+    for below in (0, 10**9):
+        monkeypatch.setattr(chunk, "FWD_PARALLEL_BELOW", below)
+        with torch.no_grad():
+            args = {k: v.detach().to("cuda", torch.float32) for k, v in inp.items()}
+            args["x"], args["z"] = (inp[k].to(dtype).cuda() for k in ("x", "z"))
+            y, fin = chunk.mamba3_scan_fwd(
+                **args, initial_state=Mamba3State(*(t.cuda().float() for t in state)),
+                seq_idx=seq_idx.cuda(),
+            )  # fmt: skip
+        outs[f"no-grad {below}"] = {"y": y.cpu().double(), "final.ssm": fin.ssm.cpu().double(),
+                                    "final.k": fin.k.cpu().double()}  # fmt: skip
     limit = 1e-2 if dtype == torch.bfloat16 else 1e-4
     errs = {}
-    for name, want in outs["f64"].items():
-        got = outs["kernel"][name]
-        errs[name] = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+    for key in ("kernel", "no-grad 0", f"no-grad {10**9}"):
+        for name, got in outs[key].items():
+            want = outs["f64"][name]
+            errs[f"{key} {name}"] = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
     print({k: f"{v:.1e}" for k, v in errs.items()})
     assert all(e < limit for e in errs.values()), errs
 

@@ -83,15 +83,17 @@ FWD_BLOCK_P = 64
 STATES_BLOCK_P = 32
 
 
-# Below FWD_PARALLEL_BELOW (row, head) pairs (None: the SM count), a forward computing y with
-# nothing stored for the backward runs its chunks in parallel: `_chunk_end_kernel` (each
-# chunk's own part u_c of the next start state, a program per (row, head, chunk)),
+# Below FWD_PARALLEL_BELOW (row, head) pairs (None: half the SM count), a forward computing
+# y with nothing stored for the backward runs its chunks in parallel: `_chunk_end_kernel`
+# (each chunk's own part u_c of the next start state, a program per (row, head, chunk)),
 # `_state_scan_kernel` (the start states, the chunks in order, elementwise),
 # `_chunk_y_kernel` (y from them, a program per (row, head, chunk)), with u and then the
 # start states in one f32 buffer [B, H, chunks, P, N] (50 MB at 1 x 4096 for the
 # 130m-mamba3 heads); there, one program per (row, head, block of P) walking every chunk
-# leaves most SMs idle. H200, 130m-mamba3 prefill 1 x 4096 (scripts/decode_profile.py):
-# the walking kernel 0.90 ms a layer in blocks of 64, 0.56 in blocks of 16.
+# leaves SMs idle. H200, 130m-mamba3 heads, bf16, terms + scan without autograd
+# (scripts/m3_fwd_probe.py), walking against parallel: 1 x 4096 0.63 ms against 0.44;
+# 2 x 4096 0.83 against 0.57; 1 x 32768 4.73 against 2.44; 4 x 2048 (96 pairs) 0.54
+# against 0.58; 8 x 2048 0.70 against 1.05.
 FWD_PARALLEL_BELOW = None
 END_BLOCK_N = 64  # the states a block of `_chunk_end_kernel`'s product
 PARALLEL_WARPS = 4
@@ -100,7 +102,7 @@ PARALLEL_WARPS = 4
 def _parallel(Bsz: int, H: int, x: torch.Tensor) -> bool:
     below = FWD_PARALLEL_BELOW
     if below is None:
-        below = sm_count(x.device.index) if x.is_cuda else 0
+        below = sm_count(x.device.index) // 2 if x.is_cuda else 0
     return Bsz * H < below
 
 
