@@ -55,6 +55,9 @@ def kernel_table(fn, title: str, rows: int = 25, sequence: tuple[int, int] | Non
 
 
 def peer_model(cfg: MambaConfig, dtype):
+    """mamba_ssm's Mamba-1 model of cfg's sizes (None for a Mamba-3 config or without it)."""
+    if cfg.mixer != "mamba1":
+        return None
     try:
         from mamba_ssm.models.config_mamba import MambaConfig as SSMConfig
         from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel

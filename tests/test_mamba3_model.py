@@ -236,6 +236,10 @@ def test_cuda_step_kernel_equals_forward_and_graph_replay_equals_eager(monkeypat
                                    atol=1e-4)  # fmt: skip
     for f in (torch.cos, torch.sin):  # angles mod 2 pi: compared where they wrap, too
         torch.testing.assert_close(f(state.angle), f(out.state.angle), rtol=1e-4, atol=1e-4)
+    with torch.no_grad():  # batch 1: in_proj and out_proj stream their weights, chained by PDL
+        state = model.init_state(1)
+        steps = torch.stack([model.step(ids[:1, t], state)[0] for t in range(13)], 1)
+    torch.testing.assert_close(steps, out.logits[:1], rtol=1e-4, atol=1e-4)
     eager = generate(model, ids, max_new_tokens=32, temperature=0, cuda_graph=False)
     graph = generate(model, ids, max_new_tokens=32, temperature=0, cuda_graph=True)
     torch.testing.assert_close(graph, eager, rtol=0, atol=0)

@@ -308,7 +308,7 @@ def _kernel_case(T_, G_, seq, state_in, gate, seed=5, Pn=16, Nn=16):
 @pytest.mark.parametrize("parallel", [False, True], ids=["walk", "parallel-chunks"])
 def test_chunk_kernel_equals_float64_scan(monkeypatch, nan_empty, T_, G_, seq, state_in, gate,
                                           parallel):  # fmt: skip
-    """The Triton sequence forward (interpreter on the CPU; chunks of 16 steps, a partial
+    """The Triton sequence forward (interpreter on the CPU; chunks of 32 steps, a partial
     last one) equals the float64 reference scan: y and every final state field, with
     packed documents, with and without an initial state and the D / z terms; one program
     per (row, head) walking the chunks, or the chunks in parallel (three passes)."""
@@ -316,6 +316,7 @@ def test_chunk_kernel_equals_float64_scan(monkeypatch, nan_empty, T_, G_, seq, s
     from mambakit.ops.mamba3.chunk import mamba3_scan_fwd
 
     monkeypatch.setattr(chunk, "FWD_PARALLEL_BELOW", 10**9 if parallel else 0)
+    monkeypatch.setattr(chunk, "FWD_PARALLEL_MIN_CHUNKS", 1)
 
     inp, state, seq_idx = _kernel_case(T_, G_, seq, state_in, gate)
     y64, f64 = mamba3_scan_reference(
@@ -336,6 +337,41 @@ def test_chunk_kernel_equals_float64_scan(monkeypatch, nan_empty, T_, G_, seq, s
         if name == "angle":  # mod 2 pi: compared where it wraps, too
             got, want = torch.stack([got.cos(), got.sin()]), torch.stack([want.cos(), want.sin()])
         torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("T_", [1, 37, 48], ids=["one-step", "5-chunks", "6-chunks-edges"])
+def test_parallel_forward_chunks_and_document_edges(monkeypatch, T_):
+    """The forward's chunks in parallel with chunks of 8 and the start-state scan walking 2
+    chunks at a time (groups of chunks, a padded last group), documents that start at a
+    chunk's first step (8, 16, 32) and one of a single step: y and the final state equal
+    the float64 reference; below FWD_PARALLEL_MIN_CHUNKS chunks the walk runs (the same
+    values)."""
+    from mambakit.ops.mamba3 import chunk
+
+    monkeypatch.setattr(chunk, "CHUNK_L", 8)
+    monkeypatch.setattr(chunk, "SCAN_CHUNKS", 2)
+    monkeypatch.setattr(chunk, "FWD_PARALLEL_BELOW", 10**9)
+    inp, state, _ = _kernel_case(T_, 2, False, True, True, seed=3)
+    seq_idx = torch.zeros(2, T_, dtype=torch.int32)
+    for t in (8, 16, 32, T_ - 1):
+        seq_idx[0, t:] += 1 if 0 < t < T_ else 0
+    y64, f64 = mamba3_scan_reference(
+        **{k: v.double() for k, v in inp.items()},
+        initial_state=Mamba3State(*(t.double() for t in state)),
+        seq_idx=seq_idx,
+        chunk=5,
+    )
+    for min_chunks in (1, 10):
+        monkeypatch.setattr(chunk, "FWD_PARALLEL_MIN_CHUNKS", min_chunks)
+        y, final = chunk.mamba3_scan_fwd(
+            **{k: v.to(DEVICE) for k, v in inp.items()},
+            initial_state=Mamba3State(*(t.to(DEVICE) for t in state)),
+            seq_idx=seq_idx.to(DEVICE),
+        )
+        torch.testing.assert_close(y.cpu().double(), y64, rtol=1e-5, atol=1e-5)
+        for name in ("ssm", "k", "x"):
+            got, want = getattr(final, name).cpu().double(), getattr(f64, name)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize(
@@ -381,8 +417,10 @@ def test_chunk_kernels_in_blocks_of_p_and_n(monkeypatch, seq, state_in):
     for name in ("ssm", "k", "x"):
         got, want = getattr(final, name).cpu().double(), getattr(f64, name)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
-    # the chunks in parallel: P in one partial block, N in blocks of 16 for u
+    # the chunks in parallel: P in blocks of 16 (the last partial), N in blocks of 16 for u
     monkeypatch.setattr(chunk, "FWD_PARALLEL_BELOW", 10**9)
+    monkeypatch.setattr(chunk, "FWD_PARALLEL_MIN_CHUNKS", 1)
+    monkeypatch.setattr(chunk, "PARALLEL_BLOCK_P", 16)
     monkeypatch.setattr(chunk, "END_BLOCK_N", 16)
     y, final = chunk.mamba3_scan_fwd(
         **{k: v.to(DEVICE) for k, v in inp.items()},

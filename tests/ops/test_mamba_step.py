@@ -137,6 +137,28 @@ def test_norm_linear_matches_float64(nan_empty, dtype, B):
             assert bf16_ok(got, ref, oracle)
 
 
+@pytest.mark.parametrize("first", [False, True], ids=["residual", "first-layer"])
+@pytest.mark.parametrize("B", [1, 5])
+def test_linear_returns_the_residual(B, first):
+    """`linear(..., return_residual=True)`: the norm's input x + residual in f32 beside the
+    output (the streaming kernel's first column block stores it at batch 1; above, the
+    norm launch's), the output as without it; without norm_weight it is refused."""
+    from mambakit.ops.mamba_step.kernels import linear
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(B, 40, generator=gen).to(DEVICE, torch.bfloat16)
+    W = (torch.randn(70, 40, generator=gen) / 6).to(DEVICE, torch.bfloat16)
+    res = None if first else torch.randn(B, 40, generator=gen).to(DEVICE)
+    nw = torch.randn(40, generator=gen).to(DEVICE, torch.bfloat16)
+    out, r = linear(x, W, residual=res, norm_weight=nw, return_residual=True)
+    want = x.float() + (res if res is not None else 0)
+    assert r.dtype == torch.float32 and r.shape == (B, 40)
+    torch.testing.assert_close(r, want, rtol=0, atol=0)
+    torch.testing.assert_close(out, linear(x, W, residual=res, norm_weight=nw), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="return_residual needs norm_weight"):
+        linear(x, W, return_residual=True)
+
+
 @pytest.mark.parametrize("B", [1, 3])
 def test_lm_step_runs_the_fused_kernels_and_equals_the_op_chain(monkeypatch, B):
     from mambakit.ops.mamba_step import kernels

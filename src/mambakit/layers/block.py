@@ -151,14 +151,21 @@ class MambaBlock(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of a Mamba-3 block: (the mixer's output, the residual).
 
-        On the Triton backend with the weights in the compute dtype, three kernels: the add,
-        the norm and in_proj (`norm_linear` with the residual out), the step kernel, then
-        out_proj; at batch 1 the projections stream their weights (`ops.mamba_step`)."""
+        On the Triton backend with the weights in the compute dtype, outside autograd: at
+        batch 1 three kernels chained by programmatic dependent launch, the add, the norm
+        and in_proj streaming its weight (`ops.mamba_step.kernels.linear`, which also
+        stores the residual), the step kernel, out_proj streamed; above, a norm launch,
+        cuBLAS, the step kernel, cuBLAS."""
         norm = self._modules["norm"]
         mixer = self._modules["mixer"]
         in_w, out_w = _p(mixer.in_proj, "weight"), _p(mixer.out_proj, "weight")
+        norm_w = _p(norm, "weight")
+        records = torch.is_grad_enabled() and (
+            norm_w.requires_grad or (residual is not None and residual.requires_grad)
+        )
         if (
-            mixer._kernels(hidden, state, backend)
+            not records
+            and mixer._kernels(hidden, state, backend)
             and in_w.dtype == out_w.dtype == compute_dtype
             and mixer.in_proj.bias is None
             and mixer.out_proj.bias is None
@@ -166,13 +173,13 @@ class MambaBlock(nn.Module):
             from ..ops.mamba_step.kernels import linear
 
             zxbc, residual = linear(
-                hidden, in_w, residual=residual, norm_weight=_p(norm, "weight"), eps=norm.eps,
+                hidden, in_w, residual=residual, norm_weight=norm_w, eps=norm.eps,
                 return_residual=True,
             )  # fmt: skip
             y = mixer.state_update_(zxbc, state)
             return linear(y.flatten(-2), out_w), residual
         normed, residual = rms_norm(
-            hidden, _p(norm, "weight"), norm.eps, residual, compute_dtype, backend, False
+            hidden, norm_w, norm.eps, residual, compute_dtype, backend, False
         )
         return mixer.step_(normed, state, backend), residual
 

@@ -4,7 +4,9 @@ B batch, T time, H heads of P values, G groups, N = d_state, S angles, L = the c
 The angles, the turned keys and queries (k~, q~) and the per-token weights come from
 the terms kernels (terms.py); the scan kernels (chunk_kernels.py) do what costs: for one
 (row, head) the forward walks the chunks in order, carrying the state S [P, N] and the
-last token's k~ and x, and per chunk computes, as reference.py's chunked form,
+last token's k~ and x (without autograd at few (row, head) pairs, the chunks run in
+parallel instead: chunk_parallel.py, FWD_PARALLEL_BELOW), and per chunk computes, as
+reference.py's chunked form,
 
     y_t   = sum_{s <= t} (q~_t . k~_s) exp(cs_t - cs_s) w'_{t,s} x_s
             + exp(cs_t) carry_t  q~_t S'_start
@@ -21,15 +23,13 @@ import torch
 
 from .._triton import cdiv, launch, next_power_of_2, opt, sm_count
 from .chunk_kernels import (
-    _chunk_end_kernel,
     _chunk_fwd_kernel,
     _chunk_grad_kernel,
     _chunk_qk_grad_kernel,
-    _chunk_y_kernel,
     _dstate_scan_kernel,
     _dy_chunk_kernel,
-    _state_scan_kernel,
 )
+from .chunk_parallel import _chunk_end_kernel, _chunk_y_kernel, _state_scan_kernel
 from .reference import Mamba3State
 from .terms import _Terms, token_terms_kernel
 
@@ -84,26 +84,37 @@ STATES_BLOCK_P = 32
 
 
 # Below FWD_PARALLEL_BELOW (row, head) pairs (None: half the SM count), a forward computing
-# y with nothing stored for the backward runs its chunks in parallel: `_chunk_end_kernel`
-# (each chunk's own part u_c of the next start state, a program per (row, head, chunk)),
-# `_state_scan_kernel` (the start states, the chunks in order, elementwise),
-# `_chunk_y_kernel` (y from them, a program per (row, head, chunk)), with u and then the
-# start states in one f32 buffer [B, H, chunks, P, N] (50 MB at 1 x 4096 for the
-# 130m-mamba3 heads); there, one program per (row, head, block of P) walking every chunk
-# leaves SMs idle. H200, 130m-mamba3 heads, bf16, terms + scan without autograd
-# (scripts/m3_fwd_probe.py), walking against parallel: 1 x 4096 0.63 ms against 0.44;
-# 2 x 4096 0.83 against 0.57; 1 x 32768 4.73 against 2.44; 4 x 2048 (96 pairs) 0.54
-# against 0.58; 8 x 2048 0.70 against 1.05.
+# y with nothing stored for the backward runs its chunks in parallel (chunk_parallel.py):
+# `_chunk_end_kernel` (each chunk's own part u_c of the next start state, a program per
+# (row, head, chunk)), `_state_scan_kernel` (the start states, the chunks in order,
+# elementwise), `_chunk_y_kernel` (y from them, a program per (row, head, chunk)), with u
+# and then the start states in one f32 buffer [B, H, chunks, P, N] (100 MB at 1 x 4096 for
+# the 130m-mamba3 heads); there, one program per (row, head, block of P) walking every
+# chunk leaves SMs idle. Not below FWD_PARALLEL_MIN_CHUNKS chunks (three launches for a
+# short prompt; not measured) nor above FWD_PARALLEL_MAX_BYTES of that buffer (the walk
+# needs none). H200, 130m-mamba3 heads, bf16, terms + scan without autograd
+# (scripts/m3_fwd_probe.py), walking against parallel: 1 x 4096 0.63 ms against 0.48;
+# 2 x 4096 0.83 against 0.57; 3 x 4096 1.01 against 0.82; 1 x 32768 4.73 against 2.44;
+# 4 x 2048 (96 pairs) 0.54 against 0.57; 8 x 2048 0.70 against 1.05.
 FWD_PARALLEL_BELOW = None
+FWD_PARALLEL_MIN_CHUNKS = 4
+FWD_PARALLEL_MAX_BYTES = 1 << 30
+PARALLEL_BLOCK_P = 64  # the head's P values a program of the parallel passes
 END_BLOCK_N = 64  # the states a block of `_chunk_end_kernel`'s product
 PARALLEL_WARPS = 4
 
 
-def _parallel(Bsz: int, H: int, x: torch.Tensor) -> bool:
+def _parallel(x: torch.Tensor, N: int, L: int) -> bool:
+    Bsz, T, H, P = x.shape
     below = FWD_PARALLEL_BELOW
     if below is None:
         below = sm_count(x.device.index) // 2 if x.is_cuda else 0
-    return Bsz * H < below
+    nc = cdiv(T, L)
+    return (
+        Bsz * H < below
+        and nc >= FWD_PARALLEL_MIN_CHUNKS
+        and Bsz * H * nc * P * N * 4 <= FWD_PARALLEL_MAX_BYTES
+    )
 
 
 def _launch_fwd_chunks(x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L):
@@ -115,7 +126,7 @@ def _launch_fwd_chunks(x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y
     u = torch.empty(Bsz, H, nc, P, N, device=x.device, dtype=torch.float32)
     keep = torch.empty(Bsz, H, nc, device=x.device, dtype=torch.float32)
     seq = seq_idx if seq_idx is not None else adt
-    block_p, block_n = _block(P), _block(N)
+    block_p, block_n = min(_block(P), PARALLEL_BLOCK_P), _block(N)
     strides = (x.stride(0), x.stride(1), x.stride(2), qr.stride(0), qr.stride(1),
                qr.stride(2), adt.stride(0), adt.stride(1), seq.stride(0))  # fmt: skip
     grid = (Bsz, H, nc * cdiv(P, block_p))
@@ -153,7 +164,7 @@ def _launch_fwd(
     given (the backward's, with y or as a pass of its own when y is None). `pre` (y's shape
     and strides): y before the gate, stored too."""
     Bsz, T, H, P = x.shape
-    if y is not None and states is None and pre is None and T > 0 and _parallel(Bsz, H, x):
+    if y is not None and states is None and pre is None and _parallel(x, qr.shape[-1], L):
         return _launch_fwd_chunks(x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L)
     N = qr.shape[-1]
     sT, kT, xT = torch.empty_like(s0), torch.empty_like(k0), torch.empty_like(x0)
