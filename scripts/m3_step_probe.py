@@ -17,31 +17,19 @@ import sys
 if "--dry" in sys.argv:  # before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from pathlib import Path  # noqa: E402
+
 import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from common import graph_time_ms  # noqa: E402
 
 from mambakit.ops.mamba3 import step as m3step  # noqa: E402
 from mambakit.ops.mamba3.reference import Mamba3State  # noqa: E402
 
 
-def graph_us(fn, iters: int = 100) -> float:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(5):
-        g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters * 1e3
+def graph_us(fn) -> float:
+    return graph_time_ms(fn, iters=100) * 1e3
 
 
 def layers(Bn: int, n_layers: int, H: int, P: int, N: int, S: int, dev: str):

@@ -408,29 +408,22 @@ def test_chunk_kernels_in_blocks_of_p_and_n(monkeypatch, seq, state_in):
         seq_idx=seq_idx,
         chunk=6,
     )
-    y, final = chunk.mamba3_scan_fwd(
-        **{k: v.to(DEVICE) for k, v in inp.items()},
-        initial_state=Mamba3State(*(t.to(DEVICE) for t in state)) if state else None,
-        seq_idx=seq_idx.to(DEVICE) if seq_idx is not None else None,
-    )
-    torch.testing.assert_close(y.cpu().double(), y64, rtol=1e-5, atol=1e-5)
-    for name in ("ssm", "k", "x"):
-        got, want = getattr(final, name).cpu().double(), getattr(f64, name)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
-    # the chunks in parallel: P in blocks of 16 (the last partial), N in blocks of 16 for u
-    monkeypatch.setattr(chunk, "FWD_PARALLEL_BELOW", 10**9)
+    # walking; then the chunks in parallel: P in blocks of 16 (the last partial), N in
+    # blocks of 16 for u
     monkeypatch.setattr(chunk, "FWD_PARALLEL_MIN_CHUNKS", 1)
     monkeypatch.setattr(chunk, "PARALLEL_BLOCK_P", 16)
     monkeypatch.setattr(chunk, "END_BLOCK_N", 16)
-    y, final = chunk.mamba3_scan_fwd(
-        **{k: v.to(DEVICE) for k, v in inp.items()},
-        initial_state=Mamba3State(*(t.to(DEVICE) for t in state)) if state else None,
-        seq_idx=seq_idx.to(DEVICE) if seq_idx is not None else None,
-    )
-    torch.testing.assert_close(y.cpu().double(), y64, rtol=1e-5, atol=1e-5)
-    for name in ("ssm", "k", "x"):
-        got, want = getattr(final, name).cpu().double(), getattr(f64, name)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+    for below in (0, 10**9):
+        monkeypatch.setattr(chunk, "FWD_PARALLEL_BELOW", below)
+        y, final = chunk.mamba3_scan_fwd(
+            **{k: v.to(DEVICE) for k, v in inp.items()},
+            initial_state=Mamba3State(*(t.to(DEVICE) for t in state)) if state else None,
+            seq_idx=seq_idx.to(DEVICE) if seq_idx is not None else None,
+        )
+        torch.testing.assert_close(y.cpu().double(), y64, rtol=1e-5, atol=1e-5)
+        for name in ("ssm", "k", "x"):
+            got, want = getattr(final, name).cpu().double(), getattr(f64, name)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
     monkeypatch.setattr(chunk, "FWD_PARALLEL_BELOW", 0)
     _check_kernel_gradients(inp, state, seq_idx)
 

@@ -13,6 +13,23 @@ from .chunk_kernels import _chunk_ctx, _chunk_inputs, _chunk_y, _last_row, _mm, 
 
 
 @triton.jit
+def _program(T, H, P, L: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Where a program of the grid (row, head, chunk x blocks of P) stands: (b, h, the chunk
+    c, its block of P p and mask, c0, rows, t, mask of t, the last row, b H + h, chunks).
+    c is int64: t * strides pass 2^31 on long rows."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    blocks = tl.cdiv(P, BLOCK_P)
+    c = (tl.program_id(2) // blocks).to(tl.int64)
+    p = (tl.program_id(2) % blocks) * BLOCK_P + tl.arange(0, BLOCK_P)
+    c0 = c * L
+    rows = tl.arange(0, L)
+    t = c0 + rows
+    return (b, h, c, p, p < P, c0, rows, t, t < T, tl.minimum(L, T - c0) - 1, b * H + h,
+            tl.cdiv(T, L))
+
+
+@triton.jit
 def _chunk_end_kernel(
     p_x, p_k, p_adt, p_gam, p_late, p_seq, p_u, p_keep,
     T, H, P, N,
@@ -26,19 +43,7 @@ def _chunk_end_kernel(
     chunk's first late term is its last row's; none past T), to u [B, H, chunks, P, N] f32,
     and the factor keep of the start state (keep [B, H, chunks]):
     S'_start(c + 1) = keep_c S'_start(c) + u_c. A program per (row, head, chunk, block of P)."""
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    blocks = tl.cdiv(P, BLOCK_P)
-    c = (tl.program_id(2) // blocks).to(tl.int64)  # t * strides past 2^31 on long rows
-    p = (tl.program_id(2) % blocks) * BLOCK_P + tl.arange(0, BLOCK_P)
-    mp = p < P
-    c0 = c * L
-    rows = tl.arange(0, L)
-    t = c0 + rows
-    mt = t < T
-    last = tl.minimum(L, T - c0) - 1
-    bh = b * H + h
-    nc = tl.cdiv(T, L)
+    b, h, c, p, mp, c0, rows, t, mt, last, bh, nc = _program(T, H, P, L, BLOCK_P)
     cs, cs_last, _, keep_doc, _, keep = _chunk_ctx(p_seq, p_adt, b, h, c0, t, mt, rows, last,
                                                    s_w_b, s_w_t, s_seq_b, HAS_SEQ)
     wo = b * s_w_b + t * s_w_t + h
@@ -55,7 +60,7 @@ def _chunk_end_kernel(
                      mask=mt[:, None] & mn[None, :], other=0.0).to(tl.float32)
         tl.store(p_u + ((bh * nc + c) * P + p[:, None]) * N + n[None, :], _mm(xt, kc, PREC),
                  mask=mp[:, None] & mn[None, :])
-    if tl.program_id(2) % blocks == 0:
+    if tl.program_id(2) % tl.cdiv(P, BLOCK_P) == 0:
         tl.store(p_keep + bh * nc + c, keep)
 
 
@@ -95,20 +100,9 @@ def _chunk_y_kernel(
     (st [B, H, chunks, P, N], `_state_scan_kernel`'s), as `_chunk_fwd_kernel` computes it;
     the last chunk's programs also store the last token's k~ (kT) and x (xT), f32. A program
     per (row, head, chunk, block of P)."""
-    b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    blocks = tl.cdiv(P, BLOCK_P)
-    c = (tl.program_id(2) // blocks).to(tl.int64)  # t * strides past 2^31 on long rows
-    p = (tl.program_id(2) % blocks) * BLOCK_P + tl.arange(0, BLOCK_P)
+    b, h, c, p, mp, c0, rows, t, mt, last, bh, nc = _program(T, H, P, L, BLOCK_P)
     n = tl.arange(0, BLOCK_N)
-    mp, mn = p < P, n < N
-    c0 = c * L
-    rows = tl.arange(0, L)
-    t = c0 + rows
-    mt = t < T
-    last = tl.minimum(L, T - c0) - 1
-    bh = b * H + h
-    nc = tl.cdiv(T, L)
+    mn = n < N
     start = tl.load(p_st + ((bh * nc + c) * P + p[:, None]) * N + n[None, :],
                     mask=mp[:, None] & mn[None, :], other=0.0)
     xc = tl.load(p_x + b * s_x_b + t[:, None] * s_x_t + h * s_x_h + p[None, :],
@@ -131,7 +125,7 @@ def _chunk_y_kernel(
              HAS_Z, HAS_D, False, PREC)
     if c == nc - 1:
         tl.store(p_xT + bh * P + p, _last_row(xc, rows, last), mask=mp)
-        if tl.program_id(2) % blocks == 0:
+        if tl.program_id(2) % tl.cdiv(P, BLOCK_P) == 0:
             tl.store(p_kT + bh * N + n, _last_row(kc, rows, last), mask=mn)
 
 

@@ -54,6 +54,13 @@ TWO_PI = tl.constexpr(2 * math.pi)
 
 
 @triton.jit
+def _load_pair(ptr, n, pair, N):
+    """A row's columns n and their partners n ^ 1, as f32 (0 past N)."""
+    v = tl.load(ptr + n, mask=n < N, other=0.0).to(tl.float32)
+    return v, tl.load(ptr + pair, mask=pair < N, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _step_kernel(
     p_x, p_z, p_q, p_k, p_dt, p_A, p_trap, p_th, p_qb, p_kb, p_D,
     p_ang, p_ssm, p_kst, p_xst, p_y, p_dtb, p_qw, p_kw,
@@ -77,20 +84,15 @@ def _step_kernel(
     mp = p < P
     mn = n < N
     pair = n ^ 1  # the column turned with n
-    mpair = pair < N
     i = n // 2  # its angle
     mi = mn & (i < S)
     # the weights: no kernel writes them
-    kb = tl.load(p_kb + h * s_kb_h + n, mask=mn, other=0.0).to(tl.float32)
-    kb_pair = tl.load(p_kb + h * s_kb_h + pair, mask=mpair, other=0.0).to(tl.float32)
-    qb = tl.load(p_qb + h * s_qb_h + n, mask=mn, other=0.0).to(tl.float32)
-    qb_pair = tl.load(p_qb + h * s_qb_h + pair, mask=mpair, other=0.0).to(tl.float32)
+    kb, kb_pair = _load_pair(p_kb + h * s_kb_h, n, pair, N)
+    qb, qb_pair = _load_pair(p_qb + h * s_qb_h, n, pair, N)
     if RAW:
         dt_bias = tl.load(p_dtb + h).to(tl.float32)
-        kw = tl.load(p_kw + n, mask=mn, other=0.0).to(tl.float32)
-        kw_pair = tl.load(p_kw + pair, mask=mpair, other=0.0).to(tl.float32)
-        qw = tl.load(p_qw + n, mask=mn, other=0.0).to(tl.float32)
-        qw_pair = tl.load(p_qw + pair, mask=mpair, other=0.0).to(tl.float32)
+        kw, kw_pair = _load_pair(p_kw, n, pair, N)
+        qw, qw_pair = _load_pair(p_qw, n, pair, N)
     if HAS_D:
         Dh = tl.load(p_D + h).to(tl.float32)
     pdl_wait(PDL)
@@ -110,12 +112,8 @@ def _step_kernel(
     A = tl.load(p_A + b * s_A_b + h).to(tl.float32)
     lam = tl.sigmoid(tl.load(p_trap + b * s_tr_b + h).to(tl.float32))
     theta = tl.load(p_th + b * s_th_b + i, mask=mi, other=0.0).to(tl.float32)
-    p_k_g = p_k + b * s_k_b + g * s_k_g
-    k = tl.load(p_k_g + n, mask=mn, other=0.0).to(tl.float32)
-    k_pair = tl.load(p_k_g + pair, mask=mpair, other=0.0).to(tl.float32)
-    p_q_g = p_q + b * s_q_b + g * s_q_g
-    q = tl.load(p_q_g + n, mask=mn, other=0.0).to(tl.float32)
-    q_pair = tl.load(p_q_g + pair, mask=mpair, other=0.0).to(tl.float32)
+    k, k_pair = _load_pair(p_k + b * s_k_b + g * s_k_g, n, pair, N)
+    q, q_pair = _load_pair(p_q + b * s_q_b + g * s_q_g, n, pair, N)
     if RAW:
         delta += dt_bias
         delta = tl.where(delta > 20.0, delta, tl.log(1.0 + tl.exp(delta)))  # softplus
