@@ -33,9 +33,7 @@ from torch import nn
 
 from ..ops import resolve_backend, rms_norm
 from ..ops._checks import check_seq_idx, check_tensor, state_dtype
-from ..ops.mamba3.chunk import mamba3_scan_kernel
 from ..ops.mamba3.reference import Mamba3State, mamba3_scan_reference, mamba3_step_reference
-from ..ops.mamba3.step import state_update_raw
 from .init import no_weight_decay
 
 
@@ -249,6 +247,8 @@ class Mamba3(nn.Module):
         x, q, k, delta, A, trap, theta, z = self._inputs(u)
         args = (x, q, k, delta, A, trap, theta, self.C_bias[:, 0], self.B_bias[:, 0], self.D, z)
         if self._kernels(u, state, backend, differentiable=True):  # Triton: chunk kernels
+            from ..ops.mamba3.chunk import mamba3_scan_kernel
+
             y, final = mamba3_scan_kernel(*args, initial_state=state, seq_idx=seq_idx)
         else:
             y, final = mamba3_scan_reference(
@@ -288,6 +288,8 @@ class Mamba3(nn.Module):
     def state_update_(self, zxbc: torch.Tensor, state: Mamba3State) -> torch.Tensor:
         """The decode step kernel from in_proj's output zxbc [B, in_proj rows]: y [B, H, P]
         (gated, before out_proj) with `state` advanced in place (Triton, no autograd)."""
+        from ..ops.mamba3.step import state_update_raw
+
         z, x, B, C, dd_dt, dd_A, trap, theta = self._split_rows(zxbc)
         return state_update_raw(
             state, x, C, B, dd_dt, dd_A, trap, theta, self.C_bias[:, 0], self.B_bias[:, 0],
