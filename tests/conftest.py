@@ -23,6 +23,27 @@ if not torch.cuda.is_available():
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# prepended to a child program: `import triton` then raises ModuleNotFoundError, as on a
+# machine without it (a CPU torch wheel brings none, and the `[train]` extra adds none)
+HIDE_TRITON = """
+import sys
+
+class _NoTriton:
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, _NoTriton())
+"""
+
+
+@pytest.fixture
+def hide_triton() -> str:
+    """Code that hides Triton from the interpreter that runs it (a meta-path finder)."""
+    return HIDE_TRITON
+
+
 @pytest.fixture
 def seed() -> int:
     """Seed torch's global RNG so a test draws the same weights and inputs every run."""

@@ -1,13 +1,26 @@
-"""mambakit: Mamba selective state space models in PyTorch and Triton."""
+"""mambakit: Mamba selective state space models in PyTorch and Triton.
 
-from .config import MambaConfig
-from .layers.block import MambaBlock, RMSNorm
-from .layers.mamba3 import Mamba3
-from .layers.mixer import Mamba
-from .model import MambaBackbone, MambaLM, MambaLMOutput
-from .ops.mamba3 import Mamba3State
-from .state import Mamba3ModelState, MambaState
+The public names load on first use (PEP 562), so `import mambakit` and the command
+line's `--help` do not pay for importing torch until something needs it."""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_WHERE = {  # public name -> the module that defines it
+    "Mamba": ".layers.mixer",
+    "Mamba3": ".layers.mamba3",
+    "Mamba3ModelState": ".state",
+    "Mamba3State": ".ops.mamba3",
+    "MambaBackbone": ".model",
+    "MambaBlock": ".layers.block",
+    "MambaConfig": ".config",
+    "MambaLM": ".model",
+    "MambaLMOutput": ".model",
+    "MambaState": ".state",
+    "RMSNorm": ".layers.block",
+}
 __all__ = [
     "Mamba",
     "Mamba3",
@@ -22,3 +35,26 @@ __all__ = [
     "RMSNorm",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    where = _WHERE.get(name)
+    if where is None:  # (_WHERE and __all__ list the same names: tests/test_import.py)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from .config import MambaConfig
+    from .layers.block import MambaBlock, RMSNorm
+    from .layers.mamba3 import Mamba3
+    from .layers.mixer import Mamba
+    from .model import MambaBackbone, MambaLM, MambaLMOutput
+    from .ops.mamba3 import Mamba3State
+    from .state import Mamba3ModelState, MambaState

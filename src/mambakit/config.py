@@ -8,6 +8,7 @@ are ignored."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 from dataclasses import dataclass, field
@@ -158,6 +159,15 @@ class MambaConfig:
         else:
             names = ", ".join(["tiny", *_RELEASED, "tiny-mamba3", "130m-mamba3"])
             raise ValueError(f"unknown preset {name!r}; choose one of {names}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], sorted(fields), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ValueError(
+                f"unknown MambaConfig field(s) {', '.join(map(repr, unknown))}{hint}; the fields "
+                f"are {', '.join(sorted(fields - {'extra'}))}"
+            )
         base.update(overrides)
         return cls(**base)
 

@@ -137,9 +137,10 @@ def test_divergent_cli_run_stops_with_a_message_and_no_nan_checkpoint(tmp_path, 
         timeout=300,
     )
     assert proc.returncode == 1, (proc.stdout, proc.stderr)
-    assert "training diverged: 3 consecutive steps skipped" in proc.stdout
-    assert "--lr 1e+06" in proc.stdout and "--max-skipped-steps 3" in proc.stdout
-    assert "Traceback" not in proc.stderr
+    # the message on stderr, exit status 1 (2 is a mistake in the input)
+    assert "training diverged: 3 consecutive steps skipped" in proc.stderr
+    assert "--lr 1e+06" in proc.stderr and "--max-skipped-steps 3" in proc.stderr
+    assert "training diverged" not in proc.stdout and "Traceback" not in proc.stderr
     records = strict_metrics(runs / "t")
     assert records[-1]["loss"] is None and records[-1]["skipped_steps"] >= 3
     run = runs / "t"

@@ -243,34 +243,90 @@ def decoded_docs(rows: PackedRows) -> list[str]:
     return out
 
 
+def write_lines(path: Path, n_lines: int, tag: str = "") -> str:
+    """A file of distinct numbered lines, so a held-out tail cannot occur in the rest."""
+    text = "".join(f"{tag}line {i:04d}: value = {i * 7919 % 10007}\n" for i in range(n_lines))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return text
+
+
 def test_validation_split_rule(tmp_path):
+    """At least val_every documents: every val_every-th is held out whole (the embedded
+    corpus's rule, unchanged so runs stay comparable)."""
     texts = write_docs(tmp_path / "c", 45)
     train, val = build_splits([tmp_path / "c"], ByteTokenizer(), seqlen=16)
     want_val = [t for i, t in enumerate(texts) if i % 20 == 10]  # documents 10, 30
     assert decoded_docs(val) == want_val
     assert decoded_docs(train) == [t for i, t in enumerate(texts) if i % 20 != 10]
+    assert val.note == train.note == "validation: every 20th document held out (2 of 45 files)"
     train5, val5 = build_splits([tmp_path / "c"], ByteTokenizer(), seqlen=16, val_every=5)
     assert decoded_docs(val5) == [t for i, t in enumerate(texts) if i % 5 == 2]
     assert len(decoded_docs(train5)) == 45 - 9
+    assert val5.note == "validation: every 5th document held out (9 of 45 files)"
+    texts = write_docs(tmp_path / "d", 20)  # exactly val_every documents: still the rule
+    train, val = build_splits([tmp_path / "d"], ByteTokenizer(), seqlen=16)
+    assert decoded_docs(val) == [texts[10]]
+    assert decoded_docs(train) == texts[:10] + texts[11:]
 
 
-@pytest.mark.parametrize("n_docs", [2, 5, 10])
-def test_small_corpus_validation_is_held_out(tmp_path, n_docs):
-    """Fewer documents than the rule needs: one is still held out, and it is NOT trained on
-    (a validation loss measured on training text would mislead)."""
-    texts = write_docs(tmp_path / "c", n_docs)
-    train, val = build_splits([tmp_path / "c"], ByteTokenizer(), seqlen=8)
-    assert len(decoded_docs(val)) >= 1
-    assert not set(decoded_docs(val)) & set(decoded_docs(train))
-    assert sorted(decoded_docs(val) + decoded_docs(train)) == sorted(texts)
+def test_one_file_holds_out_its_tail(tmp_path):
+    """One file: its last lines (about 1/val_every) are validated on and never trained on."""
+    text = write_lines(tmp_path / "one.txt", 300)
+    train, val = build_splits([tmp_path / "one.txt"], ByteTokenizer(), seqlen=64)
+    assert len(train) > 0 and len(val) > 0 and val.seqlen == 64
+    (head,), (tail,) = decoded_docs(train), decoded_docs(val)
+    assert head + tail == text
+    assert tail not in head and tail.splitlines()[0] not in head
+    assert head.endswith("\n")  # cut at a line start
+    assert len(text) / 20 <= len(tail) < 2 * len(text) / 20
+    assert val.note == train.note == "validation: the last 5% of each file held out (1 file)"
+
+
+@pytest.mark.parametrize("n_files", [2, 5, 19])
+def test_several_small_files_each_hold_out_a_tail(tmp_path, n_files):
+    """Fewer files than val_every: every file contributes its tail to validation."""
+    texts = [
+        write_lines(tmp_path / "c" / f"f{k:02d}.txt", 40, tag=f"f{k} ") for k in range(n_files)
+    ]
+    train, val = build_splits([tmp_path / "c"], ByteTokenizer(), seqlen=32)
+    heads, tails = decoded_docs(train), decoded_docs(val)
+    assert len(heads) == len(tails) == n_files
+    all_train = "".join(heads)
+    for text, head, tail in zip(texts, heads, tails):
+        assert head + tail == text and head.endswith("\n")
+        assert tail and tail not in all_train
+    assert val.note == f"validation: the last 5% of each file held out ({n_files} files)"
+
+
+def test_a_file_too_small_to_split_names_it(tmp_path):
+    """Its held-out tail would not fill one row: an error, not validation on training text."""
+    text = write_lines(tmp_path / "small.txt", 20)
+    n = len(text)
+    with pytest.raises(
+        ValueError, match=rf"^data: '.*small\.txt' \({n:,} tokens\).*seqlen \+ 1 = 65"
+    ):
+        build_splits([tmp_path / "small.txt"], ByteTokenizer(), seqlen=64)
+    train, val = build_splits([tmp_path / "small.txt"], ByteTokenizer(), seqlen=8)
+    assert len(val) > 0  # a smaller seqlen fits
+
+
+def test_held_out_documents_shorter_than_a_row_are_an_error(tmp_path):
+    """The validation rows are as long as the training rows, never shortened to fit."""
+    write_docs(tmp_path / "c", 20)
+    (tmp_path / "c" / "doc_010.txt").write_text("short")  # the one held out
+    with pytest.raises(ValueError, match=r"^data: 20 files .*5 tokens held out.*every 20th"):
+        build_splits([tmp_path / "c"], ByteTokenizer(), seqlen=8)
 
 
 def test_split_errors(tmp_path):
     (tmp_path / "short.txt").write_text("tiny")
     with pytest.raises(ValueError, match="seqlen"):
         build_splits([tmp_path / "short.txt"], ByteTokenizer(), seqlen=1)
-    with pytest.raises(ValueError, match="training tokens"):
+    with pytest.raises(ValueError, match="short.txt.*training tokens"):
         build_splits([tmp_path / "short.txt"], ByteTokenizer(), seqlen=64)
+    with pytest.raises(ValueError, match="val_every"):
+        build_splits([tmp_path / "short.txt"], ByteTokenizer(), seqlen=2, val_every=1)
 
 
 def test_eval_batches_are_the_first_rows_in_order():

@@ -2,18 +2,37 @@
 
 from __future__ import annotations
 
-import os
 import re
-import time
 from pathlib import Path
 
 import torch
 
-THREADS_ENV = "MAMBAKIT_NUM_THREADS"
+from .. import threads
 
 
 class UsageError(ValueError):
     """A mistake in the command line or a file it names: reported in one line, exit 2."""
+
+
+def check_run_folder(run_dir: Path, resume: bool) -> None:
+    """Refuse to start a fresh run over a run's checkpoints, and --resume without one (a typo
+    in --name would otherwise start a fresh run), naming the runs that do exist."""
+    has_checkpoint = (run_dir / "latest").is_file() or any(run_dir.glob("step_*"))
+    if has_checkpoint and not resume:
+        raise UsageError(
+            f"{run_dir} already holds a run: pass --resume to continue it or --name for a new one"
+        )
+    if resume and not has_checkpoint:
+        runs = sorted(
+            p.name
+            for p in run_dir.parent.glob("*")
+            if p.is_dir() and ((p / "latest").is_file() or any(p.glob("step_*")))
+        )
+        where = "does not exist" if not run_dir.exists() else "holds no checkpoint"
+        known = f"runs in {run_dir.parent}: {', '.join(runs)}"
+        if not runs:
+            known = f"{run_dir.parent} holds no runs"
+        raise UsageError(f"--resume: {run_dir} {where}; {known}")
 
 
 # TrainConfig fields whose flag is not the field's name with dashes
@@ -50,84 +69,21 @@ def check_device(spec: str, flag: str = "--device") -> torch.device:
     return dev
 
 
-def physical_cores(cpus: set[int]) -> int:
-    """Distinct (package, core) pairs among `cpus`, from /proc/cpuinfo; len(cpus) if unknown."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return len(cpus)
-    cores = set()
-    for block in text.split("\n\n"):
-        fields = dict(
-            (k.strip(), v.strip()) for k, _, v in (ln.partition(":") for ln in block.splitlines())
-        )
-        if "processor" not in fields or int(fields["processor"]) not in cpus:
-            continue
-        if "core id" not in fields:
-            return len(cpus)
-        cores.add((fields.get("physical id", "0"), fields["core id"]))
-    return len(cores) or len(cpus)
-
-
-def busy_cores(interval: float = 0.25) -> float | None:
-    """Cores kept busy by other work now: the machine's non-idle share of CPU time over
-    `interval` seconds (this process sleeps meanwhile), from /proc/stat; None if unknown."""
-
-    def sample() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:9]]
-        return sum(ticks), ticks[3] + ticks[4]  # all, idle + iowait
-
-    try:
-        total0, idle0 = sample()
-        time.sleep(interval)
-        total1, idle1 = sample()
-    except (OSError, ValueError, IndexError):
-        return None
-    if total1 <= total0:
-        return None
-    return (1 - (idle1 - idle0) / (total1 - total0)) * (os.cpu_count() or 1)
-
-
-def auto_threads(available: int, physical: int, load: float) -> int:
-    """Threads for torch's CPU ops: the physical cores when the machine is idle; when
-    `load` (cores busy with other work) says others are busy, the cores they leave free
-    and at most the physical cores minus one: torch's threads spin-wait on each other,
-    so one thread that shares a core slows all of them."""
-    busy = int(load + 0.5)
-    if busy == 0:
-        return max(1, physical)
-    return max(1, min(physical - 1, available - busy))
-
-
 def choose_threads(flag: int | None) -> tuple[int, str]:
-    """(thread count, where it came from): the flag, else MAMBAKIT_NUM_THREADS, else
-    OMP_NUM_THREADS, else `auto_threads` from the cores this process may use."""
-    if flag is not None:
-        if flag < 1:
-            raise UsageError(f"--threads must be at least 1, got {flag}")
-        return flag, "--threads"
-    for env in (THREADS_ENV, "OMP_NUM_THREADS"):
-        value = os.environ.get(env, "").strip()
-        if value:
-            if not value.isdigit() or int(value) < 1:
-                raise UsageError(f"{env}={value!r}: must be a whole number >= 1")
-            return int(value), env
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    cpus = cpus or set(range(os.cpu_count() or 1))
-    load = busy_cores()
-    if load is None:  # no /proc/stat: the 1-minute load average (lags behind)
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    physical = physical_cores(cpus)
-    n = auto_threads(len(cpus), physical, load)
-    return n, f"auto: {len(cpus)} cpus, {physical} cores, {load:.1f} busy with other work"
+    """(thread count, where it came from) by the library's policy (mambakit.threads), with
+    the flag's name in errors."""
+    try:
+        return threads.choose_threads(flag, name="--threads")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def set_threads(flag: int | None) -> str:
-    """Set torch's intra-op thread count (see choose_threads); returns a line to print."""
-    n, source = choose_threads(flag)
-    torch.set_num_threads(n)
-    return f"threads: {n} ({source})"
+    """Apply the library's thread policy (mambakit.threads); returns a line to print."""
+    try:
+        return threads.apply_threads(flag, name="--threads")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def add_threads_flag(p) -> None:
@@ -135,6 +91,7 @@ def add_threads_flag(p) -> None:
         "--threads",
         type=int,
         default=None,
-        help=f"CPU threads for torch (none: ${THREADS_ENV}, else $OMP_NUM_THREADS, else "
-        "the free physical cores: all of them on an idle machine, fewer when others are busy)",
+        help=f"CPU threads for torch (none: ${threads.THREADS_ENV}, else $OMP_NUM_THREADS, "
+        "else the free physical cores: all of them on an idle machine, fewer when others are "
+        "busy)",
     )

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..inference.sampling import SamplingConfig
 from ..model import MambaLM
 from ..text import ByteTokenizer, HFTokenizer, load_tokenizer
 from ._common import UsageError, add_threads_flag, check_device, set_threads
@@ -25,7 +26,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "generate",
-        help="stream a continuation of --prompt from a checkpoint",
         description=__doc__,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -94,8 +94,8 @@ def find_tokenizer(spec: str | None, ckpt: Path, vocab_size: int):
             return ByteTokenizer()
     if vocab_size == 256:
         return ByteTokenizer()
-    raise SystemExit(
-        f"generate: no tokenizer.json or tokenizer.txt in {str(ckpt)!r} and the vocabulary "
+    raise UsageError(
+        f"no tokenizer.json or tokenizer.txt in {str(ckpt)!r} and the vocabulary "
         f"({vocab_size}) is not bytes; pass --tokenizer PATH/tokenizer.json (or 'byte')"
     )
 
@@ -131,7 +131,27 @@ class TextStream:
         return text[len(self.tok.decode(self.ids[self.prefix : self.read])) :]
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """The sampling flags' values, refused before the model loads."""
+    if args.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.eos_token_id is not None and args.eos_token_id < -1:
+        raise UsageError(f"--eos-token-id must be >= 0, or -1 for never, got {args.eos_token_id}")
+    try:
+        SamplingConfig(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+        )
+    except ValueError as e:  # "top_p must lie in ..." -> "--top-p must lie in ..."
+        name, _, rest = str(e).partition(" ")
+        raise UsageError(f"--{name.replace('_', '-')} {rest}") from None
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_args(args)
     device = check_device(args.device)
     set_threads(args.threads)
     dtype = _DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)

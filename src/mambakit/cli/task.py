@@ -10,33 +10,34 @@ so 2^20 steps take the memory of one chunk. It prints the table and writes
 RUNS/NAME/accuracy.json and, when matplotlib is installed, accuracy.png.
 
 Defaults: on CUDA the paper's model and lengths (2 layers, d_model 64, trained at 256 /
-4096, tested to 2^20) with the batch and learning rate that learn them here (H200, sessions
-14 and 15): induction heads at batch 32, lr 5e-3, 60,000 steps, tested on 256 rows per
-length (one answer per row): 100% at every length from 2^6 to 2^20 for seeds 0 and 1. The
-step count matters: the loss is 0 from step 1,000 but length generalisation drifts as the
-training goes on (the same run tested at 30,000 steps: 93% at 2^20; at 174,000: 89%). At
-the paper's batch 8 the loss stayed at chance (97,000 steps at lr 5e-3, 60,000 at its lr
-1e-3 in session 12), and weight decay 0.1 never learns. Selective copying at batch 16, lr
-1e-3, 50,000 steps (99.5% at 4096 after 48,766). MQAR keeps batch 8, lr 1e-3 (not
-measured). All in f32: a 67k-parameter model gains nothing from bf16. docs/tasks.md has
-the tables. On a CPU a short version (300 steps of 32 rows of 32 tokens for induction
-heads, tested to 2^12) that takes a few minutes. The paper's induction-heads setting,
-spelled out:
+4096, tested to 2^20) with the batch and learning rate that learned them on an H200:
+induction heads at batch 32, lr 5e-3, 60,000 steps, tested on 256 rows per length (one
+answer per row): 100% at every length from 2^6 to 2^20 for seeds 0 and 1. The step count
+matters: the loss is 0 from step 1,000 but length generalisation drifts as the training
+goes on (the same run tested at 30,000 steps: 93% at 2^20; at 174,000: 89%). The paper's
+own setting, batch 8 at lr 1e-3, stayed at chance here (60,000 steps; 97,000 at lr 5e-3),
+and weight decay 0.1 never learns. Selective copying at batch 16, lr 1e-3, 50,000 steps
+(99.5% at 4096 after 48,766). MQAR keeps batch 8, lr 1e-3 (not measured). All in f32: a
+67k-parameter model gains nothing from bf16. docs/tasks.md has the tables. On a CPU a
+short version (300 steps of 32 rows of 32 tokens for induction heads, tested to 2^12) that
+takes a few minutes. --mixer mamba3 trains a Mamba-3 SISO model of the same width instead.
 
-    mambakit task induction-heads --device cuda --seqlen 256 --batch-size 8 --lr 1e-3 \
-        --steps 20000 --max-len 1048576
+Example, the GPU defaults for induction heads with a shorter run:
+
+  mambakit task induction-heads --device cuda --steps 20000 --max-len 1048576
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 
 import torch
 
-from ..config import MambaConfig
+from ..config import MIXERS, MambaConfig
 from ..model import MambaLM
 from ..tasks import TASKS, TaskBatches, evaluate_length, format_table, make_task, powers_of_two
 from ..tasks.evaluate import SPLIT_VAL
@@ -44,7 +45,14 @@ from ..training import TrainConfig, Trainer
 from ..training.checkpoint import RunLock
 from ..training.report import plot_loss
 from ..training.trainer import PRECISIONS, TrainingDiverged
-from ._common import UsageError, add_threads_flag, check_device, flag_names, set_threads
+from ._common import (
+    UsageError,
+    add_threads_flag,
+    check_device,
+    check_run_folder,
+    flag_names,
+    set_threads,
+)
 
 # defaults per device and task: on CUDA the paper's model and lengths (Tables 1 and 11:
 # trained at 4096 for selective copying, 256 for induction heads), with the batch and lr that
@@ -72,7 +80,6 @@ CPU_DEFAULTS = {
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "task",
-        help="train on a synthetic task of the Mamba paper and test it from 2^6 to 2^20 steps",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -90,6 +97,15 @@ def add_parser(sub) -> None:
     p.add_argument("--d-model", type=int, default=64, help="model width (the paper: 64)")
     p.add_argument("--n-layers", type=int, default=2, help="Mamba blocks (the paper: 2)")
     p.add_argument("--d-state", type=int, default=16, help="SSM state size per channel")
+    p.add_argument(
+        "--mixer", default="mamba1", choices=list(MIXERS), help="the blocks' mixer layer"
+    )
+    p.add_argument(
+        "--headdim",
+        type=int,
+        default=32,
+        help="mamba3: values per head (d_model * 2 / headdim heads)",
+    )
     p.add_argument(
         "--seqlen",
         type=int,
@@ -233,11 +249,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--min-len {args.min_len} is shorter than {args.task} allows ({task.min_seqlen()})"
         )
+    cfg = _model_config(args, task)
     run_dir = Path(args.runs_dir) / (args.name or args.task)
-    if (run_dir / "latest").exists() and not args.resume:
-        raise UsageError(
-            f"{run_dir} already holds a run: pass --resume to continue it or --name for a new one"
-        )
+    check_run_folder(run_dir, args.resume)
     try:
         tcfg = TrainConfig(
             steps=steps,
@@ -256,21 +270,33 @@ def run(args: argparse.Namespace) -> int:
             ckpt_every_minutes=0,
             max_seconds=None if args.max_minutes is None else 60 * args.max_minutes,
             run_dir=str(run_dir),
+            threads=args.threads,
         )
     except ValueError as e:
         raise UsageError(flag_names(str(e))) from None
     with RunLock(run_dir):
-        return _train_and_test(args, task, tcfg, lengths, device, run_dir)
+        return _train_and_test(args, task, cfg, tcfg, lengths, device, run_dir)
 
 
-def _train_and_test(args, task, tcfg: TrainConfig, lengths, device, run_dir: Path) -> int:
+def _model_config(args, task) -> MambaConfig:
+    try:
+        return MambaConfig(
+            d_model=args.d_model,
+            n_layers=args.n_layers,
+            d_state=args.d_state,
+            vocab_size=task.vocab_size,
+            mixer=args.mixer,
+            headdim=args.headdim,
+        )
+    except ValueError as e:  # "MambaConfig.d_state must ..." -> "--d-state must ..."
+        msg = re.sub(r"MambaConfig\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), str(e))
+        raise UsageError(msg.replace("MambaConfig: ", "")) from None
+
+
+def _train_and_test(
+    args, task, cfg: MambaConfig, tcfg: TrainConfig, lengths, device, run_dir: Path
+) -> int:
     torch.manual_seed(args.seed)
-    cfg = MambaConfig(
-        d_model=args.d_model,
-        n_layers=args.n_layers,
-        d_state=args.d_state,
-        vocab_size=task.vocab_size,
-    )
     model = MambaLM(cfg)
     train = TaskBatches(
         task, tcfg.batch_size, tcfg.seqlen, seed=args.seed, targets=args.train_targets
@@ -278,12 +304,12 @@ def _train_and_test(args, task, tcfg: TrainConfig, lengths, device, run_dir: Pat
     val = TaskBatches(task, tcfg.batch_size, tcfg.seqlen, seed=args.seed, split=SPLIT_VAL)
     trainer = Trainer(model, tcfg, train, val.take(tcfg.eval_batches))
     if args.resume:
-        if trainer.resume():
-            print(f"resumed {run_dir} at step {trainer.step}")
-        else:
-            print(f"no checkpoint in {run_dir}: starting fresh")
+        if not trainer.resume():  # check_run_folder saw one: it went while we started
+            raise UsageError(f"--resume: {run_dir} holds no checkpoint")
+        print(f"resumed {run_dir} at step {trainer.step}")
     print(
-        f"{task.name}: {model.num_parameters() / 1e6:.3f}M parameters ({args.n_layers} layers, "
+        f"{task.name}: {model.num_parameters() / 1e6:.3f}M parameters ({args.mixer}, "
+        f"{args.n_layers} layers, "
         f"d_model {args.d_model}), device {device}, precision {trainer.precision}, "
         f"{tcfg.steps} steps of {tcfg.batch_size}x{tcfg.seqlen}"
     )

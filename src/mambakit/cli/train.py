@@ -39,13 +39,19 @@ from ..training import distributed as dist_
 from ..training.checkpoint import RunLock
 from ..training.report import plot_loss
 from ..training.trainer import TrainingDiverged
-from ._common import UsageError, add_threads_flag, check_device, flag_names, set_threads
+from ._common import (
+    UsageError,
+    add_threads_flag,
+    check_device,
+    check_run_folder,
+    flag_names,
+    set_threads,
+)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "train",
-        help="train a Mamba LM (default: tiny preset on the Python standard library's source)",
         description=__doc__,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -156,9 +162,11 @@ def _model_config(args) -> MambaConfig:
 
 
 def _check_args(args) -> None:
-    for flag in ("batch_size", "seqlen", "grad_accum"):
+    for flag in ("batch_size", "grad_accum"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.seqlen < 2:  # a row needs a token to predict from and one to predict
+        raise UsageError(f"--seqlen must be at least 2, got {args.seqlen}")
     if args.steps is not None and args.steps < 1:
         raise UsageError(f"--steps must be at least 1, got {args.steps}")
     if args.max_minutes is not None and not args.max_minutes > 0:
@@ -211,10 +219,7 @@ def _run(args: argparse.Namespace, d: dist_.Dist, device: torch.device) -> int:
     if getattr(tokenizer, "path", None) is None:  # bytes: no special tokens (0 would be NUL)
         cfg.extra.update(bos_token_id=None, eos_token_id=None, pad_token_id=None)
     run_dir = Path(args.runs_dir) / args.name
-    if run_dir.exists() and not args.resume and (run_dir / "latest").exists():
-        raise UsageError(
-            f"{run_dir} already holds a run: pass --resume to continue it or --name for a new one"
-        )
+    check_run_folder(run_dir, args.resume)
     try:
         tcfg = TrainConfig(
             steps=steps,
@@ -239,6 +244,7 @@ def _run(args: argparse.Namespace, d: dist_.Dist, device: torch.device) -> int:
             max_seconds=args.max_minutes * 60 if args.max_minutes else None,
             run_dir=str(run_dir),
             distributed=args.distributed,
+            threads=args.threads,
         )
     except ValueError as e:
         raise UsageError(flag_names(str(e))) from None
@@ -259,7 +265,7 @@ def _train(
     print(
         f"data: {train_rows.tokens.numel():,} training and {val_rows.tokens.numel():,} "
         f"validation tokens ({tokenizer.name} tokenizer), {len(train_rows):,} rows of "
-        f"{args.seqlen} ({time.perf_counter() - t0:.1f} s)"
+        f"{args.seqlen} ({time.perf_counter() - t0:.1f} s); {val_rows.note}"
     )
     torch.manual_seed(args.seed)
     model = MambaLM(cfg)
@@ -271,10 +277,9 @@ def _train(
         model, tcfg, batches, eval_batches(val_rows, args.batch_size, tcfg.eval_batches)
     )
     if args.resume:
-        if trainer.resume():
-            print(f"resumed {run_dir} at step {trainer.step}")
-        else:
-            print(f"no checkpoint in {run_dir}: starting fresh")
+        if not trainer.resume():  # check_run_folder saw one: it went while we started
+            raise UsageError(f"--resume: {run_dir} holds no checkpoint")
+        print(f"resumed {run_dir} at step {trainer.step}")
     print(
         f"model: {args.preset} ({model.num_parameters() / 1e6:.2f}M parameters), device {device}, "
         f"precision {trainer.precision}, {tcfg.steps} steps of {args.batch_size}x{args.seqlen} "
@@ -283,8 +288,8 @@ def _train(
     t0 = time.perf_counter()
     try:
         last = trainer.fit(progress=not args.no_progress)
-    except TrainingDiverged as e:
-        print(f"mambakit train: {flag_names(str(e))}", flush=True)
+    except TrainingDiverged as e:  # exit status 1 (2 is a mistake in the input)
+        print(f"mambakit train: {flag_names(str(e))}", file=sys.stderr, flush=True)
         return 1
     minutes = (time.perf_counter() - t0) / 60
     if not d.main:

@@ -29,7 +29,7 @@ _MAMBA3_FIELDS = {  # config.json key -> MambaConfig field
 
 
 class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be read as a Mamba-1 model."""
+    """A checkpoint directory that cannot be read as a mambakit model (Mamba-1 or Mamba-3)."""
 
 
 def _refuse_relatives(cfg: dict[str, Any]) -> None:
@@ -40,17 +40,22 @@ def _refuse_relatives(cfg: dict[str, Any]) -> None:
             "inside the mixer) is not supported; loading it as Mamba-1 would be silently wrong"
         )
     if model_type == "mamba2" or (cfg.get("ssm_cfg") or {}).get("layer") == "Mamba2":
-        raise CheckpointError("config.json: this is a Mamba-2 model; mambakit implements Mamba-1")
+        raise CheckpointError(
+            "config.json: this is a Mamba-2 model; mambakit reads Mamba-1 and Mamba-3 SISO "
+            "checkpoints and does not implement Mamba-2 yet"
+        )
     if model_type not in (None, "mamba", MAMBA3_TYPE):
-        raise CheckpointError(f"config.json: model_type {model_type!r} is not a Mamba-1 model")
+        raise CheckpointError(
+            f"config.json: model_type {model_type!r} is not a Mamba-1 or Mamba-3 model"
+        )
     if cfg.get("attn_layer_idx"):
         raise CheckpointError(
             "config.json: attn_layer_idx lists attention layers (a hybrid model); "
-            "mambakit supports pure Mamba-1 stacks only"
+            "mambakit supports pure Mamba stacks only"
         )
     if cfg.get("d_intermediate"):
         raise CheckpointError(
-            "config.json: d_intermediate > 0 adds MLP layers; mambakit supports pure Mamba-1"
+            "config.json: d_intermediate > 0 adds MLP layers; mambakit supports pure Mamba stacks"
         )
 
 
@@ -174,9 +179,11 @@ def config_to_hf_json(cfg: MambaConfig) -> dict[str, Any]:
         "hidden_act": "silu",
         "use_cache": True,
         "torch_dtype": "float32",
-        "bos_token_id": 0,
-        "eos_token_id": 0,
-        "pad_token_id": 0,
+        # none unless the model was given them (a checkpoint read, a tokenizer's): 0 is a real
+        # token (the NUL byte of the byte vocabulary), and generation stops at eos_token_id
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
     }
     out.update({k: v for k, v in cfg.extra.items() if k.endswith("_token_id")})
     return out

@@ -42,6 +42,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ..state import MambaState
+from ..threads import apply_threads
 from .cuda_graph import (
     capture,
     graph_cache,
@@ -260,6 +261,8 @@ class _Run:
             raise ValueError(f"eos_token_id must be < vocab_size {vocab}, got {cfg.eos_token_id}")
         self.model = model
         self.device = next(model.parameters()).device
+        if self.device.type == "cpu":
+            apply_threads()
         self.graphs = use_cuda_graph(cuda_graph, self.device)
         self.n_new = n_new
         self.chunk = chunk

@@ -7,8 +7,10 @@ target). A row gives
     input_ids [S]  the tokens 0..S-1
     targets   [S]  the tokens 1..S (-100 where the next token starts a new document)
     seq_idx   [S]  int32 document index inside the row, from 0 (resets the state)
-Documents go to the validation split by a fixed rule (every `val_every`-th),
-so runs are comparable.
+The validation split is held out by a fixed rule, so runs are comparable: every
+`val_every`-th document when there are at least `val_every` of them (the embedded corpus),
+otherwise about the last 1/val_every of every document (`build_splits` says exactly);
+validation text is never trained on.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class PackedRows:
     tokens: torch.Tensor  # [n_tokens] int64
     doc: torch.Tensor  # [n_tokens] int64 document index
     seqlen: int
+    note: str = ""  # one line on how the rows were chosen (build_splits: the held-out rule)
 
     def __len__(self) -> int:
         return max(0, (self.tokens.numel() - 1) // self.seqlen)
@@ -117,27 +120,81 @@ def pack_documents(docs: list[str], tokenizer, seqlen: int) -> PackedRows:
 def build_splits(
     paths, tokenizer, seqlen: int, val_every: int = 20
 ) -> tuple[PackedRows, PackedRows]:
-    """(train, validation): document i goes to validation when i % val_every == val_every // 2."""
+    """(train, validation) rows of the documents in `paths` (None: the embedded corpus).
+
+    The validation part is held out by one of two fixed rules:
+    - at least `val_every` documents: document i is held out whole when
+      i % val_every == val_every // 2 (the rule of the embedded corpus);
+    - fewer (one file, a few files): every document is cut in two and its tail held out, so
+      every file is validated on. The tail is the last ceil(n / val_every) of its n
+      characters, extended back to the start of its line when a line starts within as many
+      characters again (so 1/val_every to 2/val_every of the text), else cut mid-line.
+    The parts are packed as separate documents: no row of training text reaches into
+    validation text. Each part must fill at least one row of seqlen + 1 tokens, else
+    ValueError (naming the files and their token count). Both rows carry the rule in
+    `note`, one line, e.g. "validation: every 20th document held out (8 of 168 files)".
+    """
     if seqlen < 2:
         raise ValueError(f"seqlen must be at least 2, got {seqlen}")
-    docs = [text for _, text in read_documents(paths)]
-    if len(docs) < 2:
-        val_docs, train_docs = docs, docs  # one document: validate on it too (said in the log)
-    else:
+    if val_every < 2:
+        raise ValueError(f"val_every must be at least 2, got {val_every}")
+    docs = read_documents(paths)
+    files = _count(len(docs), "file")
+    if len(docs) >= val_every:
         pick = val_every // 2
-        val_docs = [d for i, d in enumerate(docs) if i % val_every == pick]
-        train_docs = [d for i, d in enumerate(docs) if i % val_every != pick]
-        if not val_docs:  # fewer documents than the rule needs: hold out the last one
-            val_docs, train_docs = docs[-1:], docs[:-1]
+        train_docs = [t for i, (_, t) in enumerate(docs) if i % val_every != pick]
+        val_docs = [t for i, (_, t) in enumerate(docs) if i % val_every == pick]
+        rule, need = f"every {_ordinal(val_every)} document", ""
+        note = f"validation: {rule} held out ({len(val_docs)} of {files})"
+    else:
+        cuts = [_tail_start(t, val_every) for _, t in docs]
+        train_docs = [t[:c] for (_, t), c in zip(docs, cuts) if c > 0]
+        val_docs = [t[c:] for (_, t), c in zip(docs, cuts)]
+        rule = f"the last {100 / val_every:.3g}% of each file"
+        need = f" (about {val_every * (seqlen + 1):,} tokens)"
+        note = f"validation: {rule} held out ({files})"
     train = pack_documents(train_docs, tokenizer, seqlen)
     val = pack_documents(val_docs, tokenizer, seqlen)
+    n_train, n_val = train.tokens.numel(), val.tokens.numel()
+    source = _source([name for name, _ in docs], n_train + n_val)
     if len(train) == 0:
         raise ValueError(
-            f"data: {train.tokens.numel()} training tokens do not fill one row of {seqlen + 1}"
+            f"data: {source}: the {n_train:,} training tokens do not fill one row of "
+            f"seqlen + 1 = {seqlen + 1} tokens; give more text or a smaller seqlen"
         )
     if len(val) == 0:
-        val = PackedRows(val.tokens, val.doc, max(2, val.tokens.numel() - 1))
+        raise ValueError(
+            f"data: {source}: the {n_val:,} tokens held out for validation ({rule}) do not "
+            f"fill one row of seqlen + 1 = {seqlen + 1} tokens; give more text{need} or a "
+            "smaller seqlen"
+        )
+    train.note = val.note = note
     return train, val
+
+
+def _tail_start(text: str, val_every: int) -> int:
+    """Where the held-out tail of `text` starts (see `build_splits`)."""
+    share = -(-len(text) // val_every)
+    cut = len(text) - share
+    newline = text.rfind("\n", max(0, cut - share), cut)
+    return newline + 1 if newline >= 0 else cut
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if n % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
+def _source(names: list[str], n_tokens: int) -> str:
+    """The files in an error message: "'a.txt' (6,000 tokens)", "3 files ('a.txt', ...)"."""
+    if len(names) == 1:
+        return f"{names[0]!r} ({_count(n_tokens, 'token')})"
+    shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+    return f"{len(names):,} files ({shown}; {_count(n_tokens, 'token')})"
 
 
 class RowSampler:

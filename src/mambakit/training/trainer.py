@@ -66,13 +66,17 @@ from torch.autograd.graph import increment_version
 from ..device import graph_capture, resolve_device
 from ..hf import CheckpointError, read_state_dict
 from ..state import MambaState
+from ..threads import apply_threads
 from . import distributed as dist_
 from .checkpoint import (
     RunLock,
     checkpoint_candidates,
+    checkpoint_step,
     clean_stale_temps,
     load_trainer_state,
+    point_latest,
     save_checkpoint,
+    set_aside,
 )
 from .optim import WarmupCosine, make_optimizer
 from .report import ProgressBar, json_line, read_metrics
@@ -121,6 +125,7 @@ class TrainConfig:
     max_seconds: float | None = None  # stop (and checkpoint) after this much training time
     run_dir: str | None = None  # where checkpoints and metrics go (None: nowhere)
     distributed: str = "none"  # none | ddp | fsdp (under torchrun: distributed.py)
+    threads: int | None = None  # CPU threads on a CPU device (None: mambakit.threads' policy)
 
     def __post_init__(self) -> None:
         positive = (
@@ -176,6 +181,12 @@ class TrainConfig:
         if self.distributed not in dist_.MODES:
             raise ValueError(
                 f"TrainConfig.distributed must be one of {dist_.MODES}, got {self.distributed!r}"
+            )
+        if self.threads is not None and (
+            isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
+        ):
+            raise ValueError(
+                f"TrainConfig.threads must be an int >= 1 or None, got {self.threads!r}"
             )
         if self.distributed != "none" and self.compile:
             raise ValueError("TrainConfig.compile is not supported with distributed training")
@@ -276,6 +287,8 @@ class Trainer:
             prec = "bf16" if self.device.type == "cuda" else "f32"
         self.precision = prec
         self.log = log if self.dist.main else _quiet
+        if self.device.type == "cpu":
+            apply_threads(config.threads, name="TrainConfig.threads")
         blocker = self._graph_blocker()
         if config.cuda_graph is True and blocker is not None:
             raise ValueError(f"TrainConfig.cuda_graph=True cannot be honoured: {blocker}")
@@ -788,8 +801,10 @@ class Trainer:
     @_in_process_state
     def resume(self, path: str | Path | None = None) -> bool:
         """Continue from a checkpoint folder, or else the one run_dir's `latest` names;
-        when that one cannot be read, from the newest readable `step_*` folder (each
-        skipped one is logged with the reason). False when run_dir holds none."""
+        when that one cannot be read, from the newest readable `step_XXXXXXX` folder (each
+        skipped one is logged with the reason, then renamed to `step_XXXXXXX.corrupt` and
+        `latest` pointed at the one resumed from). False when run_dir holds none."""
+        skipped: list[tuple[Path, str]] = []  # run_dir's checkpoints that failed to load
         if path is not None:
             path = Path(path)
             weights, st = self._read_checkpoint(path)
@@ -799,17 +814,17 @@ class Trainer:
             candidates = checkpoint_candidates(self.run_dir)
             if not candidates:
                 return False
-            skipped = []
             for path in candidates:
                 try:
                     weights, st = self._read_checkpoint(path)
                     break
                 except (FileNotFoundError, CheckpointUnreadable) as e:
-                    skipped.append(str(e).splitlines()[0])
-                    self.log(f"resume: skipped checkpoint {path.name}: {skipped[-1]}")
-            else:
+                    skipped.append((path, str(e).splitlines()[0]))
+                    self.log(f"resume: skipped checkpoint {path.name}: {skipped[-1][1]}")
+            else:  # nothing set aside: the run folder stays as the user may want to repair it
                 raise CheckpointUnreadable(
-                    f"resume: no readable checkpoint in {self.run_dir}: " + "; ".join(skipped)
+                    f"resume: no readable checkpoint in {self.run_dir}: "
+                    + "; ".join(why for _, why in skipped)
                 )
             if skipped:
                 self.log(f"resume: continuing from {path}")
@@ -828,6 +843,15 @@ class Trainer:
                     f"resume: tensor {k!r} has shape {list(v.shape)} in {path}, "
                     f"the model has {list(own[k].shape)}"
                 )
+        if skipped and self.dist.main:  # the rank that writes checkpoints tidies run_dir
+            # out of the fallback and rotation's count for good: a later save must not keep
+            # an unreadable checkpoint in place of the one this run resumed from
+            with RunLock(self.run_dir):
+                for bad, why in skipped:
+                    if bad.is_dir() and checkpoint_step(bad) is not None:
+                        aside = set_aside(bad)
+                        self.log(f"resume: renamed unreadable {bad.name} to {aside.name} ({why})")
+                point_latest(self.run_dir, path.name)
         if self.dist.mode == "fsdp":  # every rank holds the full tensors and keeps its shards
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
