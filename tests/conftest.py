@@ -2,9 +2,10 @@
 
 Without a GPU the Triton kernels run under the Triton interpreter: the variable must be
 set before any `@triton.jit` function is created, i.e. before a kernels module is first
-imported, which this root conftest (loaded before any test module) guarantees. Besides: a
-fixed seed, tiny random configs (model tests), NaN-filled `torch.empty` (kernel tests),
-deterministic algorithms for one test, a small corpus and a tiny config file (CLI tests).
+imported, which this root conftest (loaded before any test module) guarantees. Besides: one
+CPU thread (below), a fixed seed, tiny random configs (model tests), NaN-filled
+`torch.empty` (kernel tests), deterministic algorithms for one test, a small corpus and a
+tiny config file (CLI tests).
 Nothing here is autouse.
 """
 
@@ -19,6 +20,12 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# One CPU thread for the suite and every process it starts (the library's thread policy
+# reads MAMBAKIT_NUM_THREADS): the tests' shapes are tiny, so a second thread gains nothing,
+# and on a machine whose other core is busy two spinning threads run several times slower.
+os.environ.setdefault("MAMBAKIT_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["MAMBAKIT_NUM_THREADS"]))
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -5,9 +5,11 @@ that refuses it (tests/conftest.py), as if it were not installed."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +85,26 @@ def test_public_names_resolve_lazily():
     assert set(mambakit.__all__) <= set(dir(mambakit))
     with pytest.raises(AttributeError, match="no attribute 'Mamba4'"):
         mambakit.Mamba4  # noqa: B018
+
+
+PEERS = ("mamba_ssm", "causal_conv1d")
+
+
+def test_tests_load_the_peers_only_through_a_skip():
+    """A test that needs mamba_ssm skips, with the reason, where it is not installed: a test
+    function loads a peer through `pytest.importorskip`, never with a bare import (helpers
+    that import one are called after a test's importorskip)."""
+    bare = []
+    for path in sorted(Path(__file__).parent.rglob("test_*.py")):
+        for fn in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(fn, ast.FunctionDef) and fn.name.startswith("test_")):
+                continue
+            for node in ast.walk(fn):
+                names = []
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module]
+                if any(n.split(".")[0] in PEERS for n in names):
+                    bare.append(f"{path.name}:{node.lineno} {fn.name}")
+    assert not bare, "peer imported without importorskip: " + ", ".join(bare)

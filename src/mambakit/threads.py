@@ -6,10 +6,11 @@ when other work keeps a core busy, the thread that shares it slows all the other
 README's tiny training step on a 2-core machine with one core busy: 40 s a step with 2
 threads, 5.6 s with 1). The count, first that applies:
 
-1. the one the caller passes (`TrainConfig.threads`, `generate(threads=...)`, `--threads`);
+1. the one the caller passes (`TrainConfig.threads`, `--threads`);
 2. the environment: MAMBAKIT_NUM_THREADS, else OMP_NUM_THREADS;
-3. the count torch has, when someone chose it (the user's `torch.set_num_threads`, an earlier
-   call of this policy) rather than torch itself;
+3. the count torch has, when someone else chose it (`torch.set_num_threads`): it differs
+   from the count this policy set last, or, before it set one, from torch's own default
+   (one thread per physical core);
 4. automatic: every physical core the process may use on an idle machine; when other work
    keeps cores busy, the cores it leaves free and at most the physical cores minus one.
    The load is measured once per process (over 0.25 s) and the choice kept.
@@ -25,7 +26,7 @@ import torch
 
 THREADS_ENV = "MAMBAKIT_NUM_THREADS"
 
-_torch_default = torch.get_num_threads()  # torch's own choice, before anyone set one
+_applied: int | None = None  # the count apply_threads set last
 _auto: tuple[int, str] | None = None  # the automatic choice, made once per process
 
 
@@ -77,9 +78,13 @@ def auto_threads(available: int, physical: int, load: float) -> int:
     return max(1, min(physical - 1, available - busy))
 
 
-def _measure() -> tuple[int, str]:
+def _cpus() -> set[int]:
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    cpus = cpus or set(range(os.cpu_count() or 1))
+    return cpus or set(range(os.cpu_count() or 1))
+
+
+def _measure() -> tuple[int, str]:
+    cpus = _cpus()
     load = busy_cores()
     if load is None:  # no /proc/stat: the 1-minute load average (lags behind)
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
@@ -99,14 +104,13 @@ def choose_threads(threads: int | None = None, name: str = "threads") -> tuple[i
     for env in (THREADS_ENV, "OMP_NUM_THREADS"):
         value = os.environ.get(env, "").strip()
         if value:
-            if not value.isdigit() or int(value) < 1:
+            if not (value.isascii() and value.isdigit()) or int(value) < 1:
                 raise ValueError(f"{env}={value!r}: must be a whole number >= 1")
             return int(value), env
     current = torch.get_num_threads()
-    if _auto is not None and current == _auto[0]:
-        return _auto
-    if current != _torch_default:
-        return current, "set before"
+    ours = _applied if _applied is not None else physical_cores(_cpus())
+    if current != ours:
+        return current, "torch.set_num_threads"
     if _auto is None:
         _auto = _measure()
     return _auto
@@ -114,7 +118,9 @@ def choose_threads(threads: int | None = None, name: str = "threads") -> tuple[i
 
 def apply_threads(threads: int | None = None, name: str = "threads") -> str:
     """Set torch's intra-op thread count by the policy; returns a line saying the choice."""
+    global _applied
     n, source = choose_threads(threads, name)
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
+    _applied = n
     return f"threads: {n} ({source})"

@@ -14,9 +14,10 @@ import time
 import pytest
 import torch
 
-from mambakit import MambaConfig, MambaLM
+from mambakit import MambaConfig, MambaLM, threads
 from mambakit.cli import _common, main
-from mambakit.cli._common import UsageError, auto_threads, choose_threads
+from mambakit.cli._common import UsageError, choose_threads
+from mambakit.threads import auto_threads
 from mambakit.training import report, trainer
 
 
@@ -149,34 +150,48 @@ def test_auto_threads(available, physical, load, want):
     assert auto_threads(available, physical, load) == want
 
 
-def test_thread_count_flag_and_environment(monkeypatch):
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+@pytest.fixture
+def fresh_threads(monkeypatch):
+    """No choice cached from an earlier test, torch's count taken as its own, and torch's
+    count restored afterwards."""
+    before = torch.get_num_threads()
+    monkeypatch.setattr(threads, "_auto", None)
+    monkeypatch.setattr(threads, "_applied", None)
+    for env in (threads.THREADS_ENV, "OMP_NUM_THREADS"):
+        monkeypatch.delenv(env, raising=False)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_thread_count_flag_and_environment(fresh_threads, monkeypatch):
     monkeypatch.setenv("MAMBAKIT_NUM_THREADS", "3")
-    assert choose_threads(None) == (3, "MAMBAKIT_NUM_THREADS")
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert choose_threads(None) == (3, "MAMBAKIT_NUM_THREADS")  # ours before OMP's
     assert choose_threads(2) == (2, "--threads")
     monkeypatch.delenv("MAMBAKIT_NUM_THREADS")
-    monkeypatch.setenv("OMP_NUM_THREADS", "5")
     assert choose_threads(None) == (5, "OMP_NUM_THREADS")
     monkeypatch.setenv("OMP_NUM_THREADS", "x")
     with pytest.raises(UsageError, match="OMP_NUM_THREADS='x'"):
         choose_threads(None)
     monkeypatch.delenv("OMP_NUM_THREADS")
-    monkeypatch.setattr(_common, "busy_cores", lambda: 1.0)
-    monkeypatch.setattr(_common, "physical_cores", lambda cpus: len(cpus))
-    monkeypatch.setattr(_common.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(threads, "busy_cores", lambda: 1.0)
+    monkeypatch.setattr(threads, "physical_cores", lambda cpus: len(cpus))
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1})
+    torch.set_num_threads(2)  # torch's own count on these 2 cores: the policy decides
     assert choose_threads(None)[0] == 1  # 2 cores, one of them busy
-    monkeypatch.setattr(_common, "busy_cores", lambda: 0.1)
+    monkeypatch.setattr(threads, "_auto", None)  # measure again
+    monkeypatch.setattr(threads, "busy_cores", lambda: 0.1)
     assert choose_threads(None)[0] == 2  # idle
     with pytest.raises(UsageError, match="--threads"):
         choose_threads(0)
 
 
 def test_busy_cores_sees_a_busy_process():
-    idle = _common.busy_cores(0.3)
+    idle = threads.busy_cores(0.3)
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.3)
-        busy = _common.busy_cores(0.5)
+        busy = threads.busy_cores(0.5)
     finally:
         spin.kill()
         spin.wait()
