@@ -224,6 +224,21 @@ def test_progress_moves_every_step(tmp_path, corpus, monkeypatch):
     assert seen == [1, 2, 3, 4]  # metric lines come every 10 steps; the bar does not wait
 
 
+def test_progress_rate_and_time_left_leave_out_the_first_step():
+    """The first step pays the warm-up: counted in, a 1-hour run would first show hours."""
+    pytest.importorskip("tqdm")
+    bar = report.ProgressBar(total=100, start=0)
+    time.sleep(0.5)  # the first step, with its warm-up
+    bar.advance(1, {})
+    for step in range(2, 8):
+        time.sleep(0.05)
+        bar.advance(step, {})
+    fmt = bar._bar.format_dict
+    rate = (fmt["n"] - fmt["initial"]) / fmt["elapsed"]  # what tqdm shows with smoothing=0
+    bar.close()
+    assert fmt["n"] == 7 and 12 < rate < 21, rate  # 20 steps/s after the first, not 9
+
+
 def test_progress_without_tqdm_shows_a_rate_from_the_first_step(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)
     bar = report.ProgressBar(total=100, start=0)

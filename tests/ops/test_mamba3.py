@@ -487,10 +487,11 @@ def test_layer_runs_the_chunk_kernels_with_and_without_autograd(monkeypatch):
     under no_grad, the differentiable kernel scan when gradients are recorded; both equal
     the reference backend, the second in every parameter's and the input's gradient."""
     from mambakit.layers import mamba3 as layer_mod
+    from mambakit.ops.mamba3 import chunk
 
     calls = []
-    kernel = layer_mod.mamba3_scan_kernel
-    monkeypatch.setattr(layer_mod, "mamba3_scan_kernel",
+    kernel = chunk.mamba3_scan_kernel  # the layer imports it from there when it runs
+    monkeypatch.setattr(chunk, "mamba3_scan_kernel",
                         lambda *a, **kw: calls.append(1) or kernel(*a, **kw))  # fmt: skip
     backend = {"now": "triton"}
     monkeypatch.setattr(layer_mod, "resolve_backend", lambda b, t: backend["now"])

@@ -84,19 +84,34 @@ def _fmt(v: Any, spec: str) -> str:
 
 
 class ProgressBar:
-    """tqdm when installed (moved every step, so its rate shows from the first one),
-    else a line at the first step and one per metric record."""
+    """tqdm when installed, else a line at the first step and one per metric record.
+
+    The rate and the time left are the average over the steps after the first one: the
+    first step pays the warm-up (allocations, a CUDA graph's capture), and an average over
+    the whole run, validation passes included, does not swing with one slow step or one
+    busy moment of the machine the way a recent-steps estimate does."""
 
     def __init__(self, total: int, start: int) -> None:
-        try:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total, initial=start, dynamic_ncols=True, unit="step")
-        except ImportError:
-            self._bar = None
+        self._total = total
+        self._bar = self._tqdm(start, leave=False)  # until the first step is done
         self._pos = start
         self._t0 = time.perf_counter()
         self._start = start
+        self._warm = False  # the first step is done: the average starts after it
+
+    def _tqdm(self, initial: int, leave: bool = True):
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            return None
+        return tqdm(
+            total=self._total,
+            initial=initial,
+            dynamic_ncols=True,
+            unit="step",
+            smoothing=0,  # the average since the bar began
+            leave=leave,
+        )
 
     def advance(self, step: int, record: dict[str, Any] | None = None) -> None:
         """The run is at `step`; `record` (may be empty) is what was just logged."""
@@ -109,12 +124,19 @@ class ProgressBar:
             if "tokens_per_s" in record:
                 parts.append(f"{_fmt(record['tokens_per_s'], ',.0f')} tok/s")
         if self._bar is not None:
-            self._bar.update(step - self._pos)
+            if self._warm:
+                self._bar.update(step - self._pos)
+            else:  # a new bar from here: its rate leaves out the first step
+                self._bar.close()
+                self._bar = self._tqdm(step)
             if parts:
                 self._bar.set_postfix_str(", ".join(parts), refresh=False)
         elif parts or self._pos == self._start:  # a line per record, and the first step
-            rate = (step - self._start) / max(time.perf_counter() - self._t0, 1e-9)
+            done = step - (self._start + 1 if self._warm else self._start)
+            rate = done / max(time.perf_counter() - self._t0, 1e-9)
             print(f"step {step}: " + ", ".join(parts) + f", {rate:.2f} steps/s", flush=True)
+        if not self._warm:
+            self._warm, self._t0 = True, time.perf_counter()
         self._pos = step
 
     def update(self, record: dict[str, Any]) -> None:
