@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import MambaConfig
@@ -22,6 +23,7 @@ from .layers.decode import decode_layers, reference_weights
 from .layers.init import init_model_weights
 from .layers.loss import next_token_targets
 from .layers.mixer import mixer_weights
+from .layers.plain import plain
 from .ops import linear_cross_entropy, norm_linear, resolve_backend, rms_norm
 from .ops._checks import check_seq_idx, check_tensor, state_dtype
 from .state import Mamba3ModelState, MambaState
@@ -192,9 +194,14 @@ class MambaBackbone(nn.Module):
             out, new_state = self.forward(x.unsqueeze(1), state)
             return out[:, 0], new_state
         h, residual, cdt, backend = self._decode_layers(x, state)
-        # _param is norm_f's weight
-        out, _ = rms_norm(h, self._param, self.norm_f.eps, residual, cdt, backend, False)
-        return out, state
+        return self._final_norm(h, residual, cdt, backend), state
+
+    def _final_norm(self, h, residual, cdt, backend) -> torch.Tensor:
+        """norm_f of a decode step's rows: the op on its weight (_param) when the norm is
+        plain (layers/plain.py), else the module."""
+        if plain(self.norm_f, RMSNorm):
+            return rms_norm(h, self._param, self.norm_f.eps, residual, cdt, backend, False)[0]
+        return self.norm_f(h, residual, cdt, validate=False, backend=backend)[0]
 
     def _check_step(self, x: torch.Tensor, state: MambaState) -> None:
         want_dim = 1 if self.embeddings is not None else 2
@@ -246,19 +253,28 @@ class MambaBackbone(nn.Module):
             for i, layer in enumerate(self.layers):
                 h, residual = layer.step_mamba3(h, residual, cdt, state.layer(i), backend)
             return h, residual, cdt, backend
-        if backend == "reference" and not compiling and h.dtype == cdt == state.dtype == p.dtype:
+        # the plans and fused kernels read the blocks' weights: only of plain modules
+        fusable = [layer.fusable() for layer in self.layers]
+        plain = all(fusable)
+        if (
+            plain
+            and backend == "reference"
+            and not compiling
+            and h.dtype == cdt == state.dtype == p.dtype
+        ):
             weights = derived_plan(self, "reference", _reference_plan, _norm_eps)
             if weights is not None:
                 return decode_layers(h, weights, state.conv, state.ssm), None, cdt, backend
         fused = backend == "triton" and not compiling
         # torch.compile traces the parameters themselves (cached tensors as extra graph
         # inputs would cost it guards and alias handling): the layers derive their own
-        plan = None if compiling else self._decode_plan()
+        plan = None if compiling or not plain else self._decode_plan()
         for i, (layer, conv, ssm) in enumerate(
             zip(self.layers, state.conv.unbind(0), state.ssm.unbind(0))
         ):
             w, fw = (None, None) if plan is None else plan[i]
-            h, residual = layer.step(h, residual, cdt, conv, ssm, backend, fused, w, fw)
+            f = fused and fusable[i]
+            h, residual = layer.step(h, residual, cdt, conv, ssm, backend, f, w, fw)
         return h, residual, cdt, backend
 
 
@@ -341,8 +357,7 @@ class MambaLM(nn.Module):
             # the target of position t is labels[t + 1]; the last position predicts nothing
             last = torch.full_like(labels[:, :1], -100, dtype=torch.long)
             target = torch.cat([next_token_targets(labels, seq_idx), last], 1)
-            # chunked, as training's loss_sum: no f32 copy of [B, T, V] logits nor its gradient
-            total = linear_cross_entropy(hidden, self.lm_head.weight, target)
+            total = self._loss(hidden, target, logits)
             loss = total / (target != -100).sum().clamp(min=1)  # no host sync
         return MambaLMOutput(logits=logits, loss=loss, state=state)
 
@@ -356,7 +371,18 @@ class MambaLM(nn.Module):
         """(summed next-token cross-entropy, final state) without materialising the logits:
         the head's logits are computed and dropped chunk by chunk (training)."""
         hidden, state = self.backbone(input_ids, state, seq_idx)
-        return linear_cross_entropy(hidden, self.lm_head.weight, targets), state
+        return self._loss(hidden, targets), state
+
+    def _loss(self, hidden, targets, logits=None) -> torch.Tensor:
+        """Summed cross-entropy of the head's logits against `targets` (-100 ignored):
+        chunked from the head's weight when it is plain (no f32 copy of [B, T, V] logits
+        nor of their gradient), else from the head module's logits."""
+        if plain(self.lm_head):
+            return linear_cross_entropy(hidden, self.lm_head.weight, targets)
+        logits = self.lm_head(hidden) if logits is None else logits
+        return F.cross_entropy(
+            logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum"
+        )
 
     def last_logits(
         self,
@@ -396,13 +422,19 @@ class MambaLM(nn.Module):
         (no autograd needed), on the Triton backend with the head in the compute dtype, both
         are one matrix-vector kernel (`ops.norm_linear`) that streams the head once."""
         bb, head = self.backbone, self.lm_head
-        w = head.weight
-        if fuse and backend == "triton" and w.dtype == cdt and not torch.compiler.is_compiling():
+        if (
+            fuse
+            and backend == "triton"
+            and plain(head)
+            and plain(bb.norm_f, RMSNorm)
+            and head.weight.dtype == cdt
+            and not torch.compiler.is_compiling()
+        ):
             return norm_linear(
-                h, w, head.bias, residual, bb._param, bb.norm_f.eps, backend, validate=False
-            )
-        hidden, _ = rms_norm(h, bb._param, bb.norm_f.eps, residual, cdt, backend, False)
-        return head(hidden)
+                h, head.weight, head.bias, residual, bb._param, bb.norm_f.eps, backend,
+                validate=False,
+            )  # fmt: skip
+        return head(bb._final_norm(h, residual, cdt, backend))
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 64, **kwargs) -> torch.Tensor:
         """Prefill the prompt in parallel, then decode with step(); see mambakit.inference."""

@@ -14,6 +14,7 @@ from ..ops import StepWeights, mamba_layer_step, rms_norm
 from .init import no_weight_decay
 from .mamba3 import Mamba3
 from .mixer import Mamba, MixerWeights, _p, mixer_weights
+from .plain import plain
 
 
 class RMSNorm(nn.Module):
@@ -97,7 +98,7 @@ class MambaBlock(nn.Module):
         `last`, a Mamba-1 mixer on the Triton backend without autograd gives its output at
         the last step alone ([B, 1, M]); otherwise every step's."""
         normed, residual = self.norm(hidden, residual, compute_dtype, backend=backend)
-        last = last and not self.mamba3 and backend == "triton"
+        last = last and not self.mamba3 and backend == "triton" and self.mixer.fusable()
         if last and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             conv, ssm = (None, None) if state is None else state
             out, new = self.mixer._last_forward(normed, conv, ssm, seq_idx, derived)
@@ -128,18 +129,30 @@ class MambaBlock(nn.Module):
         `fused` (the Triton backend, outside torch.compile): add, norm and mixer as
         one `mamba_layer_step` when the weights are in the compute dtype. `weights` and
         `fused_weights`: the mixer's tensors when the caller holds them (the model's
-        decode plan); None derives them from the parameters."""
-        norm = self._modules["norm"]
+        decode plan); None derives them from the parameters. Both only for a block that
+        is `fusable()` (the model checks): otherwise the modules are called."""
         mixer = self._modules["mixer"]
         if fused:
             w = fused_weights if fused_weights is not None else self.fused_weights(weights)
             if w.in_w.dtype == compute_dtype:
                 return mamba_layer_step(hidden, residual, w, conv_state, ssm_state, backend, False)
-        # the op, not the module: a module call costs a few us, as much as two small ops
-        normed, residual = rms_norm(
-            hidden, _p(norm, "weight"), norm.eps, residual, compute_dtype, backend, False
-        )
+        normed, residual = self._norm_step(hidden, residual, compute_dtype, backend)
         return mixer.step(normed, conv_state, ssm_state, backend, weights), residual
+
+    def fusable(self) -> bool:
+        """Whether a decode step may read the norm's and the mixer's weights (fused kernels,
+        the model's decode plans); otherwise it calls the modules (layers/plain.py)."""
+        return plain(self._modules["norm"], RMSNorm) and self._modules["mixer"].fusable()
+
+    def _norm_step(self, hidden, residual, compute_dtype, backend):
+        """The add + norm of a decode step: the op on the norm's weight when the norm is
+        plain (a module call costs a few us, as much as two small ops), else the module."""
+        norm = self._modules["norm"]
+        if plain(norm, RMSNorm):
+            return rms_norm(
+                hidden, _p(norm, "weight"), norm.eps, residual, compute_dtype, backend, False
+            )
+        return norm(hidden, residual, compute_dtype, validate=False, backend=backend)
 
     def step_mamba3(
         self,
@@ -158,29 +171,28 @@ class MambaBlock(nn.Module):
         cuBLAS, the step kernel, cuBLAS."""
         norm = self._modules["norm"]
         mixer = self._modules["mixer"]
-        in_w, out_w = _p(mixer.in_proj, "weight"), _p(mixer.out_proj, "weight")
-        norm_w = _p(norm, "weight")
-        records = torch.is_grad_enabled() and (
-            norm_w.requires_grad or (residual is not None and residual.requires_grad)
-        )
-        if (
-            not records
-            and mixer._kernels(hidden, state, backend)
-            and in_w.dtype == out_w.dtype == compute_dtype
-            and mixer.in_proj.bias is None
-            and mixer.out_proj.bias is None
-        ):
-            from ..ops.mamba_step.kernels import linear
+        if self.fusable():
+            in_w, out_w = _p(mixer.in_proj, "weight"), _p(mixer.out_proj, "weight")
+            norm_w = _p(norm, "weight")
+            records = torch.is_grad_enabled() and (
+                norm_w.requires_grad or (residual is not None and residual.requires_grad)
+            )
+            if (
+                not records
+                and mixer._kernels(hidden, state, backend)
+                and in_w.dtype == out_w.dtype == compute_dtype
+                and mixer.in_proj.bias is None
+                and mixer.out_proj.bias is None
+            ):
+                from ..ops.mamba_step.kernels import linear
 
-            zxbc, residual = linear(
-                hidden, in_w, residual=residual, norm_weight=norm_w, eps=norm.eps,
-                return_residual=True,
-            )  # fmt: skip
-            y = mixer.state_update_(zxbc, state)
-            return linear(y.flatten(-2), out_w), residual
-        normed, residual = rms_norm(
-            hidden, norm_w, norm.eps, residual, compute_dtype, backend, False
-        )
+                zxbc, residual = linear(
+                    hidden, in_w, residual=residual, norm_weight=norm_w, eps=norm.eps,
+                    return_residual=True,
+                )  # fmt: skip
+                y = mixer.state_update_(zxbc, state)
+                return linear(y.flatten(-2), out_w), residual
+        normed, residual = self._norm_step(hidden, residual, compute_dtype, backend)
         return mixer.step_(normed, state, backend), residual
 
     def fused_weights(self, weights: MixerWeights | None = None) -> StepWeights:

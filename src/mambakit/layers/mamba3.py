@@ -35,6 +35,7 @@ from ..ops import resolve_backend, rms_norm
 from ..ops._checks import check_seq_idx, check_tensor, state_dtype
 from ..ops.mamba3.reference import Mamba3State, mamba3_scan_reference, mamba3_step_reference
 from .init import no_weight_decay
+from .plain import plain
 
 
 def heavy_tail(u: torch.Tensor) -> torch.Tensor:
@@ -315,8 +316,22 @@ class Mamba3(nn.Module):
         return (
             resolve_backend(backend, u) == "triton"
             and (differentiable or not records)
+            # the step kernel reads the B and C norms' weights (the forward calls them)
+            and (
+                differentiable or (plain(self.B_norm, _RMSNormN) and plain(self.C_norm, _RMSNormN))
+            )
             and not torch.compiler.is_compiling()
             and (state is None or state.ssm.dtype == torch.float32)
+        )
+
+    def fusable(self) -> bool:
+        """Whether a decode step may read the projections' and the B and C norms' weights
+        (the block's streaming kernels); otherwise it calls the modules (layers/plain.py)."""
+        return (
+            plain(self.in_proj)
+            and plain(self.out_proj)
+            and plain(self.B_norm, _RMSNormN)
+            and plain(self.C_norm, _RMSNormN)
         )
 
     def _check_state(self, state: Mamba3State, batch: int, device) -> None:

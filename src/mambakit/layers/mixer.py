@@ -14,10 +14,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import auto_dt_rank
-from ..ops import causal_conv1d_update, mamba_inner, selective_state_update
+from ..ops import (
+    causal_conv1d,
+    causal_conv1d_update,
+    mamba_inner,
+    selective_scan,
+    selective_state_update,
+)
 from ..ops._checks import check_tensor, state_dtype
 from . import _ssm_compat
 from .init import init_A_log, init_dt_proj, no_weight_decay
+from .plain import plain
 
 
 class Mamba(nn.Module):
@@ -89,9 +96,23 @@ class Mamba(nn.Module):
         init_A_log(self.A_log)
         init_dt_proj(self.dt_proj, R, dt_min, dt_max, dt_init, dt_scale, dt_init_floor)
 
-    def _ssm_params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A = -exp(A_log), D and the dt bias, in f32 (f64 for a float64 model)."""
-        return ssm_params(self.A_log, self.D, self.dt_proj.bias)
+    def _ssm_params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A = -exp(A_log), D and the dt bias, in f32 (f64 for a float64 model); the bias is
+        None when dt_proj is called as a module (`inner_plain`), which adds its own."""
+        bias = self.dt_proj.bias if plain(self.dt_proj) else None
+        return ssm_params(self.A_log, self.D, bias)
+
+    def inner_plain(self) -> bool:
+        """Whether the fused inner part may read conv1d's, x_proj's and dt_proj's weights
+        (each a plain module: layers/plain.py); otherwise it calls them."""
+        mods = self._modules
+        return plain(mods["x_proj"]) and plain(mods["dt_proj"]) and plain(mods["conv1d"], nn.Conv1d)
+
+    def fusable(self) -> bool:
+        """Whether the decode step may read every projection's and the conv's weights (the
+        model's decode plans and fused kernels); otherwise it calls the modules."""
+        mods = self._modules
+        return plain(mods["in_proj"]) and plain(mods["out_proj"]) and self.inner_plain()
 
     def forward(
         self,
@@ -119,6 +140,10 @@ class Mamba(nn.Module):
         if ssm_state is not None:
             check_tensor("ssm_state", ssm_state, (Bsz, self.d_inner, self.d_state), device=x.device)
         xz = self.in_proj(x)  # [B, T, 2D]
+        if not self.inner_plain():
+            y, conv_out, ssm_out = self._inner_modules(xz, conv_state, ssm_state, seq_idx, backend)
+            out = self.out_proj(y)
+            return (out, (conv_out, ssm_out)) if return_state else out
         A, D, dt_bias = self._ssm_params() if derived is None else derived
         y, conv_out, ssm_out = mamba_inner(
             xz,
@@ -137,6 +162,35 @@ class Mamba(nn.Module):
         )  # y [B, T, D]
         out = self.out_proj(y)
         return (out, (conv_out, ssm_out)) if return_state else out
+
+    def _inner_modules(
+        self,
+        xz: torch.Tensor,  # [B, T, 2D]
+        conv_state: torch.Tensor | None,
+        ssm_state: torch.Tensor | None,
+        seq_idx: torch.Tensor | None,
+        backend: str,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`mamba_inner` calling conv1d (unless plain), x_proj and dt_proj as modules, so
+        their adapters and hooks take part: (y [B, T, D], final conv and ssm states)."""
+        Dn, N, R = self.d_inner, self.d_state, self.dt_rank
+        x_in, z = xz[..., :Dn], xz[..., Dn:]
+        conv = self.conv1d
+        if plain(conv, nn.Conv1d):
+            u, conv_out = causal_conv1d(
+                x_in, conv.weight.squeeze(1), conv.bias, initial_state=conv_state,
+                seq_idx=seq_idx, activation="silu", return_final_state=True, backend=backend,
+            )  # fmt: skip
+        else:
+            u, conv_out = _conv_module(conv, x_in, conv_state, seq_idx)
+        dt_r, B, C = self.x_proj(u).split([R, N, N], dim=-1)
+        delta = self.dt_proj(dt_r)  # with dt_proj's own bias
+        A, D, _ = self._ssm_params()
+        y, ssm_out = selective_scan(
+            u, delta, A, B, C, D=D, z=z, delta_softplus=True, initial_state=ssm_state,
+            seq_idx=seq_idx, return_final_state=True, backend=backend,
+        )  # fmt: skip
+        return y, conv_out, ssm_out
 
     def _last_forward(
         self,
@@ -182,6 +236,8 @@ class Mamba(nn.Module):
         for the whole step."""
         if x.dim() == 3:
             return _ssm_compat.step(self, x, conv_state, ssm_state)
+        if weights is None and not self.fusable():
+            return self._step_modules(x, conv_state, ssm_state, backend)
         (in_w, x_w, dt_w, out_w), conv_w, (A, D, dt_bias) = (
             weights if weights is not None else mixer_weights(self)
         )
@@ -200,6 +256,30 @@ class Mamba(nn.Module):
             dt_bias, True, backend=backend, validate=False,
         )  # fmt: skip
         return _project(y, out_w, _p(mods["out_proj"], "bias"), autocast)
+
+    def _step_modules(
+        self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, backend: str
+    ) -> torch.Tensor:
+        """`step` calling the projections (and conv1d unless plain) as modules."""
+        Dn, N, R = self.d_inner, self.d_state, self.dt_rank
+        xz = self.in_proj(x)  # [B, 2D]
+        conv = self.conv1d
+        if plain(conv, nn.Conv1d):
+            u = causal_conv1d_update(
+                conv_state, xz[:, :Dn], conv.weight.squeeze(1), conv.bias, "silu",
+                backend=backend,
+            )  # fmt: skip
+        else:
+            u, new = _conv_module(conv, xz[:, None, :Dn], conv_state, None)
+            u = u[:, 0]
+            conv_state.copy_(new)
+        dt_r, B, C = self.x_proj(u).split([R, N, N], dim=-1)
+        delta = self.dt_proj(dt_r)
+        A, D, _ = self._ssm_params()
+        y = selective_state_update(
+            ssm_state, u, delta, A, B, C, D, xz[:, Dn:], None, True, backend=backend
+        )
+        return self.out_proj(y)
 
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, **kwargs):
         """mamba_ssm's cache of this layer: (conv [B, D, K], ssm [B, D, N]) zeros."""
@@ -238,12 +318,35 @@ def mixer_weights(mixer: Mamba) -> MixerWeights:
     )
 
 
-def ssm_params(A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor) -> tuple:
+def ssm_params(A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor | None) -> tuple:
     """(A = -exp(A_log), D, dt bias) in the state dtype (f32; f64 for a float64 model): the one
     place the layer's SSM parameters are derived, for the forward, the decode steps and the
     decode plan (`inference.plan`)."""
     f = state_dtype(A_log)
-    return -torch.exp(A_log.to(f)), D.to(f), dt_bias.to(f)
+    return -torch.exp(A_log.to(f)), D.to(f), None if dt_bias is None else dt_bias.to(f)
+
+
+def _conv_module(
+    conv: nn.Module,
+    x_in: torch.Tensor,  # [B, T, D]
+    conv_state: torch.Tensor | None,  # [B, K-1, D]
+    seq_idx: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The causal conv and its SiLU through the conv1d module itself (wrapped or hooked):
+    (silu(conv) [B, T, D], final state [B, K-1, D]). The module pads K-1 on both sides,
+    so its output at position j of [state; x_in] covers that position and the K-1 before."""
+    if seq_idx is not None:
+        raise NotImplementedError(
+            "seq_idx with a conv1d that is not a plain nn.Conv1d (an adapter or a hook on "
+            "it): the module cannot reset its window at document starts"
+        )
+    Bsz, T, Dn = x_in.shape
+    K = conv.kernel_size[0]
+    if conv_state is None:
+        conv_state = x_in.new_zeros(Bsz, K - 1, Dn)
+    window = torch.cat([conv_state.to(x_in.dtype), x_in], 1)  # [B, K-1+T, D]
+    out = conv(window.mT)[..., K - 1 : K - 1 + T].mT.contiguous()  # [B, T, D]
+    return F.silu(out), window[:, T:].to(state_dtype(x_in))
 
 
 def _p(module: nn.Module, name: str) -> torch.Tensor | None:
