@@ -161,7 +161,13 @@ def test_cuda_graph_decode_with_adapters_equals_the_merged_model(mixer):
     with torch.no_grad():
         first = lm.generate(ids[:, :4], **kw)
         assert torch.equal(first, merged.generate(ids[:, :4], **kw))
-        # the graphs were captured on the adapters: unloading them recaptures
+        # the graphs were captured on the adapters: unloading them, or a hook registered
+        # afterwards, makes them stale
         plain = model.unload()
-        assert torch.equal(plain.generate(ids[:, :4], **kw), plain.generate(ids[:, :4],
-                           **{**kw, "cuda_graph": False}))  # fmt: skip
+        eager = {**kw, "cuda_graph": False}
+        assert torch.equal(plain.generate(ids[:, :4], **kw), plain.generate(ids[:, :4], **eager))
+        out_proj = plain.backbone.layers[0].mixer.out_proj
+        out_proj.register_forward_hook(lambda m, args, out: -out)
+        hooked = plain.generate(ids[:, :4], **kw)
+        assert torch.equal(hooked, plain.generate(ids[:, :4], **eager))
+        assert not torch.equal(hooked, first)

@@ -89,9 +89,14 @@ def clear_cuda_graphs(model: torch.nn.Module) -> None:
 
 
 def params_signature(model: torch.nn.Module) -> tuple:
-    """Addresses and dtypes of the parameters: a graph captured on other ones is stale
-    (after `model.to(...)`, for example)."""
-    return tuple((p.data_ptr(), p.dtype) for p in model.parameters())
+    """Addresses and dtypes of the parameters, the modules' classes and their hooks: a graph
+    captured on other ones is stale (after `model.to(...)`, an adapter put in a
+    projection's place, a hook registered or removed)."""
+    params = tuple((p.data_ptr(), p.dtype) for p in model.parameters())
+    modules = tuple(
+        (type(m), tuple(m._forward_hooks), tuple(m._forward_pre_hooks)) for m in model.modules()
+    )
+    return params, modules
 
 
 class CUDAGraphStep:
