@@ -12,7 +12,7 @@ _WHERE = {  # public name -> the module that defines it
     "Mamba": ".layers.mixer",
     "Mamba3": ".layers.mamba3",
     "Mamba3ModelState": ".state",
-    "Mamba3State": ".ops.mamba3",
+    "Mamba3State": ".state",
     "MambaBackbone": ".model",
     "MambaBlock": ".layers.block",
     "MambaConfig": ".config",
@@ -56,5 +56,4 @@ if TYPE_CHECKING:
     from .layers.mamba3 import Mamba3
     from .layers.mixer import Mamba
     from .model import MambaBackbone, MambaLM, MambaLMOutput
-    from .ops.mamba3 import Mamba3State
-    from .state import Mamba3ModelState, MambaState
+    from .state import Mamba3ModelState, Mamba3State, MambaState

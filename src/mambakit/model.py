@@ -26,7 +26,7 @@ from .layers.mixer import mixer_weights
 from .layers.plain import plain
 from .ops import linear_cross_entropy, norm_linear, resolve_backend, rms_norm
 from .ops._checks import check_seq_idx, check_tensor, state_dtype
-from .state import Mamba3ModelState, MambaState
+from .state import ModelState, check_state, init_state, state_class
 
 
 def compute_dtype(param_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -59,60 +59,13 @@ class MambaBackbone(nn.Module):
     def _param(self) -> torch.Tensor:
         return self.norm_f.weight
 
-    def init_state(self, batch_size: int, device=None) -> MambaState | Mamba3ModelState:
+    def init_state(self, batch_size: int, device=None) -> ModelState:
         """Zero state for `batch_size` rows: f32 (f64 for a float64 model) on the model device;
-        a Mamba3ModelState when the mixer is Mamba-3."""
+        a MambaState, or a Mamba3ModelState when the mixer is Mamba-3 (state.py)."""
         if not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        cfg = self.config
         p = self._param
-        dtype = state_dtype(p)
-        if cfg.mixer == "mamba3":
-            return Mamba3ModelState.zeros(
-                cfg.n_layers, batch_size, cfg.nheads, cfg.headdim, cfg.d_state, cfg.n_angles,
-                device=device or p.device, dtype=dtype,
-            )  # fmt: skip
-        return MambaState.zeros(
-            cfg.n_layers,
-            batch_size,
-            cfg.d_inner,
-            cfg.d_state,
-            cfg.d_conv,
-            device=device or p.device,
-            dtype=dtype,
-        )
-
-    def _check_state(self, state, batch: int, device: torch.device) -> None:
-        cfg = self.config
-        if cfg.mixer == "mamba3":
-            if not isinstance(state, Mamba3ModelState):
-                raise TypeError(
-                    f"state must be a Mamba3ModelState or None, got {type(state).__name__}"
-                )
-            L, H, P, N, S = cfg.n_layers, cfg.nheads, cfg.headdim, cfg.d_state, cfg.n_angles
-            want = dict(angle=(L, batch, H, S), ssm=(L, batch, H, P, N), k=(L, batch, H, N),
-                        x=(L, batch, H, P))  # fmt: skip
-            for name, shape in want.items():
-                got = tuple(getattr(state, name).shape)
-                if got != shape:
-                    raise ValueError(f"state.{name} must have shape {list(shape)}, got {list(got)}")
-        else:
-            if not isinstance(state, MambaState):
-                raise TypeError(f"state must be a MambaState or None, got {type(state).__name__}")
-            want_conv = (cfg.n_layers, batch, cfg.d_conv - 1, cfg.d_inner)
-            want_ssm = (cfg.n_layers, batch, cfg.d_inner, cfg.d_state)
-            if tuple(state.conv.shape) != want_conv:
-                raise ValueError(
-                    f"state.conv must have shape {list(want_conv)}, got {list(state.conv.shape)}"
-                )
-            if tuple(state.ssm.shape) != want_ssm:
-                raise ValueError(
-                    f"state.ssm must have shape {list(want_ssm)}, got {list(state.ssm.shape)}"
-                )
-        if state.device != device:
-            raise ValueError(f"state is on {state.device} but the input is on {device}")
-        if state.dtype not in (torch.float32, torch.float64):
-            raise TypeError(f"state must be float32 (or float64), got {state.dtype}")
+        return init_state(self.config, batch_size, device or p.device, state_dtype(p))
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """r_0: embeddings(ids), input_proj(x) or x itself."""
@@ -120,7 +73,15 @@ class MambaBackbone(nn.Module):
         if self.embeddings is not None:
             if x.dtype not in (torch.int64, torch.int32):
                 raise TypeError(f"input_ids must be an int64 or int32 tensor, got {x.dtype}")
-            if not x.is_cuda and x.numel() and (x.min() < 0 or x.max() >= cfg.vocab_size):
+            # a check of the values (a host sync on a GPU, a data-dependent guard for tracers:
+            # torch.export and torch.compile see fake tensors) on real CPU tensors only
+            if (
+                type(x) is torch.Tensor
+                and not x.is_cuda
+                and not torch.compiler.is_compiling()
+                and x.numel()
+                and (x.min() < 0 or x.max() >= cfg.vocab_size)
+            ):
                 raise ValueError(
                     f"input_ids must lie in [0, {cfg.vocab_size}), got values in "
                     f"[{int(x.min())}, {int(x.max())}]"
@@ -133,9 +94,9 @@ class MambaBackbone(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [B, T] ids or [B, T, input_dim or M] floats
-        state: MambaState | None = None,
+        state: ModelState | None = None,
         seq_idx: torch.Tensor | None = None,  # [B, T] int32
-    ) -> tuple[torch.Tensor, MambaState]:
+    ) -> tuple[torch.Tensor, ModelState]:
         """(hidden [B, T, M] in the compute dtype, final MambaState)."""
         h, residual, cdt, backend, state = self._forward_layers(x, state, seq_idx)
         out, _ = self.norm_f(h, residual, cdt, backend=backend)
@@ -158,7 +119,7 @@ class MambaBackbone(nn.Module):
         if T == 0:
             raise ValueError(f"{name} must have at least one timestep")
         if state is not None:
-            self._check_state(state, Bsz, x.device)
+            check_state(state, self.config, Bsz, x.device)
         if seq_idx is not None:
             check_seq_idx(seq_idx, Bsz, T, x.device)
         h = self.embed(x)
@@ -182,12 +143,9 @@ class MambaBackbone(nn.Module):
             end = last and i == len(self.layers) - 1
             h, residual, final = layer(h, residual, cdt, layer_state, seq_idx, backend, ssm, end)
             finals.append(final)
-        if self.config.mixer == "mamba3":
-            return h, residual, cdt, backend, Mamba3ModelState.stack(finals)
-        convs, ssms = zip(*finals)
-        return h, residual, cdt, backend, MambaState(torch.stack(convs), torch.stack(ssms))
+        return h, residual, cdt, backend, state_class(self.config).stack(finals)
 
-    def step(self, x: torch.Tensor, state: MambaState) -> tuple[torch.Tensor, MambaState]:
+    def step(self, x: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]:
         """One timestep: x [B] ids or [B, input_dim or M] -> (hidden [B, M], state)."""
         self._check_step(x, state)
         if self._step_records_grad(state):
@@ -203,7 +161,7 @@ class MambaBackbone(nn.Module):
             return rms_norm(h, self._param, self.norm_f.eps, residual, cdt, backend, False)[0]
         return self.norm_f(h, residual, cdt, validate=False, backend=backend)[0]
 
-    def _check_step(self, x: torch.Tensor, state: MambaState) -> None:
+    def _check_step(self, x: torch.Tensor, state: ModelState) -> None:
         want_dim = 1 if self.embeddings is not None else 2
         if not isinstance(x, torch.Tensor) or x.dim() != want_dim:
             got = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -212,16 +170,14 @@ class MambaBackbone(nn.Module):
             raise ValueError(f"step: {name} must be a {want_dim}-d tensor {shape}, got {got}")
         if x.device != self._param.device:
             raise ValueError(f"step: input is on {x.device} but the model on {self._param.device}")
-        self._check_state(state, x.shape[0], x.device)
+        check_state(state, self.config, x.shape[0], x.device)
 
     def _step_records_grad(self, state) -> bool:
         if not torch.is_grad_enabled():
             return False
         if self._param.requires_grad:
             return True
-        if isinstance(state, Mamba3ModelState):
-            return state.requires_grad
-        return state.conv.requires_grad or state.ssm.requires_grad
+        return state.requires_grad
 
     def _decode_plan(self) -> list[tuple]:
         """(MixerWeights, StepWeights) of every Mamba-1 block, derived from the parameters
@@ -230,7 +186,7 @@ class MambaBackbone(nn.Module):
         return derived_plan(self, "step", _step_plan, _norm_eps)
 
     def _decode_layers(
-        self, x: torch.Tensor, state: MambaState
+        self, x: torch.Tensor, state: ModelState
     ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype, str]:
         """The layers of one decode step, the state in place: (the last block's output,
         the residual stream before norm_f, compute dtype, backend).
@@ -309,7 +265,10 @@ class MambaLMOutput:
     # mean next-token cross-entropy (f32) over the predicted labels when labels are given;
     # 0 (with zero gradients) when there is none to predict: every label -100, T = 1, B = 0
     loss: torch.Tensor | None = None
-    state: MambaState | None = None  # final state of every layer
+    state: ModelState | None = None  # final state of every layer
+
+
+torch.export.register_dataclass(MambaLMOutput, serialized_type_name="mambakit.MambaLMOutput")
 
 
 class MambaLM(nn.Module):
@@ -325,13 +284,13 @@ class MambaLM(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
 
-    def init_state(self, batch_size: int, device=None) -> MambaState:
+    def init_state(self, batch_size: int, device=None) -> ModelState:
         return self.backbone.init_state(batch_size, device)
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [B, T]
-        state: MambaState | None = None,
+        state: ModelState | None = None,
         seq_idx: torch.Tensor | None = None,  # [B, T] int32
         labels: torch.Tensor | None = None,  # [B, T], -100 ignored
     ) -> MambaLMOutput:
@@ -365,9 +324,9 @@ class MambaLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [B, T]
         targets: torch.Tensor,  # [B, T], already shifted (-100 ignored)
-        state: MambaState | None = None,
+        state: ModelState | None = None,
         seq_idx: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, MambaState]:
+    ) -> tuple[torch.Tensor, ModelState]:
         """(summed next-token cross-entropy, final state) without materialising the logits:
         the head's logits are computed and dropped chunk by chunk (training)."""
         hidden, state = self.backbone(input_ids, state, seq_idx)
@@ -387,9 +346,9 @@ class MambaLM(nn.Module):
     def last_logits(
         self,
         input_ids: torch.Tensor,  # [B, T]
-        state: MambaState | None = None,
+        state: ModelState | None = None,
         seq_idx: torch.Tensor | None = None,  # [B, T] int32
-    ) -> tuple[torch.Tensor, MambaState]:
+    ) -> tuple[torch.Tensor, ModelState]:
         """(logits at the last position [B, V], final state): a prompt's prefill.
 
         The same values as `forward(...).logits[:, -1]`, but only the last position goes
@@ -404,7 +363,7 @@ class MambaLM(nn.Module):
         )
         return self._head(h, residual, cdt, backend, fuse=not grads), state
 
-    def step(self, input_ids: torch.Tensor, state: MambaState) -> tuple[torch.Tensor, MambaState]:
+    def step(self, input_ids: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]:
         """ids [B] -> (logits [B, V], state advanced one token).
 
         On the Triton backend the final norm is fused into the LM head's

@@ -1,24 +1,129 @@
-"""MambaState: the recurrent state of a whole model, in two stacked f32 buffers.
+"""The recurrent state of every mixer: one layer's, and a whole model's stacked over layers.
 
-Layout (DESIGN.md section 2), L layers, B rows, K = d_conv, D = d_inner, N = d_state:
-    conv: [L, B, K-1, D]  the last K-1 conv inputs x_in, oldest first
-    ssm:  [L, B, D, N]    the SSM state h
+A model's state is a dataclass of f32 buffers (f64 for a float64 model), one per field
+of its mixer's layer state, each [L, B, ...] for L layers and B rows:
 
-The buffers keep their addresses under `reset_`, `copy_` and `step()`, so a
-CUDA graph captured on a state stays valid.
+    Mamba-1  MambaState(conv, ssm)             K = d_conv, D = d_inner, N = d_state
+        conv: [L, B, K-1, D]  the last K-1 conv inputs x_in, oldest first
+        ssm:  [L, B, D, N]    the SSM state h
+    Mamba-3  Mamba3ModelState(angle, ssm, k, x)   H heads of P values, S rotary angles
+        angle: [L, B, H, S]     cumulative rotation angles, in [0, 2 pi)
+        ssm:   [L, B, H, P, N]  the SSM state S
+        k:     [L, B, H, N]     the last token's turned, biased key
+        x:     [L, B, H, P]     the last token's value
+
+`layer(i)` gives layer i's state as views: a `MambaLayerState` or a `Mamba3State` (the
+same fields without L). `expected_shapes(config, batch)` is the one table of these
+shapes; `check` compares a state with it at the model's entry points. The buffers keep
+their addresses under `reset_`, `copy_`, `zero_` and `step()`, so a CUDA graph captured
+on a state stays valid. The classes are pytree nodes, so `torch.export` and
+`torch.compile` see their tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
 
-class _LayerStack:
-    """Sizes of a state whose `ssm` buffer is [L, B, ...]: shared by both model states."""
+class MambaLayerState(NamedTuple):
+    """One Mamba-1 layer's state."""
 
-    ssm: torch.Tensor
+    conv: torch.Tensor  # [B, K-1, D]
+    ssm: torch.Tensor  # [B, D, N]
+
+
+class Mamba3State(NamedTuple):
+    """One Mamba-3 layer's state (f32, or f64 on the oracle path)."""
+
+    angle: torch.Tensor  # [B, H, S] cumulative rotation angles, in [0, 2 pi)
+    ssm: torch.Tensor  # [B, H, P, N]
+    k: torch.Tensor  # [B, H, N] the last token's turned, biased key
+    x: torch.Tensor  # [B, H, P] the last token's value
+
+    @classmethod
+    def zeros(cls, batch, nheads, headdim, d_state, n_angles, device=None, dtype=torch.float32):
+        z = dict(device=device, dtype=dtype)
+        return cls(
+            torch.zeros(batch, nheads, n_angles, **z),
+            torch.zeros(batch, nheads, headdim, d_state, **z),
+            torch.zeros(batch, nheads, d_state, **z),
+            torch.zeros(batch, nheads, headdim, **z),
+        )
+
+
+def expected_shapes(config, batch: int) -> dict[str, tuple[int, ...]]:
+    """The shape of each field of a model state for `config` (a MambaConfig) and `batch`
+    rows, by the config's mixer: the one table every check and `init_state` read."""
+    L, B = config.n_layers, batch
+    if config.mixer == "mamba3":
+        H, P, N, S = config.nheads, config.headdim, config.d_state, config.n_angles
+        return dict(angle=(L, B, H, S), ssm=(L, B, H, P, N), k=(L, B, H, N), x=(L, B, H, P))
+    D = config.d_inner
+    return dict(conv=(L, B, config.d_conv - 1, D), ssm=(L, B, D, config.d_state))
+
+
+def state_class(config) -> type[ModelState]:
+    """The model state class of `config`'s mixer."""
+    return Mamba3ModelState if config.mixer == "mamba3" else MambaState
+
+
+def init_state(config, batch: int, device=None, dtype=torch.float32) -> ModelState:
+    """Zeros of `config`'s model state for `batch` rows."""
+    shapes = expected_shapes(config, batch)
+    return state_class(config)(
+        **{name: torch.zeros(shape, device=device, dtype=dtype) for name, shape in shapes.items()}
+    )
+
+
+def check_state(state, config, batch: int, device: torch.device) -> None:
+    """Raise, naming the field, unless `state` is `config`'s model state for `batch` rows on
+    `device`, in f32 (or f64): what the model checks at its entry points."""
+    cls = state_class(config)
+    if not isinstance(state, cls):
+        raise TypeError(f"state must be a {cls.__name__} or None, got {type(state).__name__}")
+    for (name, t), (_, want) in zip(state._items(), expected_shapes(config, batch).items()):
+        if tuple(t.shape) != want:
+            raise ValueError(f"state.{name} must have shape {list(want)}, got {list(t.shape)}")
+    if state.device != device:
+        raise ValueError(f"state is on {state.device} but the input is on {device}")
+    if state.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"state must be float32 (or float64), got {state.dtype}")
+
+
+class ModelState:
+    """What every model state shares: its fields are tensors [L, B, ...] of one device and
+    dtype; `layer_type` is the per-layer state they stack."""
+
+    layer_type: ClassVar[type]
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        tensors = self._tensors()
+        for f, t in zip(self.layer_type._fields, tensors):
+            if not isinstance(t, torch.Tensor) or t.dim() < 3:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{name}.{f} must be a tensor [L, B, ...], got {got}")
+        first = tensors[0]
+        for f, t in zip(self.layer_type._fields, tensors):
+            if t.shape[:2] != first.shape[:2]:
+                raise ValueError(
+                    f"{name} fields disagree on n_layers and batch: "
+                    + ", ".join(f"{g} {tuple(u.shape)}" for g, u in self._items())
+                )
+            if t.device != first.device:
+                raise ValueError(f"{name}.{f} is on {t.device} but the rest on {first.device}")
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(self, f) for f in self.layer_type._fields)
+
+    def _items(self):
+        return zip(self.layer_type._fields, self._tensors())
+
+    def _new(self, tensors) -> Any:
+        return type(self)(*tensors)
 
     @property
     def n_layers(self) -> int:
@@ -36,26 +141,85 @@ class _LayerStack:
     def dtype(self) -> torch.dtype:
         return self.ssm.dtype
 
+    @property
+    def requires_grad(self) -> bool:
+        return any(t.requires_grad for t in self._tensors())
+
+    @classmethod
+    def stack(cls, layers: list) -> Any:
+        """From one layer state per layer."""
+        return cls(*(torch.stack(ts) for ts in zip(*layers)))
+
+    def layer(self, i: int):
+        """Layer i's state, as views."""
+        return self.layer_type(*(t[i] for t in self._tensors()))
+
+    def detach(self) -> Any:
+        """The same values cut from the autograd graph (the TBPTT boundary)."""
+        return self._new(t.detach() for t in self._tensors())
+
+    def clone(self) -> Any:
+        return self._new(t.clone() for t in self._tensors())
+
+    def to(self, *args, **kwargs) -> Any:
+        return self._new(t.to(*args, **kwargs) for t in self._tensors())
+
+    def copy_(self, other) -> Any:
+        """Overwrite in place (keeps addresses for CUDA graphs)."""
+        for a, b in zip(self._tensors(), other._tensors()):
+            a.copy_(b)
+        return self
+
+    def zero_(self) -> Any:
+        for t in self._tensors():
+            t.zero_()
+        return self
+
+    def reset_(self, mask: torch.Tensor) -> Any:
+        """Zero the rows where `mask` [B] is True (episode ends), without a host sync.
+
+        In place when the state carries no gradient (buffers keep their addresses);
+        when it does, the buffers are replaced by masked copies so autograd stays exact.
+        """
+        if mask.dim() != 1 or mask.shape[0] != self.batch_size:
+            raise ValueError(
+                f"reset_ mask must have shape [{self.batch_size}], got {tuple(mask.shape)}"
+            )
+        m = mask.to(device=self.device, dtype=torch.bool)
+        grad = self.requires_grad
+        for f, t in self._items():
+            mf = m.view(1, -1, *([1] * (t.dim() - 2)))
+            if grad:
+                setattr(self, f, t.masked_fill(mf, 0.0))
+            else:
+                t.masked_fill_(mf, 0.0)
+        return self
+
+    def check(self, config, batch: int, device: torch.device) -> None:
+        """`check_state(self, ...)`."""
+        check_state(self, config, batch, device)
+
 
 @dataclass
-class MambaState(_LayerStack):
+class MambaState(ModelState):
+    """A Mamba-1 model's state (module docstring)."""
+
     conv: torch.Tensor  # [L, B, K-1, D]
     ssm: torch.Tensor  # [L, B, D, N]
+
+    layer_type: ClassVar[type] = MambaLayerState
 
     def __post_init__(self) -> None:
         if self.conv.dim() != 4 or self.ssm.dim() != 4:
             raise ValueError(
-                f"MambaState.conv and .ssm must be 4-d, got shapes "
-                f"{tuple(self.conv.shape)} and {tuple(self.ssm.shape)}"
+                f"MambaState.conv and .ssm must be 4-d, got shapes {tuple(self.conv.shape)} "
+                f"and {tuple(self.ssm.shape)}"
             )
-        if self.conv.shape[:2] != self.ssm.shape[:2] or self.conv.shape[3] != self.ssm.shape[2]:
+        super().__post_init__()
+        if self.conv.shape[3] != self.ssm.shape[2]:
             raise ValueError(
                 f"MambaState.conv {tuple(self.conv.shape)} and .ssm {tuple(self.ssm.shape)} "
-                "disagree on n_layers, batch or d_inner"
-            )
-        if self.conv.device != self.ssm.device:
-            raise ValueError(
-                f"MambaState.conv is on {self.conv.device} but .ssm on {self.ssm.device}"
+                "disagree on d_inner"
             )
 
     @classmethod
@@ -73,84 +237,26 @@ class MambaState(_LayerStack):
         ssm = torch.zeros(n_layers, batch_size, d_inner, d_state, device=device, dtype=dtype)
         return cls(conv, ssm)
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(conv [B, K-1, D], ssm [B, D, N]) of layer i, as views."""
-        return self.conv[i], self.ssm[i]
-
-    def detach(self) -> MambaState:
-        """The same values cut from the autograd graph (the TBPTT boundary)."""
-        return MambaState(self.conv.detach(), self.ssm.detach())
-
-    def clone(self) -> MambaState:
-        return MambaState(self.conv.clone(), self.ssm.clone())
-
-    def to(self, *args, **kwargs) -> MambaState:
-        return MambaState(self.conv.to(*args, **kwargs), self.ssm.to(*args, **kwargs))
-
-    def copy_(self, other: MambaState) -> MambaState:
-        """Overwrite in place (keeps addresses for CUDA graphs)."""
-        self.conv.copy_(other.conv)
-        self.ssm.copy_(other.ssm)
-        return self
-
-    def zero_(self) -> MambaState:
-        self.conv.zero_()
-        self.ssm.zero_()
-        return self
-
-    def reset_(self, mask: torch.Tensor) -> MambaState:
-        """Zero the rows where `mask` [B] is True (episode ends), without a host sync.
-
-        In place when the state carries no gradient (buffers keep their addresses);
-        when it does, the buffers are replaced by masked copies so autograd stays exact.
-        """
-        if mask.dim() != 1 or mask.shape[0] != self.batch_size:
-            raise ValueError(
-                f"reset_ mask must have shape [{self.batch_size}], got {tuple(mask.shape)}"
-            )
-        m = mask.to(device=self.device, dtype=torch.bool).view(1, -1, 1, 1)
-        if self.conv.requires_grad or self.ssm.requires_grad:
-            self.conv = self.conv.masked_fill(m, 0.0)
-            self.ssm = self.ssm.masked_fill(m, 0.0)
-        else:
-            self.conv.masked_fill_(m, 0.0)
-            self.ssm.masked_fill_(m, 0.0)
-        return self
-
 
 @dataclass
-class Mamba3ModelState(_LayerStack):
-    """The recurrent state of a Mamba-3 model: each `Mamba3State` field stacked over layers.
+class Mamba3ModelState(ModelState):
+    """A Mamba-3 model's state (module docstring): each `Mamba3State` field stacked."""
 
-    Layout, L layers, B rows, H heads of P values, N = d_state, S rotary angles:
-        angle: [L, B, H, S]     cumulative rotation angles
-        ssm:   [L, B, H, P, N]  the SSM state S
-        k:     [L, B, H, N]     the last token's turned key
-        x:     [L, B, H, P]     the last token's value
-    Same methods as MambaState; the buffers keep their addresses under `reset_`, `copy_`
-    and `step()`.
-    """
+    angle: torch.Tensor  # [L, B, H, S]
+    ssm: torch.Tensor  # [L, B, H, P, N]
+    k: torch.Tensor  # [L, B, H, N]
+    x: torch.Tensor  # [L, B, H, P]
 
-    angle: torch.Tensor
-    ssm: torch.Tensor
-    k: torch.Tensor
-    x: torch.Tensor
-
-    _FIELDS = ("angle", "ssm", "k", "x")
+    layer_type: ClassVar[type] = Mamba3State
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         dims = {"angle": 4, "ssm": 5, "k": 4, "x": 4}
-        for name, d in dims.items():
-            if getattr(self, name).dim() != d:
+        for name, t in self._items():
+            if t.dim() != dims[name] or t.shape[2] != self.ssm.shape[2]:
                 raise ValueError(
-                    f"Mamba3ModelState.{name} must be {d}-d, got {tuple(getattr(self, name).shape)}"
-                )
-        L, B, H = self.ssm.shape[:3]
-        for name in ("angle", "k", "x"):
-            if tuple(getattr(self, name).shape[:3]) != (L, B, H):
-                raise ValueError(
-                    f"Mamba3ModelState.{name} {tuple(getattr(self, name).shape)} and .ssm "
-                    f"{tuple(self.ssm.shape)} disagree on n_layers, batch or heads"
+                    f"Mamba3ModelState.{name} {tuple(t.shape)} and .ssm {tuple(self.ssm.shape)} "
+                    f"disagree: {name} must be {dims[name]}-d with the heads of ssm"
                 )
 
     @classmethod
@@ -165,56 +271,7 @@ class Mamba3ModelState(_LayerStack):
             torch.zeros(L, B, H, headdim, **z),
         )
 
-    @classmethod
-    def stack(cls, layers: list) -> Mamba3ModelState:
-        """From one `Mamba3State` per layer."""
-        return cls(*(torch.stack([getattr(s, f) for s in layers]) for f in cls._FIELDS))
 
-    def _tensors(self) -> tuple[torch.Tensor, ...]:
-        return tuple(getattr(self, f) for f in self._FIELDS)
-
-    def layer(self, i: int):
-        """Layer i's `Mamba3State`, as views."""
-        from .ops.mamba3 import Mamba3State
-
-        return Mamba3State(*(t[i] for t in self._tensors()))
-
-    def detach(self) -> Mamba3ModelState:
-        return Mamba3ModelState(*(t.detach() for t in self._tensors()))
-
-    def clone(self) -> Mamba3ModelState:
-        return Mamba3ModelState(*(t.clone() for t in self._tensors()))
-
-    def to(self, *args, **kwargs) -> Mamba3ModelState:
-        return Mamba3ModelState(*(t.to(*args, **kwargs) for t in self._tensors()))
-
-    def copy_(self, other: Mamba3ModelState) -> Mamba3ModelState:
-        for a, b in zip(self._tensors(), other._tensors()):
-            a.copy_(b)
-        return self
-
-    def zero_(self) -> Mamba3ModelState:
-        for t in self._tensors():
-            t.zero_()
-        return self
-
-    @property
-    def requires_grad(self) -> bool:
-        return any(t.requires_grad for t in self._tensors())
-
-    def reset_(self, mask: torch.Tensor) -> Mamba3ModelState:
-        """Zero the rows where `mask` [B] is True, without a host sync (see MambaState)."""
-        if mask.dim() != 1 or mask.shape[0] != self.batch_size:
-            raise ValueError(
-                f"reset_ mask must have shape [{self.batch_size}], got {tuple(mask.shape)}"
-            )
-        m = mask.to(device=self.device, dtype=torch.bool)
-        grad = self.requires_grad
-        for f in self._FIELDS:
-            t = getattr(self, f)
-            mf = m.view(1, -1, *([1] * (t.dim() - 2)))
-            if grad:
-                setattr(self, f, t.masked_fill(mf, 0.0))
-            else:
-                t.masked_fill_(mf, 0.0)
-        return self
+for _cls in (MambaState, Mamba3ModelState):
+    torch.export.register_dataclass(_cls, serialized_type_name=f"mambakit.{_cls.__name__}")
+del _cls

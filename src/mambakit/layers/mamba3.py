@@ -33,7 +33,8 @@ from torch import nn
 
 from ..ops import resolve_backend, rms_norm
 from ..ops._checks import check_seq_idx, check_tensor, state_dtype
-from ..ops.mamba3.reference import Mamba3State, mamba3_scan_reference, mamba3_step_reference
+from ..ops.mamba3.reference import mamba3_scan_reference, mamba3_step_reference
+from ..state import Mamba3State
 from .init import no_weight_decay
 from .plain import plain
 

@@ -4,6 +4,7 @@ sequence scan as Triton kernels, forward and backward; step.py: the decode step 
 Triton kernel, the state advanced in place). README.md says which runs where.
 """
 
-from .reference import Mamba3State, mamba3_scan_reference, mamba3_step_reference, rotate_pairs
+from ...state import Mamba3State  # (defined with the other states; kept importable here)
+from .reference import mamba3_scan_reference, mamba3_step_reference, rotate_pairs
 
 __all__ = ["Mamba3State", "mamba3_scan_reference", "mamba3_step_reference", "rotate_pairs"]

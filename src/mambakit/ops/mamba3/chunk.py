@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ...state import Mamba3State
 from .._triton import cdiv, launch, next_power_of_2, opt, sm_count
 from .chunk_kernels import (
     _chunk_fwd_kernel,
@@ -30,7 +31,6 @@ from .chunk_kernels import (
     _dy_chunk_kernel,
 )
 from .chunk_parallel import _chunk_end_kernel, _chunk_y_kernel, _state_scan_kernel
-from .reference import Mamba3State
 from .terms import _Terms, token_terms_kernel
 
 # 32 steps a chunk in the forward: [P, N] state, start state, q~, k~ and the [L, L] scores

@@ -39,34 +39,15 @@ state feeds only the row's first document (times before 0 belong to it).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from ...state import Mamba3State
 from .._checks import state_dtype
 
 CHUNK = 64  # timesteps per quadratic block; the carry loop runs T / CHUNK times
 TWO_PI = 2 * math.pi
-
-
-class Mamba3State(NamedTuple):
-    """One layer's recurrent state (f32, or f64 on the oracle path)."""
-
-    angle: torch.Tensor  # [B, H, S] cumulative rotation angles, in [0, 2 pi)
-    ssm: torch.Tensor  # [B, H, P, N]
-    k: torch.Tensor  # [B, H, N] the last token's turned, biased key
-    x: torch.Tensor  # [B, H, P] the last token's value
-
-    @classmethod
-    def zeros(cls, batch, nheads, headdim, d_state, n_angles, device=None, dtype=torch.float32):
-        z = dict(device=device, dtype=dtype)
-        return cls(
-            torch.zeros(batch, nheads, n_angles, **z),
-            torch.zeros(batch, nheads, headdim, d_state, **z),
-            torch.zeros(batch, nheads, d_state, **z),
-            torch.zeros(batch, nheads, headdim, **z),
-        )
 
 
 def rotate_pairs(v: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:

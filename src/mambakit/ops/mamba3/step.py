@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...state import Mamba3State
 from .._triton import (
     cdiv,
     fast_cos_sin,
@@ -42,7 +43,6 @@ from .._triton import (
     pdl_wait,
     sm_count,
 )
-from .reference import Mamba3State
 
 # warps of a step program; None: `_warps`, by the state's size and the programs per SM
 STEP_WARPS = None
