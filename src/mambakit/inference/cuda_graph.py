@@ -6,7 +6,7 @@ in a CUDA graph it is one launch. The pattern is mamba_ssm's
 (`utils/generation.py`): allocate static buffers once, warm up on a side
 stream (Triton compiles its kernels there; capture cannot), capture, then per
 step copy inputs into the static buffers and replay. The recurrent state is a
-static `MambaState` updated in place by `step()` (which it is when no gradient
+static model state (`state.py`) updated in place by `step()` (which it is when no gradient
 is recorded), so nothing leaves the GPU between steps.
 
 `CUDAGraphStep` wraps `MambaBackbone.step` or `MambaLM.step` for a fixed batch
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..device import graph_capture
-from ..state import MambaState
+from ..state import ModelState
 from .plan import drop, refresh
 
 __all__ = ["CUDAGraphStep", "capture", "clear_cuda_graphs", "graph_cache", "use_cuda_graph"]
@@ -104,7 +104,7 @@ class CUDAGraphStep:
 
     module: a `MambaBackbone` (x [B, input_dim or d_model] floats, returns hidden
     [B, d_model]) or a `MambaLM` / backbone with embeddings (x [B] token ids,
-    returns logits [B, V] / hidden). `self.state` is the static `MambaState`,
+    returns logits [B, V] / hidden). `self.state` is the static model state (`state.py`),
     advanced in place by each call; reset rows with `self.state.reset_(done)` or
     load one with `self.state.copy_(other)` (both keep its addresses). The
     returned tensor is a static buffer overwritten by the next call: clone it to
@@ -151,7 +151,7 @@ class CUDAGraphStep:
                 width = cfg.input_dim if backbone.input_proj is not None else cfg.d_model
                 dtype = input_dtype or param.dtype
                 self.x = torch.zeros(batch_size, width, dtype=dtype, device=self.device)
-            self.state: MambaState = module.init_state(batch_size)
+            self.state: ModelState = module.init_state(batch_size)
             self.graph = None
             self.out: torch.Tensor | None = None
             self._run = self._step

@@ -41,7 +41,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from ..state import MambaState
+from ..state import ModelState
 from ..threads import apply_threads
 from .cuda_graph import (
     capture,
@@ -80,7 +80,7 @@ def _row_seeds(seed, batch: int) -> list[int]:
     raise TypeError(f"seed must be None, an int or a list of ints, got {type(seed).__name__}")
 
 
-def _prefill(model, prompts: Prompts, chunk: int) -> tuple[torch.Tensor, MambaState]:
+def _prefill(model, prompts: Prompts, chunk: int) -> tuple[torch.Tensor, ModelState]:
     """(logits at each row's last prompt token [B, V], state after the prompt)."""
     ids = prompts.ids
     T = ids.shape[1]
@@ -114,7 +114,7 @@ class _PrefillGraph:
         self.ids = torch.zeros(batch, T_b, dtype=torch.int64, device=device)
         self.seq_idx = torch.zeros(batch, T_b, dtype=torch.int32, device=device)
         self.logits: torch.Tensor | None = None
-        self.state: MambaState | None = None
+        self.state: ModelState | None = None
         self.graph = None
         self.signature: tuple = ()
 
@@ -129,7 +129,7 @@ class _PrefillGraph:
         self.logits, self.state = self.model.last_logits(self.ids, None, self.seq_idx)
 
 
-def _prefill_bucketed(model, prompts: Prompts, graphs: bool) -> tuple[torch.Tensor, MambaState]:
+def _prefill_bucketed(model, prompts: Prompts, graphs: bool) -> tuple[torch.Tensor, ModelState]:
     """`_prefill` of prompts padded to their bucket: replayed from a cached graph when
     `graphs`. The returned tensors are the graph's buffers: use them before the next call."""
     Bsz, T_b = prompts.batch, prompts.bucket
@@ -171,7 +171,7 @@ class _Decoder:
         self.model = weakref.proxy(model)  # the per-model graph cache must not keep it alive
         self.cfg = cfg
         self.capacity = capacity
-        self.state: MambaState = model.init_state(batch)
+        self.state: ModelState = model.init_state(batch)
         i64 = dict(dtype=torch.int64, device=device)
         self.tok = torch.zeros(batch, **i64)  # [B] the last token, input of the next step
         self.step = torch.zeros(1, **i64)  # number of the token being drawn
@@ -185,7 +185,7 @@ class _Decoder:
         self.signature: tuple = ()
         self.owner = _dead_ref  # the _Run using the buffers (weakref)
 
-    def load(self, state: MambaState, prompts: Prompts, seeds: list[int]) -> None:
+    def load(self, state: ModelState, prompts: Prompts, seeds: list[int]) -> None:
         self.state.copy_(state)
         self.step.zero_()
         self.seeds.copy_(torch.tensor(seeds, dtype=torch.int64))
