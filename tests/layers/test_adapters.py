@@ -99,6 +99,18 @@ def test_training_loss_sees_the_adapters(mixer):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=2e-5)
 
 
+def forward_and_steps_match(lm, ref, ids) -> torch.Tensor:
+    """`lm`'s forward and its steps over `ids` give `ref`'s logits; returns them."""
+    with torch.no_grad():
+        want = ref(ids).logits
+        torch.testing.assert_close(lm(ids).logits, want, rtol=1e-4, atol=1e-4)
+        state = lm.init_state(ids.shape[0])
+        for t in range(ids.shape[1]):
+            logits, state = lm.step(ids[:, t], state)
+            torch.testing.assert_close(logits, want[:, t], rtol=1e-4, atol=1e-4)
+    return want
+
+
 def test_a_forward_hook_on_a_projection_is_honoured(backend):
     """A hook doubling x_proj's output computes what doubling its weight does."""
     torch.manual_seed(0)
@@ -112,13 +124,7 @@ def test_a_forward_hook_on_a_projection_is_honoured(backend):
         for layer in lm.backbone.layers
     ]
     ids = _ids(lm.config.vocab_size)
-    with torch.no_grad():
-        want = ref(ids).logits
-        torch.testing.assert_close(lm(ids).logits, want, rtol=1e-4, atol=1e-4)
-        state = lm.init_state(2)
-        for t in range(ids.shape[1]):
-            logits, state = lm.step(ids[:, t], state)
-        torch.testing.assert_close(logits, want[:, -1], rtol=1e-4, atol=1e-4)
+    want = forward_and_steps_match(lm, ref, ids)
     for h in handles:
         h.remove()
     with torch.no_grad():  # without the hooks: the plain model again, the fused paths
@@ -138,16 +144,10 @@ def test_a_hook_on_the_conv_is_honoured_where_it_can_be():
     for layer in lm.backbone.layers:
         layer.mixer.conv1d.register_forward_hook(lambda m, args, out: out * 0.5)
     ids = _ids(lm.config.vocab_size)
-    with torch.no_grad():
-        want = ref(ids).logits
-        torch.testing.assert_close(lm(ids).logits, want, rtol=1e-4, atol=1e-4)
-        state = lm.init_state(2)
-        for t in range(ids.shape[1]):
-            logits, state = lm.step(ids[:, t], state)
-        torch.testing.assert_close(logits, want[:, -1], rtol=1e-4, atol=1e-4)
-        seq_idx = torch.zeros_like(ids, dtype=torch.int32)
-        with pytest.raises(NotImplementedError, match="seq_idx"):
-            lm(ids, seq_idx=seq_idx)
+    forward_and_steps_match(lm, ref, ids)
+    seq_idx = torch.zeros_like(ids, dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="seq_idx"), torch.no_grad():
+        lm(ids, seq_idx=seq_idx)
 
 
 @pytest.mark.gpu

@@ -40,9 +40,10 @@ _FLAGS = {"ckpt_every_minutes": "--ckpt-minutes", "max_seconds": "--max-minutes 
 
 
 def flag_names(message: str) -> str:
-    """`TrainConfig.batch_size must ...` -> `--batch-size must ...` (what the user typed)."""
+    """`TrainConfig.batch_size must ...` -> `--batch-size must ...` (what the user typed); the
+    same for MambaConfig fields that are flags (`task`'s --d-model, --headdim, ...)."""
     return re.sub(
-        r"TrainConfig\.(\w+)",
+        r"(?:TrainConfig|MambaConfig)\.(\w+)",
         lambda m: _FLAGS.get(m[1], "--" + m[1].replace("_", "-")),
         message,
     )

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import time
 from pathlib import Path
 
@@ -289,8 +288,7 @@ def _model_config(args, task) -> MambaConfig:
             headdim=args.headdim,
         )
     except ValueError as e:  # "MambaConfig.d_state must ..." -> "--d-state must ..."
-        msg = re.sub(r"MambaConfig\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), str(e))
-        raise UsageError(msg.replace("MambaConfig: ", "")) from None
+        raise UsageError(flag_names(str(e)).replace("MambaConfig: ", "")) from None
 
 
 def _train_and_test(
