@@ -97,10 +97,10 @@ class Mamba(nn.Module):
         init_dt_proj(self.dt_proj, R, dt_min, dt_max, dt_init, dt_scale, dt_init_floor)
 
     def _ssm_params(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """A = -exp(A_log), D and the dt bias, in f32 (f64 for a float64 model); the bias is
-        None when dt_proj is called as a module (`inner_plain`), which adds its own."""
-        bias = self.dt_proj.bias if plain(self.dt_proj) else None
-        return ssm_params(self.A_log, self.D, bias)
+        """A = -exp(A_log), D and the dt bias, in f32 (f64 for a float64 model). Only the
+        fused paths read the bias (`inner_plain`); a dt_proj called as a module adds its own,
+        and may have none to read (None then)."""
+        return ssm_params(self.A_log, self.D, getattr(self.dt_proj, "bias", None))
 
     def inner_plain(self) -> bool:
         """Whether the fused inner part may read conv1d's, x_proj's and dt_proj's weights
