@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The whole GPU check of a session, in one device call:
+# The whole GPU check in one device call:
 #   run(command="bash scripts/gpu_check.sh", timeout_s=600)
 # GPU tests, then the benchmarks; everything lands under $OUT (at most 8 files come back).
-# STAGES picks a subset, e.g. STAGES="tests scan" (default: all).
+# STAGES picks the stages, e.g. STAGES="tests scan" (default: the list below).
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile host prefill"}  # also: ncu, tasks, m3
+STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile"}
+# opt-in stages: plaunch residual rms ncu tasks m3 m3step m3fwd
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -43,25 +44,18 @@ if stage rms; then  # the RMSNorm forward's tiles at the prefill shapes
   echo "== rms_sweep" | tee -a "$LOG"
   timeout ${T_RMS:-90} python scripts/rms_sweep.py --out "$OUT/rms_sweep.json" 2>&1 | tee -a "$LOG"
 fi
-if stage ncu; then  # hardware counters of the scan kernels (stall reasons, occupancy)
+if stage ncu; then  # hardware counters of the scan kernels (stall reasons, occupancy); Mamba-3:
+  # NCU_PROG="scripts/m3_chunk_sweep.py --once" NCU_KERNELS=_chunk_grad_kernel
   echo "== ncu" | tee -a "$LOG"
   for k in ${NCU_KERNELS:-_bwd_kernel _fwd_kernel}; do
     timeout ${T_NCU:-120} ncu --clock-control none -k "regex:^$k\$" -c ${NCU_COUNT:-1} --section SpeedOfLight \
       --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis ${NCU_SECTIONS:-} \
-      python ${NCU_PROG:-scripts/scan_once.py} > "$OUT/ncu$k.txt" 2>&1
+      python ${NCU_PROG:-scripts/scan_sweep.py --once} > "$OUT/ncu$k.txt" 2>&1
     grep -E "Duration|Registers|Achieved Occupancy|Theoretical Occupancy|Issued Ipc|Issue Slots|Stall|No Eligible|Warp Cycles|Eligible Warps|Memory Throughput|Compute \(SM\)|Pipe|XU|FMA" "$OUT/ncu$k.txt" | head -${NCU_LINES:-40} | tee -a "$LOG"
   done
 fi
-if stage host; then  # what the host costs per eager step and per op call (launch overhead)
-  echo "== host_overhead" | tee -a "$LOG"
-  timeout ${T_HOST:-150} python scripts/host_overhead.py --out "$OUT/host_overhead.txt" 2>&1 | tee -a "$LOG"
-fi
-if stage prefill; then  # the eager prefill's host cost: launch cost, cProfile, CPU table
-  echo "== prefill_host" | tee -a "$LOG"
-  timeout ${T_PREFILL:-150} python scripts/prefill_host.py --out "$OUT/prefill_host.txt" 2>&1 | head -12 | tee -a "$LOG"
-fi
-if stage tasks; then  # issue 17: both synthetic tasks side by side, the CLI's CUDA defaults, to 2^20
+if stage tasks; then  # both synthetic tasks side by side, the CLI's CUDA defaults, to 2^20
   echo "== tasks" | tee -a "$LOG"
   M=${TASK_MINUTES:-7}  # training minutes each (the test to 2^20 takes under a minute more)
   TASK_RUNS="induction-heads induction-heads --max-minutes $M ${TASK_ARGS:-}

@@ -5,6 +5,11 @@ defaults; then the per-kernel profile of the layer's forward + backward, mambaki
 upstream's (when mamba_ssm is importable).
 
     PYTHONPATH=src python scripts/m3_chunk_sweep.py [--shape 8x2048] [--profile-out FILE]
+
+`--once` runs one forward and one backward with the library's settings: the program for a
+profiler, e.g. NCU_PROG="scripts/m3_chunk_sweep.py --once" NCU_KERNELS=_chunk_grad_kernel
+STAGES=ncu bash scripts/gpu_check.sh. `--dry`: the CPU interpreter on small heads, untimed
+(tests the script).
 """
 
 from __future__ import annotations
@@ -20,24 +25,19 @@ from common import cuda_time_ms  # noqa: E402
 
 from mambakit.ops.mamba3 import chunk  # noqa: E402
 
-# (chunk, warps, products for bf16 inputs, P values a program); the first is the reference
+# (chunk, warps, products for bf16 inputs, P values a program); the first is the reference.
+# Slower on the H200 at 8 x 2048, so not listed: chunks of 16, chunks of 32 with 8 warps or
+# in blocks of 32 of P.
 FWD = [(32, 4, "bf16", 64)]
-# session 22: chunks of 16 0.83 ms (gate 0.89), 32 with 8 warps 1.04 (1.16), 32 in blocks
-# of 32 of P 1.03 (1.15), against 0.70 (0.85)
 # the backward: (chunk, warps and N states a block of `_chunk_grad_kernel`, the same of
 # `_chunk_qk_grad_kernel`, N states a product and warps of `_dy_chunk_kernel`); the first
-# is the reference
+# is the reference. Slower on the H200: 8 or 16 warps in the grad kernels, chunks of 32.
 BWD = [(64, 4, 32, 4, 32, 128, 4), (64, 4, 32, 4, 32, 64, 4), (64, 4, 32, 4, 32, 128, 8)]
-# session 22 (f32 start states): (64, 8, 32, 8, 32, 16) 2.72 ms, (64, 8, 64, 8, 64, 16)
-# 2.84, (64, 4, 32, 4, 32, 16) 2.50, dstate blocks of 32 or 64 2.70 and 2.69, (32, 4, 32,
-# 4, 32, 16) 3.05, (64, 16, 32, 8, 32, 16) 2.98 (the last field then: P values a program
-# of the start states' gradients, since replaced by `_dy_chunk_kernel`)
 # the forward under autograd (y, and the start states it keeps): (chunk, warps, P values a
-# program), timed forward + backward (session 18, chunks of 16: (2, 32) 4.35 ms, (4, 32)
-# 4.68 against 4.33 whole)
-FWD_GRAD = []  # session 22: (16, 4, 64) 2.92 ms, (64, 8, 64) 2.99 against 2.72
-# the unturn kernel: (steps a program, warps); session 18: (16, 1) 4.04 ms and (32, 2) 4.12
-# against 3.92 for (16, 2)
+# program), timed forward + backward; chunks of 16 and 64 were slower than the reference.
+FWD_GRAD = []
+# the unturn kernel `terms.TURN_BT`, `terms.UNTURN_WARPS`: (steps a program, warps); (16, 1)
+# and (32, 2) were slower than the library's.
 UNTURN = []
 
 
@@ -119,6 +119,7 @@ def main() -> int:
     p.add_argument("--shape", default="8x2048")
     p.add_argument("--profile-out", default=None)
     p.add_argument("--dry", action="store_true", help="CPU interpreter, small heads, no timing")
+    p.add_argument("--once", action="store_true", help="one forward + backward: for ncu")
     args = p.parse_args()
     global DEV
     if args.dry:
@@ -130,6 +131,16 @@ def main() -> int:
                 chunk.QK_BLOCK_N, chunk.DY_BLOCK_N, chunk.DY_WARPS)  # fmt: skip
     H, P = inp["x"].shape[2:]
     gate = {"D": torch.randn(H, device=DEV), "z": torch.randn_like(inp["x"])}
+    if args.once:
+        leaves = {k: v.detach().clone().requires_grad_(True) for k, v in {**inp, **gate}.items()}
+        y, _ = chunk.mamba3_scan_kernel(**leaves)
+        y.backward(torch.randn_like(y))
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+        print(
+            "one forward + backward", args.shape, "dx norm", leaves["x"].grad.float().norm().item()
+        )
+        return 0
     for with_gate in (False, True):  # the second: the layer's no-grad path (D, gate inside)
         y_ref = None
         for L, warps, prec, block_p in FWD:

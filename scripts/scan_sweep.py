@@ -7,6 +7,12 @@ handed to the launchers directly; the library itself always runs `config()`, so 
 config found here is adopted by editing `config()`. Forward and backward are timed
 separately (the backward's tile sets how often the forward saves states, so each backward
 config gets states saved at its own tile).
+
+`--once` runs one forward (saving states) and one backward with the library's config: the
+program for a profiler (gpu_check.sh's ncu stage), e.g.
+
+    ncu --clock-control none -k regex:_bwd_kernel -c 1 --section WarpStateStats \\
+        python scripts/scan_sweep.py --once
 """
 
 from __future__ import annotations
@@ -91,7 +97,7 @@ def segments(pick: K.ScanConfig, rows: list) -> tuple[int, int]:
 
 
 # fwd_block_d, fwd_warps, fwd_tile, fwd_local_tiles (H200, 1 x 4096 at D 1536, aiming at 8
-# programs per SM: 32 / 1 / 8 / 2 78.2 us, 8 / 1: 79.5, 8 / 4: 84.6; session 16)
+# programs per SM: 32 / 1 / 8 / 2 78.2 us, 8 / 1: 79.5, 8 / 4: 84.6)
 PREFILL = [(32, 1, 8, 2), (32, 1, 8, 1), (32, 1, 4, 2), (32, 1, 4, 4), (16, 1, 8, 2)]
 
 
@@ -137,7 +143,18 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--no-segments", action="store_true", help="skip the segment sweep")
     ap.add_argument("--prefill", action="store_true", help="only the forward: 1 x T, 8 x 2048")
+    ap.add_argument(
+        "--once",
+        action="store_true",
+        help="one forward (saving states) and one backward, the library's config: for ncu",
+    )
     args = ap.parse_args()
+    if args.once:
+        a, gy = shape_inputs(8, 2048, DN, N)
+        _, _, states = K.scan_fwd(*a, True, None, None, True)
+        K.scan_bwd(gy, None, *a, True, None, None, states)
+        torch.cuda.synchronize()
+        return
     if args.prefill:
         rows = []
         prefill(rows)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17: several `mambakit task` runs side by side on one GPU, in one device call:
+# Several `mambakit task` runs side by side on one GPU, in one device call:
 #   TASK_RUNS=$'ih-a induction-heads --lr 5e-3\nsc-a selective-copying --lr 1e-3' \
 #     bash scripts/task_sweep.sh
 # Each line of TASK_RUNS is "NAME TASK FLAGS...". The runs live in $RUNS (default
