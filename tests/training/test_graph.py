@@ -1,0 +1,194 @@
+"""The CUDA-graph step (training/step.py, the default on CUDA): eager on CPU; on a GPU,
+replayed steps equal eager ones bit for bit, refresh what is cached from the parameters,
+skip a non-finite step on the device, resume bit for bit, and fall back to eager steps when
+the step cannot be captured.
+
+Tiny models (d_model 16, 2 layers); the GPU tests run with `-m gpu` on a CUDA machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from training_helpers import ListData, random_batch, tcfg, tiny_lm, weights_of
+
+from mambakit.training import TrainConfig, Trainer, lm_loss
+from mambakit.training.trainer import count_targets
+
+
+def test_cuda_graph_auto_trains_eagerly_on_cpu():
+    trainer = Trainer(tiny_lm(), tcfg(), ListData([random_batch()]), log=lambda s: None)
+    assert TrainConfig().cuda_graph == "auto"
+    assert not trainer.use_graph and trainer.graph_status().startswith("eager")
+    trainer.train_step()
+    assert trainer.step == 1 and trainer._graph is None
+    with pytest.raises(ValueError, match="cuda_graph"):
+        TrainConfig(cuda_graph="yes")
+
+
+def poison_batch(batch: dict[str, torch.Tensor], value: float) -> dict[str, torch.Tensor]:
+    return {**batch, "poison": torch.tensor([value])}
+
+
+def poison_loss(model, batch, state):
+    """lm_loss plus first_param * poison: an input tensor, so it works inside a replay."""
+    loss, state = lm_loss(model, {k: v for k, v in batch.items() if k != "poison"}, state)
+    p = next(model.parameters())
+    return loss + (p * batch["poison"].to(p.dtype)).sum(), state
+
+
+def gpu_trainer(data, graph, **kw) -> Trainer:
+    fields = dict(device="cuda", precision="bf16", lr=1e-2, cuda_graph=graph, deterministic=True)
+    fields.update(kw)
+    return Trainer(tiny_lm(), tcfg(**fields), data, log=lambda s: None)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"grad_accum": 2}, {"tbptt_len": 8}, {"tbptt_len": 8, "tbptt_grad_chunks": 2}],
+    ids=["plain", "accum2", "tbptt8", "tbptt8-k2"],
+)
+def test_graph_steps_equal_eager_steps(kw, restore_determinism):
+    """Captured and replayed, the step gives the eager step's losses and weights bit for bit
+    (deterministic mode), through gradient accumulation, TBPTT and the lr schedule."""
+    batches = [random_batch(seed=s) for s in range(3)]
+    runs = {}
+    for graph in (False, True):
+        trainer = gpu_trainer(ListData(batches), graph, warmup_steps=2, **kw)
+        losses = [float(trainer.train_step()[0]) for _ in range(5)]
+        assert (trainer._graph is not None) == graph
+        runs[graph] = (losses, weights_of(trainer.model))
+    assert runs[True][0] == runs[False][0]
+    for n, w in runs[True][1].items():
+        assert torch.equal(w, runs[False][1][n]), n
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graph_steps_refresh_what_is_cached_from_the_parameters(restore_determinism):
+    """A replayed step updates the parameters in place where PyTorch does not see it; their
+    version counters must still move, or what is cached from them without autograd (the
+    decode plan's A = -exp(A_log), D, dt bias) would keep its first values: evaluation after
+    graph training would then run a model that is not the one trained (and saved)."""
+    batches = [random_batch(seed=s) for s in range(2)]
+    trainer = gpu_trainer(ListData(batches), True)
+    trainer.train_step()
+    assert trainer._graph is not None
+    bb = trainer.model.backbone
+    mixer = bb.layers[0].mixer
+    first = bb._decode_plan()[0][0].ssm[0].clone()  # the decode plan
+    for _ in range(3):
+        trainer.train_step()
+    A = bb._decode_plan()[0][0].ssm[0]
+    assert torch.equal(A, -torch.exp(mixer.A_log.float()))
+    assert not torch.equal(A, first)  # training moved A_log
+    # the trainer's validation loss is the loss of the weights it has, as a fresh copy sees them
+    fresh = tiny_lm().cuda()
+    fresh.load_state_dict(trainer.model.state_dict())
+    val = [random_batch(seed=9)]
+    trainer.val_batches = val
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):  # as gpu_trainer's
+        expected, _ = lm_loss(fresh, {k: v.cuda() for k, v in val[0].items()}, None)
+    expected = float(expected) / int(count_targets(val[0]))
+    assert trainer.evaluate() == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graph_step_skips_a_non_finite_step_on_the_device(restore_determinism):
+    good, bad = poison_batch(random_batch(), 0.0), poison_batch(random_batch(), float("inf"))
+    trainer = Trainer(
+        tiny_lm(),
+        tcfg(device="cuda", precision="bf16", lr=1e-2),
+        ListData([good, good, bad, good]),
+        loss_fn=poison_loss,
+        log=lambda s: None,
+    )
+    trainer.train_step()
+    trainer.train_step()
+    assert trainer._graph is not None and trainer.skipped_steps == 0
+    w = weights_of(trainer.model)
+    opt = {id(p): {k: v.clone() for k, v in s.items()} for p, s in trainer.optimizer.state.items()}
+    trainer.train_step()  # inf in the loss and the gradients: skipped inside the replay
+    assert trainer.skipped_steps == 1
+    for n, v in weights_of(trainer.model).items():
+        assert torch.equal(v, w[n]), n
+    for p, s in trainer.optimizer.state.items():
+        for k, v in s.items():
+            assert torch.equal(v, opt[id(p)][k]), k
+    trainer.train_step()
+    assert trainer.skipped_steps == 1
+    assert any(not torch.equal(v, w[n]) for n, v in weights_of(trainer.model).items())
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graph_resume_is_bit_identical(tmp_path, restore_determinism):
+    batches = [random_batch(seed=s) for s in range(4)]
+
+    def make():
+        return Trainer(
+            tiny_lm(),
+            tcfg(device="cuda", precision="bf16", lr=1e-2, warmup_steps=3, steps=6,
+                 deterministic=True, run_dir=str(tmp_path)),
+            ListData(batches),
+            log=lambda s: None,
+        )  # fmt: skip
+
+    straight = make()
+    for _ in range(6):
+        straight.train_step()
+    first = make()
+    for _ in range(3):
+        first.train_step()
+    first.save()
+    resumed = make()
+    assert resumed.resume()
+    for _ in range(3):
+        resumed.train_step()
+    assert resumed._graph is not None
+    for n, v in weights_of(resumed.model).items():
+        assert torch.equal(v, weights_of(straight.model)[n]), n
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_loss_that_syncs_the_host_falls_back_to_eager(restore_determinism):
+    def syncing_loss(model, batch, state):
+        loss, state = lm_loss(model, batch, state)
+        if float(loss) < 0:  # a host sync: not capturable
+            raise AssertionError
+        return loss, state
+
+    said = []
+    batches = [random_batch(seed=s) for s in range(2)]
+    stream = torch.cuda.current_stream()
+    trainer = Trainer(
+        tiny_lm(),
+        tcfg(device="cuda", precision="bf16", lr=1e-2, deterministic=True),
+        ListData(batches),
+        loss_fn=syncing_loss,
+        log=said.append,
+    )
+    rng = torch.cuda.get_rng_state()
+    losses = [float(trainer.train_step()[0]) for _ in range(3)]
+    assert not trainer.use_graph and trainer._graph is None
+    assert any("cuda graph off" in s for s in said), said
+    # the failed capture left the caller's stream current and the default generator where
+    # it was (a step draws no random numbers): random ops work and continue its sequence
+    assert torch.cuda.current_stream() == stream
+    assert torch.equal(torch.cuda.get_rng_state(), rng)
+    same = torch.Generator(device="cuda")
+    same.set_state(rng)
+    drawn = torch.randn(64, device="cuda")
+    assert torch.equal(drawn, torch.randn(64, device="cuda", generator=same))
+    eager = gpu_trainer(ListData(batches), False)
+    assert losses == [float(eager.train_step()[0]) for _ in range(3)]
+    for n, v in weights_of(trainer.model).items():
+        assert torch.equal(v, weights_of(eager.model)[n]), n

@@ -1,0 +1,276 @@
+"""Checkpoints and resume (training/resume.py): a resumed run is bit-identical to an
+uninterrupted one and continues its lr schedule; a checkpoint holds what it should, keeps
+`keep_last`, survives an interrupted write; resume refuses what does not fit (an
+incomplete checkpoint, data or a model of another size) and changes nothing then.
+
+Tiny models (d_model 16, 2 layers) on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from training_helpers import ListData, random_batch, tcfg, tiny_cfg, tiny_lm, weights_of
+
+from mambakit import MambaLM
+from mambakit.training import ByteTokenizer, RowBatches, Trainer
+from mambakit.training.data import pack_documents
+
+
+def closed_form_lr(step, lr, warmup, total, min_ratio):
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# -- resume and checkpoints -----------------------------------------------------------------
+
+
+def text_rows(seqlen: int = 16):
+    docs = [
+        f"doc {i}: " + "the quick brown fox jumps over the lazy dog. " * (3 + i % 4)
+        for i in range(8)
+    ]
+    return pack_documents(docs, ByteTokenizer(), seqlen)
+
+
+class Interrupt(Exception):
+    pass
+
+
+class InterruptingData(RowBatches):
+    """RowBatches that raise after `stop_after` batches, like a run killed mid-training."""
+
+    def __init__(self, *args, stop_after: int, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.left = stop_after
+
+    def next(self):
+        if self.left == 0:
+            raise Interrupt
+        self.left -= 1
+        return super().next()
+
+
+RESUME_CFG = dict(
+    steps=7,
+    batch_size=3,
+    seqlen=16,
+    tbptt_len=8,
+    grad_accum=2,
+    lr=5e-3,
+    warmup_steps=2,
+    deterministic=True,
+    eval_every=0,
+)
+
+
+def test_resume_is_bit_identical(tmp_path, restore_determinism):
+    rows = text_rows()
+    torch.manual_seed(0)
+    straight = MambaLM(tiny_cfg(vocab=256))
+    straight_run = Trainer(
+        straight,
+        tcfg(**RESUME_CFG, run_dir=str(tmp_path / "straight")),
+        RowBatches(rows, 3, seed=1),
+        log=lambda s: None,
+    )
+    straight_run.fit(progress=False)
+
+    torch.manual_seed(0)
+    first = MambaLM(tiny_cfg(vocab=256))  # same init seed as `straight`
+    run_dir = tmp_path / "interrupted"
+    interrupted = Trainer(
+        first,
+        tcfg(**RESUME_CFG, ckpt_every=3, run_dir=str(run_dir)),
+        InterruptingData(rows, 3, seed=1, stop_after=2 * 4 + 1),  # dies inside step 5
+    )
+    with pytest.raises(Interrupt):
+        interrupted.fit(progress=False)
+    assert (run_dir / "latest").read_text().strip() == "step_0000003"
+
+    torch.manual_seed(123)  # a different process: different global RNG, fresh weights
+    second = MambaLM(tiny_cfg(vocab=256))
+    resumed = Trainer(
+        second,
+        tcfg(**RESUME_CFG, ckpt_every=3, run_dir=str(run_dir)),
+        RowBatches(rows, 3, seed=1),
+    )
+    assert resumed.resume() is True
+    assert resumed.step == 3
+    resumed.fit(progress=False)
+    assert resumed.step == straight_run.step == 7
+    assert resumed.tokens_seen == straight_run.tokens_seen
+    ref = straight.state_dict()
+    for n, w in second.state_dict().items():
+        assert torch.equal(w, ref[n]), n
+    ref_opt = straight_run.optimizer.state_dict()["state"]
+    for i, s in resumed.optimizer.state_dict()["state"].items():
+        for k, v in s.items():
+            assert torch.equal(v, ref_opt[i][k]), (i, k)
+
+
+def trained_with_checkpoint(tmp_path, steps_before_save: int = 2):
+    model = tiny_lm(vocab=256)
+    trainer = Trainer(
+        model,
+        tcfg(steps=6, batch_size=2, seqlen=16, run_dir=str(tmp_path), keep_last=2),
+        RowBatches(text_rows(), 2, seed=0),
+    )
+    for _ in range(steps_before_save):
+        trainer.train_step()
+    path = trainer.save()
+    return model, trainer, path
+
+
+def checkpoint_files_write_fails(monkeypatch, which: str):
+    """Make one of the checkpoint's writes raise after it has started writing bytes."""
+    if which == "trainer_state":
+        real = torch.save
+
+        def broken(obj, f, *a, **k):
+            with open(f, "wb") as fh:
+                fh.write(b"partial")
+            raise OSError("disk full (simulated)")
+
+        monkeypatch.setattr(torch, "save", broken)
+        return real
+    import mambakit.hf.io as hf_io
+
+    def broken_save_file(sd, path, metadata=None):
+        with open(path, "wb") as fh:
+            fh.write(b"\x00" * 10)
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(hf_io, "save_file", broken_save_file)
+    return None
+
+
+@pytest.mark.parametrize("which", ["trainer_state", "model"])
+def test_interrupted_checkpoint_leaves_the_previous_one(tmp_path, monkeypatch, which):
+    model, trainer, good = trained_with_checkpoint(tmp_path)
+    saved = weights_of(model)
+    trainer.train_step()
+    with monkeypatch.context() as m:
+        checkpoint_files_write_fails(m, which)
+        with pytest.raises(OSError, match="disk full"):
+            trainer.save()
+    assert (tmp_path / "latest").read_text().strip() == good.name == "step_0000002"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_0000002"]
+    loaded = MambaLM.from_pretrained(good)
+    for n, w in loaded.state_dict().items():
+        assert torch.equal(w, saved[n]), n
+    fresh = Trainer(
+        tiny_lm(seed=9, vocab=256),
+        tcfg(steps=6, batch_size=2, seqlen=16, run_dir=str(tmp_path)),
+        RowBatches(text_rows(), 2, seed=0),
+    )
+    assert fresh.resume() is True and fresh.step == 2
+    for n, w in fresh.model.state_dict().items():
+        assert torch.equal(w, saved[n]), n
+    fresh.fit(progress=False)
+    assert (tmp_path / "latest").read_text().strip() == "step_0000006"
+
+
+def test_checkpoint_contents_and_keep_last(tmp_path):
+    model, trainer, path = trained_with_checkpoint(tmp_path)
+    assert {p.name for p in path.iterdir()} >= {
+        "config.json",
+        "model.safetensors",
+        "trainer_state.pt",
+    }
+    state = torch.load(path / "trainer_state.pt", weights_only=True)
+    assert state["step"] == 2 and state["data"] == trainer.train_data.state_dict()
+    for _ in range(3):
+        trainer.train_step()
+        trainer.save()
+    kept = sorted(p.name for p in tmp_path.glob("step_*"))
+    assert kept == ["step_0000004", "step_0000005"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp leftovers
+
+
+def test_resume_refuses_an_incomplete_latest(tmp_path):
+    """With no other checkpoint to fall back on, the error names the folder and the file."""
+    _, trainer, path = trained_with_checkpoint(tmp_path)
+    (path / "trainer_state.pt").unlink()
+    with pytest.raises(ValueError, match="incomplete: trainer_state.pt is missing"):
+        trainer.resume()
+
+
+def test_resume_without_checkpoint_or_run_dir(tmp_path):
+    trainer = Trainer(tiny_lm(), tcfg(run_dir=str(tmp_path / "empty")), ListData([random_batch()]))
+    assert trainer.resume() is False and trainer.step == 0
+    no_dir = Trainer(tiny_lm(), tcfg(), ListData([random_batch()]))
+    with pytest.raises(ValueError, match="run_dir"):
+        no_dir.resume()
+    with pytest.raises(ValueError, match="run_dir"):
+        no_dir.save()
+
+
+def test_resume_refuses_data_of_another_size(tmp_path):
+    _, _, path = trained_with_checkpoint(tmp_path)
+    other = Trainer(
+        tiny_lm(vocab=256),
+        tcfg(steps=6, batch_size=2, seqlen=16, run_dir=str(tmp_path)),
+        RowBatches(text_rows(seqlen=8), 2, seed=0),
+    )
+    with pytest.raises(ValueError, match="rows"):
+        other.resume()
+
+
+@pytest.mark.parametrize(
+    "other",
+    [dict(n_layers=1), dict(n_layers=3), dict(d_model=24), dict(tie_embeddings=False)],
+    ids=["fewer-layers", "more-layers", "wider", "untied"],
+)
+def test_resume_into_another_model_names_the_tensor_and_changes_nothing(tmp_path, other):
+    """DESIGN.md section 8: a checkpoint with a missing, extra or misshaped tensor gives an
+    error naming the tensor, and nothing is partially loaded."""
+    trained_with_checkpoint(tmp_path)
+    model = tiny_lm(seed=5, vocab=256, **other)
+    before = weights_of(model)
+    trainer = Trainer(
+        model,
+        tcfg(steps=6, batch_size=2, seqlen=16, run_dir=str(tmp_path)),
+        RowBatches(text_rows(), 2, seed=0),
+    )
+    with pytest.raises(ValueError, match=r"backbone\.|lm_head"):
+        trainer.resume()
+    for n, w in weights_of(model).items():
+        assert torch.equal(w, before[n]), n
+    assert trainer.step == 0
+
+
+def lrs_of_steps(trainer: Trainer, until: int) -> list[float]:
+    """The lr each step up to `until` applies (the optimizer's), checked against the logged
+    one (`last_lr`)."""
+    lrs = []
+    while trainer.step < until:
+        applied = trainer.optimizer.param_groups[0]["lr"]
+        trainer.train_step()
+        assert trainer.last_lr == applied, trainer.step
+        lrs.append(applied)
+    return lrs
+
+
+@pytest.mark.parametrize("changed", [{}, dict(steps=14, lr=4e-3)], ids=["same", "extended"])
+def test_resume_continues_the_lr_schedule(tmp_path, changed):
+    """From its first step, a resumed run applies the lr its own config's schedule gives:
+    with the same config, exactly the lrs of an uninterrupted run; with more steps and
+    another peak lr, the new schedule's (and the one it logs)."""
+    base = dict(steps=8, lr=2e-3, warmup_steps=3, min_lr_ratio=0.1, run_dir=str(tmp_path))
+    first = Trainer(tiny_lm(), tcfg(**base), ListData([random_batch()]))
+    before = lrs_of_steps(first, 4)
+    first.save()
+    cfg = {**base, **changed}
+    resumed = Trainer(tiny_lm(seed=1), tcfg(**cfg), ListData([random_batch()]))
+    assert resumed.resume() and resumed.step == 4
+    after = lrs_of_steps(resumed, cfg["steps"])
+    expected = [closed_form_lr(s, cfg["lr"], 3, cfg["steps"], 0.1) for s in range(4, cfg["steps"])]
+    assert after == pytest.approx(expected, rel=1e-12)
+    if not changed:
+        straight = Trainer(tiny_lm(), tcfg(**{**base, "run_dir": None}), ListData([random_batch()]))
+        assert before + after == lrs_of_steps(straight, 8)
