@@ -34,15 +34,15 @@ from .chunk_parallel import _chunk_end_kernel, _chunk_y_kernel, _state_scan_kern
 from .terms import _Terms, token_terms_kernel
 
 # 32 steps a chunk in the forward: [P, N] state, start state, q~, k~ and the [L, L] scores
-# held in registers. H200, 130m-mamba3 heads, 8 x 2048, bf16 products, 4 warps (session 22,
-# scripts/m3_chunk_sweep.py): 0.70 ms against 0.84 in chunks of 16 and 0.90-0.98 in chunks
+# held in registers. H200, 130m-mamba3 heads, 8 x 2048, bf16 products, 4 warps
+# (scripts/m3_chunk_sweep.py): 0.70 ms against 0.84 in chunks of 16 and 0.90-0.98 in chunks
 # of 64 (4 or 8 warps); with D and the gate 0.86 against 0.89.
 CHUNK_L = 32
 
 
 # The products' precision for 16-bit inputs: "bf16" (operands rounded to bf16 as upstream's
 # kernels round theirs, f32 accumulation) or "tf32". H200, 130m-mamba3 heads, 8 x 2048
-# (scripts/m3_chunk_sweep.py, session 17): forward 2.19 ms in bf16 against 2.50 in tf32
+# (scripts/m3_chunk_sweep.py): forward 2.19 ms in bf16 against 2.50 in tf32
 # (8 warps), forward + backward 7.62 against 8.53; against float64 every output and gradient
 # of tests/ops/test_mamba3.py's GPU case within 6e-3 relative (tf32: 2.7e-3).
 PREC_16BIT = "bf16"
@@ -76,7 +76,7 @@ FWD_WARPS = 4
 STATES_WARPS = 8
 # The head's P values per forward program (each block of P carries its rows of S alone):
 # more programs than the (row, head) pairs, each with a smaller state. H200, 8 x 2048
-# (scripts/m3_chunk_sweep.py, session 17): y's pass 0.83 ms whole, 0.81 in blocks of 32
+# (scripts/m3_chunk_sweep.py): y's pass 0.83 ms whole, 0.81 in blocks of 32
 # with 2 warps (no gain kept); the backward's states pass in blocks of 32 (so 4 warps)
 # brings terms + forward + backward from 5.19 ms to 4.95.
 FWD_BLOCK_P = 64
@@ -247,15 +247,14 @@ def mamba3_scan_fwd(
 # the 130m-mamba3 heads), kept from the forward, which stores every (CHUNK_BWD / CHUNK_L)-th
 # of its chunks' when CHUNK_L divides CHUNK_BWD (else the backward recomputes them in a pass
 # of its own); their gradients are as many, transient (u_c, then dS' in its place).
-# H200, 8 x 2048, the scan's forward + backward (scripts/m3_chunk_sweep.py, session 22): 2.50
-# ms with 4 warps for both per-chunk kernels and blocks of 32 states (f32 states), 2.72 with
-# 8 warps, 2.84 in blocks of 64, 3.05 in chunks of 32, 2.98 with 16 warps for the first.
-# Until session 22 one program per (row, head, block of 32 states) walked chunks of 16 in
-# reverse doing all of it: 3.66 ms (its kernel 2.35 against upstream's dqkv 0.83; ncu: 255
-# registers, 19% issue, latency-bound). Until session 23 the start states' gradients were a
-# program per (row, head, 16 of the P values) walking the chunks in reverse with the
-# product inside the loop (0.22 ms at 8 x 2048), after a kernel of its own for the gate's
-# gradient (0.12 ms).
+# H200, 8 x 2048, the scan's forward + backward (scripts/m3_chunk_sweep.py): 2.50 ms with 4
+# warps for both per-chunk kernels and blocks of 32 states (f32 states), 2.72 with 8 warps,
+# 2.84 in blocks of 64, 3.05 in chunks of 32, 2.98 with 16 warps for the first. One program
+# per (row, head, block of 32 states) walking chunks of 16 in reverse and doing all of it
+# takes 3.66 ms (its kernel 2.35 against upstream's dqkv 0.83; ncu: 255 registers, 19%
+# issue, latency-bound). The start states' gradients as a program per (row, head, 16 of the
+# P values) walking the chunks in reverse with the product inside the loop take 0.22 ms at
+# 8 x 2048, after a kernel of its own for the gate's gradient (0.12 ms).
 CHUNK_BWD = 64
 DY_BLOCK_P, DY_BLOCK_N, DY_WARPS, DY_STAGES = 64, 128, 4, 1
 SCAN_BLOCK, SCAN_CHUNKS, SCAN_WARPS = 1024, 8, 4

@@ -353,14 +353,14 @@ def _unturn_kernel(
 
 # fmt: on
 
-# Launch parameters, H200, 130m-mamba3 head shape (scripts/m3_terms_sweep.py, session 16):
+# Launch parameters, H200, 130m-mamba3 head shape (scripts/m3_terms_sweep.py):
 # forward in chunks of 8 blocks with 4 warps: 0.869 ms at 8 x 2048 and 0.254 at 1 x 4096
 # (one program walking the whole row: 1.109 and 1.318 with 8 warps). The backward's chunk
 # sums recompute dphi, which pays only when (row, head) programs are few: at 8 x 2048 (192)
 # the whole row with 8 warps takes 1.672 ms (chunks of 8: 1.858), at 1 x 4096 (24) chunks
 # of 4 with 8 warps 0.821 (the whole row: 1.817). Blocks of 32 steps were slower throughout.
 # These are the sweep's times per kernel pair; the layer was timed with chunks of 8 blocks
-# and 8 warps both ways (11.08 ms forward + backward at 8 x 2048). Session 17, with cos and
+# and 8 warps both ways (11.08 ms forward + backward at 8 x 2048). With cos and
 # sin by fast_cos_sin: the backward with 4 warps, 1.658 ms for the whole row at 8 x 2048
 # (8 warps: 2.014) and 0.556 in chunks of 8 at 1 x 4096 (chunks of 4: 0.619); the forward
 # unchanged (0.860 and 0.237). Then the turn moved out of these kernels into kernels of its
@@ -372,8 +372,8 @@ BT = 16  # time steps per block
 FWD_WARPS, FWD_CHUNK_BLOCKS = 4, 8
 BWD_WARPS, BWD_CHUNK_BLOCKS = 4, 8
 # steps per program of the turn and its backward, and their warps. The backward with 2
-# warps (H200, 8 x 2048, the scan's forward + backward by scripts/m3_chunk_sweep.py, session
-# 18): 3.92 ms, against 4.05 with 4 warps, 4.33 with 8 (0.63 ms of it the unturn, which
+# warps (H200, 8 x 2048, the scan's forward + backward by scripts/m3_chunk_sweep.py):
+# 3.92 ms, against 4.05 with 4 warps, 4.33 with 8 (0.63 ms of it the unturn, which
 # ncu found at 91% of its L1 throughput), 4.24 for 32 steps with 8 warps, 4.12 for 8 steps
 # with 4 warps.
 TURN_BT, TURN_WARPS, UNTURN_WARPS = 16, 4, 2
@@ -484,7 +484,7 @@ class _Terms(torch.autograd.Function):
         dq_bias = dqb.sum((0, 1)).to(q_bias.dtype)
         dk_bias = dkb.sum((0, 1)).to(k_bias.dtype)
         # theta's gradient: the heads' in order, in one pass (torch's sum over the middle
-        # dimension of [B, T, H, S] took 0.11 ms at 8 x 2048, session 18)
+        # dimension of [B, T, H, S] took 0.11 ms at 8 x 2048)
         dtheta = torch.empty(Bsz, T, S, device=q.device, dtype=thd)
         M = dtheta.numel()
         if M > 0:

@@ -96,7 +96,7 @@ def config(Dn: int, interpret: bool) -> ScanConfig:
     # the longer serial compositions), 0.216 ms at D 4096 (16: 0.219, 32: 0.232). The segment
     # summaries (LOCAL) in tiles of 16 steps, two forward tiles: 78.2 us at D 1536 and 186.1
     # at D 4096, against 79.5 and 190.0 in tiles of 8 and 84.6 and 210.5 in tiles of 32
-    # (session 16, with their decay product as one exp2 of the summed delta).
+    # (with their decay product as one exp2 of the summed delta).
     return ScanConfig(
         fwd_tile=8, fwd_local_tiles=2, bwd_tile=4, fwd_block_d=min(32, p2), bwd_block_d=min(16, p2),
         fwd_warps=1, bwd_warps=1, carry_block=256, carry_rows=16,
