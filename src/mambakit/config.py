@@ -105,13 +105,13 @@ class MambaConfig:
                     raise ValueError(f"MambaConfig.{name} must be a positive int, got {value!r}")
             if self.d_inner % self.headdim:
                 raise ValueError(
-                    f"MambaConfig: expand * d_model = {self.d_inner} is not a multiple of "
-                    f"headdim {self.headdim}"
+                    f"MambaConfig.headdim {self.headdim} does not divide expand * d_model = "
+                    f"{self.d_inner}"
                 )
             if (self.d_inner // self.headdim) % self.ngroups:
                 raise ValueError(
-                    f"MambaConfig: {self.d_inner // self.headdim} heads do not split into "
-                    f"ngroups={self.ngroups}"
+                    f"MambaConfig.ngroups {self.ngroups} does not divide the "
+                    f"{self.d_inner // self.headdim} heads (expand * d_model / headdim)"
                 )
             if self.rope_fraction not in (0.5, 1.0):
                 raise ValueError(

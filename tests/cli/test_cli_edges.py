@@ -101,6 +101,13 @@ def test_an_unknown_config_field_is_named_with_a_suggestion(tmp_path):
     assert "__init__" not in line
 
 
+def test_a_model_flag_that_does_not_fit_is_named(tmp_path):
+    got = mambakit(
+        "task", "mqar", "--mixer", "mamba3", "--headdim", "48", "--runs-dir", str(tmp_path)
+    )
+    assert "--headdim 48 does not divide expand * d_model = 128" in error_line(got, "task")
+
+
 def test_a_diverged_run_says_so_on_stderr_with_status_1(tmp_path, corpus, tiny_json):
     got = mambakit(
         "train", "--data", str(corpus), "--config", str(tiny_json), "--steps", "30",
