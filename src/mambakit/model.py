@@ -24,7 +24,7 @@ from .layers.init import init_model_weights
 from .layers.loss import next_token_targets
 from .layers.mixer import mixer_weights
 from .layers.plain import plain
-from .ops import linear_cross_entropy, norm_linear, resolve_backend, rms_norm
+from .ops import linear_cross_entropy, norm_linear, resolve_backend
 from .ops._checks import check_seq_idx, check_tensor, state_dtype
 from .state import ModelState, check_state, init_state, state_class
 
@@ -152,14 +152,7 @@ class MambaBackbone(nn.Module):
             out, new_state = self.forward(x.unsqueeze(1), state)
             return out[:, 0], new_state
         h, residual, cdt, backend = self._decode_layers(x, state)
-        return self._final_norm(h, residual, cdt, backend), state
-
-    def _final_norm(self, h, residual, cdt, backend) -> torch.Tensor:
-        """norm_f of a decode step's rows: the op on its weight (_param) when the norm is
-        plain (layers/plain.py), else the module."""
-        if plain(self.norm_f, RMSNorm):
-            return rms_norm(h, self._param, self.norm_f.eps, residual, cdt, backend, False)[0]
-        return self.norm_f(h, residual, cdt, validate=False, backend=backend)[0]
+        return self.norm_f.rows(h, residual, cdt, backend)[0], state
 
     def _check_step(self, x: torch.Tensor, state: ModelState) -> None:
         want_dim = 1 if self.embeddings is not None else 2
@@ -393,7 +386,7 @@ class MambaLM(nn.Module):
                 h, head.weight, head.bias, residual, bb._param, bb.norm_f.eps, backend,
                 validate=False,
             )  # fmt: skip
-        return head(bb._final_norm(h, residual, cdt, backend))
+        return head(bb.norm_f.rows(h, residual, cdt, backend)[0])
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 64, **kwargs) -> torch.Tensor:
         """Prefill the prompt in parallel, then decode with step(); see mambakit.inference."""

@@ -39,6 +39,21 @@ class RMSNorm(nn.Module):
             validate=validate,
         )  # fmt: skip
 
+    def rows(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        out_dtype: torch.dtype,
+        backend: str,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for a decode step's rows, inputs checked by the caller: the op on the
+        weight when this norm is plain (a module call costs a few us, as much as two small
+        ops), else the module itself, so its hooks run (layers/plain.py)."""
+        if plain(self, RMSNorm):
+            return rms_norm(x, self._parameters["weight"], self.eps, residual, out_dtype,
+                            backend, False)  # fmt: skip
+        return self(x, residual, out_dtype, validate=False, backend=backend)
+
 
 class MambaBlock(nn.Module):
     """rmsnorm, then the mixer `cfg.mixer` picks: `Mamba` (Mamba-1) or `Mamba3` (SISO)."""
@@ -136,23 +151,13 @@ class MambaBlock(nn.Module):
             w = fused_weights if fused_weights is not None else self.fused_weights(weights)
             if w.in_w.dtype == compute_dtype:
                 return mamba_layer_step(hidden, residual, w, conv_state, ssm_state, backend, False)
-        normed, residual = self._norm_step(hidden, residual, compute_dtype, backend)
+        normed, residual = self._modules["norm"].rows(hidden, residual, compute_dtype, backend)
         return mixer.step(normed, conv_state, ssm_state, backend, weights), residual
 
     def fusable(self) -> bool:
         """Whether a decode step may read the norm's and the mixer's weights (fused kernels,
         the model's decode plans); otherwise it calls the modules (layers/plain.py)."""
         return plain(self._modules["norm"], RMSNorm) and self._modules["mixer"].fusable()
-
-    def _norm_step(self, hidden, residual, compute_dtype, backend):
-        """The add + norm of a decode step: the op on the norm's weight when the norm is
-        plain (a module call costs a few us, as much as two small ops), else the module."""
-        norm = self._modules["norm"]
-        if plain(norm, RMSNorm):
-            return rms_norm(
-                hidden, _p(norm, "weight"), norm.eps, residual, compute_dtype, backend, False
-            )
-        return norm(hidden, residual, compute_dtype, validate=False, backend=backend)
 
     def step_mamba3(
         self,
@@ -192,7 +197,7 @@ class MambaBlock(nn.Module):
                 )  # fmt: skip
                 y = mixer.state_update_(zxbc, state)
                 return linear(y.flatten(-2), out_w), residual
-        normed, residual = self._norm_step(hidden, residual, compute_dtype, backend)
+        normed, residual = self._modules["norm"].rows(hidden, residual, compute_dtype, backend)
         return mixer.step_(normed, state, backend), residual
 
     def fused_weights(self, weights: MixerWeights | None = None) -> StepWeights:
