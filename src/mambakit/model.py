@@ -21,12 +21,12 @@ from .inference.plan import derived as derived_plan
 from .layers.block import MambaBlock, RMSNorm
 from .layers.decode import decode_layers, reference_weights
 from .layers.init import init_model_weights
-from .layers.loss import next_token_targets
 from .layers.mixer import mixer_weights
 from .layers.plain import plain
 from .ops import linear_cross_entropy, norm_linear, resolve_backend
 from .ops._checks import check_seq_idx, check_tensor, state_dtype
 from .state import ModelState, check_state, init_state, state_class
+from .targets import next_token_targets
 
 
 def compute_dtype(param_dtype: torch.dtype, device: torch.device) -> torch.dtype:

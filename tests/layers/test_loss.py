@@ -79,7 +79,7 @@ def test_bad_shapes_name_the_argument():
 
 
 def test_next_token_targets_cut_at_document_starts():
-    from mambakit.layers.loss import next_token_targets
+    from mambakit.targets import next_token_targets
 
     tokens = torch.tensor([[5, 6, 7, 8, 9]], dtype=torch.int32)
     docs = torch.tensor([[0, 0, 1, 1, 2]])

@@ -187,6 +187,7 @@ def test_cli_under_torchrun(mode, tmp_path, corpus, tiny_json):
     import subprocess
     import sys
 
+    sys.path.insert(0, str(Path(__file__).parents[1] / "cli"))  # also when run alone
     from test_train_cli import read_metrics, train_args
 
     runs = tmp_path / "runs"

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..device import graph_capture
+from ..cuda_graphs import graph_capture
 from ..state import ModelState
 from .plan import drop, refresh
 

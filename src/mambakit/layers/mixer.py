@@ -22,7 +22,7 @@ from ..ops import (
     selective_state_update,
 )
 from ..ops._checks import check_tensor, state_dtype
-from . import _ssm_compat
+from . import mamba_ssm_cache
 from .init import init_A_log, init_dt_proj, no_weight_decay
 from .plain import plain
 
@@ -41,7 +41,7 @@ class Mamba(nn.Module):
     inference cache protocol in its layouts: `forward(hidden_states, inference_params)`
     (`key_value_memory_dict[layer_idx]`, `seqlen_offset`), `allocate_inference_cache`
     and `step(hidden_states [B, 1, M], conv_state [B, D, K], ssm_state [B, D, N])`,
-    whose conv cache holds the last K inputs where mambakit's holds K-1 (`_ssm_compat`).
+    whose conv cache holds the last K inputs where mambakit's holds K-1 (`mamba_ssm_cache`).
     """
 
     def __init__(
@@ -130,7 +130,7 @@ class Mamba(nn.Module):
         if inference_params is None and hasattr(conv_state, "key_value_memory_dict"):
             inference_params, conv_state = conv_state, None  # mixer(hidden, inference_params)
         if inference_params is not None:
-            return _ssm_compat.cached_forward(self, x, inference_params)
+            return mamba_ssm_cache.cached_forward(self, x, inference_params)
         check_tensor("x", x, (None, None, self.d_model))
         Bsz = x.shape[0]
         if conv_state is not None:
@@ -227,7 +227,7 @@ class Mamba(nn.Module):
         """One timestep of decode: the states advance in place; returns [B, M].
 
         Given mamba_ssm's form, x [B, 1, M] with its conv cache [B, D, K], it is mamba_ssm's
-        step: returns (out [B, 1, M], conv_state, ssm_state) (`_ssm_compat.step`).
+        step: returns (out [B, 1, M], conv_state, ssm_state) (`mamba_ssm_cache.step`).
 
         `weights`: the layer's `MixerWeights` when the caller holds them (the model's
         decode plan); None derives them from the parameters. At batch 1 on a CPU the step
@@ -235,7 +235,7 @@ class Mamba(nn.Module):
         backbone checked the state) and runs with the `backend` the caller resolved once
         for the whole step."""
         if x.dim() == 3:
-            return _ssm_compat.step(self, x, conv_state, ssm_state)
+            return mamba_ssm_cache.step(self, x, conv_state, ssm_state)
         if weights is None and not self.fusable():
             return self._step_modules(x, conv_state, ssm_state, backend)
         (in_w, x_w, dt_w, out_w), conv_w, (A, D, dt_bias) = (
@@ -283,11 +283,13 @@ class Mamba(nn.Module):
 
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, **kwargs):
         """mamba_ssm's cache of this layer: (conv [B, D, K], ssm [B, D, N]) zeros."""
-        return _ssm_compat.allocate(self, batch_size, dtype)
+        return mamba_ssm_cache.allocate(self, batch_size, dtype)
 
     def _get_states_from_cache(self, inference_params, batch_size: int, initialize_states=False):
         """mamba_ssm's: this layer's (conv, ssm) cache in `inference_params`, made on first use."""
-        return _ssm_compat.states_from_cache(self, inference_params, batch_size, initialize_states)
+        return mamba_ssm_cache.states_from_cache(
+            self, inference_params, batch_size, initialize_states
+        )
 
 
 class MixerWeights(NamedTuple):

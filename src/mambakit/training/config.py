@@ -118,3 +118,13 @@ class TrainConfig:
             )
         if self.distributed != "none" and self.compile:
             raise ValueError("TrainConfig.compile is not supported with distributed training")
+
+
+def resolve_device(spec: str) -> torch.device:
+    """TrainConfig.device's value as a device, refusing CUDA where there is none."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(spec)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"TrainConfig.device is {spec!r} but no CUDA device is available")
+    return dev

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..layers.loss import next_token_targets
+from ..targets import next_token_targets
 from ..text import ByteTokenizer, HFTokenizer, load_tokenizer  # noqa: F401 (also here)
 
 TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst", ".json", ".c", ".h", ".toml", ".cfg", ".csv"}

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import increment_version
 
-from ..device import graph_capture
+from ..cuda_graphs import graph_capture
 from ..state import MambaState
 from . import distributed as dist_
 from .config import PRECISIONS

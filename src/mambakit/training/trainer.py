@@ -50,11 +50,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..device import resolve_device
 from ..threads import apply_threads
 from . import distributed as dist_
 from .checkpoint import RunLock, clean_stale_temps
-from .config import PRECISIONS, CheckpointUnreadable, TrainConfig, TrainingDiverged
+from .config import (
+    PRECISIONS,
+    CheckpointUnreadable,
+    TrainConfig,
+    TrainingDiverged,
+    resolve_device,
+)
 from .optim import make_optimizer
 from .process import ProcessMixin, in_process_state, seeded_rng_state
 from .report import ProgressBar, json_line, read_metrics

@@ -1,5 +1,5 @@
-"""The device a run asks for ("auto", "cpu", "cuda", "cuda:N") and CUDA-graph capture that
-keeps the stream and the random generator usable when it fails."""
+"""CUDA-graph capture that keeps the stream and the random generator usable when it fails:
+what the Trainer's captured step and the graph decode share."""
 
 from __future__ import annotations
 
@@ -7,16 +7,6 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-
-
-def resolve_device(spec: str) -> torch.device:
-    """TrainConfig.device's value as a device, refusing CUDA where there is none."""
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(spec)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"TrainConfig.device is {spec!r} but no CUDA device is available")
-    return dev
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""The language-model loss's targets: next tokens, with document boundaries masked.
+"""The language-model loss's targets: next tokens, with document boundaries masked (a data
+rule: training rows and `MambaLM.forward(labels=)` both apply it).
 
 The loss itself is `mambakit.ops.linear_cross_entropy` (chunked: the [tokens, vocab]
 logits are never whole in memory).
