@@ -6,21 +6,25 @@ The K <= 4 forward (groups of 4 times) is timed over its settings against the ge
 kernel first; then the general kernel's own settings (the groups kernel off).
 
 x is the left half of an in_proj output [B, T, 2D] (a strided view, as in the mixer). Each
-candidate replaces the module constants of causal_conv1d/kernels.py (the library runs
-those constants; a better candidate is adopted by editing them). Every candidate's outputs
-are checked against the library's defaults. causal_conv1d (the peer, when importable) is
+candidate is a `ConvConfig` (causal_conv1d/kernels.py) derived from the library's `CONFIG`
+and handed to the launchers as `cfg=`; the library always runs `CONFIG`, so a better
+candidate is adopted by editing its defaults. Every candidate's outputs are checked
+against the library's. causal_conv1d (the peer, when importable) is
 timed on the same input through its autograd function: forward, and forward + backward.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
 import triton.testing
 
 from mambakit.ops.causal_conv1d import kernels as K
+
+TILE_ONLY = dataclasses.replace(K.CONFIG, quad_block_g=0)  # the general tile kernel alone
 
 FWD = [(32, 128, 4), (64, 128, 4), (64, 256, 4), (128, 128, 8), (32, 256, 4), (64, 64, 2)]
 BWD = [16, 32]  # bytes of channels per thread
@@ -41,20 +45,17 @@ def quad_sweep(rows: list, label: str, x, w, bias) -> None:
     """The forward kernel for K <= 4 (groups of 4 times): (groups, channels, warps) per
     program against the general tile kernel (groups 0), GPU time from CUDA graphs; every
     candidate's output checked against the tile kernel's."""
-    default = (K.QUAD_BLOCK_G, K.QUAD_BLOCK_D, K.QUAD_WARPS)
-    K.QUAD_BLOCK_G = 0
-    ref = [t.clone() for t in K.conv_fwd(x, w, bias, None, None, True, True)]
+    ref = [t.clone() for t in K.conv_fwd(x, w, bias, None, None, True, True, TILE_ONLY)]
     gb = x.numel() * 2 * 2 / 1e9
     for g, bd, nw in [(0, 0, 0)] + QUAD:
-        K.QUAD_BLOCK_G, K.QUAD_BLOCK_D, K.QUAD_WARPS = g, bd, nw
-        fn = lambda x=x, w=w, b=bias: K.conv_fwd(x, w, b, None, None, True, True)  # noqa: E731
+        c = dataclasses.replace(K.CONFIG, quad_block_g=g, quad_block_d=bd, quad_warps=nw)
+        fn = lambda x=x, w=w, b=bias, c=c: K.conv_fwd(x, w, b, None, None, True, True, c)  # noqa: E731
         out = fn()
         diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(out, ref))
         us = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
         rows.append(dict(kernel=f"fwd quad {label}", groups=g, block_d=bd, warps=nw, us=us,
                          tb_s=gb / us * 1e3, max_diff=diff))  # fmt: skip
         print(rows[-1], flush=True)
-    K.QUAD_BLOCK_G, K.QUAD_BLOCK_D, K.QUAD_WARPS = default
 
 
 def prefill(rows: list) -> None:
@@ -64,8 +65,6 @@ def prefill(rows: list) -> None:
         from causal_conv1d import causal_conv1d_fn
     except ImportError:
         causal_conv1d_fn = None
-    default = (K.FWD_BLOCK_T, K.FWD_BLOCK_D, K.FWD_WARPS)
-    default_quad = K.QUAD_BLOCK_G
     for D in (1536, 4096):
         g = torch.Generator(device="cuda").manual_seed(0)
         xz = torch.randn(1, 4096, 2 * D, device="cuda", generator=g).to(torch.bfloat16)
@@ -74,16 +73,13 @@ def prefill(rows: list) -> None:
         bias = torch.randn(D, device="cuda", generator=g) * 0.1
         gb = 4096 * D * 2 * 2 / 1e9
         quad_sweep(rows, f"1x4096x{D}", x, w, bias)
-        K.QUAD_BLOCK_G = 0  # the tile kernel's own launch parameters
-        for bt, bd, nw in PREFILL:
-            K.FWD_BLOCK_T, K.FWD_BLOCK_D, K.FWD_WARPS = bt, bd, nw
-            fn = lambda x=x, w=w, b=bias: K.conv_fwd(x, w, b, None, None, True, True)  # noqa: E731
+        for bt, bd, nw in PREFILL:  # the tile kernel's own launch parameters
+            c = dataclasses.replace(TILE_ONLY, fwd_block_t=bt, fwd_block_d=bd, fwd_warps=nw)
+            fn = lambda x=x, w=w, b=bias, c=c: K.conv_fwd(x, w, b, None, None, True, True, c)  # noqa: E731
             us = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
             rows.append(dict(kernel="fwd prefill", D=D, block_t=bt, block_d=bd, warps=nw,
                              us=us, tb_s=gb / us * 1e3))  # fmt: skip
             print(rows[-1], flush=True)
-        K.FWD_BLOCK_T, K.FWD_BLOCK_D, K.FWD_WARPS = default
-        K.QUAD_BLOCK_G = default_quad
         if causal_conv1d_fn is not None:
             xp = x.transpose(1, 2)
             fn = lambda x=xp, w=w, b=bias: causal_conv1d_fn(x, w, b, activation="silu")  # noqa: E731
@@ -116,25 +112,25 @@ def main() -> None:
     if args.with_prefill:
         prefill(rows)
     quad_sweep(rows, f"{Bsz}x{T}x{D}", x, w, bias)
-    default_quad = K.QUAD_BLOCK_G
-    K.QUAD_BLOCK_G = 0  # the tile kernel's own launch parameters
-    base_out = K.conv_fwd(x, w, bias, None, None, True, False)[0].float()
-    for bt, bd, nw in FWD:
-        K.FWD_BLOCK_T, K.FWD_BLOCK_D, K.FWD_WARPS = bt, bd, nw
-        ms = timed(lambda: K.conv_fwd(x, w, bias, None, None, True, False))
-        err = (K.conv_fwd(x, w, bias, None, None, True, False)[0].float() - base_out).abs().max()
+    base_out = K.conv_fwd(x, w, bias, None, None, True, False, TILE_ONLY)[0].float()
+    for bt, bd, nw in FWD:  # the tile kernel's own launch parameters
+        c = dataclasses.replace(TILE_ONLY, fwd_block_t=bt, fwd_block_d=bd, fwd_warps=nw)
+        ms = timed(lambda c=c: K.conv_fwd(x, w, bias, None, None, True, False, c))
+        err = (K.conv_fwd(x, w, bias, None, None, True, False, c)[0].float() - base_out).abs().max()
         rows.append(dict(kernel="fwd", block_t=bt, block_d=bd, warps=nw, ms=ms,
                          tb_s=BYTES * 2 / 3 / ms / 1e9, max_diff=err.item()))  # fmt: skip
         print(rows[-1], flush=True)
-    K.FWD_BLOCK_T, K.FWD_BLOCK_D, K.FWD_WARPS = FWD[0]
-    K.QUAD_BLOCK_G = default_quad
     base = None
     dxz = torch.empty_like(xz)  # dx into a strided half, as in the fused mixer
     for vb in BWD:
-        K.BWD_VEC_BYTES = vb
+        c = dataclasses.replace(K.CONFIG, bwd_vec_bytes=vb)
         for name, out_t in (("contiguous dx", None), ("dx into half of d xz", dxz[..., :D])):
-            ms = timed(lambda o=out_t: K.conv_bwd(dout, None, x, w, bias, None, None, True, o))
-            out = K.conv_bwd(dout, None, x, w, bias, None, None, True, out_t)
+
+            def bwd(o=out_t, c=c):
+                return K.conv_bwd(dout, None, x, w, bias, None, None, True, o, cfg=c)
+
+            ms = timed(bwd)
+            out = bwd()
             base = base if base is not None else [t.clone() for t in out[:3]]
             err = max((a.float() - b.float()).abs().max().item() for a, b in zip(out[:3], base))
             rows.append(dict(kernel="bwd", vec_bytes=vb, dx=name, ms=ms, tb_s=BYTES / ms / 1e9,

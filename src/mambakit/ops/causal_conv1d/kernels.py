@@ -7,6 +7,8 @@ by warp shuffles, deterministic per-program partials for dweight and dbias).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .._triton import cdiv, launch, next_power_of_2, opt, strides
@@ -15,16 +17,30 @@ from .forward import _conv_fwd_kernel, _conv_fwd_quad_kernel
 
 # ---------------------------------------------------------------------------- launchers
 
-# launch parameters (scripts/conv_sweep.py times others by replacing these), measured on the
-# H200 at 8x2048x1536: forward tiles 32 x 128, 4 warps 45 us (64 x 128: 51); backward 16-byte
-# channel vectors 151 us (32-byte: 182). Backward designs with channels along the lanes were
-# slower in Triton: dc shifted in time through a per-program scratch 248-355 us; two passes
-# (dc, then dx from row-shifted loads of dc) 270-535 us. The K <= 4 forward: 8 groups of 4
-# times x 128 channels, 4 warps, 32.2 us there (general kernel 40.6), 7.3-7.8 us at 1 x 4096 x
-# 1536 (9.3) and the fastest of six settings inside the 130m graph prefill (README.md).
-FWD_BLOCK_T, FWD_BLOCK_D, FWD_WARPS = 32, 128, 4
-QUAD_BLOCK_G, QUAD_BLOCK_D, QUAD_WARPS = 8, 128, 4  # K <= 4 without seq_idx; groups 0: off
-BWD_VEC_BYTES = 16  # channels per backward thread, in bytes of x
+
+@dataclasses.dataclass(frozen=True)
+class ConvConfig:
+    """Launch parameters of the conv kernels (never autotuned: reruns are bit-identical;
+    `CONFIG` is the library's, scripts/conv_sweep.py times others through `cfg=`).
+
+    Measured on the H200 at 8x2048x1536: forward tiles 32 x 128, 4 warps 45 us (64 x 128:
+    51); backward 16-byte channel vectors 151 us (32-byte: 182). Backward designs with
+    channels along the lanes were slower in Triton: dc shifted in time through a
+    per-program scratch 248-355 us; two passes (dc, then dx from row-shifted loads of dc)
+    270-535 us. The K <= 4 forward: 8 groups of 4 times x 128 channels, 4 warps, 32.2 us
+    there (general kernel 40.6), 7.3-7.8 us at 1 x 4096 x 1536 (9.3) and the fastest of six
+    settings inside the 130m graph prefill (README.md)."""
+
+    fwd_block_t: int = 32  # times per program of the general forward kernel
+    fwd_block_d: int = 128  # channels per program of the general forward kernel
+    fwd_warps: int = 4
+    quad_block_g: int = 8  # groups of 4 times per program (K <= 4 without seq_idx); 0: off
+    quad_block_d: int = 128  # channels per program of the groups kernel
+    quad_warps: int = 4
+    bwd_vec_bytes: int = 16  # channels per backward thread, in bytes of x
+
+
+CONFIG = ConvConfig()
 
 
 def _blocks(T: int, D: int, block_t: int, block_d: int) -> tuple[int, int]:
@@ -39,8 +55,11 @@ def conv_fwd(
     seq_idx: torch.Tensor | None,  # [B, T] int32
     silu: bool,
     return_final_state: bool,
+    cfg: ConvConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, T, D] in x.dtype, final_state [B, K-1, D] f32, or an empty tensor)."""
+    """(out [B, T, D] in x.dtype, final_state [B, K-1, D] f32, or an empty tensor).
+    cfg: launch parameters other than the library's `CONFIG`."""
+    cfg = cfg or CONFIG
     Bsz, T, D = x.shape
     K = weight.shape[1]
     bias = bias.contiguous() if bias is not None else None
@@ -56,8 +75,8 @@ def conv_fwd(
             final.copy_(initial_state if initial_state is not None else torch.zeros_like(final))
         return out, final
     BLOCK_K = next_power_of_2(K - 1)
-    if K <= 4 and seq_idx is None and QUAD_BLOCK_G > 0:  # groups of 4 times
-        BLOCK_G, BLOCK_D = _blocks(cdiv(T, 4), D, QUAD_BLOCK_G, QUAD_BLOCK_D)
+    if K <= 4 and seq_idx is None and cfg.quad_block_g > 0:  # groups of 4 times
+        BLOCK_G, BLOCK_D = _blocks(cdiv(T, 4), D, cfg.quad_block_g, cfg.quad_block_d)
         grid = (cdiv(T, 4 * BLOCK_G), cdiv(D, BLOCK_D), Bsz)
         launch(_conv_fwd_quad_kernel, grid,
             x, weight, opt(bias, weight), opt(initial_state, x), out, final,
@@ -70,10 +89,10 @@ def conv_fwd(
             K=K, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K,
             HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
             SILU=silu, STORE_FINAL=return_final_state,
-            num_warps=QUAD_WARPS,
+            num_warps=cfg.quad_warps,
         )  # fmt: skip
         return out, final
-    BLOCK_T, BLOCK_D = _blocks(T, D, FWD_BLOCK_T, FWD_BLOCK_D)
+    BLOCK_T, BLOCK_D = _blocks(T, D, cfg.fwd_block_t, cfg.fwd_block_d)
     grid = (cdiv(T, BLOCK_T), cdiv(D, BLOCK_D), Bsz)
     launch(_conv_fwd_kernel, grid,
         x, weight, opt(bias, weight), opt(initial_state, x), opt(seq_idx, x), out, final,
@@ -87,7 +106,7 @@ def conv_fwd(
         K=K, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, BLOCK_K=BLOCK_K,
         HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
         HAS_SEQ=seq_idx is not None, SILU=silu, STORE_FINAL=return_final_state,
-        num_warps=FWD_WARPS,
+        num_warps=cfg.fwd_warps,
     )  # fmt: skip
     return out, final
 
@@ -102,10 +121,11 @@ def conv_bwd(
     seq_idx: torch.Tensor | None,
     silu: bool,
     dx_out: torch.Tensor | None = None,
+    cfg: ConvConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(dx in x.dtype, dweight f32 [D, K], dbias f32 [D] or None, dinit f32 or None).
     dx_out: a [B, T, D] tensor of x's dtype (any row strides, stride 1 in D) that receives
-    dx, returned as dx."""
+    dx, returned as dx. cfg: as for `conv_fwd`."""
     Bsz, T, D = x.shape
     K = weight.shape[1]
     dev = x.device
@@ -128,7 +148,8 @@ def conv_bwd(
     # a program: one warp, VEC channels (16-byte loads), tiles of up to 32 times (one per
     # lane; a tile owns all but its last K-1)
     BLOCK_T = min(32, next_power_of_2(T - s_begin + K - 1))
-    VEC = min(max(BWD_VEC_BYTES // x.element_size(), 1), next_power_of_2(D))
+    vec_bytes = (cfg or CONFIG).bwd_vec_bytes
+    VEC = min(max(vec_bytes // x.element_size(), 1), next_power_of_2(D))
     n_tblk = cdiv(T - s_begin, BLOCK_T - (K - 1))
     n_chunks = cdiv(n_tblk, 16)  # programs along time: ~16 tiles each, evenly split
     tblk_per_chunk = cdiv(n_tblk, n_chunks)
