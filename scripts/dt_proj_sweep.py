@@ -6,7 +6,8 @@ PYTHONPATH=src python scripts/dt_proj_sweep.py --out dt_proj_sweep.json
 chain: cuBLAS dt_proj -> B, C widened -> scan (bias and softplus in both of its passes);
 ours: dt_proj kernel (delta f32 through softplus, B, C widened) -> scan without softplus.
 Each piece is timed alone too. Shapes: the 130m and 1.4b prefill (1 x 4096), the 130m
-training step's forward (8 x 2048). Candidates replace the module constants of kernels.py.
+training step's forward (8 x 2048). Candidates are `DtProjConfig`s handed to the launcher as
+`cfg=`; the library runs `config(False)`, so a better one is adopted by editing its defaults.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from mambakit.ops.selective_scan import kernels as KS
 
 SHAPES = {"130m 1x4096": (1, 4096, 1536, 48), "1.4b 1x4096": (1, 4096, 4096, 128),
           "130m 8x2048": (8, 2048, 1536, 48)}  # fmt: skip
-# (BLOCK_M, BLOCK_D, warps, D_TILES, STAGES)
+# (block_m, block_d, warps, d_tiles, stages): DtProjConfig's fields
 CANDIDATES = [
     (64, 64, 4, 1, 1),
     (64, 64, 4, 2, 2),
@@ -87,17 +88,15 @@ def sweep(name: str, Bsz: int, T: int, D: int, R: int, g: torch.Generator) -> li
     }
     for piece, fn in pieces.items():
         rows.append(dict(shape=name, piece=piece, us=timed(fn)))
-    default = (KM.BLOCK_M, KM.BLOCK_D, KM.WARPS, KM.D_TILES, KM.STAGES)
     for cand in CANDIDATES:
-        KM.BLOCK_M, KM.BLOCK_D, KM.WARPS, KM.D_TILES, KM.STAGES = cand
+        c = KM.DtProjConfig(*cand)
         try:
-            us = timed(lambda: KM.dt_proj(x_dbl, w, bias, True))
-            same = torch.equal(KM.dt_proj(x_dbl, w, bias, True)[0], delta)
+            us = timed(lambda c=c: KM.dt_proj(x_dbl, w, bias, True, c))
+            same = torch.equal(KM.dt_proj(x_dbl, w, bias, True, c)[0], delta)
         except Exception as e:  # a candidate that does not compile
             rows.append(dict(shape=name, piece="dt_proj kernel", cfg=cand, error=str(e)[:200]))
             continue
         rows.append(dict(shape=name, piece="dt_proj kernel", cfg=cand, us=us, same_bits=same))
-    KM.BLOCK_M, KM.BLOCK_D, KM.WARPS, KM.D_TILES, KM.STAGES = default
     for r in rows:
         print(r, flush=True)
     return rows
