@@ -20,14 +20,12 @@ dispatched per step (what bounds it: per-op dispatch overhead).
     python benchmarks/bench_decode.py --device cpu --compile
     python benchmarks/bench_decode.py --quick --device cpu  # dry run of every path
 
-Prints a table and writes JSON records (`--out`).
+Prints a table and writes a results record (`--out`, JSON: benchmarks/common.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import time
@@ -39,7 +37,7 @@ from mambakit import MambaBackbone, MambaConfig, MambaLM
 from mambakit.inference import CUDAGraphStep, generate
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import graph_time_ms, interleaved_median_ms  # noqa: E402
+from common import PEERS, graph_time_ms, interleaved_median_ms, write_record  # noqa: E402
 
 COPY_RATE = 4.27e12  # bytes/s, H200 (DESIGN.md section 7)
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
@@ -455,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-decode", action="store_true", help="GPU: only the prefill table")
     p.add_argument("--compile", action="store_true", help="CPU: also time torch.compile'd step")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a dry run of every path")
-    p.add_argument("--out", default=None, help="JSON file for the records")
+    p.add_argument("--out", default=None, help="write the results record (JSON) here")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if args.quick:
@@ -487,15 +485,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['eager_ms']:>9.2f} {r.get('eager_x_peer', ''):>7.4} "
                       f"{g:>9} {r.get('graph_x_peer', ''):>7.4}")  # fmt: skip
             rows += pre
-    if args.out:
-        meta = {
-            "torch": torch.__version__,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "host": platform.node(),
-            "cpu_threads": torch.get_num_threads(),
-        }
-        Path(args.out).write_text(json.dumps({"meta": meta, "records": rows}, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    context = {"cpu_threads": torch.get_num_threads(), "copy_bytes_per_s": COPY_RATE}
+    write_record(args.out, "bench_decode", rows, context=context, device=device,
+                 peers=(*PEERS, "transformers"))  # fmt: skip
     return 0
 
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import bench_mambakit  # noqa: E402
 from bench_model import measure_peer, measure_prefill, measure_trainer  # noqa: E402
-from common import cuda_time_ms, interleaved_median_ms, write_json  # noqa: E402
+from common import cuda_time_ms, interleaved_median_ms, write_record  # noqa: E402
 
 from mambakit import MambaConfig, MambaLM  # noqa: E402
 from mambakit.layers.mamba3 import Mamba3  # noqa: E402
@@ -163,13 +163,14 @@ def model_rows(batch: int, seqlen: int, iters: int, peer: bool) -> list[dict]:
     for name in ("130m-mamba3", "130m"):
         cfg = MambaConfig.preset(name)
         rec = measure_trainer(f"{name} Trainer (default)", cfg, batch, seqlen, "auto", iters)
+        rec["preset"] = name
         print(rec, flush=True)
         rows.append(rec)
     if peer:
         cfg = MambaConfig.preset("130m-mamba3")
         rec = measure_peer(cfg, batch, seqlen, iters)
         if rec is not None:
-            rec["workload"] = "mamba_ssm 130m Mamba3 eager"
+            rec["workload"], rec["preset"] = "mamba_ssm 130m Mamba3 eager", "130m-mamba3"
             print(rec, flush=True)
             rows.append(rec)
     return rows
@@ -181,7 +182,8 @@ def inference_rows(batches: list[int], new: int, repeats: int) -> list[dict]:
         cfg = MambaConfig.preset(name)
         torch.manual_seed(0)
         model = MambaLM(cfg, device="cuda").to(torch.bfloat16).eval()
-        rec = {"workload": f"{name} prefill 1x4096", **measure_prefill(model, cfg.vocab_size)}
+        rec = {"workload": f"{name} prefill 1x4096", "impl": "mambakit", "preset": name,
+               **measure_prefill(model, cfg.vocab_size)}  # fmt: skip
         print(rec, flush=True)
         rows.append(rec)
         for b in batches:
@@ -189,7 +191,10 @@ def inference_rows(batches: list[int], new: int, repeats: int) -> list[dict]:
             total, prefill = bench_mambakit(model, ids, new, graphs=True, repeats=repeats)
             rec = {
                 "workload": f"{name} decode 16+{new} graph",
+                "impl": "mambakit cuda-graph",
+                "preset": name,
                 "batch": b,
+                "new_tokens": new,
                 "tokens_per_s": b * new / total,
                 "us_per_step": (total - prefill) / (new - 1) * 1e6,
             }
@@ -211,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prune-peer", action="store_true", help="one config per upstream kernel")
     p.add_argument("--profile", help="write the per-kernel table of a layer fwd+bwd here")
     p.add_argument("--sweep-bwd", action="store_true", help="time the backward's chunk/warps")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, help="write the results record (JSON) here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
@@ -229,8 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         rows += model_rows(batch, seqlen, args.iters, peer=_upstream_module() is not None)
     if "inference" in args.only:
         rows += inference_rows(args.batch, args.new_tokens, repeats=3)
-    if args.out:
-        write_json(args.out, rows)
+    peer_autotune = "one configuration per kernel (--prune-peer)" if args.prune_peer else "full"
+    context = {"d_model": args.d_model, "peer_autotune": peer_autotune}
+    write_record(args.out, "bench_mamba3", rows, context=context)
     return 0
 
 

@@ -31,11 +31,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (  # noqa: E402
     cuda_time_ms,
-    device_meta,
     graph_time_ms,
     matmul_tflops,
     print_table,
-    write_json,
+    write_record,
 )
 
 from mambakit import MambaConfig, MambaLM  # noqa: E402
@@ -175,7 +174,7 @@ def forward_fn(model, ids):
 def measure_prefill(model, vocab: int, length: int = 4096) -> dict:
     ids = torch.randint(0, vocab, (1, length), device="cuda")
     ms = cuda_time_ms(forward_fn(model, ids), warmup=2, iters=5)
-    rec = {"prefill_eager_ms": ms}
+    rec = {"prefill_shape": f"1x{length}", "prefill_eager_ms": ms}
     try:
         rec["prefill_graph_ms"] = graph_time_ms(forward_fn(model, ids))
     except Exception as e:  # a model that cannot be captured: say so
@@ -251,7 +250,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--no-peer", action="store_true", help="skip mamba_ssm")
     ap.add_argument("--profile", help="write a per-kernel profile of one eager step here")
-    ap.add_argument("--out")
+    ap.add_argument("--out", help="write the results record (JSON) here")
     args = ap.parse_args()
     mm = matmul_tflops()
     print(f"bf16 matmul rate (8192^3, random): {mm:.0f} TFLOP/s")
@@ -270,6 +269,7 @@ def main() -> None:
     if peer is not None:
         records.append(peer)
     for r in records:
+        r["preset"] = args.preset
         r["mfu"] = r["tokens_per_s"] * 6 * n_params / (mm * 1e12)
         if peer is not None:
             r["x_peer"] = peer["step_ms"] / r["step_ms"]
@@ -278,7 +278,8 @@ def main() -> None:
     print_table(records, ["workload", "prefill_eager_ms", "prefill_graph_ms"])
     if args.profile:
         profile_step(cfg, b, t, args.profile)
-    write_json(args.out, records, {**device_meta(), "matmul_tflops": mm, "params": n_params})
+    context = {"preset": args.preset, "matmul_tflops": mm, "params": n_params}
+    write_record(args.out, "bench_model", records, context=context)
 
 
 if __name__ == "__main__":

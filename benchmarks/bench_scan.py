@@ -14,11 +14,15 @@ Launch configurations are timed by scripts/scan_sweep.py.
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_record  # noqa: E402
 
 COPY_BPS = 4.27e12  # measured device-to-device copy, bytes/s (DESIGN.md section 7)
 EXP2_PER_S = 4.0e12  # tl.math.exp2 throughput
@@ -168,7 +172,7 @@ def time_reference(shape, dtype):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench_scan.json", help="JSON output path")
+    ap.add_argument("--out", default="bench_scan.json", help="results record (JSON) path")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_scan.py needs a CUDA device")
@@ -196,12 +200,8 @@ def main():
     for r in ours:
         print(f"peak extra memory fwd+bwd {r['peak_extra_mb']:.0f} MiB; "
               f"saved {r['saved_bytes_per_token']:.0f} B/token")  # fmt: skip
-    with open(args.out, "w") as f:
-        json.dump(
-            dict(device=torch.cuda.get_device_name(), records=records),
-            f,
-            indent=1,
-        )
+    roofline = {"copy_bytes_per_s": COPY_BPS, "exp2_per_s": EXP2_PER_S}
+    write_record(args.out, "bench_scan", records, context=roofline)
 
 
 if __name__ == "__main__":

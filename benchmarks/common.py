@@ -1,13 +1,45 @@
-"""Shared helpers of the benchmark programs: timing, the matmul ceiling, tables and JSON."""
+"""Shared helpers of the benchmark programs: timing, the matmul ceiling, tables, and the
+results record every program writes with `--out`.
+
+A results record is one JSON object (`make_record`):
+
+    schema     "mambakit-benchmark/1"
+    benchmark  the program's name ("bench_decode", ...)
+    date       UTC, ISO 8601 ("2026-12-03T17:40:12Z")
+    commit     `git rev-parse --short HEAD` of this checkout, else $MAMBAKIT_COMMIT, else
+               "unknown" (a device that runs a copy of the tree without .git)
+    dirty      tracked files differ from the commit (git status), else $MAMBAKIT_DIRTY
+               ("1" / "0"), else null
+    device     {"name": GPU name or "cpu", "torch", "triton", "cuda", ...}
+    peer       {"mamba_ssm": version or null, "causal_conv1d": ..., ...}, null when none
+               is importable
+    command    the command line that ran
+    context    what the program measured under (matmul rate, roofline constants, ...)
+    figures    the rows the program printed, one dict per figure
+
+benchmarks/table.py turns the records under benchmarks/results/ into docs/performance.md.
+"""
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import json
+import os
+import platform
+import shlex
 import statistics
+import subprocess
+import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+RECORD_SCHEMA = "mambakit-benchmark/1"
+PEERS = ("mamba_ssm", "causal_conv1d")  # the libraries the benchmarks time beside mambakit
+REPO = Path(__file__).resolve().parents[1]
 
 
 def cuda_time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
@@ -95,22 +127,107 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
 
 
-def write_json(path: str | None, records: list[dict], meta: dict | None = None) -> None:
-    if not path:
-        return
-    out = {"meta": meta or {}, "records": records}
-    Path(path).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {path}")
+def _git(root: Path, *args: str) -> list[str] | None:
+    """Lines of `git args` run in root, or None where git is missing or fails."""
+    try:
+        done = subprocess.run(
+            ["git", *args], cwd=root, capture_output=True, text=True, timeout=20, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.splitlines()
 
 
-def device_meta() -> dict:
-    meta = {"torch": torch.__version__}
-    if torch.cuda.is_available():
-        meta["gpu"] = torch.cuda.get_device_name()
+def source_state(root: Path = REPO) -> tuple[str, bool | None]:
+    """(commit, dirty) of the checkout at root: from git when root is the top of a git work
+    tree, else from $MAMBAKIT_COMMIT and $MAMBAKIT_DIRTY, else ("unknown", None)."""
+    lines = _git(root, "rev-parse", "--show-toplevel", "--short", "HEAD")
+    if lines and len(lines) == 2 and Path(lines[0]).resolve() == Path(root).resolve():
+        status = _git(root, "status", "--porcelain", "--untracked-files=no")
+        return lines[1], None if status is None else bool(status)
+    dirty = {"1": True, "0": False}.get(os.environ.get("MAMBAKIT_DIRTY", ""))
+    return os.environ.get("MAMBAKIT_COMMIT") or "unknown", dirty
+
+
+def device_info(device: str | torch.device | None = None) -> dict:
+    """The device the figures come from and the versions that ran on it. `device` defaults
+    to CUDA when present, else the CPU."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
     try:
         import triton
 
-        meta["triton"] = triton.__version__
+        triton_version = triton.__version__
     except ImportError:
-        pass
-    return meta
+        triton_version = None
+    info = {"name": "cpu", "torch": torch.__version__, "triton": triton_version, "cuda": None}
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        info.update(name=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
+                    capability=f"{major}.{minor}")  # fmt: skip
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+    return info
+
+
+def peer_versions(names: tuple[str, ...] = PEERS) -> dict | None:
+    """{name: version or None (not importable)} of the peer libraries; None if none is."""
+    versions = {}
+    for name in names:
+        try:
+            module = importlib.import_module(name)
+        except Exception:  # absent, or present but broken (a missing CUDA extension)
+            versions[name] = None
+            continue
+        version = getattr(module, "__version__", None)
+        if version is None:
+            try:
+                version = importlib.metadata.version(name)
+            except importlib.metadata.PackageNotFoundError:
+                version = "unknown"
+        versions[name] = str(version)
+    return versions if any(v is not None for v in versions.values()) else None
+
+
+def command_line() -> str:
+    """The command that is running, the program's path relative to the repository."""
+    argv = list(sys.argv)
+    if argv and argv[0]:
+        try:
+            argv[0] = str(Path(argv[0]).resolve().relative_to(REPO))
+        except ValueError:
+            pass
+    return shlex.join(["python", *argv])
+
+
+def make_record(
+    benchmark: str,
+    figures: list[dict],
+    context: dict | None = None,
+    device: str | torch.device | None = None,
+    peers: tuple[str, ...] = PEERS,
+) -> dict:
+    """One self-describing results record (the module docstring lists its fields)."""
+    commit, dirty = source_state()
+    return {
+        "schema": RECORD_SCHEMA,
+        "benchmark": benchmark,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "commit": commit,
+        "dirty": dirty,
+        "device": device_info(device),
+        "peer": peer_versions(peers),
+        "command": command_line(),
+        "context": context or {},
+        "figures": figures,
+    }
+
+
+def write_record(path: str | None, benchmark: str, figures: list[dict], **kw) -> None:
+    """make_record(benchmark, figures, **kw) as JSON at path (nothing when path is empty)."""
+    if not path:
+        return
+    record = make_record(benchmark, figures, **kw)
+    Path(path).write_text(json.dumps(record, indent=1, default=str) + "\n")
+    print(f"wrote {path}")
