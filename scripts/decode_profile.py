@@ -17,7 +17,6 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from mambakit import MambaConfig, MambaLM
-from mambakit.ops.mamba_step import kernels
 
 COPY_RATE = 4.27e12
 
@@ -72,13 +71,6 @@ def main() -> None:
     ap.add_argument("--presets", nargs="+", default=["130m", "1.4b"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--prefill", type=int, default=4096, help="0: no prefill profile")
-    ap.add_argument(
-        "--rows-max",
-        type=int,
-        nargs="+",
-        default=[],
-        help="also profile the step with these ROWS_MAX_BATCH values (crossover)",
-    )
     ap.add_argument("--out")
     args = ap.parse_args()
     out = []
@@ -100,13 +92,6 @@ def main() -> None:
             # the last kernels: out_proj of the last block, then the LM head
             out.append(kernel_table(step, f"{name} eager step, batch {B}", sequence=(-3, 3)))
             print(out[-1], flush=True)
-            default = kernels.ROWS_MAX_BATCH
-            for rows_max in args.rows_max:
-                kernels.ROWS_MAX_BATCH = rows_max
-                title = f"{name} eager step, batch {B}, ROWS_MAX_BATCH={rows_max}"
-                out.append(kernel_table(step, title, rows=8))
-                print(out[-1], flush=True)
-            kernels.ROWS_MAX_BATCH = default
         if not args.prefill:
             del model
             continue

@@ -7,6 +7,7 @@ three code paths: the norm fused into the first kernel, a norm launch before
 the row-loop kernels, cuBLAS projections around the fused conv and SSM kernels).
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -45,9 +46,15 @@ def to64(w: StepWeights) -> StepWeights:
     return StepWeights(*(t.double() if isinstance(t, torch.Tensor) else t for t in w))
 
 
-def run(w, hidden, residual, conv, ssm, backend):
+def run(w, hidden, residual, conv, ssm, backend, cfg=None):
+    """The step on `backend`; with cfg, the Triton launcher itself with those settings."""
     conv, ssm = conv.clone(), ssm.clone()
-    out, res = mamba_layer_step(hidden, residual, w, conv, ssm, backend=backend)
+    if cfg is not None:
+        from mambakit.ops.mamba_step.kernels import layer_step
+
+        out, res = layer_step(hidden, residual, w, conv, ssm, cfg=cfg)
+    else:
+        out, res = mamba_layer_step(hidden, residual, w, conv, ssm, backend=backend)
     return out, res, conv, ssm
 
 
@@ -65,14 +72,14 @@ def rel_err(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-12)).item()
 
 
-def check_step(M, Dn, N, R, K, B, dtype, bias, first, seed=0):
+def check_step(M, Dn, N, R, K, B, dtype, bias, first, seed=0, cfg=None):
     gen = torch.Generator().manual_seed(seed)
     w = make_weights(M, Dn, N, R, K, dtype, bias, gen)
     hidden = torch.randn(B, M, generator=gen).to(DEVICE, dtype)
     residual = None if first else torch.randn(B, M, generator=gen).to(DEVICE)
     conv = torch.randn(B, K - 1, Dn, generator=gen).to(DEVICE)
     ssm = torch.randn(B, Dn, N, generator=gen).to(DEVICE)
-    got = run(w, hidden, residual, conv, ssm, "triton")
+    got = run(w, hidden, residual, conv, ssm, "triton", cfg)
     ref = run(w, hidden, residual, conv, ssm, "reference")
     oracle = run(
         to64(w), hidden.double(), None if first else residual.double(), conv.double(),
@@ -94,21 +101,22 @@ def check_step(M, Dn, N, R, K, B, dtype, bias, first, seed=0):
     [(1, 1, 1 << 24, 2), (3, 16, 1 << 24, 2), (20, 1, 1 << 24, 2), (20, 1, 0, 2),
      (5, 1, 1 << 24, 4)],
 )  # fmt: skip
-def test_layer_step_matches_float64_op_chain(
-    nan_empty, monkeypatch, dtype, B, rows_max, dt_bytes, ssm_rows
-):
-    # B = 1: matrix-vector kernels, the norm fused into in_proj's; B > ROWS_MAX_BATCH:
+def test_layer_step_matches_float64_op_chain(nan_empty, dtype, B, rows_max, dt_bytes, ssm_rows):
+    # B = 1: matrix-vector kernels, the norm fused into in_proj's; B > rows_max_batch:
     # cuBLAS projections around the fused conv and SSM kernels (dt_proj fused; B = 5 with
-    # SSM_ROWS = 4: the last row block three quarters masked); B = 3 with ROWS_MAX_BATCH =
-    # 16: a norm launch, then the row-loop kernels; DT_PROJ_FUSED_BYTES = 0: dt_proj by
+    # ssm_rows = 4: the last row block three quarters masked); B = 3 with rows_max_batch =
+    # 16: a norm launch, then the row-loop kernels; dt_proj_fused_bytes = 0: dt_proj by
     # cuBLAS, the SSM kernel reads delta
     from mambakit.ops.mamba_step import kernels
 
-    monkeypatch.setattr(kernels, "ROWS_MAX_BATCH", rows_max)
-    monkeypatch.setattr(kernels, "DT_PROJ_FUSED_BYTES", dt_bytes)
-    monkeypatch.setattr(kernels, "SSM_ROWS", ssm_rows)
+    cfg = dataclasses.replace(
+        kernels.config(DEVICE == "cpu"),
+        rows_max_batch=rows_max,
+        dt_proj_fused_bytes=dt_bytes,
+        ssm_rows=ssm_rows,
+    )
     for bias, first in ((False, False), (True, True)):
-        check_step(M=24, Dn=40, N=4, R=3, K=4, B=B, dtype=dtype, bias=bias, first=first)
+        check_step(M=24, Dn=40, N=4, R=3, K=4, B=B, dtype=dtype, bias=bias, first=first, cfg=cfg)
 
 
 @pytest.mark.parametrize("K", [2, 3])

@@ -6,10 +6,10 @@ J = R + 2N (the x_proj rows).
 At small batch a decode step reads every weight once and does almost no
 arithmetic, so its time is that of the weights' round trips from memory, and,
 once they stream fast, of its launches. Each matrix-vector kernel here gives a
-program one slab of the weight, [BLOCK_N rows, all K columns] (`TILE` elements,
+program one slab of the weight, [BLOCK_N rows, all K columns] (`StepConfig.tile` elements,
 32 KB in bf16), loaded before anything else so that every program's weights
 are in flight at once (one memory round trip, not one per K block), and loops
-over its batch rows with the slab in registers. At batch <= `ROWS_MAX_BATCH`
+over its batch rows with the slab in registers. At batch <= `rows_max_batch`
 (1: a loop over rows serialises their memory round trips, since a row's loads
 cannot move above the previous row's stores) a block is four launches:
 
@@ -23,10 +23,10 @@ cannot move above the previous row's stores) a block is four launches:
    D skip and the SiLU(z) gate -> y.
 4. `_linear_kernel`: out_proj. With the add+norm prologue, the LM head.
 
-Above `ROWS_MAX_BATCH` rows the projections go to cuBLAS (`F.linear`) and the
+Above `rows_max_batch` rows the projections go to cuBLAS (`F.linear`) and the
 small work between them stays fused: the norm, the conv update, then dt_proj
-(while row blocks x its weight <= DT_PROJ_FUSED_BYTES) + state update + gate in
-`_layer_ssm_kernel`, `SSM_ROWS` rows per program.
+(while row blocks x its weight <= `dt_proj_fused_bytes`) + state update + gate in
+`_layer_ssm_kernel`, `ssm_rows` rows per program.
 
 Values are rounded to the compute dtype wherever the unfused op chain stores
 them (xz, u, x_proj's output, delta, y, out), so both paths agree up to the
@@ -44,6 +44,8 @@ step can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -54,17 +56,33 @@ from ..causal_conv1d.step import conv_update
 from ..rms_norm.kernels import rms_fwd
 from ..selective_scan.tiles import LOG2E, _softplus
 
-# elements of a program's weight slab (32 KB in bf16). H200, batch-1 graph step
-# (scripts/step_sweep.py): 1.4b 1124 us at 8192, 1068 at 16384 (32768: 1068, 4096: 1096);
-# 130m 213-218 us at any of them
-TILE = 16384
-DT_PROJ_FUSED_BYTES = 16 << 20  # batch x dt_proj weight bytes up to which the SSM kernel runs it
-ROWS_MAX_BATCH = 1  # up to this batch the weights stream through these kernels; above, cuBLAS
-# batch rows per program of _layer_ssm_kernel. H200, graph step at batch 64
-# (scripts/step_sweep.py): 130m 675.5 us at 2 (1: 699.2; 4: 852.9, 8: 718.1, registers
-# spilled by the [rows, channels, R] dt_proj product); 1.4b 2652.7 at 2 (1: 2712.2)
-SSM_ROWS = 2
-SSM_BLOCK_D, SSM_WARPS = 32, 4  # channels and warps per program of _layer_ssm_kernel
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Launch parameters of the decode step's kernels (not autotuned: two update the state
+    in place; `config` gives the library's, scripts/step_sweep.py times others).
+
+    tile: H200, batch-1 graph step: 1.4b 1124 us at 8192, 1068 at 16384 (32768: 1068, 4096:
+    1096); 130m 213-218 us at any of them. ssm_rows: H200, graph step at batch 64: 130m 675.5
+    us at 2 (1: 699.2; 4: 852.9, 8: 718.1, registers spilled by the [rows, channels, R]
+    dt_proj product); 1.4b 2652.7 at 2 (1: 2712.2)."""
+
+    tile: int = 16384  # elements of a program's weight slab (32 KB in bf16)
+    rows_max_batch: int = 1  # up to this batch the weights stream through here; above, cuBLAS
+    dt_proj_fused_bytes: int = 16 << 20  # row blocks x dt_proj weight bytes fused, at most
+    ssm_rows: int = 2  # batch rows per program of _layer_ssm_kernel
+    ssm_block_d: int = 32  # channels per program of _layer_ssm_kernel
+    ssm_warps: int = 4  # warps per program of _layer_ssm_kernel
+
+
+_GPU = StepConfig()
+_INTERPRETED = StepConfig(ssm_block_d=16)
+
+
+def config(interpret: bool) -> StepConfig:
+    """The library's launch parameters: on the GPU, or under the interpreter."""
+    return _INTERPRETED if interpret else _GPU
+
 
 # fmt: off
 
@@ -277,21 +295,25 @@ def layer_step(
     w,  # StepWeights
     conv_state: torch.Tensor,  # [B, K-1, D] f32, updated in place
     ssm_state: torch.Tensor,  # [B, D, N] f32, updated in place
+    cfg: StepConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step of a Mamba block: (out [B, M] in the compute dtype, residual [B, M] f32)."""
+    """One decode step of a Mamba block: (out [B, M] in the compute dtype, residual [B, M] f32).
+    cfg: launch parameters other than the library's (`config`)."""
     Bsz, M = hidden.shape
     Dn = w.A.shape[0]
     K = w.conv_w.shape[1]
     dev, cdt = hidden.device, w.in_w.dtype
     interp = not hidden.is_cuda
+    cfg = cfg or (_INTERPRETED if interp else _GPU)
+    tile = cfg.tile
     k_pad = next_power_of_2(M)
-    if Bsz > ROWS_MAX_BATCH or k_pad > TILE:
+    if Bsz > cfg.rows_max_batch or k_pad > tile:
         normed, res_out, _ = rms_fwd(hidden, w.norm_w, w.eps, residual, cdt)
         xz = F.linear(normed, w.in_w, w.in_b)
         u = conv_update(conv_state, xz[:, :Dn], w.conv_w, w.conv_b, silu=True)
         z = xz[:, Dn:]
         x_dbl = F.linear(u, w.x_w)
-        y = _ssm(x_dbl, w, u, z, ssm_state, interp)
+        y = _ssm(x_dbl, w, u, z, ssm_state, cfg)
         return F.linear(y, w.out_w, w.out_b), res_out
     fuse_norm = Bsz == 1
     if fuse_norm:
@@ -303,9 +325,9 @@ def layer_step(
     z = torch.empty(Bsz, Dn, device=dev, dtype=cdt)
     u = torch.empty(Bsz, Dn, device=dev, dtype=cdt)
     block_b = _block_b(Bsz)
-    # two slabs (x and z rows) of TILE elements: at d_model 2048 that halves the
+    # two slabs (x and z rows) of `tile` elements: at d_model 2048 that halves the
     # programs, so half as many reloads of the row for the norm prologue
-    block_d = _rows_per_program(Dn, k_pad, TILE, interp)
+    block_d = _rows_per_program(Dn, k_pad, tile, interp)
     launch(_layer_in_kernel, (cdiv(Bsz, block_b), cdiv(Dn, block_d)),
         x, x_res if x_res is not None else x, w.norm_w, res_out,
         w.in_w, w.in_b if w.in_b is not None else w.in_w,
@@ -319,27 +341,27 @@ def layer_step(
         BLOCK_B=block_b, BLOCK_D=block_d, K_PAD=k_pad, KC=next_power_of_2(K),
         num_warps=_warps(2 * block_d * k_pad), **pdl_args(x),
     )  # fmt: skip
-    x_dbl = linear(u, w.x_w)
-    y = _ssm(x_dbl, w, u, z, ssm_state, interp)
-    return linear(y, w.out_w, w.out_b), res_out
+    x_dbl = linear(u, w.x_w, cfg=cfg)
+    y = _ssm(x_dbl, w, u, z, ssm_state, cfg)
+    return linear(y, w.out_w, w.out_b, cfg=cfg), res_out
 
 
-def _ssm(x_dbl, w, u, z, ssm_state, interp: bool) -> torch.Tensor:
+def _ssm(x_dbl, w, u, z, ssm_state, cfg: StepConfig) -> torch.Tensor:
     """dt_proj + softplus + state update + D skip + gate: y [B, D] in the compute dtype.
 
-    SSM_ROWS rows per program (fewer at a smaller batch), as one tile dimension. When the
-    programs' reads of dt_proj's weight (one per row block) exceed DT_PROJ_FUSED_BYTES,
-    dt_proj is a cuBLAS GEMM."""
+    cfg.ssm_rows rows per program (fewer at a smaller batch), as one tile dimension. When
+    the programs' reads of dt_proj's weight (one per row block) exceed
+    cfg.dt_proj_fused_bytes, dt_proj is a cuBLAS GEMM."""
     Bsz, Dn = u.shape
     N, R = w.A.shape[1], w.dt_w.shape[1]
     y = torch.empty(Bsz, Dn, device=u.device, dtype=u.dtype)
-    block_b = min(SSM_ROWS, next_power_of_2(Bsz))
+    block_b = min(cfg.ssm_rows, next_power_of_2(Bsz))
     row_blocks = cdiv(Bsz, block_b)
     # each row block's programs read dt_proj's weight again (from L2): worth it while that
     # stays small; a cuBLAS GEMM of a few rows costs ~5 us
-    dt_proj = row_blocks * w.dt_w.numel() * w.dt_w.element_size() <= DT_PROJ_FUSED_BYTES
+    dt_proj = row_blocks * w.dt_w.numel() * w.dt_w.element_size() <= cfg.dt_proj_fused_bytes
     delta = y if dt_proj else F.linear(x_dbl[:, :R], w.dt_w)
-    block_d = 16 if interp else SSM_BLOCK_D
+    block_d = cfg.ssm_block_d
     launch(_layer_ssm_kernel, (row_blocks, cdiv(Dn, block_d)),
         x_dbl, w.dt_w, delta, w.dt_bias, w.A, w.D, u, z, ssm_state, y,
         Bsz, Dn, R, N,
@@ -347,7 +369,7 @@ def _ssm(x_dbl, w, u, z, ssm_state, interp: bool) -> torch.Tensor:
         z.stride(0), ssm_state.stride(0), ssm_state.stride(1), y.stride(0),
         DT_PROJ=dt_proj, BLOCK_B=block_b, BLOCK_D=block_d,
         BLOCK_R=max(2, next_power_of_2(R)), BLOCK_N=max(2, next_power_of_2(N)),
-        num_warps=SSM_WARPS, **pdl_args(u),
+        num_warps=cfg.ssm_warps, **pdl_args(u),
     )  # fmt: skip
     return y
 
@@ -361,10 +383,11 @@ def linear(
     norm_weight: torch.Tensor | None = None,  # [K]: RMSNorm (of x + residual) first
     eps: float = 1e-5,
     return_residual: bool = False,
+    cfg: StepConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x W^T (+ bias) at small batch, streaming W once; optionally on rmsnorm(x + residual).
     return_residual (with norm_weight): (out, x + residual in f32), the block's next
-    residual, stored by the same kernel."""
+    residual, stored by the same kernel. cfg: as for `layer_step`."""
     if return_residual and norm_weight is None:
         raise ValueError(
             "linear: return_residual needs norm_weight (the residual is the norm's input)"
@@ -372,12 +395,14 @@ def linear(
     Bsz = x.shape[0]
     Nout, Kin = weight.shape
     cdt = weight.dtype
+    cfg = cfg or _GPU  # (the interpreter's differs in the SSM kernel's fields alone)
+    tile = cfg.tile
     k_pad = next_power_of_2(Kin)
     res_out = None
-    if norm_weight is not None and (Bsz > 1 or k_pad > TILE):
+    if norm_weight is not None and (Bsz > 1 or k_pad > tile):
         x, res_out, _ = rms_fwd(x, norm_weight, eps, residual, cdt, store_residual=return_residual)
         residual = norm_weight = None
-    if Bsz > ROWS_MAX_BATCH or k_pad > TILE:
+    if Bsz > cfg.rows_max_batch or k_pad > tile:
         out = F.linear(x if x.dtype == cdt else x.to(cdt), weight, bias)
         return (out, res_out) if return_residual else out
     out = torch.empty(Bsz, Nout, device=x.device, dtype=cdt)
@@ -385,7 +410,7 @@ def linear(
         res_out = torch.empty(Bsz, Kin, device=x.device, dtype=torch.float32)
     store_res = return_residual and norm_weight is not None
     block_b = _block_b(Bsz)
-    block_n = _rows_per_program(Nout, k_pad, TILE, not x.is_cuda)
+    block_n = _rows_per_program(Nout, k_pad, tile, not x.is_cuda)
     launch(_linear_kernel, (cdiv(Bsz, block_b), cdiv(Nout, block_n)),
         x, residual if residual is not None else out,
         norm_weight if norm_weight is not None else weight, weight,
