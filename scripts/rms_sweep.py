@@ -1,6 +1,7 @@
 """Time the RMSNorm forward's tiles (rows per program, warps) at the prefill shapes: 4096 rows
 of the 130m and 1.4b widths (768, 2048), bf16 hidden plus the f32 residual, as a block runs
-it; GPU time from CUDA graphs. Candidates replace `_tile` of ops/rms_norm/kernels.py.
+it; GPU time from CUDA graphs. Candidates are `NormConfig`s (ops/rms_norm/kernels.py) handed
+to the launcher as `cfg=`; the library runs `config(D)`, so a better rule is adopted there.
 
 PYTHONPATH=src python scripts/rms_sweep.py --out rms_sweep.json
 """
@@ -25,21 +26,18 @@ def sweep(D: int) -> list[dict]:
     w = torch.randn(D, device="cuda", generator=g)
     gb = 4096 * D * (2 + 4 + 4 + 2) / 1e9
 
-    def fn():
-        return K.rms_fwd(x, w, 1e-5, res, torch.bfloat16)
+    def fn(c=None):
+        return K.rms_fwd(x, w, 1e-5, res, torch.bfloat16, cfg=c)
 
-    library, base, rows = K._tile, fn(), []
-    bn = 1 << (D - 1).bit_length()
+    base, rows = fn(), []
     for cand in [None, *CANDIDATES]:
-        if cand is None:
-            K._tile, name = library, "library"
-        else:
-            K._tile, name = (lambda D, c=cand: (c[0], bn, c[1])), f"{cand[0]} rows, {cand[1]} warps"
-        us = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
-        same = all(torch.equal(a, b) for a, b in zip(fn(), base))
+        c = K.config(D) if cand is None else K.NormConfig(rows=cand[0], warps=cand[1])
+        name = "library" if cand is None else f"{cand[0]} rows, {cand[1]} warps"
+        us = triton.testing.do_bench_cudagraph(lambda c=c: fn(c), rep=30, return_mode="median")
+        us *= 1e3
+        same = all(torch.equal(a, b) for a, b in zip(fn(c), base))
         rows.append(dict(D=D, tile=name, us=us, tb_s=gb / us * 1e3, same_bits=same))
         print(rows[-1], flush=True)
-    K._tile = library
     return rows
 
 

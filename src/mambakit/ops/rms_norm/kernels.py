@@ -22,6 +22,9 @@ registers and writes it out; the partials are summed in a fixed order.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -138,12 +141,23 @@ def _rms_bwd_kernel(
 # ---------------------------------------------------------------------------- launchers
 
 
-def _tile(D: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): the whole row, and rows enough for ~4K elements a tile."""
-    BLOCK_N = next_power_of_2(max(D, 1))
-    BLOCK_M = max(1, min(16, 4096 // BLOCK_N))
-    num_warps = min(16, max(4, BLOCK_M * BLOCK_N // 1024))
-    return BLOCK_M, BLOCK_N, num_warps
+@dataclasses.dataclass(frozen=True)
+class NormConfig:
+    """Launch parameters of the norm kernels for one width D; a program's tile is
+    [rows, next_pow2(D)], the whole row (`config` gives the library's, scripts/rms_sweep.py
+    times others)."""
+
+    rows: int  # BLOCK_M: rows per tile
+    warps: int
+
+
+@functools.cache
+def config(D: int) -> NormConfig:
+    """Rows enough for ~4K elements a tile, 4 to 16 warps (cached: the same widths come
+    back every layer and every call)."""
+    block_n = next_power_of_2(max(D, 1))
+    rows = max(1, min(16, 4096 // block_n))
+    return NormConfig(rows=rows, warps=min(16, max(4, rows * block_n // 1024)))
 
 
 def _n_sm(device: torch.device) -> int:
@@ -164,9 +178,11 @@ def rms_fwd(
     residual: torch.Tensor | None,  # [..., D]
     out_dtype: torch.dtype,
     store_residual: bool = True,
+    cfg: NormConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out [..., D] in out_dtype, residual_out [..., D] f32, rstd [M] f32); without
-    store_residual, residual_out is not written (an empty tensor): the caller holds it."""
+    store_residual, residual_out is not written (an empty tensor): the caller holds it.
+    cfg: launch parameters other than the library's (`config(D)`)."""
     D = x.shape[-1]
     weight = weight.contiguous()
     x2 = _rows(x, D)
@@ -180,13 +196,14 @@ def rms_fwd(
     rstd = torch.empty((M,), device=x.device, dtype=torch.float32)
     if M == 0 or D == 0:
         return out, rout, rstd
-    BLOCK_M, BLOCK_N, num_warps = _tile(D)
+    cfg = cfg or config(D)
+    BLOCK_M, BLOCK_N = cfg.rows, next_power_of_2(D)
     launch(_rms_fwd_kernel, (cdiv(M, BLOCK_M),),
         x2, res2 if res2 is not None else x2, weight, out, rout, rstd,
         M, D, eps,
         x2.stride(0), res2.stride(0) if res2 is not None else 0, D, D,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_RES=res2 is not None, STORE_RES=store_residual,
-        num_warps=num_warps,
+        num_warps=cfg.warps,
     )  # fmt: skip
     return out, rout, rstd
 
@@ -199,8 +216,10 @@ def rms_bwd(
     weight: torch.Tensor,  # [D]
     x_dtype: torch.dtype,
     res_dtype: torch.dtype | None,  # None: the forward had no residual
+    cfg: NormConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """(dx in x_dtype, dresidual in res_dtype or None, dweight f32 [D])."""
+    """(dx in x_dtype, dresidual in res_dtype or None, dweight f32 [D]). cfg: as for
+    `rms_fwd`."""
     D = rout.shape[-1]
     M = rstd.shape[0]
     weight = weight.contiguous()
@@ -211,7 +230,8 @@ def rms_bwd(
         return dx, dres, torch.zeros((D,), device=dev, dtype=torch.float32)
     g2 = _rows(dout, D) if dout is not None else None
     gr2 = _rows(drout, D) if drout is not None else None
-    BLOCK_M, BLOCK_N, num_warps = _tile(D)
+    cfg = cfg or config(D)
+    BLOCK_M, BLOCK_N = cfg.rows, next_power_of_2(D)
     n_blocks = cdiv(M, BLOCK_M)
     n_iter = cdiv(n_blocks, min(n_blocks, 4 * _n_sm(dev)))
     n_prog = cdiv(n_blocks, n_iter)
@@ -224,6 +244,6 @@ def rms_bwd(
         D, D,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         HAS_DOUT=g2 is not None, HAS_DROUT=gr2 is not None, HAS_DRES=dres is not None,
-        num_warps=num_warps,
+        num_warps=cfg.warps,
     )  # fmt: skip
     return dx, dres, dw_part.sum(dim=0)  # fixed-order sum of the partials
