@@ -182,7 +182,7 @@ def test_mixer_bad_inputs():
 
 
 def test_mamba_inner_op_bad_inputs():
-    """ops.mamba_inner checks what it is given (the layer passes validate=False, having
+    """ops.mamba_inner checks what it is given (the layer calls its unchecked twin, having
     checked), and its output equals the layer's own call on good inputs."""
     from mambakit.ops import mamba_inner
 

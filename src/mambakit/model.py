@@ -19,12 +19,13 @@ from torch import nn
 from .config import MambaConfig
 from .inference.plan import derived as derived_plan
 from .layers.block import MambaBlock, RMSNorm
-from .layers.decode import decode_layers, reference_weights
 from .layers.init import init_model_weights
-from .layers.mixer import mixer_weights
+from .layers.mamba3 import Mamba3
 from .layers.plain import plain
-from .ops import linear_cross_entropy, norm_linear, resolve_backend
+from .ops import _norm_linear, linear_cross_entropy, mamba_stack_step, resolve_backend
 from .ops._checks import check_seq_idx, check_tensor, state_dtype
+from .ops.mamba3 import mamba3_stack_step
+from .ops.mamba_step.stack import stack_weights
 from .state import ModelState, check_state, init_state, state_class
 from .targets import next_token_targets
 
@@ -125,23 +126,26 @@ class MambaBackbone(nn.Module):
         h = self.embed(x)
         cdt = compute_dtype(self._param.dtype, x.device)
         backend = resolve_backend("auto", h)  # once per call, for every layer's ops
-        plan = None  # without autograd, the layers' A, D and dt bias kept (`inference.plan`)
+        plan = (
+            None  # without autograd, what the mixers derive from their weights (`inference.plan`)
+        )
         if (
-            self.config.mixer == "mamba1"
-            and not torch.is_grad_enabled()
+            not torch.is_grad_enabled()
             and not torch.compiler.is_compiling()
             # under FSDP2 the blocks hold shards (DTensors) until each one's forward
             # gathers its parameters: the layers derive from those
-            and not hasattr(self.layers[0].mixer.A_log, "full_tensor")
+            and not hasattr(self.layers[0].mixer.in_proj.weight, "full_tensor")
         ):
-            plan = derived_plan(self, "ssm", _ssm_plan)
+            plan = derived_plan(self, "forward", _forward_plan)
         residual = None
         finals = []
         for i, layer in enumerate(self.layers):
             layer_state = None if state is None else state.layer(i)
-            ssm = None if plan is None else plan[i]
+            derived = None if plan is None else plan[i]
             end = last and i == len(self.layers) - 1
-            h, residual, final = layer(h, residual, cdt, layer_state, seq_idx, backend, ssm, end)
+            h, residual, final = layer(
+                h, residual, cdt, layer_state, seq_idx, backend, derived, end
+            )
             finals.append(final)
         return h, residual, cdt, backend, state_class(self.config).stack(finals)
 
@@ -172,80 +176,61 @@ class MambaBackbone(nn.Module):
             return True
         return state.requires_grad
 
-    def _decode_plan(self) -> list[tuple]:
-        """(MixerWeights, StepWeights) of every Mamba-1 block, derived from the parameters
-        once and kept until one changes (`inference.plan`): what decode steps read, and
-        CUDA graphs captured on them. (No-grad forwards read a plan of their own, `_ssm_plan`.)"""
+    def _decode_plan(self) -> list:
+        """Every block's decode weights (`MambaBlock.decode_weights`: `ops.StepWeights` or
+        `ops.mamba3.Mamba3StepWeights`), derived from the parameters once and kept until one
+        changes (`inference.plan`): what decode steps read, and CUDA graphs captured on
+        them. (No-grad forwards read a plan of their own, `_forward_plan`.)"""
         return derived_plan(self, "step", _step_plan, _norm_eps)
 
     def _decode_layers(
         self, x: torch.Tensor, state: ModelState
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.dtype, str]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.dtype, str]:
         """The layers of one decode step, the state in place: (the last block's output,
-        the residual stream before norm_f, compute dtype, backend).
+        the residual stream before norm_f (None where the output is the residual stream),
+        compute dtype, backend).
 
-        A batch-1 CPU step is bound by per-call overhead, so the backend is resolved
-        once here (not once per op) and each layer's state is a view from one unbind
-        (not two selects per layer). On the Triton backend each block is one fused
-        step of three kernels (`ops.mamba_layer_step`) when its weights are in the
-        compute dtype, outside torch.compile (which traces the op chain). On the
-        reference backend, outside torch.compile and autocast, with the input, the
-        weights and the state in one dtype, `layers.decode.decode_layers` runs the
-        blocks on the residual stream (returned as the output, the residual None)."""
+        When every block is plain (`fusable`), outside torch.compile (which traces the
+        parameters themselves: cached tensors as extra graph inputs would cost it guards and
+        alias handling), the blocks run as their mixer's stack op on the decode plan
+        (`ops.mamba_stack_step`, `ops.mamba3.mamba3_stack_step`, which choose the bodies);
+        otherwise each block's `step` calls its modules. A batch-1 CPU step is bound by
+        per-call overhead, so the backend is resolved once here, not once per op."""
         h = self.embed(x)
-        p = self._param
-        cdt = compute_dtype(p.dtype, x.device)
+        cdt = compute_dtype(self._param.dtype, x.device)
         backend = resolve_backend("auto", h)
-        compiling = torch.compiler.is_compiling()
-        residual = None
-        if self.config.mixer == "mamba3":
-            for i, layer in enumerate(self.layers):
-                h, residual = layer.step_mamba3(h, residual, cdt, state.layer(i), backend)
+        layers = self._modules["layers"]
+        if not torch.compiler.is_compiling() and all(b.fusable() for b in layers):
+            plan = self._decode_plan()
+            if isinstance(layers[0].mixer, Mamba3):
+                states = [state.layer(i) for i in range(len(layers))]
+                return (*mamba3_stack_step(h, plan, states, cdt, backend), cdt, backend)
+            h, residual = mamba_stack_step(
+                h, plan, state.conv, state.ssm, cdt, backend,
+                lambda: derived_plan(self, "stack", _stack_plan, _norm_eps),
+            )  # fmt: skip
             return h, residual, cdt, backend
-        # the plans and fused kernels read the blocks' weights: only of plain modules
-        fusable = [layer.fusable() for layer in self.layers]
-        plain = all(fusable)
-        if (
-            plain
-            and backend == "reference"
-            and not compiling
-            and h.dtype == cdt == state.dtype == p.dtype
-        ):
-            weights = derived_plan(self, "reference", _reference_plan, _norm_eps)
-            if weights is not None:
-                return decode_layers(h, weights, state.conv, state.ssm), None, cdt, backend
-        fused = backend == "triton" and not compiling
-        # torch.compile traces the parameters themselves (cached tensors as extra graph
-        # inputs would cost it guards and alias handling): the layers derive their own
-        plan = None if compiling or not plain else self._decode_plan()
-        for i, (layer, conv, ssm) in enumerate(
-            zip(self.layers, state.conv.unbind(0), state.ssm.unbind(0))
-        ):
-            w, fw = (None, None) if plan is None else plan[i]
-            f = fused and fusable[i]
-            h, residual = layer.step(h, residual, cdt, conv, ssm, backend, f, w, fw)
+        residual = None
+        for i, layer in enumerate(layers):
+            h, residual = layer.step(h, residual, cdt, state.layer(i), backend)
         return h, residual, cdt, backend
 
 
-# the backbone's decode plans (`inference.plan`): what its steps and no-grad forwards read
-def _step_plan(backbone: MambaBackbone) -> list[tuple]:
-    """(MixerWeights, StepWeights) of every Mamba-1 block."""
-    plan = []
-    for block in backbone.layers:
-        w = mixer_weights(block.mixer)
-        plan.append((w, block.fused_weights(w)))
-    return plan
+# the backbone's plans (`inference.plan`): what its decode steps and no-grad forwards read
+def _step_plan(backbone: MambaBackbone) -> list:
+    return [block.decode_weights() for block in backbone.layers]
 
 
-def _ssm_plan(backbone: MambaBackbone) -> list[tuple]:
-    """(A, D, dt bias) of every Mamba-1 block, for no-grad forwards (prefill, evaluation):
-    a plan of its own, so that a forward keeps no view of the weights alive."""
-    return [block.mixer._ssm_params() for block in backbone.layers]
+def _stack_plan(backbone: MambaBackbone):
+    """The reference body's whole-stack weights of Mamba-1 blocks (`ops.mamba_step.stack`)."""
+    return stack_weights(backbone._decode_plan())
 
 
-def _reference_plan(backbone: MambaBackbone):
-    """`layers.decode`'s weights of every block (None when the norms differ in eps)."""
-    return reference_weights(backbone.layers)
+def _forward_plan(backbone: MambaBackbone) -> list:
+    """What each mixer's no-grad forward reads ready-made (Mamba-1: A, D and the dt bias;
+    Mamba-3: nothing): a plan of its own, so that a forward keeps no view of the weights
+    alive."""
+    return [getattr(block.mixer, "_ssm_params", tuple)() for block in backbone.layers]
 
 
 def _norm_eps(backbone: MambaBackbone) -> list[float]:
@@ -376,16 +361,13 @@ class MambaLM(nn.Module):
         bb, head = self.backbone, self.lm_head
         if (
             fuse
-            and backend == "triton"
             and plain(head)
             and plain(bb.norm_f, RMSNorm)
             and head.weight.dtype == cdt
             and not torch.compiler.is_compiling()
         ):
-            return norm_linear(
-                h, head.weight, head.bias, residual, bb._param, bb.norm_f.eps, backend,
-                validate=False,
-            )  # fmt: skip
+            return _norm_linear(h, head.weight, head.bias, residual, bb._param, bb.norm_f.eps,
+                                backend)  # fmt: skip
         return head(bb.norm_f.rows(h, residual, cdt, backend)[0])
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 64, **kwargs) -> torch.Tensor:

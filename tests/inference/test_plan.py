@@ -56,7 +56,8 @@ def test_owned_tensors_are_refreshed_in_place_and_parameters_are_never_written()
     for dtype in (torch.bfloat16, torch.float32):
         bb = backbone(dtype)
         mixer = bb.layers[0].mixer
-        (A, D, bias) = step_plan(bb)[0][0].ssm
+        w = step_plan(bb)[0]
+        (A, D, bias) = (w.A, w.D, w.dt_bias)
         assert A.dtype == D.dtype == bias.dtype == torch.float32
         if dtype == torch.float32:
             assert D is mixer.D and bias is mixer.dt_proj.bias
@@ -67,7 +68,8 @@ def test_owned_tensors_are_refreshed_in_place_and_parameters_are_never_written()
             mixer.D.mul_(2.0)
             mixer.dt_proj.bias.sub_(1.0)
         D_now = mixer.D.detach().clone()
-        (A2, D2, bias2) = step_plan(bb)[0][0].ssm
+        w2 = step_plan(bb)[0]
+        (A2, D2, bias2) = (w2.A, w2.D, w2.dt_bias)
         assert A2 is A and D2 is D and bias2 is bias  # the same tensors, new values
         torch.testing.assert_close(A, -torch.exp(mixer.A_log.float()), rtol=0, atol=0)
         torch.testing.assert_close(D, mixer.D.float(), rtol=0, atol=0)
@@ -105,12 +107,12 @@ def test_a_replaced_parameter_is_not_written_into():
     follows the new one and leaves the old one as it was."""
     bb = backbone()
     mixer = bb.layers[0].mixer
-    D_plan = step_plan(bb)[0][0].ssm[1]
+    D_plan = step_plan(bb)[0].D
     old = mixer.D
     assert D_plan.data_ptr() == old.data_ptr()
     before = old.detach().clone()
     mixer.D = torch.nn.Parameter(old.detach() + 7.0)
-    assert torch.equal(step_plan(bb)[0][0].ssm[1], mixer.D)
+    assert torch.equal(step_plan(bb)[0].D, mixer.D)
     assert torch.equal(old, before)
 
 
@@ -125,16 +127,16 @@ def test_refresh_brings_every_plan_up_to_date_in_its_tensors():
         bb(torch.randn(2, 3, 5, dtype=torch.bfloat16))  # the forward's plan
         bb.step(torch.randn(2, 5, dtype=torch.bfloat16), bb.init_state(2))  # the step's
     plans = plan_module._PLANS[id(bb)]
-    forward_A = [ssm[0] for ssm in plans["ssm"].value]
-    step_A = [w.ssm[0] for w, _ in plans["step"].value]
+    forward_A = [ssm[0] for ssm in plans["forward"].value]
+    step_A = [w.A for w in plans["step"].value]
     with torch.no_grad():
         for layer in bb.layers:
             layer.mixer.A_log.add_(0.5)
     refresh(torch.nn.Sequential(bb))
     for i, layer in enumerate(bb.layers):
         want = -torch.exp(layer.mixer.A_log.float())
-        assert plans["ssm"].value[i][0] is forward_A[i]
-        assert plans["step"].value[i][0].ssm[0] is step_A[i]
+        assert plans["forward"].value[i][0] is forward_A[i]
+        assert plans["step"].value[i].A is step_A[i]
         torch.testing.assert_close(forward_A[i], want, rtol=0, atol=0)
         torch.testing.assert_close(step_A[i], want, rtol=0, atol=0)
 
@@ -168,10 +170,10 @@ def test_a_model_with_plans_copies_and_pickles_without_them(tmp_path):
     x = torch.randn(2, 5)
     with torch.no_grad():
         y0, _ = bb.step(x, bb.init_state(2))
-    A = step_plan(bb)[0][0].ssm[0]
+    A = step_plan(bb)[0].A
     torch.save(bb, tmp_path / "bb.pt")  # raises if the module holds a weak reference
     c = copy.deepcopy(bb)
-    A_c = step_plan(c)[0][0].ssm[0]
+    A_c = step_plan(c)[0].A
     assert A_c is not A and torch.equal(A_c, A)
     with torch.no_grad():
         c.layers[0].mixer.D.add_(1.0)
@@ -179,7 +181,7 @@ def test_a_model_with_plans_copies_and_pickles_without_them(tmp_path):
         y_c, _ = c.step(x, c.init_state(2))
         y, _ = bb.step(x, bb.init_state(2))
     assert not torch.equal(y_c, y0) and torch.equal(y, y0)
-    assert step_plan(bb)[0][0].ssm[0] is A and torch.equal(A, -torch.exp(bb.layers[0].mixer.A_log))
+    assert step_plan(bb)[0].A is A and torch.equal(A, -torch.exp(bb.layers[0].mixer.A_log))
 
 
 def test_plans_die_with_their_model():

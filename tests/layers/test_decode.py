@@ -1,4 +1,5 @@
-"""The fused decode step of the reference backend (layers/decode.py) against the float64 op
+"""The whole-stack decode step of the reference backend (`ops.mamba_stack_step`'s body,
+ops/mamba_step/stack.py) against the float64 op
 chain (`mamba_layer_step_reference` per block, then the final norm): the hidden state and
 the advanced conv and SSM states over several steps, with and without biases, at batch 1
 and above; the cached weights follow parameter updates; the output is a normal tensor."""
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from mambakit import MambaBackbone, MambaState
-from mambakit import model as model_module
+from mambakit.ops.mamba_step import stack as stack_module
 from mambakit.ops.mamba_step.reference import mamba_layer_step_reference
 from mambakit.ops.rms_norm.reference import rms_norm_reference
 
@@ -27,7 +28,7 @@ def op_chain_step(bb64: MambaBackbone, x: torch.Tensor, state: MambaState) -> to
     """One float64 step through the op chain, the state advanced in place."""
     h, residual = bb64.embed(x), None
     for block, conv, ssm in zip(bb64.layers, state.conv.unbind(0), state.ssm.unbind(0)):
-        h, residual = mamba_layer_step_reference(h, residual, block.fused_weights(), conv, ssm)
+        h, residual = mamba_layer_step_reference(h, residual, block.decode_weights(), conv, ssm)
     return rms_norm_reference(h, bb64.norm_f.weight, bb64.norm_f.eps, residual)[0]
 
 
@@ -35,13 +36,13 @@ def op_chain_step(bb64: MambaBackbone, x: torch.Tensor, state: MambaState) -> to
 def fused_calls(monkeypatch) -> list[int]:
     """Counts the backbone's calls of the fused decode, so a test knows it ran."""
     calls = []
-    fused = model_module.decode_layers
+    fused = stack_module.decode_layers
 
     def counted(*args):
         calls.append(1)
         return fused(*args)
 
-    monkeypatch.setattr(model_module, "decode_layers", counted)
+    monkeypatch.setattr(stack_module, "decode_layers", counted)
     return calls
 
 

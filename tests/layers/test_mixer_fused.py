@@ -38,9 +38,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
-def _chain(xz, *, validate=True, **kw):
-    """The op chain in the fused node's place (the mixer's call passes validate)."""
-    return mamba_inner_chain(xz, **kw)
+def _chain(xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias,
+           conv_state, ssm_state, seq_idx, backend):  # fmt: skip
+    """The op chain in the fused node's place (the mixer calls `ops._mamba_inner`)."""
+    return mamba_inner_chain(
+        xz, conv_weight=conv_weight, conv_bias=conv_bias, x_proj_weight=x_proj_weight,
+        dt_proj_weight=dt_proj_weight, A=A, D=D, dt_bias=dt_bias, conv_state=conv_state,
+        ssm_state=ssm_state, seq_idx=seq_idx, backend=backend,
+    )  # fmt: skip
 
 
 @pytest.fixture
@@ -107,7 +112,7 @@ def test_fused_matches_unfused(seed, randomize, triton_backend, monkeypatch, cas
 
     outs, grads = run(m, x, conv0, ssm0, seq_idx, dtype, loss_on)
     assert type(outs[2].grad_fn).__name__ == "_FusedInnerBackward"
-    monkeypatch.setattr(mixer, "mamba_inner", _chain)
+    monkeypatch.setattr(mixer, "_mamba_inner", _chain)
     outs_ref, grads_ref = run(m, x, conv0, ssm0, seq_idx, dtype, loss_on)
 
     assert outs[0].dtype == dtype and outs[1].dtype == F32 and outs[2].dtype == F32
@@ -176,7 +181,7 @@ def test_fused_saves_no_u_or_delta(seed, randomize, triton_backend, monkeypatch)
     ssm0 = torch.randn(Bsz, D, m.d_state, device=DEVICE, requires_grad=True)
 
     fused, ptr = saved_by_autograd(m, x, conv0, ssm0)
-    monkeypatch.setattr(mixer, "mamba_inner", _chain)
+    monkeypatch.setattr(mixer, "_mamba_inner", _chain)
     unfused, ptr_ref = saved_by_autograd(m, x, conv0, ssm0)
 
     def activations(seen):  # storages saved as [B, T, D] or [B T, D] (linear's 2-D view)

@@ -7,6 +7,7 @@ across calls and pass gradcheck.
 """
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -244,8 +245,8 @@ def test_step_kernel_equals_float64_step(nan_empty, N_, G_, S_, gate):
 
 
 def test_layer_step_kernel_equals_reference_over_tokens():
-    """`Mamba3.step_` on the Triton backend (in place, the kernel) over 4 tokens equals the
-    functional reference `step`."""
+    """`Mamba3.step` on the Triton backend without autograd (in place, the kernel from
+    in_proj's rows) over 4 tokens equals the reference step."""
     from mambakit.layers.mamba3 import Mamba3
 
     torch.manual_seed(0)
@@ -259,7 +260,7 @@ def test_layer_step_kernel_equals_reference_over_tokens():
         for t in range(4):
             u = torch.randn(2, 16)
             out_ref, ref = layer.step(u, ref)
-            out = layer.step_(u, mine, backend="triton")
+            out, _ = layer.step(u, mine, backend="triton")
             torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-6, msg=f"token {t}")
     for name, a, b in zip(Mamba3State._fields, mine, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
@@ -306,8 +307,7 @@ def _kernel_case(T_, G_, seq, state_in, gate, seed=5, Pn=16, Nn=16):
     ids=["chunks", "documents", "one-chunk-no-state", "short-documents"],
 )  # fmt: skip
 @pytest.mark.parametrize("parallel", [False, True], ids=["walk", "parallel-chunks"])
-def test_chunk_kernel_equals_float64_scan(monkeypatch, nan_empty, T_, G_, seq, state_in, gate,
-                                          parallel):  # fmt: skip
+def test_chunk_kernel_equals_float64_scan(nan_empty, T_, G_, seq, state_in, gate, parallel):
     """The Triton sequence forward (interpreter on the CPU; chunks of 32 steps, a partial
     last one) equals the float64 reference scan: y and every final state field, with
     packed documents, with and without an initial state and the D / z terms; one program
@@ -315,8 +315,8 @@ def test_chunk_kernel_equals_float64_scan(monkeypatch, nan_empty, T_, G_, seq, s
     from mambakit.ops.mamba3 import chunk
     from mambakit.ops.mamba3.chunk import mamba3_scan_fwd
 
-    monkeypatch.setattr(chunk, "FWD_PARALLEL_BELOW", 10**9 if parallel else 0)
-    monkeypatch.setattr(chunk, "FWD_PARALLEL_MIN_CHUNKS", 1)
+    below = 10**9 if parallel else 0
+    cfg = replace(chunk.CONFIG, parallel_below=below, parallel_min_chunks=1)
 
     inp, state, seq_idx = _kernel_case(T_, G_, seq, state_in, gate)
     y64, f64 = mamba3_scan_reference(
@@ -330,6 +330,7 @@ def test_chunk_kernel_equals_float64_scan(monkeypatch, nan_empty, T_, G_, seq, s
         **dev,
         initial_state=Mamba3State(*(t.to(DEVICE) for t in state)) if state else None,
         seq_idx=seq_idx.to(DEVICE) if seq_idx is not None else None,
+        cfg=cfg,
     )
     assert y.shape == (2, T_, 4, 16) and y.dtype == torch.float32
     torch.testing.assert_close(y.cpu().double(), y64, rtol=1e-5, atol=1e-5)
@@ -340,17 +341,15 @@ def test_chunk_kernel_equals_float64_scan(monkeypatch, nan_empty, T_, G_, seq, s
 
 
 @pytest.mark.parametrize("T_", [1, 37, 48], ids=["one-step", "5-chunks", "6-chunks-edges"])
-def test_parallel_forward_chunks_and_document_edges(monkeypatch, T_):
+def test_parallel_forward_chunks_and_document_edges(T_):
     """The forward's chunks in parallel with chunks of 8 and the start-state scan walking 2
     chunks at a time (groups of chunks, a padded last group), documents that start at a
     chunk's first step (8, 16, 32) and one of a single step: y and the final state equal
-    the float64 reference; below FWD_PARALLEL_MIN_CHUNKS chunks the walk runs (the same
+    the float64 reference; below `parallel_min_chunks` chunks the walk runs (the same
     values)."""
     from mambakit.ops.mamba3 import chunk
 
-    monkeypatch.setattr(chunk, "CHUNK_L", 8)
-    monkeypatch.setattr(chunk, "SCAN_CHUNKS", 2)
-    monkeypatch.setattr(chunk, "FWD_PARALLEL_BELOW", 10**9)
+    cfg = replace(chunk.CONFIG, chunk=8, scan_chunks=2, parallel_below=10**9)
     inp, state, _ = _kernel_case(T_, 2, False, True, True, seed=3)
     seq_idx = torch.zeros(2, T_, dtype=torch.int32)
     for t in (8, 16, 32, T_ - 1):
@@ -362,11 +361,11 @@ def test_parallel_forward_chunks_and_document_edges(monkeypatch, T_):
         chunk=5,
     )
     for min_chunks in (1, 10):
-        monkeypatch.setattr(chunk, "FWD_PARALLEL_MIN_CHUNKS", min_chunks)
         y, final = chunk.mamba3_scan_fwd(
             **{k: v.to(DEVICE) for k, v in inp.items()},
             initial_state=Mamba3State(*(t.to(DEVICE) for t in state)),
             seq_idx=seq_idx.to(DEVICE),
+            cfg=replace(cfg, parallel_min_chunks=min_chunks),
         )
         torch.testing.assert_close(y.cpu().double(), y64, rtol=1e-5, atol=1e-5)
         for name in ("ssm", "k", "x"):
@@ -391,16 +390,15 @@ def test_chunk_kernels_gradients_equal_float64_scan(T_, G_, seq, state_in, gate)
 @pytest.mark.parametrize(
     "seq, state_in", [(True, True), (False, False)], ids=["documents", "plain"]
 )
-def test_chunk_kernels_in_blocks_of_p_and_n(monkeypatch, seq, state_in):
+def test_chunk_kernels_in_blocks_of_p_and_n(seq, state_in):
     """The forward programs own blocks of 16 of the head's P values, the backward's first
     kernel walks blocks of 16 of P and N and its scan blocks of 256 of P N (P 40, N 32:
     partial blocks): values and every gradient as the float64 reference, without autograd
     (D and the gate inside the kernel) and with it."""
     from mambakit.ops.mamba3 import chunk
 
-    for name in ("FWD_BLOCK_P", "STATES_BLOCK_P", "DY_BLOCK_P", "DY_BLOCK_N"):
-        monkeypatch.setattr(chunk, name, 16)
-    monkeypatch.setattr(chunk, "SCAN_BLOCK", 256)  # P N = 1280: a partial block
+    cfg = replace(chunk.CONFIG, fwd_block_p=16, states_block_p=16, dy_block_p=16, dy_block_n=16,
+                  scan_block=256)  # P N = 1280: a partial block  # fmt: skip
     inp, state, seq_idx = _kernel_case(45, 2, seq, state_in, True, seed=7, Pn=40, Nn=32)
     y64, f64 = mamba3_scan_reference(
         **{k: v.double() for k, v in inp.items()},
@@ -410,26 +408,23 @@ def test_chunk_kernels_in_blocks_of_p_and_n(monkeypatch, seq, state_in):
     )
     # walking; then the chunks in parallel: P in blocks of 16 (the last partial), N in
     # blocks of 16 for u
-    monkeypatch.setattr(chunk, "FWD_PARALLEL_MIN_CHUNKS", 1)
-    monkeypatch.setattr(chunk, "PARALLEL_BLOCK_P", 16)
-    monkeypatch.setattr(chunk, "END_BLOCK_N", 16)
+    cfg = replace(cfg, parallel_min_chunks=1, parallel_block_p=16, end_block_n=16)
     for below in (0, 10**9):
-        monkeypatch.setattr(chunk, "FWD_PARALLEL_BELOW", below)
         y, final = chunk.mamba3_scan_fwd(
             **{k: v.to(DEVICE) for k, v in inp.items()},
             initial_state=Mamba3State(*(t.to(DEVICE) for t in state)) if state else None,
             seq_idx=seq_idx.to(DEVICE) if seq_idx is not None else None,
+            cfg=replace(cfg, parallel_below=below),
         )
         torch.testing.assert_close(y.cpu().double(), y64, rtol=1e-5, atol=1e-5)
         for name in ("ssm", "k", "x"):
             got, want = getattr(final, name).cpu().double(), getattr(f64, name)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
-    monkeypatch.setattr(chunk, "FWD_PARALLEL_BELOW", 0)
-    _check_kernel_gradients(inp, state, seq_idx)
+    _check_kernel_gradients(inp, state, seq_idx, replace(cfg, parallel_below=0))
 
 
 @pytest.mark.parametrize("chunk_bwd, seq", [(8, True), (8, False), (16, True), (32, True)])
-def test_chunk_kernels_backward_in_other_chunks_than_the_forward(monkeypatch, chunk_bwd, seq):
+def test_chunk_kernels_backward_in_other_chunks_than_the_forward(chunk_bwd, seq):
     """The forward (chunks of 16) keeps the start states of the backward's chunks when its
     chunks divide them (16, 32: every chunk's or every other's); a backward in other chunks
     (8) recomputes them in a pass of its own (the forward kernel storing states alone).
@@ -437,13 +432,13 @@ def test_chunk_kernels_backward_in_other_chunks_than_the_forward(monkeypatch, ch
     between the tiles matters). Every gradient as the float64 reference either way."""
     from mambakit.ops.mamba3 import chunk
 
-    monkeypatch.setattr(chunk, "CHUNK_BWD", chunk_bwd)
-    monkeypatch.setattr(chunk, "SCAN_CHUNKS", 4)  # 8: 6 chunks, loaded as two tiles of 4
-    _check_kernel_gradients(*_kernel_case(45, 2, seq, True, True, seed=11))
+    cfg = replace(chunk.CONFIG, chunk_bwd=chunk_bwd, scan_chunks=4)  # 8: 6 chunks, two tiles of 4
+    _check_kernel_gradients(*_kernel_case(45, 2, seq, True, True, seed=11), cfg)
 
 
-def _check_kernel_gradients(inp, state, seq_idx):
-    """mamba3_scan_kernel's y, final state and every gradient against the float64 scan."""
+def _check_kernel_gradients(inp, state, seq_idx, cfg=None):
+    """mamba3_scan_kernel's y, final state and every gradient against the float64 scan
+    (cfg: the kernels' launch parameters, the library's when None)."""
     from mambakit.ops.mamba3.chunk import mamba3_scan_kernel
 
     g = torch.Generator().manual_seed(9)
@@ -459,7 +454,7 @@ def _check_kernel_gradients(inp, state, seq_idx):
         if dtype == torch.float64:
             y, fin = mamba3_scan_reference(**full, initial_state=st, seq_idx=seq, chunk=5)
         else:
-            y, fin = mamba3_scan_kernel(**full, initial_state=st, seq_idx=seq)
+            y, fin = mamba3_scan_kernel(**full, initial_state=st, seq_idx=seq, cfg=cfg)
         return leaves, st, y, fin
 
     leaves64, st64, y64, fin64 = run(torch.float64, "cpu")
@@ -527,7 +522,7 @@ def test_layer_runs_the_chunk_kernels_with_and_without_autograd(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
-def test_chunk_kernels_on_gpu_at_the_130m_head_shape(monkeypatch, dtype):
+def test_chunk_kernels_on_gpu_at_the_130m_head_shape(dtype):
     """On the GPU at the 130m-mamba3 head shape (P 64, N 128, 32 angles, one group),
     300 steps (10 backward chunks, a partial last one), documents and an initial state: the
     kernel scan's y, final state and every gradient against the float64 reference, and y
@@ -575,13 +570,12 @@ def test_chunk_kernels_on_gpu_at_the_130m_head_shape(monkeypatch, dtype):
         outs[key] = {k: v.detach().cpu().double() for k, v in got.items()}
     # without autograd: the chunks walked, and in parallel (what a prefill runs)
     for below in (0, 10**9):
-        monkeypatch.setattr(chunk, "FWD_PARALLEL_BELOW", below)
         with torch.no_grad():
             args = {k: v.detach().to("cuda", torch.float32) for k, v in inp.items()}
             args["x"], args["z"] = (inp[k].to(dtype).cuda() for k in ("x", "z"))
             y, fin = chunk.mamba3_scan_fwd(
                 **args, initial_state=Mamba3State(*(t.cuda().float() for t in state)),
-                seq_idx=seq_idx.cuda(),
+                seq_idx=seq_idx.cuda(), cfg=replace(chunk.CONFIG, parallel_below=below),
             )  # fmt: skip
         outs[f"no-grad {below}"] = {"y": y.cpu().double(), "final.ssm": fin.ssm.cpu().double(),
                                     "final.k": fin.k.cpu().double()}  # fmt: skip
@@ -602,9 +596,7 @@ def test_chunk_kernels_on_gpu_at_the_130m_head_shape(monkeypatch, dtype):
     ids=["blocks", "documents", "odd-pairs-documents", "one-step", "partial-block"],
 )  # fmt: skip
 @pytest.mark.parametrize("block, chunk_blocks", [(16, 1), (16, 8), (32, 1), (32, 2)])
-def test_token_terms_kernels_equal_the_reference(
-    Bn, T_, Hn, G_, Nn, Sn, seq, block, chunk_blocks, monkeypatch
-):
+def test_token_terms_kernels_equal_the_reference(Bn, T_, Hn, G_, Nn, Sn, seq, block, chunk_blocks):
     """terms.py (blocks of 16 or 32 steps carrying the angle, pairs as even/odd halves, chunks
     of 1 to 8 blocks in parallel, composed from their sums; the turn and its backward in
     blocks of as many steps, the latter over a group's heads) against reference.token_terms
@@ -615,10 +607,8 @@ def test_token_terms_kernels_equal_the_reference(
     from mambakit.ops.mamba3.reference import token_terms
     from mambakit.ops.mamba3.terms import token_terms_kernel
 
-    monkeypatch.setattr(terms, "BT", block)
-    monkeypatch.setattr(terms, "FWD_CHUNK_BLOCKS", chunk_blocks)
-    monkeypatch.setattr(terms, "BWD_CHUNK_BLOCKS", chunk_blocks)
-    monkeypatch.setattr(terms, "TURN_BT", block)
+    cfg = replace(terms.CONFIG, block_t=block, fwd_chunk_blocks=chunk_blocks,
+                  bwd_chunk_blocks=chunk_blocks, turn_block_t=block)  # fmt: skip
     g = torch.Generator().manual_seed(T_)
 
     def r(*s):
@@ -645,7 +635,7 @@ def test_token_terms_kernels_equal_the_reference(
             phi, *rest = token_terms(*args, seq_idx, torch.float64)
             res = [phi[:, -1], *rest]
         else:
-            res = list(token_terms_kernel(*args, seq_idx.to(dev) if seq else None))
+            res = list(token_terms_kernel(*args, seq_idx.to(dev) if seq else None, cfg=cfg))
         if cots is None:
             cots = [torch.randn(t.shape, generator=g, dtype=torch.float64) for t in res]
         res[0] = torch.sin(res[0])

@@ -81,10 +81,10 @@ def test_graph_steps_refresh_what_is_cached_from_the_parameters(restore_determin
     assert trainer._graph is not None
     bb = trainer.model.backbone
     mixer = bb.layers[0].mixer
-    first = bb._decode_plan()[0][0].ssm[0].clone()  # the decode plan
+    first = bb._decode_plan()[0].A.clone()  # the decode plan
     for _ in range(3):
         trainer.train_step()
-    A = bb._decode_plan()[0][0].ssm[0]
+    A = bb._decode_plan()[0].A
     assert torch.equal(A, -torch.exp(mixer.A_log.float()))
     assert not torch.equal(A, first)  # training moved A_log
     # the trainer's validation loss is the loss of the weights it has, as a fresh copy sees them

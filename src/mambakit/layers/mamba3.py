@@ -31,18 +31,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import resolve_backend, rms_norm
+from ..ops import _rms_norm
 from ..ops._checks import check_seq_idx, check_tensor, state_dtype
-from ..ops.mamba3.reference import mamba3_scan_reference, mamba3_step_reference
+from ..ops.mamba3 import (
+    Mamba3StepWeights,
+    _mamba3_scan,
+    _split,
+    check_mamba3_state,
+    heavy_tail,
+    mamba3_state_update,
+    mamba3_step_raw,
+    mamba3_step_reference,
+)
 from ..state import Mamba3State
 from .init import no_weight_decay
+from .mixer import _p
 from .plain import plain
-
-
-def heavy_tail(u: torch.Tensor) -> torch.Tensor:
-    """f(u) = 1 + u for u >= 0, 1 / (1 - u) for u < 0: positive, smooth at 0, f(u) ~ |u|^-1 as
-    u -> -inf (a slower approach to 0 than softplus's exp(u))."""
-    return u.clamp(min=0) + torch.reciprocal(1 - u.clamp(max=0))
 
 
 class Mamba3(nn.Module):
@@ -208,24 +212,14 @@ class Mamba3(nn.Module):
         return Mamba3State.zeros(batch_size, self.nheads, self.headdim, self.d_state,
                                  self.n_angles, device or p.device, f)  # fmt: skip
 
-    def _split(self, u: torch.Tensor):
-        """in_proj's rows over u's leading dims: (z, x as [..., H, P]; B, C as [..., G, N];
-        dd_dt, dd_A, trap, theta)."""
-        return self._split_rows(self.in_proj(u))
-
-    def _split_rows(self, zxbc: torch.Tensor):
-        """`_split` of in_proj's output."""
-        E, N, G, H, S = self.d_inner, self.d_state, self.ngroups, self.nheads, self.n_angles
-        z, x, B, C, dd_dt, dd_A, trap, theta = torch.split(
-            zxbc, [E, E, G * N, G * N, H, H, H, S], dim=-1
-        )
-        heads, groups = (H, self.headdim), (G, N)
-        return (z.unflatten(-1, heads), x.unflatten(-1, heads), B.unflatten(-1, groups),
-                C.unflatten(-1, groups), dd_dt, dd_A, trap, theta)  # fmt: skip
+    def _sizes(self) -> tuple[int, int, int, int, int, int]:
+        """(E, N, G, H, P, S): how in_proj's rows split (`ops.mamba3._split`)."""
+        return (self.d_inner, self.d_state, self.ngroups, self.nheads, self.headdim,
+                self.n_angles)  # fmt: skip
 
     def _inputs(self, u: torch.Tensor):
         """in_proj, split and activated: the scan's inputs over u's leading dims."""
-        z, x, B, C, dd_dt, dd_A, trap, theta = self._split(u)
+        z, x, B, C, dd_dt, dd_A, trap, theta = _split(self.in_proj(u), self._sizes())
         k = self.B_norm(B)
         q = self.C_norm(C)
         f = state_dtype(u)
@@ -248,86 +242,68 @@ class Mamba3(nn.Module):
             check_seq_idx(seq_idx, u.shape[0], u.shape[1], u.device)
         x, q, k, delta, A, trap, theta, z = self._inputs(u)
         args = (x, q, k, delta, A, trap, theta, self.C_bias[:, 0], self.B_bias[:, 0], self.D, z)
-        if self._kernels(u, state, backend, differentiable=True):  # Triton: chunk kernels
-            from ..ops.mamba3.chunk import mamba3_scan_kernel
-
-            y, final = mamba3_scan_kernel(*args, initial_state=state, seq_idx=seq_idx)
-        else:
-            y, final = mamba3_scan_reference(
-                *args, initial_state=state, seq_idx=seq_idx, chunk=self.chunk_size
-            )
+        y, final = _mamba3_scan(*args, state, seq_idx, self.chunk_size, backend)
         out = self.out_proj(y.flatten(-2).to(self.out_proj.weight.dtype))
         return (out, final) if return_state else out
 
-    def step(self, u: torch.Tensor, state: Mamba3State) -> tuple[torch.Tensor, Mamba3State]:
-        """One timestep: u [B, M] -> (out [B, M], the next state). Functional: the state
-        passed in is not changed."""
+    def step(
+        self, u: torch.Tensor, state: Mamba3State, backend: str = "auto"
+    ) -> tuple[torch.Tensor, Mamba3State]:
+        """One timestep: u [B, M] -> (out [B, M], the next state). As the model's `step`: in
+        place when no gradient is recorded (the state returned is the one passed in; on the
+        Triton backend one kernel from in_proj's rows to y, `ops.mamba3_step_raw`, when the
+        B and C norms are plain), functionally when one is (the state passed in is not
+        changed; the reference step, which has a backward)."""
         check_tensor("u", u, (None, self.d_model))
         self._check_state(state, u.shape[0], u.device)
-        x, q, k, delta, A, trap, theta, z = self._inputs(u)
-        y, nxt = mamba3_step_reference(
-            x, q, k, delta, A, trap, theta, self.C_bias[:, 0], self.B_bias[:, 0], self.D, z, state
-        )
-        return self.out_proj(y.flatten(-2).to(self.out_proj.weight.dtype)), nxt
-
-    def step_(self, u: torch.Tensor, state: Mamba3State, backend: str = "auto") -> torch.Tensor:
-        """One timestep with `state` advanced in place (the decode loop's form): u [B, M] ->
-        out [B, M]. On the Triton backend, outside autograd and torch.compile, one kernel
-        turns the keys, updates the state and gates y (ops/mamba3/step.py); otherwise the
-        reference step runs and its state is copied back. The caller checked the state."""
-        q_bias, k_bias = self.C_bias[:, 0], self.B_bias[:, 0]
-        if self._kernels(u, state, backend):  # one kernel from in_proj's rows to y
-            y = self.state_update_(self.in_proj(u), state)
-        else:
-            x, q, k, delta, A, trap, theta, z = self._inputs(u)
-            y, new = mamba3_step_reference(
-                x, q, k, delta, A, trap, theta, q_bias, k_bias, self.D, z, state
-            )
-            for dst, src in zip(state, new):
-                dst.copy_(src)
-        return self.out_proj(y.flatten(-2).to(self.out_proj.weight.dtype))
-
-    def state_update_(self, zxbc: torch.Tensor, state: Mamba3State) -> torch.Tensor:
-        """The decode step kernel from in_proj's output zxbc [B, in_proj rows]: y [B, H, P]
-        (gated, before out_proj) with `state` advanced in place (Triton, no autograd)."""
-        from ..ops.mamba3.step import state_update_raw
-
-        z, x, B, C, dd_dt, dd_A, trap, theta = self._split_rows(zxbc)
-        return state_update_raw(
-            state, x, C, B, dd_dt, dd_A, trap, theta, self.C_bias[:, 0], self.B_bias[:, 0],
-            self.D, z, self.dt_bias, self.A_floor, self.C_norm.weight, self.B_norm.weight,
-            self.B_norm.eps,
-        )  # fmt: skip
-
-    def _kernels(
-        self,
-        u: torch.Tensor,
-        state: Mamba3State | None,
-        backend: str = "auto",
-        differentiable: bool = False,
-    ) -> bool:
-        """Whether the Triton kernels run: on the Triton backend, with f32 state, outside
-        torch.compile; the decode step kernel (differentiable=False, it has no backward)
-        only outside autograd, where the reference step runs instead."""
         records = torch.is_grad_enabled() and (
             u.requires_grad
             or any(p.requires_grad for p in self.parameters())
-            or (state is not None and any(t.requires_grad for t in state))
+            or any(t.requires_grad for t in state)
         )
-        return (
-            resolve_backend(backend, u) == "triton"
-            and (differentiable or not records)
-            # the step kernel reads the B and C norms' weights (the forward calls them)
-            and (
-                differentiable or (plain(self.B_norm, _RMSNormN) and plain(self.C_norm, _RMSNormN))
-            )
-            and not torch.compiler.is_compiling()
-            and (state is None or state.ssm.dtype == torch.float32)
-        )
+        if records:
+            x, q, k, delta, A, trap, theta, z = self._inputs(u)
+            y, state = mamba3_step_reference(
+                x, q, k, delta, A, trap, theta, self.C_bias[:, 0], self.B_bias[:, 0], self.D, z,
+                state,
+            )  # fmt: skip
+        elif self.fusable():
+            y = mamba3_step_raw(state, self.in_proj(u), self.decode_weights(), backend)
+        else:
+            x, q, k, delta, A, trap, theta, z = self._inputs(u)
+            y = mamba3_state_update(
+                state, x, q, k, delta, A, trap, theta, self.C_bias[:, 0], self.B_bias[:, 0],
+                self.D, z, backend,
+            )  # fmt: skip
+        return self.out_proj(y.flatten(-2).to(self.out_proj.weight.dtype)), state
+
+    def sequence(self, x, state, seq_idx, backend, derived=None, last=False):
+        """What a block runs over a sequence (every mixer has it): (out, the final state).
+        Nothing is derived ahead for Mamba-3 and every step's output is given."""
+        return self(x, state, seq_idx, return_state=True, backend=backend)
+
+    def decode(self, x: torch.Tensor, state: Mamba3State, backend: str) -> torch.Tensor:
+        """What a block runs for one decode step (every mixer has it): x [B, M] -> [B, M],
+        `state` advanced in place (no gradient is recorded)."""
+        return self.step(x, state, backend)[0]
+
+    def decode_weights(self, norm: nn.Module | None = None) -> Mamba3StepWeights:
+        """The tensors a decode step reads (views of the parameters), with the block's
+        `norm` (its RMSNorm) when given; only for a `fusable()` layer."""
+        norm_w = None if norm is None else _p(norm, "weight")
+        eps = 0.0 if norm is None else norm.eps
+        bn, cn = self._modules["B_norm"], self._modules["C_norm"]
+        return Mamba3StepWeights(
+            norm_w, eps, _p(self._modules["in_proj"], "weight"),
+            _p(self._modules["out_proj"], "weight"), _p(self, "C_bias")[:, 0],
+            _p(self, "B_bias")[:, 0], _p(self, "D"), _p(self, "dt_bias"), self.A_floor,
+            _p(cn, "weight"), _p(bn, "weight"), bn.eps, self._sizes(),
+        )  # fmt: skip
 
     def fusable(self) -> bool:
         """Whether a decode step may read the projections' and the B and C norms' weights
-        (the block's streaming kernels); otherwise it calls the modules (layers/plain.py)."""
+        (`decode_weights`: the fused step kernels); otherwise it calls the modules
+        (layers/plain.py)."""
         return (
             plain(self.in_proj)
             and plain(self.out_proj)
@@ -336,12 +312,8 @@ class Mamba3(nn.Module):
         )
 
     def _check_state(self, state: Mamba3State, batch: int, device) -> None:
-        if not isinstance(state, Mamba3State):
-            raise TypeError(f"state must be a Mamba3State, got {type(state).__name__}")
         H, P, N, S = self.nheads, self.headdim, self.d_state, self.n_angles
-        want = dict(angle=(batch, H, S), ssm=(batch, H, P, N), k=(batch, H, N), x=(batch, H, P))
-        for name, shape in want.items():
-            check_tensor(f"state.{name}", getattr(state, name), shape, device=device)
+        check_mamba3_state("state", state, batch, H, P, N, S, device)
 
 
 # Keys (or their module) that upstream's Mamba3 has only in a mode mambakit does not build.
@@ -381,4 +353,4 @@ class _RMSNormN(nn.Module):
         self.weight = no_weight_decay(nn.Parameter(torch.ones(n, device=device, dtype=dtype)))
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        return rms_norm(t, self.weight, self.eps, out_dtype=t.dtype, validate=False)[0]
+        return _rms_norm(t, self.weight, self.eps, None, t.dtype, "auto")[0]

@@ -7,17 +7,18 @@ mamba_ssm `Mamba`, so state dicts map one to one.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import auto_dt_rank
 from ..ops import (
+    StepWeights,
+    _mamba_inner,
+    _mamba_mixer_step,
     causal_conv1d,
     causal_conv1d_update,
-    mamba_inner,
+    mamba_last,
     selective_scan,
     selective_state_update,
 )
@@ -145,21 +146,20 @@ class Mamba(nn.Module):
             out = self.out_proj(y)
             return (out, (conv_out, ssm_out)) if return_state else out
         A, D, dt_bias = self._ssm_params() if derived is None else derived
-        y, conv_out, ssm_out = mamba_inner(
+        y, conv_out, ssm_out = _mamba_inner(
             xz,
-            conv_weight=self.conv1d.weight.squeeze(1),  # [D, K]
-            conv_bias=self.conv1d.bias,
-            x_proj_weight=self.x_proj.weight,
-            dt_proj_weight=self.dt_proj.weight,
-            A=A,
-            D=D,
-            dt_bias=dt_bias,
-            conv_state=conv_state,
-            ssm_state=ssm_state,
-            seq_idx=seq_idx,
-            backend=backend,
-            validate=False,  # x and the states are checked above
-        )  # y [B, T, D]
+            self.conv1d.weight.squeeze(1),
+            self.conv1d.bias,
+            self.x_proj.weight,
+            self.dt_proj.weight,
+            A,
+            D,
+            dt_bias,
+            conv_state,
+            ssm_state,
+            seq_idx,
+            backend,
+        )  # y [B, T, D]; x and the states are checked above
         out = self.out_proj(y)
         return (out, (conv_out, ssm_out)) if return_state else out
 
@@ -192,29 +192,39 @@ class Mamba(nn.Module):
         )  # fmt: skip
         return y, conv_out, ssm_out
 
-    def _last_forward(
+    def sequence(
         self,
-        x: torch.Tensor,  # [B, T, M]
-        conv_state: torch.Tensor | None,
-        ssm_state: torch.Tensor | None,
+        x: torch.Tensor,  # [B, T, M], the normed input
+        state: tuple | None,  # (conv [B, K-1, D], ssm [B, D, N]) or None
         seq_idx: torch.Tensor | None,
-        derived: tuple | None,
+        backend: str,
+        derived: tuple | None = None,
+        last: bool = False,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """(the output at the last step [B, 1, M], (conv, ssm) final states) on the Triton
-        backend without autograd, the states already checked: a prefill's last layer
-        (`MambaLM.last_logits`), out_proj on one row per sequence."""
-        from ..ops.mamba_inner import mamba_inner_last
+        """What a block runs over a sequence (every mixer has it): (out, the final state).
+        `derived`: (A, D, dt bias) as `ssm_params` gives them, when the caller holds them
+        (the model's plan, without autograd). `last`: only the last step's output is read
+        (a prefill's last layer); without autograd and with plain modules the output is
+        that step's alone ([B, 1, M]), from `ops.mamba_last`."""
+        conv, ssm = (None, None) if state is None else state
+        if (
+            last
+            and self.fusable()
+            and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+        ):
+            check_tensor("x", x, (None, None, self.d_model))
+            w = self.decode_weights()
+            if derived is not None:
+                w = w._replace(A=derived[0], D=derived[1], dt_bias=derived[2])
+            out, conv_out, ssm_out = mamba_last(x, w, conv, ssm, seq_idx, backend)
+            return out, (conv_out, ssm_out)
+        return self(x, conv, ssm, seq_idx, return_state=True, backend=backend, derived=derived)
 
-        # in_proj's x half over every step, its z half (the gate) at the last step only
-        w, b, Dn = self.in_proj.weight, self.in_proj.bias, self.d_inner
-        x_in = F.linear(x, w[:Dn], None if b is None else b[:Dn])
-        z_last = F.linear(x[:, -1], w[Dn:], None if b is None else b[Dn:])
-        A, D, dt_bias = self._ssm_params() if derived is None else derived
-        y, conv_out, ssm_out = mamba_inner_last(
-            x_in, z_last, self.conv1d.weight.squeeze(1), self.conv1d.bias, self.x_proj.weight,
-            self.dt_proj.weight, A, D, dt_bias, conv_state, ssm_state, seq_idx,
-        )  # fmt: skip
-        return self.out_proj(y)[:, None], (conv_out, ssm_out)
+    def decode(self, x: torch.Tensor, state: tuple, backend: str) -> torch.Tensor:
+        """What a block runs for one decode step (every mixer has it): x [B, M] -> [B, M],
+        `state` (conv, ssm) advanced in place."""
+        return self.step(x, state[0], state[1], backend)
 
     def step(
         self,
@@ -222,40 +232,20 @@ class Mamba(nn.Module):
         conv_state: torch.Tensor,  # [B, K-1, D], updated in place
         ssm_state: torch.Tensor,  # [B, D, N], updated in place
         backend: str = "auto",
-        weights: MixerWeights | None = None,
     ):
         """One timestep of decode: the states advance in place; returns [B, M].
 
         Given mamba_ssm's form, x [B, 1, M] with its conv cache [B, D, K], it is mamba_ssm's
         step: returns (out [B, 1, M], conv_state, ssm_state) (`mamba_ssm_cache.step`).
 
-        `weights`: the layer's `MixerWeights` when the caller holds them (the model's
-        decode plan); None derives them from the parameters. At batch 1 on a CPU the step
-        is bound by per-call overhead, not arithmetic: it skips the per-op checks (the
-        backbone checked the state) and runs with the `backend` the caller resolved once
-        for the whole step."""
+        At batch 1 on a CPU the step is bound by per-call overhead, not arithmetic: it skips
+        the per-op checks (the backbone checked the state) and runs the op chain on the
+        parameters (`ops.mamba_step.chain`) when every module is plain, else calls them."""
         if x.dim() == 3:
             return mamba_ssm_cache.step(self, x, conv_state, ssm_state)
-        if weights is None and not self.fusable():
+        if not self.fusable():
             return self._step_modules(x, conv_state, ssm_state, backend)
-        (in_w, x_w, dt_w, out_w), conv_w, (A, D, dt_bias) = (
-            weights if weights is not None else mixer_weights(self)
-        )
-        autocast = torch.is_autocast_enabled(x.device.type)
-        mods = self._modules
-        Dn, R, N = self.d_inner, self.dt_rank, self.d_state
-        xz = _project(x, in_w, _p(mods["in_proj"], "bias"), autocast)  # [B, 2D]
-        u = causal_conv1d_update(
-            conv_state, xz[:, :Dn], conv_w, _p(mods["conv1d"], "bias"), "silu",
-            backend=backend, validate=False,
-        )  # fmt: skip
-        x_dbl = _project(u, x_w, None, autocast)  # [B, R + 2N]
-        delta = _project(x_dbl[:, :R], dt_w, None, autocast)
-        y = selective_state_update(
-            ssm_state, u, delta, A, x_dbl[:, R : R + N], x_dbl[:, R + N :], D, xz[:, Dn:],
-            dt_bias, True, backend=backend, validate=False,
-        )  # fmt: skip
-        return _project(y, out_w, _p(mods["out_proj"], "bias"), autocast)
+        return _mamba_mixer_step(x, self.decode_weights(), conv_state, ssm_state, backend)
 
     def _step_modules(
         self, x: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, backend: str
@@ -281,6 +271,21 @@ class Mamba(nn.Module):
         )
         return self.out_proj(y)
 
+    def decode_weights(self, norm: nn.Module | None = None) -> StepWeights:
+        """The tensors a decode step reads (views of the parameters; A, D and the dt bias in
+        f32), with the block's `norm` (its RMSNorm) when given; only for a `fusable()` layer.
+        Read from the parameter dicts: an nn.Module attribute lookup costs about 1 us, as
+        much as one of a batch-1 CPU step's ops."""
+        mods = self._modules
+        A, D, dt_bias = ssm_params(_p(self, "A_log"), _p(self, "D"), _p(mods["dt_proj"], "bias"))
+        return StepWeights(
+            None if norm is None else _p(norm, "weight"), 0.0 if norm is None else norm.eps,
+            _p(mods["in_proj"], "weight"), _p(mods["in_proj"], "bias"),
+            _p(mods["conv1d"], "weight").squeeze(1), _p(mods["conv1d"], "bias"),
+            _p(mods["x_proj"], "weight"), _p(mods["dt_proj"], "weight"), dt_bias, A, D,
+            _p(mods["out_proj"], "weight"), _p(mods["out_proj"], "bias"),
+        )  # fmt: skip
+
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int, dtype=None, **kwargs):
         """mamba_ssm's cache of this layer: (conv [B, D, K], ssm [B, D, N]) zeros."""
         return mamba_ssm_cache.allocate(self, batch_size, dtype)
@@ -290,34 +295,6 @@ class Mamba(nn.Module):
         return mamba_ssm_cache.states_from_cache(
             self, inference_params, batch_size, initialize_states
         )
-
-
-class MixerWeights(NamedTuple):
-    """What a decode step of a `Mamba` layer reads: the GEMM weights with their
-    transposes (views), the conv weight [D, K] and the SSM parameters."""
-
-    gemms: tuple  # ((w, w.t()) of in_proj, x_proj, dt_proj and out_proj)
-    conv_w: torch.Tensor  # [D, K]
-    ssm: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # A, D, dt bias (`ssm_params`)
-
-
-def mixer_weights(mixer: Mamba) -> MixerWeights:
-    """A layer's `MixerWeights` from its parameters, read from the parameter dicts (an
-    nn.Module attribute lookup costs about 1 us, as much as one of the step's ops)."""
-    mods = mixer._modules
-    gemms = tuple(
-        (w, w.t())
-        for w in (
-            _p(mods["in_proj"], "weight"),
-            _p(mods["x_proj"], "weight"),
-            _p(mods["dt_proj"], "weight"),
-            _p(mods["out_proj"], "weight"),
-        )
-    )
-    conv_w = _p(mods["conv1d"], "weight").squeeze(1)
-    return MixerWeights(
-        gemms, conv_w, ssm_params(_p(mixer, "A_log"), _p(mixer, "D"), _p(mods["dt_proj"], "bias"))
-    )
 
 
 def ssm_params(A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor | None) -> tuple:
@@ -356,16 +333,3 @@ def _p(module: nn.Module, name: str) -> torch.Tensor | None:
     parametrized weight (not in the dict: computed on access) goes through getattr."""
     params = module._parameters
     return params[name] if name in params else getattr(module, name)
-
-
-def _project(
-    x: torch.Tensor, w: tuple[torch.Tensor, torch.Tensor], b: torch.Tensor | None, autocast: bool
-) -> torch.Tensor:
-    """F.linear(x, w[0], b) for 2-d x, given w = (weight, weight.t()).
-
-    Without autocast it is the mm / addmm that F.linear runs, called directly: its
-    wrappers (linear, matmul, t) cost as much as a batch-1 GEMM on a CPU. Under
-    autocast F.linear itself, since autocast reuses its cast of a parameter, not of a view."""
-    if autocast:
-        return F.linear(x, w[0], b)
-    return torch.mm(x, w[1]) if b is None else torch.addmm(b, x, w[1])

@@ -1,20 +1,19 @@
-"""Pure tensor ops of a Mamba layer and the one place where a backend is chosen.
+"""Pure tensor ops of a Mamba model, and the only place where an op's body is chosen.
 
-`backend="auto"` picks Triton for CUDA tensors when Triton is importable, else
-the PyTorch reference. The environment variable MAMBAKIT_BACKEND (`reference` |
-`triton`), read at every call, overrides "auto". `"triton"` on CPU tensors runs
-the kernels under the Triton interpreter (TRITON_INTERPRET=1 must be set before
-the kernels are first imported); that is how CI tests them.
-
-Every input is checked here, before any kernel launches.
+Each op is one public function here (Mamba-3's in `ops.mamba3`, re-exported): it checks
+its inputs, before any kernel launches, and runs the reference body (PyTorch: the CPU path
+and the oracle) or the Triton body, as `resolve_backend` (`_backend.py`) says. A private
+twin without the checks (`_rms_norm`, `_norm_linear`, `_mamba_inner`) serves callers that
+checked once for a whole step or layer. `"triton"` on CPU tensors runs the kernels under
+the Triton interpreter: that is how CI tests them.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
+import torch.nn.functional as F
 
+from ._backend import _TRITON_DTYPES, resolve_backend
 from ._checks import check_same_dtype, check_seq_idx, check_tensor, state_dtype
 from .causal_conv1d.reference import causal_conv1d_reference, causal_conv1d_update_reference
 from .cross_entropy.linear import LinearCrossEntropy
@@ -34,64 +33,14 @@ __all__ = [
     "selective_state_update",
     "causal_conv1d_update",
     "mamba_layer_step",
+    "mamba_stack_step",
     "norm_linear",
     "StepWeights",
     "linear_cross_entropy",
     "mamba_inner",
+    "mamba_last",
     "resolve_backend",
 ]
-
-BACKENDS = ("auto", "reference", "triton")
-_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-_TRITON: list[bool] = []
-
-
-def triton_available() -> bool:
-    if not _TRITON:
-        try:
-            import triton  # noqa: F401
-
-            _TRITON.append(True)
-        except ImportError:
-            _TRITON.append(False)
-    return _TRITON[0]
-
-
-def resolve_backend(backend: str, x: torch.Tensor, *others: torch.Tensor | None) -> str:
-    """The backend an op on `x` runs with: "reference" or "triton". The one place the
-    choice is made (a model resolves it once per call and hands it to its layers' ops).
-
-    float64 is the oracle's dtype and stays on the reference: an f64 `x` under "auto" or
-    MAMBAKIT_BACKEND, and any f64 operand among `others` (as the f64 residual stream of
-    an RMSNorm whose input is in a lower dtype)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        env = os.environ.get("MAMBAKIT_BACKEND", "").strip().lower()
-        if env and env not in ("reference", "triton"):
-            raise ValueError(f"MAMBAKIT_BACKEND must be 'reference' or 'triton', got {env!r}")
-        if env:
-            backend = env
-        elif x.is_cuda and triton_available() and x.dtype in _TRITON_DTYPES:
-            backend = "triton"
-        else:
-            backend = "reference"
-    if backend == "triton":
-        if not triton_available():
-            raise RuntimeError("backend='triton' needs the triton package (pip install triton)")
-        if x.dtype not in _TRITON_DTYPES:
-            if os.environ.get("MAMBAKIT_BACKEND") and x.dtype == torch.float64:
-                return "reference"  # float64 oracle runs stay on the reference
-            raise TypeError(f"backend='triton' supports f32, bf16 and f16 inputs, got {x.dtype}")
-        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError(
-                "backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before import"
-            )
-        if any(t is not None and t.dtype == torch.float64 for t in others):
-            return "reference"
-    return backend
 
 
 def selective_scan(
@@ -197,29 +146,36 @@ def mamba_inner(
     ssm_state: torch.Tensor | None = None,  # [B, D, N]
     seq_idx: torch.Tensor | None = None,  # [B, T] int32
     backend: str = "auto",
-    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The Mamba mixer between in_proj and out_proj: conv, x_proj, dt_proj and the scan
     gated by silu(z). Returns (y [B, T, D] in xz.dtype, final conv state [B, K-1, D],
     final ssm state [B, D, N]); the projections run in xz.dtype, the states are f32 (f64
     on the oracle path). On "triton" one fused autograd node (ops/mamba_inner), on
-    "reference" the chain of ops. `validate=False`: the caller checked xz, the weights and
-    the states (the Mamba layer); seq_idx is checked either way."""
+    "reference" the chain of ops."""
     Dn, N = A.shape
-    if validate:
-        check_tensor("xz", xz, (None, None, 2 * Dn), last_dim_contiguous=True)
-        Bsz, dev = xz.shape[0], xz.device
-        check_tensor("conv_weight", conv_weight, (Dn, None), device=dev)
-        check_tensor("dt_proj_weight", dt_proj_weight, (Dn, None), device=dev)
-        K, R = conv_weight.shape[1], dt_proj_weight.shape[1]
-        check_tensor("x_proj_weight", x_proj_weight, (R + 2 * N, Dn), device=dev)
-        for name, t in (("conv_bias", conv_bias), ("D", D), ("dt_bias", dt_bias)):
-            if t is not None:
-                check_tensor(name, t, (Dn,), device=dev)
-        if conv_state is not None:
-            check_tensor("conv_state", conv_state, (Bsz, K - 1, Dn), device=dev)
-        if ssm_state is not None:
-            check_tensor("ssm_state", ssm_state, (Bsz, Dn, N), device=dev)
+    check_tensor("xz", xz, (None, None, 2 * Dn), last_dim_contiguous=True)
+    Bsz, dev = xz.shape[0], xz.device
+    check_tensor("conv_weight", conv_weight, (Dn, None), device=dev)
+    check_tensor("dt_proj_weight", dt_proj_weight, (Dn, None), device=dev)
+    K, R = conv_weight.shape[1], dt_proj_weight.shape[1]
+    check_tensor("x_proj_weight", x_proj_weight, (R + 2 * N, Dn), device=dev)
+    for name, t in (("conv_bias", conv_bias), ("D", D), ("dt_bias", dt_bias)):
+        if t is not None:
+            check_tensor(name, t, (Dn,), device=dev)
+    if conv_state is not None:
+        check_tensor("conv_state", conv_state, (Bsz, K - 1, Dn), device=dev)
+    if ssm_state is not None:
+        check_tensor("ssm_state", ssm_state, (Bsz, Dn, N), device=dev)
+    args = (conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias)
+    return _mamba_inner(xz, *args, conv_state, ssm_state, seq_idx, backend)
+
+
+def _mamba_inner(
+    xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias, conv_state,
+    ssm_state, seq_idx, backend,
+):  # fmt: skip
+    """`mamba_inner` without the checks of the weights and states (the Mamba layer checked
+    its input and states); seq_idx is checked here."""
     if seq_idx is not None:
         check_seq_idx(seq_idx, xz.shape[0], xz.shape[1], xz.device)
     args = (conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias)
@@ -234,6 +190,45 @@ def mamba_inner(
     )  # fmt: skip
 
 
+def mamba_last(
+    x: torch.Tensor,  # [B, T, M], the mixer's (normed) input
+    weights: StepWeights,  # the norm's fields are not read
+    conv_state: torch.Tensor | None = None,  # [B, K-1, D]
+    ssm_state: torch.Tensor | None = None,  # [B, D, N]
+    seq_idx: torch.Tensor | None = None,  # [B, T] int32
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Mamba-1 mixer (in_proj to out_proj) when only the last step's output is read (a
+    prefill's last layer), without autograd: (out at the last step [B, 1, M], final conv
+    state, final ssm state). The caller (the Mamba layer) checked x and the states.
+
+    Triton: in_proj's x half over every step and its z half (the gate) at the last step
+    only; the scan keeps its segment summaries and gives h_T and y_T from them
+    (`scan_last`), so neither its output pass nor out_proj runs over the other steps.
+    Reference: the mixer over every step, the last row kept."""
+    w = weights
+    if seq_idx is not None:
+        check_seq_idx(seq_idx, x.shape[0], x.shape[1], x.device)
+    Dn = w.A.shape[0]
+    if resolve_backend(backend, x) == "triton":
+        from .mamba_inner import mamba_inner_last_triton
+
+        b = w.in_b
+        x_in = F.linear(x, w.in_w[:Dn], None if b is None else b[:Dn])
+        z_last = F.linear(x[:, -1], w.in_w[Dn:], None if b is None else b[Dn:])
+        y, conv_out, ssm_out = mamba_inner_last_triton(
+            x_in, z_last, w.conv_w, w.conv_b, w.x_w, w.dt_w, w.A, w.D, w.dt_bias, conv_state,
+            ssm_state, seq_idx,
+        )  # fmt: skip
+        return F.linear(y, w.out_w, w.out_b)[:, None], conv_out, ssm_out
+    y, conv_out, ssm_out = mamba_inner_chain(
+        F.linear(x, w.in_w, w.in_b), conv_weight=w.conv_w, conv_bias=w.conv_b,
+        x_proj_weight=w.x_w, dt_proj_weight=w.dt_w, A=w.A, D=w.D, dt_bias=w.dt_bias,
+        conv_state=conv_state, ssm_state=ssm_state, seq_idx=seq_idx, backend="reference",
+    )  # fmt: skip
+    return F.linear(y, w.out_w, w.out_b)[:, -1:], conv_out, ssm_out
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -241,25 +236,26 @@ def rms_norm(
     residual: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     backend: str = "auto",
-    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, residual_out): residual_out = x + residual in f32, out = rmsnorm(residual_out).
+    """(out, residual_out): residual_out = x + residual in f32, out = rmsnorm(residual_out)."""
+    check_tensor("x", x, None, last_dim_contiguous=True)
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dim")
+    check_tensor("weight", weight, (x.shape[-1],), device=x.device)
+    if residual is not None:
+        check_tensor(
+            "residual", residual, tuple(x.shape), device=x.device, last_dim_contiguous=True
+        )
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    if out_dtype is not None and out_dtype not in _TRITON_DTYPES + (torch.float64,):
+        raise TypeError(f"out_dtype must be a float dtype, got {out_dtype}")
+    return _rms_norm(x, weight, eps, residual, out_dtype, backend)
 
-    `validate=False` skips the input checks, for callers that checked already (the
-    model's decode step, where they would cost more than the arithmetic)."""
-    if validate:
-        check_tensor("x", x, None, last_dim_contiguous=True)
-        if x.dim() < 1:
-            raise ValueError("x must have at least one dim")
-        check_tensor("weight", weight, (x.shape[-1],), device=x.device)
-        if residual is not None:
-            check_tensor(
-                "residual", residual, tuple(x.shape), device=x.device, last_dim_contiguous=True
-            )
-        if not eps > 0:
-            raise ValueError(f"eps must be > 0, got {eps}")
-        if out_dtype is not None and out_dtype not in _TRITON_DTYPES + (torch.float64,):
-            raise TypeError(f"out_dtype must be a float dtype, got {out_dtype}")
+
+def _rms_norm(x, weight, eps, residual, out_dtype, backend):
+    """`rms_norm` without the checks: for callers that checked already (a decode step's
+    norms, where the checks would cost more than the arithmetic)."""
     if resolve_backend(backend, x, residual) == "triton":
         from .rms_norm import rms_norm_triton
 
@@ -279,25 +275,21 @@ def selective_state_update(
     delta_bias: torch.Tensor | None = None,
     delta_softplus: bool = True,
     backend: str = "auto",
-    validate: bool = True,
 ) -> torch.Tensor:
-    """One decode step of the scan: updates ssm_state [B, D, N] in place, returns y [B, D].
-
-    `validate=False` skips the input checks (see rms_norm)."""
-    if validate:
-        check_tensor("u", u, (None, None), last_dim_contiguous=True)
-        Bsz, Dn = u.shape
-        check_tensor("ssm_state", ssm_state, (Bsz, Dn, None), device=u.device)
-        N = ssm_state.shape[2]
-        check_tensor("delta", delta, (Bsz, Dn), device=u.device)
-        check_tensor("A", A, (Dn, N), device=u.device)
-        check_tensor("B", B, (Bsz, N), device=u.device, last_dim_contiguous=True)
-        check_tensor("C", C, (Bsz, N), device=u.device, last_dim_contiguous=True)
-        for name, t in (("D", D), ("delta_bias", delta_bias)):
-            if t is not None:
-                check_tensor(name, t, (Dn,), device=u.device)
-        if z is not None:
-            check_tensor("z", z, (Bsz, Dn), device=u.device, last_dim_contiguous=True)
+    """One decode step of the scan: updates ssm_state [B, D, N] in place, returns y [B, D]."""
+    check_tensor("u", u, (None, None), last_dim_contiguous=True)
+    Bsz, Dn = u.shape
+    check_tensor("ssm_state", ssm_state, (Bsz, Dn, None), device=u.device)
+    N = ssm_state.shape[2]
+    check_tensor("delta", delta, (Bsz, Dn), device=u.device)
+    check_tensor("A", A, (Dn, N), device=u.device)
+    check_tensor("B", B, (Bsz, N), device=u.device, last_dim_contiguous=True)
+    check_tensor("C", C, (Bsz, N), device=u.device, last_dim_contiguous=True)
+    for name, t in (("D", D), ("delta_bias", delta_bias)):
+        if t is not None:
+            check_tensor(name, t, (Dn,), device=u.device)
+    if z is not None:
+        check_tensor("z", z, (Bsz, Dn), device=u.device, last_dim_contiguous=True)
     args = (ssm_state, u, delta, A, B, C, D, z, delta_bias, delta_softplus)
     if resolve_backend(backend, u) == "triton":
         from .selective_scan import selective_state_update_triton
@@ -313,21 +305,17 @@ def causal_conv1d_update(
     bias: torch.Tensor | None = None,
     activation: str | None = "silu",
     backend: str = "auto",
-    validate: bool = True,
 ) -> torch.Tensor:
-    """One decode step of the conv: shifts x [B, D] into conv_state [B, K-1, D] in place.
-
-    `validate=False` skips the input checks (see rms_norm)."""
-    if validate:
-        check_tensor("x", x, (None, None), last_dim_contiguous=True)
-        Bsz, Dn = x.shape
-        check_tensor("weight", weight, (Dn, None), device=x.device)
-        K = weight.shape[1]
-        check_tensor("conv_state", conv_state, (Bsz, K - 1, Dn), device=x.device)
-        if bias is not None:
-            check_tensor("bias", bias, (Dn,), device=x.device)
-        if activation not in (None, "silu"):
-            raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
+    """One decode step of the conv: shifts x [B, D] into conv_state [B, K-1, D] in place."""
+    check_tensor("x", x, (None, None), last_dim_contiguous=True)
+    Bsz, Dn = x.shape
+    check_tensor("weight", weight, (Dn, None), device=x.device)
+    K = weight.shape[1]
+    check_tensor("conv_state", conv_state, (Bsz, K - 1, Dn), device=x.device)
+    if bias is not None:
+        check_tensor("bias", bias, (Dn,), device=x.device)
+    if activation not in (None, "silu"):
+        raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
     args = (conv_state, x, weight, bias, activation)
     if resolve_backend(backend, x) == "triton":
         from .causal_conv1d import causal_conv1d_update_triton
@@ -343,7 +331,6 @@ def mamba_layer_step(
     conv_state: torch.Tensor,
     ssm_state: torch.Tensor,
     backend: str = "auto",
-    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step of a whole Mamba block (add, norm, mixer), the states in place.
 
@@ -353,31 +340,82 @@ def mamba_layer_step(
     residual and states are f32 (f64 with float64 weights: the oracle). On
     the Triton backend it is three kernels (mamba_step/kernels.py)."""
     w = weights
-    if validate:
-        if not isinstance(w, StepWeights):
-            raise TypeError(f"weights must be a StepWeights, got {type(w).__name__}")
-        M = w.norm_w.shape[0]
-        Dn, N = w.A.shape
-        check_tensor("hidden", hidden, (None, M), last_dim_contiguous=True)
-        Bsz = hidden.shape[0]
-        f = state_dtype(w.in_w)
-        if residual is not None:
-            check_tensor("residual", residual, (Bsz, M), device=hidden.device,
-                         last_dim_contiguous=True)  # fmt: skip
-            if residual.dtype != f:
-                raise TypeError(f"residual must be {f}, got {residual.dtype}")
-        K = w.conv_w.shape[1]
-        check_tensor("conv_state", conv_state, (Bsz, K - 1, Dn), device=hidden.device)
-        check_tensor("ssm_state", ssm_state, (Bsz, Dn, N), device=hidden.device,
+    if not isinstance(w, StepWeights):
+        raise TypeError(f"weights must be a StepWeights, got {type(w).__name__}")
+    M = w.norm_w.shape[0]
+    Dn, N = w.A.shape
+    check_tensor("hidden", hidden, (None, M), last_dim_contiguous=True)
+    Bsz = hidden.shape[0]
+    f = state_dtype(w.in_w)
+    if residual is not None:
+        check_tensor("residual", residual, (Bsz, M), device=hidden.device,
                      last_dim_contiguous=True)  # fmt: skip
-        for name, t in (("conv_state", conv_state), ("ssm_state", ssm_state)):
-            if t.dtype != f:
-                raise TypeError(f"{name} must be {f}, got {t.dtype}")
+        if residual.dtype != f:
+            raise TypeError(f"residual must be {f}, got {residual.dtype}")
+    K = w.conv_w.shape[1]
+    check_tensor("conv_state", conv_state, (Bsz, K - 1, Dn), device=hidden.device)
+    check_tensor("ssm_state", ssm_state, (Bsz, Dn, N), device=hidden.device,
+                 last_dim_contiguous=True)  # fmt: skip
+    for name, t in (("conv_state", conv_state), ("ssm_state", ssm_state)):
+        if t.dtype != f:
+            raise TypeError(f"{name} must be {f}, got {t.dtype}")
     if resolve_backend(backend, w.in_w) == "triton":
         from .mamba_step import mamba_layer_step_triton
 
         return mamba_layer_step_triton(hidden, residual, w, conv_state, ssm_state)
     return mamba_layer_step_reference(hidden, residual, w, conv_state, ssm_state)
+
+
+def _mamba_mixer_step(x, weights, conv_state, ssm_state, backend):
+    """One decode step of a Mamba-1 mixer on its weights (`StepWeights`; the norm's are not
+    read), without checks: the op chain on the backend's bodies, the states in place."""
+    from .mamba_step.chain import mixer_step
+
+    return mixer_step(x, weights, conv_state, ssm_state, resolve_backend(backend, x))
+
+
+def mamba_stack_step(
+    hidden: torch.Tensor,  # [B, M], the embedded input
+    layers: list[StepWeights],  # every block's, in order
+    conv_state: torch.Tensor,  # [L, B, K-1, D], updated in place
+    ssm_state: torch.Tensor,  # [L, B, D, N], updated in place
+    compute_dtype: torch.dtype,
+    backend: str = "auto",
+    stack=None,  # () -> the reference body's whole-stack weights (`mamba_step.stack`) or None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One decode step through a stack of Mamba-1 blocks whose weights the caller holds
+    (the model's decode plan): (the last block's output, the residual stream [B, M] f32;
+    or the residual stream and None where the body carries it as the output). The caller
+    checked the input and the state.
+
+    Triton: `mamba_layer_step` per block (three kernels) where its weights are in the
+    compute dtype, else the op chain on the Triton ops. Reference: with the input, the
+    weights and the state in one dtype, the whole stack in as few PyTorch calls as it
+    takes (`mamba_step/stack.py`, on the weights `stack()` derives once per plan); else
+    the op chain per block."""
+    from .mamba_step.chain import layer_step
+
+    cdt = compute_dtype
+    if resolve_backend(backend, hidden) == "triton":
+        from .mamba_step import mamba_layer_step_triton
+
+        residual = None
+        for w, conv, ssm in zip(layers, conv_state.unbind(0), ssm_state.unbind(0)):
+            if w.in_w.dtype == cdt:
+                hidden, residual = mamba_layer_step_triton(hidden, residual, w, conv, ssm)
+            else:
+                hidden, residual = layer_step(hidden, residual, w, conv, ssm, cdt, "triton")
+        return hidden, residual
+    if stack is not None and hidden.dtype == cdt == conv_state.dtype == layers[0].in_w.dtype:
+        weights = stack()
+        if weights is not None:
+            from .mamba_step.stack import decode_layers
+
+            return decode_layers(hidden, weights, conv_state, ssm_state), None
+    residual = None
+    for w, conv, ssm in zip(layers, conv_state.unbind(0), ssm_state.unbind(0)):
+        hidden, residual = layer_step(hidden, residual, w, conv, ssm, cdt, "reference")
+    return hidden, residual
 
 
 def norm_linear(
@@ -388,21 +426,24 @@ def norm_linear(
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-5,
     backend: str = "auto",
-    validate: bool = True,
 ) -> torch.Tensor:
     """rmsnorm(x + residual) W^T (+ bias) for x [B, K] at decode batch sizes (or x W^T
     without `norm_weight`), in the weight's dtype; W [Nout, K] streams once."""
-    if validate:
-        check_tensor("weight", weight, (None, None), last_dim_contiguous=True)
-        Kin = weight.shape[1]
-        check_tensor("x", x, (None, Kin), device=weight.device, last_dim_contiguous=True)
-        if residual is not None:
-            check_tensor("residual", residual, (x.shape[0], Kin), device=weight.device,
-                         last_dim_contiguous=True)  # fmt: skip
-        if norm_weight is not None:
-            check_tensor("norm_weight", norm_weight, (Kin,), device=weight.device)
-        if bias is not None:
-            check_tensor("bias", bias, (weight.shape[0],), device=weight.device)
+    check_tensor("weight", weight, (None, None), last_dim_contiguous=True)
+    Kin = weight.shape[1]
+    check_tensor("x", x, (None, Kin), device=weight.device, last_dim_contiguous=True)
+    if residual is not None:
+        check_tensor("residual", residual, (x.shape[0], Kin), device=weight.device,
+                     last_dim_contiguous=True)  # fmt: skip
+    if norm_weight is not None:
+        check_tensor("norm_weight", norm_weight, (Kin,), device=weight.device)
+    if bias is not None:
+        check_tensor("bias", bias, (weight.shape[0],), device=weight.device)
+    return _norm_linear(x, weight, bias, residual, norm_weight, eps, backend)
+
+
+def _norm_linear(x, weight, bias, residual, norm_weight, eps, backend):
+    """`norm_linear` without the checks (the model's head, its inputs checked once)."""
     if resolve_backend(backend, weight) == "triton":
         from .mamba_step import norm_linear_triton
 

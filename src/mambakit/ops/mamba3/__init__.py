@@ -1,10 +1,256 @@
-"""Mamba-3 SISO scan (reference.py: the recurrence, its chunked form and the decode step;
-terms.py: the per-token terms as Triton kernels, forward and backward; chunk.py: the
-sequence scan as Triton kernels, forward and backward; step.py: the decode step as one
-Triton kernel, the state advanced in place). README.md says which runs where.
+"""Mamba-3 SISO: the mixer's family of ops, each with its reference body (reference.py, on
+the readable oracle naive.py) and its Triton body, chosen here only.
+
+- `mamba3_scan`: the sequence forward (and its backward), state in and out, `seq_idx`;
+  Triton: the terms kernels (terms.py) and the chunk kernels (chunk.py).
+- `mamba3_state_update`: one decode step on made inputs (q, k, delta, A), the state in
+  place; Triton: one kernel (step.py).
+- `mamba3_step_raw`: one decode step from in_proj's output as it comes (the B and C norms,
+  softplus and A made inside), the state in place; Triton: the same kernel.
+- `mamba3_stack_step`: one decode step through a stack of blocks whose weights the caller
+  holds (add, norm, in_proj, the step, out_proj per block).
+
+The public ops check their inputs; their private twins (`_mamba3_scan`, ...) serve the
+layers, which checked once. README.md says which kernel runs where.
 """
 
-from ...state import Mamba3State  # (defined with the other states; kept importable here)
-from .reference import mamba3_scan_reference, mamba3_step_reference, rotate_pairs
+from __future__ import annotations
 
-__all__ = ["Mamba3State", "mamba3_scan_reference", "mamba3_step_reference", "rotate_pairs"]
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ...state import Mamba3State
+from .._backend import resolve_backend
+from .._checks import check_seq_idx, check_tensor
+from ..rms_norm.reference import rms_norm_reference
+from .reference import (
+    CHUNK,
+    heavy_tail,
+    mamba3_scan_reference,
+    mamba3_step_reference,
+    rotate_pairs,
+)
+
+__all__ = [
+    "Mamba3State",
+    "Mamba3StepWeights",
+    "heavy_tail",
+    "mamba3_scan",
+    "mamba3_scan_reference",
+    "mamba3_stack_step",
+    "mamba3_state_update",
+    "mamba3_step_raw",
+    "mamba3_step_reference",
+    "rotate_pairs",
+]
+
+
+class Mamba3StepWeights(NamedTuple):
+    """What a decode step of a Mamba-3 block reads (views of its parameters)."""
+
+    norm_w: torch.Tensor  # [M] the block's RMSNorm weight
+    eps: float
+    in_w: torch.Tensor  # [2E + 2GN + 3H + S, M]; its dtype is the compute dtype
+    out_w: torch.Tensor  # [M, E]
+    q_bias: torch.Tensor  # [H, N] (C_bias)
+    k_bias: torch.Tensor  # [H, N] (B_bias)
+    D: torch.Tensor  # [H]
+    dt_bias: torch.Tensor  # [H]
+    A_floor: float
+    q_norm_w: torch.Tensor  # [N] (C_norm)
+    k_norm_w: torch.Tensor  # [N] (B_norm)
+    qk_eps: float  # the B and C norms' eps
+    sizes: tuple[int, int, int, int, int, int]  # (E, N, G, H, P, S)
+
+
+def mamba3_scan(
+    x: torch.Tensor,  # [B, T, H, P]
+    q: torch.Tensor,  # [B, T, G, N] normalised C rows
+    k: torch.Tensor,  # [B, T, G, N] normalised B rows
+    delta: torch.Tensor,  # [B, T, H] > 0
+    A: torch.Tensor,  # [B, T, H] < 0
+    trap: torch.Tensor,  # [B, T, H]
+    theta: torch.Tensor,  # [B, T, S]
+    q_bias: torch.Tensor,  # [H, N]
+    k_bias: torch.Tensor,  # [H, N]
+    D: torch.Tensor | None = None,  # [H]
+    z: torch.Tensor | None = None,  # [B, T, H, P]
+    initial_state: Mamba3State | None = None,
+    seq_idx: torch.Tensor | None = None,  # [B, T] int32
+    chunk: int = CHUNK,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, Mamba3State]:
+    """(y [B, T, H, P] in x.dtype, the final state), differentiable in every input and the
+    initial state (reference.py gives the math). `chunk`: the reference body's block."""
+    check_tensor("x", x, (None, None, None, None))
+    Bsz, T, H, P = x.shape
+    dev = x.device
+    check_tensor("q", q, (Bsz, T, None, None), device=dev)
+    G, N = q.shape[2:]
+    if H % G:
+        raise ValueError(f"q: {G} groups do not divide the {H} heads of x")
+    check_tensor("k", k, (Bsz, T, G, N), device=dev)
+    for name, t in (("delta", delta), ("A", A), ("trap", trap)):
+        check_tensor(name, t, (Bsz, T, H), device=dev)
+    check_tensor("theta", theta, (Bsz, T, None), device=dev)
+    S = theta.shape[2]
+    if 2 * S > N:
+        raise ValueError(f"theta: {S} angles turn more than the {N} state dims of q")
+    check_tensor("q_bias", q_bias, (H, N), device=dev)
+    check_tensor("k_bias", k_bias, (H, N), device=dev)
+    if D is not None:
+        check_tensor("D", D, (H,), device=dev)
+    if z is not None:
+        check_tensor("z", z, (Bsz, T, H, P), device=dev)
+    if initial_state is not None:
+        check_mamba3_state("initial_state", initial_state, Bsz, H, P, N, S, dev)
+    if seq_idx is not None:
+        check_seq_idx(seq_idx, Bsz, T, dev)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    args = (x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z)
+    return _mamba3_scan(*args, initial_state, seq_idx, chunk, backend)
+
+
+def _mamba3_scan(x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z, initial_state, seq_idx,
+                 chunk, backend):  # fmt: skip
+    """`mamba3_scan` without the checks. Triton: the kernels, outside torch.compile (which
+    traces the reference) and with an f32 state."""
+    args = (x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z)
+    if _kernels(x, backend, initial_state):
+        from .chunk import mamba3_scan_kernel
+
+        return mamba3_scan_kernel(*args, initial_state=initial_state, seq_idx=seq_idx)
+    return mamba3_scan_reference(*args, initial_state=initial_state, seq_idx=seq_idx, chunk=chunk)
+
+
+def mamba3_state_update(
+    state: Mamba3State,  # advanced in place
+    x: torch.Tensor,  # [B, H, P]
+    q: torch.Tensor,  # [B, G, N]
+    k: torch.Tensor,  # [B, G, N]
+    delta: torch.Tensor,  # [B, H]
+    A: torch.Tensor,  # [B, H]
+    trap: torch.Tensor,  # [B, H]
+    theta: torch.Tensor,  # [B, S]
+    q_bias: torch.Tensor,  # [H, N]
+    k_bias: torch.Tensor,  # [H, N]
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """One decode step with `state` advanced in place, without autograd: y [B, H, P] in
+    x.dtype. The caller checked the inputs (the Mamba-3 layer)."""
+    args = (x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z)
+    if _kernels(x, backend, state):
+        from .step import state_update
+
+        return state_update(state, *args)
+    y, new = mamba3_step_reference(*args, state)
+    _copy_into(state, new)
+    return y
+
+
+def mamba3_step_raw(
+    state: Mamba3State,  # advanced in place
+    zxbc: torch.Tensor,  # [B, in_proj rows], in_proj's output
+    w: Mamba3StepWeights,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """One decode step from in_proj's output, without autograd: y [B, H, P] (gated, before
+    out_proj), `state` advanced in place. q, k, delta and A are made as the layer makes them
+    (the RMSNorms of C and B, softplus(dd_dt + dt_bias), -max(heavy_tail(dd_A), A_floor)):
+    inside the kernel on Triton, a dozen small launches a layer and token otherwise. The
+    caller checked the inputs."""
+    z, x, B, C, dd_dt, dd_A, trap, theta = _split(zxbc, w.sizes)
+    if _kernels(x, backend, state):
+        from .step import state_update_raw
+
+        return state_update_raw(
+            state, x, C, B, dd_dt, dd_A, trap, theta, w.q_bias, w.k_bias, w.D, z, w.dt_bias,
+            w.A_floor, w.q_norm_w, w.k_norm_w, w.qk_eps,
+        )  # fmt: skip
+    f = state.ssm.dtype
+    q = rms_norm_reference(C, w.q_norm_w, w.qk_eps, None, C.dtype)[0]
+    k = rms_norm_reference(B, w.k_norm_w, w.qk_eps, None, B.dtype)[0]
+    A = -heavy_tail(dd_A.to(f)).clamp(min=w.A_floor)
+    delta = F.softplus(dd_dt.to(f) + w.dt_bias.to(f))
+    y, new = mamba3_step_reference(x, q, k, delta, A, trap, theta, w.q_bias, w.k_bias, w.D, z,
+                                   state)  # fmt: skip
+    _copy_into(state, new)
+    return y
+
+
+def mamba3_stack_step(
+    hidden: torch.Tensor,  # [B, M], the embedded input
+    layers: list[Mamba3StepWeights],  # every block's, in order
+    states: list[Mamba3State],  # every block's, advanced in place
+    compute_dtype: torch.dtype,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step through a stack of Mamba-3 blocks whose weights the caller holds
+    (the model's decode plan), without autograd: (the last block's output [B, M], the
+    residual stream [B, M] f32). The caller checked the input and the states.
+
+    Triton, with the projections in the compute dtype and f32 states: per block, at batch 1
+    three kernels chained by programmatic dependent launch (the add, the norm and in_proj
+    streaming its weight, which also stores the residual; the step kernel; out_proj
+    streamed), above a norm launch, cuBLAS, the step kernel, cuBLAS
+    (`mamba_step.kernels.linear` picks). Otherwise the add and norm, F.linear, the step and
+    F.linear, each on the backend's body."""
+    cdt = compute_dtype
+    triton = resolve_backend(backend, hidden) == "triton"
+    residual = None
+    for w, state in zip(layers, states):
+        if triton and w.in_w.dtype == w.out_w.dtype == cdt and state.ssm.dtype == torch.float32:
+            from ..mamba_step.kernels import linear
+
+            zxbc, residual = linear(hidden, w.in_w, residual=residual, norm_weight=w.norm_w,
+                                    eps=w.eps, return_residual=True)  # fmt: skip
+            y = mamba3_step_raw(state, zxbc, w, "triton")
+            hidden = linear(y.flatten(-2), w.out_w)
+            continue
+        if triton:
+            from ..rms_norm import rms_norm_triton as norm
+        else:
+            norm = rms_norm_reference
+        normed, residual = norm(hidden, w.norm_w, w.eps, residual, cdt)
+        y = mamba3_step_raw(state, F.linear(normed, w.in_w), w, backend)
+        hidden = F.linear(y.flatten(-2).to(w.out_w.dtype), w.out_w)
+    return hidden, residual
+
+
+def check_mamba3_state(name: str, state, batch: int, H: int, P: int, N: int, S: int, device):
+    """A `Mamba3State` of `batch` rows for H heads of P values, N = d_state, S angles."""
+    if not isinstance(state, Mamba3State):
+        raise TypeError(f"{name} must be a Mamba3State, got {type(state).__name__}")
+    want = dict(angle=(batch, H, S), ssm=(batch, H, P, N), k=(batch, H, N), x=(batch, H, P))
+    for field, shape in want.items():
+        check_tensor(f"{name}.{field}", getattr(state, field), shape, device=device)
+
+
+def _kernels(x: torch.Tensor, backend: str, state: Mamba3State | None) -> bool:
+    """Whether the Triton body runs: on the Triton backend, outside torch.compile, with an
+    f32 state (the kernels keep it in f32)."""
+    return (
+        resolve_backend(backend, x) == "triton"
+        and not torch.compiler.is_compiling()
+        and (state is None or state.ssm.dtype == torch.float32)
+    )
+
+
+def _split(zxbc: torch.Tensor, sizes: tuple[int, ...]):
+    """in_proj's rows: (z, x as [..., H, P]; B, C as [..., G, N]; dd_dt, dd_A, trap, theta)."""
+    E, N, G, H, P, S = sizes
+    z, x, B, C, dd_dt, dd_A, trap, theta = torch.split(
+        zxbc, [E, E, G * N, G * N, H, H, H, S], dim=-1
+    )
+    return (z.unflatten(-1, (H, P)), x.unflatten(-1, (H, P)), B.unflatten(-1, (G, N)),
+            C.unflatten(-1, (G, N)), dd_dt, dd_A, trap, theta)  # fmt: skip
+
+
+def _copy_into(state: Mamba3State, new: Mamba3State) -> None:
+    for dst, src in zip(state, new):
+        dst.copy_(src)

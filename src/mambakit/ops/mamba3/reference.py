@@ -104,6 +104,12 @@ def token_terms(q, k, delta, A, trap, theta, q_bias, k_bias, angle0, seq_idx, f)
     return phi, qr, kr, A.to(f) * deltaf, lam * deltaf, late
 
 
+def heavy_tail(u: torch.Tensor) -> torch.Tensor:
+    """f(u) = 1 + u for u >= 0, 1 / (1 - u) for u < 0: positive, smooth at 0, f(u) ~ |u|^-1 as
+    u -> -inf (a slower approach to 0 than softplus's exp(u)). A = -max(f(dd_A), A_floor)."""
+    return u.clamp(min=0) + torch.reciprocal(1 - u.clamp(max=0))
+
+
 def mamba3_scan_reference(
     x: torch.Tensor,  # [B, T, H, P] values
     q: torch.Tensor,  # [B, T, G, N] normalised C rows (before the bias)

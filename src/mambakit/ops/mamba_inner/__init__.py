@@ -103,7 +103,7 @@ def mamba_inner_triton(
     return _inner_forward(xz, *weights, conv_state, ssm_state, seq_idx, False)[:3]
 
 
-def mamba_inner_last(
+def mamba_inner_last_triton(
     x_in, z_last, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias,
     conv_state, ssm_state, seq_idx,
 ):  # fmt: skip

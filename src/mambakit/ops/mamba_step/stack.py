@@ -1,4 +1,5 @@
-"""The decode step of Mamba-1 blocks on the reference backend, in as few PyTorch calls as it takes.
+"""The decode step of a stack of Mamba-1 blocks on the reference backend, in as few PyTorch
+calls as it takes: the reference body of `ops.mamba_stack_step`.
 
 B batch, M = d_model, D = d_inner, N = d_state, K = d_conv, R = dt_rank. Each block
 advances the residual stream r one timestep and its conv and SSM state in place
@@ -27,8 +28,8 @@ but in_proj), so it is written for few calls:
 - the conv bias is the last row of the [K, D] addend of the conv's product, absent
   biases are zeros where an op adds them anyway, GEMM weights are contiguous
   transposed copies (MKL runs a batch-1 GEMM on them up to twice as fast as on a
-  transposed view): `BlockWeights`, derived by `reference_weights` and kept by
-  the model's decode plan (`inference.plan`) until a parameter changes.
+  transposed view): `BlockWeights`, derived from the blocks' `StepWeights` by
+  `stack_weights` once per decode plan (`inference.plan`: until a parameter changes).
 - the blocks run under inference mode, which drops the per-call autograd bookkeeping
   that no_grad keeps; the caller's next op (the final norm) is outside it, so what
   the step returns is a normal tensor.
@@ -41,9 +42,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from .mixer import _p, ssm_params
+from . import StepWeights
 
 
 class BlockWeights(NamedTuple):
@@ -110,45 +110,41 @@ def block_step(
         r.add_(w.out_b)
 
 
-def _derive(block: nn.Module) -> BlockWeights:
-    """A block's `BlockWeights` from its parameters (without autograd)."""
-    norm, mixer = block._modules["norm"], block._modules["mixer"]
-    mods = mixer._modules
-    in_w, in_b = _p(mods["in_proj"], "weight"), _p(mods["in_proj"], "bias")
-    conv_w, conv_b = _p(mods["conv1d"], "weight"), _p(mods["conv1d"], "bias")
-    out_w, out_b = _p(mods["out_proj"], "weight"), _p(mods["out_proj"], "bias")
-    A, D, dt_bias = ssm_params(_p(mixer, "A_log"), _p(mixer, "D"), _p(mods["dt_proj"], "bias"))
-    D2, M = in_w.shape
-    in_wT = in_w.new_zeros(M + 1, D2)
-    in_wT[:M] = (in_w * (_p(norm, "weight") * math.sqrt(M))).t()
-    out_wT = out_w.new_zeros(out_w.shape[1], M + 1)
-    out_wT[:, :M] = out_w.t()
-    conv_wT = conv_w.squeeze(1).t().contiguous()
+def _derive(w: StepWeights) -> BlockWeights:
+    """A block's `BlockWeights` from its `StepWeights` (without autograd)."""
+    D2, M = w.in_w.shape
+    in_wT = w.in_w.new_zeros(M + 1, D2)
+    in_wT[:M] = (w.in_w * (w.norm_w * math.sqrt(M))).t()
+    out_wT = w.out_w.new_zeros(w.out_w.shape[1], M + 1)
+    out_wT[:, :M] = w.out_w.t()
+    conv_wT = w.conv_w.t().contiguous()
     bias_rows = torch.zeros_like(conv_wT)
-    if conv_b is not None:
-        bias_rows[-1] = conv_b
+    if w.conv_b is not None:
+        bias_rows[-1] = w.conv_b
+    N = w.A.shape[1]
     return BlockWeights(
         in_wT=in_wT,
-        in_b=in_b if in_b is not None else in_w.new_zeros(D2),
+        in_b=w.in_b if w.in_b is not None else w.in_w.new_zeros(D2),
         conv_wT=conv_wT,
         conv_b=bias_rows,
-        x_wT=_p(mods["x_proj"], "weight").t().contiguous(),
-        dt_w=_p(mods["dt_proj"], "weight"),
-        dt_bias=dt_bias,
-        A=A,
-        D=D,
+        x_wT=w.x_w.t().contiguous(),
+        dt_w=w.dt_w,
+        dt_bias=w.dt_bias,
+        A=w.A,
+        D=w.D,
         out_wT=out_wT,
-        out_b=None if out_b is None else F.pad(out_b, (0, 1)),
+        out_b=None if w.out_b is None else F.pad(w.out_b, (0, 1)),
         halves=(D2 // 2, D2 // 2),
-        sizes=(mixer.dt_rank, mixer.d_state, mixer.d_state),
+        sizes=(w.dt_w.shape[1], N, N),
     )
 
 
-def reference_weights(blocks: nn.ModuleList) -> DecodeWeights | None:
+def stack_weights(layers: list[StepWeights]) -> DecodeWeights | None:
     """Every block's `BlockWeights`, or None when the blocks' norms differ in eps (the
     constant column of r holds one)."""
-    eps = {b._modules["norm"].eps for b in blocks}
+    eps = {w.eps for w in layers}
     if len(eps) != 1:
         return None
-    M = _p(blocks[0]._modules["norm"], "weight").shape[0]
-    return DecodeWeights([_derive(b) for b in blocks], math.sqrt(eps.pop() * M))
+    with torch.no_grad():
+        blocks = [_derive(w) for w in layers]
+    return DecodeWeights(blocks, math.sqrt(eps.pop() * layers[0].norm_w.shape[0]))
