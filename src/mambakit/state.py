@@ -43,15 +43,17 @@ class Mamba3State(NamedTuple):
     k: torch.Tensor  # [B, H, N] the last token's turned, biased key
     x: torch.Tensor  # [B, H, P] the last token's value
 
+    @staticmethod
+    def shapes(batch, nheads, headdim, d_state, n_angles) -> dict[str, tuple[int, ...]]:
+        """The shape of each field: the one Mamba-3 shape table (`expected_shapes` stacks it
+        over layers, `ops.mamba3` checks a layer's state against it)."""
+        B, H, P, N, S = batch, nheads, headdim, d_state, n_angles
+        return dict(angle=(B, H, S), ssm=(B, H, P, N), k=(B, H, N), x=(B, H, P))
+
     @classmethod
     def zeros(cls, batch, nheads, headdim, d_state, n_angles, device=None, dtype=torch.float32):
-        z = dict(device=device, dtype=dtype)
-        return cls(
-            torch.zeros(batch, nheads, n_angles, **z),
-            torch.zeros(batch, nheads, headdim, d_state, **z),
-            torch.zeros(batch, nheads, d_state, **z),
-            torch.zeros(batch, nheads, headdim, **z),
-        )
+        shapes = cls.shapes(batch, nheads, headdim, d_state, n_angles)
+        return cls(**{k: torch.zeros(v, device=device, dtype=dtype) for k, v in shapes.items()})
 
 
 def expected_shapes(config, batch: int) -> dict[str, tuple[int, ...]]:
@@ -59,8 +61,8 @@ def expected_shapes(config, batch: int) -> dict[str, tuple[int, ...]]:
     rows, by the config's mixer: the one table every check and `init_state` read."""
     L, B = config.n_layers, batch
     if config.mixer == "mamba3":
-        H, P, N, S = config.nheads, config.headdim, config.d_state, config.n_angles
-        return dict(angle=(L, B, H, S), ssm=(L, B, H, P, N), k=(L, B, H, N), x=(L, B, H, P))
+        sizes = (config.nheads, config.headdim, config.d_state, config.n_angles)
+        return {k: (L, *v) for k, v in Mamba3State.shapes(B, *sizes).items()}
     D = config.d_inner
     return dict(conv=(L, B, config.d_conv - 1, D), ssm=(L, B, D, config.d_state))
 

@@ -226,8 +226,7 @@ def check_mamba3_state(name: str, state, batch: int, H: int, P: int, N: int, S: 
     """A `Mamba3State` of `batch` rows for H heads of P values, N = d_state, S angles."""
     if not isinstance(state, Mamba3State):
         raise TypeError(f"{name} must be a Mamba3State, got {type(state).__name__}")
-    want = dict(angle=(batch, H, S), ssm=(batch, H, P, N), k=(batch, H, N), x=(batch, H, P))
-    for field, shape in want.items():
+    for field, shape in Mamba3State.shapes(batch, H, P, N, S).items():
         check_tensor(f"{name}.{field}", getattr(state, field), shape, device=device)
 
 
