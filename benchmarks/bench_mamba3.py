@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import bench_mambakit  # noqa: E402
 from bench_model import measure_peer, measure_prefill, measure_trainer  # noqa: E402
-from common import cuda_time_ms, interleaved_median_ms, write_record  # noqa: E402
+from common import interleaved_median_ms, write_record  # noqa: E402
 
 from mambakit import MambaConfig, MambaLM  # noqa: E402
 from mambakit.layers.mamba3 import Mamba3  # noqa: E402
@@ -134,30 +134,6 @@ def profile_layer(batch: int, seqlen: int, d_model: int, path: str) -> None:
     print(table)
 
 
-def sweep_bwd(batch: int, seqlen: int, d_model: int, iters: int) -> list[dict]:
-    """The layer's forward + backward for each backward chunk and warp count."""
-    from mambakit.ops.mamba3 import chunk
-
-    torch.manual_seed(0)
-    layer = Mamba3(d_model, d_state=128, headdim=64, device="cuda", dtype=torch.bfloat16)
-    u = torch.randn(batch, seqlen, d_model, device="cuda", dtype=torch.bfloat16)
-    u.requires_grad_(True)
-    rows, default = [], (chunk.CHUNK_BWD, chunk.GRAD_WARPS)
-    for L in (16, 32, 64):
-        for warps in (4, 8):
-            chunk.CHUNK_BWD, chunk.GRAD_WARPS = L, warps
-            try:
-                ms = cuda_time_ms(lambda: layer(u).sum().backward(), warmup=2, iters=iters)
-            except Exception as e:  # e.g. out of shared memory / registers
-                ms = f"failed: {type(e).__name__}: {str(e)[:80]}"
-            rec = {"workload": f"Mamba3 layer fwd+bwd {batch}x{seqlen}", "bwd_chunk": L,
-                   "grad_warps": warps, "ms": ms}  # fmt: skip
-            print(rec, flush=True)
-            rows.append(rec)
-    chunk.CHUNK_BWD, chunk.GRAD_WARPS = default
-    return rows
-
-
 def model_rows(batch: int, seqlen: int, iters: int, peer: bool) -> list[dict]:
     rows = []
     for name in ("130m-mamba3", "130m"):
@@ -215,7 +191,6 @@ def main(argv: list[str] | None = None) -> int:
                    choices=["layer", "model", "inference"])  # fmt: skip
     p.add_argument("--prune-peer", action="store_true", help="one config per upstream kernel")
     p.add_argument("--profile", help="write the per-kernel table of a layer fwd+bwd here")
-    p.add_argument("--sweep-bwd", action="store_true", help="time the backward's chunk/warps")
     p.add_argument("--out", default=None, help="write the results record (JSON) here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -224,8 +199,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.prune_peer and _upstream_module() is not None:
         prune_upstream_autotune()
     rows = []
-    if args.sweep_bwd:
-        rows += sweep_bwd(batch, seqlen, args.d_model, args.iters)
     if args.profile:
         profile_layer(batch, seqlen, args.d_model, args.profile)
     if "layer" in args.only:

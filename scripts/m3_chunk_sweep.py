@@ -1,7 +1,8 @@
 """Time the Mamba-3 chunk kernels (ops/mamba3/chunk.py) at the 130m-mamba3 head shape for
 chunk lengths, warp counts and the products' precision for bf16 inputs (tf32 or bf16
 operands), forward and forward + backward, each candidate's outputs against the library's
-defaults; then the per-kernel profile of the layer's forward + backward, mambakit's and
+defaults (each candidate a `Mamba3ScanConfig` handed to the scan as `cfg=`; the library runs
+`chunk.CONFIG`); then the per-kernel profile of the layer's forward + backward, mambakit's and
 upstream's (when mamba_ssm is importable).
 
     PYTHONPATH=src python scripts/m3_chunk_sweep.py [--shape 8x2048] [--profile-out FILE]
@@ -15,10 +16,15 @@ STAGES=ncu bash scripts/gpu_check.sh. `--dry`: the CPU interpreter on small head
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-import torch
+if "--dry" in sys.argv:  # before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from common import cuda_time_ms  # noqa: E402
@@ -36,8 +42,8 @@ BWD = [(64, 4, 32, 4, 32, 128, 4), (64, 4, 32, 4, 32, 64, 4), (64, 4, 32, 4, 32,
 # the forward under autograd (y, and the start states it keeps): (chunk, warps, P values a
 # program), timed forward + backward; chunks of 16 and 64 were slower than the reference.
 FWD_GRAD = []
-# the unturn kernel `terms.TURN_BT`, `terms.UNTURN_WARPS`: (steps a program, warps); (16, 1)
-# and (32, 2) were slower than the library's.
+# the unturn kernel (`TermsConfig.turn_block_t`, `unturn_warps`): (steps a program, warps);
+# (16, 1) and (32, 2) were slower than the library's.
 UNTURN = []
 
 
@@ -73,21 +79,21 @@ def inputs(Bn: int, T: int):
     )  # fmt: skip
 
 
-def run_fwd(inp, y_ref=None, gate=None) -> dict:
+def run_fwd(inp, y_ref=None, gate=None, cfg=None) -> dict:
     def fwd():
         with torch.no_grad():
-            return chunk.mamba3_scan_fwd(**inp, **(gate or {}))
+            return chunk.mamba3_scan_fwd(**inp, **(gate or {}), cfg=cfg)
 
     y, _ = fwd()
     ms = timed(fwd)
     return {"ms": ms, "err": rel(y, y_ref) if y_ref is not None else 0.0}, y
 
 
-def run_bwd(inp, cot, ref=None) -> dict:
+def run_bwd(inp, cot, ref=None, cfg=None) -> dict:
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in inp.items()}
 
     def fwd_bwd():
-        y, _ = chunk.mamba3_scan_kernel(**leaves)
+        y, _ = chunk.mamba3_scan_kernel(**leaves, cfg=cfg)
         return torch.autograd.grad(y, [leaves["x"], leaves["q"], leaves["delta"]], cot)
 
     grads = fwd_bwd()
@@ -126,9 +132,7 @@ def main() -> int:
         DEV = "cpu"
     Bn, T = (int(v) for v in args.shape.split("x"))
     inp = inputs(Bn, T)
-    defaults = (chunk.CHUNK_L, chunk.FWD_WARPS, chunk.PREC_16BIT, chunk.FWD_BLOCK_P,
-                chunk.CHUNK_BWD, chunk.GRAD_WARPS, chunk.GRAD_BLOCK_N, chunk.QK_WARPS,
-                chunk.QK_BLOCK_N, chunk.DY_BLOCK_N, chunk.DY_WARPS)  # fmt: skip
+    lib = chunk.CONFIG
     H, P = inp["x"].shape[2:]
     gate = {"D": torch.randn(H, device=DEV), "z": torch.randn_like(inp["x"])}
     if args.once:
@@ -144,45 +148,36 @@ def main() -> int:
     for with_gate in (False, True):  # the second: the layer's no-grad path (D, gate inside)
         y_ref = None
         for L, warps, prec, block_p in FWD:
-            chunk.CHUNK_L, chunk.FWD_WARPS, chunk.PREC_16BIT = L, warps, prec
-            chunk.FWD_BLOCK_P = block_p
+            cfg = replace(lib, chunk=L, fwd_warps=warps, prec_16bit=prec, fwd_block_p=block_p)
             try:
-                rec, y = run_fwd(inp, y_ref, gate if with_gate else None)
+                rec, y = run_fwd(inp, y_ref, gate if with_gate else None, cfg)
                 y_ref = y if y_ref is None else y_ref
             except Exception as e:  # out of registers / shared memory
                 rec = {"failed": f"{type(e).__name__}: {str(e)[:100]}"}
             print({"shape": args.shape, "gate": with_gate, "fwd_chunk": L, "warps": warps,
                    "prec": prec, "block_p": block_p, **rec}, flush=True)  # fmt: skip
-    chunk.CHUNK_L, chunk.FWD_WARPS, chunk.PREC_16BIT, chunk.FWD_BLOCK_P = defaults[:4]
     cot = torch.randn_like(inp["x"])
     ref = None
     for setting in BWD:
-        (chunk.CHUNK_BWD, chunk.GRAD_WARPS, chunk.GRAD_BLOCK_N, chunk.QK_WARPS,
-         chunk.QK_BLOCK_N, chunk.DY_BLOCK_N, chunk.DY_WARPS) = setting  # fmt: skip
+        names = ("chunk_bwd", "grad_warps", "grad_block_n", "qk_warps", "qk_block_n",
+                 "dy_block_n", "dy_warps")  # fmt: skip
+        cfg = replace(lib, **dict(zip(names, setting)))
         try:
-            rec, grads = run_bwd(inp, cot, ref)
+            rec, grads = run_bwd(inp, cot, ref, cfg)
             ref = grads if ref is None else ref
         except Exception as e:
             rec = {"failed": f"{type(e).__name__}: {str(e)[:100]}"}
         print({"shape": args.shape, "bwd (chunk, grad warps, block_n, qk warps, block_n, "
                "dy block_n, dy warps)": setting, **rec}, flush=True)  # fmt: skip
-    (chunk.CHUNK_BWD, chunk.GRAD_WARPS, chunk.GRAD_BLOCK_N, chunk.QK_WARPS, chunk.QK_BLOCK_N,
-     chunk.DY_BLOCK_N, chunk.DY_WARPS) = defaults[4:]  # fmt: skip
     for L, warps, block_p in FWD_GRAD:
-        chunk.CHUNK_L, chunk.FWD_WARPS, chunk.FWD_BLOCK_P = L, warps, block_p
-        rec, _ = run_bwd(inp, cot, ref)
+        cfg = replace(lib, chunk=L, fwd_warps=warps, fwd_block_p=block_p)
+        rec, _ = run_bwd(inp, cot, ref, cfg)
         print({"shape": args.shape, "fwd_in_bwd_chunk": L, "warps": warps, "block_p": block_p,
                **rec}, flush=True)  # fmt: skip
-    chunk.CHUNK_L, chunk.FWD_WARPS, chunk.FWD_BLOCK_P = defaults[0], defaults[1], defaults[3]
-    from mambakit.ops.mamba3 import terms
-
-    unturn_default = terms.TURN_BT, terms.UNTURN_WARPS
     for bt, warps in UNTURN:
-        terms.TURN_BT, terms.UNTURN_WARPS = bt, warps
-        rec, _ = run_bwd(inp, cot, ref)
+        cfg = replace(lib, terms=replace(lib.terms, turn_block_t=bt, unturn_warps=warps))
+        rec, _ = run_bwd(inp, cot, ref, cfg)
         print({"shape": args.shape, "unturn_bt": bt, "warps": warps, **rec}, flush=True)
-    terms.TURN_BT, terms.UNTURN_WARPS = unturn_default
-    chunk.PREC_16BIT = defaults[2]
 
     if args.dry:
         return 0

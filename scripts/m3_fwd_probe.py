@@ -1,7 +1,8 @@
 """Time the Mamba-3 forward without autograd (`mamba3_scan_fwd`: the terms and the chunk
 scan) at the 130m-mamba3 head shape (24 heads of 64, d_state 128, one group, 32 angles,
 bf16), one program per (row, head) walking the chunks against the chunks in parallel
-(`chunk.FWD_PARALLEL_BELOW`), for batch x length shapes: where the default switches.
+(`Mamba3ScanConfig.parallel_below`, passed as `cfg=`), for batch x length shapes: where the
+default switches.
 
     PYTHONPATH=src python scripts/m3_fwd_probe.py [--shapes 1x4096 2x4096 4x2048 8x2048]
     PYTHONPATH=src python scripts/m3_fwd_probe.py --dry   # CPU, interpreter, tiny shapes
@@ -10,6 +11,7 @@ bf16), one program per (row, head) walking the chunks against the chunks in para
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -39,7 +41,6 @@ def main() -> int:
     def rn(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g, device=dev) * scale).to(dt)
 
-    default = chunk.FWD_PARALLEL_BELOW
     for shape in shapes:
         Bn, T = (int(v) for v in shape.split("x"))
         inp = dict(
@@ -53,17 +54,16 @@ def main() -> int:
         row = {"shape": shape}
         outs = {}
         for name, below in (("walk", 0), ("parallel", 10**9)):
-            chunk.FWD_PARALLEL_BELOW = below
+            cfg = dataclasses.replace(chunk.CONFIG, parallel_below=below)
 
-            def fwd(inp=inp):
-                return chunk.mamba3_scan_fwd(**inp)
+            def fwd(inp=inp, cfg=cfg):
+                return chunk.mamba3_scan_fwd(**inp, cfg=cfg)
 
             outs[name] = fwd()[0].float()
             row[f"{name}_ms"] = cuda_time_ms(fwd, warmup=3, iters=20) if dev == "cuda" else 0.0
         diff = (outs["walk"] - outs["parallel"]).norm() / outs["walk"].norm()
         row["y_rel_diff"] = f"{diff.item():.1e}"  # two roundings of bf16 products apart
         print(row, flush=True)
-    chunk.FWD_PARALLEL_BELOW = default
     return 0
 
 

@@ -77,13 +77,14 @@ def main() -> int:
     for Bn in [1] if args.once else args.batch:
         ls = layers(Bn, n_layers, H, P, N, S, dev)
 
-        def step(ls=ls):
+        def step(ls=ls, cfg=None):
             for st, inputs, params in ls:
                 q_b, k_b, D, z, dtb, floor, C_w, B_w, eps = params
                 x, C, B, dd_dt, dd_A, trap, theta = inputs
                 m3step.state_update_raw(
-                    st, x, C, B, dd_dt, dd_A, trap, theta, q_b, k_b, D, z, dtb, floor, C_w, B_w, eps
-                )
+                    st, x, C, B, dd_dt, dd_A, trap, theta, q_b, k_b, D, z, dtb, floor, C_w, B_w,
+                    eps, cfg=cfg,
+                )  # fmt: skip
 
         if args.once or args.dry:
             step()
@@ -101,12 +102,11 @@ def main() -> int:
 
         copy_us = graph_us(copy) / n_layers
         for warps in args.warps:
-            m3step.STEP_WARPS = warps or None
-            us = graph_us(step) / n_layers
+            cfg = m3step.Mamba3StepConfig(warps=warps or None)
+            us = graph_us(lambda cfg=cfg: step(cfg=cfg)) / n_layers
             print(f"batch {Bn} warps {warps or 'default'}: {us:.2f} us a layer "
                   f"(a copy of the state's {state_bytes // 2} bytes: {copy_us:.2f} us)",
                   flush=True)  # fmt: skip
-        m3step.STEP_WARPS = None
     return 0
 
 

@@ -1,6 +1,7 @@
 """Time the Mamba-3 per-token terms kernels (ops/mamba3/terms.py) at the 130m-mamba3 layer
 shape for block sizes, chunk lengths (blocks per chunk: the programs along time) and warp
-counts, forward and backward, against the bytes they move.
+counts, forward and backward, against the bytes they move. Each candidate is a `TermsConfig`
+handed to the kernels as `cfg=`; the library runs `terms.CONFIG`.
 
     PYTHONPATH=src python scripts/m3_terms_sweep.py [--shape 8x2048]
 """
@@ -8,6 +9,7 @@ counts, forward and backward, against the bytes they move.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -17,6 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from common import cuda_time_ms  # noqa: E402
 
 from mambakit.ops.mamba3 import terms  # noqa: E402
+
+WHOLE_ROW = 1 << 20  # blocks per chunk beyond any row's: one chunk, the row in one program
 
 
 def main() -> int:
@@ -38,22 +42,22 @@ def main() -> int:
     leaves = [q, k, delta, A, trap, theta, qb, kb]
     moved = 2 * Bn * T * H * N * 4 + Bn * T * H * S * 4  # q~, k~, phi written (f32)
     print(f"forward writes {moved / 2**20:.0f} MiB: {moved / 3.3e12 * 1e3:.3f} ms at 3.3 TB/s")
-    configs = [
-        (bt, cb, w) for bt in (16, 32) for cb in (1, 4, 8, 16, terms.WHOLE_ROW) for w in (4, 8)
-    ]
-    for BT, chunk_blocks, warps in configs:  # chunk_blocks 2^20: one chunk, the whole row
-        terms.BT, terms.FWD_CHUNK_BLOCKS, terms.BWD_CHUNK_BLOCKS = BT, chunk_blocks, chunk_blocks
+    configs = [(bt, cb, w) for bt in (16, 32) for cb in (1, 4, 8, 16, WHOLE_ROW) for w in (4, 8)]
+    for BT, chunk_blocks, warps in configs:
+        cfg = dataclasses.replace(
+            terms.CONFIG, block_t=BT, fwd_chunk_blocks=chunk_blocks, bwd_chunk_blocks=chunk_blocks,
+            fwd_warps=warps, bwd_warps=warps,
+        )  # fmt: skip
 
-        def fwd():
+        def fwd(cfg=cfg):
             with torch.no_grad():
-                terms.token_terms_kernel(q, k, delta, A, trap, theta, qb, kb, a0, None)
+                terms.token_terms_kernel(q, k, delta, A, trap, theta, qb, kb, a0, None, cfg=cfg)
 
         try:
-            terms.FWD_WARPS = terms.BWD_WARPS = warps
             ms_f = cuda_time_ms(fwd, warmup=2, iters=10)
             for t in leaves:
                 t.requires_grad_(True)
-            out = terms.token_terms_kernel(q, k, delta, A, trap, theta, qb, kb, a0, None)
+            out = terms.token_terms_kernel(q, k, delta, A, trap, theta, qb, kb, a0, None, cfg=cfg)
             cots = [torch.randn_like(o) for o in out]
             ms_b = cuda_time_ms(
                 lambda out=out, cots=cots: torch.autograd.grad(out, leaves, cots,

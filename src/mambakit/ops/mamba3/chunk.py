@@ -5,7 +5,7 @@ The angles, the turned keys and queries (k~, q~) and the per-token weights come 
 the terms kernels (terms.py); the scan kernels (chunk_kernels.py) do what costs: for one
 (row, head) the forward walks the chunks in order, carrying the state S [P, N] and the
 last token's k~ and x (without autograd at few (row, head) pairs, the chunks run in
-parallel instead: chunk_parallel.py, FWD_PARALLEL_BELOW), and per chunk computes, as
+parallel instead: chunk_parallel.py, `parallel_below`), and per chunk computes, as
 reference.py's chunked form,
 
     y_t   = sum_{s <= t} (q~_t . k~_s) exp(cs_t - cs_s) w'_{t,s} x_s
@@ -19,6 +19,8 @@ ones and tf32x3 (f32 accuracy) for f32 ones, always accumulating in f32; the sta
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ...state import Mamba3State
@@ -31,94 +33,128 @@ from .chunk_kernels import (
     _dy_chunk_kernel,
 )
 from .chunk_parallel import _chunk_end_kernel, _chunk_y_kernel, _state_scan_kernel
-from .terms import _Terms, token_terms_kernel
-
-# 32 steps a chunk in the forward: [P, N] state, start state, q~, k~ and the [L, L] scores
-# held in registers. H200, 130m-mamba3 heads, 8 x 2048, bf16 products, 4 warps
-# (scripts/m3_chunk_sweep.py): 0.70 ms against 0.84 in chunks of 16 and 0.90-0.98 in chunks
-# of 64 (4 or 8 warps); with D and the gate 0.86 against 0.89.
-CHUNK_L = 32
+from .terms import CONFIG as TERMS
+from .terms import TermsConfig, _Terms, token_terms_kernel
 
 
-# The products' precision for 16-bit inputs: "bf16" (operands rounded to bf16 as upstream's
-# kernels round theirs, f32 accumulation) or "tf32". H200, 130m-mamba3 heads, 8 x 2048
-# (scripts/m3_chunk_sweep.py): forward 2.19 ms in bf16 against 2.50 in tf32
-# (8 warps), forward + backward 7.62 against 8.53; against float64 every output and gradient
-# of tests/ops/test_mamba3.py's GPU case within 6e-3 relative (tf32: 2.7e-3).
-PREC_16BIT = "bf16"
+@dataclasses.dataclass(frozen=True)
+class Mamba3ScanConfig:
+    """Launch parameters of the Mamba-3 scan's kernels, never autotuned (`CONFIG` is the
+    library's; scripts/m3_chunk_sweep.py and m3_fwd_probe.py time others through `cfg=`).
+    Measured on the H200 at the 130m-mamba3 heads (P 64, N 128) by m3_chunk_sweep.py unless
+    said."""
+
+    # The forward, in chunks of 32 steps: [P, N] state, start state, q~, k~ and the [L, L]
+    # scores held in registers. 8 x 2048, bf16 products, 4 warps: 0.70 ms against 0.84 in
+    # chunks of 16 and 0.90-0.98 in chunks of 64 (4 or 8 warps); with D and the gate 0.86
+    # against 0.89.
+    chunk: int = 32
+    # The products' precision for bf16 inputs: "bf16" (operands rounded to bf16 as
+    # upstream's kernels round theirs, f32 accumulation) or "tf32". 8 x 2048: forward 2.19 ms
+    # in bf16 against 2.50 in tf32 (8 warps), forward + backward 7.62 against 8.53; against
+    # float64 every output and gradient of tests/ops/test_mamba3.py's GPU case within 6e-3
+    # relative (tf32: 2.7e-3).
+    prec_16bit: str = "bf16"
+    # Warps for a state of 8192 values or more (4 below): the forward computing y (chunks of
+    # `chunk`) and the backward's pass storing the chunk start states (chunks of
+    # `chunk_bwd`). 8 x 2048, bf16 products: the forward 1.49 ms with 4 warps against 2.19
+    # with 8; the states pass spills 408 bytes a thread with 4 warps and 8 with 8 (Triton
+    # 3.9 offline, sm_90a).
+    fwd_warps: int = 4
+    states_warps: int = 8
+    # The head's P values per forward program (each block of P carries its rows of S alone):
+    # more programs than the (row, head) pairs, each with a smaller state. 8 x 2048: y's
+    # pass 0.83 ms whole, 0.81 in blocks of 32 with 2 warps (no gain kept); the backward's
+    # states pass in blocks of 32 (so 4 warps) brings terms + forward + backward from 5.19
+    # ms to 4.95.
+    fwd_block_p: int = 64
+    states_block_p: int = 32
+
+    # Below `parallel_below` (row, head) pairs (None: half the SM count), a forward computing
+    # y with nothing stored for the backward runs its chunks in parallel (chunk_parallel.py):
+    # `_chunk_end_kernel` (each chunk's own part u_c of the next start state, a program per
+    # (row, head, chunk)), `_state_scan_kernel` (the start states, the chunks in order,
+    # elementwise), `_chunk_y_kernel` (y from them, a program per (row, head, chunk)), with u
+    # and then the start states in one f32 buffer [B, H, chunks, P, N] (100 MB at 1 x 4096
+    # for the 130m-mamba3 heads); there, one program per (row, head, block of P) walking
+    # every chunk leaves SMs idle. Not below `parallel_min_chunks` chunks (three launches
+    # for a short prompt; not measured) nor above `parallel_max_bytes` of that buffer (the
+    # walk needs none). bf16, terms + scan without autograd (m3_fwd_probe.py), walking
+    # against parallel: 1 x 4096 0.63 ms against 0.48; 2 x 4096 0.83 against 0.57; 3 x 4096
+    # 1.01 against 0.82; 1 x 32768 4.73 against 2.44; 4 x 2048 (96 pairs) 0.54 against
+    # 0.57; 8 x 2048 0.70 against 1.05.
+    parallel_below: int | None = None
+    parallel_min_chunks: int = 4
+    parallel_max_bytes: int = 1 << 30
+    parallel_block_p: int = 64  # the head's P values a program of the parallel passes
+    end_block_n: int = 64  # the states a block of `_chunk_end_kernel`'s product
+    parallel_warps: int = 4
+
+    # The backward, in chunks of `chunk_bwd` steps (see `_Core`): `_dy_chunk_kernel`'s
+    # blocks of P and N, warps and stages; the start-state scans' (`_dstate_scan_kernel`,
+    # and the parallel forward's `_state_scan_kernel`) blocks of P N values, chunks loaded
+    # at a time and warps; `_chunk_grad_kernel`'s and `_chunk_qk_grad_kernel`'s warps and
+    # blocks of N.
+    chunk_bwd: int = 64
+    dy_block_p: int = 64
+    dy_block_n: int = 128
+    dy_warps: int = 4
+    dy_stages: int = 1
+    scan_block: int = 1024
+    scan_chunks: int = 8
+    scan_warps: int = 4
+    grad_warps: int = 4
+    grad_block_n: int = 32
+    qk_warps: int = 4
+    qk_block_n: int = 32
+
+    terms: TermsConfig = TERMS  # the per-token terms' kernels (terms.py)
+
+    def __post_init__(self):
+        if self.prec_16bit not in ("bf16", "tf32"):
+            raise ValueError(
+                f"Mamba3ScanConfig.prec_16bit must be 'bf16' or 'tf32', got {self.prec_16bit!r}"
+            )
 
 
-def _precision(x: torch.Tensor) -> str:
-    """PREC_16BIT for bf16 inputs, tf32 for f16 ones (bf16 would drop 3 of their bits),
+CONFIG = Mamba3ScanConfig()
+
+
+def _precision(x: torch.Tensor, cfg: Mamba3ScanConfig) -> str:
+    """cfg.prec_16bit for bf16 inputs, tf32 for f16 ones (bf16 would drop 3 of their bits),
     tf32x3 (f32 accuracy) for f32 ones; the interpreter computes in f32."""
     if not x.is_cuda:
         return "ieee"
-    return {torch.float32: "tf32x3", torch.bfloat16: PREC_16BIT}.get(x.dtype, "tf32")
+    return {torch.float32: "tf32x3", torch.bfloat16: cfg.prec_16bit}.get(x.dtype, "tf32")
 
 
-def _operands_dtype(x: torch.Tensor) -> torch.dtype:
+def _operands_dtype(x: torch.Tensor, cfg: Mamba3ScanConfig) -> torch.dtype:
     """The dtype of what the scan kernels read mostly as products' operands: q~ and k~, the
     chunk start states kept for the backward and their gradients. bf16 where the products
     take bf16 operands (the sums and elementwise terms over them are f32 all the same), else
     f32. The state the forward carries, and every gradient the scan returns, are f32."""
-    return torch.bfloat16 if _precision(x) == "bf16" else torch.float32
+    return torch.bfloat16 if _precision(x, cfg) == "bf16" else torch.float32
 
 
 def _block(v: int) -> int:
     return max(16, next_power_of_2(v))
 
 
-# Warps for a state of 8192 values or more (4 below): the forward computing y (chunks of
-# CHUNK_L) and the backward's pass storing the chunk start states (chunks of CHUNK_BWD).
-# H200, 8 x 2048, bf16 products: the forward 1.49 ms with 4 warps against 2.19 with 8; the
-# states pass spills 408 bytes a thread with 4 warps and 8 with 8 (Triton 3.9 offline, sm_90a).
-FWD_WARPS = 4
-STATES_WARPS = 8
-# The head's P values per forward program (each block of P carries its rows of S alone):
-# more programs than the (row, head) pairs, each with a smaller state. H200, 8 x 2048
-# (scripts/m3_chunk_sweep.py): y's pass 0.83 ms whole, 0.81 in blocks of 32
-# with 2 warps (no gain kept); the backward's states pass in blocks of 32 (so 4 warps)
-# brings terms + forward + backward from 5.19 ms to 4.95.
-FWD_BLOCK_P = 64
-STATES_BLOCK_P = 32
-
-
-# Below FWD_PARALLEL_BELOW (row, head) pairs (None: half the SM count), a forward computing
-# y with nothing stored for the backward runs its chunks in parallel (chunk_parallel.py):
-# `_chunk_end_kernel` (each chunk's own part u_c of the next start state, a program per
-# (row, head, chunk)), `_state_scan_kernel` (the start states, the chunks in order,
-# elementwise), `_chunk_y_kernel` (y from them, a program per (row, head, chunk)), with u
-# and then the start states in one f32 buffer [B, H, chunks, P, N] (100 MB at 1 x 4096 for
-# the 130m-mamba3 heads); there, one program per (row, head, block of P) walking every
-# chunk leaves SMs idle. Not below FWD_PARALLEL_MIN_CHUNKS chunks (three launches for a
-# short prompt; not measured) nor above FWD_PARALLEL_MAX_BYTES of that buffer (the walk
-# needs none). H200, 130m-mamba3 heads, bf16, terms + scan without autograd
-# (scripts/m3_fwd_probe.py), walking against parallel: 1 x 4096 0.63 ms against 0.48;
-# 2 x 4096 0.83 against 0.57; 3 x 4096 1.01 against 0.82; 1 x 32768 4.73 against 2.44;
-# 4 x 2048 (96 pairs) 0.54 against 0.57; 8 x 2048 0.70 against 1.05.
-FWD_PARALLEL_BELOW = None
-FWD_PARALLEL_MIN_CHUNKS = 4
-FWD_PARALLEL_MAX_BYTES = 1 << 30
-PARALLEL_BLOCK_P = 64  # the head's P values a program of the parallel passes
-END_BLOCK_N = 64  # the states a block of `_chunk_end_kernel`'s product
-PARALLEL_WARPS = 4
-
-
-def _parallel(x: torch.Tensor, N: int, L: int) -> bool:
+def _parallel(x: torch.Tensor, N: int, L: int, cfg: Mamba3ScanConfig) -> bool:
     Bsz, T, H, P = x.shape
-    below = FWD_PARALLEL_BELOW
+    below = cfg.parallel_below
     if below is None:
         below = sm_count(x.device.index) // 2 if x.is_cuda else 0
     nc = cdiv(T, L)
     return (
         Bsz * H < below
-        and nc >= FWD_PARALLEL_MIN_CHUNKS
-        and Bsz * H * nc * P * N * 4 <= FWD_PARALLEL_MAX_BYTES
+        and nc >= cfg.parallel_min_chunks
+        and Bsz * H * nc * P * N * 4 <= cfg.parallel_max_bytes
     )
 
 
-def _launch_fwd_chunks(x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L):
-    """`_launch_fwd` computing y alone, its chunks in parallel (see FWD_PARALLEL_BELOW)."""
+def _launch_fwd_chunks(x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L, cfg):
+    """`_launch_fwd` computing y alone, its chunks in parallel (see `parallel_below`)."""
     Bsz, T, H, P = x.shape
     N = qr.shape[-1]
     nc = cdiv(T, L)
@@ -126,37 +162,39 @@ def _launch_fwd_chunks(x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y
     u = torch.empty(Bsz, H, nc, P, N, device=x.device, dtype=torch.float32)
     keep = torch.empty(Bsz, H, nc, device=x.device, dtype=torch.float32)
     seq = seq_idx if seq_idx is not None else adt
-    block_p, block_n = min(_block(P), PARALLEL_BLOCK_P), _block(N)
+    block_p, block_n = min(_block(P), cfg.parallel_block_p), _block(N)
+    prec, warps = _precision(x, cfg), cfg.parallel_warps
     strides = (x.stride(0), x.stride(1), x.stride(2), qr.stride(0), qr.stride(1),
                qr.stride(2), adt.stride(0), adt.stride(1), seq.stride(0))  # fmt: skip
     grid = (Bsz, H, nc * cdiv(P, block_p))
     launch(_chunk_end_kernel, grid,
         x, kr, adt, gamma, late, seq, u, keep, T, H, P, N, *strides,
-        HAS_SEQ=seq_idx is not None, L=L, BLOCK_P=block_p, BLOCK_N=min(block_n, END_BLOCK_N),
-        PREC=_precision(x), num_warps=PARALLEL_WARPS,
+        HAS_SEQ=seq_idx is not None, L=L, BLOCK_P=block_p, BLOCK_N=min(block_n, cfg.end_block_n),
+        PREC=prec, num_warps=warps,
     )  # fmt: skip
-    launch(_state_scan_kernel, (Bsz * H, cdiv(P * N, SCAN_BLOCK)),
+    launch(_state_scan_kernel, (Bsz * H, cdiv(P * N, cfg.scan_block)),
         keep, s0, k0, x0, late, u, sT, T, H, P * N, N, L, late.stride(0),
-        BLOCK=SCAN_BLOCK, CHUNKS=min(SCAN_CHUNKS, next_power_of_2(nc)), num_warps=SCAN_WARPS,
+        BLOCK=cfg.scan_block, CHUNKS=min(cfg.scan_chunks, next_power_of_2(nc)),
+        num_warps=cfg.scan_warps,
     )  # fmt: skip
     launch(_chunk_y_kernel, grid,
         x, qr, kr, adt, gamma, late, seq, z if z is not None else x,
         D.float() if D is not None else adt, u, y, kT, xT, T, H, P, N, *strides,
         *(z.stride()[:3] if z is not None else (0, 0, 0)), y.stride(0), y.stride(1), y.stride(2),
         HAS_SEQ=seq_idx is not None, HAS_Z=z is not None, HAS_D=D is not None, L=L,
-        BLOCK_P=block_p, BLOCK_N=block_n, PREC=_precision(x), num_warps=PARALLEL_WARPS,
+        BLOCK_P=block_p, BLOCK_N=block_n, PREC=prec, num_warps=warps,
     )  # fmt: skip
     return sT, kT, xT
 
 
-def _warps(block_p: int, N: int, states: bool) -> int:
+def _warps(block_p: int, N: int, states: bool, cfg: Mamba3ScanConfig) -> int:
     """Warps for a program holding a [block_p, N] state (at most 4 below 8192 values)."""
-    w = STATES_WARPS if states else FWD_WARPS
+    w = cfg.states_warps if states else cfg.fwd_warps
     return w if block_p * N >= 8192 else min(w, 4)
 
 
 def _launch_fwd(
-    x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L, states=None, pre=None,
+    x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L, cfg, states=None, pre=None,
     LS=None,
 ):  # fmt: skip
     """The forward kernel over (row, head): y and the final state into y, and the returned
@@ -164,13 +202,14 @@ def _launch_fwd(
     given (the backward's, with y or as a pass of its own when y is None). `pre` (y's shape
     and strides): y before the gate, stored too."""
     Bsz, T, H, P = x.shape
-    if y is not None and states is None and pre is None and _parallel(x, qr.shape[-1], L):
-        return _launch_fwd_chunks(x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L)
+    if y is not None and states is None and pre is None and _parallel(x, qr.shape[-1], L, cfg):
+        return _launch_fwd_chunks(x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L,
+                                  cfg)  # fmt: skip
     N = qr.shape[-1]
     sT, kT, xT = torch.empty_like(s0), torch.empty_like(k0), torch.empty_like(x0)
     seq = seq_idx if seq_idx is not None else adt
     ys = y if y is not None else x
-    block_p = min(_block(P), FWD_BLOCK_P if y is not None else STATES_BLOCK_P)
+    block_p = min(_block(P), cfg.fwd_block_p if y is not None else cfg.states_block_p)
     # each program walks every chunk: while (row, head) pairs leave SMs idle (a prefill at
     # batch 1), more programs over smaller blocks of P
     while x.is_cuda and block_p > 16 and Bsz * H * cdiv(P, block_p) < sm_count(x.device.index):
@@ -186,10 +225,10 @@ def _launch_fwd(
         *(z.stride()[:3] if z is not None else (0, 0, 0)),
         ys.stride(0), ys.stride(1), ys.stride(2),
         HAS_SEQ=seq_idx is not None, HAS_Z=z is not None, HAS_D=D is not None,
-        L=L, BLOCK_P=block_p, BLOCK_N=_block(N), PREC=_precision(x),
+        L=L, BLOCK_P=block_p, BLOCK_N=_block(N), PREC=_precision(x, cfg),
         COMPUTE_Y=y is not None, STORE_STATES=states is not None, STORE_PRE=pre is not None,
         LS=LS or L,
-        num_warps=_warps(block_p, N, states_only),
+        num_warps=_warps(block_p, N, states_only, cfg),
     )  # fmt: skip
     return sT, kT, xT
 
@@ -221,31 +260,36 @@ def mamba3_scan_fwd(
     z: torch.Tensor | None = None,
     initial_state: Mamba3State | None = None,
     seq_idx: torch.Tensor | None = None,
+    cfg: Mamba3ScanConfig | None = None,
 ) -> tuple[torch.Tensor, Mamba3State]:
     """`mamba3_scan_reference`'s values without its autograd: (y [B, T, H, P] in x.dtype,
-    the final f32 state). The chunk is `CHUNK_L` whatever the layer's chunk_size (the
-    result does not depend on it). D and the gate are applied inside the kernel."""
+    the final f32 state). The chunk is `cfg.chunk` whatever the layer's chunk_size (the
+    result does not depend on it). D and the gate are applied inside the kernel. cfg:
+    launch parameters other than the library's `CONFIG`."""
+    cfg = cfg or CONFIG
     initial_state, seq, xs, s0, k0, x0 = _prepare(x, q, theta, initial_state, seq_idx)
     phi_T, qr, kr, adt, gamma, late = token_terms_kernel(
-        q, k, delta, A, trap, theta, q_bias, k_bias, initial_state.angle, seq, _operands_dtype(x)
-    )
+        q, k, delta, A, trap, theta, q_bias, k_bias, initial_state.angle, seq,
+        _operands_dtype(x, cfg), cfg.terms,
+    )  # fmt: skip
     zs = z if z is None or z.stride(-1) == 1 else z.contiguous()
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
-    sT, kT, xT = _launch_fwd(xs, qr, kr, adt, gamma, late, seq, D, zs, s0, k0, x0, y, CHUNK_L)
+    sT, kT, xT = _launch_fwd(xs, qr, kr, adt, gamma, late, seq, D, zs, s0, k0, x0, y, cfg.chunk,
+                             cfg)  # fmt: skip
     return y, Mamba3State(phi_T, sT, kT, xT)
 
 
-# The backward runs in chunks of CHUNK_BWD steps, every kernel but one a program per (row,
+# The backward runs in chunks of `chunk_bwd` steps, every kernel but one a program per (row,
 # head, chunk). `_dy_chunk_kernel`: from dy alone, the gate's and D's gradients and the
-# chunk's own part u_c = (dy_c e_cs_c)^T q~_c of its start state's gradient (DY_BLOCK_P of
-# the P values by DY_BLOCK_N states a product); `_dstate_scan_kernel` sums those over the
-# chunks in reverse, dS'_c = keep_c dS'_{c+1} + u_c, elementwise over blocks of SCAN_BLOCK of
+# chunk's own part u_c = (dy_c e_cs_c)^T q~_c of its start state's gradient (`dy_block_p` of
+# the P values by `dy_block_n` states a product); `_dstate_scan_kernel` sums those over the
+# chunks in reverse, dS'_c = keep_c dS'_{c+1} + u_c, elementwise over blocks of `scan_block` of
 # the P N values. Then, with no loop over chunks, from the chunk's start state (the
 # forward's) and its end state's gradient: `_chunk_grad_kernel` the gradients of x and the
 # per-token weights, `_chunk_qk_grad_kernel` those of q~ and k~. The start states are
-# [B, H, T / CHUNK_BWD, P, N] (`_operands_dtype`: bf16 for bf16 inputs, 100 MB at 8 x 2048 for
-# the 130m-mamba3 heads), kept from the forward, which stores every (CHUNK_BWD / CHUNK_L)-th
-# of its chunks' when CHUNK_L divides CHUNK_BWD (else the backward recomputes them in a pass
+# [B, H, T / chunk_bwd, P, N] (`_operands_dtype`: bf16 for bf16 inputs, 100 MB at 8 x 2048 for
+# the 130m-mamba3 heads), kept from the forward, which stores every (chunk_bwd / chunk)-th
+# of its chunks' when `chunk` divides `chunk_bwd` (else the backward recomputes them in a pass
 # of its own); their gradients are as many, transient (u_c, then dS' in its place).
 # H200, 8 x 2048, the scan's forward + backward (scripts/m3_chunk_sweep.py): 2.50 ms with 4
 # warps for both per-chunk kernels and blocks of 32 states (f32 states), 2.72 with 8 warps,
@@ -255,15 +299,6 @@ def mamba3_scan_fwd(
 # issue, latency-bound). The start states' gradients as a program per (row, head, 16 of the
 # P values) walking the chunks in reverse with the product inside the loop take 0.22 ms at
 # 8 x 2048, after a kernel of its own for the gate's gradient (0.12 ms).
-CHUNK_BWD = 64
-DY_BLOCK_P, DY_BLOCK_N, DY_WARPS, DY_STAGES = 64, 128, 4, 1
-SCAN_BLOCK, SCAN_CHUNKS, SCAN_WARPS = 1024, 8, 4
-GRAD_WARPS = 4
-GRAD_BLOCK_N = 32  # the states a block of `_chunk_grad_kernel`'s pass over N
-QK_WARPS = 4
-QK_BLOCK_N = 32  # of `_chunk_qk_grad_kernel`'s
-
-
 class _Core:
     """The forward and backward of an autograd context (`_Scan` runs them): the scan with
     its kernels: (x, q~, k~, A delta, gamma, late, initial S, k~, x, D, z)
@@ -274,18 +309,19 @@ class _Core:
     gradients with the start states' gradients (`_dstates`), then the rest per chunk."""
 
     @staticmethod
-    def forward(ctx, x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z):
+    def forward(ctx, x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, cfg):
         Bsz, T, H, P = x.shape
+        L, LB = cfg.chunk, cfg.chunk_bwd
         y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
         pre = torch.empty_like(y) if z is not None else None
         states = None
-        if CHUNK_BWD % CHUNK_L == 0:
-            states = torch.empty(Bsz, H, cdiv(T, CHUNK_BWD), P, qr.shape[-1],
-                                 device=x.device, dtype=_operands_dtype(x))  # fmt: skip
-        sT, _, _ = _launch_fwd(x, qr, kr, adt, gamma, late, seq, D, z, s0, k0, x0, y, CHUNK_L,
-                               states, pre, CHUNK_BWD)  # fmt: skip
+        if LB % L == 0:
+            states = torch.empty(Bsz, H, cdiv(T, LB), P, qr.shape[-1],
+                                 device=x.device, dtype=_operands_dtype(x, cfg))  # fmt: skip
+        sT, _, _ = _launch_fwd(x, qr, kr, adt, gamma, late, seq, D, z, s0, k0, x0, y, L, cfg,
+                               states, pre, LB)  # fmt: skip
         ctx.save_for_backward(x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, pre, states)
-        ctx.chunk = CHUNK_BWD
+        ctx.cfg = cfg
         return y, sT
 
     @staticmethod
@@ -293,16 +329,18 @@ class _Core:
         x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, pre, states = ctx.saved_tensors
         Bsz, T, H, P = x.shape
         N = qr.shape[-1]
-        L = ctx.chunk
+        cfg = ctx.cfg
+        L = cfg.chunk_bwd
         nc = cdiv(T, L)
         f32 = dict(device=x.device, dtype=torch.float32)
         if states is None:  # the forward ran other chunks: a pass for the backward's
-            states = torch.empty(Bsz, H, nc, P, N, device=x.device, dtype=_operands_dtype(x))
-            _launch_fwd(x, qr, kr, adt, gamma, late, seq, None, None, s0, k0, x0, None, L,
+            dt = _operands_dtype(x, cfg)
+            states = torch.empty(Bsz, H, nc, P, N, device=x.device, dtype=dt)
+            _launch_fwd(x, qr, kr, adt, gamma, late, seq, None, None, s0, k0, x0, None, L, cfg,
                         states)  # fmt: skip
         dy = dy.contiguous() if dy is not None else torch.zeros_like(x)
         dsT = dsT.contiguous() if dsT is not None else None
-        dy, dz, dD, dst, ds0 = _dstates(dy, z, pre, x, D, qr, adt, seq, dsT, states, s0, L)
+        dy, dz, dD, dst, ds0 = _dstates(dy, z, pre, x, D, qr, adt, seq, dsT, states, s0, L, cfg)
         seqt = seq if seq is not None else adt
         dx = torch.empty(dy.shape, device=x.device, dtype=x.dtype)
         dq, dk = torch.empty(qr.shape, **f32), torch.empty(kr.shape, **f32)
@@ -314,16 +352,17 @@ class _Core:
             adt.stride(0), adt.stride(1), seqt.stride(0), dy.stride(0), dy.stride(1),
             dy.stride(2),
         )  # fmt: skip
-        consts = dict(HAS_SEQ=seq is not None, L=L, BLOCK_P=_block(P), PREC=_precision(x))
+        consts = dict(HAS_SEQ=seq is not None, L=L, BLOCK_P=_block(P), PREC=_precision(x, cfg))
         launch(_chunk_grad_kernel, (Bsz, H, nc),
             x, qr, kr, adt, gamma, late, seqt, states, dst, x0, k0, opt(D, adt),
             dy, dx, dadt, dgam, dlate, dx0, *strided,
-            HAS_D=D is not None, BLOCK_N=min(_block(N), GRAD_BLOCK_N), num_warps=GRAD_WARPS,
+            HAS_D=D is not None, BLOCK_N=min(_block(N), cfg.grad_block_n),
+            num_warps=cfg.grad_warps,
             **consts,
         )  # fmt: skip
         launch(_chunk_qk_grad_kernel, (Bsz, H, nc),
             x, qr, kr, adt, gamma, late, seqt, states, dst, x0, dy, dq, dk, dk0, *strided,
-            BLOCK_N=min(_block(N), QK_BLOCK_N), num_warps=QK_WARPS, **consts,
+            BLOCK_N=min(_block(N), cfg.qk_block_n), num_warps=cfg.qk_warps, **consts,
         )  # fmt: skip
         dD = dD.sum((0, 1)).to(D.dtype) if D is not None else None
         return dx, dq, dk, dadt, dgam, dlate, None, ds0, dk0, dx0, dD, dz
@@ -347,32 +386,33 @@ class _Scan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, s0, k0, x0, D, z,
-                seq):  # fmt: skip
+                seq, cfg):  # fmt: skip
         terms, core = _Ctx(), _Ctx()
         phi_T, qr, kr, adt, gamma, late = _Terms.forward(
-            terms, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, seq, _operands_dtype(x)
-        )
-        y, sT = _Core.forward(core, x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z)
+            terms, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, seq,
+            _operands_dtype(x, cfg), cfg.terms,
+        )  # fmt: skip
+        y, sT = _Core.forward(core, x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, cfg)
         ctx.save_for_backward(*terms.saved_tensors, *core.saved_tensors)
-        ctx.n_terms, ctx.dtypes, ctx.chunk = len(terms.saved_tensors), terms.dtypes, core.chunk
+        ctx.n_terms, ctx.dtypes, ctx.cfg = len(terms.saved_tensors), terms.dtypes, cfg
         return y, phi_T, sT, kr[:, -1].float()
 
     @staticmethod
     def backward(ctx, dy, dphi_T, dsT, dkT):
         saved = ctx.saved_tensors
-        terms = _Ctx(saved[: ctx.n_terms], dtypes=ctx.dtypes)
-        core = _Ctx(saved[ctx.n_terms :], chunk=ctx.chunk)
+        terms = _Ctx(saved[: ctx.n_terms], dtypes=ctx.dtypes, cfg=ctx.cfg.terms)
+        core = _Ctx(saved[ctx.n_terms :], cfg=ctx.cfg)
         dx, dqr, dkr, dadt, dgam, dlate, _, ds0, dk0, dx0, dD, dz = _Core.backward(core, dy, dsT)
         if dkT is not None:
             dkr[:, -1] += dkT
-        dq, dk, ddelta, dA, dtrap, dtheta, dq_bias, dk_bias, dangle0, _, _ = _Terms.backward(
+        dq, dk, ddelta, dA, dtrap, dtheta, dq_bias, dk_bias, dangle0, *_ = _Terms.backward(
             terms, dphi_T, dqr, dkr, dadt, dgam, dlate
         )
         return (dx, dq, dk, ddelta, dA, dtrap, dtheta, dq_bias, dk_bias, dangle0, ds0, dk0, dx0,
-                dD, dz, None)  # fmt: skip
+                dD, dz, None, None)  # fmt: skip
 
 
-def _dstates(dy, z, pre, x, D, qr, adt, seq, dsT, states, s0, L):
+def _dstates(dy, z, pre, x, D, qr, adt, seq, dsT, states, s0, L, cfg):
     """The backward's first two kernels, `_dy_chunk_kernel` and `_dstate_scan_kernel`: (the
     core's gradient (dy itself without a gate, else f32), dz in z's dtype or None, dD's
     shares [B, chunks, H] f32 or None, the start states' gradients dS'_{c+1} like `states`,
@@ -394,14 +434,14 @@ def _dstates(dy, z, pre, x, D, qr, adt, seq, dsT, states, s0, L):
         qr.stride(0), qr.stride(1), qr.stride(2), adt.stride(0), adt.stride(1),
         seqt.stride(0),
         HAS_SEQ=seq is not None, HAS_Z=z is not None, HAS_D=D is not None, L=L,
-        BLOCK_P=min(_block(P), DY_BLOCK_P), BLOCK_N=min(_block(N), DY_BLOCK_N),
-        PREC=_precision(x), num_warps=DY_WARPS, num_stages=DY_STAGES,
+        BLOCK_P=min(_block(P), cfg.dy_block_p), BLOCK_N=min(_block(N), cfg.dy_block_n),
+        PREC=_precision(x, cfg), num_warps=cfg.dy_warps, num_stages=cfg.dy_stages,
     )  # fmt: skip
     ds0 = torch.empty_like(s0)
-    launch(_dstate_scan_kernel, (Bsz * H, cdiv(P * N, SCAN_BLOCK)),
+    launch(_dstate_scan_kernel, (Bsz * H, cdiv(P * N, cfg.scan_block)),
         keep, dsT if dsT is not None else s0, dst, ds0, T, P * N, L,
-        HAS_DST=dsT is not None, BLOCK=SCAN_BLOCK,
-        CHUNKS=min(SCAN_CHUNKS, next_power_of_2(nc)), num_warps=SCAN_WARPS,
+        HAS_DST=dsT is not None, BLOCK=cfg.scan_block,
+        CHUNKS=min(cfg.scan_chunks, next_power_of_2(nc)), num_warps=cfg.scan_warps,
     )  # fmt: skip
     return dyc, dz, dD, dst, ds0
 
@@ -420,19 +460,22 @@ def mamba3_scan_kernel(
     z: torch.Tensor | None = None,
     initial_state: Mamba3State | None = None,
     seq_idx: torch.Tensor | None = None,
+    cfg: Mamba3ScanConfig | None = None,
 ) -> tuple[torch.Tensor, Mamba3State]:
     """`mamba3_scan_reference` on the kernels, differentiable in every input and the initial
     state: (y [B, T, H, P] in x.dtype, the final f32 state). Outside autograd it is
     `mamba3_scan_fwd` (D and the gate inside the kernel). Under autograd it is `_Scan`: the
-    per-token terms (`_Terms`, terms.py) and the scan with D and the gate (`_Core`)."""
+    per-token terms (`_Terms`, terms.py) and the scan with D and the gate (`_Core`). cfg:
+    launch parameters other than the library's `CONFIG`."""
     tensors = (x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z, *(initial_state or ()))
     if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors):
         return mamba3_scan_fwd(x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z,
-                               initial_state, seq_idx)  # fmt: skip
+                               initial_state, seq_idx, cfg)  # fmt: skip
     initial_state, seq, xs, s0, k0, x0 = _prepare(x, q, theta, initial_state, seq_idx)
     if x.shape[1] == 0:
         return x.new_empty(x.shape), Mamba3State(*(t.float() for t in initial_state))
     zs = z if z is None or z.stride(-1) == 1 else z.contiguous()
     y, phi_T, sT, kT = _Scan.apply(xs, q, k, delta, A, trap, theta, q_bias, k_bias,
-                                   initial_state.angle, s0, k0, x0, D, zs, seq)  # fmt: skip
+                                   initial_state.angle, s0, k0, x0, D, zs, seq,
+                                   cfg or CONFIG)  # fmt: skip
     return y, Mamba3State(phi_T, sT, kT, x[:, -1].float())

@@ -26,6 +26,7 @@ and waits for it before reading anything a kernel writes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -43,9 +44,6 @@ from .._triton import (
     pdl_wait,
     sm_count,
 )
-
-# warps of a step program; None: `_warps`, by the state's size and the programs per SM
-STEP_WARPS = None
 
 PI = tl.constexpr(math.pi)
 TWO_PI = tl.constexpr(2 * math.pi)
@@ -154,6 +152,17 @@ def _step_kernel(
 # fmt: on
 
 
+@dataclasses.dataclass(frozen=True)
+class Mamba3StepConfig:
+    """Launch parameters of the step kernel (not autotuned: it updates the state in place;
+    `CONFIG` is the library's, scripts/m3_step_probe.py times others through `cfg=`)."""
+
+    warps: int | None = None  # per program; None: `_warps`, by the state's size and programs
+
+
+CONFIG = Mamba3StepConfig()
+
+
 def state_update(
     state: Mamba3State,  # angle [B, H, S], ssm [B, H, P, N], k [B, H, N], x [B, H, P]: f32
     x: torch.Tensor,  # [B, H, P]
@@ -167,10 +176,12 @@ def state_update(
     k_bias: torch.Tensor,  # [H, N]
     D: torch.Tensor | None,  # [H]
     z: torch.Tensor | None,  # [B, H, P]
+    cfg: Mamba3StepConfig | None = None,
 ) -> torch.Tensor:
     """y [B, H, P] in x.dtype; `state` advances one token in place. Every tensor's last
-    dim must have stride 1 (the views of in_proj's output and of stacked states do)."""
-    return _launch(state, x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z, None)
+    dim must have stride 1 (the views of in_proj's output and of stacked states do). cfg:
+    launch parameters other than the library's `CONFIG`."""
+    return _launch(state, x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z, None, cfg)
 
 
 def state_update_raw(
@@ -191,16 +202,17 @@ def state_update_raw(
     C_weight: torch.Tensor,  # [N]
     B_weight: torch.Tensor,  # [N]
     eps: float,
+    cfg: Mamba3StepConfig | None = None,
 ) -> torch.Tensor:
     """`state_update` from in_proj's rows as they come: q, k, delta and A are made in the
     kernel as `Mamba3._inputs` makes them (the RMSNorms of C and B, softplus(dd_dt +
     dt_bias), -max(heavy_tail(dd_A), A_floor)), which would be a dozen small launches a
     layer and token otherwise."""
     raw = (dt_bias, _unit_last(C_weight), _unit_last(B_weight), A_floor, eps)
-    return _launch(state, x, C, B, dd_dt, dd_A, trap, theta, q_bias, k_bias, D, z, raw)
+    return _launch(state, x, C, B, dd_dt, dd_A, trap, theta, q_bias, k_bias, D, z, raw, cfg)
 
 
-def _launch(state, x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z, raw):
+def _launch(state, x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z, raw, cfg):
     for name, t in zip(state._fields, state):
         if t.dtype != torch.float32 or t.stride(-1) != 1:
             raise ValueError(
@@ -218,6 +230,7 @@ def _launch(state, x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z, raw):
     zz = z if z is not None else x
     dtb, qw, kw, A_floor, eps = raw if raw is not None else (delta, q, k, 0.0, 0.0)
     block_n = next_power_of_2(N)
+    warps = (cfg or CONFIG).warps or _warps(next_power_of_2(P) * block_n, Bsz * H, x)
     launch(_step_kernel, (Bsz, H),
         x, zz, q, k, delta, A, trap, theta, q_bias, k_bias, D if D is not None else delta,
         ang, ssm, kst, xst, y, dtb, qw, kw,
@@ -229,7 +242,7 @@ def _launch(state, x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z, raw):
         xst.stride(0), xst.stride(1), y.stride(0), y.stride(1),
         HAS_Z=z is not None, HAS_D=D is not None,
         BLOCK_P=next_power_of_2(P), BLOCK_N=block_n, RAW=raw is not None,
-        num_warps=STEP_WARPS or _warps(next_power_of_2(P) * block_n, Bsz * H, x),
+        num_warps=warps,
         **pdl_args(x),
     )  # fmt: skip
     return y

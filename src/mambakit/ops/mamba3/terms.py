@@ -25,11 +25,12 @@ through the turn for one (row, group, block of steps), its heads in order, summi
 k's gradients over the group's heads in registers, writing dphi [B, T, H, S] and each
 head's bias gradient summed over the block; then the angle kernels walk the blocks in
 reverse with the reverse sum of dphi. theta's gradient is per head ([H, B, T, S]), summed
-over the heads in a fixed order by `sum_blocks_kernel`.
-cos and sin are the GPU's approximations (`fast_cos_sin`).
+over the heads in a fixed order by `sum_blocks_kernel`. cos and sin: `fast_cos_sin`.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -353,38 +354,31 @@ def _unturn_kernel(
 
 # fmt: on
 
-# Launch parameters, H200, 130m-mamba3 head shape (scripts/m3_terms_sweep.py):
-# forward in chunks of 8 blocks with 4 warps: 0.869 ms at 8 x 2048 and 0.254 at 1 x 4096
-# (one program walking the whole row: 1.109 and 1.318 with 8 warps). The backward's chunk
-# sums recompute dphi, which pays only when (row, head) programs are few: at 8 x 2048 (192)
-# the whole row with 8 warps takes 1.672 ms (chunks of 8: 1.858), at 1 x 4096 (24) chunks
-# of 4 with 8 warps 0.821 (the whole row: 1.817). Blocks of 32 steps were slower throughout.
-# These are the sweep's times per kernel pair; the layer was timed with chunks of 8 blocks
-# and 8 warps both ways (11.08 ms forward + backward at 8 x 2048). With cos and
-# sin by fast_cos_sin: the backward with 4 warps, 1.658 ms for the whole row at 8 x 2048
-# (8 warps: 2.014) and 0.556 in chunks of 8 at 1 x 4096 (chunks of 4: 0.619); the forward
-# unchanged (0.860 and 0.237). Then the turn moved out of these kernels into kernels of its
-# own (_turn_kernel, _unturn_kernel) and the backward's chunk sums no longer recompute the
-# turn: at 8 x 2048 the pair with chunks of 8 blocks and 4 warps took 0.777 ms forward and
-# 0.886 backward, against 0.941 and 1.065 for the whole row, so the backward is chunked at
-# any size.
-BT = 16  # time steps per block
-FWD_WARPS, FWD_CHUNK_BLOCKS = 4, 8
-BWD_WARPS, BWD_CHUNK_BLOCKS = 4, 8
-# steps per program of the turn and its backward, and their warps. The backward with 2
-# warps (H200, 8 x 2048, the scan's forward + backward by scripts/m3_chunk_sweep.py):
-# 3.92 ms, against 4.05 with 4 warps, 4.33 with 8 (0.63 ms of it the unturn, which
-# ncu found at 91% of its L1 throughput), 4.24 for 32 steps with 8 warps, 4.12 for 8 steps
-# with 4 warps.
-TURN_BT, TURN_WARPS, UNTURN_WARPS = 16, 4, 2
-SUM_BLOCK = 1024  # elements a program of the sum of theta's per-head gradients
-WHOLE_ROW = 1 << 20  # blocks per chunk that leave one chunk: the row in one program
+
+@dataclasses.dataclass(frozen=True)
+class TermsConfig:
+    """Launch parameters of the terms kernels (`CONFIG`; m3_terms_sweep.py and m3_chunk_sweep.py
+    time others through `cfg=`). H200, 130m-mamba3 heads, 8 x 2048: chunks of 8 blocks of 16
+    steps, 4 warps, 0.777 ms forward, 0.886 backward (the whole row a program: 0.941, 1.065);
+    the unturn with 2 warps, the scan's forward + backward 3.92 ms (4 warps: 4.05)."""
+
+    block_t: int = 16  # BT: time steps per block of the angle kernels
+    fwd_chunk_blocks: int = 8  # blocks per chunk (programs along time) of the forward
+    fwd_warps: int = 4
+    bwd_chunk_blocks: int = 8  # the same, backward; more than a row's blocks: one chunk
+    bwd_warps: int = 4
+    turn_block_t: int = 16  # steps per program of the turn and of its backward (the unturn)
+    turn_warps: int = 4
+    unturn_warps: int = 2
+    sum_block: int = 1024  # elements a program of the sum of theta's per-head gradients
 
 
-def _chunks(T: int, blocks: int) -> tuple[int, int]:
-    """(steps per chunk, chunks) for T steps in chunks of `blocks` blocks."""
-    ch = BT * blocks
-    return ch, max(1, -(-T // ch))
+CONFIG = TermsConfig()
+
+
+def _chunks(T: int, block_t: int, blocks: int) -> tuple[int, int]:
+    """(steps per chunk, chunks) for T steps in chunks of `blocks` blocks of block_t steps."""
+    return block_t * blocks, max(1, -(-T // (block_t * blocks)))
 
 
 def _h2(N: int) -> int:
@@ -396,13 +390,12 @@ def _s(S: int) -> int:
 
 
 class _Terms(torch.autograd.Function):
-    """reference.token_terms on the kernels (f32 outputs, contiguous; q~ and k~ in
-    `turned`), differentiable in q, k, delta, A, trap, theta, the biases and the initial
-    angle."""
+    """reference.token_terms on the kernels (f32 outputs, contiguous; q~ and k~ in `turned`),
+    differentiable in q, k, delta, A, trap, theta, the biases and the initial angle."""
 
     @staticmethod
     def forward(ctx, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, seq,
-                turned=torch.float32):  # fmt: skip
+                turned=torch.float32, cfg=CONFIG):  # fmt: skip
         Bsz, T, G, N = q.shape
         H, S = delta.shape[-1], theta.shape[-1]
         f = dict(device=q.device, dtype=torch.float32)
@@ -417,30 +410,32 @@ class _Terms(torch.autograd.Function):
         adt, gam, late = (torch.empty(Bsz, T, H, **f) for _ in range(3))
         phiT = torch.empty(Bsz, H, S, **f)
         seqt = seq if seq is not None else adt
-        ch, C = _chunks(T, FWD_CHUNK_BLOCKS)
+        ch, C = _chunks(T, cfg.block_t, cfg.fwd_chunk_blocks)
         sums = torch.empty(Bsz, H, C, S, **f)
         args = (delta, A, trap, theta, angle0, seqt, sums,
                 phi, adt, gam, late, phiT,
                 T, H, S, ch, C,
                 delta.stride(0), delta.stride(1), trap.stride(0), trap.stride(1),
                 theta.stride(0), theta.stride(1), seqt.stride(0))  # fmt: skip
-        flags = dict(HAS_SEQ=seq is not None, BT=BT, BLOCK_S=_s(S), num_warps=FWD_WARPS)
+        flags = dict(HAS_SEQ=seq is not None, BT=cfg.block_t, BLOCK_S=_s(S),
+                     num_warps=cfg.fwd_warps)  # fmt: skip
         if C > 1:  # what each chunk but the last adds to the angle
             launch(_terms_fwd_kernel, (Bsz, H, C - 1), *args, SUMS=True, **flags)
         launch(_terms_fwd_kernel, (Bsz, H, C), *args, SUMS=False, **flags)
         if T > 0:
-            launch(_turn_kernel, (-(-T // TURN_BT), Bsz, H),
+            launch(_turn_kernel, (-(-T // cfg.turn_block_t), Bsz, H),
                 q, k, q_bias, k_bias, phi, qr, kr,
                 T, H, G, N, S, q.stride(0), q.stride(1), q.stride(2),
-                BT=TURN_BT, BLOCK_H2=_h2(N), num_warps=TURN_WARPS,
+                BT=cfg.turn_block_t, BLOCK_H2=_h2(N), num_warps=cfg.turn_warps,
             )  # fmt: skip
         ctx.save_for_backward(q, k, delta, A, trap, theta, q_bias, k_bias, seq, phi)
-        ctx.dtypes = (q.dtype, k.dtype, trap.dtype, theta.dtype, angle0.dtype)
+        ctx.dtypes, ctx.cfg = (q.dtype, k.dtype, trap.dtype, theta.dtype, angle0.dtype), cfg
         return phiT, qr, kr, adt, gam, late
 
     @staticmethod
     def backward(ctx, dphiT, dqr, dkr, dadt, dgam, dlate):
         q, k, delta, A, trap, theta, q_bias, k_bias, seq, phi = ctx.saved_tensors
+        cfg = ctx.cfg
         Bsz, T, G, N = q.shape
         H, S = delta.shape[-1], theta.shape[-1]
         f = dict(device=q.device, dtype=torch.float32)
@@ -452,7 +447,7 @@ class _Terms(torch.autograd.Function):
         dadt, dgam, dlate = (grad(t, (Bsz, T, H)) for t in (dadt, dgam, dlate))
         dphiT = dphiT.float().contiguous() if dphiT is not None else None
         # through the turn first: q and k per group, dphi per head, the biases' block sums
-        nt = -(-T // TURN_BT)
+        nt = -(-T // cfg.turn_block_t)
         dqg, dkg = torch.empty(Bsz, T, G, N, **f), torch.empty(Bsz, T, G, N, **f)
         dphi = torch.empty(Bsz, T, H, S, **f)
         dqb, dkb = torch.empty(nt, Bsz, H, N, **f), torch.empty(nt, Bsz, H, N, **f)
@@ -460,13 +455,13 @@ class _Terms(torch.autograd.Function):
             launch(_unturn_kernel, (nt, Bsz, G),
                 q, k, q_bias, k_bias, phi, dqr, dkr, dqg, dkg, dphi, dqb, dkb,
                 T, H, G, N, S, q.stride(0), q.stride(1), q.stride(2),
-                BT=TURN_BT, BLOCK_H2=_h2(N), num_warps=UNTURN_WARPS,
+                BT=cfg.turn_block_t, BLOCK_H2=_h2(N), num_warps=cfg.unturn_warps,
             )  # fmt: skip
         ddelta, dA, dtrap = (torch.empty(Bsz, T, H, **f) for _ in range(3))
         dth = torch.empty(H, Bsz, T, S, **f)  # per head, summed below
         dangle0 = torch.empty(Bsz, H, S, **f)
         seqt = seq if seq is not None else delta
-        ch, C = _chunks(T, BWD_CHUNK_BLOCKS)
+        ch, C = _chunks(T, cfg.block_t, cfg.bwd_chunk_blocks)
         sums = torch.empty(Bsz, H, C, S, **f)
         args = (delta, A, trap, theta, seqt, dphi, sums,
                 dadt, dgam, dlate, dphiT if dphiT is not None else dangle0,
@@ -474,8 +469,8 @@ class _Terms(torch.autograd.Function):
                 T, H, S, ch, C)  # fmt: skip
         strides = (delta.stride(0), delta.stride(1), trap.stride(0), trap.stride(1),
                    theta.stride(0), theta.stride(1), seqt.stride(0))  # fmt: skip
-        flags = dict(HAS_SEQ=seq is not None, HAS_DPHIT=dphiT is not None, BT=BT,
-                     BLOCK_S=_s(S), num_warps=BWD_WARPS)  # fmt: skip
+        flags = dict(HAS_SEQ=seq is not None, HAS_DPHIT=dphiT is not None, BT=cfg.block_t,
+                     BLOCK_S=_s(S), num_warps=cfg.bwd_warps)  # fmt: skip
         if C > 1:  # what reaches each chunk's first step from inside it, all but the first
             launch(_terms_bwd_kernel, (Bsz, H, C - 1), *args, 1, *strides, SUMS=True, **flags)
         launch(_terms_bwd_kernel, (Bsz, H, C), *args, 0, *strides, SUMS=False, **flags)
@@ -488,16 +483,17 @@ class _Terms(torch.autograd.Function):
         dtheta = torch.empty(Bsz, T, S, device=q.device, dtype=thd)
         M = dtheta.numel()
         if M > 0:
-            launch(sum_blocks_kernel, (-(-M // SUM_BLOCK), 1), dth, dth, dtheta, dtheta, H, M,
-                   BLOCK_E=SUM_BLOCK)  # fmt: skip
+            launch(sum_blocks_kernel, (-(-M // cfg.sum_block), 1), dth, dth, dtheta, dtheta, H,
+                   M, BLOCK_E=cfg.sum_block)  # fmt: skip
         return (dq, dk, ddelta, dA, dtrap.to(trd), dtheta, dq_bias, dk_bias, dangle0.to(ad),
-                None, None)  # fmt: skip
+                None, None, None)  # fmt: skip
 
 
 def token_terms_kernel(q, k, delta, A, trap, theta, q_bias, k_bias, angle0, seq,
-                       turned=torch.float32):  # fmt: skip
+                       turned=torch.float32, cfg: TermsConfig | None = None):  # fmt: skip
     """reference.token_terms(..., f=float32) on the kernels, but (phi_T [B, H, S], q~, k~,
     A delta, gamma, late): the final angle instead of every step's, q~ and k~ in `turned`
     (f32, or bf16 where the scan's products round them so). seq: int32 [B, T] contiguous
-    document ids, or None."""
-    return _Terms.apply(q, k, delta, A, trap, theta, q_bias, k_bias, angle0, seq, turned)
+    document ids, or None. cfg: launch parameters other than the library's `CONFIG`."""
+    return _Terms.apply(q, k, delta, A, trap, theta, q_bias, k_bias, angle0, seq, turned,
+                        cfg or CONFIG)  # fmt: skip
