@@ -82,13 +82,6 @@ def _reverse_scan(c, a, G, rows, TC: tl.constexpr):
 
 
 @triton.jit
-def _pick(x, rows, r):
-    """Row r of a [TC, K] tile as [K]. The rows lie within each thread, so this is a choice
-    of registers, not arithmetic."""
-    return tl.sum(tl.where((rows == r)[:, None], x, 0.0), axis=0)
-
-
-@triton.jit
 def _program_block(p_A, p_bias, Dn, N, Bsz, HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr):
     """This program's (segment, row, channel block, state block) on the grid (D blocks,
