@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from mambakit import MambaConfig, MambaLM
-from mambakit.training import ByteTokenizer, RowBatches, TrainConfig, Trainer
+from mambakit.text import ByteTokenizer
+from mambakit.training import RowBatches, TrainConfig, Trainer
 from mambakit.training.checkpoint import checkpoint_candidates, checkpoint_dirs
 from mambakit.training.data import pack_documents
 from mambakit.training.trainer import CheckpointUnreadable

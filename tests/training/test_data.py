@@ -9,15 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from mambakit.text import ByteTokenizer, HFTokenizer, load_tokenizer
 from mambakit.training import (
-    ByteTokenizer,
-    HFTokenizer,
     PackedRows,
     RowBatches,
     build_splits,
     default_corpus_files,
     eval_batches,
-    load_tokenizer,
     read_documents,
 )
 from mambakit.training.data import RowSampler, pack_documents

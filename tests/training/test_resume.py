@@ -15,7 +15,8 @@ import torch
 from training_helpers import ListData, random_batch, tcfg, tiny_cfg, tiny_lm, weights_of
 
 from mambakit import MambaLM
-from mambakit.training import ByteTokenizer, RowBatches, Trainer
+from mambakit.text import ByteTokenizer
+from mambakit.training import RowBatches, Trainer
 from mambakit.training.data import pack_documents
 
 

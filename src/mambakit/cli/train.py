@@ -27,14 +27,8 @@ import torch
 
 from ..config import MambaConfig
 from ..model import MambaLM
-from ..training import (
-    RowBatches,
-    TrainConfig,
-    Trainer,
-    build_splits,
-    eval_batches,
-    load_tokenizer,
-)
+from ..text import load_tokenizer
+from ..training import RowBatches, TrainConfig, Trainer, build_splits, eval_batches
 from ..training import distributed as dist_
 from ..training.checkpoint import RunLock
 from ..training.report import plot_loss

@@ -1,6 +1,6 @@
 """Training: TrainConfig + Trainer (mixed precision, TBPTT, CUDA graphs, exact resume), data."""
 
-from ..text import ByteTokenizer, HFTokenizer, load_tokenizer  # here too, as before text.py
+from .config import TrainConfig
 from .data import (
     PackedRows,
     RowBatches,
@@ -9,11 +9,10 @@ from .data import (
     eval_batches,
     read_documents,
 )
-from .trainer import TrainConfig, Trainer, count_targets, lm_loss, split_time
+from .step import count_targets, lm_loss, split_time
+from .trainer import Trainer
 
 __all__ = [
-    "ByteTokenizer",
-    "HFTokenizer",
     "PackedRows",
     "RowBatches",
     "TrainConfig",
@@ -23,7 +22,6 @@ __all__ = [
     "default_corpus_files",
     "eval_batches",
     "lm_loss",
-    "load_tokenizer",
     "read_documents",
     "split_time",
 ]
