@@ -8,7 +8,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile"}
-# opt-in stages: plaunch residual rms ncu tasks m3 m3step m3fwd
+# opt-in stages: residual rms ncu tasks m3 m3step m3fwd
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -31,10 +31,6 @@ fi
 if stage dtproj; then  # the dt_proj kernel (softplus in its epilogue) against the chain, its launch parameters
   echo "== dt_proj_sweep" | tee -a "$LOG"
   timeout ${T_DTPROJ:-150} python scripts/dt_proj_sweep.py --out "$OUT/dt_proj_sweep.json" 2>&1 | tee -a "$LOG"
-fi
-if stage plaunch; then  # launch settings inside the 130m graph prefill: the conv's (PLAUNCH_ARGS=--dt-proj: dt_proj's)
-  echo "== prefill_launch_sweep" | tee -a "$LOG"
-  timeout ${T_PLAUNCH:-150} python scripts/prefill_launch_sweep.py --out "$OUT/prefill_launch.json" ${PLAUNCH_ARGS:-} 2>&1 | tee -a "$LOG"
 fi
 if stage residual; then  # out_proj + the next add & norm: chained, or the GEMM adding into the residual
   echo "== residual_sweep" | tee -a "$LOG"

@@ -488,8 +488,7 @@ def test_layer_runs_the_chunk_kernels_with_and_without_autograd(monkeypatch):
     kernel = chunk.mamba3_scan_kernel  # the layer imports it from there when it runs
     monkeypatch.setattr(chunk, "mamba3_scan_kernel",
                         lambda *a, **kw: calls.append(1) or kernel(*a, **kw))  # fmt: skip
-    backend = {"now": "triton"}
-    monkeypatch.setattr(layer_mod, "resolve_backend", lambda b, t: backend["now"])
+    monkeypatch.setenv("MAMBAKIT_BACKEND", "triton")
     torch.manual_seed(0)
     layer = layer_mod.Mamba3(32, d_state=16, headdim=16, ngroups=2, chunk_size=8)
     u = torch.randn(2, 45, 32)
@@ -499,7 +498,7 @@ def test_layer_runs_the_chunk_kernels_with_and_without_autograd(monkeypatch):
     assert calls == [1]
     runs = {}
     for name in ("triton", "reference"):
-        backend["now"] = name
+        monkeypatch.setenv("MAMBAKIT_BACKEND", name)
         layer.zero_grad(set_to_none=True)
         ug = u.clone().requires_grad_(True)
         y, st = layer(ug, return_state=True)
