@@ -22,6 +22,7 @@ MODULES = [
     "mambakit.ops.causal_conv1d.step",
     "mambakit.ops.rms_norm.kernels",
     "mambakit.ops.cross_entropy.kernels",
+    "mambakit.ops.argmax.kernels",
 ]
 CONSTS = {  # representative values of the kernels' constexpr parameters
     "BLOCK_D": 32, "BLOCK_N": 16, "BLOCK_E": 64, "BLOCK_T": 16, "BLOCK_K": 4, "BLOCK_M": 4,

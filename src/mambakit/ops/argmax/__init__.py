@@ -2,8 +2,8 @@
 
 `argmax_rows(logits [B, V]) -> [B] int64` equals `logits.argmax(dim=-1)`: the first index of
 the largest value, a NaN counting as larger than any number. On CUDA it is one Triton launch
-(kernels.py); PyTorch's reduction over [64, 50280] bf16 logits took 13.5 us on the H200, about
-2% of a batch-64 decode step at 130m.
+(kernels.py, launched by launch.py); PyTorch's reduction over [64, 50280] bf16 logits took
+13.5 us on the H200, about 2% of a batch-64 decode step at 130m.
 """
 
 from __future__ import annotations
@@ -21,6 +21,6 @@ def argmax_rows(logits: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     check_tensor("logits", logits, shape=(None, None))
     if resolve_backend(backend, logits) != "triton" or logits.shape[1] == 0:
         return logits.argmax(dim=-1)
-    from .kernels import argmax_triton
+    from .launch import argmax_triton
 
     return argmax_triton(logits)
