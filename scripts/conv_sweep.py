@@ -6,7 +6,7 @@ The K <= 4 forward (groups of 4 times) is timed over its settings against the ge
 kernel first; then the general kernel's own settings (the groups kernel off).
 
 x is the left half of an in_proj output [B, T, 2D] (a strided view, as in the mixer). Each
-candidate is a `ConvConfig` (causal_conv1d/kernels.py) derived from the library's `CONFIG`
+candidate is a `ConvConfig` (causal_conv1d/launch.py) derived from the library's `CONFIG`
 and handed to the launchers as `cfg=`; the library always runs `CONFIG`, so a better
 candidate is adopted by editing its defaults. Every candidate's outputs are checked
 against the library's. causal_conv1d (the peer, when importable) is
@@ -22,7 +22,7 @@ import json
 import torch
 import triton.testing
 
-from mambakit.ops.causal_conv1d import kernels as K
+from mambakit.ops.causal_conv1d import launch as K
 
 TILE_ONLY = dataclasses.replace(K.CONFIG, quad_block_g=0)  # the general tile kernel alone
 

@@ -18,7 +18,8 @@ import pytest
 MODULES = [
     "mambakit.ops.selective_scan.kernels",
     "mambakit.ops.selective_scan.step",
-    "mambakit.ops.causal_conv1d.kernels",
+    "mambakit.ops.causal_conv1d.forward",
+    "mambakit.ops.causal_conv1d.backward",
     "mambakit.ops.causal_conv1d.step",
     "mambakit.ops.rms_norm.kernels",
     "mambakit.ops.cross_entropy.kernels",

@@ -34,7 +34,7 @@ def _conv_fwd_op(
     silu: bool,
     return_final_state: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from .kernels import conv_fwd
+    from .launch import conv_fwd
 
     return conv_fwd(x, weight, bias, initial_state, seq_idx, silu, return_final_state)
 
@@ -65,7 +65,7 @@ def _conv_bwd_op(
     silu: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dbias, dinitial_state) in the inputs' dtypes; absent inputs get empty grads."""
-    from .kernels import conv_bwd
+    from .launch import conv_bwd
 
     dx, dw, db, dinit = conv_bwd(dout, dfinal, x, weight, bias, initial_state, seq_idx, silu)
     return (
@@ -142,7 +142,7 @@ def _conv_update_op(
     bias: torch.Tensor | None,
     silu: bool,
 ) -> torch.Tensor:
-    from .step import conv_update
+    from .launch import conv_update
 
     return conv_update(conv_state, x, weight, bias, silu)
 

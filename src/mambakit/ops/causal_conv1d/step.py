@@ -1,4 +1,4 @@
-"""One decode timestep of the causal conv1d: a Triton kernel that updates the state in place.
+"""One decode timestep of the causal conv1d: the Triton kernel that updates the state in place.
 
 B batch, D channels, K = d_conv taps. The state [B, K-1, D] holds the last K-1
 inputs, oldest first. One step forms the window [state; x_t] [B, K, D], returns
@@ -6,19 +6,15 @@ act(bias + sum_k weight[:, k] * window[:, k]) and shifts the window's last K-1
 rows back into the state.
 
 Each program owns all K-1 rows of its channels, loads them before it stores, so
-the in-place shift needs no second buffer. The launch is not autotuned (an
-autotuner re-runs the kernel, shifting the state twice), never reads a value
-back to the host and allocates only its output, so it can be captured in a
-CUDA graph.
+the in-place shift needs no second buffer. Its launcher (`conv_update`, launch.py) is not
+autotuned (an autotuner re-runs the kernel, shifting the state twice), never reads a value
+back to the host and allocates only its output, so it can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
-
-from .._triton import cdiv, launch, next_power_of_2
 
 
 @triton.jit
@@ -65,32 +61,3 @@ def _conv_update_kernel(
     if SILU:
         acc = acc / (1.0 + tl.exp(-acc))
     tl.store(p_out + pid_b * s_out_b + offs_d, acc.to(p_out.dtype.element_ty), mask=mask_d)
-
-
-def conv_update(
-    conv_state: torch.Tensor,  # [B, K-1, D], updated in place
-    x: torch.Tensor,  # [B, D], stride 1 in D
-    weight: torch.Tensor,  # [D, K]
-    bias: torch.Tensor | None,  # [D]
-    silu: bool,
-    out: torch.Tensor | None = None,  # [B, D] in x.dtype; allocated when None
-) -> torch.Tensor:
-    Bsz, D = x.shape
-    K = weight.shape[1]
-    if out is None:
-        out = torch.empty((Bsz, D), device=x.device, dtype=x.dtype)
-    if Bsz == 0 or D == 0:
-        return out
-    BLOCK_D = min(256, next_power_of_2(D))
-    grid = (cdiv(D, BLOCK_D), Bsz)
-    launch(_conv_update_kernel, grid,
-        conv_state, x, weight, bias.contiguous() if bias is not None else weight, out,
-        D,
-        *conv_state.stride(),
-        x.stride(0),
-        weight.stride(0), weight.stride(1),
-        out.stride(0),
-        K=K, BLOCK_D=BLOCK_D, HAS_BIAS=bias is not None, SILU=silu,
-        num_warps=4 if BLOCK_D >= 256 else 1,
-    )  # fmt: skip
-    return out

@@ -192,7 +192,7 @@ def _inner_bwd(
     d dt_proj_weight, dA, dD, d dt_bias, d conv_state, d ssm_state), an absent input's
     gradient an empty tensor. The scan writes dz and the conv dx_in straight into the two
     halves of d xz (no concatenation)."""
-    from ..causal_conv1d.kernels import conv_bwd, conv_fwd
+    from ..causal_conv1d.launch import conv_bwd, conv_fwd
     from ..selective_scan.kernels import scan_bwd
     from .kernels import dt_proj
 

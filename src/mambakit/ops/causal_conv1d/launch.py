@@ -1,8 +1,10 @@
-"""Launchers of the causal conv1d kernels (channels-last): `conv_fwd`, `conv_bwd`.
+"""Launchers of the causal conv1d kernels (channels-last): `conv_fwd`, `conv_bwd`, and the
+decode step's `conv_update`, with their launch parameters (`ConvConfig`).
 
 The kernels and their math are in `forward.py` (the general tile kernel, and groups of 4
-times for K <= 4 without seq_idx) and `backward.py` (one kernel, dc moved between lanes
-by warp shuffles, deterministic per-program partials for dweight and dbias).
+times for K <= 4 without seq_idx), `backward.py` (one kernel, dc moved between lanes
+by warp shuffles, deterministic per-program partials for dweight and dbias) and `step.py`
+(one decode timestep, in place on the state).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from .._triton import cdiv, launch, next_power_of_2, opt, strides
 from .backward import _conv_bwd_kernel
 from .forward import _conv_fwd_kernel, _conv_fwd_quad_kernel
+from .step import _conv_update_kernel
 
 # ---------------------------------------------------------------------------- launchers
 
@@ -177,3 +180,32 @@ def conv_bwd(
     dw = dw_part.sum(dim=(0, 1)).t().contiguous()  # [D, K]
     db = db_part.sum(dim=(0, 1)) if bias is not None else None
     return dx, dw, db, dinit
+
+
+def conv_update(
+    conv_state: torch.Tensor,  # [B, K-1, D], updated in place
+    x: torch.Tensor,  # [B, D], stride 1 in D
+    weight: torch.Tensor,  # [D, K]
+    bias: torch.Tensor | None,  # [D]
+    silu: bool,
+    out: torch.Tensor | None = None,  # [B, D] in x.dtype; allocated when None
+) -> torch.Tensor:
+    Bsz, D = x.shape
+    K = weight.shape[1]
+    if out is None:
+        out = torch.empty((Bsz, D), device=x.device, dtype=x.dtype)
+    if Bsz == 0 or D == 0:
+        return out
+    BLOCK_D = min(256, next_power_of_2(D))
+    grid = (cdiv(D, BLOCK_D), Bsz)
+    launch(_conv_update_kernel, grid,
+        conv_state, x, weight, bias.contiguous() if bias is not None else weight, out,
+        D,
+        *conv_state.stride(),
+        x.stride(0),
+        weight.stride(0), weight.stride(1),
+        out.stride(0),
+        K=K, BLOCK_D=BLOCK_D, HAS_BIAS=bias is not None, SILU=silu,
+        num_warps=4 if BLOCK_D >= 256 else 1,
+    )  # fmt: skip
+    return out
