@@ -29,7 +29,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from common import cuda_time_ms  # noqa: E402
 
-from mambakit.ops.mamba3 import chunk  # noqa: E402
+from mambakit.ops.mamba3 import chunk, mamba3_scan_kernel  # noqa: E402
 
 # (chunk, warps, products for bf16 inputs, P values a program); the first is the reference.
 # Slower on the H200 at 8 x 2048, so not listed: chunks of 16, chunks of 32 with 8 warps or
@@ -93,7 +93,7 @@ def run_bwd(inp, cot, ref=None, cfg=None) -> dict:
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in inp.items()}
 
     def fwd_bwd():
-        y, _ = chunk.mamba3_scan_kernel(**leaves, cfg=cfg)
+        y, _ = mamba3_scan_kernel(**leaves, cfg=cfg)
         return torch.autograd.grad(y, [leaves["x"], leaves["q"], leaves["delta"]], cot)
 
     grads = fwd_bwd()
@@ -137,7 +137,7 @@ def main() -> int:
     gate = {"D": torch.randn(H, device=DEV), "z": torch.randn_like(inp["x"])}
     if args.once:
         leaves = {k: v.detach().clone().requires_grad_(True) for k, v in {**inp, **gate}.items()}
-        y, _ = chunk.mamba3_scan_kernel(**leaves)
+        y, _ = mamba3_scan_kernel(**leaves)
         y.backward(torch.randn_like(y))
         if DEV == "cuda":
             torch.cuda.synchronize()

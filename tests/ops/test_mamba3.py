@@ -439,7 +439,7 @@ def test_chunk_kernels_backward_in_other_chunks_than_the_forward(chunk_bwd, seq)
 def _check_kernel_gradients(inp, state, seq_idx, cfg=None):
     """mamba3_scan_kernel's y, final state and every gradient against the float64 scan
     (cfg: the kernels' launch parameters, the library's when None)."""
-    from mambakit.ops.mamba3.chunk import mamba3_scan_kernel
+    from mambakit.ops.mamba3 import mamba3_scan_kernel
 
     g = torch.Generator().manual_seed(9)
     names = [k for k, v in inp.items() if v is not None]
@@ -482,11 +482,11 @@ def test_layer_runs_the_chunk_kernels_with_and_without_autograd(monkeypatch):
     under no_grad, the differentiable kernel scan when gradients are recorded; both equal
     the reference backend, the second in every parameter's and the input's gradient."""
     from mambakit.layers import mamba3 as layer_mod
-    from mambakit.ops.mamba3 import chunk
+    from mambakit.ops import mamba3 as m3
 
     calls = []
-    kernel = chunk.mamba3_scan_kernel  # the layer imports it from there when it runs
-    monkeypatch.setattr(chunk, "mamba3_scan_kernel",
+    kernel = m3.mamba3_scan_kernel  # `ops.mamba3._mamba3_scan` looks it up there
+    monkeypatch.setattr(m3, "mamba3_scan_kernel",
                         lambda *a, **kw: calls.append(1) or kernel(*a, **kw))  # fmt: skip
     monkeypatch.setenv("MAMBAKIT_BACKEND", "triton")
     torch.manual_seed(0)
@@ -527,8 +527,7 @@ def test_chunk_kernels_on_gpu_at_the_130m_head_shape(dtype):
     kernel scan's y, final state and every gradient against the float64 reference, and y
     and the final state without autograd, the chunks walked and in parallel. x, z and the
     cotangent in `dtype`; products with bf16 operands for bf16 inputs, tf32x3 for f32 ones."""
-    from mambakit.ops.mamba3 import chunk
-    from mambakit.ops.mamba3.chunk import mamba3_scan_kernel
+    from mambakit.ops.mamba3 import chunk, mamba3_scan_kernel
 
     Bn, T_, Hn, Pn, Nn, Sn = 2, 300, 3, 64, 128, 32
     g = torch.Generator().manual_seed(11)

@@ -18,7 +18,6 @@ import torch
 from mambakit import MambaConfig, MambaLM
 from mambakit.ops import mamba3 as m3_ops
 from mambakit.ops import mamba_step as step_pkg
-from mambakit.ops.mamba3 import chunk as m3_chunk
 from mambakit.ops.mamba3 import step as m3_step
 from mambakit.ops.mamba_step import chain as chain_mod
 from mambakit.ops.mamba_step import kernels as step_kernels
@@ -159,7 +158,7 @@ def test_mamba3_scan_body(backend, calls, monkeypatch):
     """The sequence forward: the chunk kernels on Triton, the chunked reference otherwise;
     the two agree (the reference in float64 is the oracle)."""
     monkeypatch.setenv("MAMBAKIT_BACKEND", backend)
-    calls.watch(m3_chunk, "mamba3_scan_kernel")
+    calls.watch(m3_ops, "mamba3_scan_kernel")
     calls.watch(m3_ops, "mamba3_scan_reference")
     lm = model("mamba3")
     tokens = ids()
@@ -173,19 +172,30 @@ def test_mamba3_scan_body(backend, calls, monkeypatch):
     assert rel(got, oracle) < 1e-5
 
 
-def test_mamba3_scan_under_compile_is_the_reference(calls, monkeypatch):
-    """torch.compile traces the reference body (the kernels' autograd is not a custom op)."""
+def test_mamba3_scan_compiles_whole_as_custom_ops(calls, monkeypatch):
+    """torch.compile(fullgraph=True) traces Mamba-3's scan as its custom ops
+    (`mambakit::mamba3_scan_train` and its backward): no graph break, no reference body,
+    and the compiled loss and gradients equal the eager ones."""
     monkeypatch.setenv("MAMBAKIT_BACKEND", "triton")
-    calls.watch(m3_chunk, "mamba3_scan_kernel")
     calls.watch(m3_ops, "mamba3_scan_reference")
     lm = model("mamba3")
     tokens = ids()
-    with torch.no_grad():
-        eager = lm(tokens).logits
-        compiled = torch.compile(lm, backend="eager", fullgraph=True)(tokens).logits
-    assert calls.counts["mamba3_scan_reference"] == 2  # two layers, traced once
-    assert calls.counts["mamba3_scan_kernel"] == 2  # the eager forward
-    assert rel(compiled, eager) < 1e-5
+
+    def loss_and_grads(fn):
+        lm.zero_grad(set_to_none=True)
+        loss = fn(tokens, labels=tokens).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in lm.named_parameters()}
+
+    eager_loss, eager_grads = loss_and_grads(lm)
+    compiled = torch.compile(lm, backend="aot_eager", fullgraph=True)
+    loss, grads = loss_and_grads(compiled)
+    with torch.no_grad():  # the forward alone: `mambakit::mamba3_scan_fwd`
+        assert rel(compiled(tokens).logits, lm(tokens).logits) < 1e-6
+    assert calls.counts["mamba3_scan_reference"] == 0
+    assert rel(loss, eager_loss) < 1e-6
+    for name, g in grads.items():
+        assert rel(g, eager_grads[name]) < 1e-5, name
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

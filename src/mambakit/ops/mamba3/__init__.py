@@ -2,7 +2,9 @@
 the readable oracle naive.py) and its Triton body, chosen here only.
 
 - `mamba3_scan`: the sequence forward (and its backward), state in and out, `seq_idx`;
-  Triton: the terms kernels (terms.py) and the chunk kernels (chunk.py).
+  Triton: the terms kernels (terms.py) and the chunk kernels (chunk.py), as the custom
+  ops `mambakit::mamba3_scan_fwd`, `mamba3_scan_train` and `mamba3_scan_bwd` (so
+  torch.compile traces them: `_dispatch.Op` calls their bodies directly in eager mode).
 - `mamba3_state_update`: one decode step on made inputs (q, k, delta, A), the state in
   place; Triton: one kernel (step.py).
 - `mamba3_step_raw`: one decode step from in_proj's output as it comes (the B and C norms,
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from ...state import Mamba3State
 from .._backend import resolve_backend
 from .._checks import check_seq_idx, check_tensor
+from .._dispatch import Op
 from ..rms_norm.reference import rms_norm_reference
 from .reference import (
     CHUNK,
@@ -119,11 +122,37 @@ def _mamba3_scan(x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z, initial_s
     """`mamba3_scan` without the checks. Triton: the kernels, outside torch.compile (which
     traces the reference) and with an f32 state."""
     args = (x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z)
-    if _kernels(x, backend, initial_state):
-        from .chunk import mamba3_scan_kernel
-
+    if _kernels(x, backend, initial_state, compiles=True):
         return mamba3_scan_kernel(*args, initial_state=initial_state, seq_idx=seq_idx)
     return mamba3_scan_reference(*args, initial_state=initial_state, seq_idx=seq_idx, chunk=chunk)
+
+
+def mamba3_scan_kernel(x, q, k, delta, A, trap, theta, q_bias, k_bias, D=None, z=None,
+                       initial_state=None, seq_idx=None, cfg=None):  # fmt: skip
+    """The Triton body of `mamba3_scan` (its inputs checked), differentiable in every input
+    and the initial state: (y in x.dtype, the final f32 state). Outside autograd one custom
+    op, `mambakit::mamba3_scan_fwd` (chunk.py's `mamba3_scan_fwd`: D and the gate inside the
+    kernel); under autograd `mambakit::mamba3_scan_train`, the per-token terms and the scan
+    as one node, with `mambakit::mamba3_scan_bwd` its backward. cfg: launch parameters
+    other than the library's (chunk.py's `Mamba3ScanConfig`)."""
+    Bsz, T, H, P = x.shape
+    N, S = q.shape[-1], theta.shape[-1]
+    if initial_state is None:
+        initial_state = Mamba3State.zeros(Bsz, H, P, N, S, x.device, torch.float32)
+    if T == 0:
+        return x.new_empty(x.shape), Mamba3State(*(t.float().clone() for t in initial_state))
+    seq = seq_idx.to(torch.int32).contiguous() if seq_idx is not None else None
+    xs = x if x.stride(-1) == 1 else x.contiguous()
+    zs = z if z is None or z.stride(-1) == 1 else z.contiguous()
+    angle0, s0, k0, x0 = (t.float().contiguous() for t in initial_state)
+    args = (xs, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, s0, k0, x0, D, zs, seq,
+            _config_id(cfg))  # fmt: skip
+    tensors = (x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z, *initial_state)
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors):
+        y, *final = _SCAN_FWD(*args)
+        return y, Mamba3State(*final)
+    y, phi_T, sT, kT, *_ = _SCAN_TRAIN(*args)
+    return y, Mamba3State(phi_T, sT, kT, x[:, -1].float())
 
 
 def mamba3_state_update(
@@ -230,12 +259,13 @@ def check_mamba3_state(name: str, state, batch: int, H: int, P: int, N: int, S: 
         check_tensor(f"{name}.{field}", getattr(state, field), shape, device=device)
 
 
-def _kernels(x: torch.Tensor, backend: str, state: Mamba3State | None) -> bool:
-    """Whether the Triton body runs: on the Triton backend, outside torch.compile, with an
-    f32 state (the kernels keep it in f32)."""
+def _kernels(x: torch.Tensor, backend: str, state, compiles: bool = False) -> bool:
+    """Whether the Triton body runs: on the Triton backend with an f32 state (the kernels
+    keep it in f32); under torch.compile only for the custom ops (`compiles`: the scan),
+    not for the decode step's in-place kernels (the model's step traces the reference)."""
     return (
         resolve_backend(backend, x) == "triton"
-        and not torch.compiler.is_compiling()
+        and (compiles or not torch.compiler.is_compiling())
         and (state is None or state.ssm.dtype == torch.float32)
     )
 
@@ -253,3 +283,128 @@ def _split(zxbc: torch.Tensor, sizes: tuple[int, ...]):
 def _copy_into(state: Mamba3State, new: Mamba3State) -> None:
     for dst, src in zip(state, new):
         dst.copy_(src)
+
+
+# The scan's custom ops. A schema holds no dataclass: the launch config goes by its id in
+# `_CONFIGS` (the library's first; a sweep's candidates are added as it passes them).
+_CONFIGS: list = []
+
+
+def _config_id(cfg) -> int:
+    from .chunk import CONFIG
+
+    cfg = cfg or CONFIG
+    if not _CONFIGS:
+        _CONFIGS.append(CONFIG)
+    for i, c in enumerate(_CONFIGS):
+        if c == cfg:
+            return i
+    _CONFIGS.append(cfg)
+    return len(_CONFIGS) - 1
+
+
+_ARGS = (
+    "Tensor x, Tensor q, Tensor k, Tensor delta, Tensor A, Tensor trap, Tensor theta, "
+    "Tensor q_bias, Tensor k_bias, Tensor angle0, Tensor s0, Tensor k0, Tensor x0, Tensor? D, "
+    "Tensor? z, Tensor? seq, int cfg"
+)
+_T4 = "Tensor, Tensor, Tensor, Tensor"
+
+
+@torch.library.custom_op("mambakit::mamba3_scan_fwd", mutates_args=(),
+                         schema=f"({_ARGS}) -> (Tensor, {_T4})")  # fmt: skip
+def _scan_fwd(x, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, s0, k0, x0, D, z, seq,
+              cfg):  # fmt: skip
+    from .chunk import mamba3_scan_fwd
+
+    state = Mamba3State(angle0, s0, k0, x0)
+    y, final = mamba3_scan_fwd(x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z, state, seq,
+                               _CONFIGS[cfg])  # fmt: skip
+    return (y, *final)
+
+
+@_scan_fwd.register_fake
+def _(x, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, s0, k0, x0, D, z, seq, cfg):
+    return (x.new_empty(x.shape), *(t.new_empty(t.shape, dtype=torch.float32)
+                                    for t in (angle0, s0, k0, x0)))  # fmt: skip
+
+
+@torch.library.custom_op("mambakit::mamba3_scan_train", mutates_args=(),
+                         schema=f"({_ARGS}) -> ({_T4}, {_T4}, {_T4})")  # fmt: skip
+def _scan_train(x, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, s0, k0, x0, D, z, seq,
+                cfg):  # fmt: skip
+    from .chunk import scan_train_forward
+
+    return scan_train_forward(x, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, s0, k0,
+                              x0, D, z, seq, _CONFIGS[cfg])  # fmt: skip
+
+
+@_scan_train.register_fake
+def _(x, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, s0, k0, x0, D, z, seq, cfg):
+    from .chunk import _operands_dtype
+
+    c = _CONFIGS[cfg]
+    Bsz, T, H, P = x.shape
+    N, S = q.shape[-1], theta.shape[-1]
+    f32, ops = torch.float32, _operands_dtype(x, c)
+    nb = -(-T // c.chunk_bwd)
+    return (
+        x.new_empty(x.shape), x.new_empty(Bsz, H, S, dtype=f32),
+        x.new_empty(Bsz, H, P, N, dtype=f32), x.new_empty(Bsz, H, N, dtype=f32),
+        x.new_empty(Bsz, T, H, S, dtype=f32), x.new_empty(Bsz, T, H, N, dtype=ops),
+        x.new_empty(Bsz, T, H, N, dtype=ops),
+        *(x.new_empty(Bsz, T, H, dtype=f32) for _ in range(3)),
+        x.new_empty(x.shape) if z is not None else x.new_empty(0),
+        x.new_empty(Bsz, H, nb, P, N, dtype=ops) if c.chunk_bwd % c.chunk == 0
+        else x.new_empty(0),
+    )  # fmt: skip
+
+
+@torch.library.custom_op(
+    "mambakit::mamba3_scan_bwd", mutates_args=(),
+    schema=f"(Tensor? dy, Tensor? dphi_T, Tensor? dsT, Tensor? dkT, {_ARGS[:-9]}, Tensor phi, "
+    "Tensor qr, Tensor kr, Tensor adt, Tensor gamma, Tensor late, Tensor pre, Tensor states, "
+    f"int cfg) -> ({_T4}, {_T4}, {_T4}, Tensor, Tensor, Tensor)",
+)  # fmt: skip
+def _scan_bwd(dy, dphi_T, dsT, dkT, x, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, s0,
+              k0, x0, D, z, seq, phi, qr, kr, adt, gamma, late, pre, states, cfg):  # fmt: skip
+    from .chunk import scan_train_backward
+
+    inputs = (x, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, s0, k0, x0, D, z, seq)
+    saved = (phi, qr, kr, adt, gamma, late, pre, states)
+    grads = scan_train_backward(dy, dphi_T, dsT, dkT, inputs, saved, _CONFIGS[cfg])
+    return tuple(x.new_empty(0) if g is None else g for g in grads)  # no two alike
+
+
+@_scan_bwd.register_fake
+def _(dy, dphi_T, dsT, dkT, x, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, s0, k0, x0,
+      D, z, seq, phi, qr, kr, adt, gamma, late, pre, states, cfg):  # fmt: skip
+    like = (x, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, s0, k0, x0)
+    grads = [t.new_empty(t.shape) for t in like]
+    grads[3] = delta.new_empty(delta.shape, dtype=torch.float32)  # delta's and A's in f32
+    grads[4] = A.new_empty(A.shape, dtype=torch.float32)
+    grads[9] = angle0.new_empty(angle0.shape, dtype=torch.float32)
+    grads[10:13] = (t.new_empty(t.shape, dtype=torch.float32) for t in (s0, k0, x0))
+    grads.append(D.new_empty(D.shape) if D is not None else x.new_empty(0))
+    grads.append(z.new_empty(z.shape) if z is not None else x.new_empty(0))
+    return tuple(grads)
+
+
+def _setup_train(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:16], *output[4:])
+    ctx.cfg = inputs[16]
+
+
+def _train_backward(ctx, dy, dphi_T, dsT, dkT, *_saved_grads):
+    saved = ctx.saved_tensors
+    D, z = saved[13], saved[14]
+    grads = _SCAN_BWD(dy, dphi_T, dsT, dkT, *saved, ctx.cfg)
+    dD = grads[13] if D is not None else None
+    dz = grads[14] if z is not None else None
+    return (*grads[:13], dD, dz, None, None)
+
+
+_scan_train.register_autograd(_train_backward, setup_context=_setup_train)
+_SCAN_FWD = Op(_scan_fwd)
+_SCAN_TRAIN = Op(_scan_train, _setup_train, _train_backward)
+_SCAN_BWD = Op(_scan_bwd)

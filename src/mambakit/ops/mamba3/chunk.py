@@ -379,37 +379,51 @@ class _Ctx:
         self.saved_tensors = tensors
 
 
-class _Scan(torch.autograd.Function):
-    """`_Terms` then `_Core` as one autograd node: (y, phi_T, the final S and k~) from x, the
-    per-token inputs, the initial angle, S, k~ and x (f32), D, z and the document ids. In
-    one node q~ and k~ can be bf16 (`_operands_dtype`) while their gradients stay f32."""
+def scan_train_forward(x, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, s0, k0, x0, D,
+                       z, seq, cfg: Mamba3ScanConfig):  # fmt: skip
+    """The forward of the differentiable scan (`ops.mamba3`'s custom op runs it): the terms
+    (`_Terms`) then the scan with D and the gate (`_Core`) as one node, so q~ and k~ can be
+    bf16 (`_operands_dtype`) while their gradients stay f32. Returns (y, phi_T, the final S
+    and k~) and what the backward reads beside the inputs: (phi, q~, k~, A delta, gamma, late,
+    y before the gate or an empty tensor, the backward's chunk start states or an empty
+    tensor)."""
+    terms, core = _Ctx(), _Ctx()
+    phi_T, qr, kr, adt, gamma, late = _Terms.forward(
+        terms, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, seq,
+        _operands_dtype(x, cfg), cfg.terms,
+    )  # fmt: skip
+    y, sT = _Core.forward(core, x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, cfg)
+    phi = terms.saved_tensors[-1]
+    pre, states = core.saved_tensors[-2:]
+    # fresh tensors each (a custom op's outputs may not alias one another)
+    kT = kr[:, -1].to(torch.float32, copy=True)
+    return (y, phi_T, sT, kT, phi, qr, kr, adt, gamma, late,
+            x.new_empty(0) if pre is None else pre,
+            x.new_empty(0) if states is None else states)  # fmt: skip
 
-    @staticmethod
-    def forward(ctx, x, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, s0, k0, x0, D, z,
-                seq, cfg):  # fmt: skip
-        terms, core = _Ctx(), _Ctx()
-        phi_T, qr, kr, adt, gamma, late = _Terms.forward(
-            terms, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, seq,
-            _operands_dtype(x, cfg), cfg.terms,
-        )  # fmt: skip
-        y, sT = _Core.forward(core, x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, cfg)
-        ctx.save_for_backward(*terms.saved_tensors, *core.saved_tensors)
-        ctx.n_terms, ctx.dtypes, ctx.cfg = len(terms.saved_tensors), terms.dtypes, cfg
-        return y, phi_T, sT, kr[:, -1].float()
 
-    @staticmethod
-    def backward(ctx, dy, dphi_T, dsT, dkT):
-        saved = ctx.saved_tensors
-        terms = _Ctx(saved[: ctx.n_terms], dtypes=ctx.dtypes, cfg=ctx.cfg.terms)
-        core = _Ctx(saved[ctx.n_terms :], cfg=ctx.cfg)
-        dx, dqr, dkr, dadt, dgam, dlate, _, ds0, dk0, dx0, dD, dz = _Core.backward(core, dy, dsT)
-        if dkT is not None:
-            dkr[:, -1] += dkT
-        dq, dk, ddelta, dA, dtrap, dtheta, dq_bias, dk_bias, dangle0, *_ = _Terms.backward(
-            terms, dphi_T, dqr, dkr, dadt, dgam, dlate
-        )
-        return (dx, dq, dk, ddelta, dA, dtrap, dtheta, dq_bias, dk_bias, dangle0, ds0, dk0, dx0,
-                dD, dz, None, None)  # fmt: skip
+def scan_train_backward(dy, dphi_T, dsT, dkT, inputs, saved, cfg: Mamba3ScanConfig):
+    """The gradients of `scan_train_forward`'s inputs (x, q, k, delta, A, trap, theta, the
+    biases, the initial angle, S, k~ and x, D, z; D's and z's None when absent) from those of
+    its four outputs (None where none reached them), its inputs and what it kept."""
+    x, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, s0, k0, x0, D, z, seq = inputs
+    phi, qr, kr, adt, gamma, late, pre, states = saved
+    q, k, trap, theta = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, trap, theta))
+    delta, A = delta.float().contiguous(), A.float().contiguous()
+    q_bias, k_bias = q_bias.contiguous(), k_bias.contiguous()
+    terms = _Ctx((q, k, delta, A, trap, theta, q_bias, k_bias, seq, phi), cfg=cfg.terms,
+                 dtypes=(q.dtype, k.dtype, trap.dtype, theta.dtype, angle0.dtype))  # fmt: skip
+    pre = pre if z is not None else None
+    states = states if states.numel() else None
+    core = _Ctx((x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, pre, states), cfg=cfg)
+    dx, dqr, dkr, dadt, dgam, dlate, _, ds0, dk0, dx0, dD, dz = _Core.backward(core, dy, dsT)
+    if dkT is not None:
+        dkr[:, -1] += dkT
+    dq, dk, ddelta, dA, dtrap, dtheta, dq_bias, dk_bias, dangle0, *_ = _Terms.backward(
+        terms, dphi_T, dqr, dkr, dadt, dgam, dlate
+    )
+    return (dx, dq, dk, ddelta, dA, dtrap, dtheta, dq_bias, dk_bias, dangle0, ds0, dk0, dx0,
+            dD, dz)  # fmt: skip
 
 
 def _dstates(dy, z, pre, x, D, qr, adt, seq, dsT, states, s0, L, cfg):
@@ -444,38 +458,3 @@ def _dstates(dy, z, pre, x, D, qr, adt, seq, dsT, states, s0, L, cfg):
         CHUNKS=min(cfg.scan_chunks, next_power_of_2(nc)), num_warps=cfg.scan_warps,
     )  # fmt: skip
     return dyc, dz, dD, dst, ds0
-
-
-def mamba3_scan_kernel(
-    x: torch.Tensor,  # [B, T, H, P]
-    q: torch.Tensor,  # [B, T, G, N]
-    k: torch.Tensor,  # [B, T, G, N]
-    delta: torch.Tensor,  # [B, T, H]
-    A: torch.Tensor,  # [B, T, H]
-    trap: torch.Tensor,  # [B, T, H]
-    theta: torch.Tensor,  # [B, T, S]
-    q_bias: torch.Tensor,  # [H, N]
-    k_bias: torch.Tensor,  # [H, N]
-    D: torch.Tensor | None = None,
-    z: torch.Tensor | None = None,
-    initial_state: Mamba3State | None = None,
-    seq_idx: torch.Tensor | None = None,
-    cfg: Mamba3ScanConfig | None = None,
-) -> tuple[torch.Tensor, Mamba3State]:
-    """`mamba3_scan_reference` on the kernels, differentiable in every input and the initial
-    state: (y [B, T, H, P] in x.dtype, the final f32 state). Outside autograd it is
-    `mamba3_scan_fwd` (D and the gate inside the kernel). Under autograd it is `_Scan`: the
-    per-token terms (`_Terms`, terms.py) and the scan with D and the gate (`_Core`). cfg:
-    launch parameters other than the library's `CONFIG`."""
-    tensors = (x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z, *(initial_state or ()))
-    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors):
-        return mamba3_scan_fwd(x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z,
-                               initial_state, seq_idx, cfg)  # fmt: skip
-    initial_state, seq, xs, s0, k0, x0 = _prepare(x, q, theta, initial_state, seq_idx)
-    if x.shape[1] == 0:
-        return x.new_empty(x.shape), Mamba3State(*(t.float() for t in initial_state))
-    zs = z if z is None or z.stride(-1) == 1 else z.contiguous()
-    y, phi_T, sT, kT = _Scan.apply(xs, q, k, delta, A, trap, theta, q_bias, k_bias,
-                                   initial_state.angle, s0, k0, x0, D, zs, seq,
-                                   cfg or CONFIG)  # fmt: skip
-    return y, Mamba3State(phi_T, sT, kT, x[:, -1].float())
