@@ -29,7 +29,7 @@ __all__ = [
 
 @torch.library.custom_op("mambakit::cross_entropy_fwd", mutates_args=())
 def _ce_fwd_op(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    from .kernels import ce_fwd
+    from .launch import ce_fwd
 
     return ce_fwd(logits, targets)
 
@@ -44,7 +44,7 @@ def _(logits, targets):
 def _ce_bwd_op(
     logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, g: torch.Tensor
 ) -> None:
-    from .kernels import ce_bwd_
+    from .launch import ce_bwd_
 
     ce_bwd_(logits, targets, lse, g)
 
