@@ -291,11 +291,12 @@ _CONFIGS: list = []
 
 
 def _config_id(cfg) -> int:
-    from .chunk import CONFIG
-
-    cfg = cfg or CONFIG
     if not _CONFIGS:
+        from .chunk import CONFIG
+
         _CONFIGS.append(CONFIG)
+    if cfg is None or cfg is _CONFIGS[0]:
+        return 0
     for i, c in enumerate(_CONFIGS):
         if c == cfg:
             return i
