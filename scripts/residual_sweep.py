@@ -19,7 +19,7 @@ import json
 import torch
 import triton.testing
 
-from mambakit.ops.rms_norm.kernels import rms_fwd
+from mambakit.ops.rms_norm.launch import rms_fwd
 
 SHAPES = [("130m", 4096, 768, 1536), ("1.4b", 4096, 2048, 4096)]
 

@@ -1,6 +1,6 @@
 """Time the RMSNorm forward's tiles (rows per program, warps) at the prefill shapes: 4096 rows
 of the 130m and 1.4b widths (768, 2048), bf16 hidden plus the f32 residual, as a block runs
-it; GPU time from CUDA graphs. Candidates are `NormConfig`s (ops/rms_norm/kernels.py) handed
+it; GPU time from CUDA graphs. Candidates are `NormConfig`s (ops/rms_norm/launch.py) handed
 to the launcher as `cfg=`; the library runs `config(D)`, so a better rule is adopted there.
 
 PYTHONPATH=src python scripts/rms_sweep.py --out rms_sweep.json
@@ -14,7 +14,7 @@ import json
 import torch
 import triton.testing
 
-from mambakit.ops.rms_norm import kernels as K
+from mambakit.ops.rms_norm import launch as K
 
 CANDIDATES = [(1, 4), (1, 2), (1, 8), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8), (16, 16)]
 

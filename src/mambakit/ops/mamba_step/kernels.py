@@ -53,7 +53,7 @@ import triton.language as tl
 
 from .._triton import cdiv, launch, next_power_of_2, pdl_args, pdl_start, pdl_wait
 from ..causal_conv1d.launch import conv_update
-from ..rms_norm.kernels import rms_fwd
+from ..rms_norm.launch import rms_fwd
 from ..selective_scan.tiles import LOG2E, _softplus
 
 

@@ -26,7 +26,7 @@ def _rms_fwd_op(
     residual: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .kernels import rms_fwd
+    from .launch import rms_fwd
 
     return rms_fwd(x, weight, eps, residual, out_dtype)
 
@@ -52,7 +52,7 @@ def _rms_bwd_op(
     res_dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dresidual, dweight); dresidual is empty when the forward had no residual."""
-    from .kernels import rms_bwd
+    from .launch import rms_bwd
 
     dx, dres, dw = rms_bwd(dout, dresidual_out, residual_out, rstd, weight, x_dtype, res_dtype)
     if dres is None:
