@@ -116,7 +116,7 @@ def time_ours(shape, dtype):
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     ms = bench(fb, grad_to_none=leaves)
-    from mambakit.ops.selective_scan.kernels import state_chunk
+    from mambakit.ops.selective_scan.launch import state_chunk
 
     saved = Dn * N * 4 / state_chunk(True)
     out.append(

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton.testing
 
 from mambakit.ops.mamba_inner import kernels as KM
-from mambakit.ops.selective_scan import kernels as KS
+from mambakit.ops.selective_scan import launch as KS
 
 SHAPES = {"130m 1x4096": (1, 4096, 1536, 48), "1.4b 1x4096": (1, 4096, 4096, 128),
           "130m 8x2048": (8, 2048, 1536, 48)}  # fmt: skip

@@ -2,7 +2,7 @@
 
 PYTHONPATH=src python scripts/scan_sweep.py --out sweep.json   # last line: the best config
 
-Each candidate is a `ScanConfig` (kernels.py) derived from the library's GPU config and
+Each candidate is a `ScanConfig` (launch.py) derived from the library's GPU config and
 handed to the launchers directly; the library itself always runs `config()`, so a better
 config found here is adopted by editing `config()`. Forward and backward are timed
 separately (the backward's tile sets how often the forward saves states, so each backward
@@ -24,7 +24,7 @@ import json
 import torch
 import triton.testing
 
-from mambakit.ops.selective_scan import kernels as K
+from mambakit.ops.selective_scan import launch as K
 
 FWD = [  # fwd_tile, fwd_block_d, fwd_warps (H200: 8 / 32 / 1: 0.363-0.372 ms; tile 4: 0.421,
     # 16 channels: 0.400, both: 0.437)

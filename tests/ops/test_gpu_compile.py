@@ -16,8 +16,11 @@ import sys
 import pytest
 
 MODULES = [
-    "mambakit.ops.selective_scan.kernels",
+    "mambakit.ops.selective_scan.forward",
+    "mambakit.ops.selective_scan.backward",
+    "mambakit.ops.selective_scan.carry",
     "mambakit.ops.selective_scan.step",
+    "mambakit.ops._triton",
     "mambakit.ops.causal_conv1d.forward",
     "mambakit.ops.causal_conv1d.backward",
     "mambakit.ops.causal_conv1d.step",

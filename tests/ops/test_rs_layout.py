@@ -35,9 +35,9 @@ def rs_layouts(consts: dict, warps: int) -> list[str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from mambakit.ops.selective_scan import kernels as K
+    from mambakit.ops.selective_scan.backward import _bwd_kernel
 
-    fn = K._bwd_kernel
+    fn = _bwd_kernel
     sig = {}
     for p in fn.params:
         if p.is_constexpr:
@@ -59,8 +59,9 @@ def audit(quick: bool) -> int:
     """Compile each combination, print one line each; returns the number of misses."""
     import triton
 
-    from mambakit.ops.selective_scan import kernels as K
-    from mambakit.ops.selective_scan.channel_sum import reduce_scatter_fits
+    from mambakit.ops.selective_scan import launch as K
+    from mambakit.ops.selective_scan.backward import _bwd_kernel
+    from mambakit.ops.selective_scan.launch import reduce_scatter_fits
 
     cfg = K.config(1536, interpret=False)
     # (TC, BLOCK_D, BLOCK_N): the GPU tile, then those of D < 16 and of d_state 8
@@ -72,7 +73,7 @@ def audit(quick: bool) -> int:
     for (tc, bd, bn), flags in itertools.product(tiles, combos):
         if not reduce_scatter_fits(tc, bd, bn, cfg.bwd_warps):
             continue
-        consts = {p.name: True for p in K._bwd_kernel.params if p.is_constexpr}
+        consts = {p.name: True for p in _bwd_kernel.params if p.is_constexpr}
         consts.update(dict(zip(FLAGS, flags)), SPLIT_N=False, RS=True, RS_ASM=True)
         consts.update(TC=tc, BLOCK_D=bd, BLOCK_N=bn)
         layouts = rs_layouts(consts, cfg.bwd_warps)

@@ -213,8 +213,8 @@ def test_tilings_and_segments_agree(over: dict, reduce_scatter: bool | None, see
     """Other time tiles and channel blocks, and time cut into segments (with carries between
     them), give the results of one segment per row. reduce_scatter: whether the backward's
     channel sums take the warp reduce-scatter (N = 3 is one block of 4 states)."""
-    from mambakit.ops.selective_scan import kernels as K
-    from mambakit.ops.selective_scan.channel_sum import reduce_scatter_fits
+    from mambakit.ops.selective_scan import launch as K
+    from mambakit.ops.selective_scan.launch import reduce_scatter_fits
 
     c = Case(T=45, N=3)
     inp = make_inputs(c)
@@ -242,7 +242,7 @@ def test_segments_fill_whole_waves(monkeypatch):
     """A long single sequence is cut into segments, as many as the target programs per SM
     allow and never more (one segment over puts a few programs in a wave of their own),
     and the segments cover every tile once."""
-    from mambakit.ops.selective_scan import kernels as K
+    from mambakit.ops.selective_scan import launch as K
 
     monkeypatch.setattr(K, "sm_count", lambda index: 132)
     cfg = K.config(1536, interpret=False)
@@ -273,7 +273,7 @@ def test_last_step_equals_the_oracle(c: Case, seed):
     """`scan_last` (every segment's summary, then h_T and y_T from them: a prefill's last
     layer) gives the float64 recurrence's final state and its y at the last step, with
     documents, an initial state, B and C as strided slices, and N over several blocks."""
-    from mambakit.ops.selective_scan import kernels as K
+    from mambakit.ops.selective_scan import launch as K
 
     inp = make_inputs(c)
     args = [inp[k] for k in ARGS[:-1]]  # delta is given as the scan uses it (no bias)
@@ -286,7 +286,7 @@ def test_last_step_equals_the_oracle(c: Case, seed):
 
 def test_saved_tile_states(seed):
     """The forward's saved states are the true states at every time-tile start."""
-    from mambakit.ops.selective_scan import kernels as K
+    from mambakit.ops.selective_scan import launch as K
 
     c = Case(T=37)
     inp = make_inputs(c)
@@ -307,7 +307,7 @@ def test_saved_tile_states(seed):
 @pytest.mark.slow
 def test_no_unwritten_elements(N: int, seed, monkeypatch):
     """Every buffer the kernels fill starts as NaN: a skipped element would show up."""
-    from mambakit.ops.selective_scan import kernels as K
+    from mambakit.ops.selective_scan import launch as K
 
     real_new = K._new
     monkeypatch.setattr(K, "_new", lambda *a: real_new(*a).fill_(float("nan")))
@@ -425,7 +425,7 @@ def test_state_update_steps_equal_scan(dtype, seed):
 
 def test_no_grad_forward_keeps_no_states(seed):
     """Without a gradient to compute, the forward returns no chunk states to keep."""
-    from mambakit.ops.selective_scan import kernels as K
+    from mambakit.ops.selective_scan import launch as K
 
     inp = make_inputs(Case(T=40, seq=False))
     args = [inp[k] for k in ARGS]
@@ -528,7 +528,7 @@ class TestGPU:
 def test_unused_final_state_sends_no_gradient(seed, monkeypatch):
     """A loss on y alone hands the backward no final-state gradient (None, not a zero tensor
     that the kernel would load as its carry) and no tensor of the saved states' shape."""
-    from mambakit.ops.selective_scan import kernels as K
+    from mambakit.ops.selective_scan import launch as K
 
     seen = {}
     real_bwd = K.scan_bwd

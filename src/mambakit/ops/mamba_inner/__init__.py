@@ -113,7 +113,7 @@ def mamba_inner_last_triton(
     and dt_proj run over every step (the scan's summaries need them); the scan keeps its
     segment summaries and takes h_T and y_T from them (`scan_last`), so neither its output
     pass nor out_proj runs over the other steps."""
-    from ..selective_scan.kernels import scan_last
+    from ..selective_scan.launch import scan_last
 
     N = A.shape[1]
     u, conv_out, _, delta, bc = _scan_inputs(
@@ -193,7 +193,7 @@ def _inner_bwd(
     gradient an empty tensor. The scan writes dz and the conv dx_in straight into the two
     halves of d xz (no concatenation)."""
     from ..causal_conv1d.launch import conv_bwd, conv_fwd
-    from ..selective_scan.kernels import scan_bwd
+    from ..selective_scan.launch import scan_bwd
     from .kernels import dt_proj
 
     Dn, N = A.shape

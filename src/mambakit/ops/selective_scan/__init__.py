@@ -1,10 +1,11 @@
 """Selective scan on the Triton backend, as `torch.library` custom ops.
 
-`mambakit::selective_scan_fwd` / `_bwd` wrap the launchers of kernels.py with an
+`mambakit::selective_scan_fwd` / `_bwd` wrap the launchers of launch.py with an
 autograd formula and fake implementations, so `torch.compile(fullgraph=True)`
-traces through them; `mambakit::selective_state_update` is the decode step of
-step.py. Triton is imported only inside the op bodies: this package imports
-without it. Inputs are validated by `mambakit.ops` before they get here.
+traces through them; `mambakit::selective_state_update` is the decode step
+(step.py's kernel, launched by launch.py). Triton is imported only inside the op
+bodies: this package imports without it. Inputs are validated by `mambakit.ops`
+before they get here.
 
 Shapes: B batch, T time, D = d_inner, N = d_state.
 """
@@ -32,7 +33,7 @@ _STEP_SCHEMA = (
 
 def _ntiles(T: int, is_cuda: bool) -> int:
     """How many tile-start states the forward saves (the backward recomputes inside a tile)."""
-    from .kernels import state_chunk
+    from .launch import state_chunk
 
     return -(-T // state_chunk(is_cuda))
 
@@ -41,7 +42,7 @@ def _ntiles(T: int, is_cuda: bool) -> int:
 def _scan_fwd(
     u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, seq_idx, save_states
 ):
-    from .kernels import scan_fwd
+    from .launch import scan_fwd
 
     return scan_fwd(
         u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, seq_idx,
@@ -77,7 +78,7 @@ def _scan_bwd(
     seq_idx,
     states,
 ):
-    from .kernels import scan_bwd
+    from .launch import scan_bwd
 
     grads = scan_bwd(
         gy, g_final, u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state,
@@ -188,7 +189,7 @@ def selective_scan_triton(
     "mambakit::selective_state_update", mutates_args=("ssm_state",), schema=_STEP_SCHEMA
 )
 def _state_update(ssm_state, u, delta, A, B, C, D, z, delta_bias, delta_softplus):
-    from .step import state_update
+    from .launch import state_update
 
     return state_update(ssm_state, u, delta, A, B, C, D, z, delta_bias, delta_softplus)
 

@@ -4,25 +4,14 @@ A [TC, BLOCK_N, BLOCK_D] tile of the backward puts its BLOCK_D channels on the l
 of one warp and NL = 32 / BLOCK_D states on the others (Triton's default layout for these
 shapes). Summing over channels with `tl.sum` costs log2(BLOCK_D) shuffles for every value a
 thread holds; the reduce-scatter halves the values at each level instead and leaves every
-lane finished sums to store. `reduce_scatter_fits` says on the host when the layout allows it;
-otherwise `_store_channel_sum` sums with `tl.sum`.
+lane finished sums to store. `reduce_scatter_fits` (launch.py) says on the host when the layout
+allows it; otherwise `_store_channel_sum` sums with `tl.sum`.
 """
 
 import triton
 import triton.language as tl
 
 from .tiles import _st, _tile_ptrs
-
-
-def reduce_scatter_fits(tc: int, bd: int, bn: int, warps: int) -> bool:
-    """Whether the channel sums of a [tc, bn, bd] tile can use `_store_channel_sum`'s
-    reduce-scatter: one warp whose tiles put the bd channels on the low lane bits and 32 / bd
-    states on the others, every lane busy."""
-    if warps != 1 or bd < 2 or bd > 32 or 32 % bd:
-        return False
-    nl = 32 // bd
-    return bn % nl == 0 and tc * (bn // nl) >= bd
-
 
 # fmt: off
 

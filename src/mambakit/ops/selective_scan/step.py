@@ -1,20 +1,19 @@
-"""One decode timestep of the selective scan, in place on the state.
+"""One decode timestep of the selective scan, in place on the state: the Triton kernel.
 
 B batch, D = d_inner, N = d_state. For every row b and channel d:
     h[b, d, :] = exp(delta A[d, :]) h[b, d, :] + delta u B[b, :]
     y[b, d]    = h[b, d, :] . C[b, :] + D[d] u,   then  y * silu(z)
-The kernel reads the state once and writes it once; it allocates nothing but y,
-syncs nothing with the host and is not autotuned (an autotuner would rerun it
-on the state it just updated), so it is safe inside a CUDA graph.
+The kernel reads the state once and writes it once; its launcher (`state_update`,
+launch.py) allocates nothing but y, syncs nothing with the host and is not autotuned
+(an autotuner would rerun it on the state it just updated), so it is safe inside a
+CUDA graph.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
-from .._triton import cdiv, launch, next_power_of_2, strides
 from .tiles import LOG2E, _softplus
 
 
@@ -80,38 +79,3 @@ def _state_update_kernel(
         zv = tl.load(p_z + b * s_z_b + d * s_z_d, mask=md, other=0.0).to(tl.float32)
         y = y * zv * tl.sigmoid(zv)
     tl.store(p_y + b * s_y_b + d, y.to(p_y.dtype.element_ty), mask=md)
-
-
-def state_update(
-    ssm_state: torch.Tensor,  # [B, D, N], updated in place
-    u: torch.Tensor,  # [B, D]
-    delta: torch.Tensor,  # [B, D]
-    A: torch.Tensor,  # [D, N]
-    B: torch.Tensor,  # [B, N]
-    C: torch.Tensor,  # [B, N]
-    D: torch.Tensor | None,  # [D]
-    z: torch.Tensor | None,  # [B, D]
-    delta_bias: torch.Tensor | None,  # [D]
-    delta_softplus: bool,
-) -> torch.Tensor:
-    Bsz, Dn = u.shape
-    N = ssm_state.shape[2]
-    y = torch.empty(Bsz, Dn, dtype=u.dtype, device=u.device)
-    block_n = next_power_of_2(N)
-    block_d = max(1, min(next_power_of_2(Dn), 2048 // block_n))
-    if not u.is_cuda:  # the interpreter: small blocks
-        block_d = min(block_d, 16)
-    grid = (Bsz, cdiv(Dn, block_d))
-    launch(_state_update_kernel, grid,
-        ssm_state, u, delta, A, B, C,
-        D if D is not None else A, z if z is not None else u,
-        delta_bias if delta_bias is not None else A, y,
-        Dn, N,
-        *ssm_state.stride(), u.stride(0), *delta.stride(), *A.stride(), B.stride(0), C.stride(0),
-        D.stride(0) if D is not None else 0, *strides(z, 2),
-        delta_bias.stride(0) if delta_bias is not None else 0, y.stride(0),
-        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-        SOFTPLUS=bool(delta_softplus), BLOCK_D=block_d, BLOCK_N=block_n,
-        num_warps=4 if block_d * block_n >= 1024 else 2,
-    )  # fmt: skip
-    return y

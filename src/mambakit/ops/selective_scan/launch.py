@@ -1,4 +1,5 @@
-"""The selective scan's Triton launchers: launch configuration and host code of the kernels.
+"""The selective scan's Triton launchers: launch configuration and host code of the kernels,
+the decode step's `state_update` included.
 
 B batch, T time, D = d_inner, N = d_state; TC = the backward's time tile and the interval of
 the saved states, FWD_TC = the forward's tile (`ScanConfig`). A program owns one row, one
@@ -29,9 +30,10 @@ Backward (one launch; three with segments):
 Exponentials use exp2 with log2(e) folded into A.
 
 The kernels live next to this file: forward.py (`_fwd_kernel`), backward.py (`_bwd_kernel`,
-`_bwd_local_kernel`), carry.py (the backward's scan over segments), channel_sum.py (the backward's warp
-reduce-scatter over channels) and tiles.py (tile loads, decays, scan combines). They are
-imported here, so this module names every kernel of the scan.
+`_bwd_local_kernel`), carry.py (the backward's scan over segments), channel_sum.py (the
+backward's warp reduce-scatter over channels), tiles.py (tile loads, decays, scan combines)
+and step.py (the decode step's state update). They are imported here, so this module names
+every kernel of the scan.
 """
 
 import dataclasses
@@ -42,8 +44,8 @@ import torch
 from .._triton import cdiv, launch, next_power_of_2, opt, sm_count, strides, sum_blocks_kernel
 from .backward import _bwd_kernel, _bwd_local_kernel
 from .carry import _carry_bwd_kernel
-from .channel_sum import reduce_scatter_fits
 from .forward import _fwd_kernel, _fwd_last_kernel
+from .step import _state_update_kernel
 
 MAX_BLOCK_N = 32  # states per program; larger N is split over programs
 
@@ -79,7 +81,8 @@ def config(Dn: int, interpret: bool) -> ScanConfig:
     p2 = next_power_of_2(Dn)
     if interpret:  # small tiles, and segments of two tiles so the carries run in every test
         return ScanConfig(
-            fwd_tile=4, fwd_local_tiles=2, bwd_tile=8, fwd_block_d=min(8, p2), bwd_block_d=min(8, p2),
+            fwd_tile=4, fwd_local_tiles=2, bwd_tile=8,
+            fwd_block_d=min(8, p2), bwd_block_d=min(8, p2),
             fwd_warps=1, bwd_warps=1, carry_block=64, carry_rows=8,
             seg_tiles=2, seg_below_per_sm=2, seg_target_per_sm=8, fwd_seg_target_per_sm=8,
         )  # fmt: skip
@@ -142,6 +145,16 @@ def _even(T, Dn, N, tc, bd, bn, whole_segments) -> bool:
 
 def _block_n(N: int) -> int:
     return min(next_power_of_2(N), MAX_BLOCK_N)
+
+
+def reduce_scatter_fits(tc: int, bd: int, bn: int, warps: int) -> bool:
+    """Whether the channel sums of a [tc, bn, bd] tile can use `_store_channel_sum`'s
+    reduce-scatter: one warp whose tiles put the bd channels on the low lane bits and 32 / bd
+    states on the others, every lane busy."""
+    if warps != 1 or bd < 2 or bd > 32 or 32 % bd:
+        return False
+    nl = 32 // bd
+    return bn % nl == 0 and tc * (bn // nl) >= bd
 
 
 def _f32_bc(B: torch.Tensor, C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -391,19 +404,10 @@ def scan_bwd(
             T, Dn, N, Bsz, nseg, per, *s_in[2:4], *s_in[6:], *s_dy, **common,
         )  # fmt: skip
         G = torch.empty_like(W)
-        launch(
-            _carry_bwd_kernel,
-            (cdiv(DN, cfg.carry_block), Bsz),
-            W,
-            P,
-            opt(gin, A),
-            G,
-            nseg,
-            DN,
-            HAS_GT=gin is not None,
-            BLOCK_E=cfg.carry_block,
-            CB=cfg.carry_rows,
-        )
+        launch(_carry_bwd_kernel, (cdiv(DN, cfg.carry_block), Bsz),
+            W, P, opt(gin, A), G, nseg, DN,
+            HAS_GT=gin is not None, BLOCK_E=cfg.carry_block, CB=cfg.carry_rows,
+        )  # fmt: skip
         gin = G
         del W, P
     if nb == 1:
@@ -453,3 +457,38 @@ def scan_bwd(
     dD = dDp.sum((0, 1)) if dDp is not None else None
     dbias = dbp.sum((0, 1, 2)) if delta_bias is not None else None
     return du, ddt, dA, dB, dC, dD, dz, dbias, dh0
+
+
+def state_update(
+    ssm_state: torch.Tensor,  # [B, D, N], updated in place
+    u: torch.Tensor,  # [B, D]
+    delta: torch.Tensor,  # [B, D]
+    A: torch.Tensor,  # [D, N]
+    B: torch.Tensor,  # [B, N]
+    C: torch.Tensor,  # [B, N]
+    D: torch.Tensor | None,  # [D]
+    z: torch.Tensor | None,  # [B, D]
+    delta_bias: torch.Tensor | None,  # [D]
+    delta_softplus: bool,
+) -> torch.Tensor:
+    Bsz, Dn = u.shape
+    N = ssm_state.shape[2]
+    y = torch.empty(Bsz, Dn, dtype=u.dtype, device=u.device)
+    block_n = next_power_of_2(N)
+    block_d = max(1, min(next_power_of_2(Dn), 2048 // block_n))
+    if not u.is_cuda:  # the interpreter: small blocks
+        block_d = min(block_d, 16)
+    grid = (Bsz, cdiv(Dn, block_d))
+    launch(_state_update_kernel, grid,
+        ssm_state, u, delta, A, B, C,
+        D if D is not None else A, z if z is not None else u,
+        delta_bias if delta_bias is not None else A, y,
+        Dn, N,
+        *ssm_state.stride(), u.stride(0), *delta.stride(), *A.stride(), B.stride(0), C.stride(0),
+        D.stride(0) if D is not None else 0, *strides(z, 2),
+        delta_bias.stride(0) if delta_bias is not None else 0, y.stride(0),
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+        SOFTPLUS=bool(delta_softplus), BLOCK_D=block_d, BLOCK_N=block_n,
+        num_warps=4 if block_d * block_n >= 1024 else 2,
+    )  # fmt: skip
+    return y
