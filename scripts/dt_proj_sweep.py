@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from mambakit.ops.mamba_inner import kernels as KM
+from mambakit.ops.mamba_inner import launch as KM
 from mambakit.ops.selective_scan import launch as KS
 
 SHAPES = {"130m 1x4096": (1, 4096, 1536, 48), "1.4b 1x4096": (1, 4096, 4096, 128),

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mambakit.ops.mamba_inner.kernels import dt_proj
+from mambakit.ops.mamba_inner.launch import dt_proj
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16

@@ -41,7 +41,7 @@ def _dt_proj_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """dt_proj for the scan (kernels.py): (softplus(raw + dt_bias) f32, B and C in f32), or
     (raw, empty) without softplus."""
-    from .kernels import dt_proj
+    from .launch import dt_proj
 
     return dt_proj(x_dbl, dt_proj_weight, dt_bias, softplus)
 
@@ -194,7 +194,7 @@ def _inner_bwd(
     halves of d xz (no concatenation)."""
     from ..causal_conv1d.launch import conv_bwd, conv_fwd
     from ..selective_scan.launch import scan_bwd
-    from .kernels import dt_proj
+    from .launch import dt_proj
 
     Dn, N = A.shape
     x_in, z = xz[..., :Dn], xz[..., Dn:]
