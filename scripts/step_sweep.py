@@ -1,4 +1,4 @@
-"""Time the Mamba-1 decode step's launch settings (`StepConfig`, ops/mamba_step/kernels.py) at
+"""Time the Mamba-1 decode step's launch settings (`StepConfig`, ops/mamba_step/launch.py) at
 a preset's shapes: every layer's `layer_step`, then the final norm and the LM head
 (`linear`), as `MambaLM.step` chains them, on random bf16 weights.
 
@@ -32,7 +32,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from mambakit import MambaConfig  # noqa: E402
 from mambakit.ops import StepWeights  # noqa: E402
-from mambakit.ops.mamba_step import kernels  # noqa: E402
+from mambakit.ops.mamba_step import launch  # noqa: E402
 
 
 def graph_us(fn, iters: int = 200) -> float:
@@ -105,8 +105,8 @@ def make_step(layers, norm_f, head, hidden, conv, ssm, c):
     def step():
         h, res = hidden, None
         for i, w in enumerate(layers):
-            h, res = kernels.layer_step(h, res, w, conv[i], ssm[i], cfg=c)
-        return kernels.linear(h, head, residual=res, norm_weight=norm_f, cfg=c)
+            h, res = launch.layer_step(h, res, w, conv[i], ssm[i], cfg=c)
+        return launch.linear(h, head, residual=res, norm_weight=norm_f, cfg=c)
 
     return step
 
@@ -115,7 +115,7 @@ def sweep(name: str, args, dev: str, dtype: torch.dtype) -> None:
     mcfg = MambaConfig.preset(name)
     layers, norm_f, head = model_weights(mcfg, dev, dtype)
     D, K, N = mcfg.expand * mcfg.d_model, mcfg.d_conv, mcfg.d_state
-    base = kernels.config(args.dry)
+    base = launch.config(args.dry)
     for batch in args.batch:
         hidden = torch.randn(batch, mcfg.d_model, device=dev).to(dtype)
         conv = torch.zeros(len(layers), batch, K - 1, D, device=dev)
@@ -135,7 +135,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--presets", nargs="+", default=["130m", "1.4b"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
-    lib = kernels.config(False)
+    lib = launch.config(False)
     ap.add_argument("--tiles", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--ssm-rows", type=int, nargs="+", default=[lib.ssm_rows])
     ap.add_argument("--rows-max", type=int, nargs="+", default=[lib.rows_max_batch])

@@ -172,14 +172,14 @@ def test_triton_decode_blocks_equal_reference(monkeypatch, batch):
     as one streaming kernel that also stores the residual (batch 1; above, the norm then a
     GEMM), the step kernel, out_proj. Logits and every state field over 5 tokens equal the
     reference backend's, and the kernel path ran once a layer and token."""
-    from mambakit.ops.mamba_step import kernels
+    from mambakit.ops.mamba_step import launch
 
     model = lm(double=False, d_state=6).eval()  # odd pairs: 3 of them, n_angles 1
     ids = torch.randint(0, V, (batch, 5))
     calls = []
-    linear = kernels.linear
+    linear = launch.linear
     monkeypatch.setattr(
-        kernels, "linear", lambda *a, **k: calls.append(k.get("return_residual")) or linear(*a, **k)
+        launch, "linear", lambda *a, **k: calls.append(k.get("return_residual")) or linear(*a, **k)
     )
     runs = {}
     for backend in ("reference", "triton"):

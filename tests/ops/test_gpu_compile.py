@@ -27,6 +27,7 @@ MODULES = [
     "mambakit.ops.rms_norm.kernels",
     "mambakit.ops.cross_entropy.kernels",
     "mambakit.ops.argmax.kernels",
+    "mambakit.ops.mamba_step.kernels",
 ]
 CONSTS = {  # representative values of the kernels' constexpr parameters
     "BLOCK_D": 32, "BLOCK_N": 16, "BLOCK_E": 64, "BLOCK_T": 16, "BLOCK_K": 4, "BLOCK_M": 4,

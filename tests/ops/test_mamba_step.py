@@ -50,7 +50,7 @@ def run(w, hidden, residual, conv, ssm, backend, cfg=None):
     """The step on `backend`; with cfg, the Triton launcher itself with those settings."""
     conv, ssm = conv.clone(), ssm.clone()
     if cfg is not None:
-        from mambakit.ops.mamba_step.kernels import layer_step
+        from mambakit.ops.mamba_step.launch import layer_step
 
         out, res = layer_step(hidden, residual, w, conv, ssm, cfg=cfg)
     else:
@@ -107,10 +107,10 @@ def test_layer_step_matches_float64_op_chain(nan_empty, dtype, B, rows_max, dt_b
     # ssm_rows = 4: the last row block three quarters masked); B = 3 with rows_max_batch =
     # 16: a norm launch, then the row-loop kernels; dt_proj_fused_bytes = 0: dt_proj by
     # cuBLAS, the SSM kernel reads delta
-    from mambakit.ops.mamba_step import kernels
+    from mambakit.ops.mamba_step import launch
 
     cfg = dataclasses.replace(
-        kernels.config(DEVICE == "cpu"),
+        launch.config(DEVICE == "cpu"),
         rows_max_batch=rows_max,
         dt_proj_fused_bytes=dt_bytes,
         ssm_rows=ssm_rows,
@@ -151,7 +151,7 @@ def test_linear_returns_the_residual(B, first):
     """`linear(..., return_residual=True)`: the norm's input x + residual in f32 beside the
     output (the streaming kernel's first column block stores it at batch 1; above, the
     norm launch's), the output as without it; without norm_weight it is refused."""
-    from mambakit.ops.mamba_step.kernels import linear
+    from mambakit.ops.mamba_step.launch import linear
 
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(B, 40, generator=gen).to(DEVICE, torch.bfloat16)
@@ -169,10 +169,10 @@ def test_linear_returns_the_residual(B, first):
 
 @pytest.mark.parametrize("B", [1, 3])
 def test_lm_step_runs_the_fused_kernels_and_equals_the_op_chain(monkeypatch, B):
-    from mambakit.ops.mamba_step import kernels
+    from mambakit.ops.mamba_step import launch
 
     calls = {"layer": 0, "linear": 0}
-    layer_step, linear = kernels.layer_step, kernels.linear
+    layer_step, linear = launch.layer_step, launch.linear
 
     def count(name, fn):
         def wrapped(*a, **k):
@@ -181,8 +181,8 @@ def test_lm_step_runs_the_fused_kernels_and_equals_the_op_chain(monkeypatch, B):
 
         return wrapped
 
-    monkeypatch.setattr(kernels, "layer_step", count("layer", layer_step))
-    monkeypatch.setattr(kernels, "linear", count("linear", linear))
+    monkeypatch.setattr(launch, "layer_step", count("layer", layer_step))
+    monkeypatch.setattr(launch, "linear", count("linear", linear))
     torch.manual_seed(0)
     cfg = MambaConfig(d_model=32, n_layers=2, vocab_size=64)
     model = MambaLM(cfg).to(DEVICE).eval()

@@ -20,7 +20,7 @@ from mambakit.ops import mamba3 as m3_ops
 from mambakit.ops import mamba_step as step_pkg
 from mambakit.ops.mamba3 import step as m3_step
 from mambakit.ops.mamba_step import chain as chain_mod
-from mambakit.ops.mamba_step import kernels as step_kernels
+from mambakit.ops.mamba_step import launch as step_launch
 from mambakit.ops.mamba_step import stack as stack_mod
 
 inner_pkg = importlib.import_module("mambakit.ops.mamba_inner")  # `ops.mamba_inner` is the op
@@ -137,7 +137,7 @@ def test_mamba3_stack_step_body(backend, calls, monkeypatch):
     """Triton: per block the streaming linear kernels around the raw step kernel.
     Reference: the reference step from in_proj's rows. Both equal the module path."""
     monkeypatch.setenv("MAMBAKIT_BACKEND", backend)
-    calls.watch(step_kernels, "linear")
+    calls.watch(step_launch, "linear")
     calls.watch(m3_step, "state_update_raw")
     calls.watch(m3_step, "state_update")
     calls.watch(m3_ops, "mamba3_step_reference")

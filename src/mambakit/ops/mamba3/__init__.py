@@ -234,7 +234,7 @@ def mamba3_stack_step(
     residual = None
     for w, state in zip(layers, states):
         if triton and w.in_w.dtype == w.out_w.dtype == cdt and state.ssm.dtype == torch.float32:
-            from ..mamba_step.kernels import linear
+            from ..mamba_step.launch import linear
 
             zxbc, residual = linear(hidden, w.in_w, residual=residual, norm_weight=w.norm_w,
                                     eps=w.eps, return_residual=True)  # fmt: skip

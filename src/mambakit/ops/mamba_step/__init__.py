@@ -2,7 +2,7 @@
 
 `StepWeights` gathers a block's tensors as the step reads them (views of the
 parameters, A, D and the dt bias in f32); `ops.mamba_layer_step` and
-`ops.norm_linear` dispatch between `kernels.py` and `reference.py`. The fused
+`ops.norm_linear` dispatch between `launch.py` and `reference.py`. The fused
 step runs eagerly or inside a CUDA graph; under torch.compile the model runs
 the op chain instead.
 """
@@ -31,12 +31,12 @@ class StepWeights(NamedTuple):
 
 
 def mamba_layer_step_triton(hidden, residual, w, conv_state, ssm_state):
-    from .kernels import layer_step
+    from .launch import layer_step
 
     return layer_step(hidden, residual, w, conv_state, ssm_state)
 
 
 def norm_linear_triton(x, weight, bias=None, residual=None, norm_weight=None, eps=1e-5):
-    from .kernels import linear
+    from .launch import linear
 
     return linear(x, weight, bias, residual=residual, norm_weight=norm_weight, eps=eps)
