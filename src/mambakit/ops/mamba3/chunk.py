@@ -5,7 +5,7 @@ The angles, the turned keys and queries (k~, q~) and the per-token weights come 
 the terms kernels (terms.py); the scan kernels (chunk_kernels.py) do what costs: for one
 (row, head) the forward walks the chunks in order, carrying the state S [P, N] and the
 last token's k~ and x (without autograd at few (row, head) pairs, the chunks run in
-parallel instead: chunk_parallel.py, `parallel_below`), and per chunk computes, as
+parallel instead: chunk_parallel_kernels.py, `parallel_below`), and per chunk computes, as
 reference.py's chunked form,
 
     y_t   = sum_{s <= t} (q~_t . k~_s) exp(cs_t - cs_s) w'_{t,s} x_s
@@ -32,7 +32,7 @@ from .chunk_kernels import (
     _dstate_scan_kernel,
     _dy_chunk_kernel,
 )
-from .chunk_parallel import _chunk_end_kernel, _chunk_y_kernel, _state_scan_kernel
+from .chunk_parallel_kernels import _chunk_end_kernel, _chunk_y_kernel, _state_scan_kernel
 from .terms import CONFIG as TERMS
 from .terms import TermsConfig, _Terms, token_terms_kernel
 
@@ -71,7 +71,8 @@ class Mamba3ScanConfig:
     states_block_p: int = 32
 
     # Below `parallel_below` (row, head) pairs (None: half the SM count), a forward computing
-    # y with nothing stored for the backward runs its chunks in parallel (chunk_parallel.py):
+    # y with nothing stored for the backward runs its chunks in parallel
+    # (chunk_parallel_kernels.py):
     # `_chunk_end_kernel` (each chunk's own part u_c of the next start state, a program per
     # (row, head, chunk)), `_state_scan_kernel` (the start states, the chunks in order,
     # elementwise), `_chunk_y_kernel` (y from them, a program per (row, head, chunk)), with u
