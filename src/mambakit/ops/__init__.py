@@ -338,7 +338,7 @@ def mamba_layer_step(
     [B, M] f32 (None at the first block).
     Returns (out [B, M] in the weights' dtype, the new residual [B, M] f32). The
     residual and states are f32 (f64 with float64 weights: the oracle). On
-    the Triton backend it is three kernels (mamba_step/kernels.py)."""
+    the Triton backend it is three kernels (mamba_step/launch.py launches them)."""
     w = weights
     if not isinstance(w, StepWeights):
         raise TypeError(f"weights must be a StepWeights, got {type(w).__name__}")

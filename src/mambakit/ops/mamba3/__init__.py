@@ -227,7 +227,7 @@ def mamba3_stack_step(
     three kernels chained by programmatic dependent launch (the add, the norm and in_proj
     streaming its weight, which also stores the residual; the step kernel; out_proj
     streamed), above a norm launch, cuBLAS, the step kernel, cuBLAS
-    (`mamba_step.kernels.linear` picks). Otherwise the add and norm, F.linear, the step and
+    (`mamba_step.launch.linear` picks). Otherwise the add and norm, F.linear, the step and
     F.linear, each on the backend's body."""
     cdt = compute_dtype
     triton = resolve_backend(backend, hidden) == "triton"
