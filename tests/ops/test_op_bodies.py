@@ -211,3 +211,29 @@ def test_mamba_last_body(backend, calls, monkeypatch):
         full = lm(tokens).logits[:, -1]
     assert calls.ran() == ({"mamba_inner_last_triton"} if backend == "triton" else set())
     assert rel(last, full) < 1e-5  # the head's GEMM over one row or all: rounding apart
+
+
+def test_mamba3_scan_backward_gets_no_filled_gradients(monkeypatch):
+    """The differentiable scan returns what its backward reads beside its outputs: those take
+    no gradient, and an output that no gradient reached arrives as None, so autograd fills no
+    zeros of them before the backward (hundreds of MB at training shapes)."""
+    from mambakit.ops.mamba3 import Mamba3State
+
+    g = torch.Generator().manual_seed(0)
+    B, T, H, P, G, N, S = 1, 8, 2, 4, 1, 8, 2
+
+    def r(*s, scale=1.0):
+        return (torch.randn(*s, generator=g) * scale).requires_grad_()
+
+    delta = (torch.rand(B, T, H, generator=g) * 0.5 + 0.01).requires_grad_()
+    A = (-torch.rand(B, T, H, generator=g) - 0.1).requires_grad_()
+    inputs = (r(B, T, H, P), r(B, T, G, N), r(B, T, G, N), delta, A, r(B, T, H), r(B, T, S),
+              r(H, N), r(H, N), *Mamba3State.zeros(B, H, P, N, S))  # fmt: skip
+    out = m3_ops._SCAN_TRAIN(*inputs, None, None, None, m3_ops._config_id(None))
+    assert [o.requires_grad for o in out] == [True] * 4 + [False] * 8
+    seen = []
+    bwd = m3_ops._SCAN_BWD
+    monkeypatch.setattr(m3_ops, "_SCAN_BWD", lambda *a: seen.append(a[:4]) or bwd(*a))
+    out[0].sum().backward()
+    assert [t is None for t in seen[0]] == [False, True, True, True]
+    assert inputs[0].grad is not None and torch.isfinite(inputs[0].grad).all()
