@@ -201,12 +201,12 @@ class MambaBackbone(nn.Module):
         backend = resolve_backend("auto", h)
         layers = self._modules["layers"]
         if not torch.compiler.is_compiling() and all(b.fusable() for b in layers):
-            plan = self._decode_plan()
             if isinstance(layers[0].mixer, Mamba3):
                 states = [state.layer(i) for i in range(len(layers))]
+                plan = self._decode_plan()
                 return (*mamba3_stack_step(h, plan, states, cdt, backend), cdt, backend)
             h, residual = mamba_stack_step(
-                h, plan, state.conv, state.ssm, cdt, backend,
+                h, self._decode_plan, state.conv, state.ssm, cdt, backend,
                 lambda: derived_plan(self, "stack", _stack_plan, _norm_eps),
             )  # fmt: skip
             return h, residual, cdt, backend

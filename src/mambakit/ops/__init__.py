@@ -376,7 +376,7 @@ def _mamba_mixer_step(x, weights, conv_state, ssm_state, backend):
 
 def mamba_stack_step(
     hidden: torch.Tensor,  # [B, M], the embedded input
-    layers: list[StepWeights],  # every block's, in order
+    layers,  # every block's StepWeights, in order: a list, or () -> the list (a plan)
     conv_state: torch.Tensor,  # [L, B, K-1, D], updated in place
     ssm_state: torch.Tensor,  # [L, B, D, N], updated in place
     compute_dtype: torch.dtype,
@@ -384,9 +384,10 @@ def mamba_stack_step(
     stack=None,  # () -> the reference body's whole-stack weights (`mamba_step.stack`) or None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decode step through a stack of Mamba-1 blocks whose weights the caller holds
-    (the model's decode plan): (the last block's output, the residual stream [B, M] f32;
+    (the model's decode plans): (the last block's output, the residual stream [B, M] f32;
     or the residual stream and None where the body carries it as the output). The caller
-    checked the input and the state.
+    checked the input and the state. Given as functions, the weights are asked for only by
+    the body that reads them (a plan's freshness check costs as much as a small op).
 
     Triton: `mamba_layer_step` per block (three kernels) where its weights are in the
     compute dtype, else the op chain on the Triton ops. Reference: with the input, the
@@ -400,19 +401,21 @@ def mamba_stack_step(
         from .mamba_step import mamba_layer_step_triton
 
         residual = None
+        layers = layers() if callable(layers) else layers
         for w, conv, ssm in zip(layers, conv_state.unbind(0), ssm_state.unbind(0)):
             if w.in_w.dtype == cdt:
                 hidden, residual = mamba_layer_step_triton(hidden, residual, w, conv, ssm)
             else:
                 hidden, residual = layer_step(hidden, residual, w, conv, ssm, cdt, "triton")
         return hidden, residual
-    if stack is not None and hidden.dtype == cdt == conv_state.dtype == layers[0].in_w.dtype:
+    if stack is not None and hidden.dtype == cdt == conv_state.dtype:
         weights = stack()
-        if weights is not None:
+        if weights is not None and weights.blocks[0].in_wT.dtype == cdt:
             from .mamba_step.stack import decode_layers
 
             return decode_layers(hidden, weights, conv_state, ssm_state), None
     residual = None
+    layers = layers() if callable(layers) else layers
     for w, conv, ssm in zip(layers, conv_state.unbind(0), ssm_state.unbind(0)):
         hidden, residual = layer_step(hidden, residual, w, conv, ssm, cdt, "reference")
     return hidden, residual
