@@ -19,7 +19,9 @@ from .causal_conv1d.reference import causal_conv1d_reference, causal_conv1d_upda
 from .cross_entropy.linear import LinearCrossEntropy
 from .mamba_inner.reference import mamba_inner_chain
 from .mamba_step import StepWeights
+from .mamba_step.chain import layer_step, mixer_step
 from .mamba_step.reference import mamba_layer_step_reference, norm_linear_reference
+from .mamba_step.stack import decode_layers
 from .rms_norm.reference import rms_norm_reference
 from .selective_scan.reference import (
     selective_scan_reference,
@@ -369,8 +371,6 @@ def mamba_layer_step(
 def _mamba_mixer_step(x, weights, conv_state, ssm_state, backend):
     """One decode step of a Mamba-1 mixer on its weights (`StepWeights`; the norm's are not
     read), without checks: the op chain on the backend's bodies, the states in place."""
-    from .mamba_step.chain import mixer_step
-
     return mixer_step(x, weights, conv_state, ssm_state, resolve_backend(backend, x))
 
 
@@ -394,8 +394,6 @@ def mamba_stack_step(
     weights and the state in one dtype, the whole stack in as few PyTorch calls as it
     takes (`mamba_step/stack.py`, on the weights `stack()` derives once per plan); else
     the op chain per block."""
-    from .mamba_step.chain import layer_step
-
     cdt = compute_dtype
     if resolve_backend(backend, hidden) == "triton":
         from .mamba_step import mamba_layer_step_triton
@@ -411,8 +409,6 @@ def mamba_stack_step(
     if stack is not None and hidden.dtype == cdt == conv_state.dtype:
         weights = stack()
         if weights is not None and weights.blocks[0].in_wT.dtype == cdt:
-            from .mamba_step.stack import decode_layers
-
             return decode_layers(hidden, weights, conv_state, ssm_state), None
     residual = None
     layers = layers() if callable(layers) else layers
