@@ -231,20 +231,18 @@ def mamba3_stack_step(
     F.linear, each on the backend's body."""
     cdt = compute_dtype
     triton = resolve_backend(backend, hidden) == "triton"
+    norm = rms_norm_reference
+    if triton:  # once per step, not per layer (the launchers import Triton)
+        from ..mamba_step.launch import linear
+        from ..rms_norm import rms_norm_triton as norm
     residual = None
     for w, state in zip(layers, states):
         if triton and w.in_w.dtype == w.out_w.dtype == cdt and state.ssm.dtype == torch.float32:
-            from ..mamba_step.launch import linear
-
             zxbc, residual = linear(hidden, w.in_w, residual=residual, norm_weight=w.norm_w,
                                     eps=w.eps, return_residual=True)  # fmt: skip
             y = mamba3_step_raw(state, zxbc, w, "triton")
             hidden = linear(y.flatten(-2), w.out_w)
             continue
-        if triton:
-            from ..rms_norm import rms_norm_triton as norm
-        else:
-            norm = rms_norm_reference
         normed, residual = norm(hidden, w.norm_w, w.eps, residual, cdt)
         y = mamba3_step_raw(state, F.linear(normed, w.in_w), w, backend)
         hidden = F.linear(y.flatten(-2).to(w.out_w.dtype), w.out_w)

@@ -12,7 +12,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..causal_conv1d import causal_conv1d_update_triton
+from ..causal_conv1d.reference import causal_conv1d_update_reference
+from ..rms_norm import rms_norm_triton
+from ..rms_norm.reference import rms_norm_reference
+from ..selective_scan import selective_state_update_triton
+from ..selective_scan.reference import selective_state_update_reference
 from . import StepWeights
+
+# each backend's bodies (the Triton ones import Triton only when they run)
+_CONV = {"triton": causal_conv1d_update_triton, "reference": causal_conv1d_update_reference}
+_SSM = {"triton": selective_state_update_triton, "reference": selective_state_update_reference}
+_NORM = {"triton": rms_norm_triton, "reference": rms_norm_reference}
 
 
 def mixer_step(
@@ -23,12 +34,7 @@ def mixer_step(
     backend: str,  # "reference" or "triton", resolved
 ) -> torch.Tensor:
     """The mixer's output [B, M] for one timestep, its states advanced in place."""
-    if backend == "triton":
-        from ..causal_conv1d import causal_conv1d_update_triton as conv_update
-        from ..selective_scan import selective_state_update_triton as state_update
-    else:
-        from ..causal_conv1d.reference import causal_conv1d_update_reference as conv_update
-        from ..selective_scan.reference import selective_state_update_reference as state_update
+    conv_update, state_update = _CONV[backend], _SSM[backend]
     autocast = torch.is_autocast_enabled(x.device.type)
     Dn, N = w.A.shape
     R = w.dt_w.shape[1]
@@ -53,11 +59,7 @@ def layer_step(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the mixer's output, the residual) of one block: the add and norm, then `mixer_step`."""
-    if backend == "triton":
-        from ..rms_norm import rms_norm_triton as norm
-    else:
-        from ..rms_norm.reference import rms_norm_reference as norm
-    normed, residual = norm(hidden, w.norm_w, w.eps, residual, compute_dtype)
+    normed, residual = _NORM[backend](hidden, w.norm_w, w.eps, residual, compute_dtype)
     return mixer_step(normed, w, conv_state, ssm_state, backend), residual
 
 
