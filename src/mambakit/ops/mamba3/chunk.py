@@ -363,6 +363,7 @@ class _Core:
         )  # fmt: skip
         launch(_chunk_qk_grad_kernel, (Bsz, H, nc),
             x, qr, kr, adt, gamma, late, seqt, states, dst, x0, dy, dq, dk, dk0, *strided,
+            dq.stride(0), dq.stride(1), dq.stride(2),
             BLOCK_N=min(_block(N), cfg.qk_block_n), num_warps=cfg.qk_warps, **consts,
         )  # fmt: skip
         dD = dD.sum((0, 1)).to(D.dtype) if D is not None else None

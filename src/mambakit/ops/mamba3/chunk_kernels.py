@@ -465,11 +465,14 @@ def _chunk_qk_grad_kernel(
     p_dy, p_dq, p_dk, p_dk0,
     T, H, P, N,
     s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b, s_dy_b, s_dy_t, s_dy_h,
+    s_dq_b, s_dq_t, s_dq_h,
     HAS_SEQ: tl.constexpr,
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
 ):
     """A chunk's gradients of q~ and k~, BLOCK_N states at a time (and chunk 0 the initial
-    k~'s): dq~ = ((dy x^T) * weight) k~ + e_cs dy S', dk~ = its transpose's q~ + tail x dS."""
+    k~'s): dq~ = ((dy x^T) * weight) k~ + e_cs dy S', dk~ = its transpose's q~ + tail x dS.
+    dq~ and dk~ have strides of their own (s_dq_*): q~ and k~ may be views whose heads share
+    rows (stride 0 over heads: Mamba-2's B and C of one group), their gradients are per head."""
     (b, h, c, c0, rows, p, mp, bh, q_row, st_at, t, mt, last, mtp, xc, dy, e_cs, keep, wo, gam,
      same, decay, weight, tail_decay, tail) = _grad_terms(
         p_x, p_dy, p_adt, p_gam, p_late, p_seq, T, H, P, N,
@@ -481,8 +484,9 @@ def _chunk_qk_grad_kernel(
                                                      mp, N, BLOCK_N)
         dq = _mm(d_qk, kj, PREC) + e_cs[:, None] * _mm(dy, stj, PREC)
         dk = _mm(tl.trans(d_qk), qj, PREC) + tail[:, None] * _mm(xc, dsj, PREC)
-        tl.store(p_dq + q_row + n[None, :], dq, mask=mq)
-        tl.store(p_dk + q_row + n[None, :], dk, mask=mq)
+        dq_row = b * s_dq_b + t[:, None] * s_dq_t + h * s_dq_h
+        tl.store(p_dq + dq_row + n[None, :], dq, mask=mq)
+        tl.store(p_dk + dq_row + n[None, :], dk, mask=mq)
         if c == 0:  # the initial k~ through late0 x0 k0^T in S'_start of chunk 0
             x0 = tl.load(p_x0 + bh * P + p, mask=mp, other=0.0)
             dy_x = tl.sum(dy * x0[None, :], axis=1)

@@ -1,0 +1,230 @@
+"""Mamba-2 (SSD): the mixer's family of ops, each with its reference body (reference.py, on
+the readable oracle naive.py) and its Triton body, chosen here only.
+
+- `mamba2_scan`: the sequence forward (and its backward), state in and out, `seq_idx`;
+  Triton: the Mamba-3 chunk kernels with Mamba-2's terms (scan.py), as the custom ops
+  `mambakit::mamba2_scan_fwd`, `mamba2_scan_train` and `mamba2_scan_bwd` (so torch.compile
+  traces them; `_dispatch.Op` calls their bodies directly in eager mode).
+- `mamba2_state_update`: one decode step on made inputs (x, delta, B, C), the state in
+  place.
+
+The public ops check their inputs; their private twins (`_mamba2_scan`) serve the layer,
+which checked once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._backend import resolve_backend
+from .._checks import check_seq_idx, check_tensor
+from .._dispatch import Op
+from ..mamba3 import _config_id, _CONFIGS
+from .reference import CHUNK, mamba2_scan_reference, mamba2_step_reference
+
+__all__ = [
+    "check_mamba2_state",
+    "mamba2_scan",
+    "mamba2_scan_reference",
+    "mamba2_state_update",
+    "mamba2_step_reference",
+]
+
+
+def mamba2_scan(
+    x: torch.Tensor,  # [B, T, H, P]
+    delta: torch.Tensor,  # [B, T, H] > 0 (after softplus and the limits)
+    A: torch.Tensor,  # [H] < 0
+    B: torch.Tensor,  # [B, T, G, N]
+    C: torch.Tensor,  # [B, T, G, N]
+    D: torch.Tensor | None = None,  # [H] or [H, P]
+    z: torch.Tensor | None = None,  # [B, T, H, P] gate: y * silu(z)
+    initial_state: torch.Tensor | None = None,  # [B, H, P, N]
+    seq_idx: torch.Tensor | None = None,  # [B, T] int32
+    chunk: int = CHUNK,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [B, T, H, P] in x.dtype, the final state [B, H, P, N] f32, or f64 for float64
+    inputs), differentiable in every input and the initial state (reference.py gives the
+    math). `chunk`: the reference body's block (the result does not depend on it)."""
+    check_tensor("x", x, (None, None, None, None))
+    Bsz, T, H, P = x.shape
+    dev = x.device
+    check_tensor("B", B, (Bsz, T, None, None), device=dev)
+    G, N = B.shape[2:]
+    if H % G:
+        raise ValueError(f"B: {G} groups do not divide the {H} heads of x")
+    check_tensor("C", C, (Bsz, T, G, N), device=dev)
+    check_tensor("delta", delta, (Bsz, T, H), device=dev)
+    check_tensor("A", A, (H,), device=dev)
+    if D is not None:
+        check_tensor("D", D, (H,) if D.dim() == 1 else (H, P), device=dev)
+    if z is not None:
+        check_tensor("z", z, (Bsz, T, H, P), device=dev)
+    if initial_state is not None:
+        check_mamba2_state("initial_state", initial_state, Bsz, H, P, N, dev)
+    if seq_idx is not None:
+        check_seq_idx(seq_idx, Bsz, T, dev)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    return _mamba2_scan(x, delta, A, B, C, D, z, initial_state, seq_idx, chunk, backend)
+
+
+def _mamba2_scan(x, delta, A, B, C, D, z, initial_state, seq_idx, chunk, backend):
+    """`mamba2_scan` without the checks. Triton: the kernels (also under torch.compile, as
+    custom ops), with an f32 state."""
+    if resolve_backend(backend, x) == "triton" and (
+        initial_state is None or initial_state.dtype == torch.float32
+    ):
+        return mamba2_scan_kernel(x, delta, A, B, C, D, z, initial_state, seq_idx)
+    return mamba2_scan_reference(x, delta, A, B, C, D, z, initial_state, seq_idx, chunk)
+
+
+def mamba2_scan_kernel(x, delta, A, B, C, D=None, z=None, initial_state=None, seq_idx=None,
+                       cfg=None):  # fmt: skip
+    """The Triton body of `mamba2_scan` (its inputs checked), differentiable in every input
+    and the initial state: (y in x.dtype, the final f32 state). Outside autograd one custom
+    op, `mambakit::mamba2_scan_fwd`; under autograd `mambakit::mamba2_scan_train`, with
+    `mambakit::mamba2_scan_bwd` its backward. A D of one value per head and the gate run
+    inside the kernels; a D per channel ([H, P]) is added here. cfg: launch parameters other
+    than the library's (`ops.mamba3.chunk.Mamba3ScanConfig`)."""
+    Bsz, T, H, P = x.shape
+    N = B.shape[-1]
+    if initial_state is None:
+        initial_state = x.new_zeros(Bsz, H, P, N, dtype=torch.float32)
+    if T == 0:
+        return x.new_empty(x.shape), initial_state.float().clone()
+    D_h = D if D is not None and D.dim() == 1 else None
+    if D_h is None and D is not None and z is not None:  # D x joins y before the gate
+        y, final = mamba2_scan_kernel(x, delta, A, B, C, None, None, initial_state, seq_idx, cfg)
+        y = (y.float() + D.float() * x.float()) * torch.nn.functional.silu(z.float())
+        return y.to(x.dtype), final
+    seq = seq_idx.to(torch.int32).contiguous() if seq_idx is not None else None
+    xs = x if x.stride(-1) == 1 else x.contiguous()
+    zs = z if z is None or z.stride(-1) == 1 else z.contiguous()
+    s0 = initial_state.float().contiguous()
+    args = (xs, delta, A, B, C, D_h, zs, s0, seq, _config_id(cfg))
+    tensors = (x, delta, A, B, C, D, z, initial_state)
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors):
+        y, final = _SCAN_FWD(*args)
+    else:
+        y, final, *_ = _SCAN_TRAIN(*args)
+    if D is not None and D_h is None:  # [H, P], no gate
+        y = (y.float() + D.float() * x.float()).to(x.dtype)
+    return y, final
+
+
+def mamba2_state_update(
+    ssm: torch.Tensor,  # [B, H, P, N], advanced in place
+    x: torch.Tensor,  # [B, H, P]
+    delta: torch.Tensor,  # [B, H]
+    A: torch.Tensor,  # [H]
+    B: torch.Tensor,  # [B, G, N]
+    C: torch.Tensor,  # [B, G, N]
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode step with `ssm` advanced in place, without autograd: y [B, H, P] in
+    x.dtype. The caller checked the inputs (the Mamba-2 layer)."""
+    y, new = mamba2_step_reference(x, delta, A, B, C, D, z, ssm)
+    ssm.copy_(new)
+    return y
+
+
+def check_mamba2_state(name: str, ssm, batch: int, H: int, P: int, N: int, device) -> None:
+    """An SSM state [batch, H, P, N] (f32, or f64 for a float64 model) on `device`."""
+    check_tensor(name, ssm, (batch, H, P, N), device=device)
+    if ssm.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"{name} must be float32 (or float64), got {ssm.dtype}")
+
+
+# The scan's custom ops; the launch config goes by its id in `ops.mamba3._CONFIGS` (the
+# chunk kernels are Mamba-3's).
+_ARGS = (
+    "Tensor x, Tensor delta, Tensor A, Tensor B, Tensor C, Tensor? D, Tensor? z, Tensor s0, "
+    "Tensor? seq, int cfg"
+)
+
+
+@torch.library.custom_op("mambakit::mamba2_scan_fwd", mutates_args=(),
+                         schema=f"({_ARGS}) -> (Tensor, Tensor)")  # fmt: skip
+def _scan_fwd(x, delta, A, B, C, D, z, s0, seq, cfg):
+    from .scan import scan_fwd
+
+    return scan_fwd(x, delta, A, B, C, D, z, s0, seq, _CONFIGS[cfg])
+
+
+@_scan_fwd.register_fake
+def _(x, delta, A, B, C, D, z, s0, seq, cfg):
+    return x.new_empty(x.shape), s0.new_empty(s0.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("mambakit::mamba2_scan_train", mutates_args=(),
+                         schema=f"({_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)")  # fmt: skip
+def _scan_train(x, delta, A, B, C, D, z, s0, seq, cfg):
+    from .scan import scan_train_forward
+
+    return scan_train_forward(x, delta, A, B, C, D, z, s0, seq, _CONFIGS[cfg])
+
+
+@_scan_train.register_fake
+def _(x, delta, A, B, C, D, z, s0, seq, cfg):
+    from ..mamba3.chunk import _operands_dtype
+
+    c = _CONFIGS[cfg]
+    Bsz, T, H, P = x.shape
+    N = B.shape[-1]
+    nb = -(-T // c.chunk_bwd)
+    return (
+        x.new_empty(x.shape), s0.new_empty(s0.shape, dtype=torch.float32),
+        x.new_empty(x.shape) if z is not None else x.new_empty(0),
+        x.new_empty(Bsz, H, nb, P, N, dtype=_operands_dtype(x, c)) if c.chunk_bwd % c.chunk == 0
+        else x.new_empty(0),
+    )  # fmt: skip
+
+
+@torch.library.custom_op(
+    "mambakit::mamba2_scan_bwd", mutates_args=(),
+    schema=f"(Tensor? dy, Tensor? dsT, {_ARGS[:-9]}, Tensor pre, Tensor states, int cfg) -> "
+    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
+)  # fmt: skip
+def _scan_bwd(dy, dsT, x, delta, A, B, C, D, z, s0, seq, pre, states, cfg):
+    from .scan import scan_train_backward
+
+    inputs = (x, delta, A, B, C, D, z, s0, seq)
+    grads = scan_train_backward(dy, dsT, inputs, pre, states, _CONFIGS[cfg])
+    return tuple(x.new_empty(0) if g is None else g for g in grads)  # no two alike
+
+
+@_scan_bwd.register_fake
+def _(dy, dsT, x, delta, A, B, C, D, z, s0, seq, pre, states, cfg):
+    return (
+        x.new_empty(x.shape), delta.new_empty(delta.shape), A.new_empty(A.shape),
+        B.new_empty(B.shape), C.new_empty(C.shape),
+        D.new_empty(D.shape) if D is not None else x.new_empty(0),
+        z.new_empty(z.shape) if z is not None else x.new_empty(0),
+        s0.new_empty(s0.shape, dtype=torch.float32),
+    )  # fmt: skip
+
+
+def _setup_train(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:9], *output[2:])
+    ctx.cfg = inputs[9]
+    # what the backward reads (outputs 2 on) takes no gradient; an output no gradient
+    # reached comes as None (no zeros materialized for it)
+    ctx.mark_non_differentiable(*output[2:])
+    ctx.set_materialize_grads(False)
+
+
+def _train_backward(ctx, dy, dsT, *_saved_grads):
+    saved = ctx.saved_tensors
+    D, z = saved[5], saved[6]
+    dx, ddelta, dA, dB, dC, dD, dz, ds0 = _SCAN_BWD(dy, dsT, *saved, ctx.cfg)
+    return (dx, ddelta, dA, dB, dC, dD if D is not None else None,
+            dz if z is not None else None, ds0, None, None)  # fmt: skip
+
+
+_scan_train.register_autograd(_train_backward, setup_context=_setup_train)
+_SCAN_FWD = Op(_scan_fwd)
+_SCAN_TRAIN = Op(_scan_train, _setup_train, _train_backward)
+_SCAN_BWD = Op(_scan_bwd)

@@ -1,0 +1,125 @@
+"""The Mamba-2 (SSD) scan in plain PyTorch: the CPU path and the oracle (Dao & Gu 2024).
+
+Glossary: B batch, T time, H heads of P values (headdim), G groups of the B/C rows
+(head h reads group h // (H / G)), N = d_state. Per row, head h and time t, with the
+head's group's rows B_t, C_t [N] and a scalar A_h < 0 per head:
+
+    a_t = exp(delta_t A_h)
+    h_t = a_t h_{t-1} + delta_t x_t B_t^T          [P, N]
+    y_t = h_t C_t + D x_t,  then  y_t * silu(z_t) when a gate z is given
+
+Unrolled over a chunk of L steps from its start state h_s, with cs_t = sum_{r<=t} delta_r A:
+
+    y_t   = sum_{s<=t} (C_t . B_s) exp(cs_t - cs_s) delta_s x_s  +  exp(cs_t) h_s C_t
+    h_end = exp(cs_last) h_s + sum_s exp(cs_last - cs_s) delta_s x_s B_s^T
+
+so a chunk is one [L, L] decay-weighted score matrix per head (the "state space
+duality": a masked attention inside the chunk, a recurrence across chunks), and a loop
+over T / L chunks carries h. Decays are exp of non-positive sums only.
+
+With `seq_idx` [B, T] (non-decreasing document ids) a document starts from a zero state:
+no decay or contribution crosses its start, and the initial state feeds only the row's
+first document.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .._checks import state_dtype
+
+CHUNK = 64  # timesteps per quadratic block; the carry loop runs T / CHUNK times
+
+
+def _by_group(t: torch.Tensor, G: int) -> torch.Tensor:
+    """[..., H, X] -> [..., G, H / G, X]: heads beside the group whose B and C they read."""
+    return t.unflatten(-2, (G, t.shape[-2] // G))
+
+
+def mamba2_scan_reference(
+    x: torch.Tensor,  # [B, T, H, P]
+    delta: torch.Tensor,  # [B, T, H] > 0 (after softplus and the limits)
+    A: torch.Tensor,  # [H] < 0
+    B: torch.Tensor,  # [B, T, G, N]
+    C: torch.Tensor,  # [B, T, G, N]
+    D: torch.Tensor | None = None,  # [H] or [H, P]
+    z: torch.Tensor | None = None,  # [B, T, H, P] gate
+    initial_state: torch.Tensor | None = None,  # [B, H, P, N]
+    seq_idx: torch.Tensor | None = None,  # [B, T] int32 document ids
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [B, T, H, P] in x.dtype, the final state [B, H, P, N] in f32, or f64 for float64
+    inputs), differentiable in every input."""
+    Bsz, T, H, P = x.shape
+    G, N = B.shape[2], B.shape[3]
+    f = state_dtype(x)
+    xf = _by_group(x.to(f), G)  # [B, T, G, R, P]
+    dtf = _by_group(delta.to(f).unsqueeze(-1), G).squeeze(-1)  # [B, T, G, R]
+    adt = dtf * _by_group(A.to(f).unsqueeze(-1), G).squeeze(-1)
+    Bf, Cf = B.to(f), C.to(f)
+    if initial_state is None:
+        h = x.new_zeros(Bsz, H, P, N, dtype=f)
+    else:
+        h = initial_state.to(f)
+    h = _by_group(h.flatten(-2), G).unflatten(-1, (P, N))  # [B, G, R, P, N]
+    ys = []
+    for c0 in range(0, T, chunk):
+        c1 = min(T, c0 + chunk)
+        L = c1 - c0
+        cs = torch.cumsum(adt[:, c0:c1], dim=1)  # [B, L, G, R]
+        diff = cs.unsqueeze(2) - cs.unsqueeze(1)  # [B, L(t), L(s), G, R]
+        causal = torch.ones(L, L, dtype=torch.bool, device=x.device).tril()[None]
+        carry = torch.ones(Bsz, L, dtype=f, device=x.device)  # t still sees the start state
+        if seq_idx is not None:
+            doc = seq_idx[:, c0:c1]
+            causal = causal & (doc.unsqueeze(2) == doc.unsqueeze(1))
+            prev = seq_idx[:, c0 - 1 : c0] if c0 > 0 else seq_idx[:, :1]
+            carry = (doc == prev).to(f)
+        decay = torch.exp(diff.masked_fill(~causal[..., None, None], float("-inf")))
+        xc, Bc, Cc, dtc = xf[:, c0:c1], Bf[:, c0:c1], Cf[:, c0:c1], dtf[:, c0:c1]
+        scores = torch.einsum("btgn,bsgn->btsg", Cc, Bc).unsqueeze(-1) * decay
+        y = torch.einsum("btsgr,bsgr,bsgrp->btgrp", scores, dtc, xc)
+        start = torch.exp(cs) * carry[:, :, None, None]  # [B, L, G, R]
+        y = y + start.unsqueeze(-1) * torch.einsum("bgrpn,btgn->btgrp", h, Cc)
+        ys.append(y)
+        tail = torch.exp(cs[:, -1:] - cs) * dtc  # [B, L, G, R]
+        if seq_idx is not None:  # only the last document's tokens stay in the state
+            tail = tail * (doc == doc[:, -1:])[:, :, None, None]
+        keep = start[:, -1]  # [B, G, R]
+        h = keep[..., None, None] * h + torch.einsum("bsgr,bsgrp,bsgn->bgrpn", tail, xc, Bc)
+    y = torch.cat(ys, dim=1).flatten(2, 3)  # [B, T, H, P]
+    if D is not None:
+        Df = D.to(f)
+        y = y + (Df.unsqueeze(-1) if Df.dim() == 1 else Df) * x.to(f)
+    if z is not None:
+        y = y * F.silu(z.to(f))
+    return y.to(x.dtype), h.flatten(1, 2)
+
+
+def mamba2_step_reference(
+    x: torch.Tensor,  # [B, H, P]
+    delta: torch.Tensor,  # [B, H] > 0
+    A: torch.Tensor,  # [H] < 0
+    B: torch.Tensor,  # [B, G, N]
+    C: torch.Tensor,  # [B, G, N]
+    D: torch.Tensor | None,  # [H] or [H, P]
+    z: torch.Tensor | None,  # [B, H, P]
+    ssm: torch.Tensor,  # [B, H, P, N]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One timestep, functionally: (y [B, H, P] in x.dtype, the next state in ssm's dtype)."""
+    G = B.shape[1]
+    f = ssm.dtype if ssm.dtype == torch.float64 else torch.float32
+    H = x.shape[1]
+    xf, dtf = x.to(f), delta.to(f)
+    Bh = B.to(f).repeat_interleave(H // G, dim=1)  # [B, H, N]
+    Ch = C.to(f).repeat_interleave(H // G, dim=1)
+    a = torch.exp(dtf * A.to(f))  # [B, H]
+    new = a[..., None, None] * ssm.to(f) + (dtf[..., None] * xf).unsqueeze(-1) * Bh.unsqueeze(-2)
+    y = torch.einsum("bhpn,bhn->bhp", new, Ch)
+    if D is not None:
+        Df = D.to(f)
+        y = y + (Df.unsqueeze(-1) if Df.dim() == 1 else Df) * xf
+    if z is not None:
+        y = y * F.silu(z.to(f))
+    return y.to(x.dtype), new.to(ssm.dtype)
