@@ -10,6 +10,9 @@ from typing import TYPE_CHECKING
 
 _WHERE = {  # public name -> the module that defines it
     "Mamba": ".layers.mixer",
+    "Mamba2": ".layers.mamba2",
+    "Mamba2ModelState": ".state",
+    "Mamba2State": ".state",
     "Mamba3": ".layers.mamba3",
     "Mamba3ModelState": ".state",
     "Mamba3State": ".state",
@@ -23,6 +26,9 @@ _WHERE = {  # public name -> the module that defines it
 }
 __all__ = [
     "Mamba",
+    "Mamba2",
+    "Mamba2ModelState",
+    "Mamba2State",
     "Mamba3",
     "Mamba3ModelState",
     "Mamba3State",
@@ -53,7 +59,8 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from .config import MambaConfig
     from .layers.block import MambaBlock, RMSNorm
+    from .layers.mamba2 import Mamba2
     from .layers.mamba3 import Mamba3
     from .layers.mixer import Mamba
     from .model import MambaBackbone, MambaLM, MambaLMOutput
-    from .state import Mamba3ModelState, Mamba3State, MambaState
+    from .state import Mamba2ModelState, Mamba2State, Mamba3ModelState, Mamba3State, MambaState

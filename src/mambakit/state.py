@@ -6,14 +6,17 @@ of its mixer's layer state, each [L, B, ...] for L layers and B rows:
     Mamba-1  MambaState(conv, ssm)             K = d_conv, D = d_inner, N = d_state
         conv: [L, B, K-1, D]  the last K-1 conv inputs x_in, oldest first
         ssm:  [L, B, D, N]    the SSM state h
+    Mamba-2  Mamba2ModelState(conv, ssm)      C = conv_dim = d_ssm + 2 G N, H heads of P
+        conv: [L, B, K-1, C]     the last K-1 conv inputs (x, B, C rows), oldest first
+        ssm:  [L, B, H, P, N]    the SSM state h per head
     Mamba-3  Mamba3ModelState(angle, ssm, k, x)   H heads of P values, S rotary angles
         angle: [L, B, H, S]     cumulative rotation angles, in [0, 2 pi)
         ssm:   [L, B, H, P, N]  the SSM state S
         k:     [L, B, H, N]     the last token's turned, biased key
         x:     [L, B, H, P]     the last token's value
 
-`layer(i)` gives layer i's state as views: a `MambaLayerState` or a `Mamba3State` (the
-same fields without L). `expected_shapes(config, batch)` is the one table of these
+`layer(i)` gives layer i's state as views: a `MambaLayerState`, `Mamba2State` or
+`Mamba3State` (the same fields without L). `expected_shapes(config, batch)` is the one table of these
 shapes; `check` compares a state with it at the model's entry points. The buffers keep
 their addresses under `reset_`, `copy_`, `zero_` and `step()`, so a CUDA graph captured
 on a state stays valid. The classes are pytree nodes, so `torch.export` and
@@ -33,6 +36,26 @@ class MambaLayerState(NamedTuple):
 
     conv: torch.Tensor  # [B, K-1, D]
     ssm: torch.Tensor  # [B, D, N]
+
+
+class Mamba2State(NamedTuple):
+    """One Mamba-2 layer's state (f32, or f64 on the oracle path)."""
+
+    conv: torch.Tensor  # [B, K-1, C] the last K-1 conv inputs, oldest first
+    ssm: torch.Tensor  # [B, H, P, N]
+
+    @staticmethod
+    def shapes(batch, d_conv, conv_dim, nheads, headdim, d_state) -> dict[str, tuple[int, ...]]:
+        """The shape of each field: the one Mamba-2 shape table (`expected_shapes` stacks it
+        over layers, the layer checks its state against it)."""
+        B, K, C, H, P, N = batch, d_conv, conv_dim, nheads, headdim, d_state
+        return dict(conv=(B, K - 1, C), ssm=(B, H, P, N))
+
+    @classmethod
+    def zeros(cls, batch, d_conv, conv_dim, nheads, headdim, d_state, device=None,
+              dtype=torch.float32):  # fmt: skip
+        shapes = cls.shapes(batch, d_conv, conv_dim, nheads, headdim, d_state)
+        return cls(**{k: torch.zeros(v, device=device, dtype=dtype) for k, v in shapes.items()})
 
 
 class Mamba3State(NamedTuple):
@@ -63,13 +86,16 @@ def expected_shapes(config, batch: int) -> dict[str, tuple[int, ...]]:
     if config.mixer == "mamba3":
         sizes = (config.nheads, config.headdim, config.d_state, config.n_angles)
         return {k: (L, *v) for k, v in Mamba3State.shapes(B, *sizes).items()}
+    if config.mixer == "mamba2":
+        sizes = (config.d_conv, config.conv_dim, config.nheads, config.headdim, config.d_state)
+        return {k: (L, *v) for k, v in Mamba2State.shapes(B, *sizes).items()}
     D = config.d_inner
     return dict(conv=(L, B, config.d_conv - 1, D), ssm=(L, B, D, config.d_state))
 
 
 def state_class(config) -> type[ModelState]:
     """The model state class of `config`'s mixer."""
-    return Mamba3ModelState if config.mixer == "mamba3" else MambaState
+    return {"mamba2": Mamba2ModelState, "mamba3": Mamba3ModelState}.get(config.mixer, MambaState)
 
 
 def init_state(config, batch: int, device=None, dtype=torch.float32) -> ModelState:
@@ -241,6 +267,24 @@ class MambaState(ModelState):
 
 
 @dataclass
+class Mamba2ModelState(ModelState):
+    """A Mamba-2 model's state (module docstring): each `Mamba2State` field stacked."""
+
+    conv: torch.Tensor  # [L, B, K-1, C]
+    ssm: torch.Tensor  # [L, B, H, P, N]
+
+    layer_type: ClassVar[type] = Mamba2State
+
+    def __post_init__(self) -> None:
+        if self.conv.dim() != 4 or self.ssm.dim() != 5:
+            raise ValueError(
+                f"Mamba2ModelState.conv must be 4-d and .ssm 5-d, got shapes "
+                f"{tuple(self.conv.shape)} and {tuple(self.ssm.shape)}"
+            )
+        super().__post_init__()
+
+
+@dataclass
 class Mamba3ModelState(ModelState):
     """A Mamba-3 model's state (module docstring): each `Mamba3State` field stacked."""
 
@@ -274,6 +318,6 @@ class Mamba3ModelState(ModelState):
         )
 
 
-for _cls in (MambaState, Mamba3ModelState):
+for _cls in (MambaState, Mamba2ModelState, Mamba3ModelState):
     torch.export.register_dataclass(_cls, serialized_type_name=f"mambakit.{_cls.__name__}")
 del _cls

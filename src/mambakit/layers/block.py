@@ -12,6 +12,7 @@ from torch import nn
 from ..config import MambaConfig
 from ..ops import _rms_norm, rms_norm
 from .init import no_weight_decay
+from .mamba2 import Mamba2
 from .mamba3 import Mamba3
 from .mixer import Mamba
 from .plain import plain
@@ -54,7 +55,8 @@ class RMSNorm(nn.Module):
 
 
 class MambaBlock(nn.Module):
-    """rmsnorm, then the mixer `cfg.mixer` picks: `Mamba` (Mamba-1) or `Mamba3` (SISO)."""
+    """rmsnorm, then the mixer `cfg.mixer` picks: `Mamba` (Mamba-1), `Mamba2` or `Mamba3`
+    (SISO)."""
 
     def __init__(self, cfg: MambaConfig, layer_idx: int, device=None, dtype=None) -> None:
         super().__init__()
@@ -71,6 +73,32 @@ class MambaBlock(nn.Module):
                 dt_max=cfg.dt_max,
                 dt_init_floor=cfg.dt_init_floor,
                 A_floor=cfg.A_floor,
+                chunk_size=cfg.chunk_size,
+                layer_idx=layer_idx,
+                device=device,
+                dtype=dtype,
+            )
+            return
+        if cfg.mixer == "mamba2":
+            self.mixer = Mamba2(
+                cfg.d_model,
+                d_state=cfg.d_state,
+                d_conv=cfg.d_conv,
+                conv_init=cfg.conv_init,
+                expand=cfg.expand,
+                headdim=cfg.headdim,
+                d_ssm=cfg.d_ssm,
+                ngroups=cfg.ngroups,
+                A_init_range=cfg.A_init_range,
+                D_has_hdim=cfg.D_has_hdim,
+                rmsnorm=cfg.rmsnorm,
+                norm_before_gate=cfg.norm_before_gate,
+                dt_min=cfg.dt_min,
+                dt_max=cfg.dt_max,
+                dt_init_floor=cfg.dt_init_floor,
+                dt_limit=cfg.dt_limit,
+                bias=cfg.bias,
+                conv_bias=cfg.conv_bias,
                 chunk_size=cfg.chunk_size,
                 layer_idx=layer_idx,
                 device=device,
@@ -100,7 +128,7 @@ class MambaBlock(nn.Module):
         hidden: torch.Tensor,  # [B, T, M], the previous mixer's output (or the input)
         residual: torch.Tensor | None,  # [B, T, M] f32, None before the first block
         compute_dtype: torch.dtype,
-        state=None,  # this layer's state (`state.py`: MambaLayerState, Mamba3State) or None
+        state=None,  # this layer's state (`state.py`: MambaLayerState, Mamba2State, Mamba3State)
         seq_idx: torch.Tensor | None = None,
         backend: str = "auto",  # the model resolves it once per call
         derived: tuple | None = None,  # what the model's plan holds for the mixer, if any
