@@ -20,7 +20,8 @@ and weight decay 0.1 never learns. Selective copying at batch 16, lr 1e-3, 50,00
 (99.5% at 4096 after 48,766). MQAR keeps batch 8, lr 1e-3 (not measured). All in f32: a
 67k-parameter model gains nothing from bf16. docs/tasks.md has the tables. On a CPU a
 short version (300 steps of 32 rows of 32 tokens for induction heads, tested to 2^12) that
-takes a few minutes. --mixer mamba3 trains a Mamba-3 SISO model of the same width instead.
+takes a few minutes. --mixer mamba2 or mamba3 trains a Mamba-2 (SSD) or Mamba-3 SISO model
+of the same width instead.
 
 Example, the GPU defaults for induction heads with a shorter run:
 
@@ -103,7 +104,7 @@ def add_parser(sub) -> None:
         "--headdim",
         type=int,
         default=32,
-        help="mamba3: values per head (d_model * 2 / headdim heads)",
+        help="mamba2, mamba3: values per head (d_model * 2 / headdim heads)",
     )
     p.add_argument(
         "--seqlen",

@@ -52,7 +52,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--preset",
         default="tiny",
-        help="model preset (tiny, 130m, ..., 2.8b; tiny-mamba3, 130m-mamba3)",
+        help="model preset (tiny, 130m, ..., 2.8b; tiny-mamba2, 130m-mamba2, ..., 2.7b-mamba2; "
+        "tiny-mamba3, 130m-mamba3)",
     )
     p.add_argument("--config", help="JSON file of MambaConfig fields (overrides the preset)")
     p.add_argument(
