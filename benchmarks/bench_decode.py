@@ -26,6 +26,7 @@ Prints a table and writes a results record (`--out`, JSON: benchmarks/common.py)
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -35,8 +36,10 @@ import torch
 
 from mambakit import MambaBackbone, MambaConfig, MambaLM
 from mambakit.inference import CUDAGraphStep, generate
+from mambakit.state import expected_shapes
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_model import peer_ssm_cfg  # noqa: E402
 from common import PEERS, graph_time_ms, interleaved_median_ms, write_record  # noqa: E402
 
 COPY_RATE = 4.27e12  # bytes/s, H200 (DESIGN.md section 7)
@@ -137,7 +140,7 @@ def bench_mamba_ssm(preset: MambaConfig, ids, new, dtype, repeats: int):
         d_model=preset.d_model,
         n_layer=preset.n_layers,
         vocab_size=preset.vocab_size,
-        ssm_cfg={},  # Mamba-1 mixer (the default of mamba_ssm 1.x and 2.x)
+        ssm_cfg=peer_ssm_cfg(preset),  # the preset's mixer ({}: Mamba-1, the default)
         rms_norm=True,
         residual_in_fp32=True,
         fused_add_norm=True,
@@ -185,8 +188,8 @@ def bench_transformers(preset: MambaConfig, ids, new, dtype, repeats: int):
 def step_bytes(model, preset: MambaConfig, batch: int, dtype: torch.dtype) -> tuple[int, int]:
     """(weight bytes, state bytes read + written) of one decode step."""
     weights = model.num_parameters() * torch.finfo(dtype).bits // 8
-    per_row = preset.d_inner * (preset.d_state + preset.d_conv - 1) * 4  # f32 state
-    return weights, 2 * preset.n_layers * batch * per_row
+    state = sum(math.prod(s) for s in expected_shapes(preset, batch).values()) * 4  # f32
+    return weights, 2 * state
 
 
 def decode_table(args, device: torch.device) -> list[dict]:

@@ -105,6 +105,18 @@ def measure_trainer(name, cfg, batch, seqlen, cuda_graph, iters) -> dict:
     return rec
 
 
+def peer_ssm_cfg(cfg) -> dict:
+    """mamba_ssm's `ssm_cfg` for a mambakit config: its mixer with the preset's sizes."""
+    if cfg.mixer == "mamba3":  # upstream's SISO Mamba3
+        return dict(layer="Mamba3", d_state=cfg.d_state, expand=cfg.expand,
+                    headdim=cfg.headdim, ngroups=cfg.ngroups, rope_fraction=cfg.rope_fraction,
+                    A_floor=cfg.A_floor, is_outproj_norm=False, is_mimo=False)  # fmt: skip
+    if cfg.mixer == "mamba2":
+        return dict(layer="Mamba2", d_state=cfg.d_state, d_conv=cfg.d_conv, expand=cfg.expand,
+                    headdim=cfg.headdim, ngroups=cfg.ngroups, chunk_size=cfg.chunk_size)  # fmt: skip
+    return {}  # Mamba-1, the default
+
+
 def measure_peer_step(cfg, batch, seqlen):
     """mamba_ssm's eager training step (fused AdamW, clipping) as a function, or None when
     mamba_ssm is not importable; the model rides along as `step.model`."""
@@ -115,14 +127,10 @@ def measure_peer_step(cfg, batch, seqlen):
         print("mamba_ssm not importable: its rows are skipped")
         return None
     torch.manual_seed(0)
-    ssm_cfg = {}  # Mamba-1, the default
-    if cfg.mixer == "mamba3":  # upstream's SISO Mamba3 with the preset's sizes
-        ssm_cfg = dict(layer="Mamba3", d_state=cfg.d_state, expand=cfg.expand,
-                       headdim=cfg.headdim, ngroups=cfg.ngroups, rope_fraction=cfg.rope_fraction,
-                       A_floor=cfg.A_floor, is_outproj_norm=False, is_mimo=False)  # fmt: skip
     model = MambaLMHeadModel(
         SSMConfig(
-            d_model=cfg.d_model, n_layer=cfg.n_layers, vocab_size=cfg.vocab_size, ssm_cfg=ssm_cfg
+            d_model=cfg.d_model, n_layer=cfg.n_layers, vocab_size=cfg.vocab_size,
+            ssm_cfg=peer_ssm_cfg(cfg),
         )  # fmt: skip
     ).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)

@@ -8,7 +8,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile"}
-# opt-in stages: residual rms ncu tasks m3 m3step m3fwd
+# opt-in stages: residual rms ncu tasks m3 m3step m3fwd m2
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -102,5 +102,10 @@ fi
 if stage m3fwd; then  # the Mamba-3 forward without autograd: chunks walked or in parallel, by shape
   echo "== m3_fwd_probe" | tee -a "$LOG"
   timeout ${T_M3FWD:-120} python scripts/m3_fwd_probe.py ${M3FWD_ARGS:-} 2>&1 | tee -a "$LOG"
+fi
+if stage m2; then  # Mamba-2: the layer, the 130m-mamba2 training step, prefill and decode beside mamba_ssm
+  echo "== bench_mamba2" | tee -a "$LOG"
+  timeout ${T_M2:-400} python benchmarks/bench_mamba2.py --out "$OUT/bench_mamba2.json" \
+    --profile "$OUT/m2_profile.txt" ${M2_ARGS:-} 2>&1 | grep -v "^ \|^-\|^Name\|^Self" | tail -60 | tee -a "$LOG"
 fi
 echo "== done" | tee -a "$LOG"
