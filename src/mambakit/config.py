@@ -169,11 +169,6 @@ class MambaConfig:
                     f"MambaConfig.d_ssm must be None or an int in (0, expand * d_model = "
                     f"{self.d_inner}], got {d!r}"
                 )
-            if (self.d_inner - d) % 2:
-                raise ValueError(
-                    f"MambaConfig.d_ssm {d}: expand * d_model - d_ssm = {self.d_inner - d} must"
-                    " be even (the gated MLP's x and z halves)"
-                )
         lo, hi = self.dt_limit
         if not (0 <= lo < hi):
             raise ValueError(f"MambaConfig.dt_limit must satisfy 0 <= low < high, got {(lo, hi)}")

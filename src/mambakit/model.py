@@ -20,10 +20,12 @@ from .config import MambaConfig
 from .inference.plan import derived as derived_plan
 from .layers.block import MambaBlock, RMSNorm
 from .layers.init import init_model_weights
+from .layers.mamba2 import Mamba2
 from .layers.mamba3 import Mamba3
 from .layers.plain import plain
 from .ops import _norm_linear, linear_cross_entropy, mamba_stack_step, resolve_backend
 from .ops._checks import check_seq_idx, check_tensor, state_dtype
+from .ops.mamba2 import mamba2_stack_step
 from .ops.mamba3 import mamba3_stack_step
 from .ops.mamba_step.stack import stack_weights
 from .state import ModelState, check_state, init_state, state_class
@@ -177,10 +179,11 @@ class MambaBackbone(nn.Module):
         return state.requires_grad
 
     def _decode_plan(self) -> list:
-        """Every block's decode weights (`MambaBlock.decode_weights`: `ops.StepWeights` or
-        `ops.mamba3.Mamba3StepWeights`), derived from the parameters once and kept until one
-        changes (`inference.plan`): what decode steps read, and CUDA graphs captured on
-        them. (No-grad forwards read a plan of their own, `_forward_plan`.)"""
+        """Every block's decode weights (`MambaBlock.decode_weights`: `ops.StepWeights`,
+        `ops.mamba2.Mamba2StepWeights` or `ops.mamba3.Mamba3StepWeights`), derived from the
+        parameters once and kept until one changes (`inference.plan`): what decode steps
+        read, and CUDA graphs captured on them. (No-grad forwards read a plan of their own,
+        `_forward_plan`.)"""
         return derived_plan(self, "step", _step_plan, _norm_eps)
 
     def _decode_layers(
@@ -193,7 +196,8 @@ class MambaBackbone(nn.Module):
         When every block is plain (`fusable`), outside torch.compile (which traces the
         parameters themselves: cached tensors as extra graph inputs would cost it guards and
         alias handling), the blocks run as their mixer's stack op on the decode plan
-        (`ops.mamba_stack_step`, `ops.mamba3.mamba3_stack_step`, which choose the bodies);
+        (`ops.mamba_stack_step`, `ops.mamba2.mamba2_stack_step`,
+        `ops.mamba3.mamba3_stack_step`, which choose the bodies);
         otherwise each block's `step` calls its modules. A batch-1 CPU step is bound by
         per-call overhead, so the backend is resolved once here, not once per op."""
         h = self.embed(x)
@@ -201,10 +205,12 @@ class MambaBackbone(nn.Module):
         backend = resolve_backend("auto", h)
         layers = self._modules["layers"]
         if not torch.compiler.is_compiling() and all(b.fusable() for b in layers):
-            if isinstance(layers[0].mixer, Mamba3):
+            mixer = layers[0].mixer
+            if isinstance(mixer, (Mamba2, Mamba3)):
+                stack = mamba2_stack_step if isinstance(mixer, Mamba2) else mamba3_stack_step
                 states = [state.layer(i) for i in range(len(layers))]
                 plan = self._decode_plan()
-                return (*mamba3_stack_step(h, plan, states, cdt, backend), cdt, backend)
+                return (*stack(h, plan, states, cdt, backend), cdt, backend)
             h, residual = mamba_stack_step(
                 h, self._decode_plan, state.conv, state.ssm, cdt, backend,
                 lambda: derived_plan(self, "stack", _stack_plan, _norm_eps),

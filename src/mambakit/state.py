@@ -16,10 +16,10 @@ of its mixer's layer state, each [L, B, ...] for L layers and B rows:
         x:     [L, B, H, P]     the last token's value
 
 `layer(i)` gives layer i's state as views: a `MambaLayerState`, `Mamba2State` or
-`Mamba3State` (the same fields without L). `expected_shapes(config, batch)` is the one table of these
-shapes; `check` compares a state with it at the model's entry points. The buffers keep
-their addresses under `reset_`, `copy_`, `zero_` and `step()`, so a CUDA graph captured
-on a state stays valid. The classes are pytree nodes, so `torch.export` and
+`Mamba3State` (the same fields without L). `expected_shapes(config, batch)` is the one
+table of these shapes; `check` compares a state with it at the model's entry points.
+The buffers keep their addresses under `reset_`, `copy_`, `zero_` and `step()`, so a
+CUDA graph captured on a state stays valid. The classes are pytree nodes, so `torch.export` and
 `torch.compile` see their tensors.
 """
 

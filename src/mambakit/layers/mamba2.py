@@ -2,7 +2,7 @@
 
 B batch, T time, M = d_model, E = d_inner = expand * M, d_ssm (E unless given) channels
 run the SSM as H = d_ssm / headdim heads of P = headdim values, G = ngroups B/C groups,
-N = d_state, K = d_conv, d_mlp = (E - d_ssm) / 2 (a gated MLP beside the SSM; 0 in every
+N = d_state, K = d_conv, d_mlp = E - d_ssm (a gated MLP beside the SSM; 0 in every
 released model). One in_proj gives, in this order: z0 [d_mlp], x0 [d_mlp], z [d_ssm],
 xBC [d_ssm + 2 G N], dt [H]. Then
 
@@ -30,10 +30,16 @@ from torch import nn
 
 from ..ops import causal_conv1d, causal_conv1d_update
 from ..ops._checks import check_seq_idx, check_tensor, state_dtype
-from ..ops.mamba2 import _mamba2_scan, check_mamba2_state, mamba2_state_update
+from ..ops.mamba2 import (
+    Mamba2StepWeights,
+    _mamba2_scan,
+    check_mamba2_state,
+    mamba2_state_update,
+    mamba2_step_raw,
+)
 from ..state import Mamba2State
 from .init import no_weight_decay
-from .mixer import _conv_module
+from .mixer import _conv_module, _p
 from .plain import plain
 
 _NO_LIMIT = (0.0, float("inf"))
@@ -79,10 +85,10 @@ class Mamba2(nn.Module):
             raise ValueError(f"Mamba2: d_conv must be an int >= 2, got {d_conv!r}")
         d_inner = expand * d_model
         d_ssm = d_inner if d_ssm is None else d_ssm
-        if not 0 < d_ssm <= d_inner or (d_inner - d_ssm) % 2:
+        if isinstance(d_ssm, bool) or not isinstance(d_ssm, int) or not 0 < d_ssm <= d_inner:
             raise ValueError(
-                f"Mamba2: d_ssm must be in (0, expand * d_model = {d_inner}] with an even "
-                f"remainder, got {d_ssm}"
+                f"Mamba2: d_ssm must be None or an int in (0, expand * d_model = {d_inner}], "
+                f"got {d_ssm!r}"
             )
         if d_ssm % headdim:
             raise ValueError(f"Mamba2: headdim {headdim} does not divide d_ssm = {d_ssm}")
@@ -96,10 +102,12 @@ class Mamba2(nn.Module):
             raise ValueError(f"Mamba2: dt_limit must satisfy 0 <= low < high, got {dt_limit}")
         a0, a1 = A_init_range
         if not 0 < a0 <= a1:
-            raise ValueError(f"Mamba2: A_init_range must satisfy 0 < low <= high, got {A_init_range}")
+            raise ValueError(
+                f"Mamba2: A_init_range must satisfy 0 < low <= high, got {A_init_range}"
+            )
         self.d_model, self.d_state, self.d_conv, self.d_inner = d_model, d_state, d_conv, d_inner
         self.d_ssm, self.headdim, self.nheads, self.ngroups = d_ssm, headdim, nheads, ngroups
-        self.d_mlp = (d_inner - d_ssm) // 2
+        self.d_mlp = d_inner - d_ssm
         self.conv_dim = d_ssm + 2 * ngroups * d_state
         self.D_has_hdim, self.rmsnorm, self.norm_before_gate = D_has_hdim, rmsnorm, norm_before_gate
         self.dt_limit, self.chunk_size, self.layer_idx = (lo, hi), chunk_size, layer_idx
@@ -210,7 +218,13 @@ class Mamba2(nn.Module):
 
     def decode(self, u: torch.Tensor, state: Mamba2State, backend: str) -> torch.Tensor:
         """What a block runs for one decode step (every mixer has it): u [B, M] -> [B, M],
-        `state` advanced in place (no gradient is recorded)."""
+        `state` advanced in place (no gradient is recorded). With a plain conv and norm,
+        one op from in_proj's rows to out_proj's input (`ops.mamba2.mamba2_step_raw`: two
+        kernels on Triton); otherwise the modules are called."""
+        if self._inner_plain():
+            y = mamba2_step_raw(state.conv, state.ssm, self.in_proj(u),
+                                self.decode_weights(), backend)  # fmt: skip
+            return self.out_proj(y.to(self.out_proj.weight.dtype))
         z0, x0, z, xBC, dt = self._split(self.in_proj(u))
         conv = self.conv1d
         if plain(conv, nn.Conv1d):
@@ -230,10 +244,41 @@ class Mamba2(nn.Module):
         Nothing is derived ahead for Mamba-2 and every step's output is given."""
         return self(x, state, seq_idx, return_state=True, backend=backend)
 
+    def _inner_plain(self) -> bool:
+        """Whether the decode step may read the conv's and the gated norm's weights (each a
+        plain module: layers/plain.py); otherwise it calls them."""
+        mods = self._modules
+        return plain(mods["conv1d"], nn.Conv1d) and (
+            not self.rmsnorm or plain(mods["norm"], RMSNormGated)
+        )
+
     def fusable(self) -> bool:
-        """Whether a decode step may read the layer's weights instead of calling its modules
-        (no Mamba-2 stack op reads them yet: the model calls `decode`)."""
-        return False
+        """Whether a decode step may read every weight of the layer (the model's decode
+        plan and the stack op, `ops.mamba2.mamba2_stack_step`); otherwise it calls the
+        modules."""
+        mods = self._modules
+        return plain(mods["in_proj"]) and plain(mods["out_proj"]) and self._inner_plain()
+
+    def decode_weights(self, norm: nn.Module | None = None) -> Mamba2StepWeights:
+        """The tensors a decode step reads (views of the parameters; A = -exp(A_log) made in
+        f32, f64 for a float64 model), with the block's `norm` (its RMSNorm) when given;
+        the projections' only for a `fusable()` layer."""
+        mods = self._modules
+        f = state_dtype(self.A_log)
+        gnorm = mods.get("norm")
+        H, P = self.nheads, self.headdim
+        D = _p(self, "D")
+        return Mamba2StepWeights(
+            None if norm is None else _p(norm, "weight"), 0.0 if norm is None else norm.eps,
+            _p(mods["in_proj"], "weight"), _p(mods["in_proj"], "bias"),
+            _p(mods["out_proj"], "weight"), _p(mods["out_proj"], "bias"),
+            _p(mods["conv1d"], "weight").squeeze(1), _p(mods["conv1d"], "bias"),
+            _p(self, "dt_bias"), -torch.exp(_p(self, "A_log").to(f)),
+            D.view(H, P) if self.D_has_hdim else D,
+            None if gnorm is None else _p(gnorm, "weight"), 0.0 if gnorm is None else gnorm.eps,
+            (self.d_mlp, self.d_ssm, self.ngroups, self.d_state, H, P), self.dt_limit,
+            self.norm_before_gate,
+        )  # fmt: skip
 
     def _check_state(self, state: Mamba2State, batch: int, device) -> None:
         if not isinstance(state, Mamba2State):

@@ -7,6 +7,11 @@ the readable oracle naive.py) and its Triton body, chosen here only.
   traces them; `_dispatch.Op` calls their bodies directly in eager mode).
 - `mamba2_state_update`: one decode step on made inputs (x, delta, B, C), the state in
   place.
+- `mamba2_step_raw`: one decode step from in_proj's output as it comes (the conv, delta,
+  the state update, D and the gated norm made inside), the states in place; Triton: two
+  kernels (step.py).
+- `mamba2_stack_step`: one decode step through a stack of blocks whose weights the caller
+  holds (add, norm, in_proj, the step, out_proj per block).
 
 The public ops check their inputs; their private twins (`_mamba2_scan`) serve the layer,
 which checked once.
@@ -14,21 +19,54 @@ which checked once.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 
 from .._backend import resolve_backend
 from .._checks import check_seq_idx, check_tensor
 from .._dispatch import Op
-from ..mamba3 import _config_id, _CONFIGS
-from .reference import CHUNK, mamba2_scan_reference, mamba2_step_reference
+from ..mamba3 import _CONFIGS, _config_id
+from ..rms_norm.reference import rms_norm_reference
+from .reference import (
+    CHUNK,
+    mamba2_scan_reference,
+    mamba2_step_fused_reference,
+    mamba2_step_reference,
+)
 
 __all__ = [
+    "Mamba2StepWeights",
     "check_mamba2_state",
     "mamba2_scan",
     "mamba2_scan_reference",
+    "mamba2_stack_step",
     "mamba2_state_update",
+    "mamba2_step_raw",
     "mamba2_step_reference",
 ]
+
+
+class Mamba2StepWeights(NamedTuple):
+    """What a decode step of a Mamba-2 block reads (views of its parameters; A made)."""
+
+    norm_w: torch.Tensor | None  # [M] the block's RMSNorm weight
+    eps: float
+    in_w: torch.Tensor  # [2 E + 2 G N + H, M]; its dtype is the compute dtype
+    in_b: torch.Tensor | None
+    out_w: torch.Tensor  # [M, E]
+    out_b: torch.Tensor | None
+    conv_w: torch.Tensor  # [conv_dim, K]
+    conv_b: torch.Tensor | None  # [conv_dim]
+    dt_bias: torch.Tensor  # [H]
+    A: torch.Tensor  # [H] = -exp(A_log), f32 (f64 for a float64 model)
+    D: torch.Tensor  # [H] or [H, P]
+    gnorm_w: torch.Tensor | None  # [d_ssm] the gated norm's weight; None: y * silu(z)
+    gnorm_eps: float
+    sizes: tuple[int, int, int, int, int, int]  # (d_mlp, d_ssm, G, N, H, P)
+    dt_limit: tuple[float, float]
+    norm_before_gate: bool
 
 
 def mamba2_scan(
@@ -129,6 +167,67 @@ def mamba2_state_update(
     y, new = mamba2_step_reference(x, delta, A, B, C, D, z, ssm)
     ssm.copy_(new)
     return y
+
+
+def mamba2_step_raw(
+    conv_state: torch.Tensor,  # [B, K-1, conv_dim], advanced in place
+    ssm_state: torch.Tensor,  # [B, H, P, N], advanced in place
+    zxbcdt: torch.Tensor,  # [B, in_proj rows], in_proj's output
+    w: Mamba2StepWeights,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """One decode step from in_proj's output, without autograd: what out_proj reads [B,
+    d_mlp + d_ssm] (step.py gives the math), the states advanced in place. Triton: two
+    kernels, outside torch.compile and with f32 states. The caller checked the inputs."""
+    args = (zxbcdt, conv_state, ssm_state, w.conv_w, w.conv_b, w.dt_bias, w.A, w.D, w.gnorm_w,
+            w.gnorm_eps, w.sizes, w.dt_limit, w.norm_before_gate)  # fmt: skip
+    if (
+        resolve_backend(backend, zxbcdt) == "triton"
+        and not torch.compiler.is_compiling()
+        and ssm_state.dtype == conv_state.dtype == torch.float32
+    ):
+        from .step import mamba2_step_triton
+
+        return mamba2_step_triton(*args)
+    return mamba2_step_fused_reference(*args)
+
+
+def mamba2_stack_step(
+    hidden: torch.Tensor,  # [B, M], the embedded input
+    layers: list[Mamba2StepWeights],  # every block's, in order
+    states: list,  # every block's `Mamba2State`, advanced in place
+    compute_dtype: torch.dtype,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step through a stack of Mamba-2 blocks whose weights the caller holds
+    (the model's decode plan), without autograd: (the last block's output [B, M], the
+    residual stream [B, M] f32). The caller checked the input and the states.
+
+    Triton, with the projections in the compute dtype and f32 states: per block the add,
+    the norm and in_proj (at batch 1 one kernel streaming the weight, which also stores
+    the residual; `mamba_step.launch.linear` picks), the two step kernels, out_proj.
+    Otherwise the add and norm, F.linear, the step and F.linear, each on the backend's
+    body."""
+    cdt = compute_dtype
+    triton = resolve_backend(backend, hidden) == "triton"
+    norm = rms_norm_reference
+    if triton:  # once per step, not per layer (the launchers import Triton)
+        from ..mamba_step.launch import linear
+        from ..rms_norm import rms_norm_triton as norm
+    residual = None
+    for w, state in zip(layers, states):
+        conv, ssm = state
+        if triton and w.in_w.dtype == w.out_w.dtype == cdt and ssm.dtype == torch.float32:
+            zxbcdt, residual = linear(hidden, w.in_w, w.in_b, residual=residual,
+                                      norm_weight=w.norm_w, eps=w.eps,
+                                      return_residual=True)  # fmt: skip
+            y = mamba2_step_raw(conv, ssm, zxbcdt, w, "triton")
+            hidden = linear(y, w.out_w, w.out_b)
+            continue
+        normed, residual = norm(hidden, w.norm_w, w.eps, residual, cdt)
+        y = mamba2_step_raw(conv, ssm, F.linear(normed, w.in_w, w.in_b), w, backend)
+        hidden = F.linear(y.to(w.out_w.dtype), w.out_w, w.out_b)
+    return hidden, residual
 
 
 def check_mamba2_state(name: str, ssm, batch: int, H: int, P: int, N: int, device) -> None:

@@ -24,12 +24,15 @@ first document.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
-from .._checks import state_dtype
+from .._checks import check_tensor, state_dtype
 
 CHUNK = 64  # timesteps per quadratic block; the carry loop runs T / CHUNK times
+Sizes = tuple[int, int, int, int, int, int]  # a step's (d_mlp, d_ssm, G, N, H, P)
 
 
 def _by_group(t: torch.Tensor, G: int) -> torch.Tensor:
@@ -123,3 +126,96 @@ def mamba2_step_reference(
     if z is not None:
         y = y * F.silu(z.to(f))
     return y.to(x.dtype), new.to(ssm.dtype)
+
+
+def mamba2_step_fused_reference(
+    zxbcdt: torch.Tensor,  # [B, W], W = 2 d_mlp + 2 d_ssm + 2 G N + H
+    conv_state: torch.Tensor,  # [B, K-1, conv_dim], advanced in place
+    ssm_state: torch.Tensor,  # [B, H, P, N], advanced in place
+    conv_w: torch.Tensor,  # [conv_dim, K]
+    conv_b: torch.Tensor | None,  # [conv_dim]
+    dt_bias: torch.Tensor,  # [H]
+    A: torch.Tensor,  # [H] < 0 (-exp(A_log))
+    D: torch.Tensor | None,  # [H] or [H, P]
+    norm_w: torch.Tensor | None,  # [d_ssm]; None: no norm, the plain gate y silu(z)
+    eps: float,
+    sizes: Sizes,  # (d_mlp, d_ssm, G, N, H, P)
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    norm_before_gate: bool = False,
+) -> torch.Tensor:
+    """zxbcdt [B, W] (the in_proj rows, any float dtype, last stride 1, rows may be
+    strided); conv_state [B, K-1, conv_dim] and ssm_state [B, H, P, N] f32 (or f64)
+    advanced IN PLACE; sizes = (d_mlp, d_ssm, G, N, H, P); returns y [B, d_mlp + d_ssm] in
+    zxbcdt.dtype: what out_proj reads."""
+    d_mlp, d_ssm, G, N, H, P = _check_step(
+        zxbcdt, conv_state, ssm_state, conv_w, conv_b, dt_bias, A, D, norm_w, sizes, False
+    )
+    Bsz = zxbcdt.shape[0]
+    dtype = zxbcdt.dtype
+    f = state_dtype(zxbcdt, conv_state, ssm_state)
+    z0, x0, z, xBC, dt = zxbcdt.to(f).split([d_mlp, d_mlp, d_ssm, d_ssm + 2 * G * N, H], -1)
+    # the conv: the window is the state's K-1 rows, then this token's; the state keeps the
+    # window's last K-1
+    window = torch.cat([conv_state.to(f), xBC.unsqueeze(1)], dim=1)  # [B, K, conv_dim]
+    conv_state.copy_(window[:, 1:])
+    xBC = (window * conv_w.to(f).t()).sum(1)
+    if conv_b is not None:
+        xBC = xBC + conv_b.to(f)
+    xBC = F.silu(xBC).to(dtype).to(f)
+    x, B, C = xBC.split([d_ssm, G * N, G * N], dim=-1)
+    x = x.view(Bsz, H, P)
+    B = B.view(Bsz, G, N).repeat_interleave(H // G, dim=1)  # [B, H, N]: each head's group
+    C = C.view(Bsz, G, N).repeat_interleave(H // G, dim=1)
+    # the state update and the readout
+    delta = F.softplus(dt + dt_bias.to(f)).clamp(dt_limit[0], dt_limit[1])  # [B, H]
+    decay = torch.exp(delta * A.to(f))
+    h = decay[..., None, None] * ssm_state.to(f) + (delta[..., None] * x)[..., None] * B[:, :, None]
+    ssm_state.copy_(h)
+    y = torch.einsum("bhpn,bhn->bhp", h, C)
+    if D is not None:
+        Df = D.to(f)
+        y = y + (Df.unsqueeze(-1) if Df.dim() == 1 else Df) * x
+    y = y.flatten(1)  # [B, d_ssm]
+    # the gate, with the gated RMSNorm over the groups' channels
+    if norm_w is None:
+        out = y * F.silu(z)
+    else:
+        y = y.to(dtype).to(f).view(Bsz, G, d_ssm // G)
+        gate = F.silu(z).view(Bsz, G, d_ssm // G)
+        v = y if norm_before_gate else y * gate
+        out = v * torch.rsqrt(v.square().mean(-1, keepdim=True) + eps)
+        if norm_before_gate:
+            out = out * gate
+        out = out.flatten(1) * norm_w.to(f)
+    if d_mlp > 0:
+        out = torch.cat([F.silu(z0) * x0, out], dim=-1)
+    return out.to(dtype)
+
+
+def _check_step(zxbcdt, conv_state, ssm_state, conv_w, conv_b, dt_bias, A, D, norm_w, sizes,
+           f32_state: bool) -> Sizes:  # fmt: skip
+    """The sizes, after checking every argument against them (a ValueError or TypeError that
+    names the argument; nothing is written before). f32_state: the Triton path's states."""
+    d_mlp, d_ssm, G, N, H, P = (int(s) for s in sizes)
+    if min(d_ssm, G, N, H, P) < 1 or d_mlp < 0:
+        raise ValueError(f"sizes (d_mlp, d_ssm, G, N, H, P) must be positive, got {sizes}")
+    if d_ssm != H * P or H % G:
+        raise ValueError(f"sizes need d_ssm = H P and G dividing H, got {sizes}")
+    conv_dim = d_ssm + 2 * G * N
+    check_tensor("zxbcdt", zxbcdt, (None, 2 * d_mlp + d_ssm + conv_dim + H),
+                 last_dim_contiguous=True)  # fmt: skip
+    Bsz, dev = zxbcdt.shape[0], zxbcdt.device
+    check_tensor("conv_w", conv_w, (conv_dim, None), device=dev)
+    K = conv_w.shape[1]
+    states = (torch.float32,) if f32_state else (torch.float32, torch.float64)
+    check_tensor("conv_state", conv_state, (Bsz, K - 1, conv_dim), states, dev, True)
+    check_tensor("ssm_state", ssm_state, (Bsz, H, P, N), states, dev, True)
+    if conv_b is not None:
+        check_tensor("conv_b", conv_b, (conv_dim,), device=dev)
+    check_tensor("dt_bias", dt_bias, (H,), device=dev)
+    check_tensor("A", A, (H,), device=dev)
+    if D is not None:
+        check_tensor("D", D, (H,) if D.dim() == 1 else (H, P), device=dev)
+    if norm_w is not None:
+        check_tensor("norm_w", norm_w, (d_ssm,), device=dev)
+    return d_mlp, d_ssm, G, N, H, P

@@ -82,4 +82,3 @@ def scan_train_backward(dy, dsT, inputs, pre, states, cfg=None):
     ddelta = (dgam + dadt * A.float()).to(delta.dtype)
     dA = (dadt * gamma).sum((0, 1)).to(A.dtype)
     return dx, ddelta, dA, dB, dC, dD, dz, ds0
-
