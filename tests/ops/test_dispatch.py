@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from mambakit.ops._dispatch import traced
 from mambakit.ops.causal_conv1d import conv_fwd_op
 from mambakit.ops.rms_norm import rms_fwd_op
+from mambakit.ops.rms_norm_gated import gated_fwd_op
 from mambakit.ops.selective_scan import scan_fwd_op
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -70,8 +71,18 @@ def _rms_args(grad: bool):
     return [x, w, 1e-5, res, torch.float32]
 
 
+def _gated_args(grad: bool):
+    g = torch.Generator().manual_seed(3)
+    x, z = (torch.randn(3, 5, 16, generator=g).to(DEVICE) for _ in range(2))
+    w = torch.randn(16, generator=g).to(DEVICE)
+    if grad:
+        for t in (x, z, w):
+            t.requires_grad_()
+    return [x, z, w, 1e-5, 4, False, torch.float32]
+
+
 CASES = {"scan": (scan_fwd_op, _scan_args), "conv": (conv_fwd_op, _conv_args),
-         "rms": (rms_fwd_op, _rms_args)}  # fmt: skip
+         "rms": (rms_fwd_op, _rms_args), "gated": (gated_fwd_op, _gated_args)}  # fmt: skip
 
 
 def _run(fn, args):

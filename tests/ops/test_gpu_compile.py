@@ -25,6 +25,7 @@ MODULES = [
     "mambakit.ops.causal_conv1d.backward",
     "mambakit.ops.causal_conv1d.step",
     "mambakit.ops.rms_norm.kernels",
+    "mambakit.ops.rms_norm_gated.kernels",
     "mambakit.ops.cross_entropy.kernels",
     "mambakit.ops.argmax.kernels",
     "mambakit.ops.mamba_step.kernels",

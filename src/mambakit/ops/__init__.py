@@ -23,6 +23,7 @@ from .mamba_step.chain import layer_step, mixer_step
 from .mamba_step.reference import mamba_layer_step_reference, norm_linear_reference
 from .mamba_step.stack import decode_layers
 from .rms_norm.reference import rms_norm_reference
+from .rms_norm_gated.reference import rms_norm_gated_reference
 from .selective_scan.reference import (
     selective_scan_reference,
     selective_state_update_reference,
@@ -32,6 +33,7 @@ __all__ = [
     "selective_scan",
     "causal_conv1d",
     "rms_norm",
+    "rms_norm_gated",
     "selective_state_update",
     "causal_conv1d_update",
     "mamba_layer_step",
@@ -263,6 +265,50 @@ def _rms_norm(x, weight, eps, residual, out_dtype, backend):
 
         return rms_norm_triton(x, weight, eps, residual, out_dtype)
     return rms_norm_reference(x, weight, eps, residual, out_dtype)
+
+
+def rms_norm_gated(
+    x: torch.Tensor,  # [..., D]
+    z: torch.Tensor | None = None,  # [..., D]
+    weight: torch.Tensor | None = None,  # [D]
+    eps: float = 1e-5,
+    group_size: int | None = None,
+    norm_before_gate: bool = False,
+    out_dtype: torch.dtype | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Mamba-2's gated RMSNorm, statistics per group of `group_size` channels (None: D):
+    out = rmsnorm(x * silu(z)) * weight, or rmsnorm(x) * weight * silu(z) when
+    norm_before_gate (ops/rms_norm_gated/README.md). f32 arithmetic (f64 for f64 x or z),
+    out [..., D] in out_dtype (default x.dtype), contiguous."""
+    check_tensor("x", x, None, last_dim_contiguous=True)
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dim")
+    Dn = x.shape[-1]
+    if z is not None:
+        check_tensor("z", z, tuple(x.shape), device=x.device, last_dim_contiguous=True)
+    if weight is not None:
+        check_tensor("weight", weight, (Dn,), device=x.device)
+    if group_size is not None:
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+            raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+        if Dn % group_size:
+            raise ValueError(f"group_size must divide x's last dim {Dn}, got {group_size}")
+    if not eps > 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    if out_dtype is not None and out_dtype not in _TRITON_DTYPES + (torch.float64,):
+        raise TypeError(f"out_dtype must be a float dtype, got {out_dtype}")
+    return _rms_norm_gated(x, z, weight, eps, group_size, norm_before_gate, out_dtype, backend)
+
+
+def _rms_norm_gated(x, z, weight, eps, group_size, norm_before_gate, out_dtype, backend):
+    """`rms_norm_gated` without the checks: for callers that checked already (a layer that
+    checked its input once)."""
+    if resolve_backend(backend, x, z) == "triton":
+        from .rms_norm_gated import rms_norm_gated_triton
+
+        return rms_norm_gated_triton(x, z, weight, eps, group_size, norm_before_gate, out_dtype)
+    return rms_norm_gated_reference(x, z, weight, eps, group_size, norm_before_gate, out_dtype)
 
 
 def selective_state_update(
