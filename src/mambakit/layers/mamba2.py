@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import causal_conv1d, causal_conv1d_update
+from ..ops import _rms_norm_gated, causal_conv1d, causal_conv1d_update
 from ..ops._checks import check_seq_idx, check_tensor, state_dtype
 from ..ops.mamba2 import (
     Mamba2StepWeights,
@@ -304,14 +304,6 @@ class RMSNormGated(nn.Module):
         self.weight = no_weight_decay(nn.Parameter(torch.ones(d, device=device, dtype=dtype)))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
-        f = state_dtype(x)
-        v = x.to(f)
-        gate = None if z is None else F.silu(z.to(f))
-        if gate is not None and not self.norm_before_gate:
-            v = v * gate
-        g = v.unflatten(-1, (-1, self.group_size))
-        v = (g * torch.rsqrt(g.square().mean(-1, keepdim=True) + self.eps)).flatten(-2)
-        v = v * self.weight.to(f)
-        if gate is not None and self.norm_before_gate:
-            v = v * gate
-        return v.to(x.dtype)
+        """`ops.rms_norm_gated` (one kernel each way on the Triton backend)."""
+        return _rms_norm_gated(x, z, self.weight, self.eps, self.group_size,
+                               self.norm_before_gate, x.dtype, "auto")  # fmt: skip
