@@ -1,10 +1,13 @@
-"""config.json <-> MambaConfig, for the Hugging Face and the original state-spaces formats."""
+"""config.json <-> MambaConfig, for the Hugging Face and the original state-spaces formats
+(Mamba-2's mapping: mamba2.py; the formats: docs/checkpoints.md)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ..config import MambaConfig
+from . import mamba2
+from .errors import CheckpointError
 
 # transformers has no Mamba-3 class: mambakit writes its own model_type and field names
 MAMBA3_TYPE = "mambakit_mamba3"
@@ -28,8 +31,20 @@ _MAMBA3_FIELDS = {  # config.json key -> MambaConfig field
 }
 
 
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be read as a mambakit model (Mamba-1 or Mamba-3)."""
+_SSM_LAYERS = ("Mamba1", "Mamba2")  # mamba_ssm's ssm_cfg["layer"] values mambakit runs
+
+
+def _decode_floats(obj: Any) -> Any:
+    """transformers (5.x) writes inf and nan as {"__float__": "Infinity"}; older writers as
+    the bare `Infinity` that json reads by itself."""
+    if isinstance(obj, dict):
+        tag = obj.get("__float__") if len(obj) == 1 else None
+        if tag in ("Infinity", "-Infinity", "NaN"):
+            return float(tag.lower().replace("infinity", "inf"))
+        return {k: _decode_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode_floats(v) for v in obj]
+    return obj
 
 
 def _refuse_relatives(cfg: dict[str, Any]) -> None:
@@ -39,14 +54,18 @@ def _refuse_relatives(cfg: dict[str, Any]) -> None:
             "config.json: model_type 'falcon_mamba' (FalconMamba adds RMSNorms on B, C and dt "
             "inside the mixer) is not supported; loading it as Mamba-1 would be silently wrong"
         )
-    if model_type == "mamba2" or (cfg.get("ssm_cfg") or {}).get("layer") == "Mamba2":
+    if model_type not in (None, "mamba", mamba2.HF_TYPE, MAMBA3_TYPE):
         raise CheckpointError(
-            "config.json: this is a Mamba-2 model; mambakit reads Mamba-1 and Mamba-3 SISO "
-            "checkpoints and does not implement Mamba-2 yet"
+            f"config.json: model_type {model_type!r} is not a Mamba-1, Mamba-2 or Mamba-3 model"
         )
-    if model_type not in (None, "mamba", MAMBA3_TYPE):
+    ssm_cfg = cfg.get("ssm_cfg")
+    if ssm_cfg is not None and not isinstance(ssm_cfg, dict):
+        raise CheckpointError(f"config.json: ssm_cfg must be an object, got {ssm_cfg!r}")
+    layer = (ssm_cfg or {}).get("layer", "Mamba1")
+    if layer not in _SSM_LAYERS:
         raise CheckpointError(
-            f"config.json: model_type {model_type!r} is not a Mamba-1 or Mamba-3 model"
+            f"config.json: ssm_cfg.layer {layer!r} is not supported (mambakit reads "
+            f"{' and '.join(_SSM_LAYERS)} state-spaces checkpoints)"
         )
     if cfg.get("attn_layer_idx"):
         raise CheckpointError(
@@ -57,6 +76,8 @@ def _refuse_relatives(cfg: dict[str, Any]) -> None:
         raise CheckpointError(
             "config.json: d_intermediate > 0 adds MLP layers; mambakit supports pure Mamba stacks"
         )
+    if "d_model" in cfg and not cfg.get("rms_norm", True):
+        raise CheckpointError("config.json: rms_norm false (LayerNorm) is not supported")
 
 
 def _require(cfg: dict[str, Any], key: str) -> Any:
@@ -66,10 +87,16 @@ def _require(cfg: dict[str, Any], key: str) -> Any:
 
 
 def config_from_json(cfg: dict[str, Any]) -> tuple[MambaConfig, str]:
-    """(MambaConfig, format) where format is "hf", "state-spaces" or "mambakit-mamba3"."""
+    """(MambaConfig, format) where format is "hf", "state-spaces" or "mambakit-mamba3" (a
+    Mamba-2 model is "hf" or "state-spaces" too: `config.mixer` tells them apart)."""
     if not isinstance(cfg, dict):
         raise CheckpointError("config.json must hold a JSON object")
+    cfg = _decode_floats(cfg)
     _refuse_relatives(cfg)
+    if cfg.get("model_type") == mamba2.HF_TYPE:
+        return mamba2.from_hf(cfg), "hf"
+    if "d_model" in cfg and (cfg.get("ssm_cfg") or {}).get("layer") == "Mamba2":
+        return mamba2.from_state_spaces(cfg), "state-spaces"
     if cfg.get("model_type") == MAMBA3_TYPE:
         fields = {f: cfg[k] for k, f in _MAMBA3_FIELDS.items() if k in cfg}
         for k in ("vocab_size", "hidden_size", "num_hidden_layers"):
@@ -114,8 +141,6 @@ def config_from_json(cfg: dict[str, Any]) -> tuple[MambaConfig, str]:
         return out, "hf"
     if "d_model" in cfg:
         ssm = cfg.get("ssm_cfg") or {}
-        if cfg.get("rms_norm", True) is False:
-            raise CheckpointError("config.json: rms_norm false (LayerNorm) is not supported")
         vocab = _require(cfg, "vocab_size")
         mult = cfg.get("pad_vocab_size_multiple", 8)
         out = MambaConfig(
@@ -144,14 +169,28 @@ def config_from_json(cfg: dict[str, Any]) -> tuple[MambaConfig, str]:
     )
 
 
-def config_to_hf_json(cfg: MambaConfig) -> dict[str, Any]:
-    """The config.json that transformers' MambaForCausalLM reads (a Mamba-3 model: mambakit's
-    own `model_type`, which transformers does not know)."""
+def checkpoint_json(cfg: MambaConfig) -> tuple[dict[str, Any], str]:
+    """(config.json, format) that `save_pretrained` writes: "hf" (what transformers'
+    MambaForCausalLM or Mamba2ForCausalLM reads), "state-spaces" (a Mamba-2 model that
+    transformers cannot run: mamba_ssm's config) or "mambakit-mamba3" (mambakit's own
+    `model_type`, which transformers does not know)."""
+    if cfg.mixer == "mamba2":
+        return mamba2.to_json(cfg)
     if cfg.mixer == "mamba3":
         out3: dict[str, Any] = {"model_type": MAMBA3_TYPE, "architectures": ["MambaLM"]}
         out3.update({k: getattr(cfg, f) for k, f in _MAMBA3_FIELDS.items()})
         out3.update({k: v for k, v in cfg.extra.items() if k.endswith("_token_id")})
-        return out3
+        return out3, "mambakit-mamba3"
+    return _mamba1_hf_json(cfg), "hf"
+
+
+def config_to_hf_json(cfg: MambaConfig) -> dict[str, Any]:
+    """The config.json `save_pretrained` writes (`checkpoint_json` without the format)."""
+    return checkpoint_json(cfg)[0]
+
+
+def _mamba1_hf_json(cfg: MambaConfig) -> dict[str, Any]:
+    """The config.json that transformers' MambaForCausalLM reads."""
     out: dict[str, Any] = {
         "architectures": ["MambaForCausalLM"],
         "model_type": "mamba",

@@ -1,11 +1,13 @@
-"""Read and write checkpoint directories (CHECKPOINTS.md): Hugging Face and state-spaces.
+"""Read and write checkpoint directories (docs/checkpoints.md): Hugging Face and state-spaces.
 
 Module attribute names equal the checkpoint keys, so loading is an identity map
 plus the original format's `backbone.embedding` -> `backbone.embeddings`. This
 module deals in (config, state dict) pairs and never builds a model: the model
 checks the tensors against its own (missing, unexpected, misshaped) before
 anything is written to it (`MambaLM.from_pretrained`). Saving writes temporary
-files and renames them into place.
+files and renames them into place; what it writes is Hugging Face's format, except a
+Mamba-3 model (mambakit's own `model_type`) and a Mamba-2 model transformers cannot run
+(mamba_ssm's config.json, tensors under mamba_ssm's names in model.safetensors).
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..config import MambaConfig
-from .config import CheckpointError, config_from_json, config_to_hf_json
+from .config import CheckpointError, checkpoint_json, config_from_json
 
-_KEY_ALIASES = {"backbone.embedding.weight": "backbone.embeddings.weight"}
+_KEY_ALIASES = {"backbone.embedding.weight": "backbone.embeddings.weight"}  # state-spaces name
 
 
 def _read_json(path: Path) -> Any:
@@ -106,13 +108,18 @@ def _atomic_write(files: dict[Path, Callable[[str], None]]) -> None:
 
 
 def write_pretrained(path, cfg: MambaConfig, state_dict: dict[str, torch.Tensor]) -> None:
-    """config.json + model.safetensors, written atomically (both files or neither)."""
+    """config.json + model.safetensors, written atomically (both files or neither); a config
+    no format runs faithfully raises CheckpointError before anything is written."""
+    meta, fmt = checkpoint_json(cfg)
+    cfg_json = json.dumps(meta, indent=2) + "\n"
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight", None)  # transformers writes tied checkpoints without it
-    cfg_json = json.dumps(config_to_hf_json(cfg), indent=2) + "\n"
+    if fmt == "state-spaces":
+        names = {v: k for k, v in _KEY_ALIASES.items()}
+        sd = {names.get(k, k): v for k, v in sd.items()}
     _atomic_write(
         {
             path / "model.safetensors": lambda tmp: save_file(sd, tmp, metadata={"format": "pt"}),

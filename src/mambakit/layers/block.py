@@ -104,6 +104,8 @@ class MambaBlock(nn.Module):
                 device=device,
                 dtype=dtype,
             )
+            if cfg.rmsnorm:  # one eps for every norm of the model, as transformers' Mamba2
+                self.mixer.norm.eps = cfg.rms_norm_eps
             return
         self.mixer = Mamba(
             cfg.d_model,
