@@ -146,14 +146,12 @@ def inference_rows(batches: list[int], new: int, repeats: int, peer: bool) -> li
     rows = [rec]
     for b in batches:
         ids = torch.randint(0, cfg.vocab_size, (b, 16), device="cuda")
-        impls = {"mambakit cuda-graph": lambda: bench_mambakit(model, ids, new, graphs=True,
-                                                               repeats=repeats)}  # fmt: skip
-        if peer:
-            impls["mamba_ssm cg=True"] = lambda: bench_mamba_ssm(cfg, ids, new, torch.bfloat16,
-                                                                 repeats)  # fmt: skip
         found = {}
-        for impl, fn in impls.items():
-            res = fn()
+        for impl in ("mambakit cuda-graph", "mamba_ssm cg=True"):
+            if impl.startswith("mambakit"):
+                res = bench_mambakit(model, ids, new, graphs=True, repeats=repeats)
+            else:
+                res = bench_mamba_ssm(cfg, ids, new, torch.bfloat16, repeats) if peer else None
             if res is None:
                 continue
             total, prefill = res
@@ -195,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += model_rows(batch, seqlen, args.iters, peer)
     if "inference" in args.only:
         rows += inference_rows(args.batch, args.new_tokens, repeats=3, peer=peer)
-    write_record(args.out, "bench_mamba2", rows, context={"d_model": args.d_model})
+    context = {"d_model": args.d_model, "peer_autotune": "full"}
+    write_record(args.out, "bench_mamba2", rows, context=context)
     return 0
 
 

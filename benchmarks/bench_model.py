@@ -112,8 +112,9 @@ def peer_ssm_cfg(cfg) -> dict:
                     headdim=cfg.headdim, ngroups=cfg.ngroups, rope_fraction=cfg.rope_fraction,
                     A_floor=cfg.A_floor, is_outproj_norm=False, is_mimo=False)  # fmt: skip
     if cfg.mixer == "mamba2":
-        return dict(layer="Mamba2", d_state=cfg.d_state, d_conv=cfg.d_conv, expand=cfg.expand,
-                    headdim=cfg.headdim, ngroups=cfg.ngroups, chunk_size=cfg.chunk_size)  # fmt: skip
+        return dict(layer="Mamba2", d_state=cfg.d_state, d_conv=cfg.d_conv,
+                    expand=cfg.expand, headdim=cfg.headdim, ngroups=cfg.ngroups,
+                    chunk_size=cfg.chunk_size)  # fmt: skip
     return {}  # Mamba-1, the default
 
 

@@ -72,7 +72,7 @@ def _preset(row: dict, record: Record) -> str:
 
 
 def training_rows(row: dict, record: Record) -> Iterator[tuple[tuple, str]]:
-    """bench_model and bench_mamba3: one optimizer step of a preset at batch x seqlen."""
+    """bench_model, bench_mamba2 and bench_mamba3: one optimizer step of a preset."""
     if "step_ms" not in row:
         return
     shape = f"{row['batch']}x{row['seqlen']}"
@@ -86,7 +86,7 @@ def training_rows(row: dict, record: Record) -> Iterator[tuple[tuple, str]]:
 
 
 def decode_rows(row: dict, record: Record) -> Iterator[tuple[tuple, str]]:
-    """bench_decode and bench_mamba3: tokens/s of greedy generation at a batch size."""
+    """bench_decode, bench_mamba2 and bench_mamba3: tokens/s of greedy generation."""
     match = re.search(r"decode (\d+\+\d+)", str(row.get("workload", "")))
     if match is None or "tokens_per_s" not in row:
         return
@@ -116,12 +116,12 @@ def scan_rows(row: dict, record: Record) -> Iterator[tuple[tuple, str]]:
     yield (record.device, shape, row["dtype"], row["workload"]), _impl(row)
 
 
-def mamba3_layer_rows(row: dict, record: Record) -> Iterator[tuple[tuple, str]]:
-    """bench_mamba3: one Mamba-3 layer beside upstream's module with the same weights."""
-    match = re.fullmatch(r"Mamba3 layer (\S+) (\d+x\d+)", str(row.get("workload", "")))
+def layer_rows(row: dict, record: Record) -> Iterator[tuple[tuple, str]]:
+    """bench_mamba2 and bench_mamba3: one layer beside upstream's module, the same weights."""
+    match = re.fullmatch(r"(Mamba[23]) layer (\S+) (\d+x\d+)", str(row.get("workload", "")))
     if match is None or "impl" not in row or "ms" not in row:
         return
-    yield (record.device, match[2], match[1]), _impl(row)
+    yield (record.device, match[1], match[3], match[2]), _impl(row)
 
 
 @dataclass
@@ -239,11 +239,11 @@ def scan_cells(key: tuple, c: Chosen) -> list[str]:
             percent(ours.get("ratio_bytes"), 1), percent(ours.get("ratio_exp"), 1)]  # fmt: skip
 
 
-def mamba3_layer_cells(key: tuple, c: Chosen) -> list[str]:
-    _, shape, what = key
+def layer_cells(key: tuple, c: Chosen) -> list[str]:
+    _, mixer, shape, what = key
     ours, peer = c.rows.get("mambakit", {}), c.rows.get("mamba_ssm", {})
     tune = c.record.data.get("context", {}).get("peer_autotune") if peer else None
-    return [shape, what, num(ours.get("ms")), num(ours.get("peak_extra_mib"), 0),
+    return [mixer, shape, what, num(ours.get("ms")), num(ours.get("peak_extra_mib"), 0),
             num(peer.get("ms")), num(peer.get("peak_extra_mib"), 0),
             ratio(peer.get("ms"), ours.get("ms")), tune or DASH]  # fmt: skip
 
@@ -267,8 +267,9 @@ FAMILIES = [
     Family("Training step", "One optimizer step (forward, loss, backward, clipping, fused "
            "AdamW; f32 weights under bf16 autocast), timed from the host over several steps. "
            "mambakit's default path replays the step from a CUDA graph; `mamba_ssm` runs its "
-           "`MambaLMHeadModel` eagerly (for 130m-mamba3, with its Mamba3 layer). MFU: 6 x "
-           "parameters x tokens/s over the bf16 matmul rate measured in the same run.",
+           "`MambaLMHeadModel` eagerly (for 130m-mamba2 and 130m-mamba3, with its Mamba2 or "
+           "Mamba3 layer). MFU: 6 x parameters x tokens/s over the bf16 matmul rate measured "
+           "in the same run.",
            "bench_model.py", training_rows,
            "preset | batch x seqlen | mambakit path | ms / step | tokens/s | MFU | peak GiB | "
            "mamba_ssm ms / step | mamba_ssm peak GiB | speedup", training_cells),
@@ -289,13 +290,14 @@ FAMILIES = [
            "it), median time.", "bench_scan.py", scan_rows,
            "B x T x D x N | dtype | pass | ms | mamba_ssm ms | speedup | roofline ms | "
            "of roofline | of copy bound | of exp2 bound", scan_cells),
-    Family("Mamba-3 layer", "The 130m-mamba3 layer (d_model 768, d_state 128, headdim 64, "
-           "bf16) beside `mamba_ssm.modules.mamba3.Mamba3` with the same weights, timed in "
-           "turns. With upstream's autotune cut to one configuration per kernel "
-           "(`--prune-peer`) its figure is a quick check, not its best speed.",
-           "bench_mamba3.py", mamba3_layer_rows,
-           "B x T | pass | ms | peak extra MiB | mamba_ssm ms | mamba_ssm peak extra MiB | "
-           "speedup | mamba_ssm autotune", mamba3_layer_cells),
+    Family("Mamba-2 and Mamba-3 layers", "The 130m-mamba2 and 130m-mamba3 layers (d_model "
+           "768, d_state 128, headdim 64, bf16) beside `mamba_ssm.modules.mamba2.Mamba2` and "
+           "`mamba_ssm.modules.mamba3.Mamba3` with the same weights, timed in turns. With "
+           "upstream's autotune cut to one configuration per kernel (`--prune-peer`) its "
+           "figure is a quick check, not its best speed.",
+           "bench_mamba2.py, bench_mamba3.py", layer_rows,
+           "mixer | B x T | pass | ms | peak extra MiB | mamba_ssm ms | "
+           "mamba_ssm peak extra MiB | speedup | mamba_ssm autotune", layer_cells),
 ]  # fmt: skip
 
 
