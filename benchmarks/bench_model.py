@@ -130,7 +130,9 @@ def measure_peer_step(cfg, batch, seqlen):
     torch.manual_seed(0)
     model = MambaLMHeadModel(
         SSMConfig(
-            d_model=cfg.d_model, n_layer=cfg.n_layers, vocab_size=cfg.vocab_size,
+            d_model=cfg.d_model,
+            n_layer=cfg.n_layers,
+            vocab_size=cfg.vocab_size,
             ssm_cfg=peer_ssm_cfg(cfg),
         )  # fmt: skip
     ).cuda()
