@@ -147,6 +147,11 @@ def test_a_fresh_models_checkpoint_names_no_special_tokens(tmp_path):
     assert hf.config.eos_token_id is None
 
 
-def test_a_mamba2_checkpoint_is_refused_naming_what_is_supported():
-    with pytest.raises(CheckpointError, match="Mamba-1 and Mamba-3"):
+def test_a_hybrid_checkpoint_is_refused_naming_what_is_supported():
+    with pytest.raises(CheckpointError, match="not a Mamba-1, Mamba-2 or Mamba-3 model"):
+        config_from_json({"model_type": "zamba2", "hidden_size": 64})
+
+
+def test_an_incomplete_mamba2_config_names_the_missing_field():
+    with pytest.raises(CheckpointError, match="num_hidden_layers"):
         config_from_json({"model_type": "mamba2", "hidden_size": 64})
