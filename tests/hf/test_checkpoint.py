@@ -138,8 +138,8 @@ def test_round_trip_is_exact(tmp_path, tie):
 # ---------------------------------------------------------------- refused relatives
 
 
-def test_mamba2_original_format_refused(tmp_path, randomize):
-    hf = hf_model(randomize)
+def test_mamba1_weights_under_a_mamba2_original_config_refused(tmp_path, randomize):
+    hf = hf_model(randomize)  # Mamba-1 tensors: they do not fit the Mamba-2 layer
     write_original(tmp_path, hf, original_config(ssm_cfg={"layer": "Mamba2", "d_state": 5}))
     with pytest.raises((ValueError, NotImplementedError), match=r"(?i)mamba-?2"):
         MambaLM.from_pretrained(tmp_path)
@@ -153,9 +153,11 @@ def test_hybrid_attention_original_format_refused(tmp_path, randomize):
 
 
 @pytest.mark.parametrize(
-    "model_type, pattern", [("falcon_mamba", r"(?i)falcon"), ("mamba2", r"(?i)mamba-?2")]
+    "model_type, pattern",
+    [("falcon_mamba", r"(?i)falcon"), ("mamba2", r"(?i)mamba-?2")],
+    ids=["falcon_mamba", "mamba1-config-relabelled-mamba2"],
 )
-def test_hf_relatives_refused(tmp_path, randomize, model_type, pattern):
+def test_hf_relatives_and_mislabelled_configs_refused(tmp_path, randomize, model_type, pattern):
     hf_model(randomize).save_pretrained(tmp_path)
     meta = json.loads((tmp_path / "config.json").read_text())
     meta["model_type"] = model_type
