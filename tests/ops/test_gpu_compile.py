@@ -29,6 +29,7 @@ MODULES = [
     "mambakit.ops.cross_entropy.kernels",
     "mambakit.ops.argmax.kernels",
     "mambakit.ops.mamba_step.kernels",
+    "mambakit.ops.mamba2.step_kernels",
 ]
 CONSTS = {  # representative values of the kernels' constexpr parameters
     "BLOCK_D": 32, "BLOCK_N": 16, "BLOCK_E": 64, "BLOCK_T": 16, "BLOCK_K": 4, "BLOCK_M": 4,
@@ -45,7 +46,7 @@ def _signature(fn) -> tuple[dict, dict]:
             sig[name] = "constexpr"
         elif name.startswith("p_"):
             sig[name] = "*i32" if "seq" in name else "*i64" if "tgt" in name else "*fp32"
-        elif name == "eps":
+        elif name in ("eps", "lo", "hi"):  # floats: the norm's eps, delta's limits
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
