@@ -41,7 +41,7 @@ def test_config_presets_and_validation():
     )
     assert MambaConfig.preset("tiny-mamba3").mixer == "mamba3"
     with pytest.raises(ValueError, match="mixer"):
-        MambaConfig(mixer="mamba2")
+        MambaConfig(mixer="mamba4")
     with pytest.raises(ValueError, match="headdim"):
         MambaConfig(d_model=20, mixer="mamba3", headdim=16)
     assert MambaConfig.from_dict(cfg.to_dict()) == cfg

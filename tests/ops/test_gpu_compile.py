@@ -30,10 +30,13 @@ MODULES = [
     "mambakit.ops.argmax.kernels",
     "mambakit.ops.mamba_step.kernels",
     "mambakit.ops.mamba2.step_kernels",
+    "mambakit.ops.mamba3.chunk_kernels",
+    "mambakit.ops.mamba3.chunk_parallel_kernels",
 ]
 CONSTS = {  # representative values of the kernels' constexpr parameters
     "BLOCK_D": 32, "BLOCK_N": 16, "BLOCK_E": 64, "BLOCK_T": 16, "BLOCK_K": 4, "BLOCK_M": 4,
     "CHUNK": 16, "CB": 8, "K": 4, "TC": 4, "TS": 2, "STAGES": 2, "BLOCK_V": 128, "IGNORE": -100,
+    "L": 32, "LS": 64, "PREC": "bf16", "BLOCK_P": 32, "BLOCK": 256, "CHUNKS": 4,
 }  # fmt: skip
 
 

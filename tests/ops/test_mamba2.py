@@ -243,14 +243,7 @@ def test_the_public_op_runs_the_reference_on_the_cpu(monkeypatch):
     torch.testing.assert_close(final, f_ref, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize(
-    "backend",
-    [pytest.param("reference", marks=pytest.mark.xfail(
-        strict=True, raises=(RuntimeError, ValueError),
-        reason="mamba2_scan_reference with T = 0 raises in torch.cat over no chunks (the "
-        "Triton body and selective_scan pass the state through)")),
-     "triton"],
-)  # fmt: skip
+@pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_empty_sequence_passes_the_state_through(backend):
     """T = 0: no output rows, the final state is the initial one and its gradient reaches
     the initial state unchanged (selective_scan's contract)."""

@@ -91,6 +91,8 @@ def mamba2_scan_reference(
             tail = tail * (doc == doc[:, -1:])[:, :, None, None]
         keep = start[:, -1]  # [B, G, R]
         h = keep[..., None, None] * h + torch.einsum("bsgr,bsgrp,bsgn->bgrpn", tail, xc, Bc)
+    if not ys:  # T = 0: no output, the state passes through
+        return x.new_empty(x.shape), h.flatten(1, 2)
     y = torch.cat(ys, dim=1).flatten(2, 3)  # [B, T, H, P]
     if D is not None:
         Df = D.to(f)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 
 from ..mamba3.chunk import CONFIG, _Core, _Ctx, _launch_fwd
-from .reference import _by_group
 
 
 def _heads(t: torch.Tensor, H: int) -> torch.Tensor:
@@ -74,11 +73,11 @@ def scan_train_backward(dy, dsT, inputs, pre, states, cfg=None):
     qr, kr, adt, gamma, late, k0, x0 = _terms(x, delta, A, B, C)
     pre = pre if z is not None else None
     states = states if states.numel() else None
-    core = _Ctx((x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, pre, states), cfg=cfg)
+    core = _Ctx((x, qr, kr, adt, gamma, late, seq, s0, k0, x0, D, z, pre, states), cfg=cfg,
+                groups=B.shape[2])  # fmt: skip
+    # dq, dk: q~'s and k~'s gradients summed over each group's heads (`_qk_grads`)
     dx, dq, dk, dadt, dgam, _, _, ds0, _, _, dD, dz = _Core.backward(core, dy, dsT)
-    G = B.shape[2]
-    dC = _by_group(dq, G).sum(3).to(C.dtype)  # each group's heads, in order
-    dB = _by_group(dk, G).sum(3).to(B.dtype)
+    dC, dB = dq.to(C.dtype), dk.to(B.dtype)
     ddelta = (dgam + dadt * A.float()).to(delta.dtype)
     dA = (dadt * gamma).sum((0, 1)).to(A.dtype)
     return dx, ddelta, dA, dB, dC, dD, dz, ds0

@@ -108,6 +108,12 @@ class Mamba3ScanConfig:
     grad_block_n: int = 32
     qk_warps: int = 4
     qk_block_n: int = 32
+    # Mamba-2 (G groups of B and C read by H / G heads each): the heads of one launch of
+    # `_chunk_qk_grad_kernel`, whose per-head gradients are summed into their group's before
+    # the next (`_qk_grads`): 8 of the 130m-mamba2's 24 heads keep 134 MB of per-head f32
+    # gradients at 8 x 2048 where all 24 at once kept 400 MB (the layer's forward + backward
+    # peaked at 928 MiB against mamba_ssm's 708).
+    qk_head_slice: int = 8
 
     terms: TermsConfig = TERMS  # the per-token terms' kernels (terms.py)
 
@@ -344,7 +350,6 @@ class _Core:
         dy, dz, dD, dst, ds0 = _dstates(dy, z, pre, x, D, qr, adt, seq, dsT, states, s0, L, cfg)
         seqt = seq if seq is not None else adt
         dx = torch.empty(dy.shape, device=x.device, dtype=x.dtype)
-        dq, dk = torch.empty(qr.shape, **f32), torch.empty(kr.shape, **f32)
         dadt, dgam, dlate = (torch.empty(adt.shape, **f32) for _ in range(3))
         dk0, dx0 = torch.empty_like(k0), torch.empty_like(x0)
         strided = (
@@ -361,13 +366,46 @@ class _Core:
             num_warps=cfg.grad_warps,
             **consts,
         )  # fmt: skip
-        launch(_chunk_qk_grad_kernel, (Bsz, H, nc),
-            x, qr, kr, adt, gamma, late, seqt, states, dst, x0, dy, dq, dk, dk0, *strided,
-            dq.stride(0), dq.stride(1), dq.stride(2),
-            BLOCK_N=min(_block(N), cfg.qk_block_n), num_warps=cfg.qk_warps, **consts,
-        )  # fmt: skip
+        qk = (x, qr, kr, adt, gamma, late, seqt, states, dst, x0, dy)
+        dq, dk = _qk_grads(qk, dk0, strided, consts, getattr(ctx, "groups", None), cfg)
         dD = dD.sum((0, 1)).to(D.dtype) if D is not None else None
         return dx, dq, dk, dadt, dgam, dlate, None, ds0, dk0, dx0, dD, dz
+
+
+def _qk_grads(qk, dk0, strided, consts, groups, cfg):
+    """`_chunk_qk_grad_kernel`: the gradients of q~ and k~ [B, T, H, N] f32 (dk0 filled), or,
+    given `groups` G (Mamba-2's B and C read by H / G heads each), their sums over each
+    group's heads [B, T, G, N] f32: a launch per slice of at most `qk_head_slice` heads of a
+    group, each slice's per-head gradients summed into the group's in a fixed order, so the
+    per-head buffers are a slice's, not every head's (400 MB at 8 x 2048 for 24 heads of
+    N 128)."""
+    x, qr = qk[0], qk[1]
+    Bsz, T, H, _ = x.shape
+    N = qr.shape[-1]
+    L = consts["L"]
+    nc = cdiv(T, L)
+    f32 = dict(device=x.device, dtype=torch.float32)
+    kw = dict(BLOCK_N=min(_block(N), cfg.qk_block_n), num_warps=cfg.qk_warps, **consts)
+    R = H // groups if groups else 1
+    if R == 1:  # a head per group (or Mamba-3): every head's at once
+        dq, dk = torch.empty(Bsz, T, H, N, **f32), torch.empty(Bsz, T, H, N, **f32)
+        launch(_chunk_qk_grad_kernel, (Bsz, H, nc), *qk, dq, dk, dk0, *strided,
+               dq.stride(0), dq.stride(1), dq.stride(2), 0, **kw)  # fmt: skip
+        return dq, dk
+    hs = max(d for d in range(1, min(R, cfg.qk_head_slice) + 1) if R % d == 0)
+    dq, dk = torch.empty(Bsz, T, groups, N, **f32), torch.empty(Bsz, T, groups, N, **f32)
+    sq, sk = torch.empty(Bsz, T, hs, N, **f32), torch.empty(Bsz, T, hs, N, **f32)
+    for h0 in range(0, H, hs):
+        launch(_chunk_qk_grad_kernel, (Bsz, hs, nc), *qk, sq, sk, dk0, *strided,
+               sq.stride(0), sq.stride(1), sq.stride(2), h0, **kw)  # fmt: skip
+        g, first = divmod(h0, R)
+        if first == 0:
+            dq[:, :, g].copy_(sq.sum(2))
+            dk[:, :, g].copy_(sk.sum(2))
+        else:
+            dq[:, :, g] += sq.sum(2)
+            dk[:, :, g] += sk.sum(2)
+    return dq, dk
 
 
 class _Ctx:

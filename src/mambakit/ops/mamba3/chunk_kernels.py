@@ -304,15 +304,16 @@ def _dstate_scan_kernel(
 def _grad_terms(
     p_x, p_dy, p_adt, p_gam, p_late, p_seq, T, H, P, N,
     s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b, s_dy_b, s_dy_t, s_dy_h,
-    HAS_SEQ: tl.constexpr, L: tl.constexpr, BLOCK_P: tl.constexpr,
+    HAS_SEQ: tl.constexpr, L: tl.constexpr, BLOCK_P: tl.constexpr, h0=0,
 ):
     """What both gradient kernels of a chunk start from: the program's row b, head h, chunk c
     (first step c0; bh = b H + h), the chunk's rows and P values p (mask mp), the offsets of
     q~ and k~'s rows (q_row) and of S'_start's and dS's (st_at), its steps t (mask mt, last
     row, [L, P] mask mtp), x and dy in f32, the decays (e_cs, keep), the weights' offsets
-    wo, the forward's [L, L] weight and its decay (on the mask `same`), tail and its decay."""
+    wo, the forward's [L, L] weight and its decay (on the mask `same`), tail and its decay.
+    The grid's heads start at head h0 (a launch over a slice of the heads)."""
     b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    h = tl.program_id(1) + h0
     c = tl.program_id(2)
     c0 = c * L
     rows = tl.arange(0, L)
@@ -465,26 +466,27 @@ def _chunk_qk_grad_kernel(
     p_dy, p_dq, p_dk, p_dk0,
     T, H, P, N,
     s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b, s_dy_b, s_dy_t, s_dy_h,
-    s_dq_b, s_dq_t, s_dq_h,
+    s_dq_b, s_dq_t, s_dq_h, h0,
     HAS_SEQ: tl.constexpr,
     L: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
 ):
     """A chunk's gradients of q~ and k~, BLOCK_N states at a time (and chunk 0 the initial
     k~'s): dq~ = ((dy x^T) * weight) k~ + e_cs dy S', dk~ = its transpose's q~ + tail x dS.
     dq~ and dk~ have strides of their own (s_dq_*): q~ and k~ may be views whose heads share
-    rows (stride 0 over heads: Mamba-2's B and C of one group), their gradients are per head."""
+    rows (stride 0 over heads: Mamba-2's B and C of one group), their gradients are per head.
+    The grid may cover a slice of the heads, from head h0 (dq~ and dk~ hold the slice's)."""
     (b, h, c, c0, rows, p, mp, bh, q_row, st_at, t, mt, last, mtp, xc, dy, e_cs, keep, wo, gam,
      same, decay, weight, tail_decay, tail) = _grad_terms(
         p_x, p_dy, p_adt, p_gam, p_late, p_seq, T, H, P, N,
         s_x_b, s_x_t, s_x_h, s_q_b, s_q_t, s_q_h, s_w_b, s_w_t, s_seq_b, s_dy_b, s_dy_t,
-        s_dy_h, HAS_SEQ, L, BLOCK_P)
+        s_dy_h, HAS_SEQ, L, BLOCK_P, h0)
     d_qk = _mm(dy, tl.trans(xc), PREC) * weight
     for j in range(0, N, BLOCK_N):
         n, mn, mq, qj, kj, stj, dsj = _state_blocks(p_q, p_k, p_st, p_dst, q_row, st_at, j, mt,
                                                      mp, N, BLOCK_N)
         dq = _mm(d_qk, kj, PREC) + e_cs[:, None] * _mm(dy, stj, PREC)
         dk = _mm(tl.trans(d_qk), qj, PREC) + tail[:, None] * _mm(xc, dsj, PREC)
-        dq_row = b * s_dq_b + t[:, None] * s_dq_t + h * s_dq_h
+        dq_row = b * s_dq_b + t[:, None] * s_dq_t + (h - h0) * s_dq_h
         tl.store(p_dq + dq_row + n[None, :], dq, mask=mq)
         tl.store(p_dk + dq_row + n[None, :], dk, mask=mq)
         if c == 0:  # the initial k~ through late0 x0 k0^T in S'_start of chunk 0
