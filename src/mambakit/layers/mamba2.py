@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import _rms_norm_gated, causal_conv1d, causal_conv1d_update
+from ..ops import _rms_norm_gated
 from ..ops._checks import check_seq_idx, check_tensor, state_dtype
 from ..ops.mamba2 import (
     Mamba2StepWeights,
@@ -39,7 +39,7 @@ from ..ops.mamba2 import (
 )
 from ..state import Mamba2State
 from .init import no_weight_decay
-from .mixer import _conv_module, _p
+from .mixer import _p, conv_silu, conv_silu_step
 from .plain import plain
 
 _NO_LIMIT = (0.0, float("inf"))
@@ -181,14 +181,7 @@ class Mamba2(nn.Module):
             check_seq_idx(seq_idx, u.shape[0], u.shape[1], u.device)
         z0, x0, z, xBC, dt = self._split(self.in_proj(u))
         conv_state = None if state is None else state.conv
-        conv = self.conv1d
-        if plain(conv, nn.Conv1d):
-            xBC, conv_final = causal_conv1d(
-                xBC, conv.weight.squeeze(1), conv.bias, initial_state=conv_state,
-                seq_idx=seq_idx, activation="silu", return_final_state=True, backend=backend,
-            )  # fmt: skip
-        else:
-            xBC, conv_final = _conv_module(conv, xBC, conv_state, seq_idx)
+        xBC, conv_final = conv_silu(self.conv1d, xBC, conv_state, seq_idx, backend)
         x, B, C, delta, A, D = self._ssm_inputs(xBC, dt)
         gate = None if self.rmsnorm else z.unflatten(-1, (self.nheads, self.headdim))
         ssm_state = None if state is None else state.ssm
@@ -226,14 +219,7 @@ class Mamba2(nn.Module):
                                 self.decode_weights(), backend)  # fmt: skip
             return self.out_proj(y.to(self.out_proj.weight.dtype))
         z0, x0, z, xBC, dt = self._split(self.in_proj(u))
-        conv = self.conv1d
-        if plain(conv, nn.Conv1d):
-            xBC = causal_conv1d_update(state.conv, xBC, conv.weight.squeeze(1), conv.bias,
-                                       "silu", backend=backend)  # fmt: skip
-        else:
-            out, new = _conv_module(conv, xBC[:, None], state.conv, None)
-            xBC = out[:, 0]
-            state.conv.copy_(new)
+        xBC = conv_silu_step(self.conv1d, xBC, state.conv, backend)
         x, B, C, delta, A, D = self._ssm_inputs(xBC, dt)
         gate = None if self.rmsnorm else z.unflatten(-1, (self.nheads, self.headdim))
         y = mamba2_state_update(state.ssm, x, delta, A, B, C, D, gate)

@@ -175,14 +175,7 @@ class Mamba(nn.Module):
         their adapters and hooks take part: (y [B, T, D], final conv and ssm states)."""
         Dn, N, R = self.d_inner, self.d_state, self.dt_rank
         x_in, z = xz[..., :Dn], xz[..., Dn:]
-        conv = self.conv1d
-        if plain(conv, nn.Conv1d):
-            u, conv_out = causal_conv1d(
-                x_in, conv.weight.squeeze(1), conv.bias, initial_state=conv_state,
-                seq_idx=seq_idx, activation="silu", return_final_state=True, backend=backend,
-            )  # fmt: skip
-        else:
-            u, conv_out = _conv_module(conv, x_in, conv_state, seq_idx)
+        u, conv_out = conv_silu(self.conv1d, x_in, conv_state, seq_idx, backend)
         dt_r, B, C = self.x_proj(u).split([R, N, N], dim=-1)
         delta = self.dt_proj(dt_r)  # with dt_proj's own bias
         A, D, _ = self._ssm_params()
@@ -253,16 +246,7 @@ class Mamba(nn.Module):
         """`step` calling the projections (and conv1d unless plain) as modules."""
         Dn, N, R = self.d_inner, self.d_state, self.dt_rank
         xz = self.in_proj(x)  # [B, 2D]
-        conv = self.conv1d
-        if plain(conv, nn.Conv1d):
-            u = causal_conv1d_update(
-                conv_state, xz[:, :Dn], conv.weight.squeeze(1), conv.bias, "silu",
-                backend=backend,
-            )  # fmt: skip
-        else:
-            u, new = _conv_module(conv, xz[:, None, :Dn], conv_state, None)
-            u = u[:, 0]
-            conv_state.copy_(new)
+        u = conv_silu_step(self.conv1d, xz[:, :Dn], conv_state, backend)
         dt_r, B, C = self.x_proj(u).split([R, N, N], dim=-1)
         delta = self.dt_proj(dt_r)
         A, D, _ = self._ssm_params()
@@ -303,6 +287,38 @@ def ssm_params(A_log: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor | Non
     decode plan (`inference.plan`)."""
     f = state_dtype(A_log)
     return -torch.exp(A_log.to(f)), D.to(f), None if dt_bias is None else dt_bias.to(f)
+
+
+def conv_silu(
+    conv: nn.Module,
+    x_in: torch.Tensor,  # [B, T, D]
+    conv_state: torch.Tensor | None,  # [B, K-1, D]
+    seq_idx: torch.Tensor | None,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(causal conv of x_in) and the final conv state [B, K-1, D]: `ops.causal_conv1d` on
+    the weights of a plain conv1d, else the module itself (its adapters and hooks run)."""
+    if plain(conv, nn.Conv1d):
+        return causal_conv1d(
+            x_in, conv.weight.squeeze(1), conv.bias, initial_state=conv_state, seq_idx=seq_idx,
+            activation="silu", return_final_state=True, backend=backend,
+        )  # fmt: skip
+    return _conv_module(conv, x_in, conv_state, seq_idx)
+
+
+def conv_silu_step(
+    conv: nn.Module,
+    x_in: torch.Tensor,  # [B, D], one timestep
+    conv_state: torch.Tensor,  # [B, K-1, D], advanced in place
+    backend: str,
+) -> torch.Tensor:
+    """`conv_silu` for one decode step, the state in place: silu(conv) [B, D]."""
+    if plain(conv, nn.Conv1d):
+        return causal_conv1d_update(conv_state, x_in, conv.weight.squeeze(1), conv.bias, "silu",
+                                    backend=backend)  # fmt: skip
+    out, new = _conv_module(conv, x_in[:, None], conv_state, None)
+    conv_state.copy_(new)
+    return out[:, 0]
 
 
 def _conv_module(
