@@ -29,10 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import bench_mamba_ssm, bench_mambakit  # noqa: E402
 from bench_model import measure_peer, measure_prefill, measure_trainer  # noqa: E402
-from common import interleaved_median_ms, write_record  # noqa: E402
+from common import layer_rows as timed_layer_rows  # noqa: E402
+from common import profile_fwd_bwd, write_record  # noqa: E402
 
 from mambakit import MambaConfig, MambaLM  # noqa: E402
 from mambakit.layers.mamba2 import Mamba2  # noqa: E402
+
+# the 130m-mamba2 layer's sizes (mamba_ssm's Mamba2 arguments)
+LAYER = dict(d_state=128, d_conv=4, expand=2, headdim=64, ngroups=1, chunk_size=256)
 
 
 def _upstream_module():
@@ -45,80 +49,31 @@ def _upstream_module():
         return None
 
 
-def _peak_extra_mib(fn) -> int:
-    """What one call holds beyond what was allocated before it (saved activations and
-    transients), in MiB."""
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return round((torch.cuda.max_memory_allocated() - before) / 2**20)
-
-
 def layer_rows(batch: int, seqlen: int, d_model: int, iters: int) -> list[dict]:
     mod = _upstream_module()
     dtype = torch.bfloat16
     torch.manual_seed(0)
-    sizes = dict(d_state=128, d_conv=4, expand=2, headdim=64, ngroups=1, chunk_size=256)
-    ours = Mamba2(d_model, **sizes, layer_idx=0, device="cuda", dtype=dtype)
+    ours = Mamba2(d_model, **LAYER, layer_idx=0, device="cuda", dtype=dtype)
     layers = {"mambakit": ours}
     if mod is not None:
-        up = mod.Mamba2(d_model, **sizes, layer_idx=0, device="cuda", dtype=dtype)
+        up = mod.Mamba2(d_model, **LAYER, layer_idx=0, device="cuda", dtype=dtype)
         up.load_state_dict(ours.state_dict())
         layers["mamba_ssm"] = up
     u = torch.randn(batch, seqlen, d_model, device="cuda", dtype=dtype)
-    ug = u.clone().requires_grad_(True)
-    cot = torch.randn_like(u)
-    fns = {}
-    for name, layer in layers.items():
-
-        def fwd(layer=layer):
-            with torch.no_grad():
-                layer(u)
-
-        def fwd_bwd(layer=layer):
-            layer(ug).backward(cot)
-
-        fns[name] = {"forward": fwd, "forward+backward": fwd_bwd}
     if "mamba_ssm" in layers:  # the same output from the same weights, before any timing
         with torch.no_grad():
             a, b = ours(u).float(), layers["mamba_ssm"](u).float()
         print(f"layer outputs, max |mambakit - mamba_ssm| / max |mamba_ssm|: "
               f"{((a - b).abs().max() / b.abs().max()).item():.2e}", flush=True)  # fmt: skip
-    rows = []
-    for what in ("forward", "forward+backward"):
-        ms = interleaved_median_ms({name: f[what] for name, f in fns.items()}, warmup=3,
-                                   rounds=max(5, iters), iters=2)  # fmt: skip
-        for name, f in fns.items():
-            rec = {"workload": f"Mamba2 layer {what} {batch}x{seqlen}", "impl": name,
-                   "ms": ms[name], "peak_extra_mib": _peak_extra_mib(f[what])}  # fmt: skip
-            if name != "mambakit":
-                rec["mambakit_speedup"] = ms[name] / ms["mambakit"]
-            rows.append(rec)
-            print(rec, flush=True)
-    return rows
+    return timed_layer_rows("Mamba2 layer", layers, u, iters)
 
 
 def profile_layer(batch: int, seqlen: int, d_model: int, path: str) -> None:
     """Per-kernel GPU time of one mambakit Mamba2 layer forward + backward (bf16)."""
-    from torch.profiler import ProfilerActivity, profile
-
     torch.manual_seed(0)
-    layer = Mamba2(d_model, d_state=128, headdim=64, device="cuda", dtype=torch.bfloat16)
+    layer = Mamba2(d_model, **LAYER, device="cuda", dtype=torch.bfloat16)
     u = torch.randn(batch, seqlen, d_model, device="cuda", dtype=torch.bfloat16)
-    u.requires_grad_(True)
-    for _ in range(2):
-        layer(u).sum().backward()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        layer(u).sum().backward()
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(
-        sort_by="cuda_time_total", row_limit=40, max_name_column_width=70
-    )
-    Path(path).write_text(table)
-    print(table)
+    profile_fwd_bwd(layer, u, path)
 
 
 def model_rows(batch: int, seqlen: int, iters: int, peer: bool) -> list[dict]:

@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import bench_mambakit  # noqa: E402
 from bench_model import measure_peer, measure_prefill, measure_trainer  # noqa: E402
-from common import interleaved_median_ms, write_record  # noqa: E402
+from common import layer_rows as timed_layer_rows  # noqa: E402
+from common import profile_fwd_bwd, write_record  # noqa: E402
 
 from mambakit import MambaConfig, MambaLM  # noqa: E402
 from mambakit.layers.mamba3 import Mamba3  # noqa: E402
@@ -77,61 +78,15 @@ def layer_rows(batch: int, seqlen: int, d_model: int, iters: int) -> list[dict]:
         ours = Mamba3(d_model, d_state=128, headdim=64, device="cuda", dtype=dtype)
     layers = {"mambakit": ours, **layers}
     u = torch.randn(batch, seqlen, d_model, device="cuda", dtype=dtype)
-    ug = u.clone().requires_grad_(True)
-    cot = torch.randn_like(u)
-    fns = {}
-    for name, layer in layers.items():
-
-        def fwd(layer=layer):
-            with torch.no_grad():
-                layer(u)
-
-        def fwd_bwd(layer=layer):
-            layer(ug).backward(cot)
-
-        fns[name] = {"forward": fwd, "forward+backward": fwd_bwd}
-    rows = []
-    for what in ("forward", "forward+backward"):
-        # the implementations take turns (median of rounds): upstream's wall time is bound by
-        # its host and moves with it, so a slow spell falls on both sides alike
-        ms = interleaved_median_ms({name: f[what] for name, f in fns.items()}, warmup=3,
-                                   rounds=max(5, iters), iters=2)  # fmt: skip
-        for name, f in fns.items():
-            rec = {"workload": f"Mamba3 layer {what} {batch}x{seqlen}", "impl": name,
-                   "ms": ms[name]}  # fmt: skip
-            # what one call holds beyond the inputs and weights (saved activations, transients)
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            f[what]()
-            torch.cuda.synchronize()
-            rec["peak_extra_mib"] = round((torch.cuda.max_memory_allocated() - before) / 2**20)
-            if name != "mambakit":
-                rec["mambakit_speedup"] = ms[name] / ms["mambakit"]
-            rows.append(rec)
-            print(rec, flush=True)
-    return rows
+    return timed_layer_rows("Mamba3 layer", layers, u, iters)
 
 
 def profile_layer(batch: int, seqlen: int, d_model: int, path: str) -> None:
     """Per-kernel GPU time of one mambakit Mamba3 layer forward + backward (bf16)."""
-    from torch.profiler import ProfilerActivity, profile
-
     torch.manual_seed(0)
     layer = Mamba3(d_model, d_state=128, headdim=64, device="cuda", dtype=torch.bfloat16)
     u = torch.randn(batch, seqlen, d_model, device="cuda", dtype=torch.bfloat16)
-    u.requires_grad_(True)
-    for _ in range(2):
-        layer(u).sum().backward()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        layer(u).sum().backward()
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(
-        sort_by="cuda_time_total", row_limit=40, max_name_column_width=70
-    )
-    Path(path).write_text(table)
-    print(table)
+    profile_fwd_bwd(layer, u, path)
 
 
 def model_rows(batch: int, seqlen: int, iters: int, peer: bool) -> list[dict]:

@@ -70,6 +70,64 @@ def interleaved_median_ms(fns: dict, warmup: int = 2, rounds: int = 15, iters: i
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def layer_rows(label: str, layers: dict, u: torch.Tensor, iters: int) -> list[dict]:
+    """Records of each layer's forward (no autograd) and forward + backward on u, the
+    layers ({impl: module}, "mambakit" first, the same weights) taking turns (median of
+    rounds: a peer's wall time is bound by its host and moves with it, so a slow spell
+    falls on every side alike), with what one call holds beyond the inputs and weights
+    (saved activations, transients) as peak_extra_mib. `label`: "Mamba2 layer" ...;
+    workloads read "<label> forward BxT"."""
+    ug = u.clone().requires_grad_(True)
+    cot = torch.randn_like(u)
+    fns = {}
+    for name, layer in layers.items():
+
+        def fwd(layer=layer):
+            with torch.no_grad():
+                layer(u)
+
+        def fwd_bwd(layer=layer):
+            layer(ug).backward(cot)
+
+        fns[name] = {"forward": fwd, "forward+backward": fwd_bwd}
+    shape = f"{u.shape[0]}x{u.shape[1]}"
+    rows = []
+    for what in ("forward", "forward+backward"):
+        ms = interleaved_median_ms({name: f[what] for name, f in fns.items()}, warmup=3,
+                                   rounds=max(5, iters), iters=2)  # fmt: skip
+        for name, f in fns.items():
+            rec = {"workload": f"{label} {what} {shape}", "impl": name, "ms": ms[name]}
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            f[what]()
+            torch.cuda.synchronize()
+            rec["peak_extra_mib"] = round((torch.cuda.max_memory_allocated() - before) / 2**20)
+            if name != "mambakit":
+                rec["mambakit_speedup"] = ms[name] / ms["mambakit"]
+            rows.append(rec)
+            print(rec, flush=True)
+    return rows
+
+
+def profile_fwd_bwd(layer, u: torch.Tensor, path: str) -> None:
+    """The per-kernel GPU time table of one forward + backward of `layer` on u, to path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    u = u.clone().requires_grad_(True)
+    for _ in range(2):
+        layer(u).sum().backward()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        layer(u).sum().backward()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=40, max_name_column_width=70
+    )
+    Path(path).write_text(table)
+    print(table)
+
+
 def cpu_time_ms(fn, warmup: int = 1, iters: int = 3) -> float:
     for _ in range(warmup):
         fn()
