@@ -144,3 +144,13 @@ def test_dict_and_file_round_trip(tmp_path):
     assert MambaConfig.load(tmp_path / "c.json") == cfg
     extra = MambaConfig.from_dict({**cfg.to_dict(), "some_future_key": 1})
     assert extra.extra == {"some_future_key": 1} and extra.d_model == 24
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [("norm_before_gate", "false", "True or False"), ("rmsnorm", 1, "True or False"),
+     ("dt_limit", ("x", 1.0), "pair of numbers"), ("dt_limit", (0.5, 0.1), "dt_limit")],
+)  # fmt: skip
+def test_mamba2_fields_are_checked_by_name(field, value, message):
+    with pytest.raises(ValueError, match=f"{field}.*{message}|{message}"):
+        MambaConfig.preset("tiny-mamba2", **{field: value})

@@ -411,6 +411,72 @@ def test_lora_adapters_take_part_in_every_path():
     assert torch.equal(adapted.generate(ids[:, :3], **kw), merged.generate(ids[:, :3], **kw))
 
 
+@pytest.mark.parametrize("mixer", ["mamba1", "mamba2", "mamba3"])
+def test_steps_with_only_adapters_trainable_record_their_gradients(mixer):
+    """Base weights frozen (as peft leaves them), LoRA trainable, grad mode on: `step` must
+    record the adapters' gradients (run functionally, not update the state in place under
+    autograd), and they equal those of the same loss through one forward."""
+    peft = pytest.importorskip("peft")
+    kw = dict(d_state=4, headdim=8, chunk_size=4) if mixer != "mamba1" else dict(d_state=4)
+    torch.manual_seed(0)
+    base = MambaLM(MambaConfig(mixer=mixer, d_model=16, n_layers=2, vocab_size=V, **kw))
+    cfg = peft.LoraConfig(r=2, target_modules=["in_proj", "out_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(base, cfg).base_model.model
+    lora = [p for n, p in model.named_parameters() if "lora" in n]
+    assert lora and all(p.requires_grad for p in lora)
+    ids = torch.randint(0, V, (2, 4))
+    state, loss = model.init_state(2), 0.0
+    for t in range(ids.shape[1]):
+        logits, state = model.step(ids[:, t], state)
+        loss = loss + logits.square().sum()
+    stepped = torch.autograd.grad(loss, lora)
+    full = torch.autograd.grad(model(ids).logits.square().sum(), lora)
+    for a, b in zip(stepped, full):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_decode_plan_follows_the_gated_norms_eps():
+    """The decode plan holds the gated norm's eps: changing it after a step changes the
+    next step as it changes the forward."""
+    model = lm(double=False)
+    ids = torch.randint(0, V, (2, 3))
+    with torch.no_grad():
+        model.step(ids[:, 0], model.init_state(2))  # builds the plan
+        for block in model.backbone.layers:
+            block.mixer.norm.eps = 10.0
+        want = model(ids).logits
+        state = model.init_state(2)
+        for t in range(ids.shape[1]):
+            logits, state = model.step(ids[:, t], state)
+            torch.testing.assert_close(logits, want[:, t], rtol=1e-4, atol=1e-5)
+
+
+def test_a_wrapped_projection_without_a_weight_is_called():
+    """A projection wrapped in a module that has no `.weight` (a quantized layer, say): the
+    layer's init_state, forward and step call it and never read its weight."""
+
+    class Wrap(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x)
+
+    model = lm(double=False)
+    ids = torch.randint(0, V, (2, 5))
+    with torch.no_grad():
+        want = model(ids).logits
+        for block in model.backbone.layers:
+            block.mixer.in_proj = Wrap(block.mixer.in_proj)
+            block.mixer.out_proj = Wrap(block.mixer.out_proj)
+        torch.testing.assert_close(model(ids).logits, want)
+        state = model.init_state(2)
+        for t in range(ids.shape[1]):
+            logits, state = model.step(ids[:, t], state)
+            torch.testing.assert_close(logits, want[:, t], rtol=1e-4, atol=1e-5)
+
+
 def test_save_and_load_round_trip(tmp_path):
     model = lm(double=False).eval()
     model.save_pretrained(tmp_path)

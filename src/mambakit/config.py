@@ -128,9 +128,20 @@ class MambaConfig:
                     raise ValueError(f"MambaConfig.{name} must be a positive int, got {value!r}")
         for name in ("dt_limit", "A_init_range"):  # pairs, tuples after a JSON round trip too
             v = getattr(self, name)
-            if not isinstance(v, (tuple, list)) or len(v) != 2:
-                raise ValueError(f"MambaConfig.{name} must be a pair (low, high), got {v!r}")
+            if (
+                not isinstance(v, (tuple, list))
+                or len(v) != 2
+                or not all(isinstance(e, (int, float)) and not isinstance(e, bool) for e in v)
+            ):
+                raise ValueError(f"MambaConfig.{name} must be a pair of numbers (low, high), "
+                                 f"got {v!r}")  # fmt: skip
             setattr(self, name, (float(v[0]), float(v[1])))
+        for name in ("conv_bias", "bias", "tie_embeddings", "rescale_prenorm_residual",
+                     "D_has_hdim", "rmsnorm", "norm_before_gate"):  # fmt: skip
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"MambaConfig.{name} must be True or False, got {getattr(self, name)!r}"
+                )
         if self.mixer == "mamba2":
             self._check_mamba2()
         if self.mixer in ("mamba2", "mamba3"):

@@ -20,13 +20,9 @@ from .config import MambaConfig
 from .inference.plan import derived as derived_plan
 from .layers.block import MambaBlock, RMSNorm
 from .layers.init import init_model_weights
-from .layers.mamba2 import Mamba2
-from .layers.mamba3 import Mamba3
 from .layers.plain import plain
 from .ops import _norm_linear, linear_cross_entropy, mamba_stack_step, resolve_backend
 from .ops._checks import check_seq_idx, check_tensor, state_dtype
-from .ops.mamba2 import mamba2_stack_step
-from .ops.mamba3 import mamba3_stack_step
 from .ops.mamba_step.stack import stack_weights
 from .state import ModelState, check_state, init_state, state_class
 from .targets import next_token_targets
@@ -136,7 +132,7 @@ class MambaBackbone(nn.Module):
             and not torch.compiler.is_compiling()
             # under FSDP2 the blocks hold shards (DTensors) until each one's forward
             # gathers its parameters: the layers derive from those
-            and not hasattr(self.layers[0].mixer.in_proj.weight, "full_tensor")
+            and not hasattr(getattr(self.layers[0].mixer.in_proj, "weight", None), "full_tensor")
         ):
             plan = derived_plan(self, "forward", _forward_plan)
         residual = None
@@ -172,11 +168,14 @@ class MambaBackbone(nn.Module):
         check_state(state, self.config, x.shape[0], x.device)
 
     def _step_records_grad(self, state) -> bool:
+        """Whether a step must record a gradient (then it runs functionally, the forward over
+        one step): grad mode on and any parameter (an adapter's, when the base weights are
+        frozen) or the state requiring one."""
         if not torch.is_grad_enabled():
             return False
-        if self._param.requires_grad:
+        if self._param.requires_grad or state.requires_grad:
             return True
-        return state.requires_grad
+        return any(p.requires_grad for p in self.parameters())
 
     def _decode_plan(self) -> list:
         """Every block's decode weights (`MambaBlock.decode_weights`: `ops.StepWeights`,
@@ -205,9 +204,8 @@ class MambaBackbone(nn.Module):
         backend = resolve_backend("auto", h)
         layers = self._modules["layers"]
         if not torch.compiler.is_compiling() and all(b.fusable() for b in layers):
-            mixer = layers[0].mixer
-            if isinstance(mixer, (Mamba2, Mamba3)):
-                stack = mamba2_stack_step if isinstance(mixer, Mamba2) else mamba3_stack_step
+            stack = getattr(type(layers[0].mixer), "stack_step", None)
+            if stack is not None:  # the mixer's stack op (Mamba-2, Mamba-3)
                 states = [state.layer(i) for i in range(len(layers))]
                 plan = self._decode_plan()
                 return (*stack(h, plan, states, cdt, backend), cdt, backend)
@@ -239,8 +237,12 @@ def _forward_plan(backbone: MambaBackbone) -> list:
     return [getattr(block.mixer, "_ssm_params", tuple)() for block in backbone.layers]
 
 
-def _norm_eps(backbone: MambaBackbone) -> list[float]:
-    return [block._modules["norm"].eps for block in backbone._modules["layers"]]
+def _norm_eps(backbone: MambaBackbone) -> list:
+    """What the decode plans read besides the parameters: each block's norm eps, and a
+    mixer's own norm's (Mamba-2's gated norm), so a plan is rebuilt when one changes."""
+    return [(block._modules["norm"].eps, getattr(block._modules["mixer"]._modules.get("norm"),
+                                                 "eps", None))
+            for block in backbone._modules["layers"]]  # fmt: skip
 
 
 @dataclass

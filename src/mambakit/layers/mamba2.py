@@ -34,6 +34,7 @@ from ..ops.mamba2 import (
     Mamba2StepWeights,
     _mamba2_scan,
     check_mamba2_state,
+    mamba2_stack_step,
     mamba2_state_update,
     mamba2_step_raw,
 )
@@ -131,8 +132,11 @@ class Mamba2(nn.Module):
                                      norm_before_gate=norm_before_gate, **fk)  # fmt: skip
         self.out_proj = nn.Linear(d_inner, d_model, bias=bias, **fk)
 
+    # the decode step of a stack of `fusable()` blocks on the model's decode plan
+    stack_step = staticmethod(mamba2_stack_step)
+
     def init_state(self, batch_size: int, device=None) -> Mamba2State:
-        p = self.in_proj.weight
+        p = self.A_log  # (a parameter of the layer itself: the projections may be wrapped)
         return Mamba2State.zeros(batch_size, *self._state_sizes(), device=device or p.device,
                                  dtype=state_dtype(p))  # fmt: skip
 
@@ -158,13 +162,13 @@ class Mamba2(nn.Module):
         return (x.unflatten(-1, (H, P)), B.unflatten(-1, (G, N)), C.unflatten(-1, (G, N)),
                 delta, A, D)  # fmt: skip
 
-    def _output(self, y: torch.Tensor, z0, x0, z) -> torch.Tensor:
+    def _output(self, y: torch.Tensor, z0, x0, z, backend: str) -> torch.Tensor:
         """out_proj of the gated (normed) y [..., d_ssm], with the gated MLP's part."""
         if self.rmsnorm:
-            y = self.norm(y, z)
+            y = self.norm(y, z, backend)
         if self.d_mlp:
             y = torch.cat([F.silu(z0) * x0, y.to(x0.dtype)], dim=-1)
-        return self.out_proj(y.to(self.out_proj.weight.dtype))
+        return self.out_proj(y)  # y in in_proj's output dtype, as the projections compute
 
     def forward(
         self,
@@ -187,7 +191,7 @@ class Mamba2(nn.Module):
         ssm_state = None if state is None else state.ssm
         y, ssm_final = _mamba2_scan(x, delta, A, B, C, D, gate, ssm_state, seq_idx,
                                     self.chunk_size, backend)  # fmt: skip
-        out = self._output(y.flatten(-2), z0, x0, z)
+        out = self._output(y.flatten(-2), z0, x0, z, backend)
         return (out, Mamba2State(conv_final, ssm_final)) if return_state else out
 
     def step(
@@ -215,15 +219,15 @@ class Mamba2(nn.Module):
         one op from in_proj's rows to out_proj's input (`ops.mamba2.mamba2_step_raw`: two
         kernels on Triton); otherwise the modules are called."""
         if self._inner_plain():
-            y = mamba2_step_raw(state.conv, state.ssm, self.in_proj(u),
-                                self.decode_weights(), backend)  # fmt: skip
-            return self.out_proj(y.to(self.out_proj.weight.dtype))
+            w = self.decode_weights(projections=False)
+            y = mamba2_step_raw(state.conv, state.ssm, self.in_proj(u), w, backend)
+            return self.out_proj(y)  # y in in_proj's output dtype
         z0, x0, z, xBC, dt = self._split(self.in_proj(u))
         xBC = conv_silu_step(self.conv1d, xBC, state.conv, backend)
         x, B, C, delta, A, D = self._ssm_inputs(xBC, dt)
         gate = None if self.rmsnorm else z.unflatten(-1, (self.nheads, self.headdim))
         y = mamba2_state_update(state.ssm, x, delta, A, B, C, D, gate)
-        return self._output(y.flatten(-2), z0, x0, z)
+        return self._output(y.flatten(-2), z0, x0, z, backend)
 
     def sequence(self, x, state, seq_idx, backend, derived=None, last=False):
         """What a block runs over a sequence (every mixer has it): (out, the final state).
@@ -245,32 +249,45 @@ class Mamba2(nn.Module):
         mods = self._modules
         return plain(mods["in_proj"]) and plain(mods["out_proj"]) and self._inner_plain()
 
-    def decode_weights(self, norm: nn.Module | None = None) -> Mamba2StepWeights:
+    def decode_weights(
+        self, norm: nn.Module | None = None, projections: bool = True
+    ) -> Mamba2StepWeights:
         """The tensors a decode step reads (views of the parameters; A = -exp(A_log) made in
-        f32, f64 for a float64 model), with the block's `norm` (its RMSNorm) when given;
-        the projections' only for a `fusable()` layer."""
+        f32, f64 for a float64 model), with the block's `norm` (its RMSNorm) when given.
+        The projections' weights only with `projections` (a `fusable()` layer: the model's
+        decode plan); without, they are None and the caller calls the modules."""
         mods = self._modules
-        f = state_dtype(self.A_log)
         gnorm = mods.get("norm")
         H, P = self.nheads, self.headdim
         D = _p(self, "D")
+        proj = dict(in_w=None, in_b=None, out_w=None, out_b=None)
+        if projections:
+            proj = dict(in_w=_p(mods["in_proj"], "weight"), in_b=_p(mods["in_proj"], "bias"),
+                        out_w=_p(mods["out_proj"], "weight"),
+                        out_b=_p(mods["out_proj"], "bias"))  # fmt: skip
         return Mamba2StepWeights(
-            None if norm is None else _p(norm, "weight"), 0.0 if norm is None else norm.eps,
-            _p(mods["in_proj"], "weight"), _p(mods["in_proj"], "bias"),
-            _p(mods["out_proj"], "weight"), _p(mods["out_proj"], "bias"),
-            _p(mods["conv1d"], "weight").squeeze(1), _p(mods["conv1d"], "bias"),
-            _p(self, "dt_bias"), -torch.exp(_p(self, "A_log").to(f)),
-            D.view(H, P) if self.D_has_hdim else D,
-            None if gnorm is None else _p(gnorm, "weight"), 0.0 if gnorm is None else gnorm.eps,
-            (self.d_mlp, self.d_ssm, self.ngroups, self.d_state, H, P), self.dt_limit,
-            self.norm_before_gate,
-        )  # fmt: skip
+            norm_w=None if norm is None else _p(norm, "weight"),
+            eps=0.0 if norm is None else norm.eps,
+            **proj,
+            conv_w=_p(mods["conv1d"], "weight").squeeze(1),
+            conv_b=_p(mods["conv1d"], "bias"),
+            dt_bias=_p(self, "dt_bias"),
+            A=-torch.exp(_p(self, "A_log").to(state_dtype(self.A_log))),
+            D=D.view(H, P) if self.D_has_hdim else D,
+            gnorm_w=None if gnorm is None else _p(gnorm, "weight"),
+            gnorm_eps=0.0 if gnorm is None else gnorm.eps,
+            sizes=(self.d_mlp, self.d_ssm, self.ngroups, self.d_state, H, P),
+            dt_limit=self.dt_limit,
+            norm_before_gate=self.norm_before_gate,
+        )
 
     def _check_state(self, state: Mamba2State, batch: int, device) -> None:
         if not isinstance(state, Mamba2State):
             raise TypeError(f"state must be a Mamba2State, got {type(state).__name__}")
         K, Cd, H, P, N = self._state_sizes()
         check_tensor("state.conv", state.conv, (batch, K - 1, Cd), device=device)
+        if state.conv.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"state.conv must be float32 (or float64), got {state.conv.dtype}")
         check_mamba2_state("state.ssm", state.ssm, batch, H, P, N, device)
 
 
@@ -289,7 +306,9 @@ class RMSNormGated(nn.Module):
         self.norm_before_gate = norm_before_gate
         self.weight = no_weight_decay(nn.Parameter(torch.ones(d, device=device, dtype=dtype)))
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, z: torch.Tensor | None = None, backend: str = "auto"
+    ) -> torch.Tensor:
         """`ops.rms_norm_gated` (one kernel each way on the Triton backend)."""
         return _rms_norm_gated(x, z, self.weight, self.eps, self.group_size,
-                               self.norm_before_gate, x.dtype, "auto")  # fmt: skip
+                               self.norm_before_gate, x.dtype, backend)  # fmt: skip

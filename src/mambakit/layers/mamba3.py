@@ -39,6 +39,7 @@ from ..ops.mamba3 import (
     _split,
     check_mamba3_state,
     heavy_tail,
+    mamba3_stack_step,
     mamba3_state_update,
     mamba3_step_raw,
     mamba3_step_reference,
@@ -205,6 +206,9 @@ class Mamba3(nn.Module):
             return (f" (rows z,x,B,C,dd_dt,dd_A,trap,angles = {E},{E},{G * N},{G * N},{H},{H},"
                     f"{H},{S}: check d_state, ngroups, rope_fraction)")  # fmt: skip
         return ""
+
+    # the decode step of a stack of `fusable()` blocks on the model's decode plan
+    stack_step = staticmethod(mamba3_stack_step)
 
     def init_state(self, batch_size: int, device=None) -> Mamba3State:
         p = self.in_proj.weight

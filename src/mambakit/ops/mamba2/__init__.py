@@ -53,9 +53,9 @@ class Mamba2StepWeights(NamedTuple):
 
     norm_w: torch.Tensor | None  # [M] the block's RMSNorm weight
     eps: float
-    in_w: torch.Tensor  # [2 E + 2 G N + H, M]; its dtype is the compute dtype
-    in_b: torch.Tensor | None
-    out_w: torch.Tensor  # [M, E]
+    in_w: torch.Tensor | None  # [2 E + 2 G N + H, M] in the compute dtype (None: the layer
+    in_b: torch.Tensor | None  # calls its projections, `Mamba2.decode`)
+    out_w: torch.Tensor | None  # [M, E]
     out_b: torch.Tensor | None
     conv_w: torch.Tensor  # [conv_dim, K]
     conv_b: torch.Tensor | None  # [conv_dim]
@@ -180,7 +180,8 @@ def mamba2_step_raw(
     d_mlp + d_ssm] (step.py gives the math), the states advanced in place. Triton: two
     kernels, outside torch.compile and with f32 states. The caller checked the inputs."""
     args = (zxbcdt, conv_state, ssm_state, w.conv_w, w.conv_b, w.dt_bias, w.A, w.D, w.gnorm_w,
-            w.gnorm_eps, w.sizes, w.dt_limit, w.norm_before_gate)  # fmt: skip
+            w.gnorm_eps, w.sizes)  # fmt: skip
+    kw = dict(dt_limit=w.dt_limit, norm_before_gate=w.norm_before_gate)
     if (
         resolve_backend(backend, zxbcdt) == "triton"
         and not torch.compiler.is_compiling()
@@ -188,8 +189,8 @@ def mamba2_step_raw(
     ):
         from .step import mamba2_step_triton
 
-        return mamba2_step_triton(*args)
-    return mamba2_step_fused_reference(*args)
+        return mamba2_step_triton(*args, **kw)
+    return mamba2_step_fused_reference(*args, **kw)
 
 
 def mamba2_stack_step(
