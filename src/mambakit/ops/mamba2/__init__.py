@@ -178,10 +178,22 @@ def mamba2_step_raw(
 ) -> torch.Tensor:
     """One decode step from in_proj's output, without autograd: what out_proj reads [B,
     d_mlp + d_ssm] (step.py gives the math), the states advanced in place. Triton: two
-    kernels, outside torch.compile and with f32 states. The caller checked the inputs."""
+    kernels, outside torch.compile and with f32 states. The caller checked the states."""
     args = (zxbcdt, conv_state, ssm_state, w.conv_w, w.conv_b, w.dt_bias, w.A, w.D, w.gnorm_w,
             w.gnorm_eps, w.sizes)  # fmt: skip
-    kw = dict(dt_limit=w.dt_limit, norm_before_gate=w.norm_before_gate)
+    d_mlp, d_ssm, G, N, H, _ = w.sizes
+    width = 2 * d_mlp + 2 * d_ssm + 2 * G * N + H
+    if zxbcdt.shape[-1] != width or zxbcdt.stride(-1) != 1:  # the rest is the layer's own
+        raise ValueError(
+            f"zxbcdt (in_proj's output) must be [B, {width}] with unit last stride, got shape "
+            f"{tuple(zxbcdt.shape)}, strides {zxbcdt.stride()}"
+        )
+    for name, t in (("conv_state", conv_state), ("ssm_state", ssm_state)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have stride 1 in its last dim, got {t.stride()}")
+    # the states were checked at the model's or the layer's entry, the weights are the
+    # layer's own: no per-argument checks on each layer of each token
+    kw = dict(dt_limit=w.dt_limit, norm_before_gate=w.norm_before_gate, check=False)
     if (
         resolve_backend(backend, zxbcdt) == "triton"
         and not torch.compiler.is_compiling()

@@ -144,14 +144,17 @@ def mamba2_step_fused_reference(
     sizes: Sizes,  # (d_mlp, d_ssm, G, N, H, P)
     dt_limit: tuple[float, float] = (0.0, math.inf),
     norm_before_gate: bool = False,
+    check: bool = True,
 ) -> torch.Tensor:
     """zxbcdt [B, W] (the in_proj rows, any float dtype, last stride 1, rows may be
     strided); conv_state [B, K-1, conv_dim] and ssm_state [B, H, P, N] f32 (or f64)
     advanced IN PLACE; sizes = (d_mlp, d_ssm, G, N, H, P); returns y [B, d_mlp + d_ssm] in
-    zxbcdt.dtype: what out_proj reads."""
-    d_mlp, d_ssm, G, N, H, P = _check_step(
-        zxbcdt, conv_state, ssm_state, conv_w, conv_b, dt_bias, A, D, norm_w, sizes, False
-    )
+    zxbcdt.dtype: what out_proj reads. check=False: the caller checked every argument (a
+    decode step, once per token for the whole stack)."""
+    if check:
+        _check_step(zxbcdt, conv_state, ssm_state, conv_w, conv_b, dt_bias, A, D, norm_w, sizes,
+                    False)  # fmt: skip
+    d_mlp, d_ssm, G, N, H, P = sizes
     Bsz = zxbcdt.shape[0]
     dtype = zxbcdt.dtype
     f = state_dtype(zxbcdt, conv_state, ssm_state)

@@ -95,13 +95,16 @@ def mamba2_step_triton(
     dt_limit: tuple[float, float] = (0.0, math.inf),
     norm_before_gate: bool = False,
     cfg: Mamba2StepConfig | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """`mamba2_step_fused_reference` in two Triton launches (the module docstring says
     which); the states must be f32 with stride 1 in their last dim and stay where they are.
-    cfg: launch parameters other than the library's `CONFIG`."""
-    d_mlp, d_ssm, G, N, H, P = _check_step(
-        zxbcdt, conv_state, ssm_state, conv_w, conv_b, dt_bias, A, D, norm_w, sizes, True
-    )
+    cfg: launch parameters other than the library's `CONFIG`. check=False: the caller
+    checked every argument."""
+    if check:
+        _check_step(zxbcdt, conv_state, ssm_state, conv_w, conv_b, dt_bias, A, D, norm_w, sizes,
+                    True)  # fmt: skip
+    d_mlp, d_ssm, G, N, H, P = sizes
     cfg = cfg or CONFIG
     if cfg.block_p < 1 or cfg.block_p & (cfg.block_p - 1):
         raise ValueError(f"cfg.block_p must be a power of 2, got {cfg.block_p}")
