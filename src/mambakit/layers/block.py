@@ -100,12 +100,11 @@ class MambaBlock(nn.Module):
                 bias=cfg.bias,
                 conv_bias=cfg.conv_bias,
                 chunk_size=cfg.chunk_size,
+                norm_eps=cfg.rms_norm_eps,  # one eps for every norm, as transformers' Mamba2
                 layer_idx=layer_idx,
                 device=device,
                 dtype=dtype,
             )
-            if cfg.rmsnorm:  # one eps for every norm of the model, as transformers' Mamba2
-                self.mixer.norm.eps = cfg.rms_norm_eps
             return
         self.mixer = Mamba(
             cfg.d_model,

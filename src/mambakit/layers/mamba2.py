@@ -72,6 +72,8 @@ class Mamba2(nn.Module):
         bias: bool = False,
         conv_bias: bool = True,
         chunk_size: int = 256,
+        norm_eps: float = 1e-5,  # the gated norm's (mamba_ssm fixes 1e-5; transformers' is the
+        # config's layer_norm_epsilon)
         layer_idx: int | None = None,
         device=None,
         dtype=None,
@@ -128,7 +130,7 @@ class Mamba2(nn.Module):
         self.A_log = no_weight_decay(nn.Parameter(torch.log(A)))
         self.D = no_weight_decay(nn.Parameter(torch.ones(d_ssm if D_has_hdim else H, **f32)))
         if rmsnorm:
-            self.norm = RMSNormGated(d_ssm, eps=1e-5, group_size=d_ssm // ngroups,
+            self.norm = RMSNormGated(d_ssm, eps=norm_eps, group_size=d_ssm // ngroups,
                                      norm_before_gate=norm_before_gate, **fk)  # fmt: skip
         self.out_proj = nn.Linear(d_inner, d_model, bias=bias, **fk)
 
