@@ -390,6 +390,70 @@ def test_kernel_forward_without_autograd(nan_empty, kernel_calls):
         assert torch.equal(v, before[k]), k
 
 
+SSD_CASES = {
+    # id: (make's arguments, the documents' first rows or None, x's dtype); the chunk is 32
+    # steps in blocks of 16: documents starting inside a chunk, on a chunk's first row and on
+    # its last, the last chunk partial
+    "G2-docs-state-gate": (dict(Bn=2, T=100, H=4, P=4, G=2, N=8), (31, 32, 63, 70), None),
+    "G1-Dchannel-nostate": (
+        dict(Bn=1, T=77, H=2, P=4, G=1, N=8, D="channel", state=False),
+        None,
+        None,
+    ),  # fmt: skip
+    "G4-noD-nogate-docs": (
+        dict(Bn=1, T=64, H=4, P=4, G=4, N=8, D=None, z=False),
+        (1, 40),
+        None,
+    ),  # fmt: skip
+    "T1": (dict(Bn=2, T=1, H=2, P=4, G=1, N=8), None, None),
+    "bf16-xBC": (dict(Bn=1, T=70, H=2, P=4, G=1, N=8), (20,), torch.bfloat16),
+    "f16-xBC": (dict(Bn=1, T=70, H=2, P=4, G=1, N=8), None, torch.float16),
+}
+
+
+@pytest.mark.parametrize("case", list(SSD_CASES))
+def test_ssd_forward_without_autograd_equals_the_reference(nan_empty, case):
+    """The forward without autograd (ssd_kernels.py: every chunk in parallel) in chunks of 32
+    steps, and in the library's chunks: y and the final state against the float64
+    reference on the same (rounded) inputs; 16-bit x, B, C, z as slices of one xBC."""
+    import dataclasses
+
+    from mambakit.ops.mamba2 import mamba2_scan_kernel
+    from mambakit.ops.mamba3.chunk import CONFIG
+
+    make_kw, starts, dtype = SSD_CASES[case]
+    inp, _ = make(**make_kw, seed=len(case))
+    Bn, T = inp["x"].shape[:2]
+    seq_idx = None
+    if starts:
+        seq_idx = torch.zeros(Bn, T, dtype=torch.int32)
+        for s in starts:
+            seq_idx[:, s:] += 1
+    dt = dtype or torch.float32
+    rounded = {k: (v.to(dt).double() if k in ("x", "B", "C", "z") and v is not None else v)
+               for k, v in inp.items()}  # fmt: skip
+    y64, f64 = mamba2_scan_reference(**rounded, seq_idx=seq_idx)
+    args = {k: (v.to(DEVICE, dt if k in ("x", "B", "C", "z") else torch.float32)
+                if v is not None else None) for k, v in inp.items()}  # fmt: skip
+    if dtype is not None:  # x, B, C as the layer passes them: strided slices of one tensor
+        H, P = args["x"].shape[2:]
+        G, N = args["B"].shape[2:]
+        whole = torch.cat([args[k].flatten(2) for k in ("x", "B", "C")], -1)
+        x, Bm, Cm = torch.split(whole, [H * P, G * N, G * N], dim=-1)
+        args.update(x=x.unflatten(-1, (H, P)), B=Bm.unflatten(-1, (G, N)),
+                    C=Cm.unflatten(-1, (G, N)))  # fmt: skip
+    seq = seq_idx.to(DEVICE) if seq_idx is not None else None
+    small = dataclasses.replace(CONFIG, ssd_chunk=32, ssd_block_m=16, ssd_block_k=16)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dt]
+    for cfg in (small, CONFIG):
+        assert cfg.m2_fwd == "ssd"
+        with torch.no_grad():
+            y, final = mamba2_scan_kernel(**args, seq_idx=seq, cfg=cfg)
+        assert y.dtype == dt and final.dtype == torch.float32
+        errs = (rel(y, y64), rel(final, f64))
+        assert all(e < tol for e in errs), (cfg.ssd_chunk, errs)
+
+
 # ------------------------------------------------------------------------------------- GPU
 
 

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from ..mamba3.chunk import CONFIG, _Core, _Ctx, _launch_fwd
+from .._triton import cdiv, launch, next_power_of_2
+from ..mamba3.chunk import CONFIG, _block, _Core, _Ctx, _launch_fwd, _precision
+from ..mamba3.chunk_parallel_kernels import _state_scan_kernel
+from .ssd_kernels import _ssd_state_kernel, _ssd_y_kernel
 
 
 def _heads(t: torch.Tensor, H: int) -> torch.Tensor:
@@ -46,6 +49,8 @@ def scan_fwd(x, delta, A, B, C, D, z, s0, seq, cfg=None):
     """The scan without autograd: (y [B, T, H, P] in x.dtype with D and the gate, the final
     state [B, H, P, N] f32). x and z have unit last stride; s0 is f32 and contiguous."""
     cfg = cfg or CONFIG
+    if cfg.m2_fwd == "ssd":
+        return ssd_fwd(x, delta, A, B, C, D, z, s0, seq, cfg)
     qr, kr, adt, gamma, late, k0, x0 = _terms(x, delta, A, B, C)
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     sT, _, _ = _launch_fwd(x, qr, kr, adt, gamma, late, seq, D, z, s0, k0, x0, y, cfg.chunk,
@@ -81,3 +86,51 @@ def scan_train_backward(dy, dsT, inputs, pre, states, cfg=None):
     ddelta = (dgam + dadt * A.float()).to(delta.dtype)
     dA = (dadt * gamma).sum((0, 1)).to(A.dtype)
     return dx, ddelta, dA, dB, dC, dD, dz, ds0
+
+
+def ssd_fwd(x, delta, A, B, C, D, z, s0, seq, cfg=None):
+    """`scan_fwd` as the SSD chunked form, every chunk in parallel (ssd_kernels.py): the
+    chunks' decays and own state parts, the start states in order (`_state_scan_kernel`),
+    then y. Buffers: cs [B, H, T] and the chunks' states [B, H, T / ssd_chunk, P, N], f32."""
+    cfg = cfg or CONFIG
+    Bsz, T, H, P = x.shape
+    G, N = B.shape[2:]
+    L = cfg.ssd_chunk
+    nc = cdiv(T, L)
+    if B.stride(-1) != 1:
+        B = B.contiguous()
+    if C.stride(-1) != 1:
+        C = C.contiguous()
+    f32 = dict(device=x.device, dtype=torch.float32)
+    cs = torch.empty(Bsz, H, T, **f32)
+    u = torch.empty(Bsz, H, nc, P, N, **f32)
+    keep = torch.empty(Bsz, H, nc, **f32)
+    sT = torch.empty_like(s0)
+    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    seqt = seq if seq is not None else cs
+    prec = _precision(x, cfg)
+    block_p, block_n = _block(P), _block(N)
+    xs = (x.stride(0), x.stride(1), x.stride(2))
+    bs = (B.stride(0), B.stride(1), B.stride(2))
+    dts = (delta.stride(0), delta.stride(1))
+    launch(_ssd_state_kernel, (Bsz, H, nc),
+        x, B, delta, A, seqt, cs, u, keep, T, H, P, N, H // G, *xs, *bs, *dts, seqt.stride(0),
+        HAS_SEQ=seq is not None, L=L, BLOCK_K=cfg.ssd_block_k, BLOCK_P=block_p,
+        BLOCK_N=block_n, PREC=prec, num_warps=cfg.ssd_warps,
+    )  # fmt: skip
+    launch(_state_scan_kernel, (Bsz * H, cdiv(P * N, cfg.scan_block)),
+        keep, s0, s0, s0, keep, u, sT, T, H, P * N, N, L, 0,
+        BLOCK=cfg.scan_block, CHUNKS=min(cfg.scan_chunks, next_power_of_2(nc)), LATE0=False,
+        num_warps=cfg.scan_warps,
+    )  # fmt: skip
+    zt = z if z is not None else x
+    launch(_ssd_y_kernel, (Bsz, H, nc * (L // cfg.ssd_block_m)),
+        x, B, C, delta, cs, seqt, zt, D.float() if D is not None else cs, u, y,
+        T, H, P, N, H // G, *xs, *bs, C.stride(0), C.stride(1), C.stride(2), *dts,
+        seqt.stride(0), zt.stride(0), zt.stride(1), zt.stride(2), y.stride(0), y.stride(1),
+        y.stride(2),
+        HAS_SEQ=seq is not None, HAS_Z=z is not None, HAS_D=D is not None, L=L,
+        BLOCK_M=cfg.ssd_block_m, BLOCK_P=block_p, BLOCK_N=block_n, PREC=prec,
+        num_warps=cfg.ssd_warps,
+    )  # fmt: skip
+    return y, sT

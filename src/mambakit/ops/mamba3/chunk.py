@@ -114,6 +114,15 @@ class Mamba3ScanConfig:
     # gradients at 8 x 2048 where all 24 at once kept 400 MB (the layer's forward + backward
     # peaked at 928 MiB against mamba_ssm's 708).
     qk_head_slice: int = 8
+    # Mamba-2's forward without autograd (a prefill): "ssd", its own kernels in chunks of
+    # `ssd_chunk` steps, every chunk in parallel (ops/mamba2/ssd_kernels.py: the chunk's
+    # state part in blocks of `ssd_block_k` rows, y in blocks of `ssd_block_m` rows, with
+    # `ssd_warps`), or "chunks", the kernels above with Mamba-2's terms.
+    m2_fwd: str = "ssd"
+    ssd_chunk: int = 128
+    ssd_block_m: int = 64
+    ssd_block_k: int = 64
+    ssd_warps: int = 4
 
     terms: TermsConfig = TERMS  # the per-token terms' kernels (terms.py)
 
@@ -121,6 +130,15 @@ class Mamba3ScanConfig:
         if self.prec_16bit not in ("bf16", "tf32"):
             raise ValueError(
                 f"Mamba3ScanConfig.prec_16bit must be 'bf16' or 'tf32', got {self.prec_16bit!r}"
+            )
+        if self.m2_fwd not in ("ssd", "chunks"):
+            raise ValueError(
+                f"Mamba3ScanConfig.m2_fwd must be 'ssd' or 'chunks', got {self.m2_fwd!r}"
+            )
+        if self.ssd_chunk % self.ssd_block_m or self.ssd_chunk % self.ssd_block_k:
+            raise ValueError(
+                f"Mamba3ScanConfig.ssd_chunk ({self.ssd_chunk}) must be a multiple of ssd_block_m "
+                f"({self.ssd_block_m}) and ssd_block_k ({self.ssd_block_k})"
             )
 
 
@@ -181,7 +199,7 @@ def _launch_fwd_chunks(x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y
     )  # fmt: skip
     launch(_state_scan_kernel, (Bsz * H, cdiv(P * N, cfg.scan_block)),
         keep, s0, k0, x0, late, u, sT, T, H, P * N, N, L, late.stride(0),
-        BLOCK=cfg.scan_block, CHUNKS=min(cfg.scan_chunks, next_power_of_2(nc)),
+        BLOCK=cfg.scan_block, CHUNKS=min(cfg.scan_chunks, next_power_of_2(nc)), LATE0=True,
         num_warps=cfg.scan_warps,
     )  # fmt: skip
     launch(_chunk_y_kernel, grid,
