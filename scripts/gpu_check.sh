@@ -8,7 +8,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile"}
-# opt-in stages: residual rms ncu tasks m3 m3step m3fwd m2
+# opt-in stages: residual rms ncu tasks m3 m3step m3fwd m2 m2fwd
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -102,6 +102,10 @@ fi
 if stage m3fwd; then  # the Mamba-3 forward without autograd: chunks walked or in parallel, by shape
   echo "== m3_fwd_probe" | tee -a "$LOG"
   timeout ${T_M3FWD:-120} python scripts/m3_fwd_probe.py ${M3FWD_ARGS:-} 2>&1 | tee -a "$LOG"
+fi
+if stage m2fwd; then  # Mamba-2's forward without autograd: SSD kernels' variants, the Mamba-3 kernels, mamba_ssm
+  echo "== m2_fwd_probe" | tee -a "$LOG"
+  timeout ${T_M2FWD:-200} python scripts/m2_fwd_probe.py --out "$OUT/m2_fwd_probe.json" ${M2FWD_ARGS:-} 2>&1 | tee -a "$LOG"
 fi
 if stage m2; then  # Mamba-2: the layer, the 130m-mamba2 training step, prefill and decode beside mamba_ssm
   echo "== bench_mamba2" | tee -a "$LOG"

@@ -30,6 +30,7 @@ MODULES = [
     "mambakit.ops.argmax.kernels",
     "mambakit.ops.mamba_step.kernels",
     "mambakit.ops.mamba2.step_kernels",
+    "mambakit.ops.mamba2.ssd_kernels",
     "mambakit.ops.mamba3.chunk_kernels",
     "mambakit.ops.mamba3.chunk_parallel_kernels",
 ]
@@ -38,6 +39,8 @@ CONSTS = {  # representative values of the kernels' constexpr parameters
     "CHUNK": 16, "CB": 8, "K": 4, "TC": 4, "TS": 2, "STAGES": 2, "BLOCK_V": 128, "IGNORE": -100,
     "L": 32, "LS": 64, "PREC": "bf16", "BLOCK_P": 32, "BLOCK": 256, "CHUNKS": 4,
 }  # fmt: skip
+# where a kernel's products need other values (tl.dot takes blocks of 16 or more)
+OVERRIDES = {"_ssd_y_kernel": {"BLOCK_M": 16}, "_ssd_state_kernel": {"BLOCK_K": 16}}
 
 
 def _signature(fn) -> tuple[dict, dict]:
@@ -55,6 +58,7 @@ def _signature(fn) -> tuple[dict, dict]:
             sig[name] = "i32"
     if "BLOCK_M" in consts:  # the norm holds a whole row per program
         consts["BLOCK_N"] = 128
+    consts.update(OVERRIDES.get(fn.__name__, {}))
     return sig, consts
 
 
