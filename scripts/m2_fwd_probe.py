@@ -35,6 +35,9 @@ VARIANTS = {  # name: config fields
     "ssd128-w8": dict(ssd_warps=8),
     "ssd128-m32": dict(ssd_block_m=32),
     "ssd256-m128-w8": dict(ssd_chunk=256, ssd_block_m=128, ssd_warps=8),
+    "ssd64-cb": dict(ssd_chunk=64, ssd_cb=True),
+    "ssd128-cb": dict(ssd_cb=True),
+    "ssd256-cb": dict(ssd_chunk=256, ssd_cb=True),
     "chunks": dict(m2_fwd="chunks"),
 }
 
@@ -49,11 +52,41 @@ def _peer():
         return None
 
 
+def kernel_table(fn, title: str) -> str:
+    """The per-kernel GPU time of three calls of fn, as a table under `title`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25,
+                                      max_name_column_width=60)  # fmt: skip
+    return f"== {title} (3 calls)\n{table}\n"
+
+
+def prefill_table(length: int) -> str:
+    """The 130m-mamba2 model's forward at 1 x length without autograd (bf16), by kernel."""
+    from mambakit import MambaConfig, MambaLM
+
+    model = MambaLM(MambaConfig.from_preset("130m-mamba2")).cuda().to(torch.bfloat16).eval()
+    ids = torch.randint(0, 50000, (1, length), device="cuda")
+
+    def fwd():
+        with torch.inference_mode():
+            model(ids)
+
+    return kernel_table(fwd, f"130m-mamba2 forward 1x{length}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=["1x4096", "8x2048", "1x32768"])
     ap.add_argument("--heads", type=int, default=24)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, help="write per-kernel tables here")
     ap.add_argument("--dry", action="store_true")
     args = ap.parse_args()
     dev = "cpu" if args.dry else "cuda"
@@ -63,10 +96,11 @@ def main() -> int:
     variants = dict(VARIANTS)
     if args.dry:  # blocks the interpreter runs quickly
         variants = {"ssd128": {}, "ssd32-m16": dict(ssd_chunk=32, ssd_block_m=16, ssd_block_k=16),
+                    "ssd32-m16-cb": dict(ssd_chunk=32, ssd_block_m=16, ssd_block_k=16, ssd_cb=True),
                     "chunks": dict(m2_fwd="chunks")}  # fmt: skip
     peer = None if args.dry else _peer()
     g = torch.Generator(device=dev).manual_seed(0)
-    rows = []
+    rows, tables = [], []
     for shape in shapes:
         Bn, T = (int(v) for v in shape.split("x"))
         x = torch.randn(Bn, T, H, P, generator=g, device=dev).to(dt)
@@ -99,6 +133,15 @@ def main() -> int:
             row["mamba_ssm_rel"] = float(f"{((y - ref).norm() / ref.norm()).item():.1e}")
         print(json.dumps(row), flush=True)
         rows.append(row)
+        if args.profile and not args.dry:
+            for name in ("ssd128", "ssd128-cb"):
+                cfg = dataclasses.replace(CONFIG, **variants[name])
+                tables.append(kernel_table(
+                    lambda cfg=cfg, inp=(x, delta, A, Bm, Cm, D): mamba2_scan_kernel(*inp, cfg=cfg),
+                    f"{name} {shape}"))  # fmt: skip
+    if args.profile and not args.dry:
+        tables.append(prefill_table(4096))
+        Path(args.profile).write_text("".join(tables))
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     return 0

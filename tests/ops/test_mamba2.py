@@ -414,8 +414,9 @@ SSD_CASES = {
 @pytest.mark.parametrize("case", list(SSD_CASES))
 def test_ssd_forward_without_autograd_equals_the_reference(nan_empty, case):
     """The forward without autograd (ssd_kernels.py: every chunk in parallel) in chunks of 32
-    steps, and in the library's chunks: y and the final state against the float64
-    reference on the same (rounded) inputs; 16-bit x, B, C, z as slices of one xBC."""
+    steps, with the scores per head and per group, and in the library's chunks: y and the
+    final state against the float64 reference on the same (rounded) inputs; 16-bit x, B, C,
+    z as slices of one xBC."""
     import dataclasses
 
     from mambakit.ops.mamba2 import mamba2_scan_kernel
@@ -445,7 +446,7 @@ def test_ssd_forward_without_autograd_equals_the_reference(nan_empty, case):
     seq = seq_idx.to(DEVICE) if seq_idx is not None else None
     small = dataclasses.replace(CONFIG, ssd_chunk=32, ssd_block_m=16, ssd_block_k=16)
     tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dt]
-    for cfg in (small, CONFIG):
+    for cfg in (small, dataclasses.replace(small, ssd_cb=not small.ssd_cb), CONFIG):
         assert cfg.m2_fwd == "ssd"
         with torch.no_grad():
             y, final = mamba2_scan_kernel(**args, seq_idx=seq, cfg=cfg)

@@ -17,7 +17,7 @@ import torch
 from .._triton import cdiv, launch, next_power_of_2
 from ..mamba3.chunk import CONFIG, _block, _Core, _Ctx, _launch_fwd, _precision
 from ..mamba3.chunk_parallel_kernels import _state_scan_kernel
-from .ssd_kernels import _ssd_state_kernel, _ssd_y_kernel
+from .ssd_kernels import _ssd_cb_kernel, _ssd_state_kernel, _ssd_y_kernel
 
 
 def _heads(t: torch.Tensor, H: int) -> torch.Tensor:
@@ -124,13 +124,21 @@ def ssd_fwd(x, delta, A, B, C, D, z, s0, seq, cfg=None):
         num_warps=cfg.scan_warps,
     )  # fmt: skip
     zt = z if z is not None else x
-    launch(_ssd_y_kernel, (Bsz, H, nc * (L // cfg.ssd_block_m)),
-        x, B, C, delta, cs, seqt, zt, D.float() if D is not None else cs, u, y,
-        T, H, P, N, H // G, *xs, *bs, C.stride(0), C.stride(1), C.stride(2), *dts,
+    BM = cfg.ssd_block_m
+    cb = cs
+    if cfg.ssd_cb:
+        cb = torch.empty(Bsz, G, nc, L, L, **f32)
+        launch(_ssd_cb_kernel, (Bsz * G, nc, (L // BM) ** 2),
+            B, C, cb, T, G, N, *bs, C.stride(0), C.stride(1), C.stride(2),
+            L=L, BLOCK_M=BM, BLOCK_N=block_n, PREC=prec, num_warps=cfg.ssd_warps,
+        )  # fmt: skip
+    launch(_ssd_y_kernel, (Bsz, H, nc * (L // BM)),
+        x, B, C, delta, cs, seqt, zt, D.float() if D is not None else cs, u, y, cb,
+        T, H, P, N, H // G, G, *xs, *bs, C.stride(0), C.stride(1), C.stride(2), *dts,
         seqt.stride(0), zt.stride(0), zt.stride(1), zt.stride(2), y.stride(0), y.stride(1),
         y.stride(2),
-        HAS_SEQ=seq is not None, HAS_Z=z is not None, HAS_D=D is not None, L=L,
-        BLOCK_M=cfg.ssd_block_m, BLOCK_P=block_p, BLOCK_N=block_n, PREC=prec,
+        HAS_SEQ=seq is not None, HAS_Z=z is not None, HAS_D=D is not None, HAS_CB=cfg.ssd_cb,
+        L=L, BLOCK_M=BM, BLOCK_P=block_p, BLOCK_N=block_n, PREC=prec,
         num_warps=cfg.ssd_warps,
     )  # fmt: skip
     return y, sT

@@ -97,18 +97,50 @@ def _ssd_state_kernel(
 
 
 @triton.jit
+def _ssd_cb_kernel(
+    p_b, p_c, p_cb, T, G, N, s_b_b, s_b_t, s_b_g, s_c_b, s_c_t, s_c_g,
+    L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+):
+    """The scores C_t . B_s of chunk c for one group, a [BLOCK_M, BLOCK_M] block of (t, s) a
+    program, to cb [B, G, chunks, L, L] f32 (blocks above the diagonal are not written: no
+    row reads them). Grid (row x group, chunk, blocks of t x blocks of s)."""
+    b = (tl.program_id(0) // G).to(tl.int64)
+    g = tl.program_id(0) % G
+    c = tl.program_id(1).to(tl.int64)
+    blocks = L // BLOCK_M
+    mb = tl.program_id(2) // blocks
+    kb = tl.program_id(2) % blocks
+    if kb <= mb:
+        c0 = c * L
+        rows = tl.arange(0, BLOCK_M)
+        tm = c0 + mb * BLOCK_M + rows
+        tk = c0 + kb * BLOCK_M + rows
+        n = tl.arange(0, BLOCK_N)
+        mn = n < N
+        cm = _operand(p_c + b * s_c_b + tm[:, None] * s_c_t + g * s_c_g + n[None, :],
+                      (tm < T)[:, None] & mn[None, :], PREC)
+        bk = _operand(p_b + b * s_b_b + tk[:, None] * s_b_t + g * s_b_g + n[None, :],
+                      (tk < T)[:, None] & mn[None, :], PREC)
+        base = ((b * G + g) * tl.cdiv(T, L) + c) * L * L
+        tl.store(p_cb + base + (mb * BLOCK_M + rows)[:, None] * L + (kb * BLOCK_M + rows)[None, :],
+                 _mm(cm, tl.trans(bk), PREC))
+
+
+@triton.jit
 def _ssd_y_kernel(
-    p_x, p_b, p_c, p_dt, p_cs, p_seq, p_z, p_D, p_st, p_y,
-    T, H, P, N, R,
+    p_x, p_b, p_c, p_dt, p_cs, p_seq, p_z, p_D, p_st, p_y, p_cb,
+    T, H, P, N, R, G,
     s_x_b, s_x_t, s_x_h, s_b_b, s_b_t, s_b_g, s_c_b, s_c_t, s_c_g, s_dt_b, s_dt_t, s_seq_b,
     s_z_b, s_z_t, s_z_h, s_y_b, s_y_t, s_y_h,
-    HAS_SEQ: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr, L: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    HAS_SEQ: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr, HAS_CB: tl.constexpr,
+    L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     """y for BLOCK_M rows of chunk c from its start state (st [B, H, chunks, P, N] f32):
     the start state's share, then the chunk's causal scores block by block up to the
-    diagonal, D x and the gate y silu(z). A program per (row, head, chunk x blocks of
-    BLOCK_M rows)."""
+    diagonal, D x and the gate y silu(z). HAS_CB: the scores C_t . B_s read from cb (
+    `_ssd_cb_kernel`'s, once per group rather than per head). A program per (row, head,
+    chunk x blocks of BLOCK_M rows)."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     blocks = L // BLOCK_M
@@ -138,8 +170,6 @@ def _ssd_y_kernel(
     for k0 in range(c0, m0 + BLOCK_M, BLOCK_M):
         tk = k0 + tl.arange(0, BLOCK_M)
         mk = tk < T
-        bk = _operand(p_b + b * s_b_b + tk[:, None] * s_b_t + g * s_b_g + n[None, :],
-                      mk[:, None] & mn[None, :], PREC)
         xk = _operand(p_x + b * s_x_b + tk[:, None] * s_x_t + h * s_x_h + p[None, :],
                       mk[:, None] & mp[None, :], PREC)
         cs_k = tl.load(p_cs + bh * T + tk, mask=mk, other=0.0)
@@ -149,7 +179,13 @@ def _ssd_y_kernel(
             doc_k = tl.load(p_seq + b * s_seq_b + tk, mask=mk, other=-2)
             ok = ok & (doc_m[:, None] == doc_k[None, :])
         w = tl.exp(tl.where(ok, cs_m[:, None] - cs_k[None, :], float("-inf"))) * dt_k[None, :]
-        scores = _mm(cm, tl.trans(bk), PREC) * w  # [M, K]
+        if HAS_CB:
+            at = ((b * G + g) * nc + c) * L * L + (tm - c0)[:, None] * L + (tk - c0)[None, :]
+            scores = tl.load(p_cb + at, mask=ok, other=0.0) * w  # [M, K]
+        else:
+            bk = _operand(p_b + b * s_b_b + tk[:, None] * s_b_t + g * s_b_g + n[None, :],
+                          mk[:, None] & mn[None, :], PREC)
+            scores = _mm(cm, tl.trans(bk), PREC) * w
         if PREC == "bf16":
             scores = scores.to(tl.bfloat16)
         y = _mm(scores, xk, PREC, y)

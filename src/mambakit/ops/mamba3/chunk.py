@@ -123,6 +123,7 @@ class Mamba3ScanConfig:
     ssd_block_m: int = 64
     ssd_block_k: int = 64
     ssd_warps: int = 4
+    ssd_cb: bool = False  # the scores C . B once per group and chunk (`_ssd_cb_kernel`)
 
     terms: TermsConfig = TERMS  # the per-token terms' kernels (terms.py)
 
