@@ -1,0 +1,575 @@
+"""The serving engine: continuous batching of requests over a pool of state slots, with
+chunked prefill and the prefix-state cache. No HTTP here; usable from Python:
+
+    engine = Engine(model, tokenizer=tok, max_batch=64).start()
+    out = engine.generate(tok.encode("def "), SamplingParams(max_tokens=32, temperature=0))
+    engine.shutdown()
+
+One thread (the engine loop) does all the model work. Each iteration:
+
+1. takes new requests and cancellations from the other threads (`submit`, `cancel`),
+   and frees the rows of cancelled ones;
+2. runs one batched decode step over every running choice (`SlotPool`) and samples
+   each row with its own settings; a choice that ends (max_tokens, a stop string or
+   token, end of sequence) frees its row at once; the new tokens are handed out
+   before the prefill work starts;
+3. admits waiting requests while rows are free (a request of n choices needs n), looks
+   their prompt up in the prefix cache, and prefills up to `prefill_tokens` prompt
+   tokens over the admitted prompts (`prefill.py`): the time a long prompt adds to an
+   iteration, and so to the running streams' inter-token latency, is bounded by that
+   budget. A prompt whose prefill completes draws its first token from the prompt's
+   last logits and joins the decode batch.
+
+Requests beyond the free rows wait in a queue of at most `max_queue`; `submit` raises
+`QueueFull` beyond it. An exception while handling one request ends that request with
+an error event; a failed batched forward ends the requests in that batch; the loop
+itself carries on.
+
+Greedy and seeded choices give what `generate` gives for the request alone: the same
+sampler, seeds (choice i of a request seeded s draws from s + i) and token numbers; the
+state and logits agree up to the rounding of f32 sums in a batch of another size.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+import traceback
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..inference.cuda_graph import static_mode, use_cuda_graph
+from ..state import ModelState
+from ..threads import apply_threads
+from .cache import PrefixCache, prefix_hashes
+from .detok import Detokenizer, StopText
+from .metrics import Metrics
+from .params import EngineStopped, Event, QueueFull, SamplingParams
+from .prefill import piece_lengths, plan_targets, stack_rows
+from .slots import SlotPool, rows_view, sample_rows
+
+
+class PromptTooLong(ValueError):
+    """The prompt has more tokens than the engine's limit (HTTP 413)."""
+
+
+@dataclass
+class Completion:
+    """One finished choice, as `Engine.generate` returns it."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    error: str | None = None
+
+
+class Sequence:
+    """One choice of a request: its tokens, text and row in the pool while it runs."""
+
+    def __init__(self, request: Request, index: int, seed: int, tokenizer) -> None:
+        self.request = request
+        self.index = index
+        self.seed = seed
+        self.tokens: list[int] = []
+        self.detok = Detokenizer(tokenizer, request.prompt)
+        self.stop_text = StopText(request.params.stop)
+        self.finished: str | None = None
+        self.last_time = 0.0
+
+
+class Request:
+    """A submitted prompt and its choices; `events()` yields what the engine sends when no
+    `sink` was given."""
+
+    def __init__(self, prompt: list[int], params: SamplingParams, sink, request_id) -> None:
+        self.id = request_id or uuid.uuid4().hex
+        self.prompt = prompt
+        self.params = params
+        self.arrival = time.monotonic()
+        self._queue: queue.Queue | None = None if sink is not None else queue.Queue()
+        self.sink: Callable[[Event], None] = sink if sink is not None else self._queue.put
+        self.seqs: list[Sequence] = []
+        self.open = params.n  # choices not finished yet
+        # prefill
+        self.pos = 0
+        self.hashes: list[int] = []
+        self.state: ModelState | None = None  # after prompt[:pos], one row
+        self.logits: torch.Tensor | None = None  # [V] at prompt[pos - 1]
+        self.pieces: deque[int] = deque()
+        self.cached = 0  # prompt tokens found in the prefix cache
+
+    @property
+    def done(self) -> bool:
+        return self.open == 0
+
+    def events(self, timeout: float | None = None):
+        """The request's events, until every choice has ended (no `sink` given)."""
+        if self._queue is None:
+            raise RuntimeError("events(): this request sends its events to its sink")
+        left = self.params.n
+        while left:
+            ev = self._queue.get(timeout=timeout)
+            left -= ev.finish_reason is not None
+            yield ev
+
+
+class Engine:
+    """Continuous batching over `max_batch` state slots (module docstring).
+
+    model: a MambaLM (eval mode; its device and dtype are the engine's).
+    tokenizer: encodes nothing here, but turns tokens into text for the events and stop
+        strings (`mambakit.text`); None: token ids only.
+    eos_token_id: a choice that draws it ends with "stop" (unless `ignore_eos`).
+    block_size: prefill pieces never cross a multiple of it; the prefix cache keeps the
+        state at each multiple inside a prompt and at the prompt's end.
+    prefill_tokens: prompt tokens prefilled per iteration at most (the bound on the
+        delay a new prompt adds to running streams).
+    cache_bytes: the prefix cache's budget on the device (0: off).
+    max_queue: requests waiting for a free row at most.
+    max_prompt_tokens: longer prompts are refused (`PromptTooLong`).
+    cuda_graph: "auto" (on CUDA), True or False: the decode step of each bucket of batch
+        sizes captured once and replayed.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        tokenizer=None,
+        eos_token_id: int | None = None,
+        max_batch: int = 64,
+        block_size: int = 256,
+        prefill_tokens: int = 2048,
+        cache_bytes: int = 1 << 30,
+        max_queue: int = 1024,
+        max_prompt_tokens: int = 32768,
+        cuda_graph: bool | str = "auto",
+    ) -> None:
+        for name, v, lo in (("max_batch", max_batch, 1), ("block_size", block_size, 1),
+                            ("prefill_tokens", prefill_tokens, 1), ("max_queue", max_queue, 0),
+                            ("max_prompt_tokens", max_prompt_tokens, 1)):  # fmt: skip
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+        if not hasattr(model, "last_logits") or not hasattr(model, "step"):
+            raise TypeError(f"model must be a MambaLM, got {type(model).__name__}")
+        vocab = model.config.vocab_size
+        if eos_token_id is not None and not 0 <= eos_token_id < vocab:
+            raise ValueError(f"eos_token_id must lie in [0, {vocab}), got {eos_token_id}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.vocab = vocab
+        self.max_batch = max_batch
+        self.block_size = block_size
+        self.prefill_tokens = prefill_tokens
+        self.max_queue = max_queue
+        self.max_prompt_tokens = max_prompt_tokens
+        self.device = next(model.parameters()).device
+        if self.device.type == "cpu":
+            apply_threads()
+        self.graphs = use_cuda_graph(cuda_graph, self.device)
+        self.cache = PrefixCache(cache_bytes)
+        self.metrics = Metrics()
+        with static_mode():
+            self.pool = SlotPool(model, max_batch, self.graphs)
+            self._zero = model.init_state(1)
+        self.rows: list[Sequence] = []  # the choice in each leading row of the pool
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []
+        self.reserved = 0  # rows promised to prefilling requests
+        # test hook: called with (sequence, token) for every new token; an exception it
+        # raises ends that request with an error event
+        self.on_token: Callable[[Sequence, int], None] | None = None
+        # hands an iteration's events out; the default calls each request's sink
+        self.deliver: Callable[[list[tuple[Request, Event]]], None] = self._deliver
+        self._outbox: list[tuple[Request, Event]] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[Request] = []
+        self._cancels: list[Request] = []
+        self._n_waiting = 0  # inbox + waiting, under the lock
+        self._draining = False
+        self._abort = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._rng = random.Random()
+
+    # ---- the other threads' side ----------------------------------------------------
+
+    def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        sink: Callable[[Event], None] | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        """Queue a prompt (token ids); events go to `sink` (called on the engine thread
+        through `deliver`) or to the request's `events()`. Raises ValueError naming the
+        field, PromptTooLong, QueueFull or EngineStopped."""
+        params = params or SamplingParams()
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        if not isinstance(prompt, list | tuple) or not prompt:
+            raise ValueError("prompt must be a non-empty list of token ids")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("prompt must hold token ids (ints)")
+        lo, hi = min(prompt), max(prompt)
+        if lo < 0 or hi >= self.vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {self.vocab}), got [{lo}, {hi}]")
+        if len(prompt) > self.max_prompt_tokens:
+            raise PromptTooLong(
+                f"prompt has {len(prompt)} tokens, more than the limit {self.max_prompt_tokens}"
+            )
+        if params.n > self.max_batch:
+            raise ValueError(f"n must be at most max_batch {self.max_batch}, got {params.n}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none")
+        req = Request(list(prompt), params, sink, request_id)
+        with self._lock:
+            if self._draining or self._stop:
+                self.metrics.rejected["draining"] += 1
+                raise EngineStopped("the engine is shutting down")
+            if self._n_waiting >= self.max_queue:
+                self.metrics.rejected["queue_full"] += 1
+                raise QueueFull(f"{self._n_waiting} requests are waiting (the limit)")
+            self._n_waiting += 1
+            self._inbox.append(req)
+            self.metrics.requests += 1
+            self.metrics.prompt_tokens += len(prompt)
+            self._wake.notify()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """End `req` (its client went away): its rows are freed at the next iteration."""
+        with self._lock:
+            self._cancels.append(req)
+            self._wake.notify()
+
+    def start(self) -> Engine:
+        """Run the loop on a thread of its own."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="mambakit-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 30.0) -> bool:
+        """Take no new requests, let the running ones finish for up to `timeout` seconds,
+        end the rest ("abort") and stop the loop. True when everything finished in time."""
+        with self._lock:
+            self._draining = True
+        deadline = time.monotonic() + timeout
+        while not self.idle and time.monotonic() < deadline:
+            if self._thread is None:
+                self.step()
+            else:
+                time.sleep(0.01)
+        drained = self.idle
+        with self._lock:
+            self._abort = True
+            self._stop = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        else:
+            self.step()
+        return drained
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def idle(self) -> bool:
+        return not (self.rows or self.prefilling or self._n_waiting)
+
+    def generate(self, prompt: list[int], params: SamplingParams | None = None) -> list[Completion]:
+        """Submit and wait: the request's choices when every one has ended."""
+        params = params or SamplingParams()
+        req = self.submit(prompt, params)
+        outs = [Completion(i, [], "", None) for i in range(params.n)]
+        if self._thread is None:
+            while not req.done:
+                self.step()
+        for ev in req.events():
+            o = outs[ev.index]
+            o.token_ids += ev.token_ids
+            o.text += ev.text
+            o.finish_reason = ev.finish_reason or o.finish_reason
+            o.error = ev.error or o.error
+        return outs
+
+    def gauges(self) -> dict[str, tuple[str, float]]:
+        """The engine's gauges for /metrics: name -> (help, value)."""
+        n = len(self.rows)
+        return {
+            "running": ("Choices in the decode batch.", n),
+            "prefilling": ("Requests being prefilled.", len(self.prefilling)),
+            "waiting": ("Requests waiting for a free row (queue depth).", self._n_waiting),
+            "batch_occupancy": ("Running choices over max_batch.", n / self.max_batch),
+            "max_batch": ("State slots.", self.max_batch),
+        }
+
+    # ---- the engine thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        while True:
+            with self._lock:
+                if self._stop and not self._abort:
+                    break
+                if not (self._inbox or self._cancels or self.rows or self.prefilling
+                        or self.waiting or self._abort):  # fmt: skip
+                    self._wake.wait(timeout=0.5)
+                    continue
+            self.step()
+            with self._lock:
+                if self._stop and self.idle:
+                    break
+
+    @static_mode()
+    def step(self) -> None:
+        """One iteration (module docstring); the loop thread calls it, or the caller when
+        the engine was not started."""
+        with self._lock:
+            new, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, []
+            abort = self._abort
+        self.waiting.extend(new)
+        try:
+            for req in cancels:
+                self._end_request(req, "abort")
+            if abort:
+                for req in [*self.waiting, *self.prefilling, *{s.request for s in self.rows}]:
+                    self._end_request(req, "abort", "the server is shutting down")
+                with self._lock:
+                    self._abort = False
+            if self.rows:
+                self._decode()
+            self._flush()
+            self._admit()
+            if self.prefilling:
+                self._prefill()
+            self._flush()
+        except Exception as e:  # a bug in the bookkeeping: end what runs, keep the loop
+            msg = f"internal error: {type(e).__name__}: {e}"
+            traceback.print_exc()
+            for req in [*self.prefilling, *{s.request for s in self.rows}]:
+                self._end_request(req, "error", msg)
+            self._flush()
+        with self.metrics.lock:
+            self.metrics.iterations += 1
+
+    def _deliver(self, outbox: list[tuple[Request, Event]]) -> None:
+        for req, ev in outbox:
+            try:
+                req.sink(ev)
+            except Exception:  # a consumer that fails is treated as gone
+                if not req.done:
+                    self.cancel(req)
+
+    def _flush(self) -> None:
+        if self._outbox:
+            out, self._outbox = self._outbox, []
+            self.deliver(out)
+
+    def _decode(self) -> None:
+        pool, n = self.pool, len(self.rows)
+        try:
+            logits = pool.step(n)
+            cfgs = [s.request.params.sampling for s in self.rows]
+            seen = pool.seen[:n] if pool.seen is not None else None
+            nxt = sample_rows(logits, cfgs, pool.seeds[:n], pool.steps[:n], seen)
+            pool.tok[:n].copy_(nxt)
+            pool.steps[:n] += 1
+            if pool.seen is not None:
+                pool.seen[torch.arange(n, device=pool.device), nxt] = True
+            tokens = nxt.tolist()
+        except Exception as e:  # the batch's step failed: every running choice ends
+            msg = f"decode step failed: {type(e).__name__}: {e}"
+            for req in {s.request for s in self.rows}:
+                self._end_request(req, "error", msg)
+            return
+        now = time.monotonic()
+        for seq, tok in zip(list(self.rows), tokens):
+            if seq.finished is None:
+                self._accept(seq, tok, now)
+        self._free_rows()
+
+    def _accept(self, seq: Sequence, tok: int, now: float) -> None:
+        """A new token of `seq`: stop checks, text, its event; a failure ends the request."""
+        req = seq.request
+        try:
+            if self.on_token is not None:
+                self.on_token(seq, tok)
+            seq.tokens.append(tok)
+            p = req.params
+            m = self.metrics
+            with m.lock:
+                m.tokens_out(1, now)
+                if len(seq.tokens) == 1:
+                    if seq.index == 0:
+                        m.ttft.observe(now - req.arrival)
+                else:
+                    m.itl.observe(now - seq.last_time)
+            seq.last_time = now
+            reason = None
+            if tok in p.stop_token_ids or (tok == self.eos_token_id and not p.ignore_eos):
+                reason = "stop"
+                text = ""
+            else:
+                text = seq.stop_text.add(seq.detok.push(tok))
+                if seq.stop_text.stopped:
+                    reason = "stop"
+            if reason is None and len(seq.tokens) >= p.max_tokens:
+                reason = "length"
+            if reason is not None and not seq.stop_text.stopped:
+                text += seq.stop_text.add(seq.detok.flush()) + seq.stop_text.flush()
+            self._outbox.append((req, Event(seq.index, [tok], text, reason)))
+            if reason is not None:
+                self._finish(seq, reason)
+        except Exception as e:
+            self._end_request(req, "error", f"{type(e).__name__}: {e}")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finished = reason
+        seq.request.open -= 1
+        with self.metrics.lock:
+            self.metrics.finished[reason] += 1
+
+    def _end_request(self, req: Request, reason: str, error: str | None = None) -> None:
+        """End every open choice of `req` with `reason` and take it out of the engine."""
+        if req.done:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+            with self._lock:
+                self._n_waiting -= 1
+        if req in self.prefilling:
+            self.prefilling.remove(req)
+            self.reserved -= req.params.n
+            req.state = req.logits = None
+        started = {s.index for s in req.seqs}
+        for seq in req.seqs:
+            if seq.finished is None:
+                self._outbox.append((req, Event(seq.index, [], "", reason, error)))
+                self._finish(seq, reason)
+        for i in range(req.params.n):
+            if i not in started:
+                self._outbox.append((req, Event(i, [], "", reason, error)))
+                req.open -= 1
+                with self.metrics.lock:
+                    self.metrics.finished[reason] += 1
+        self._free_rows()
+
+    def _free_rows(self) -> None:
+        """Drop finished choices from the pool, moving the last rows into the holes."""
+        rows = self.rows
+        for i in reversed(range(len(rows))):
+            if rows[i].finished is not None:
+                last = len(rows) - 1
+                if i != last:
+                    self.pool.move(last, i)
+                    rows[i] = rows[last]
+                rows.pop()
+
+    def _admit(self) -> None:
+        """Waiting requests into prefill while rows are free, first come first served."""
+        while self.waiting:
+            req = self.waiting[0]
+            if len(self.rows) + self.reserved + req.params.n > self.max_batch:
+                break
+            self.waiting.popleft()
+            with self._lock:
+                self._n_waiting -= 1
+            self.reserved += req.params.n
+            if self.cache.enabled:
+                req.hashes = prefix_hashes(req.prompt)
+                hit = self.cache.lookup(req.prompt, req.hashes)
+                if hit is not None:
+                    req.pos = req.cached = len(hit.tokens)
+                    req.state, req.logits = hit.state, hit.logits
+            self.prefilling.append(req)
+
+    def _prefill(self) -> None:
+        """Up to `prefill_tokens` prompt tokens (prefill.py), then the first tokens of the
+        prompts that are complete."""
+        for req, target in plan_targets(self.prefilling, self.prefill_tokens, self.block_size):
+            req.pieces = piece_lengths(req.pos, target, self.block_size)
+        while True:
+            active = [r for r in self.prefilling if r.pieces]
+            if not active:
+                break
+            size = max(r.pieces[0] for r in active)
+            group = [r for r in active if r.pieces[0] == size]
+            try:
+                ids = torch.tensor([r.prompt[r.pos : r.pos + size] for r in group],
+                                   dtype=torch.int64, device=self.device)  # fmt: skip
+                state = stack_rows([r.state for r in group], self._zero)
+                logits, out = self.model.last_logits(ids, state)
+            except Exception as e:
+                msg = f"prefill failed: {type(e).__name__}: {e}"
+                for r in group:
+                    self._end_request(r, "error", msg)
+                continue
+            with self.metrics.lock:
+                self.metrics.prefill_tokens += size * len(group)
+            for i, r in enumerate(group):
+                r.pieces.popleft()
+                r.pos += size
+                r.state, r.logits = rows_view(out, i, i + 1), logits[i]
+                if r.pos % self.block_size == 0 or r.pos == len(r.prompt):
+                    self.cache.insert(r.prompt[: r.pos], r.hashes, r.state, r.logits)
+        ready = [r for r in self.prefilling if r.pos == len(r.prompt)]
+        if ready:
+            self._join(ready)
+
+    def _join(self, ready: list[Request]) -> None:
+        """Draw the first token of every choice of the prompts in `ready` and put the
+        choices that go on into free rows."""
+        seqs: list[Sequence] = []
+        for req in ready:
+            self.prefilling.remove(req)
+            self.reserved -= req.params.n
+            p = req.params
+            base = p.seed if p.seed is not None else self._rng.getrandbits(62)
+            req.seqs = [Sequence(req, i, base + i, self.tokenizer) for i in range(p.n)]
+            seqs += req.seqs
+        try:
+            logits = torch.stack([s.request.logits for s in seqs])
+            cfgs = [s.request.params.sampling for s in seqs]
+            seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=self.device)
+            steps = torch.zeros_like(seeds)
+            seen = None
+            if any(c.repetition_penalty != 1 for c in cfgs):
+                seen = torch.zeros(len(seqs), self.vocab, dtype=torch.bool, device=self.device)
+                for i, s in enumerate(seqs):
+                    seen[i, s.request.prompt] = True
+            first = sample_rows(logits, cfgs, seeds, steps, seen).tolist()
+        except Exception as e:
+            msg = f"sampling failed: {type(e).__name__}: {e}"
+            for req in ready:
+                self._end_request(req, "error", msg)
+            return
+        now = time.monotonic()
+        for i, (seq, tok) in enumerate(zip(seqs, first)):
+            req = seq.request
+            if req.done:
+                continue
+            self._accept(seq, tok, now)
+            if seq.finished is None and not req.done:
+                row_seen = None
+                if seen is not None:
+                    row_seen = seen[i]
+                    row_seen[tok] = True
+                self.pool.load(len(self.rows), req.state, tok, seq.seed, 1, row_seen)
+                self.rows.append(seq)
+        for req in ready:
+            req.state = req.logits = None

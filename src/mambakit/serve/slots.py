@@ -1,0 +1,122 @@
+"""The pool of state slots and the batched decode step over it.
+
+B = max_batch rows, V vocabulary. The pool is one model state of B rows allocated once
+(`state.py`: [L, B, ...] per field); a running choice owns one row. The rows in use are
+always rows 0 .. n-1: a choice that ends frees its row by moving the last row into it
+(one row copy), so a decode step runs on the leading rows only. On CUDA the step of
+each bucket of batch sizes (1, 2, 4, ... B) is captured once in a CUDA graph reading the
+pool's leading rows, whose addresses never change; n rows run the smallest bucket that
+holds them (the rows past n compute garbage nobody reads). On the CPU the step runs
+eagerly on exactly n rows.
+
+Sampling runs after the step, outside the graph, with `inference.sampling.sample` on
+the rows of each distinct setting: per-row seeds and per-row token numbers feed its
+counter-based noise, so a row draws exactly what `generate` draws for that request
+alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..inference.cuda_graph import capture
+from ..inference.plan import refresh
+from ..inference.sampling import SamplingConfig, sample
+from ..state import ModelState
+
+
+def rows_view(state: ModelState, start: int, stop: int) -> ModelState:
+    """Rows start .. stop-1 of every field, as views (their addresses are the pool's)."""
+    return type(state)(*(t[:, start:stop] for t in state._tensors()))
+
+
+def sample_rows(
+    logits: torch.Tensor,  # [R, V]
+    cfgs: list[SamplingConfig],  # one per row
+    seeds: torch.Tensor,  # [R] int64
+    steps: torch.Tensor,  # [R] int64: the number of the token each row draws
+    seen: torch.Tensor | None,  # [R, V] bool, where a row's setting has a repetition penalty
+) -> torch.Tensor:
+    """Next tokens [R]: `sample` on the rows of each distinct setting."""
+    groups: dict[SamplingConfig, list[int]] = {}
+    for i, c in enumerate(cfgs):
+        groups.setdefault(c, []).append(i)
+    if len(groups) == 1:
+        (cfg,) = groups
+        return sample(logits, cfg, seeds, steps, seen if cfg.repetition_penalty != 1 else None)
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    for cfg, rows in groups.items():
+        idx = torch.tensor(rows, device=logits.device)
+        rep = seen[idx] if cfg.repetition_penalty != 1 else None
+        out[idx] = sample(logits[idx], cfg, seeds[idx], steps[idx], rep)
+    return out
+
+
+class SlotPool:
+    """B state rows and the per-row decode inputs, and the batched step over rows 0 .. n-1."""
+
+    def __init__(self, model, max_batch: int, graphs: bool) -> None:
+        self.model = model
+        self.max_batch = max_batch
+        device = next(model.parameters()).device
+        self.device = device
+        self.state = model.init_state(max_batch)
+        i64 = dict(dtype=torch.int64, device=device)
+        self.tok = torch.zeros(max_batch, **i64)  # [B] each row's last token
+        self.seeds = torch.zeros(max_batch, **i64)  # [B]
+        self.steps = torch.zeros(max_batch, **i64)  # [B] the number of the next token drawn
+        self.seen: torch.Tensor | None = None  # [B, V] bool, once a request needs it
+        self.vocab = model.config.vocab_size
+        self.buckets = [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch]
+        self.buckets.append(max_batch)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if graphs:
+            pool = torch.cuda.graph_pool_handle()
+            for b in self.buckets:
+                view = rows_view(self.state, 0, b)
+                tok = self.tok[:b]
+
+                def step(view=view, tok=tok):
+                    return self.model.step(tok, view)[0]
+
+                self.graphs[b] = capture(step, warmup=2, pool=pool)
+            self.state.zero_()  # the warm-up ran the step for real
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def step(self, n: int) -> torch.Tensor:
+        """Advance rows 0 .. n-1 by their tokens `tok`: their logits [n, V]."""
+        if self.graphs:
+            refresh(self.model)  # the graphs read the decode plans derived from the weights
+            graph, logits = self.graphs[self.bucket(n)]
+            graph.replay()
+            return logits[:n]
+        logits, _ = self.model.step(self.tok[:n], rows_view(self.state, 0, n))
+        return logits
+
+    def need_seen(self) -> torch.Tensor:
+        if self.seen is None:
+            self.seen = torch.zeros(self.max_batch, self.vocab, dtype=torch.bool,
+                                    device=self.device)  # fmt: skip
+        return self.seen
+
+    def load(self, row: int, state: ModelState, token: int, seed: int, step: int,
+             seen: torch.Tensor | None) -> None:  # fmt: skip
+        """Put a choice in `row`: the state after its prompt (one row), the token it drew
+        last, its seed and the number of the next token it draws."""
+        for dst, src in zip(self.state._tensors(), state._tensors()):
+            dst[:, row].copy_(src[:, 0])
+        self.tok[row] = token
+        self.seeds[row] = seed
+        self.steps[row] = step
+        if seen is not None:
+            self.need_seen()[row].copy_(seen)
+
+    def move(self, src: int, dst: int) -> None:
+        """Row src's choice into row dst (the freed one)."""
+        for t in self.state._tensors():
+            t[:, dst].copy_(t[:, src])
+        for t in (self.tok, self.seeds, self.steps, self.seen):
+            if t is not None:
+                t[dst] = t[src]
