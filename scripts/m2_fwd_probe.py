@@ -67,18 +67,19 @@ def kernel_table(fn, title: str) -> str:
     return f"== {title} (3 calls)\n{table}\n"
 
 
-def prefill_table(length: int) -> str:
-    """The 130m-mamba2 model's forward at 1 x length without autograd (bf16), by kernel."""
+def prefill_table(length: int, device: str = "cuda") -> str:
+    """The 130m-mamba2 model's forward at 1 x length without autograd (bf16 weights under
+    bf16 autocast, bench_model.py's prefill), by kernel."""
+    from bench_model import forward_fn
+
     from mambakit import MambaConfig, MambaLM
 
-    model = MambaLM(MambaConfig.from_preset("130m-mamba2")).cuda().to(torch.bfloat16).eval()
-    ids = torch.randint(0, 50000, (1, length), device="cuda")
-
-    def fwd():
-        with torch.inference_mode():
-            model(ids)
-
-    return kernel_table(fwd, f"130m-mamba2 forward 1x{length}")
+    model = MambaLM(MambaConfig.preset("130m-mamba2"), device=device).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 50000, (1, length), device=device)
+    if device != "cuda":  # the dry run: the calls, not the profile
+        forward_fn(model, ids)
+        return ""
+    return kernel_table(forward_fn(model, ids), f"130m-mamba2 forward 1x{length}")
 
 
 def main() -> int:
@@ -87,13 +88,15 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=24)
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", default=None, help="write per-kernel tables here")
+    ap.add_argument("--prefill-length", type=int, default=4096)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--dry", action="store_true")
     args = ap.parse_args()
     dev = "cpu" if args.dry else "cuda"
     H, P, N = (2, 16, 16) if args.dry else (args.heads, 64, 128)
     shapes = ["1x80"] if args.dry else args.shapes
     dt = torch.float32 if args.dry else torch.bfloat16
-    variants = dict(VARIANTS)
+    variants = {k: VARIANTS[k] for k in args.variants}
     if args.dry:  # blocks the interpreter runs quickly
         variants = {"ssd128": {}, "ssd32-m16": dict(ssd_chunk=32, ssd_block_m=16, ssd_block_k=16),
                     "ssd32-m16-cb": dict(ssd_chunk=32, ssd_block_m=16, ssd_block_k=16, ssd_cb=True),
@@ -101,6 +104,10 @@ def main() -> int:
     peer = None if args.dry else _peer()
     g = torch.Generator(device=dev).manual_seed(0)
     rows, tables = [], []
+    if args.profile:
+        tables.append(prefill_table(args.prefill_length, dev))
+        if not args.dry:
+            Path(args.profile).write_text("".join(tables))
     for shape in shapes:
         Bn, T = (int(v) for v in shape.split("x"))
         x = torch.randn(Bn, T, H, P, generator=g, device=dev).to(dt)
@@ -139,9 +146,8 @@ def main() -> int:
                 tables.append(kernel_table(
                     lambda cfg=cfg, inp=(x, delta, A, Bm, Cm, D): mamba2_scan_kernel(*inp, cfg=cfg),
                     f"{name} {shape}"))  # fmt: skip
-    if args.profile and not args.dry:
-        tables.append(prefill_table(4096))
-        Path(args.profile).write_text("".join(tables))
+            Path(args.profile).write_text("".join(tables))
+
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     return 0
