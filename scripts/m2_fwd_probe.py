@@ -142,7 +142,7 @@ def main() -> int:
         rows.append(row)
         if args.profile and not args.dry:
             for name in ("ssd128", "ssd128-cb"):
-                cfg = dataclasses.replace(CONFIG, **variants[name])
+                cfg = dataclasses.replace(CONFIG, **VARIANTS[name])
                 tables.append(kernel_table(
                     lambda cfg=cfg, inp=(x, delta, A, Bm, Cm, D): mamba2_scan_kernel(*inp, cfg=cfg),
                     f"{name} {shape}"))  # fmt: skip
