@@ -17,7 +17,7 @@ RANKS = {
     "layers": 2,
     "hf": 3, "inference": 3,
     "model": 4,
-    "training": 5, "tasks": 5,
+    "training": 5, "tasks": 5, "serve": 5,
     "cli": 6, "__init__": 6, "__main__": 6,
 }  # fmt: skip
 

@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "train": "train a Mamba LM (default: tiny preset on the Python standard library's source)",
     "generate": "stream a continuation of --prompt from a checkpoint",
     "task": "train on a synthetic task of the Mamba paper and test it from 2^6 to 2^20 steps",
+    "serve": "serve a checkpoint over the OpenAI HTTP API (continuous batching, prefix cache)",
 }
 
 

@@ -104,6 +104,7 @@ class Request:
         self.logits: torch.Tensor | None = None  # [V] at prompt[pos - 1]
         self.pieces: deque[int] = deque()
         self.cached = 0  # prompt tokens found in the prefix cache
+        self.inbox = None  # where a consumer on another thread keeps the events it gets
 
     @property
     def done(self) -> bool:
@@ -259,11 +260,15 @@ class Engine:
             self._thread.start()
         return self
 
+    def begin_drain(self) -> None:
+        """Take no new requests (`submit` raises EngineStopped); the running ones go on."""
+        with self._lock:
+            self._draining = True
+
     def shutdown(self, timeout: float = 30.0) -> bool:
         """Take no new requests, let the running ones finish for up to `timeout` seconds,
         end the rest ("abort") and stop the loop. True when everything finished in time."""
-        with self._lock:
-            self._draining = True
+        self.begin_drain()
         deadline = time.monotonic() + timeout
         while not self.idle and time.monotonic() < deadline:
             if self._thread is None:
