@@ -1,0 +1,301 @@
+"""The engine alone (no HTTP), stepped by the test: every choice against `generate` run
+for that request alone (the oracle), the prefix cache, cancellation, limits, faults."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from mambakit.inference import generate
+from mambakit.serve import (
+    Engine,
+    EngineStopped,
+    PrefixCache,
+    PromptTooLong,
+    QueueFull,
+    SamplingParams,
+)
+from mambakit.serve.cache import prefix_hashes
+from mambakit.serve.detok import StopText
+from mambakit.serve.prefill import piece_lengths, plan_targets
+from mambakit.text import ByteTokenizer
+
+
+def alone(model, prompt, p: SamplingParams, n: int = 1, eos=None) -> list[list[int]]:
+    """The oracle: `generate` on this request by itself (n copies of the prompt)."""
+    out = generate(
+        model,
+        torch.tensor([prompt] * n),
+        max_new_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_k=p.sampling.top_k,
+        top_p=p.top_p,
+        min_p=p.min_p,
+        repetition_penalty=p.repetition_penalty,
+        seed=p.seed,
+        eos_token_id=eos,
+    )
+    return [row[len(prompt) :].tolist() for row in out]
+
+
+def run_all(engine: Engine, reqs) -> None:
+    for _ in range(10_000):
+        if all(r.done for r in reqs):
+            return
+        engine.step()
+    raise AssertionError("the engine did not finish its requests")
+
+
+def tokens(req) -> list[list[int]]:
+    out = [[] for _ in range(req.params.n)]
+    for ev in req.events(timeout=5):
+        out[ev.index] += ev.token_ids
+    return out
+
+
+def mixed_requests(seed: int, count: int):
+    rng = random.Random(seed)
+    settings = [
+        dict(temperature=0),
+        dict(temperature=0.9, seed=11),
+        dict(temperature=0.7, top_k=5, seed=12),
+        dict(temperature=1.0, top_p=0.8, min_p=0.05, seed=13),
+        dict(temperature=0, repetition_penalty=1.3),
+    ]
+    out = []
+    for i in range(count):
+        prompt = [rng.randrange(256) for _ in range(rng.randint(1, 70))]
+        params = SamplingParams(max_tokens=rng.randint(1, 24), **settings[i % len(settings)])
+        out.append((prompt, params))
+    return out
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mamba2", "tiny-mamba3"])
+def test_every_choice_is_what_generate_gives_alone(model_dirs, preset, load):
+    """14 requests of mixed lengths and settings through 5 rows: requests wait, join and
+    leave the batch, long prompts are prefilled in pieces over several iterations."""
+    model = load(model_dirs[preset])
+    oracle = load(model_dirs[preset])
+    engine = Engine(model, max_batch=5, block_size=16, prefill_tokens=40, cache_bytes=0)
+    work = mixed_requests(0, 14)
+    reqs = [engine.submit(p, sp) for p, sp in work]
+    run_all(engine, reqs)
+    for (prompt, sp), req in zip(work, reqs):
+        assert tokens(req) == alone(oracle, prompt, sp), (len(prompt), sp)
+    assert not engine.rows and not engine.prefilling and engine.idle
+
+
+def test_n_choices_are_the_rows_of_one_generate(model_dirs, load):
+    model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
+    engine = Engine(model, max_batch=4, block_size=16)
+    sp = SamplingParams(max_tokens=12, temperature=0.8, seed=5, n=3)
+    req = engine.submit(list(range(30, 60)), sp)
+    run_all(engine, [req])
+    assert tokens(req) == alone(oracle, list(range(30, 60)), sp, n=3)
+    assert engine.metrics.prefill_tokens == 30  # the prompt is prefilled once for all three
+
+
+def test_prefix_cache_hits_are_exact_and_counted(model_dirs, load):
+    model, oracle = load(model_dirs["tiny-mamba2"]), load(model_dirs["tiny-mamba2"])
+    engine = Engine(model, max_batch=4, block_size=16, cache_bytes=1 << 26)
+    rng = random.Random(1)
+    a = [rng.randrange(256) for _ in range(40)]
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    first = engine.submit(a, greedy)
+    run_all(engine, [first])
+    assert engine.cache.hits == 0 and engine.cache.misses == 1
+    # the whole prompt, a block boundary (32) of it, and its end inside a longer prompt
+    prompts = [a, a[:32] + [7, 8, 9], a + [1, 2, 3, 4, 5]]
+    reqs = [engine.submit(p, greedy) for p in prompts]
+    run_all(engine, reqs)
+    assert engine.cache.hits == 3 and engine.cache.hit_tokens == 40 + 32 + 40
+    assert engine.metrics.prefill_tokens == 40 + 3 + 5
+    for p, req in zip([a, *prompts], [first, *reqs]):
+        assert tokens(req) == alone(oracle, p, greedy)
+
+
+def test_prefix_cache_lru_budget_and_exact_keys():
+    state = torch.zeros(1, 1, 4)
+
+    class S:  # a one-field state: what the cache reads of one
+        def __init__(self, t):
+            self.t = t
+
+        def clone(self):
+            return S(self.t.clone())
+
+        def _tensors(self):
+            return (self.t,)
+
+    each = 4 * 4 + 2 * 4  # state + logits bytes
+    cache = PrefixCache(max_bytes=2 * each + 1)
+    logits = torch.zeros(2)
+    for toks in ([1], [2], [3]):
+        cache.insert(toks, prefix_hashes(toks), S(state), logits)
+    assert len(cache.entries) == 2 and cache.evictions == 1 and cache.nbytes == 2 * each
+    assert cache.lookup([1, 9], prefix_hashes([1, 9])) is None  # the oldest went first
+    assert cache.lookup([2, 9], prefix_hashes([2, 9])).tokens == (2,)
+    cache.insert([4], prefix_hashes([4]), S(state), logits)  # drops [3], not the used [2]
+    assert cache.lookup([3], prefix_hashes([3])) is None
+    assert cache.lookup([2], prefix_hashes([2])) is not None
+    # a hash collision never hands out another prefix's state: the tokens are compared
+    forged = prefix_hashes([2])
+    assert cache.lookup([5], forged) is None
+
+
+def test_cancel_frees_the_row_at_once(model_dirs, load):
+    engine = Engine(load(model_dirs["tiny"]), max_batch=2, block_size=16)
+    long = engine.submit([1, 2, 3], SamplingParams(max_tokens=10_000, temperature=0))
+    waiting = engine.submit([4, 5], SamplingParams(max_tokens=3, temperature=0, n=2))
+    for _ in range(4):
+        engine.step()
+    assert len(engine.rows) == 1 and engine.waiting  # n=2 needs both rows
+    engine.cancel(long)
+    engine.step()
+    assert long.done and engine.rows[0].request is waiting or waiting.done
+    evs = list(long.events(timeout=5))
+    assert evs[-1].finish_reason == "abort" and 0 < sum(len(e.token_ids) for e in evs) < 20
+    run_all(engine, [waiting])
+    assert not engine.rows and engine.metrics.finished["abort"] == 1
+
+
+def test_limits_and_bad_input_name_the_field(model_dirs, load):
+    engine = Engine(load(model_dirs["tiny"]), max_batch=2, max_queue=1, max_prompt_tokens=8)
+    for kw, field in [(dict(top_p=2.0), "top_p"), (dict(temperature=-1), "temperature"),
+                      (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"),
+                      (dict(top_k=-2), "top_k"), (dict(seed=-1), "seed"),
+                      (dict(stop=[""]), "stop")]:  # fmt: skip
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kw)
+    with pytest.raises(ValueError, match="prompt"):
+        engine.submit([1, 256])
+    with pytest.raises(ValueError, match="prompt"):
+        engine.submit([])
+    with pytest.raises(PromptTooLong, match="9 tokens"):
+        engine.submit(list(range(9)))
+    with pytest.raises(ValueError, match="n must be at most max_batch 2"):
+        engine.submit([1], SamplingParams(n=3))
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        engine.submit([1], SamplingParams(stop=["x"]))
+    engine.submit([1])
+    with pytest.raises(QueueFull):
+        engine.submit([2])
+    assert engine.metrics.rejected["queue_full"] == 1
+    with pytest.raises(ValueError, match="max_batch"):
+        Engine(engine.model, max_batch=0)
+
+
+def test_stops_end_a_choice(model_dirs, load):
+    model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
+    prompt = list(b"def main():\n    ")
+    sp = SamplingParams(max_tokens=40, temperature=0.9, seed=3)
+    ref = alone(oracle, prompt, sp)[0]
+    # a stop token, the model's end-of-sequence token, a stop string
+    k = 6
+    engine = Engine(model, tokenizer=ByteTokenizer(), eos_token_id=ref[k + 3])
+    by_id = engine.submit(prompt, SamplingParams(**{**_kw(sp), "stop_token_ids": (ref[k],)}))
+    by_eos = engine.submit(prompt, sp)
+    ignore = engine.submit(prompt, SamplingParams(**{**_kw(sp), "ignore_eos": True}))
+    i = next(i for i, t in enumerate(ref) if 33 <= t < 127)  # a printable byte
+    stop = chr(ref[i])
+    by_text = engine.submit(prompt, SamplingParams(**{**_kw(sp), "stop": (stop,)}))
+    run_all(engine, [by_id, by_eos, ignore, by_text])
+    first = ref.index(ref[k])
+    assert tokens(by_id)[0] == ref[: first + 1]
+    assert tokens(by_eos)[0] == ref[: ref.index(ref[k + 3]) + 1]
+    assert tokens(ignore)[0] == ref
+    evs = list(by_text.events(timeout=5))
+    got = [t for e in evs for t in e.token_ids]
+    assert got == ref[: ref.index(ref[i]) + 1] and evs[-1].finish_reason == "stop"
+    text = "".join(e.text for e in evs)
+    assert text == bytes(ref[: ref.index(ref[i])]).decode("utf-8", "replace")
+
+
+def _kw(sp: SamplingParams) -> dict:
+    return dict(max_tokens=sp.max_tokens, temperature=sp.temperature, seed=sp.seed)
+
+
+def test_stop_text_holds_back_a_possible_stop():
+    s = StopText(("STOP",))
+    assert s.add("ab") == ""  # the last 3 characters may begin "STOP": held back
+    assert s.add("cS") == "a"
+    assert s.add("TO") == "bc"
+    assert s.add("Px") == "" and s.stopped and s.text == "abc"
+    s = StopText(("xy",))
+    assert s.add("abx") == "ab" and s.add("z") == "x" and not s.stopped
+    s = StopText(())
+    assert s.add("abc") == "abc" and s.flush() == ""
+
+
+def test_a_request_that_raises_ends_alone(model_dirs, load):
+    model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
+    engine = Engine(model, max_batch=4)
+
+    def hook(seq, tok):
+        if seq.request.prompt[0] == 255 and len(seq.tokens) == 2:
+            raise RuntimeError("injected fault")
+
+    engine.on_token = hook
+    sp = SamplingParams(max_tokens=10, temperature=0)
+    bad = engine.submit([255, 1, 2], sp)
+    good = engine.submit([3, 4, 5], sp)
+    run_all(engine, [bad, good])
+    evs = list(bad.events(timeout=5))
+    assert evs[-1].finish_reason == "error" and "injected fault" in evs[-1].error
+    assert tokens(good) == alone(oracle, [3, 4, 5], sp)
+    again = engine.submit([255, 1, 2], SamplingParams(max_tokens=1, temperature=0))
+    run_all(engine, [again])
+    assert not engine.rows and again.done
+
+
+def test_prefill_failure_ends_its_requests_only(model_dirs, monkeypatch, load):
+    model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
+    engine = Engine(model, max_batch=4, block_size=16)
+    sp = SamplingParams(max_tokens=5, temperature=0)
+    good = engine.submit([1, 2, 3, 4], sp)
+    engine.step()
+    real = model.last_logits
+
+    def failing(ids, state=None, seq_idx=None):
+        raise RuntimeError("out of memory (injected)")
+
+    monkeypatch.setattr(model, "last_logits", failing)
+    bad = engine.submit(list(range(20)), sp)
+    engine.step()
+    monkeypatch.setattr(model, "last_logits", real)
+    run_all(engine, [good, bad])
+    assert next(iter(bad.events(timeout=5))).finish_reason == "error"
+    assert tokens(good) == alone(oracle, [1, 2, 3, 4], sp)
+
+
+def test_shutdown_drains_then_refuses(model_dirs, load):
+    engine = Engine(load(model_dirs["tiny"]), max_batch=2).start()
+    req = engine.submit([1, 2, 3], SamplingParams(max_tokens=20, temperature=0))
+    assert engine.shutdown(timeout=30) is True
+    assert req.done and [e.finish_reason for e in req.events(timeout=5)][-1] == "length"
+    with pytest.raises(EngineStopped):
+        engine.submit([1])
+    # a drain that runs out of time ends what is left with "abort"
+    engine = Engine(load(model_dirs["tiny"]), max_batch=2).start()
+    req = engine.submit([1, 2, 3], SamplingParams(max_tokens=100_000, temperature=0))
+    assert engine.shutdown(timeout=0.2) is False
+    assert [e.finish_reason for e in req.events(timeout=5)][-1] == "abort"
+
+
+def test_prefill_pieces_share_forwards():
+    assert list(piece_lengths(0, 100, 256)) == [64, 32, 4]
+    assert list(piece_lengths(0, 600, 256)) == [256, 256, 64, 16, 8]
+    assert list(piece_lengths(300, 520, 256)) == [128, 64, 16, 4, 8]
+
+    class R:
+        def __init__(self, n, pos=0):
+            self.prompt, self.pos = [0] * n, pos
+
+    a, b, c = R(1000), R(50), R(10)
+    # a stops at a block boundary within the budget; the first always advances
+    assert [t for _, t in plan_targets([a, b, c], 520, 256)] == [512]
+    assert [t for _, t in plan_targets([a, b, c], 600, 256)] == [512, 50, 10]
+    assert [t for _, t in plan_targets([b, c, a], 600, 256)] == [50, 10, 512]
+    assert [t for _, t in plan_targets([a], 100, 256)] == [256]
