@@ -45,6 +45,7 @@ from .protocol import (
 )
 
 MAX_BODY_BYTES = 4 << 20
+DISCONNECT_CHECK = 0.25  # seconds between checks that a non-streaming client is still there
 
 
 def create_app(
@@ -202,16 +203,20 @@ def create_app(
         texts = [""] * (n * len(reqs))
         ids: list[list[int]] = [[] for _ in texts]
         reasons: list = [None] * len(texts)
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + DISCONNECT_CHECK
         try:
             for k, req in enumerate(reqs):
                 q = req.inbox
                 left = n
                 while left:
-                    try:
-                        ev = await asyncio.wait_for(q.get(), timeout=0.5)
-                    except asyncio.TimeoutError:
+                    if loop.time() > next_check:  # a client that left cancels its request
                         if await request.is_disconnected():
-                            raise asyncio.CancelledError from None
+                            raise asyncio.CancelledError
+                        next_check = loop.time() + DISCONNECT_CHECK
+                    try:
+                        ev = await asyncio.wait_for(q.get(), timeout=DISCONNECT_CHECK)
+                    except asyncio.TimeoutError:
                         continue
                     i = k * n + ev.index
                     if ev.finish_reason == "error":

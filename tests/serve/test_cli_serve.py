@@ -1,0 +1,74 @@
+"""`mambakit serve` as a user runs it: a process on a checkpoint folder, SIGTERM while a
+stream runs (the stream finishes, the process exits 0), and its flag errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from conftest import free_port  # noqa: E402  (tests/serve/conftest.py)
+
+
+def test_sigterm_drains_the_running_stream_and_exits_0(model_dirs):
+    port = free_port()
+    env = {**os.environ, "MAMBAKIT_API_KEY": "k"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mambakit", "serve", "--model", str(model_dirs["tiny"]),
+         "--port", str(port), "--device", "cpu", "--max-batch", "4"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.1)
+        assert httpx.get(f"{url}/v1/models").status_code == 401  # the key from the environment
+        body = {"prompt": "def ", "max_tokens": 300, "temperature": 0, "stream": True,
+                "return_token_ids": True}  # fmt: skip
+        headers = {"Authorization": "Bearer k"}
+        n, reason, done = 0, None, False
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers,
+                          timeout=60) as r:  # fmt: skip
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                c = json.loads(line[6:])["choices"][0]
+                n += len(c["token_ids"])
+                reason = c["finish_reason"] or reason
+                if n == 5:
+                    proc.send_signal(signal.SIGTERM)
+        assert done and reason == "length" and n == 300  # the stream ran to its end
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "4 slots" in proc.stderr.read()
+
+
+def test_flag_errors_are_one_line(model_dirs):
+    for args, msg in [
+        (["--max-batch", "0"], "--max-batch must be at least 1"),
+        (["--cache-gib", "-1"], "--cache-gib must be >= 0"),
+    ]:
+        got = subprocess.run(
+            [sys.executable, "-m", "mambakit", "serve", "--model", str(model_dirs["tiny"]), *args],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert got.returncode == 2 and msg in got.stderr, got.stderr

@@ -1,0 +1,322 @@
+"""The HTTP server, live: uvicorn on 127.0.0.1 started by the test, driven with the
+`openai` client and raw httpx. Every token stream is checked against `generate` run
+for that request alone on a second copy of the model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from mambakit.inference import generate
+from mambakit.serve import Engine
+from mambakit.serve.chat import ChatTemplate
+from mambakit.serve.server import create_app
+from mambakit.text import ByteTokenizer
+
+from conftest import running  # noqa: E402  (tests/serve/conftest.py)
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>"
+    "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-mamba2"])
+def server(request, model_dirs, load):
+    """(base URL, engine, oracle model) of a live server with an API key, 8 rows, chunked
+    prefill in blocks of 16, a prefix cache, a chat template and small limits."""
+    path = model_dirs[request.param]
+    engine = Engine(load(path), tokenizer=ByteTokenizer(), max_batch=8, block_size=16,
+                    prefill_tokens=48, cache_bytes=1 << 26, max_prompt_tokens=512)  # fmt: skip
+    app = create_app(engine, model_name="tiny", tokenizer=ByteTokenizer(),
+                     chat_template=ChatTemplate(TEMPLATE), api_key=KEY,
+                     max_body_bytes=64 << 10, max_tokens_limit=100_000)  # fmt: skip
+    with running(app) as url:
+        yield url, engine, load(path)
+    assert not engine._thread.is_alive()
+
+
+def alone(model, prompt, max_tokens, **kw) -> list[int]:
+    out = generate(model, torch.tensor([prompt]), max_new_tokens=max_tokens, **kw)
+    return out[0, len(prompt) :].tolist()
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    m = re.search(rf"^mambakit_{re.escape(name)} (\S+)$", text, flags=re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def test_16_concurrent_streams_are_generate_alone(server):
+    """16 streams at once over 8 rows, prompts of 1 to 120 tokens, 1 to 40 new tokens,
+    greedy and seeded sampling: each one token for token what generate gives it alone."""
+    url, engine, oracle = server
+    rng = random.Random(7)
+    jobs = []
+    for i in range(16):
+        prompt = [rng.randrange(256) for _ in range(rng.randint(1, 120))]
+        kw = dict(temperature=0.0) if i % 2 == 0 else dict(temperature=0.8, seed=100 + i)
+        if i % 4 == 3:
+            kw.update(top_p=0.9)
+        jobs.append((prompt, rng.randint(1, 40), kw))
+
+    async def one(client, prompt, max_tokens, kw):
+        stream = await client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=max_tokens, stream=True,
+            extra_body={"return_token_ids": True}, **kw,
+        )  # fmt: skip
+        toks, reason = [], None
+        async for chunk in stream:
+            for c in chunk.choices:
+                toks += c.token_ids
+                reason = c.finish_reason or reason
+        return toks, reason
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+        return await asyncio.gather(*(one(client, *job) for job in jobs))
+
+    results = asyncio.run(main())
+    for (prompt, max_tokens, kw), (toks, reason) in zip(jobs, results):
+        assert toks == alone(oracle, prompt, max_tokens, **kw), (len(prompt), max_tokens, kw)
+        assert reason == "length"
+    assert metric(url, "running") == 0
+
+
+def test_completion_n_usage_and_text(server):
+    url, _, oracle = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    out = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=9, n=2,
+                                    temperature=0.7, seed=3,
+                                    extra_body={"return_token_ids": True})  # fmt: skip
+    prompt = list(b"def f(x):")
+    ref = generate(oracle, torch.tensor([prompt] * 2), max_new_tokens=9, temperature=0.7, seed=3)
+    for c in out.choices:
+        assert c.token_ids == ref[c.index, len(prompt) :].tolist()
+        assert c.text == bytes(c.token_ids).decode("utf-8", "replace")
+    assert out.usage.prompt_tokens == 9 and out.usage.completion_tokens == 18
+    assert out.model == "tiny" and out.object == "text_completion"
+    # a batch of two prompts: choices 0-1 for the first, 2-3 for the second
+    out = client.completions.create(model="tiny", prompt=[[1, 2], [3, 4, 5]], max_tokens=3,
+                                    n=2, temperature=0)  # fmt: skip
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert out.usage.prompt_tokens == 5 and out.usage.completion_tokens == 12
+
+
+def test_stream_usage_and_stop_string(server):
+    url, _, oracle = server
+    prompt = list(b"class A:\n  ")
+    ref = alone(oracle, prompt, 30, temperature=0.9, seed=1)
+    i = next(i for i, t in enumerate(ref) if 33 <= t < 127)
+    body = {"prompt": prompt, "max_tokens": 30, "temperature": 0.9, "seed": 1, "stream": True,
+            "stop": chr(ref[i]), "stream_options": {"include_usage": True}}  # fmt: skip
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(x) for x in lines[:-1]]
+    text = "".join(c["text"] for ch in chunks for c in ch["choices"])
+    assert text == bytes(ref[: ref.index(ref[i])]).decode("utf-8", "replace")
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["usage"]["completion_tokens"] == ref.index(ref[i]) + 1
+
+
+def test_chat_completions_with_the_template(server):
+    url, _, oracle = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    out = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6,
+                                         temperature=0)  # fmt: skip
+    prompt = list(b"<system>Be brief.</system><user>Hi</user><assistant>")
+    ref = alone(oracle, prompt, 6, temperature=0.0)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == bytes(ref).decode("utf-8", "replace")
+    assert out.usage.prompt_tokens == len(prompt)
+    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6,
+                                            temperature=0, stream=True)  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks) == out.choices[0].message.content
+    )
+
+
+def test_api_key_and_open_routes(server):
+    url, *_ = server
+    body = {"prompt": "a", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{url}/v1/models").status_code == 401
+    models = httpx.get(f"{url}/v1/models", headers=AUTH).json()
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    assert httpx.post(f"{url}/v1/completions", json=body, headers=AUTH).status_code == 200
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    text = httpx.get(f"{url}/metrics").text
+    for name in (
+        "requests_total",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "generation_tokens_per_second",
+        "batch_occupancy",
+        "waiting",
+        "prefix_cache_hits_total",
+        "prefix_cache_bytes",
+        "time_to_first_token_seconds_bucket",
+        "inter_token_latency_seconds_count",
+    ):
+        assert f"mambakit_{name}" in text, name  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"prompt": "a", "temperature": "hot"}, 400, "temperature"),
+        ({"prompt": "a", "top_p": 2}, 400, "top_p"),
+        ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "a", "n": 0}, 400, "n"),
+        ({"prompt": "a", "stop": 5}, 400, "stop"),
+        ({"prompt": "a", "seed": -1}, 400, "seed"),
+        ({"prompt": "a", "logprobs": 2}, 400, "logprobs"),
+        ({"prompt": "a", "stream": "yes"}, 400, "stream"),
+        ({"max_tokens": 3}, 400, "prompt"),
+        ({"prompt": [1, 999]}, 400, "prompt"),
+        ({"prompt": "a", "model": "gpt-4"}, 404, "model"),
+        ({"prompt": list(range(200)) * 3}, 413, "prompt"),
+    ],
+    ids=lambda v: str(v)[:24] if isinstance(v, dict) else str(v),
+)
+def test_bad_requests_get_their_codes(server, body, status, param):
+    url, *_ = server
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_body_limits_json_and_a_full_queue(server):
+    url, engine, _ = server
+    r = httpx.post(f"{url}/v1/completions", content=b"{not json", headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "x" * (70 << 10)}, headers=AUTH)
+    assert r.status_code == 413
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": "hi"}, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    engine.max_queue = 0
+    try:
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "a"}, headers=AUTH)
+    finally:
+        engine.max_queue = 1024
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert metric(url, 'requests_rejected_total{reason="queue_full"}') >= 1
+
+
+def test_disconnect_frees_the_slot(server):
+    url, engine, _ = server
+    aborted = metric(url, 'requests_finished_total{reason="abort"}')
+    body = {"prompt": [5, 6, 7], "max_tokens": 90_000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 4:
+                break
+        assert len(engine.rows) == 1
+    deadline = time.monotonic() + 10
+    while engine.rows and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not engine.rows
+    assert metric(url, 'requests_finished_total{reason="abort"}') == aborted + 1
+    # without streaming: the client gives up waiting
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=0.5,
+                   json={**body, "stream": False})  # fmt: skip
+    deadline = time.monotonic() + 10
+    while engine.rows and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not engine.rows
+
+
+def test_cache_hits_are_exact_and_counted(server):
+    url, _, oracle = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    hits = metric(url, "prefix_cache_hits_total")
+    saved = metric(url, "prefix_cache_hit_tokens_total")
+    rng = random.Random(3)
+    shared = [rng.randrange(256) for _ in range(48)]
+    prompts = [shared + [1, 2], shared + [1, 2], shared + [9]]
+    got = []
+    for p in prompts:
+        out = client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0,
+                                        extra_body={"return_token_ids": True})  # fmt: skip
+        got.append(out.choices[0].token_ids)
+    assert got == [alone(oracle, p, 12, temperature=0.0) for p in prompts]
+    assert metric(url, "prefix_cache_hits_total") == hits + 2
+    assert metric(url, "prefix_cache_hit_tokens_total") == saved + 50 + 48
+    assert metric(url, "prefix_cache_bytes") > 0
+
+
+def test_the_server_survives_a_request_that_raises(server):
+    url, engine, oracle = server
+
+    def hook(seq, tok):
+        if seq.request.prompt[:2] == [250, 251] and len(seq.tokens) == 3:
+            raise RuntimeError("injected fault")
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+
+        async def faulty():
+            stream = await client.completions.create(model="tiny", prompt=[250, 251, 1],
+                                                     max_tokens=20, stream=True)  # fmt: skip
+            async for _ in stream:
+                pass
+
+        async def good():
+            out = await client.completions.create(model="tiny", prompt=[3, 1, 4], max_tokens=25,
+                                                  temperature=0,
+                                                  extra_body={"return_token_ids": True})  # fmt: skip
+            return out.choices[0].token_ids
+
+        return await asyncio.gather(faulty(), good(), return_exceptions=True)
+
+    engine.on_token = hook
+    try:
+        err, toks = asyncio.run(main())
+        with pytest.raises(openai.InternalServerError, match="injected fault"):
+            openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0).completions.create(
+                model="tiny", prompt=[250, 251, 1], max_tokens=20
+            )
+    finally:
+        engine.on_token = None
+    assert isinstance(err, openai.APIError) and "injected fault" in str(err)
+    assert toks == alone(oracle, [3, 1, 4], 25, temperature=0.0)
+    assert engine._thread.is_alive() and not engine.rows
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": [250, 251, 1], "max_tokens": 5},
+                   headers=AUTH)  # fmt: skip
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_chat_without_a_template_is_refused(model_dirs, load):
+    engine = Engine(load(model_dirs["tiny"]), max_batch=2)
+    app = create_app(engine, model_name="tiny", tokenizer=None)
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            chat = await c.post("/v1/chat/completions",
+                                json={"messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+            text = await c.post("/v1/completions", json={"prompt": "hi"})
+            return chat, text
+
+    chat, text = asyncio.run(main())
+    assert chat.status_code == 400 and "no chat template" in chat.json()["error"]["message"]
+    assert text.status_code == 400 and "token ids" in text.json()["error"]["message"]
