@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .._triton import cdiv, launch, next_power_of_2
-from ..mamba3.chunk import CONFIG, _block, _Core, _Ctx, _launch_fwd, _precision
+from .._triton import cdiv, launch, next_power_of_2, sm_count
+from ..mamba3.chunk import CONFIG, _block, _Core, _Ctx, _launch_fwd, _operands_dtype, _precision
 from ..mamba3.chunk_parallel_kernels import _state_scan_kernel
 from .ssd_kernels import _ssd_cb_kernel, _ssd_state_kernel, _ssd_y_kernel
 
@@ -91,7 +91,8 @@ def scan_train_backward(dy, dsT, inputs, pre, states, cfg=None):
 def ssd_fwd(x, delta, A, B, C, D, z, s0, seq, cfg=None):
     """`scan_fwd` as the SSD chunked form, every chunk in parallel (ssd_kernels.py): the
     chunks' decays and own state parts, the start states in order (`_state_scan_kernel`),
-    then y. Buffers: cs [B, H, T] and the chunks' states [B, H, T / ssd_chunk, P, N], f32."""
+    then y. Buffers: cs [B, H, T] and the chunks' states [B, H, T / ssd_chunk, P, N], f32,
+    with the start states in the products' operand dtype."""
     cfg = cfg or CONFIG
     Bsz, T, H, P = x.shape
     G, N = B.shape[2:]
@@ -118,13 +119,20 @@ def ssd_fwd(x, delta, A, B, C, D, z, s0, seq, cfg=None):
         HAS_SEQ=seq is not None, L=L, BLOCK_K=cfg.ssd_block_k, BLOCK_P=block_p,
         BLOCK_N=block_n, PREC=prec, num_warps=cfg.ssd_warps,
     )  # fmt: skip
-    launch(_state_scan_kernel, (Bsz * H, cdiv(P * N, cfg.scan_block)),
-        keep, s0, s0, s0, keep, u, sT, T, H, P * N, N, L, 0,
-        BLOCK=cfg.scan_block, CHUNKS=min(cfg.scan_chunks, next_power_of_2(nc)), LATE0=False,
+    # the start states as the products read them (bf16 for bf16 products: half the bytes)
+    dt = _operands_dtype(x, cfg)
+    st = u if dt == torch.float32 else torch.empty(u.shape, device=x.device, dtype=dt)
+    block = cfg.scan_block  # smaller blocks while (row, head) pairs leave SMs idle
+    while x.is_cuda and block > 256 and Bsz * H * cdiv(P * N, block) < 2 * sm_count(x.device.index):
+        block //= 2
+    launch(_state_scan_kernel, (Bsz * H, cdiv(P * N, block)),
+        keep, s0, s0, s0, keep, u, st, sT, T, H, P * N, N, L, 0,
+        BLOCK=block, CHUNKS=min(cfg.scan_chunks, next_power_of_2(nc)), LATE0=False,
         num_warps=cfg.scan_warps,
     )  # fmt: skip
     zt = z if z is not None else x
     BM = cfg.ssd_block_m
+    stages = {} if cfg.ssd_stages is None else {"num_stages": cfg.ssd_stages}
     cb = cs
     if cfg.ssd_cb:
         cb = torch.empty(Bsz, G, nc, L, L, **f32)
@@ -133,12 +141,12 @@ def ssd_fwd(x, delta, A, B, C, D, z, s0, seq, cfg=None):
             L=L, BLOCK_M=BM, BLOCK_N=block_n, PREC=prec, num_warps=cfg.ssd_warps,
         )  # fmt: skip
     launch(_ssd_y_kernel, (Bsz, H, nc * (L // BM)),
-        x, B, C, delta, cs, seqt, zt, D.float() if D is not None else cs, u, y, cb,
+        x, B, C, delta, cs, seqt, zt, D.float() if D is not None else cs, st, y, cb,
         T, H, P, N, H // G, G, *xs, *bs, C.stride(0), C.stride(1), C.stride(2), *dts,
         seqt.stride(0), zt.stride(0), zt.stride(1), zt.stride(2), y.stride(0), y.stride(1),
         y.stride(2),
         HAS_SEQ=seq is not None, HAS_Z=z is not None, HAS_D=D is not None, HAS_CB=cfg.ssd_cb,
         L=L, BLOCK_M=BM, BLOCK_P=block_p, BLOCK_N=block_n, PREC=prec,
-        num_warps=cfg.ssd_warps,
+        num_warps=cfg.ssd_warps, **stages,
     )  # fmt: skip
     return y, sT

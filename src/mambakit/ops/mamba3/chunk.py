@@ -124,6 +124,7 @@ class Mamba3ScanConfig:
     ssd_block_k: int = 64
     ssd_warps: int = 4
     ssd_cb: bool = False  # the scores C . B once per group and chunk (`_ssd_cb_kernel`)
+    ssd_stages: int | None = None  # the y kernel's software pipelining (None: Triton's)
 
     terms: TermsConfig = TERMS  # the per-token terms' kernels (terms.py)
 
@@ -199,7 +200,7 @@ def _launch_fwd_chunks(x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y
         PREC=prec, num_warps=warps,
     )  # fmt: skip
     launch(_state_scan_kernel, (Bsz * H, cdiv(P * N, cfg.scan_block)),
-        keep, s0, k0, x0, late, u, sT, T, H, P * N, N, L, late.stride(0),
+        keep, s0, k0, x0, late, u, u, sT, T, H, P * N, N, L, late.stride(0),
         BLOCK=cfg.scan_block, CHUNKS=min(cfg.scan_chunks, next_power_of_2(nc)), LATE0=True,
         num_warps=cfg.scan_warps,
     )  # fmt: skip

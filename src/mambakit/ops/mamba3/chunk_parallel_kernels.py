@@ -66,14 +66,15 @@ def _chunk_end_kernel(
 
 @triton.jit
 def _state_scan_kernel(
-    p_keep, p_s0, p_k0, p_x0, p_late, p_u, p_sT, T, H, PN, N, L, s_w_b,
+    p_keep, p_s0, p_k0, p_x0, p_late, p_u, p_st, p_sT, T, H, PN, N, L, s_w_b,
     BLOCK: tl.constexpr, CHUNKS: tl.constexpr, LATE0: tl.constexpr,
 ):
     """The forward's chunks in parallel, second pass: each chunk's start state for one
     (row, head) and BLOCK of its P N values, the chunks in order, from S'_start(0) = S0 +
     late_0 x0 k~0^T (the initial state with the first token's late term):
-    S'_start(c + 1) = keep_c S'_start(c) + u_c. u [B, H, chunks, P, N] (`_chunk_end_kernel`'s)
-    gets S'_start(c) in u_c's place; sT the final state (the last chunk's end, f32). Without
+    S'_start(c + 1) = keep_c S'_start(c) + u_c. st (u [B, H, chunks, P, N], `_chunk_end_kernel`'s,
+    or a buffer of its shape in another dtype) gets S'_start(c) in u_c's place; sT the final
+    state (the last chunk's end, f32). Without
     LATE0 (Mamba-2's scan, ssd_kernels.py) S'_start(0) = S0, and k0, x0, late are not read."""
     bh = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -86,7 +87,7 @@ def _state_scan_kernel(
         S += late0 * x0 * k0
     n_chunks = tl.cdiv(T, L)
     for i in range(0, n_chunks, CHUNKS):
-        S = _walk_chunks(p_u, p_keep, S, bh, e, me, PN, n_chunks, i, False, CHUNKS, BLOCK)
+        S = _walk_chunks(p_u, p_st, p_keep, S, bh, e, me, PN, n_chunks, i, False, CHUNKS, BLOCK)
     tl.store(p_sT + bh * PN + e, S, mask=me)
 
 
