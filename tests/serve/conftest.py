@@ -39,18 +39,30 @@ def load():
     return _load
 
 
-def free_port() -> int:
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="session")
+def free_port():
+    """() -> a TCP port free on 127.0.0.1 now."""
+    return _free_port
+
+
+@pytest.fixture(scope="session")
+def running():
+    """A context manager: serve an app with uvicorn in a thread, yielding its base URL."""
+    return _running
+
+
 @contextlib.contextmanager
-def running(app):
+def _running(app):
     """Serve `app` with uvicorn on 127.0.0.1 in a thread; yields the base URL."""
     import uvicorn
 
-    port = free_port()
+    port = _free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)

@@ -12,10 +12,8 @@ import time
 
 import httpx
 
-from conftest import free_port  # noqa: E402  (tests/serve/conftest.py)
 
-
-def test_sigterm_drains_the_running_stream_and_exits_0(model_dirs):
+def test_sigterm_drains_the_running_stream_and_exits_0(model_dirs, free_port):
     port = free_port()
     env = {**os.environ, "MAMBAKIT_API_KEY": "k"}
     proc = subprocess.Popen(

@@ -21,8 +21,6 @@ from mambakit.serve.chat import ChatTemplate
 from mambakit.serve.server import create_app
 from mambakit.text import ByteTokenizer
 
-from conftest import running  # noqa: E402  (tests/serve/conftest.py)
-
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 TEMPLATE = (
@@ -32,7 +30,7 @@ TEMPLATE = (
 
 
 @pytest.fixture(scope="module", params=["tiny", "tiny-mamba2"])
-def server(request, model_dirs, load):
+def server(request, model_dirs, load, running):
     """(base URL, engine, oracle model) of a live server with an API key, 8 rows, chunked
     prefill in blocks of 16, a prefix cache, a chat template and small limits."""
     path = model_dirs[request.param]
@@ -281,9 +279,10 @@ def test_the_server_survives_a_request_that_raises(server):
                 pass
 
         async def good():
-            out = await client.completions.create(model="tiny", prompt=[3, 1, 4], max_tokens=25,
-                                                  temperature=0,
-                                                  extra_body={"return_token_ids": True})  # fmt: skip
+            out = await client.completions.create(
+                model="tiny", prompt=[3, 1, 4], max_tokens=25, temperature=0,
+                extra_body={"return_token_ids": True},
+            )  # fmt: skip
             return out.choices[0].token_ids
 
         return await asyncio.gather(faulty(), good(), return_exceptions=True)
