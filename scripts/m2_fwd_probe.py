@@ -31,8 +31,9 @@ from mambakit.ops.mamba3.chunk import CONFIG  # noqa: E402
 
 VARIANTS = {  # name: config fields
     "ssd128": {},
-    "ssd128-s1": dict(ssd_stages=1),
     "ssd128-s2": dict(ssd_stages=2),
+    "ssd128-sc16": dict(ssd_scan_chunks=16),
+    "ssd256-sc16": dict(ssd_chunk=256, ssd_scan_chunks=16),
     "ssd128-m128-w8": dict(ssd_block_m=128, ssd_warps=8),
     "ssd64": dict(ssd_chunk=64),
     "ssd256": dict(ssd_chunk=256),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .._triton import cdiv, launch, next_power_of_2, sm_count
+from .._triton import cdiv, launch, next_power_of_2
 from ..mamba3.chunk import CONFIG, _block, _Core, _Ctx, _launch_fwd, _operands_dtype, _precision
 from ..mamba3.chunk_parallel_kernels import _state_scan_kernel
 from .ssd_kernels import _ssd_cb_kernel, _ssd_state_kernel, _ssd_y_kernel
@@ -122,12 +122,10 @@ def ssd_fwd(x, delta, A, B, C, D, z, s0, seq, cfg=None):
     # the start states as the products read them (bf16 for bf16 products: half the bytes)
     dt = _operands_dtype(x, cfg)
     st = u if dt == torch.float32 else torch.empty(u.shape, device=x.device, dtype=dt)
-    block = cfg.scan_block  # smaller blocks while (row, head) pairs leave SMs idle
-    while x.is_cuda and block > 256 and Bsz * H * cdiv(P * N, block) < 2 * sm_count(x.device.index):
-        block //= 2
+    block = cfg.scan_block
     launch(_state_scan_kernel, (Bsz * H, cdiv(P * N, block)),
         keep, s0, s0, s0, keep, u, st, sT, T, H, P * N, N, L, 0,
-        BLOCK=block, CHUNKS=min(cfg.scan_chunks, next_power_of_2(nc)), LATE0=False,
+        BLOCK=block, CHUNKS=min(cfg.ssd_scan_chunks, next_power_of_2(nc)), LATE0=False,
         num_warps=cfg.scan_warps,
     )  # fmt: skip
     zt = z if z is not None else x
