@@ -299,3 +299,44 @@ def test_prefill_pieces_share_forwards():
     assert [t for _, t in plan_targets([a, b, c], 600, 256)] == [512, 50, 10]
     assert [t for _, t in plan_targets([b, c, a], 600, 256)] == [50, 10, 512]
     assert [t for _, t in plan_targets([a], 100, 256)] == [256]
+
+
+def test_graph_paths_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, monkeypatch):
+    """The CUDA-graph paths (decode per bucket of rows, prefill pieces per rows bucket)
+    with `capture` replaced by a stand-in whose replay reruns the call into the captured
+    outputs, as a graph writes its static outputs: the buckets' padding rows, the copies
+    in and out of static buffers and the row moves give what generate gives alone."""
+    import mambakit.inference.cuda_graph as cg
+    from mambakit.inference.cuda_graph import static_mode
+    from mambakit.serve import slots
+    from mambakit.serve.prefill import PrefillGraphs
+
+    def stand_in(fn, warmup=2, pool=None):
+        for _ in range(warmup):
+            fn()
+        out = fn()
+
+        class Graph:
+            def replay(self):
+                new = fn()
+                for a, b in zip(out if isinstance(out, tuple) else (out,),
+                                new if isinstance(new, tuple) else (new,)):  # fmt: skip
+                    a.copy_(b)
+
+        return Graph(), out
+
+    monkeypatch.setattr(cg, "capture", stand_in)
+    monkeypatch.setattr(slots, "capture", stand_in)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    model, oracle = load(model_dirs["tiny-mamba3"]), load(model_dirs["tiny-mamba3"])
+    engine = Engine(model, max_batch=6, block_size=16, prefill_tokens=40, cache_bytes=1 << 24)
+    with static_mode():
+        engine.pool = slots.SlotPool(model, 6, graphs=True)
+        engine.prefill_graphs = PrefillGraphs(model)
+    assert engine.pool.buckets == [1, 2, 4, 6]
+    work = mixed_requests(2, 12)
+    reqs = [engine.submit(p, sp) for p, sp in work]
+    run_all(engine, reqs)
+    for (prompt, sp), req in zip(work, reqs):
+        assert tokens(req) == alone(oracle, prompt, sp), (len(prompt), sp)
+    assert engine.prefill_graphs.entries  # the pieces ran from the stand-in graphs

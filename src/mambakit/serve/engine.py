@@ -51,7 +51,7 @@ from .cache import PrefixCache, prefix_hashes
 from .detok import Detokenizer, StopText
 from .metrics import Metrics
 from .params import EngineStopped, Event, QueueFull, SamplingParams
-from .prefill import piece_lengths, plan_targets, stack_rows
+from .prefill import PrefillGraphs, piece_lengths, plan_targets, stack_rows
 from .slots import SlotPool, rows_view, sample_rows
 
 
@@ -181,6 +181,7 @@ class Engine:
         with static_mode():
             self.pool = SlotPool(model, max_batch, self.graphs)
             self._zero = model.init_state(1)
+        self.prefill_graphs = PrefillGraphs(model) if self.graphs else None
         self.rows: list[Sequence] = []  # the choice in each leading row of the pool
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
@@ -191,6 +192,9 @@ class Engine:
         # hands an iteration's events out; the default calls each request's sink
         self.deliver: Callable[[list[tuple[Request, Event]]], None] = self._deliver
         self._outbox: list[tuple[Request, Event]] = []
+        self._n_out = 0  # this iteration's tokens, time to first token and inter-token gaps
+        self._ttft: list[float] = []
+        self._itl: list[float] = []
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._inbox: list[Request] = []
@@ -369,8 +373,17 @@ class Engine:
             for req in [*self.prefilling, *{s.request for s in self.rows}]:
                 self._end_request(req, "error", msg)
             self._flush()
-        with self.metrics.lock:
-            self.metrics.iterations += 1
+        m = self.metrics
+        with m.lock:  # once per iteration: the per-token path takes no lock
+            m.iterations += 1
+            m.tokens_out(self._n_out, time.monotonic())
+            for v in self._ttft:
+                m.ttft.observe(v)
+            for v in self._itl:
+                m.itl.observe(v)
+        self._n_out = 0
+        self._ttft.clear()
+        self._itl.clear()
 
     def _deliver(self, outbox: list[tuple[Request, Event]]) -> None:
         for req, ev in outbox:
@@ -416,14 +429,11 @@ class Engine:
                 self.on_token(seq, tok)
             seq.tokens.append(tok)
             p = req.params
-            m = self.metrics
-            with m.lock:
-                m.tokens_out(1, now)
-                if len(seq.tokens) == 1:
-                    if seq.index == 0:
-                        m.ttft.observe(now - req.arrival)
-                else:
-                    m.itl.observe(now - seq.last_time)
+            self._n_out += 1
+            if len(seq.tokens) > 1:
+                self._itl.append(now - seq.last_time)
+            elif seq.index == 0:
+                self._ttft.append(now - req.arrival)
             seq.last_time = now
             reason = None
             if tok in p.stop_token_ids or (tok == self.eos_token_id and not p.ignore_eos):
@@ -515,10 +525,15 @@ class Engine:
             size = max(r.pieces[0] for r in active)
             group = [r for r in active if r.pieces[0] == size]
             try:
-                ids = torch.tensor([r.prompt[r.pos : r.pos + size] for r in group],
-                                   dtype=torch.int64, device=self.device)  # fmt: skip
+                pieces = [r.prompt[r.pos : r.pos + size] for r in group]
                 state = stack_rows([r.state for r in group], self._zero)
-                logits, out = self.model.last_logits(ids, state)
+                done = None
+                if self.prefill_graphs is not None:
+                    done = self.prefill_graphs.run(pieces, state, self.device)
+                if done is None:
+                    ids = torch.tensor(pieces, dtype=torch.int64, device=self.device)
+                    done = self.model.last_logits(ids, state)
+                logits, out = done
             except Exception as e:
                 msg = f"prefill failed: {type(e).__name__}: {e}"
                 for r in group:

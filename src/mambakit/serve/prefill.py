@@ -65,3 +65,61 @@ def plan_targets(prefilling: list, budget: int, block: int) -> list[tuple[object
         plan.append((req, target))
         budget -= target - req.pos
     return plan
+
+
+GRAPH_MAX_PIECE = 64  # pieces up to this length run from CUDA graphs (longer: eagerly)
+GRAPH_MAX_ROWS = 16  # rows of a captured prefill (more: eagerly)
+
+
+class PrefillGraphs:
+    """On CUDA, the forward of a short piece from a state, captured once per (rows bucket,
+    piece length) and replayed: an eager forward costs hundreds of kernel launches
+    (milliseconds) however few its tokens, which would make the small pieces of the
+    power-of-two split, not the arithmetic, the price of a prefill. Rows are padded to a
+    power of two (zero state, token 0: garbage nobody reads). The outputs are copied out
+    at once: the next replay of a graph of the shared memory pool overwrites them."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.pool = torch.cuda.graph_pool_handle()
+        self.entries: dict[tuple[int, int], tuple] = {}
+        self.enabled = True
+
+    def run(self, ids: list[list[int]], state: ModelState | None, device):
+        """(logits [g, V], state [L, g, ...]) of the pieces `ids` (g rows of one length) from
+        `state` (None: zeros), or None where a graph does not apply."""
+        from ..inference.cuda_graph import capture
+        from ..inference.plan import refresh
+
+        g, n = len(ids), len(ids[0])
+        if not self.enabled or n > GRAPH_MAX_PIECE or g > GRAPH_MAX_ROWS:
+            return None
+        rows = 1 << (g - 1).bit_length()
+        entry = self.entries.get((rows, n))
+        if entry is None:
+            buf = torch.zeros(rows, n, dtype=torch.int64, device=device)
+            state_in = self.model.init_state(rows)
+
+            def fn(buf=buf, state_in=state_in):
+                return self.model.last_logits(buf, state_in)
+
+            try:
+                graph, out = capture(fn, warmup=2, pool=self.pool)
+            except Exception:  # eager from now on
+                self.enabled = False
+                return None
+            entry = self.entries[(rows, n)] = (graph, buf, state_in, out)
+        graph, buf, state_in, (logits, state_out) = entry
+        buf[:g].copy_(torch.tensor(ids, dtype=torch.int64))
+        buf[g:].zero_()
+        for dst, src in zip(state_in._tensors(), (state._tensors() if state else ())):
+            dst[:, :g].copy_(src)
+        if state is None:
+            state_in.zero_()
+        elif g < rows:
+            for t in state_in._tensors():
+                t[:, g:].zero_()
+        refresh(self.model)
+        graph.replay()
+        rows_out = (t[:, :g].clone() for t in state_out._tensors())
+        return logits[:g].clone(), type(state_out)(*rows_out)

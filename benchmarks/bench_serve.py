@@ -1,0 +1,280 @@
+"""Serving benchmark: the engine of `mambakit serve` (in process, no HTTP) under load,
+against static batches through `generate`.
+
+Workloads (random weights, greedy, every request runs to its own max_tokens):
+
+- mixed: N clients (64 and 256) in a closed loop, each sending its next request when
+  the last one ends, prompts and outputs drawn uniformly from 32-2048 and 16-512 tokens
+  (a fixed seed); the engine with max_batch N. Output tokens/s, time to first token
+  and inter-token latency p50 / p99. The same requests as static batches of N through
+  `generate` (each batch runs to its longest output; tokens past a request's own length
+  are waste): useful output tokens/s.
+- decode: `generate` at batch 1 (the batch-1 decode step, the unit of the latency
+  target) and at batch 256 with equal lengths (16 + 256 tokens: the rate the engine's
+  throughput is measured against).
+- shared prefix: 64 requests from 16 clients, every prompt the same 1,024 tokens and a
+  suffix of its own (16-64 tokens), 32 new tokens each; time to first token p50 with the
+  prefix cache (warmed by one request) and without it.
+
+Targets (device figures, never asserts): mixed at 256 clients >= 1.5x static batching;
+p99 inter-token latency <= 3x the batch-1 step; shared-prefix TTFT p50 >= 3x lower with
+the cache; aim: mixed throughput within 20% of generate's batch-256 rate.
+
+    python benchmarks/bench_serve.py --preset 130m-mamba2 --device cuda --out serve.json
+    python benchmarks/bench_serve.py --smoke          # a tiny model on the CPU, < 1 minute
+
+Prints a table and writes a results record (`--out`, JSON: benchmarks/common.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from mambakit import MambaConfig, MambaLM
+from mambakit.inference import generate
+from mambakit.serve import Engine, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import write_record  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q * len(v)))]
+
+
+def make_load(
+    n: int,
+    rng: random.Random,
+    prompt: tuple[int, int],
+    out: tuple[int, int],
+    vocab: int,
+    prefix: list[int] | None = None,
+) -> list[tuple[list[int], int]]:
+    """n (prompt ids, max_tokens) drawn uniformly from the ranges."""
+    load = []
+    for _ in range(n):
+        p = [rng.randrange(vocab) for _ in range(rng.randint(*prompt))]
+        load.append(((prefix or []) + p, rng.randint(*out)))
+    return load
+
+
+class Track:
+    """One request's token times, recorded as the engine hands its events out."""
+
+    def __init__(self, done: queue.Queue) -> None:
+        self.done = done
+        self.t0 = time.perf_counter()
+        self.times: list[float] = []
+        self.tokens = 0
+
+    def __call__(self, ev) -> None:
+        now = time.perf_counter()
+        if ev.token_ids:
+            self.times.extend([now] * len(ev.token_ids))
+            self.tokens += len(ev.token_ids)
+        if ev.finish_reason is not None:
+            if ev.finish_reason not in ("length", "stop"):
+                print(f"request ended with {ev.finish_reason}: {ev.error}", file=sys.stderr)
+            self.done.put(self)
+
+
+def run_engine(engine: Engine, load, clients: int) -> dict:
+    """The load through the engine by `clients` closed-loop clients."""
+    done: queue.Queue = queue.Queue()
+    tracks: list[Track] = []
+    it0 = engine.metrics.iterations
+    pending = list(reversed(load))
+
+    def send():
+        prompt, max_tokens = pending.pop()
+        t = Track(done)
+        tracks.append(t)
+        engine.submit(prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                             ignore_eos=True), sink=t)  # fmt: skip
+
+    t0 = time.perf_counter()
+    for _ in range(min(clients, len(pending))):
+        send()
+    for _ in range(len(load)):
+        done.get(timeout=3600)
+        if pending:
+            send()
+    wall = time.perf_counter() - t0
+    ttft = [t.times[0] - t.t0 for t in tracks if t.times]
+    itl = [b - a for t in tracks for a, b in zip(t.times, t.times[1:])]
+    out = sum(t.tokens for t in tracks)
+    return {
+        "requests": len(load), "output_tokens": out, "wall_s": round(wall, 3),
+        "tokens_per_s": out / wall,
+        "ttft_p50_ms": pct(ttft, 0.5) * 1e3, "ttft_p99_ms": pct(ttft, 0.99) * 1e3,
+        "itl_p50_ms": pct(itl, 0.5) * 1e3, "itl_p99_ms": pct(itl, 0.99) * 1e3,
+        "iterations": engine.metrics.iterations - it0,
+    }  # fmt: skip
+
+
+def run_static(model, load, batch: int, device) -> dict:
+    """The load as static batches of `batch` through generate (greedy, ragged prompts)."""
+    sync(device)
+    t0 = time.perf_counter()
+    useful = 0
+    steps = 0
+    for i in range(0, len(load), batch):
+        part = load[i : i + batch]
+        n = max(m for _, m in part)
+        generate(model, [p for p, _ in part], max_new_tokens=n, temperature=0)
+        useful += sum(m for _, m in part)
+        steps += n
+    sync(device)
+    wall = time.perf_counter() - t0
+    return {"requests": len(load), "output_tokens": useful, "wall_s": round(wall, 3),
+            "tokens_per_s": useful / wall, "decode_steps": steps}  # fmt: skip
+
+
+def decode_rate(model, batch: int, prompt: int, new: int, device, vocab: int) -> dict:
+    """generate's decode at `batch` with equal lengths: per-step time and tokens/s, from
+    the difference of a run of `new` tokens and a run of 1 (the prefill cancels)."""
+    ids = torch.randint(0, vocab, (batch, prompt), device=device)
+
+    def timed(n):
+        best = float("inf")
+        for _ in range(3):
+            sync(device)
+            t = time.perf_counter()
+            generate(model, ids, max_new_tokens=n, temperature=0)
+            sync(device)
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    timed(new)  # warm-up: capture and compile
+    step = (timed(new) - timed(1)) / (new - 1)
+    return {"batch": batch, "step_ms": step * 1e3, "tokens_per_s": batch / step}
+
+
+def engine_for(model, clients: int, args, cache: bool) -> Engine:
+    graphs = not args.no_cuda_graph and model_device(model).type == "cuda"
+    return Engine(model, max_batch=clients, block_size=args.block_size,
+                  prefill_tokens=args.prefill_tokens, max_queue=1 << 20,
+                  cache_bytes=int(args.cache_gib * (1 << 30)) if cache else 0,
+                  cuda_graph=graphs)  # fmt: skip
+
+
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="130m", help="a MambaConfig preset (random weights)")
+    ap.add_argument("--model", default=None, help="a checkpoint folder instead of --preset")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    ap.add_argument("--clients", default="64,256", help="closed-loop clients of the mixed load")
+    ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--prompt-range", default="32,2048")
+    ap.add_argument("--output-range", default="16,512")
+    ap.add_argument("--prefix", type=int, default=1024, help="shared prefix tokens")
+    ap.add_argument("--prefix-clients", type=int, default=16)
+    ap.add_argument("--prefix-requests", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--prefill-tokens", type=int, default=2048)
+    ap.add_argument("--cache-gib", type=float, default=4.0)
+    ap.add_argument("--no-cuda-graph", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, small loads")
+    ap.add_argument("--out", default=None, help="write the results record (JSON) here")
+    args = ap.parse_args()
+    if args.smoke:
+        args.device = "cpu" if args.device == "auto" else args.device
+        args.preset = "tiny"
+        args.clients, args.requests_per_client = "4,8", 2
+        args.prompt_range, args.output_range = "8,96", "4,32"
+        args.prefix, args.prefix_clients, args.prefix_requests = 64, 4, 8
+        args.block_size, args.prefill_tokens = 16, 128
+    device = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    )
+    dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    torch.manual_seed(args.seed)
+    if args.model:
+        model = MambaLM.from_pretrained(args.model, device=device, dtype=dtype).eval()
+        name = Path(args.model).name
+    else:
+        overrides = dict(d_model=64, n_layers=2) if args.smoke else {}
+        cfg = MambaConfig.preset(args.preset, **overrides)
+        model = MambaLM(cfg).to(device=device, dtype=dtype).eval()
+        name = args.preset + (" (cut down)" if overrides else "")
+    vocab = model.config.vocab_size
+    rng = random.Random(args.seed)
+    prompt_range = tuple(int(x) for x in args.prompt_range.split(","))
+    output_range = tuple(int(x) for x in args.output_range.split(","))
+    clients = [int(c) for c in args.clients.split(",")]
+    figures: list[dict] = []
+    base = {"model": name, "dtype": str(dtype).replace("torch.", ""), "device": str(device)}
+
+    def row(**kw):
+        figures.append({**base, **kw})
+        show = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in kw.items()}
+        print("  ".join(f"{k}={v}" for k, v in show.items()), flush=True)
+
+    # the unit of the latency target and the rate of the throughput aim
+    b1 = decode_rate(model, 1, 16, 256 if not args.smoke else 32, device, vocab)
+    row(workload="generate decode, equal lengths", impl="generate", **b1)
+    big = max(clients)
+    bN = decode_rate(model, big, 16, 256 if not args.smoke else 32, device, vocab)
+    row(workload="generate decode, equal lengths", impl="generate", **bN)
+
+    for n in clients:
+        load = make_load(n * args.requests_per_client, rng, prompt_range, output_range, vocab)
+        engine = engine_for(model, n, args, cache=True).start()
+        run_engine(engine, make_load(n, rng, (1, 64), (2, 8), vocab), n)  # warm-up
+        res = run_engine(engine, load, n)
+        engine.shutdown(timeout=60)
+        row(workload=f"mixed, {n} clients", impl="engine", clients=n, **res)
+        run_static(model, load[:n], n, device)  # warm-up
+        st = run_static(model, load, n, device)
+        row(workload=f"mixed, {n} clients", impl="generate static batches", clients=n, **st)
+        row(workload=f"mixed, {n} clients", impl="ratios", clients=n,
+            throughput_vs_static=res["tokens_per_s"] / st["tokens_per_s"],
+            itl_p99_over_batch1_step=res["itl_p99_ms"] / b1["step_ms"],
+            throughput_vs_generate_equal=res["tokens_per_s"] / bN["tokens_per_s"]
+            if n == big else None)  # fmt: skip
+
+    prefix = [rng.randrange(vocab) for _ in range(args.prefix)]
+    load = make_load(args.prefix_requests, rng, (16, 64), (32, 32), vocab, prefix)
+    ttft = {}
+    for cache in (False, True):
+        engine = engine_for(model, args.prefix_clients, args, cache=cache).start()
+        run_engine(engine, make_load(args.prefix_clients, rng, (1, 64), (2, 4), vocab), 4)
+        if cache:  # one request puts the shared prefix's state in the cache
+            run_engine(engine, [(prefix + [1], 1)], 1)
+        res = run_engine(engine, load, args.prefix_clients)
+        hits = engine.cache.hits
+        engine.shutdown(timeout=60)
+        ttft[cache] = res["ttft_p50_ms"]
+        row(workload=f"shared {args.prefix}-token prefix, {args.prefix_clients} clients",
+            impl="engine, cache " + ("on" if cache else "off"), cache_hits=hits, **res)  # fmt: skip
+    row(workload=f"shared {args.prefix}-token prefix", impl="ratios",
+        ttft_p50_without_over_with_cache=ttft[False] / ttft[True])  # fmt: skip
+    write_record(args.out, "bench_serve", figures, device=device,
+                 context={"args": vars(args)})  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
