@@ -169,10 +169,12 @@ def decode_rate(model, batch: int, prompt: int, new: int, device, vocab: int) ->
 
 def engine_for(model, clients: int, args, cache: bool) -> Engine:
     graphs = not args.no_cuda_graph and model_device(model).type == "cuda"
-    return Engine(model, max_batch=clients, block_size=args.block_size,
-                  prefill_tokens=args.prefill_tokens, max_queue=1 << 20,
-                  cache_bytes=int(args.cache_gib * (1 << 30)) if cache else 0,
-                  cuda_graph=graphs)  # fmt: skip
+    engine = Engine(model, max_batch=clients, block_size=args.block_size,
+                    prefill_tokens=args.prefill_tokens, max_queue=1 << 20,
+                    cache_bytes=int(args.cache_gib * (1 << 30)) if cache else 0,
+                    cuda_graph=graphs)  # fmt: skip
+    engine.warmup()
+    return engine
 
 
 def model_device(model) -> torch.device:

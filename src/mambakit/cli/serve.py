@@ -132,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         cuda_graph=False if args.no_cuda_graph else "auto",
     )
+    engine.warmup()  # on CUDA: the prefill graphs, captured before the first request
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     name = args.served_model_name or ckpt.resolve().name
     app = create_app(engine, model_name=name, tokenizer=tokenizer, chat_template=chat,

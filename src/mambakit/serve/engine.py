@@ -181,7 +181,7 @@ class Engine:
         with static_mode():
             self.pool = SlotPool(model, max_batch, self.graphs)
             self._zero = model.init_state(1)
-        self.prefill_graphs = PrefillGraphs(model) if self.graphs else None
+        self.prefill_graphs = PrefillGraphs(model, block_size) if self.graphs else None
         self.rows: list[Sequence] = []  # the choice in each leading row of the pool
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
@@ -263,6 +263,14 @@ class Engine:
             self._thread = threading.Thread(target=self._run, name="mambakit-engine", daemon=True)
             self._thread.start()
         return self
+
+    @static_mode()
+    def warmup(self) -> None:
+        """Capture the prefill graphs of every rows bucket and piece length now (on CUDA;
+        the decode graphs are captured at construction): otherwise the first prompts that
+        need one pay for its capture. Call before `start`."""
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.warmup(self.device)
 
     def begin_drain(self) -> None:
         """Take no new requests (`submit` raises EngineStopped); the running ones go on."""

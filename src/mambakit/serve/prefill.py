@@ -67,59 +67,108 @@ def plan_targets(prefilling: list, budget: int, block: int) -> list[tuple[object
     return plan
 
 
-GRAPH_MAX_PIECE = 64  # pieces up to this length run from CUDA graphs (longer: eagerly)
-GRAPH_MAX_ROWS = 16  # rows of a captured prefill (more: eagerly)
+GRAPH_STATE_BYTES = 2 << 30  # the static state buffers of the prefill graphs, at most
+GRAPH_MAX_ROWS = 16  # rows of a captured prefill at most (a larger group runs in parts)
 
 
 class PrefillGraphs:
-    """On CUDA, the forward of a short piece from a state, captured once per (rows bucket,
-    piece length) and replayed: an eager forward costs hundreds of kernel launches
-    (milliseconds) however few its tokens, which would make the small pieces of the
-    power-of-two split, not the arithmetic, the price of a prefill. Rows are padded to a
-    power of two (zero state, token 0: garbage nobody reads). The outputs are copied out
-    at once: the next replay of a graph of the shared memory pool overwrites them."""
+    """On CUDA, the forward of a piece from a state, captured once per (rows bucket, piece
+    length) and replayed: an eager forward costs hundreds of kernel launches (about a
+    millisecond or more) however few its tokens, which would make the number of pieces,
+    not the arithmetic, the price of a prefill. Rows are padded to a power of two (zero
+    state, token 0: garbage nobody reads). The graphs of one rows bucket share their
+    static state and logits buffers (each graph copies its results into them), so the
+    memory they hold is two states of the bucket's rows, whatever the number of piece
+    lengths; the buckets stop where those buffers would pass `GRAPH_STATE_BYTES`."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, block_size: int) -> None:
         self.model = model
         self.pool = torch.cuda.graph_pool_handle()
-        self.entries: dict[tuple[int, int], tuple] = {}
+        self.graphs: dict[tuple[int, int], tuple] = {}  # (rows, n) -> (graph, ids buffer)
+        self.buffers: dict[int, tuple] = {}  # rows -> (state in, state out, logits)
         self.enabled = True
+        row = model.init_state(1)
+        row_bytes = sum(t.numel() * t.element_size() for t in row._tensors())
+        rows = 1
+        while rows < GRAPH_MAX_ROWS and 2 * (2 * rows) * row_bytes * 2 <= GRAPH_STATE_BYTES:
+            rows *= 2
+        self.max_rows = rows
+        self.lengths = [1 << i for i in range(block_size.bit_length()) if 1 << i < block_size]
+        self.lengths.append(block_size)
+
+    def _entry(self, rows: int, n: int, device):
+        from ..inference.cuda_graph import capture
+
+        key = (rows, n)
+        if key in self.graphs:
+            return self.graphs[key]
+        if rows not in self.buffers:
+            param = next(self.model.parameters())
+            vocab = self.model.config.vocab_size
+            self.buffers[rows] = (
+                self.model.init_state(rows),
+                self.model.init_state(rows),
+                torch.zeros(rows, vocab, dtype=param.dtype, device=device),
+            )
+        state_in, state_out, logits_out = self.buffers[rows]
+        ids = torch.zeros(rows, n, dtype=torch.int64, device=device)
+
+        def fn():
+            logits, state = self.model.last_logits(ids, state_in)
+            state_out.copy_(state)
+            logits_out.copy_(logits)
+
+        graph, _ = capture(fn, warmup=2, pool=self.pool)
+        self.graphs[key] = (graph, ids)
+        return self.graphs[key]
+
+    def warmup(self, device) -> None:
+        """Capture every graph now (a capture mid-service would stall an iteration)."""
+        for rows in (1 << i for i in range(self.max_rows.bit_length())):
+            for n in self.lengths:
+                if self.enabled:
+                    self._run([[0] * n] * rows, None, device)
 
     def run(self, ids: list[list[int]], state: ModelState | None, device):
         """(logits [g, V], state [L, g, ...]) of the pieces `ids` (g rows of one length) from
-        `state` (None: zeros), or None where a graph does not apply."""
-        from ..inference.cuda_graph import capture
+        `state` (None: zeros), or None when the graphs are off."""
+        if not self.enabled:
+            return None
+        parts = []
+        for i in range(0, len(ids), self.max_rows):
+            part = None
+            if state is not None:
+                part = type(state)(*(t[:, i : i + self.max_rows] for t in state._tensors()))
+            out = self._run(ids[i : i + self.max_rows], part, device)
+            if out is None:
+                return None
+            parts.append(out)
+        if len(parts) == 1:
+            return parts[0]
+        logits = torch.cat([p[0] for p in parts])
+        fields = zip(*(p[1]._tensors() for p in parts))
+        return logits, type(parts[0][1])(*(torch.cat(ts, dim=1) for ts in fields))
+
+    def _run(self, ids, state, device):
         from ..inference.plan import refresh
 
         g, n = len(ids), len(ids[0])
-        if not self.enabled or n > GRAPH_MAX_PIECE or g > GRAPH_MAX_ROWS:
-            return None
         rows = 1 << (g - 1).bit_length()
-        entry = self.entries.get((rows, n))
-        if entry is None:
-            buf = torch.zeros(rows, n, dtype=torch.int64, device=device)
-            state_in = self.model.init_state(rows)
-
-            def fn(buf=buf, state_in=state_in):
-                return self.model.last_logits(buf, state_in)
-
-            try:
-                graph, out = capture(fn, warmup=2, pool=self.pool)
-            except Exception:  # eager from now on
-                self.enabled = False
-                return None
-            entry = self.entries[(rows, n)] = (graph, buf, state_in, out)
-        graph, buf, state_in, (logits, state_out) = entry
+        try:
+            graph, buf = self._entry(rows, n, device)
+        except Exception:  # a capture that fails: eager from now on
+            self.enabled = False
+            return None
+        state_in, state_out, logits_out = self.buffers[rows]
         buf[:g].copy_(torch.tensor(ids, dtype=torch.int64))
         buf[g:].zero_()
-        for dst, src in zip(state_in._tensors(), (state._tensors() if state else ())):
-            dst[:, :g].copy_(src)
         if state is None:
             state_in.zero_()
-        elif g < rows:
-            for t in state_in._tensors():
-                t[:, g:].zero_()
+        else:
+            for dst, src in zip(state_in._tensors(), state._tensors()):
+                dst[:, :g].copy_(src)
+                dst[:, g:].zero_()
         refresh(self.model)
         graph.replay()
         rows_out = (t[:, :g].clone() for t in state_out._tensors())
-        return logits[:g].clone(), type(state_out)(*rows_out)
+        return logits_out[:g].clone(), type(state_out)(*rows_out)
