@@ -104,6 +104,7 @@ class Request:
         self.logits: torch.Tensor | None = None  # [V] at prompt[pos - 1]
         self.pieces: deque[int] = deque()
         self.cached = 0  # prompt tokens found in the prefix cache
+        self.sampling = params.sampling  # the engine's one object for equal settings
         self.inbox = None  # where a consumer on another thread keeps the events it gets
 
     @property
@@ -205,6 +206,7 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._rng = random.Random()
+        self._settings: dict = {}  # SamplingConfig -> its one instance (sample_rows groups by id)
 
     # ---- the other threads' side ----------------------------------------------------
 
@@ -238,6 +240,9 @@ class Engine:
             raise ValueError("stop strings need a tokenizer; this model has none")
         req = Request(list(prompt), params, sink, request_id)
         with self._lock:
+            if len(self._settings) > 4096:  # many distinct settings: only grouping suffers
+                self._settings.clear()
+            req.sampling = self._settings.setdefault(params.sampling, params.sampling)
             if self._draining or self._stop:
                 self.metrics.rejected["draining"] += 1
                 raise EngineStopped("the engine is shutting down")
@@ -410,7 +415,7 @@ class Engine:
         pool, n = self.pool, len(self.rows)
         try:
             logits = pool.step(n)
-            cfgs = [s.request.params.sampling for s in self.rows]
+            cfgs = [s.request.sampling for s in self.rows]
             seen = pool.seen[:n] if pool.seen is not None else None
             nxt = sample_rows(logits, cfgs, pool.seeds[:n], pool.steps[:n], seen)
             pool.tok[:n].copy_(nxt)
@@ -572,7 +577,7 @@ class Engine:
             seqs += req.seqs
         try:
             logits = torch.stack([s.request.logits for s in seqs])
-            cfgs = [s.request.params.sampling for s in seqs]
+            cfgs = [s.request.sampling for s in seqs]
             seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=self.device)
             steps = torch.zeros_like(seeds)
             seen = None

@@ -5,6 +5,7 @@ The engine thread updates them; `render` (the HTTP thread) reads them under the 
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections import deque
@@ -26,10 +27,9 @@ class Histogram:
         self.count += 1
         self.sum += v
         self.values.append(v)
-        for i, b in enumerate(self.buckets):
-            if v <= b:
-                self.counts[i] += 1
-                break
+        i = bisect.bisect_left(self.buckets, v)
+        if i < len(self.counts):
+            self.counts[i] += 1
 
     def quantile(self, q: float) -> float | None:
         if not self.values:

@@ -37,15 +37,17 @@ def sample_rows(
     steps: torch.Tensor,  # [R] int64: the number of the token each row draws
     seen: torch.Tensor | None,  # [R, V] bool, where a row's setting has a repetition penalty
 ) -> torch.Tensor:
-    """Next tokens [R]: `sample` on the rows of each distinct setting."""
-    groups: dict[SamplingConfig, list[int]] = {}
+    """Next tokens [R]: `sample` on the rows of each distinct setting. Equal settings are
+    expected to be one object (the engine interns them): rows are grouped by identity."""
+    groups: dict[int, list[int]] = {}
     for i, c in enumerate(cfgs):
-        groups.setdefault(c, []).append(i)
+        groups.setdefault(id(c), []).append(i)
     if len(groups) == 1:
-        (cfg,) = groups
+        cfg = cfgs[0]
         return sample(logits, cfg, seeds, steps, seen if cfg.repetition_penalty != 1 else None)
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    for cfg, rows in groups.items():
+    for rows in groups.values():
+        cfg = cfgs[rows[0]]
         idx = torch.tensor(rows, device=logits.device)
         rep = seen[idx] if cfg.repetition_penalty != 1 else None
         out[idx] = sample(logits[idx], cfg, seeds[idx], steps[idx], rep)
