@@ -351,7 +351,10 @@ class Engine:
                         or self.waiting or self._abort):  # fmt: skip
                     self._wake.wait(timeout=0.5)
                     continue
-            self.step()
+            try:
+                self.step()
+            except Exception:  # step() ends the requests it cannot serve; the loop goes on
+                traceback.print_exc()
             with self._lock:
                 if self._stop and self.idle:
                     break
