@@ -15,6 +15,8 @@ kernels' chunks (32 forward, 64 backward) and T = 1. `-m gpu` runs the kernels a
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -453,6 +455,51 @@ def test_ssd_forward_without_autograd_equals_the_reference(nan_empty, case):
         assert y.dtype == dt and final.dtype == torch.float32
         errs = (rel(y, y64), rel(final, f64))
         assert all(e < tol for e in errs), (cfg.ssd_chunk, errs)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("limit", [(0.0, math.inf), (0.05, 0.4)], ids=["nolimit", "limit"])
+def test_raw_dt_with_its_bias_equals_the_made_delta(nan_empty, backend, limit):
+    """Given dt_bias, delta is in_proj's dt: the scan equals the scan of clamp(softplus(dt +
+    dt_bias), *limit) made beforehand (the float64 closed form), in y, the final state and,
+    under autograd, the gradients of dt (through softplus and the clamp) and dt_bias. The
+    Triton forward without autograd makes delta inside its kernels."""
+    inp, seq_idx = make(Bn=2, T=70, H=4, P=4, G=2, N=8, seq=True, seed=9)
+    g = torch.Generator().manual_seed(1)
+    dt = torch.randn(2, 70, 4, generator=g, dtype=torch.float64) * 2 - 1
+    bias = torch.randn(4, generator=g, dtype=torch.float64)
+    made = torch.nn.functional.softplus(dt + bias).clamp(*limit)
+    args = {k: v for k, v in inp.items() if k != "delta"}
+    y64, f64 = mamba2_scan_reference(delta=made, **args, seq_idx=seq_idx)
+    f = torch.float32
+    dev = {k: (v.to(DEVICE, f) if v is not None else None) for k, v in args.items()}
+    seq = seq_idx.to(DEVICE)
+    with torch.no_grad():
+        y, final = mamba2_scan(delta=dt.to(DEVICE, f), **dev, seq_idx=seq, backend=backend,
+                               dt_bias=bias.to(DEVICE, f), dt_limit=limit)  # fmt: skip
+    assert rel(y, y64) < 1e-5 and rel(final, f64) < 1e-5
+    # under autograd: the gradients of dt and dt_bias against float64's
+    leaves64 = (dt.clone().requires_grad_(), bias.clone().requires_grad_())
+    made64 = torch.nn.functional.softplus(leaves64[0] + leaves64[1]).clamp(*limit)
+    y64, f64 = mamba2_scan_reference(delta=made64, **args, seq_idx=seq_idx)
+    (y64.sum() + f64.square().sum()).backward()
+    leaves = (dt.to(DEVICE, f).requires_grad_(), bias.to(DEVICE, f).requires_grad_())
+    y, final = mamba2_scan(delta=leaves[0], **dev, seq_idx=seq, backend=backend,
+                           dt_bias=leaves[1], dt_limit=limit)  # fmt: skip
+    (y.sum() + final.square().sum()).backward()
+    assert rel(leaves[0].grad, leaves64[0].grad) < 1e-5
+    assert rel(leaves[1].grad, leaves64[1].grad) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [(dict(dt_bias=torch.zeros(3)), "dt_bias"), (dict(dt_limit=(0.5, 0.1)), "dt_limit"),
+     (dict(dt_limit=0.3), "dt_limit")],
+)  # fmt: skip
+def test_bad_dt_bias_or_limit_raise_naming_it(kw, match):
+    inp, _ = make(Bn=1, T=5, H=4, P=2, G=1, N=4)
+    with pytest.raises(ValueError, match=match):
+        mamba2_scan(**inp, **kw)
 
 
 # ------------------------------------------------------------------------------------- GPU

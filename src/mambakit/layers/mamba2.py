@@ -34,6 +34,7 @@ from ..ops.mamba2 import (
     Mamba2StepWeights,
     _mamba2_scan,
     check_mamba2_state,
+    mamba2_delta_reference,
     mamba2_stack_step,
     mamba2_state_update,
     mamba2_step_raw,
@@ -150,15 +151,14 @@ class Mamba2(nn.Module):
         m, s = self.d_mlp, self.d_ssm
         return torch.split(zxbcdt, [m, m, s, self.conv_dim, self.nheads], dim=-1)
 
-    def _ssm_inputs(self, xBC: torch.Tensor, dt: torch.Tensor):
+    def _ssm_inputs(self, xBC: torch.Tensor, dt: torch.Tensor, raw_dt: bool = False):
         """The scan's inputs from the conv's output and in_proj's dt rows: (x [..., H, P], B,
-        C [..., G, N], delta [..., H] and A [H] in the state dtype, D as the scan takes it)."""
+        C [..., G, N], delta [..., H] (raw_dt: dt as it comes, for a scan given dt_bias) and
+        A [H] in the state dtype, D as the scan takes it)."""
         H, P, G, N = self.nheads, self.headdim, self.ngroups, self.d_state
         x, B, C = torch.split(xBC, [self.d_ssm, G * N, G * N], dim=-1)
         f = state_dtype(xBC)
-        delta = F.softplus(dt.to(f) + self.dt_bias.to(f))
-        if self.dt_limit != _NO_LIMIT:
-            delta = delta.clamp(*self.dt_limit)
+        delta = dt if raw_dt else mamba2_delta_reference(dt, self.dt_bias, self.dt_limit)
         A = -torch.exp(self.A_log.to(f))
         D = self.D.view(H, P) if self.D_has_hdim else self.D
         return (x.unflatten(-1, (H, P)), B.unflatten(-1, (G, N)), C.unflatten(-1, (G, N)),
@@ -188,11 +188,11 @@ class Mamba2(nn.Module):
         z0, x0, z, xBC, dt = self._split(self.in_proj(u))
         conv_state = None if state is None else state.conv
         xBC, conv_final = conv_silu(self.conv1d, xBC, conv_state, seq_idx, backend)
-        x, B, C, delta, A, D = self._ssm_inputs(xBC, dt)
+        x, B, C, dt, A, D = self._ssm_inputs(xBC, dt, raw_dt=True)
         gate = None if self.rmsnorm else z.unflatten(-1, (self.nheads, self.headdim))
         ssm_state = None if state is None else state.ssm
-        y, ssm_final = _mamba2_scan(x, delta, A, B, C, D, gate, ssm_state, seq_idx,
-                                    self.chunk_size, backend)  # fmt: skip
+        y, ssm_final = _mamba2_scan(x, dt, A, B, C, D, gate, ssm_state, seq_idx, self.chunk_size,
+                                    backend, self.dt_bias, self.dt_limit)  # fmt: skip
         out = self._output(y.flatten(-2), z0, x0, z, backend)
         return (out, Mamba2State(conv_final, ssm_final)) if return_state else out
 

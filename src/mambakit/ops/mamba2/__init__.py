@@ -19,6 +19,7 @@ which checked once.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -31,6 +32,7 @@ from ..mamba3 import _CONFIGS, _config_id
 from ..rms_norm.reference import rms_norm_reference
 from .reference import (
     CHUNK,
+    mamba2_delta_reference,
     mamba2_scan_reference,
     mamba2_step_fused_reference,
     mamba2_step_reference,
@@ -39,6 +41,7 @@ from .reference import (
 __all__ = [
     "Mamba2StepWeights",
     "check_mamba2_state",
+    "mamba2_delta_reference",
     "mamba2_scan",
     "mamba2_scan_reference",
     "mamba2_stack_step",
@@ -81,10 +84,15 @@ def mamba2_scan(
     seq_idx: torch.Tensor | None = None,  # [B, T] int32
     chunk: int = CHUNK,
     backend: str = "auto",
+    dt_bias: torch.Tensor | None = None,  # [H]: delta is in_proj's dt (see below)
+    dt_limit: tuple[float, float] = (0.0, math.inf),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [B, T, H, P] in x.dtype, the final state [B, H, P, N] f32, or f64 for float64
     inputs), differentiable in every input and the initial state (reference.py gives the
-    math). `chunk`: the reference body's block (the result does not depend on it)."""
+    math). `chunk`: the reference body's block (the result does not depend on it). With
+    `dt_bias`, `delta` is in_proj's raw dt and the scan's delta is clamp(softplus(delta +
+    dt_bias), *dt_limit) (`mamba2_delta_reference`; made inside the kernels of a forward
+    without autograd)."""
     check_tensor("x", x, (None, None, None, None))
     Bsz, T, H, P = x.shape
     dev = x.device
@@ -105,48 +113,75 @@ def mamba2_scan(
         check_seq_idx(seq_idx, Bsz, T, dev)
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
-    return _mamba2_scan(x, delta, A, B, C, D, z, initial_state, seq_idx, chunk, backend)
+    if dt_bias is not None:
+        check_tensor("dt_bias", dt_bias, (H,), device=dev)
+    lo, hi = _check_limit(dt_limit)
+    return _mamba2_scan(x, delta, A, B, C, D, z, initial_state, seq_idx, chunk, backend,
+                        dt_bias, (lo, hi))  # fmt: skip
 
 
-def _mamba2_scan(x, delta, A, B, C, D, z, initial_state, seq_idx, chunk, backend):
+def _check_limit(dt_limit) -> tuple[float, float]:
+    try:
+        lo, hi = (float(v) for v in dt_limit)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"dt_limit must be a pair of floats (low, high), got {dt_limit!r}"
+        ) from None
+    if not 0.0 <= lo < hi:
+        raise ValueError(f"dt_limit must satisfy 0 <= low < high, got {dt_limit!r}")
+    return lo, hi
+
+
+def _mamba2_scan(x, delta, A, B, C, D, z, initial_state, seq_idx, chunk, backend, dt_bias=None,
+                 dt_limit=(0.0, math.inf)):  # fmt: skip
     """`mamba2_scan` without the checks. Triton: the kernels (also under torch.compile, as
     custom ops), with an f32 state."""
     if resolve_backend(backend, x) == "triton" and (
         initial_state is None or initial_state.dtype == torch.float32
     ):
-        return mamba2_scan_kernel(x, delta, A, B, C, D, z, initial_state, seq_idx)
+        return mamba2_scan_kernel(x, delta, A, B, C, D, z, initial_state, seq_idx,
+                                  dt_bias=dt_bias, dt_limit=dt_limit)  # fmt: skip
+    if dt_bias is not None:
+        delta = mamba2_delta_reference(delta, dt_bias, dt_limit)
     return mamba2_scan_reference(x, delta, A, B, C, D, z, initial_state, seq_idx, chunk)
 
 
 def mamba2_scan_kernel(x, delta, A, B, C, D=None, z=None, initial_state=None, seq_idx=None,
-                       cfg=None):  # fmt: skip
+                       cfg=None, dt_bias=None, dt_limit=(0.0, math.inf)):  # fmt: skip
     """The Triton body of `mamba2_scan` (its inputs checked), differentiable in every input
     and the initial state: (y in x.dtype, the final f32 state). Outside autograd one custom
     op, `mambakit::mamba2_scan_fwd`; under autograd `mambakit::mamba2_scan_train`, with
     `mambakit::mamba2_scan_bwd` its backward. A D of one value per head and the gate run
     inside the kernels; a D per channel ([H, P]) is added here. cfg: launch parameters other
-    than the library's (`ops.mamba3.chunk.Mamba3ScanConfig`)."""
+    than the library's (`ops.mamba3.chunk.Mamba3ScanConfig`). With dt_bias, delta is
+    in_proj's dt (`mamba2_scan`): made into the scan's inside the forward kernels without
+    autograd, before them otherwise."""
     Bsz, T, H, P = x.shape
     N = B.shape[-1]
     if initial_state is None:
         initial_state = x.new_zeros(Bsz, H, P, N, dtype=torch.float32)
     if T == 0:
         return x.new_empty(x.shape), initial_state.float().clone()
+    tensors = (x, delta, A, B, C, D, z, initial_state, dt_bias)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if dt_bias is not None and grad:
+        delta, dt_bias = mamba2_delta_reference(delta, dt_bias, dt_limit), None
     D_h = D if D is not None and D.dim() == 1 else None
     if D_h is None and D is not None and z is not None:  # D x joins y before the gate
-        y, final = mamba2_scan_kernel(x, delta, A, B, C, None, None, initial_state, seq_idx, cfg)
+        y, final = mamba2_scan_kernel(x, delta, A, B, C, None, None, initial_state, seq_idx, cfg,
+                                      dt_bias, dt_limit)  # fmt: skip
         y = (y.float() + D.float() * x.float()) * torch.nn.functional.silu(z.float())
         return y.to(x.dtype), final
     seq = seq_idx.to(torch.int32).contiguous() if seq_idx is not None else None
     xs = x if x.stride(-1) == 1 else x.contiguous()
     zs = z if z is None or z.stride(-1) == 1 else z.contiguous()
     s0 = initial_state.float().contiguous()
-    args = (xs, delta, A, B, C, D_h, zs, s0, seq, _config_id(cfg))
-    tensors = (x, delta, A, B, C, D, z, initial_state)
-    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors):
-        y, final = _SCAN_FWD(*args)
+    args = (xs, delta, A, B, C, D_h, zs, s0, seq)
+    if not grad:
+        lo, hi = dt_limit
+        y, final = _SCAN_FWD(*args, dt_bias, float(lo), float(hi), _config_id(cfg))
     else:
-        y, final, *_ = _SCAN_TRAIN(*args)
+        y, final, *_ = _SCAN_TRAIN(*args, _config_id(cfg))
     if D is not None and D_h is None:  # [H, P], no gate
         y = (y.float() + D.float() * x.float()).to(x.dtype)
     return y, final
@@ -258,16 +293,18 @@ _ARGS = (
 )
 
 
-@torch.library.custom_op("mambakit::mamba2_scan_fwd", mutates_args=(),
-                         schema=f"({_ARGS}) -> (Tensor, Tensor)")  # fmt: skip
-def _scan_fwd(x, delta, A, B, C, D, z, s0, seq, cfg):
+@torch.library.custom_op(
+    "mambakit::mamba2_scan_fwd", mutates_args=(),
+    schema=f"({_ARGS[:-9]}, Tensor? dt_bias, float lo, float hi, int cfg) -> (Tensor, Tensor)",
+)  # fmt: skip
+def _scan_fwd(x, delta, A, B, C, D, z, s0, seq, dt_bias, lo, hi, cfg):
     from .scan import scan_fwd
 
-    return scan_fwd(x, delta, A, B, C, D, z, s0, seq, _CONFIGS[cfg])
+    return scan_fwd(x, delta, A, B, C, D, z, s0, seq, _CONFIGS[cfg], dt_bias, lo, hi)
 
 
 @_scan_fwd.register_fake
-def _(x, delta, A, B, C, D, z, s0, seq, cfg):
+def _(x, delta, A, B, C, D, z, s0, seq, dt_bias, lo, hi, cfg):
     return x.new_empty(x.shape), s0.new_empty(s0.shape, dtype=torch.float32)
 
 

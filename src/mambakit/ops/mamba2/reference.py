@@ -40,6 +40,20 @@ def _by_group(t: torch.Tensor, G: int) -> torch.Tensor:
     return t.unflatten(-2, (G, t.shape[-2] // G))
 
 
+def mamba2_delta_reference(
+    dt: torch.Tensor,  # [..., H], in_proj's dt rows
+    dt_bias: torch.Tensor,  # [H]
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+) -> torch.Tensor:
+    """The scan's delta from in_proj's dt: clamp(softplus(dt + dt_bias), *dt_limit), in the
+    state dtype (f32, f64 for float64 inputs)."""
+    f = state_dtype(dt, dt_bias)
+    delta = F.softplus(dt.to(f) + dt_bias.to(f))
+    if tuple(dt_limit) != (0.0, math.inf):
+        delta = delta.clamp(*dt_limit)
+    return delta
+
+
 def mamba2_scan_reference(
     x: torch.Tensor,  # [B, T, H, P]
     delta: torch.Tensor,  # [B, T, H] > 0 (after softplus and the limits)

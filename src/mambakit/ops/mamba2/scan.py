@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from .._triton import cdiv, launch, next_power_of_2
+from .._triton import cdiv, launch, next_power_of_2, opt
 from ..mamba3.chunk import CONFIG, _block, _Core, _Ctx, _launch_fwd, _operands_dtype, _precision
 from ..mamba3.chunk_parallel_kernels import _state_scan_kernel
+from .reference import mamba2_delta_reference
 from .ssd_kernels import _ssd_cb_kernel, _ssd_state_kernel, _ssd_y_kernel
+
+_INF = float("inf")
 
 
 def _heads(t: torch.Tensor, H: int) -> torch.Tensor:
@@ -45,12 +48,16 @@ def _terms(x, delta, A, B, C):
     return _heads(C, H), _heads(B, H), adt, gamma, late, k0, x0
 
 
-def scan_fwd(x, delta, A, B, C, D, z, s0, seq, cfg=None):
+def scan_fwd(x, delta, A, B, C, D, z, s0, seq, cfg=None, dt_bias=None, lo=0.0, hi=_INF):
     """The scan without autograd: (y [B, T, H, P] in x.dtype with D and the gate, the final
-    state [B, H, P, N] f32). x and z have unit last stride; s0 is f32 and contiguous."""
+    state [B, H, P, N] f32). x and z have unit last stride; s0 is f32 and contiguous. With
+    dt_bias, delta is in_proj's dt: the scan's delta is clamp(softplus(dt + dt_bias), lo,
+    hi) (made inside the SSD kernels)."""
     cfg = cfg or CONFIG
     if cfg.m2_fwd == "ssd":
-        return ssd_fwd(x, delta, A, B, C, D, z, s0, seq, cfg)
+        return ssd_fwd(x, delta, A, B, C, D, z, s0, seq, cfg, dt_bias, lo, hi)
+    if dt_bias is not None:
+        delta = mamba2_delta_reference(delta, dt_bias, (lo, hi))
     qr, kr, adt, gamma, late, k0, x0 = _terms(x, delta, A, B, C)
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     sT, _, _ = _launch_fwd(x, qr, kr, adt, gamma, late, seq, D, z, s0, k0, x0, y, cfg.chunk,
@@ -88,7 +95,7 @@ def scan_train_backward(dy, dsT, inputs, pre, states, cfg=None):
     return dx, ddelta, dA, dB, dC, dD, dz, ds0
 
 
-def ssd_fwd(x, delta, A, B, C, D, z, s0, seq, cfg=None):
+def ssd_fwd(x, delta, A, B, C, D, z, s0, seq, cfg=None, dt_bias=None, lo=0.0, hi=_INF):
     """`scan_fwd` as the SSD chunked form, every chunk in parallel (ssd_kernels.py): the
     chunks' decays and own state parts, the start states in order (`_state_scan_kernel`),
     then y. Buffers: cs [B, H, T] and the chunks' states [B, H, T / ssd_chunk, P, N], f32,
@@ -115,9 +122,10 @@ def ssd_fwd(x, delta, A, B, C, D, z, s0, seq, cfg=None):
     bs = (B.stride(0), B.stride(1), B.stride(2))
     dts = (delta.stride(0), delta.stride(1))
     launch(_ssd_state_kernel, (Bsz, H, nc),
-        x, B, delta, A, seqt, cs, u, keep, T, H, P, N, H // G, *xs, *bs, *dts, seqt.stride(0),
-        HAS_SEQ=seq is not None, L=L, BLOCK_K=cfg.ssd_block_k, BLOCK_P=block_p,
-        BLOCK_N=block_n, PREC=prec, num_warps=cfg.ssd_warps,
+        x, B, delta, opt(dt_bias, cs), A, seqt, cs, u, keep, T, H, P, N, H // G, lo, hi, *xs, *bs,
+        *dts, seqt.stride(0),
+        HAS_SEQ=seq is not None, DT_RAW=dt_bias is not None, L=L, BLOCK_K=cfg.ssd_block_k,
+        BLOCK_P=block_p, BLOCK_N=block_n, PREC=prec, num_warps=cfg.ssd_warps,
     )  # fmt: skip
     # the start states as the products read them (bf16 for bf16 products: half the bytes)
     dt = _operands_dtype(x, cfg)
@@ -139,11 +147,12 @@ def ssd_fwd(x, delta, A, B, C, D, z, s0, seq, cfg=None):
             L=L, BLOCK_M=BM, BLOCK_N=block_n, PREC=prec, num_warps=cfg.ssd_warps,
         )  # fmt: skip
     launch(_ssd_y_kernel, (Bsz, H, nc * (L // BM)),
-        x, B, C, delta, cs, seqt, zt, D.float() if D is not None else cs, st, y, cb,
-        T, H, P, N, H // G, G, *xs, *bs, C.stride(0), C.stride(1), C.stride(2), *dts,
+        x, B, C, delta, opt(dt_bias, cs), cs, seqt, zt, D.float() if D is not None else cs, st, y,
+        cb, T, H, P, N, H // G, G, lo, hi, *xs, *bs, C.stride(0), C.stride(1), C.stride(2), *dts,
         seqt.stride(0), zt.stride(0), zt.stride(1), zt.stride(2), y.stride(0), y.stride(1),
         y.stride(2),
         HAS_SEQ=seq is not None, HAS_Z=z is not None, HAS_D=D is not None, HAS_CB=cfg.ssd_cb,
+        DT_RAW=dt_bias is not None,
         L=L, BLOCK_M=BM, BLOCK_P=block_p, BLOCK_N=block_n, PREC=prec,
         num_warps=cfg.ssd_warps, **stages,
     )  # fmt: skip

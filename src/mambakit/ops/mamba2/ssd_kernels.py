@@ -11,7 +11,9 @@ head's decays' cumulative sum, f32):
 
 with every sum inside one document under `seq_idx` (the start state carries into the
 rows of the document it ends, `keep_c` is 0 when a document starts inside the chunk).
-`_ssd_state_kernel` gives cs and u_c, chunk.py's `_state_scan_kernel` the start states,
+With DT_RAW the kernels read in_proj's dt and make delta = clamp(softplus(dt + dt_bias),
+lo, hi) themselves. `_ssd_state_kernel` gives cs and u_c, chunk.py's `_state_scan_kernel`
+the start states,
 `_ssd_y_kernel` y from them in blocks of BLOCK_M rows. The products take bf16 operands for
 bf16 inputs (PREC "bf16"), as the Mamba-3 chunk kernels' `_mm`, and accumulate in f32.
 """
@@ -20,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ..mamba3.chunk_kernels import _mm
+from ..selective_scan.tiles import _softplus
 
 # fmt: off
 
@@ -36,12 +39,23 @@ def _operand(ptr, mask, PREC: tl.constexpr):
 
 
 @triton.jit
+def _delta(p_dt, off, mask, h, p_dtb, lo, hi, DT_RAW: tl.constexpr):
+    """delta [rows] f32 at the offsets `off` of dt: as given, or DT_RAW: made from in_proj's
+    dt, clamp(softplus(dt + dt_bias[h]), lo, hi)."""
+    dt = tl.load(p_dt + off, mask=mask, other=0.0).to(tl.float32)
+    if DT_RAW:
+        dt = _softplus(dt + tl.load(p_dtb + h).to(tl.float32))
+        dt = tl.where(mask, tl.minimum(tl.maximum(dt, lo), hi), 0.0)
+    return dt
+
+
+@triton.jit
 def _ssd_state_kernel(
-    p_x, p_b, p_dt, p_A, p_seq, p_cs, p_u, p_keep,
-    T, H, P, N, R,
+    p_x, p_b, p_dt, p_dtb, p_A, p_seq, p_cs, p_u, p_keep,
+    T, H, P, N, R, lo, hi,
     s_x_b, s_x_t, s_x_h, s_b_b, s_b_t, s_b_g, s_dt_b, s_dt_t, s_seq_b,
-    HAS_SEQ: tl.constexpr, L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_N: tl.constexpr, PREC: tl.constexpr,
+    HAS_SEQ: tl.constexpr, DT_RAW: tl.constexpr, L: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr,
 ):
     """Chunk c's decays' cumulative sum (to cs [B, H, T] f32), its own part u_c of the next
     start state (to u [B, H, chunks, P, N] f32) and the factor keep_c (keep [B, H, chunks]).
@@ -58,7 +72,7 @@ def _ssd_state_kernel(
     rows = tl.arange(0, L)
     t = c0 + rows
     mt = t < T
-    adt = tl.load(p_dt + b * s_dt_b + t * s_dt_t + h, mask=mt, other=0.0).to(tl.float32) * A
+    adt = _delta(p_dt, b * s_dt_b + t * s_dt_t + h, mt, h, p_dtb, lo, hi, DT_RAW) * A
     cs = tl.cumsum(adt, axis=0)
     last = tl.minimum(L, T - c0) - 1
     cs_last = tl.sum(tl.where(rows == last, cs, 0.0), axis=0)
@@ -79,7 +93,7 @@ def _ssd_state_kernel(
         tk = c0 + k0 + tl.arange(0, BLOCK_K)
         mk = tk < T
         cs_k = tl.load(p_cs + bh * T + tk, mask=mk, other=0.0)
-        dt_k = tl.load(p_dt + b * s_dt_b + tk * s_dt_t + h, mask=mk, other=0.0).to(tl.float32)
+        dt_k = _delta(p_dt, b * s_dt_b + tk * s_dt_t + h, mk, h, p_dtb, lo, hi, DT_RAW)
         ok = mk
         if HAS_SEQ:
             ok = ok & (tl.load(p_seq + b * s_seq_b + tk, mask=mk, other=-1) == doc_last)
@@ -128,13 +142,13 @@ def _ssd_cb_kernel(
 
 @triton.jit
 def _ssd_y_kernel(
-    p_x, p_b, p_c, p_dt, p_cs, p_seq, p_z, p_D, p_st, p_y, p_cb,
-    T, H, P, N, R, G,
+    p_x, p_b, p_c, p_dt, p_dtb, p_cs, p_seq, p_z, p_D, p_st, p_y, p_cb,
+    T, H, P, N, R, G, lo, hi,
     s_x_b, s_x_t, s_x_h, s_b_b, s_b_t, s_b_g, s_c_b, s_c_t, s_c_g, s_dt_b, s_dt_t, s_seq_b,
     s_z_b, s_z_t, s_z_h, s_y_b, s_y_t, s_y_h,
     HAS_SEQ: tl.constexpr, HAS_Z: tl.constexpr, HAS_D: tl.constexpr, HAS_CB: tl.constexpr,
-    L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREC: tl.constexpr,
+    DT_RAW: tl.constexpr, L: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr, PREC: tl.constexpr,
 ):
     """y for BLOCK_M rows of chunk c from its start state (st [B, H, chunks, P, N] f32):
     the start state's share, then the chunk's causal scores block by block up to the
@@ -173,7 +187,7 @@ def _ssd_y_kernel(
         xk = _operand(p_x + b * s_x_b + tk[:, None] * s_x_t + h * s_x_h + p[None, :],
                       mk[:, None] & mp[None, :], PREC)
         cs_k = tl.load(p_cs + bh * T + tk, mask=mk, other=0.0)
-        dt_k = tl.load(p_dt + b * s_dt_b + tk * s_dt_t + h, mask=mk, other=0.0).to(tl.float32)
+        dt_k = _delta(p_dt, b * s_dt_b + tk * s_dt_t + h, mk, h, p_dtb, lo, hi, DT_RAW)
         ok = (tm[:, None] >= tk[None, :]) & mk[None, :]
         if HAS_SEQ:
             doc_k = tl.load(p_seq + b * s_seq_b + tk, mask=mk, other=-2)
