@@ -37,7 +37,7 @@ def test_sigterm_drains_the_running_stream_and_exits_0(model_dirs, free_port):
         body = {"prompt": "def ", "max_tokens": 300, "temperature": 0, "stream": True,
                 "return_token_ids": True}  # fmt: skip
         headers = {"Authorization": "Bearer k"}
-        n, reason, done = 0, None, False
+        n, reason, done, sent = 0, None, False, False
         with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers,
                           timeout=60) as r:  # fmt: skip
             for line in r.iter_lines():
@@ -49,8 +49,9 @@ def test_sigterm_drains_the_running_stream_and_exits_0(model_dirs, free_port):
                 c = json.loads(line[6:])["choices"][0]
                 n += len(c["token_ids"])
                 reason = c["finish_reason"] or reason
-                if n == 5:
+                if n >= 5 and not sent:
                     proc.send_signal(signal.SIGTERM)
+                    sent = True
         assert done and reason == "length" and n == 300  # the stream ran to its end
         assert proc.wait(timeout=60) == 0
     finally:

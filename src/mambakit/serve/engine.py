@@ -105,7 +105,6 @@ class Request:
         self.pieces: deque[int] = deque()
         self.cached = 0  # prompt tokens found in the prefix cache
         self.sampling = params.sampling  # the engine's one object for equal settings
-        self.inbox = None  # where a consumer on another thread keeps the events it gets
 
     @property
     def done(self) -> bool:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import signal
@@ -136,15 +137,14 @@ def create_app(
             raise bad(field, "the prompt encodes to no tokens")
         return ids
 
-    def submit_all(prompts: list[list[int]], params) -> list:
-        """The engine's requests, each with an asyncio queue of its events as `events`."""
+    def submit_all(prompts: list[list[int]], params) -> tuple[list, asyncio.Queue]:
+        """The engine's requests, and one asyncio queue of (prompt number, event)."""
+        events: asyncio.Queue = asyncio.Queue()
         reqs = []
         try:
-            for ids in prompts:
-                q: asyncio.Queue[Event] = asyncio.Queue()
-                req = engine.submit(ids, params, sink=q.put_nowait)
-                req.inbox = q
-                reqs.append(req)
+            for k, ids in enumerate(prompts):
+                sink = functools.partial(_put, events, k)
+                reqs.append(engine.submit(ids, params, sink=sink))
         except Exception as e:
             for r in reqs:
                 engine.cancel(r)
@@ -164,7 +164,7 @@ def create_app(
                 field = str(e).split(" ")[0]
                 raise bad(field if field in ("prompt", "n", "stop") else "prompt", str(e)) from None
             raise
-        return reqs
+        return reqs, events
 
     async def completion(request: Request, chat: bool):
         body = await read_json(request)
@@ -182,12 +182,12 @@ def create_app(
             prompts = [encode(text, "messages")]
         else:
             prompts = [encode(p, "prompt") for p in parse_prompts(body)]
-        reqs = submit_all(prompts, params)
+        reqs, events = submit_all(prompts, params)
         rid = new_id("chatcmpl" if chat else "cmpl")
         if opts.stream:
-            return StreamingResponse(stream(request, reqs, params, opts, rid, chat),
+            return StreamingResponse(stream(reqs, events, params, opts, rid, chat),
                                      media_type="text/event-stream")  # fmt: skip
-        return await collect(request, reqs, params, opts, rid, chat)
+        return await collect(request, reqs, events, params, opts, rid, chat)
 
     def choice(index: int, text: str, reason, chat: bool, delta: bool, first: bool = False):
         if chat and delta:
@@ -198,35 +198,33 @@ def create_app(
                     "logprobs": None, "finish_reason": reason}  # fmt: skip
         return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
 
-    async def collect(request, reqs, params, opts, rid, chat) -> JSONResponse:
+    async def collect(request, reqs, events, params, opts, rid, chat) -> JSONResponse:
         n = params.n
         texts = [""] * (n * len(reqs))
         ids: list[list[int]] = [[] for _ in texts]
         reasons: list = [None] * len(texts)
         loop = asyncio.get_running_loop()
         next_check = loop.time() + DISCONNECT_CHECK
+        left = len(texts)
         try:
-            for k, req in enumerate(reqs):
-                q = req.inbox
-                left = n
-                while left:
-                    if loop.time() > next_check:  # a client that left cancels its request
-                        if await request.is_disconnected():
-                            raise asyncio.CancelledError
-                        next_check = loop.time() + DISCONNECT_CHECK
-                    try:
-                        ev = await asyncio.wait_for(q.get(), timeout=DISCONNECT_CHECK)
-                    except asyncio.TimeoutError:
-                        continue
-                    i = k * n + ev.index
-                    if ev.finish_reason == "error":
-                        raise APIError(500, f"the request failed: {ev.error}",
-                                       kind="server_error", code="internal_error")  # fmt: skip
-                    texts[i] += ev.text
-                    ids[i] += ev.token_ids
-                    if ev.finish_reason is not None:
-                        reasons[i] = ev.finish_reason
-                        left -= 1
+            while left:
+                if loop.time() > next_check:  # a client that left cancels its request
+                    if await request.is_disconnected():
+                        raise asyncio.CancelledError
+                    next_check = loop.time() + DISCONNECT_CHECK
+                try:
+                    k, ev = await asyncio.wait_for(events.get(), timeout=DISCONNECT_CHECK)
+                except asyncio.TimeoutError:
+                    continue
+                i = k * n + ev.index
+                if ev.finish_reason == "error":
+                    raise APIError(500, f"the request failed: {ev.error}",
+                                   kind="server_error", code="internal_error")  # fmt: skip
+                texts[i] += ev.text
+                ids[i] += ev.token_ids
+                if ev.finish_reason is not None:
+                    reasons[i] = ev.finish_reason
+                    left -= 1
         finally:
             for req in reqs:
                 if not req.done:
@@ -241,52 +239,53 @@ def create_app(
         out["usage"] = usage(sum(len(r.prompt) for r in reqs), sum(map(len, ids)))
         return JSONResponse(out)
 
-    async def stream(request, reqs, params, opts, rid, chat):
+    async def stream(reqs, events, params, opts, rid, chat):
+        """Server-sent events: the events waiting when the stream gets to write are merged
+        per choice into one chunk (a client that reads slowly gets fewer, larger chunks)."""
         n = params.n
-        merged: asyncio.Queue = asyncio.Queue()
-
-        async def pump(k, req):
-            q = req.inbox
-            left = n
-            while left:
-                ev = await q.get()
-                left -= ev.finish_reason is not None
-                await merged.put((k, ev))
-
-        tasks = [asyncio.create_task(pump(k, r)) for k, r in enumerate(reqs)]
         completion_tokens = 0
         started = set()
         left = n * len(reqs)
+        failed = None
         try:
-            while left:
-                k, ev = await merged.get()
-                i = k * n + ev.index
-                if ev.finish_reason == "error":
-                    err = APIError(500, f"the request failed: {ev.error}", kind="server_error",
-                                   code="internal_error")  # fmt: skip
-                    yield f"data: {json.dumps(err.body())}\n\n"
-                    break
-                left -= ev.finish_reason is not None
-                completion_tokens += len(ev.token_ids)
-                if not ev.text and not ev.token_ids and ev.finish_reason is None:
-                    continue
-                out = envelope(rid, model_name, chat, chunk=True)
-                c = choice(i, ev.text, ev.finish_reason, chat, True, first=i not in started)
-                started.add(i)
-                if opts.return_token_ids:
-                    c["token_ids"] = ev.token_ids
-                out["choices"] = [c]
-                yield f"data: {json.dumps(out)}\n\n"
-            else:
-                if opts.include_usage:
+            while left and failed is None:
+                batch = [await events.get()]
+                while not events.empty():
+                    batch.append(events.get_nowait())
+                merged: dict[int, list] = {}
+                for k, ev in batch:
+                    if ev.finish_reason == "error":
+                        failed = ev.error
+                        break
+                    i = k * n + ev.index
+                    m = merged.setdefault(i, ["", [], None])
+                    m[0] += ev.text
+                    m[1] += ev.token_ids
+                    if ev.finish_reason is not None:
+                        m[2] = ev.finish_reason
+                        left -= 1
+                for i, (text, ids, reason) in merged.items():
+                    completion_tokens += len(ids)
+                    if not text and not ids and reason is None:
+                        continue
                     out = envelope(rid, model_name, chat, chunk=True)
-                    out["choices"] = []
-                    out["usage"] = usage(sum(len(r.prompt) for r in reqs), completion_tokens)
+                    c = choice(i, text, reason, chat, True, first=i not in started)
+                    started.add(i)
+                    if opts.return_token_ids:
+                        c["token_ids"] = ids
+                    out["choices"] = [c]
                     yield f"data: {json.dumps(out)}\n\n"
+            if failed is not None:
+                err = APIError(500, f"the request failed: {failed}", kind="server_error",
+                               code="internal_error")  # fmt: skip
+                yield f"data: {json.dumps(err.body())}\n\n"
+            elif opts.include_usage:
+                out = envelope(rid, model_name, chat, chunk=True)
+                out["choices"] = []
+                out["usage"] = usage(sum(len(r.prompt) for r in reqs), completion_tokens)
+                yield f"data: {json.dumps(out)}\n\n"
             yield "data: [DONE]\n\n"
         finally:  # the client went away, or the stream ended: nothing keeps running
-            for t in tasks:
-                t.cancel()
             for req in reqs:
                 if not req.done:
                     engine.cancel(req)
@@ -319,6 +318,10 @@ def create_app(
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     return app
+
+
+def _put(events: asyncio.Queue, k: int, ev: Event) -> None:
+    events.put_nowait((k, ev))
 
 
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000,
