@@ -72,13 +72,20 @@ def mixed_requests(seed: int, count: int):
     return out
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-mamba2", "tiny-mamba3"])
-def test_every_choice_is_what_generate_gives_alone(model_dirs, preset, load):
+@pytest.mark.parametrize(
+    "preset, lookahead",
+    [("tiny", False), ("tiny-mamba2", False), ("tiny-mamba3", False), ("tiny", True)],
+    ids=["tiny", "tiny-mamba2", "tiny-mamba3", "tiny-lookahead"],
+)
+def test_every_choice_is_what_generate_gives_alone(model_dirs, preset, lookahead, load):
     """14 requests of mixed lengths and settings through 5 rows: requests wait, join and
-    leave the batch, long prompts are prefilled in pieces over several iterations."""
+    leave the batch, long prompts are prefilled in pieces over several iterations. With
+    `lookahead` (the CUDA default) the tokens of a step are read after the next is
+    launched."""
     model = load(model_dirs[preset])
     oracle = load(model_dirs[preset])
     engine = Engine(model, max_batch=5, block_size=16, prefill_tokens=40, cache_bytes=0)
+    engine.lookahead = lookahead
     work = mixed_requests(0, 14)
     reqs = [engine.submit(p, sp) for p, sp in work]
     run_all(engine, reqs)
@@ -145,8 +152,10 @@ def test_prefix_cache_lru_budget_and_exact_keys():
     assert cache.lookup([5], forged) is None
 
 
-def test_cancel_frees_the_row_at_once(model_dirs, load):
+@pytest.mark.parametrize("lookahead", [False, True], ids=["read-at-once", "lookahead"])
+def test_cancel_frees_the_row_at_once(model_dirs, lookahead, load):
     engine = Engine(load(model_dirs["tiny"]), max_batch=2, block_size=16)
+    engine.lookahead = lookahead
     long = engine.submit([1, 2, 3], SamplingParams(max_tokens=10_000, temperature=0))
     waiting = engine.submit([4, 5], SamplingParams(max_tokens=3, temperature=0, n=2))
     for _ in range(4):
@@ -334,6 +343,7 @@ def test_graph_paths_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, mo
         engine.prefill_graphs = PrefillGraphs(model, 16)
         engine.prefill_graphs.max_rows = 2  # groups of 3 and more run in parts
     assert engine.pool.buckets == [1, 2, 4, 6]
+    engine.lookahead = True  # as on CUDA
     work = mixed_requests(2, 12)
     reqs = [engine.submit(p, sp) for p, sp in work]
     run_all(engine, reqs)

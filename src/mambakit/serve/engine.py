@@ -183,6 +183,12 @@ class Engine:
             self._zero = model.init_state(1)
         self.prefill_graphs = PrefillGraphs(model, block_size) if self.graphs else None
         self.rows: list[Sequence] = []  # the choice in each leading row of the pool
+        # decode: the step launched and not yet read (lookahead), two host buffers of tokens
+        self.lookahead = self.device.type == "cuda"
+        self._inflight = None
+        pin = self.device.type == "cuda"
+        self._host = [torch.zeros(max_batch, dtype=torch.int64, pin_memory=pin) for _ in "ab"]
+        self._flip = 0
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.reserved = 0  # rows promised to prefilling requests
@@ -375,7 +381,7 @@ class Engine:
                     self._end_request(req, "abort", "the server is shutting down")
                 with self._lock:
                     self._abort = False
-            if self.rows:
+            if self.rows or self._inflight is not None:
                 self._decode()
             self._flush()
             self._admit()
@@ -414,24 +420,57 @@ class Engine:
             self.deliver(out)
 
     def _decode(self) -> None:
+        """Launch the decode step of the running rows; take the tokens of a step launched
+        before. With `lookahead` (on CUDA) the tokens taken are those of the previous
+        iteration's step, whose copy to the host was enqueued then: the host's work on one
+        step's tokens overlaps the device's work on the next. A choice that ended is then
+        stepped once more, its token dropped; rows moved meanwhile are copied in stream
+        order, after that step."""
+        launched = self._launch() if self.rows else None
+        if self._inflight is not None:
+            self._collect(self._inflight)
+            self._inflight = None
+        if launched is not None:
+            if self.lookahead:
+                self._inflight = launched
+            else:
+                self._collect(launched)
+
+    def _launch(self):
+        """Step rows 0 .. n-1 and sample; (their choices, the host buffer their tokens are
+        copied to, the event that marks the copy done), or None when the step failed."""
         pool, n = self.pool, len(self.rows)
+        rows = list(self.rows)
         try:
             logits = pool.step(n)
-            cfgs = [s.request.sampling for s in self.rows]
+            cfgs = [s.request.sampling for s in rows]
             seen = pool.seen[:n] if pool.seen is not None else None
             nxt = sample_rows(logits, cfgs, pool.seeds[:n], pool.steps[:n], seen)
             pool.tok[:n].copy_(nxt)
             pool.steps[:n] += 1
             if pool.seen is not None:
                 pool.seen[torch.arange(n, device=pool.device), nxt] = True
-            tokens = nxt.tolist()
+            host = self._host[self._flip]
+            self._flip ^= 1
+            host[:n].copy_(nxt, non_blocking=True)
+            event = None
+            if pool.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
         except Exception as e:  # the batch's step failed: every running choice ends
             msg = f"decode step failed: {type(e).__name__}: {e}"
-            for req in {s.request for s in self.rows}:
+            for req in {s.request for s in rows}:
                 self._end_request(req, "error", msg)
-            return
+            return None
+        return rows, host, event
+
+    def _collect(self, launched) -> None:
+        rows, host, event = launched
+        if event is not None:
+            event.synchronize()
+        tokens = host[: len(rows)].tolist()
         now = time.monotonic()
-        for seq, tok in zip(list(self.rows), tokens):
+        for seq, tok in zip(rows, tokens):
             if seq.finished is None:
                 self._accept(seq, tok, now)
         self._free_rows()
