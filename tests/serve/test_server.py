@@ -185,6 +185,9 @@ def test_api_key_and_open_routes(server):
         ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
         ({"prompt": "a", "n": 0}, 400, "n"),
         ({"prompt": "a", "stop": 5}, 400, "stop"),
+        ({"prompt": "a", "stop": ["x"] * 17}, 400, "stop"),
+        ({"prompt": "a", "top_k": 2.5}, 400, "top_k"),
+        ({"prompt": "a", "n": 9}, 400, "n"),  # more choices than slots
         ({"prompt": "a", "seed": -1}, 400, "seed"),
         ({"prompt": "a", "logprobs": 2}, 400, "logprobs"),
         ({"prompt": "a", "stream": "yes"}, 400, "stream"),

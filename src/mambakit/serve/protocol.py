@@ -17,6 +17,9 @@ from dataclasses import dataclass
 
 from .params import SamplingParams
 
+MAX_STOPS = 16  # stop strings (and stop token ids) per request at most
+MAX_STOP_CHARS = 256  # characters of one stop string at most
+
 
 class APIError(Exception):
     """An error answered as the OpenAI API's JSON error object with `status`."""
@@ -123,9 +126,14 @@ def parse_request(body, chat: bool, default_max_tokens: int, max_tokens_limit: i
         stop = (stop,)
     elif not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise bad("stop", "stop must be a string or a list of non-empty strings")
+    if len(stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise bad("stop", f"stop takes at most {MAX_STOPS} strings of {MAX_STOP_CHARS} "
+                          "characters each")  # fmt: skip
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(_is_int(i) and i >= 0 for i in stop_ids):
         raise bad("stop_token_ids", "stop_token_ids must be a list of ints >= 0")
+    if len(stop_ids) > MAX_STOPS:
+        raise bad("stop_token_ids", f"stop_token_ids takes at most {MAX_STOPS} ids")
     flags = {}
     for key in ("stream", "ignore_eos", "return_token_ids"):
         v = body.get(key)
