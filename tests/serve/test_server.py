@@ -307,18 +307,20 @@ def test_the_server_survives_a_request_that_raises(server):
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
 
 
-def test_chat_without_a_template_is_refused(model_dirs, load):
-    engine = Engine(load(model_dirs["tiny"]), max_batch=2)
-    app = create_app(engine, model_name="tiny", tokenizer=None)
-
-    async def main():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
-            chat = await c.post("/v1/chat/completions",
-                                json={"messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
-            text = await c.post("/v1/completions", json={"prompt": "hi"})
-            return chat, text
-
-    chat, text = asyncio.run(main())
+def test_without_tokenizer_or_template(model_dirs, load, running):
+    """Token-id prompts work without a tokenizer (the text is then empty); text prompts and
+    chat are refused with 400 naming the field."""
+    engine = Engine(load(model_dirs["tiny-mamba3"]), max_batch=2)
+    oracle = load(model_dirs["tiny-mamba3"])
+    app = create_app(engine, model_name="m3", tokenizer=None)
+    with running(app) as url:
+        chat = httpx.post(f"{url}/v1/chat/completions",
+                          json={"messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+        text = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"})
+        ids = httpx.post(f"{url}/v1/completions", json={"prompt": [7, 8, 9], "max_tokens": 6,
+                         "temperature": 0, "return_token_ids": True})  # fmt: skip
     assert chat.status_code == 400 and "no chat template" in chat.json()["error"]["message"]
     assert text.status_code == 400 and "token ids" in text.json()["error"]["message"]
+    assert text.json()["error"]["param"] == "prompt"
+    c = ids.json()["choices"][0]
+    assert c["text"] == "" and c["token_ids"] == alone(oracle, [7, 8, 9], 6, temperature=0.0)

@@ -89,8 +89,8 @@ class PrefillGraphs:
         self.enabled = True
         row = model.init_state(1)
         row_bytes = sum(t.numel() * t.element_size() for t in row._tensors())
-        rows = 1
-        while rows < GRAPH_MAX_ROWS and 2 * (2 * rows) * row_bytes * 2 <= GRAPH_STATE_BYTES:
+        rows = 1  # buckets 1, 2, ... R hold 2 states of 2R - 1 rows in all
+        while rows < GRAPH_MAX_ROWS and 2 * (4 * rows - 1) * row_bytes <= GRAPH_STATE_BYTES:
             rows *= 2
         self.max_rows = rows
         self.lengths = [1 << i for i in range(block_size.bit_length()) if 1 << i < block_size]
