@@ -3,8 +3,9 @@ prefix-state cache) and, with the `[serve]` extra, the OpenAI-compatible HTTP se
 (`mambakit.serve.server`, `mambakit serve`)."""
 
 from .cache import PrefixCache
-from .engine import Completion, Engine, PromptTooLong, Request
+from .engine import Engine
 from .params import EngineStopped, Event, QueueFull, SamplingParams
+from .request import Completion, PromptTooLong, Request
 
 __all__ = [
     "Completion",

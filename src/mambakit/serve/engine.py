@@ -32,93 +32,23 @@ state and logits agree up to the rounding of f32 sums in a batch of another size
 
 from __future__ import annotations
 
-import queue
 import random
 import threading
 import time
 import traceback
-import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from ..inference.cuda_graph import static_mode, use_cuda_graph
-from ..state import ModelState
 from ..threads import apply_threads
 from .cache import PrefixCache, prefix_hashes
-from .detok import Detokenizer, StopText
 from .metrics import Metrics
 from .params import EngineStopped, Event, QueueFull, SamplingParams
 from .prefill import PrefillGraphs, piece_lengths, plan_targets, stack_rows
+from .request import Completion, PromptTooLong, Request, Sequence
 from .slots import SlotPool, rows_view, sample_rows
-
-
-class PromptTooLong(ValueError):
-    """The prompt has more tokens than the engine's limit (HTTP 413)."""
-
-
-@dataclass
-class Completion:
-    """One finished choice, as `Engine.generate` returns it."""
-
-    index: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    error: str | None = None
-
-
-class Sequence:
-    """One choice of a request: its tokens, text and row in the pool while it runs."""
-
-    def __init__(self, request: Request, index: int, seed: int, tokenizer) -> None:
-        self.request = request
-        self.index = index
-        self.seed = seed
-        self.tokens: list[int] = []
-        self.detok = Detokenizer(tokenizer, request.prompt)
-        self.stop_text = StopText(request.params.stop)
-        self.finished: str | None = None
-        self.last_time = 0.0
-
-
-class Request:
-    """A submitted prompt and its choices; `events()` yields what the engine sends when no
-    `sink` was given."""
-
-    def __init__(self, prompt: list[int], params: SamplingParams, sink, request_id) -> None:
-        self.id = request_id or uuid.uuid4().hex
-        self.prompt = prompt
-        self.params = params
-        self.arrival = time.monotonic()
-        self._queue: queue.Queue | None = None if sink is not None else queue.Queue()
-        self.sink: Callable[[Event], None] = sink if sink is not None else self._queue.put
-        self.seqs: list[Sequence] = []
-        self.open = params.n  # choices not finished yet
-        # prefill
-        self.pos = 0
-        self.hashes: list[int] = []
-        self.state: ModelState | None = None  # after prompt[:pos], one row
-        self.logits: torch.Tensor | None = None  # [V] at prompt[pos - 1]
-        self.pieces: deque[int] = deque()
-        self.cached = 0  # prompt tokens found in the prefix cache
-        self.sampling = params.sampling  # the engine's one object for equal settings
-
-    @property
-    def done(self) -> bool:
-        return self.open == 0
-
-    def events(self, timeout: float | None = None):
-        """The request's events, until every choice has ended (no `sink` given)."""
-        if self._queue is None:
-            raise RuntimeError("events(): this request sends its events to its sink")
-        left = self.params.n
-        while left:
-            ev = self._queue.get(timeout=timeout)
-            left -= ev.finish_reason is not None
-            yield ev
 
 
 class Engine:
@@ -481,26 +411,13 @@ class Engine:
         try:
             if self.on_token is not None:
                 self.on_token(seq, tok)
-            seq.tokens.append(tok)
-            p = req.params
             self._n_out += 1
-            if len(seq.tokens) > 1:
+            if seq.tokens:
                 self._itl.append(now - seq.last_time)
             elif seq.index == 0:
                 self._ttft.append(now - req.arrival)
             seq.last_time = now
-            reason = None
-            if tok in p.stop_token_ids or (tok == self.eos_token_id and not p.ignore_eos):
-                reason = "stop"
-                text = ""
-            else:
-                text = seq.stop_text.add(seq.detok.push(tok))
-                if seq.stop_text.stopped:
-                    reason = "stop"
-            if reason is None and len(seq.tokens) >= p.max_tokens:
-                reason = "length"
-            if reason is not None and not seq.stop_text.stopped:
-                text += seq.stop_text.add(seq.detok.flush()) + seq.stop_text.flush()
+            text, reason = seq.push(tok, self.eos_token_id)
             self._outbox.append((req, Event(seq.index, [tok], text, reason)))
             if reason is not None:
                 self._finish(seq, reason)

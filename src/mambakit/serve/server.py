@@ -32,7 +32,7 @@ import signal
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from .engine import Engine, PromptTooLong
+from .engine import Engine
 from .params import EngineStopped, Event, QueueFull
 from .protocol import (
     APIError,
@@ -44,6 +44,7 @@ from .protocol import (
     parse_request,
     usage,
 )
+from .request import PromptTooLong
 
 MAX_BODY_BYTES = 4 << 20
 DISCONNECT_CHECK = 0.25  # seconds between checks that a non-streaming client is still there

@@ -1,0 +1,106 @@
+"""A submitted request and its choices, as the engine tracks them.
+
+A `Request` is one prompt with its `SamplingParams`; each of its `n` choices is a
+`Sequence` with its own seed, tokens, text and, while it runs, a row of the slot pool.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..state import ModelState
+from .detok import Detokenizer, StopText
+from .params import Event, SamplingParams
+
+
+class PromptTooLong(ValueError):
+    """The prompt has more tokens than the engine's limit (HTTP 413)."""
+
+
+@dataclass
+class Completion:
+    """One finished choice, as `Engine.generate` returns it."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    error: str | None = None
+
+
+class Sequence:
+    """One choice of a request: its tokens, text and row in the pool while it runs."""
+
+    def __init__(self, request: Request, index: int, seed: int, tokenizer) -> None:
+        self.request = request
+        self.index = index
+        self.seed = seed
+        self.tokens: list[int] = []
+        self.detok = Detokenizer(tokenizer, request.prompt)
+        self.stop_text = StopText(request.params.stop)
+        self.finished: str | None = None
+        self.last_time = 0.0
+
+    def push(self, tok: int, eos_token_id: int | None) -> tuple[str, str | None]:
+        """Append a new token: (the text that can be sent now, why the choice ends or None).
+        A stop token (or end of sequence) adds no text; a stop string cuts the text before
+        it; the end flushes what was held back."""
+        self.tokens.append(tok)
+        p = self.request.params
+        reason = None
+        if tok in p.stop_token_ids or (tok == eos_token_id and not p.ignore_eos):
+            reason = "stop"
+            text = ""
+        else:
+            text = self.stop_text.add(self.detok.push(tok))
+            if self.stop_text.stopped:
+                reason = "stop"
+        if reason is None and len(self.tokens) >= p.max_tokens:
+            reason = "length"
+        if reason is not None and not self.stop_text.stopped:
+            text += self.stop_text.add(self.detok.flush()) + self.stop_text.flush()
+        return text, reason
+
+
+class Request:
+    """A submitted prompt and its choices; `events()` yields what the engine sends when no
+    `sink` was given."""
+
+    def __init__(self, prompt: list[int], params: SamplingParams, sink, request_id) -> None:
+        self.id = request_id or uuid.uuid4().hex
+        self.prompt = prompt
+        self.params = params
+        self.arrival = time.monotonic()
+        self._queue: queue.Queue | None = None if sink is not None else queue.Queue()
+        self.sink: Callable[[Event], None] = sink if sink is not None else self._queue.put
+        self.seqs: list[Sequence] = []
+        self.open = params.n  # choices not finished yet
+        # prefill
+        self.pos = 0
+        self.hashes: list[int] = []
+        self.state: ModelState | None = None  # after prompt[:pos], one row
+        self.logits: torch.Tensor | None = None  # [V] at prompt[pos - 1]
+        self.pieces: deque[int] = deque()
+        self.cached = 0  # prompt tokens found in the prefix cache
+        self.sampling = params.sampling  # the engine's one object for equal settings
+
+    @property
+    def done(self) -> bool:
+        return self.open == 0
+
+    def events(self, timeout: float | None = None):
+        """The request's events, until every choice has ended (no `sink` given)."""
+        if self._queue is None:
+            raise RuntimeError("events(): this request sends its events to its sink")
+        left = self.params.n
+        while left:
+            ev = self._queue.get(timeout=timeout)
+            left -= ev.finish_reason is not None
+            yield ev
