@@ -23,12 +23,16 @@ the cache; aim: mixed throughput within 20% of generate's batch-256 rate.
     python benchmarks/bench_serve.py --preset 130m-mamba2 --device cuda --out serve.json
     python benchmarks/bench_serve.py --smoke          # a tiny model on the CPU, < 1 minute
 
+`--http` also runs the mixed loads through the HTTP server: uvicorn in this process (as
+`mambakit serve` runs it), streaming httpx clients in `--http-procs` processes.
+
 Prints a table and writes a results record (`--out`, JSON: benchmarks/common.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import queue
 import random
 import sys
@@ -167,6 +171,86 @@ def decode_rate(model, batch: int, prompt: int, new: int, device, vocab: int) ->
     return {"batch": batch, "step_ms": step * 1e3, "tokens_per_s": batch / step}
 
 
+def http_clients(url: str, load: list, clients: int) -> list[tuple[float, list[float], int]]:
+    """In a process of its own: `clients` closed-loop streaming clients over `load`;
+    (start, token times, tokens) per request, on this process's perf_counter."""
+    import asyncio
+
+    import httpx
+
+    pending = list(reversed(load))
+    out = []
+
+    async def worker(client):
+        while pending:
+            prompt, max_tokens = pending.pop()
+            body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "return_token_ids": True}  # fmt: skip
+            t0, times = time.perf_counter(), []
+            async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        now = time.perf_counter()
+                        n = len(json.loads(line[6:])["choices"][0].get("token_ids", []))
+                        times.extend([now] * n)
+            out.append((t0, times, len(times)))
+
+    async def main():
+        limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients)
+        async with httpx.AsyncClient(timeout=None, limits=limits) as client:
+            await asyncio.gather(*(worker(client) for _ in range(clients)))
+
+    asyncio.run(main())
+    return out
+
+
+def run_http(engine: Engine, load, clients: int, procs: int) -> dict:
+    """The load through the HTTP server (uvicorn in a thread of this process, as
+    `mambakit serve` runs it) from `procs` client processes sharing the clients."""
+    import multiprocessing
+    import socket
+    import threading
+
+    import uvicorn
+
+    from mambakit.serve.server import create_app
+
+    app = create_app(engine, model_name="bench", max_tokens_limit=1 << 20)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning"))  # fmt: skip
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    procs = max(1, min(procs, clients))
+    shares = [load[i::procs] for i in range(procs)]
+    per = [clients // procs + (i < clients % procs) for i in range(procs)]
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with multiprocessing.get_context("spawn").Pool(procs) as pool:
+            t0 = time.perf_counter()
+            parts = pool.starmap(http_clients, [(url, sh, c) for sh, c in zip(shares, per)])
+            wall = time.perf_counter() - t0  # includes the client processes' start
+    finally:
+        server.should_exit = True
+        thread.join(timeout=120)
+    reqs = [r for part in parts for r in part]
+    ttft = [times[0] - t0 for t0, times, _ in reqs if times]
+    itl = [b - a for _, times, _ in reqs for a, b in zip(times, times[1:])]
+    out = sum(n for *_, n in reqs)
+    first = min(t0 for t0, _, _ in reqs)
+    last = max(times[-1] for _, times, _ in reqs if times)
+    return {
+        "requests": len(reqs), "output_tokens": out, "wall_s": round(wall, 3),
+        "tokens_per_s": out / (last - first) if last > first else float("nan"),
+        "ttft_p50_ms": pct(ttft, 0.5) * 1e3, "ttft_p99_ms": pct(ttft, 0.99) * 1e3,
+        "itl_p50_ms": pct(itl, 0.5) * 1e3, "itl_p99_ms": pct(itl, 0.99) * 1e3,
+    }  # fmt: skip
+
+
 def engine_for(model, clients: int, args, cache: bool) -> Engine:
     graphs = not args.no_cuda_graph and model_device(model).type == "cuda"
     engine = Engine(model, max_batch=clients, block_size=args.block_size,
@@ -199,6 +283,10 @@ def main() -> None:
     ap.add_argument("--cache-gib", type=float, default=4.0)
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--http", action="store_true",
+                    help="also run the mixed loads through the HTTP server (streaming clients "
+                         "in --http-procs processes)")  # fmt: skip
+    ap.add_argument("--http-procs", type=int, default=4)
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, small loads")
     ap.add_argument("--out", default=None, help="write the results record (JSON) here")
     args = ap.parse_args()
@@ -249,6 +337,10 @@ def main() -> None:
         res = run_engine(engine, load, n)
         engine.shutdown(timeout=60)
         row(workload=f"mixed, {n} clients", impl="engine", clients=n, **res)
+        if args.http:
+            engine = engine_for(model, n, args, cache=True)
+            hres = run_http(engine, load, n, args.http_procs)
+            row(workload=f"mixed, {n} clients", impl="HTTP server", clients=n, **hres)
         run_static(model, load[:n], n, device)  # warm-up
         st = run_static(model, load, n, device)
         row(workload=f"mixed, {n} clients", impl="generate static batches", clients=n, **st)
