@@ -372,3 +372,32 @@ def test_engine_on_cuda_gives_generate_alone(model_dirs, preset):
     assert engine.prefill_graphs.enabled
     for (prompt, sp), req in zip(work, reqs):
         assert tokens(req) == alone(oracle, prompt, sp), (len(prompt), sp)
+
+
+def test_detokenizer_with_a_tokenizer_json(tmp_path):
+    """Text of each token as it arrives, with a byte-level BPE tokenizer.json: the pieces
+    join to the text of all the tokens (word-initial spaces and multi-byte characters
+    included)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from mambakit.serve.detok import Detokenizer
+    from mambakit.text import HFTokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["def main():\n    return 'héllo wörld' + str(42)", "naïve café ☕ résumé"] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(corpus, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = HFTokenizer(tmp_path)
+    prompt = hf.encode("def main():")
+    for text in ("\n    return 'héllo wörld'", " naïve café ☕ résumé"):
+        ids = hf.encode(text)
+        d = Detokenizer(hf, prompt)
+        pieces = [d.push(i) for i in ids] + [d.flush()]
+        assert "".join(pieces) == hf.decode(prompt + ids)[len(hf.decode(prompt)) :]
+    d = Detokenizer(ByteTokenizer(), [])
+    assert [d.push(b) for b in "é!".encode()] == ["", "é", "!"]
