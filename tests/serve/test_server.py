@@ -207,8 +207,10 @@ def test_bad_requests_get_their_codes(server, body, status, param):
 
 def test_body_limits_json_and_a_full_queue(server):
     url, engine, _ = server
-    r = httpx.post(f"{url}/v1/completions", content=b"{not json", headers=AUTH)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+    for content in (b"{not json", b"[1, 2]", b'{"prompt": "a", "temperature": NaN}'):
+        r = httpx.post(f"{url}/v1/completions", content=content, headers=AUTH)
+        assert r.status_code == 400, content
+        assert r.json()["error"]["param"] == ("temperature" if b"NaN" in content else "body")
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "x" * (70 << 10)}, headers=AUTH)
     assert r.status_code == 413
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": "hi"}, headers=AUTH)

@@ -118,9 +118,12 @@ def create_app(
                                code="body_too_large")  # fmt: skip
             chunks.append(chunk)
         try:
-            return json.loads(b"".join(chunks))
+            body = json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError) as e:
             raise bad("body", f"the request body is not valid JSON ({e})") from None
+        if not isinstance(body, dict):
+            raise bad("body", "the request body must be a JSON object")
+        return body
 
     def check_model(body: dict) -> None:
         name = body.get("model")
