@@ -5,6 +5,7 @@ Used by training (data.py), generation and the CLI alike; nothing is downloaded.
 
 from __future__ import annotations
 
+import codecs
 from pathlib import Path
 
 
@@ -57,3 +58,39 @@ def load_tokenizer(spec: str | Path | None):
     if spec is None or str(spec) == "byte":
         return ByteTokenizer()
     return HFTokenizer(spec)
+
+
+class TextStream:
+    """Turns one sequence's token ids into text as they arrive, after its prompt, holding
+    back what is not yet whole: an incomplete UTF-8 sequence (bytes) or a piece the
+    tokenizer decodes to U+FFFD. A tokenizer of None gives no text."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int]) -> None:
+        self.tok = tokenizer
+        self.byte = isinstance(tokenizer, ByteTokenizer)
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        # a few prompt tokens decoded along, so that word-initial spaces come out right
+        self.ids = list(prompt_ids[-4:])
+        self.prefix = 0
+        self.read = len(self.ids)
+
+    def push(self, token: int) -> str:
+        if self.tok is None:
+            return ""
+        if self.byte:
+            return self.utf8.decode(bytes([token]))
+        self.ids.append(token)
+        before = self.tok.decode(self.ids[self.prefix : self.read])
+        text = self.tok.decode(self.ids[self.prefix :])
+        if len(text) > len(before) and not text.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return text[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        if self.tok is None:
+            return ""
+        if self.byte:
+            return self.utf8.decode(b"", final=True)
+        text = self.tok.decode(self.ids[self.prefix :])
+        return text[len(self.tok.decode(self.ids[self.prefix : self.read])) :]

@@ -380,8 +380,8 @@ def test_detokenizer_with_a_tokenizer_json(tmp_path):
     included)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from mambakit.serve.detok import Detokenizer
     from mambakit.text import HFTokenizer
+    from mambakit.text import TextStream as Detokenizer
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

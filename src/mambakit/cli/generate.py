@@ -8,7 +8,6 @@ file names the newest `step_XXXXXXX/` checkpoint.
 from __future__ import annotations
 
 import argparse
-import codecs
 import sys
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ import torch
 
 from ..inference.sampling import SamplingConfig
 from ..model import MambaLM
-from ..text import ByteTokenizer, HFTokenizer, load_tokenizer
+from ..text import ByteTokenizer, HFTokenizer, TextStream, load_tokenizer
 from ._common import UsageError, add_threads_flag, check_device, set_threads
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -98,37 +97,6 @@ def find_tokenizer(spec: str | None, ckpt: Path, vocab_size: int):
         f"no tokenizer.json or tokenizer.txt in {str(ckpt)!r} and the vocabulary "
         f"({vocab_size}) is not bytes; pass --tokenizer PATH/tokenizer.json (or 'byte')"
     )
-
-
-class TextStream:
-    """Turns token ids into text as they arrive, holding back what is not yet whole:
-    an incomplete UTF-8 sequence (bytes) or a piece the tokenizer decodes to U+FFFD."""
-
-    def __init__(self, tokenizer, prompt_ids: list[int]) -> None:
-        self.tok = tokenizer
-        self.byte = isinstance(tokenizer, ByteTokenizer)
-        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.ids = list(prompt_ids)
-        # decode a few prompt tokens along, so word-initial spaces come out right
-        self.prefix = max(0, len(self.ids) - 4)
-        self.read = len(self.ids)
-
-    def push(self, token: int) -> str:
-        if self.byte:
-            return self.utf8.decode(bytes([token]))
-        self.ids.append(token)
-        before = self.tok.decode(self.ids[self.prefix : self.read])
-        text = self.tok.decode(self.ids[self.prefix :])
-        if len(text) > len(before) and not text.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
-            return text[len(before) :]
-        return ""
-
-    def flush(self) -> str:
-        if self.byte:
-            return self.utf8.decode(b"", final=True)
-        text = self.tok.decode(self.ids[self.prefix :])
-        return text[len(self.tok.decode(self.ids[self.prefix : self.read])) :]
 
 
 def _check_args(args: argparse.Namespace) -> None:

@@ -1,50 +1,11 @@
 """Token ids to text as they arrive, and the stop strings that end a choice.
 
-`Detokenizer` gives the text of each new token once it is whole: an incomplete UTF-8
-sequence (byte tokenizer) or a piece a tokenizer decodes to U+FFFD is held until the
-tokens that complete it arrive. `StopText` holds back the end of the text that may be
+(`mambakit.text.TextStream` gives the text of each new token once it is whole.)
+`StopText` holds back the end of the text that may be
 the start of a stop string, and cuts the text where a stop string first appears.
 """
 
 from __future__ import annotations
-
-import codecs
-
-from ..text import ByteTokenizer
-
-
-class Detokenizer:
-    """Incremental decoding of one choice's tokens, after its prompt."""
-
-    def __init__(self, tokenizer, prompt_ids: list[int]) -> None:
-        self.tok = tokenizer
-        self.byte = isinstance(tokenizer, ByteTokenizer)
-        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        # a few prompt tokens decoded along, so that word-initial spaces come out right
-        self.ids = list(prompt_ids[-4:])
-        self.prefix = 0
-        self.read = len(self.ids)
-
-    def push(self, token: int) -> str:
-        if self.tok is None:
-            return ""
-        if self.byte:
-            return self.utf8.decode(bytes([token]))
-        self.ids.append(token)
-        before = self.tok.decode(self.ids[self.prefix : self.read])
-        text = self.tok.decode(self.ids[self.prefix :])
-        if len(text) > len(before) and not text.endswith("\ufffd"):
-            self.prefix, self.read = self.read, len(self.ids)
-            return text[len(before) :]
-        return ""
-
-    def flush(self) -> str:
-        if self.tok is None:
-            return ""
-        if self.byte:
-            return self.utf8.decode(b"", final=True)
-        text = self.tok.decode(self.ids[self.prefix :])
-        return text[len(self.tok.decode(self.ids[self.prefix : self.read])) :]
 
 
 class StopText:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from ..state import ModelState
-from .detok import Detokenizer, StopText
+from ..text import TextStream
+from .detok import StopText
 from .params import Event, SamplingParams
 
 
@@ -43,7 +44,7 @@ class Sequence:
         self.index = index
         self.seed = seed
         self.tokens: list[int] = []
-        self.detok = Detokenizer(tokenizer, request.prompt)
+        self.detok = TextStream(tokenizer, request.prompt)
         self.stop_text = StopText(request.params.stop)
         self.finished: str | None = None
         self.last_time = 0.0
