@@ -118,22 +118,35 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--{name.replace('_', '-')} {rest}") from None
 
 
-def run(args: argparse.Namespace) -> int:
-    _check_args(args)
+def load_model(args: argparse.Namespace) -> tuple[MambaLM, Path, torch.device]:
+    """(the model of --model on --device in --dtype, its checkpoint folder, the device), with
+    --threads set: what `generate` and `serve` load."""
     device = check_device(args.device)
     set_threads(args.threads)
     dtype = _DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     ckpt = resolve_checkpoint(args.model)
-    model = MambaLM.from_pretrained(ckpt, device=device, dtype=dtype).eval()
-    vocab = model.config.vocab_size
-    tokenizer = find_tokenizer(args.tokenizer, ckpt, vocab)
+    return MambaLM.from_pretrained(ckpt, device=device, dtype=dtype).eval(), ckpt, device
+
+
+def end_token(args: argparse.Namespace, model: MambaLM) -> int | None:
+    """--eos-token-id, else the checkpoint's (the first of a list); None outside the
+    vocabulary."""
     eos = args.eos_token_id
     if eos is None:
         eos = model.config.extra.get("eos_token_id")
         if isinstance(eos, list):
             eos = eos[0] if eos else None
-    if eos is not None and (eos < 0 or eos >= vocab):
+    if eos is not None and not 0 <= eos < model.config.vocab_size:
         eos = None
+    return eos
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    model, ckpt, device = load_model(args)
+    vocab = model.config.vocab_size
+    tokenizer = find_tokenizer(args.tokenizer, ckpt, vocab)
+    eos = end_token(args, model)
     prompt_ids = tokenizer.encode(args.prompt)
     if not prompt_ids:
         raise UsageError("--prompt encodes to no tokens")

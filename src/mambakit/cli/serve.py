@@ -17,9 +17,10 @@ import sys
 
 import torch
 
-from ._common import UsageError, add_threads_flag, check_device, set_threads
+from ._common import UsageError, add_threads_flag
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 API_KEY_ENV = "MAMBAKIT_API_KEY"
 
 
@@ -90,17 +91,12 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise UsageError(f"mambakit serve needs the serve extra ({e}): "
                          "pip install -e \".[serve]\"") from None  # fmt: skip
-    from ..model import MambaLM
     from ..serve import Engine
     from ..serve.chat import ChatTemplate
     from ..serve.server import create_app, serve
-    from .generate import find_tokenizer, resolve_checkpoint
+    from .generate import end_token, find_tokenizer, load_model
 
-    device = check_device(args.device)
-    set_threads(args.threads)
-    dtype = _DTYPES.get(args.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    ckpt = resolve_checkpoint(args.model)
-    model = MambaLM.from_pretrained(ckpt, device=device, dtype=dtype).eval()
+    model, ckpt, device = load_model(args)
     vocab = model.config.vocab_size
     try:
         tokenizer = find_tokenizer(args.tokenizer, ckpt, vocab)
@@ -109,13 +105,7 @@ def run(args: argparse.Namespace) -> int:
             raise
         tokenizer = None
         print("mambakit serve: no tokenizer found: prompts must be token ids", file=sys.stderr)
-    eos = args.eos_token_id
-    if eos is None:
-        eos = model.config.extra.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-    if eos is not None and not 0 <= eos < vocab:
-        eos = None
+    eos = end_token(args, model)
     try:
         chat = ChatTemplate.from_folder(ckpt)
     except ImportError:
@@ -139,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
                      api_key=api_key, max_tokens_limit=args.max_tokens,
                      drain_timeout=args.drain_timeout)  # fmt: skip
     where = f"http://{args.host}:{args.port}"
+    dtype = next(model.parameters()).dtype
     print(f"mambakit serve: {name} on {device} ({dtype}), {args.max_batch} slots, "
           f"{where}/v1{' (API key required)' if api_key else ''}", file=sys.stderr)  # fmt: skip
     serve(app, host=args.host, port=args.port, drain_timeout=args.drain_timeout)
