@@ -94,6 +94,19 @@ def test_every_choice_is_what_generate_gives_alone(model_dirs, preset, lookahead
     assert not engine.rows and not engine.prefilling and engine.idle
 
 
+def test_an_engine_built_under_inference_mode_serves(model_dirs, load):
+    """Built (and stepped) inside torch.inference_mode, as a user's script may: the loop's
+    buffers written in place are not inference tensors; the tokens are generate's."""
+    model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
+    sp = SamplingParams(max_tokens=6, temperature=0)
+    with torch.inference_mode():
+        engine = Engine(model, max_batch=2, block_size=16)
+        engine.lookahead = True  # the host buffers' path
+        req = engine.submit(list(range(40, 50)), sp)
+        run_all(engine, [req])
+    assert tokens(req) == alone(oracle, list(range(40, 50)), sp)
+
+
 def test_n_choices_are_the_rows_of_one_generate(model_dirs, load):
     model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
     engine = Engine(model, max_batch=4, block_size=16)

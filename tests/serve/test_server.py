@@ -195,6 +195,7 @@ def test_api_key_and_open_routes(server):
         ({"prompt": [1, 999]}, 400, "prompt"),
         ({"prompt": "a", "model": "gpt-4"}, 404, "model"),
         ({"prompt": list(range(200)) * 3}, 413, "prompt"),
+        ({"prompt": "a" * (512 * 64 + 1)}, 413, "prompt"),  # refused before it is encoded
     ],
     ids=lambda v: str(v)[:24] if isinstance(v, dict) else str(v),
 )
@@ -211,6 +212,9 @@ def test_body_limits_json_and_a_full_queue(server):
         r = httpx.post(f"{url}/v1/completions", content=content, headers=AUTH)
         assert r.status_code == 400, content
         assert r.json()["error"]["param"] == ("temperature" if b"NaN" in content else "body")
+    # a lone surrogate (valid JSON, no UTF-8 for it): the field named, not a 500
+    r = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "a\\ud800"}', headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "x" * (70 << 10)}, headers=AUTH)
     assert r.status_code == 413
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": "hi"}, headers=AUTH)

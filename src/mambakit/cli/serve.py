@@ -68,7 +68,7 @@ def add_parser(sub) -> None:
 
 
 def _check_args(args) -> None:
-    for flag, v, lo in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 0),
+    for flag, v, lo in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 1),
                         ("--block-size", args.block_size, 1),
                         ("--prefill-tokens", args.prefill_tokens, 1),
                         ("--max-prompt-tokens", args.max_prompt_tokens, 1),

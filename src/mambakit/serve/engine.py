@@ -38,6 +38,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
@@ -84,7 +85,7 @@ class Engine:
         cuda_graph: bool | str = "auto",
     ) -> None:
         for name, v, lo in (("max_batch", max_batch, 1), ("block_size", block_size, 1),
-                            ("prefill_tokens", prefill_tokens, 1), ("max_queue", max_queue, 0),
+                            ("prefill_tokens", prefill_tokens, 1), ("max_queue", max_queue, 1),
                             ("max_prompt_tokens", max_prompt_tokens, 1)):  # fmt: skip
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
@@ -108,16 +109,18 @@ class Engine:
         self.graphs = use_cuda_graph(cuda_graph, self.device)
         self.cache = PrefixCache(cache_bytes)
         self.metrics = Metrics()
-        with static_mode():
+        pin = self.device.type == "cuda"
+        # buffers written in place by the loop: ordinary tensors even when the engine is
+        # built under inference_mode; CUDA graphs captured on the model's device
+        with static_mode(), self._on_device():
             self.pool = SlotPool(model, max_batch, self.graphs)
             self._zero = model.init_state(1)
+            self._host = [torch.zeros(max_batch, dtype=torch.int64, pin_memory=pin) for _ in "ab"]
         self.prefill_graphs = PrefillGraphs(model, block_size) if self.graphs else None
         self.rows: list[Sequence] = []  # the choice in each leading row of the pool
         # decode: the step launched and not yet read (lookahead), two host buffers of tokens
         self.lookahead = self.device.type == "cuda"
         self._inflight = None
-        pin = self.device.type == "cuda"
-        self._host = [torch.zeros(max_batch, dtype=torch.int64, pin_memory=pin) for _ in "ab"]
         self._flip = 0
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
@@ -210,7 +213,13 @@ class Engine:
         the decode graphs are captured at construction): otherwise the first prompts that
         need one pay for its capture. Call before `start`."""
         if self.prefill_graphs is not None:
-            self.prefill_graphs.warmup(self.device)
+            with self._on_device():
+                self.prefill_graphs.warmup(self.device)
+
+    def _on_device(self):
+        """The model's CUDA device as the current one (graphs capture on the current
+        device's streams), or nothing on the CPU."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
 
     def begin_drain(self) -> None:
         """Take no new requests (`submit` raises EngineStopped); the running ones go on."""
@@ -357,9 +366,9 @@ class Engine:
         stepped once more, its token dropped; rows moved meanwhile are copied in stream
         order, after that step."""
         launched = self._launch() if self.rows else None
-        if self._inflight is not None:
-            self._collect(self._inflight)
-            self._inflight = None
+        if self._inflight is not None:  # cleared first: a failure is not met again
+            inflight, self._inflight = self._inflight, None
+            self._collect(inflight)
         if launched is not None:
             if self.lookahead:
                 self._inflight = launched

@@ -47,6 +47,9 @@ from .protocol import (
 from .request import PromptTooLong
 
 MAX_BODY_BYTES = 4 << 20
+# a text prompt longer than this many characters a token of the prompt limit is refused
+# before it is encoded (no tokenizer's token spans more)
+MAX_CHARS_PER_TOKEN = 64
 DISCONNECT_CHECK = 0.25  # seconds between checks that a non-streaming client is still there
 
 
@@ -131,12 +134,21 @@ def create_app(
             raise APIError(404, f"model {name!r} does not exist; this server has {model_name!r}",
                            param="model", code="model_not_found")  # fmt: skip
 
-    def encode(prompt, field: str) -> list[int]:
+    async def encode(prompt, field: str) -> list[int]:
+        """Token ids of a prompt; text is encoded off the event loop (the running streams
+        are not held up), after a bound on its length in characters."""
         if isinstance(prompt, list):
             return prompt
         if tokenizer is None:
             raise bad(field, "this model has no tokenizer: send the prompt as token ids")
-        ids = tokenizer.encode(prompt)
+        limit = engine.max_prompt_tokens * MAX_CHARS_PER_TOKEN
+        if len(prompt) > limit:
+            raise APIError(413, f"{field}: over {limit} characters", param=field,
+                           code="prompt_too_long")  # fmt: skip
+        try:
+            ids = await asyncio.to_thread(tokenizer.encode, prompt)
+        except (ValueError, UnicodeError) as e:  # e.g. a lone surrogate
+            raise bad(field, f"the text cannot be encoded: {e}") from None
         if not ids:
             raise bad(field, "the prompt encodes to no tokens")
         return ids
@@ -183,9 +195,9 @@ def create_app(
                 text = chat_template.render(parse_messages(body))
             except ValueError as e:
                 raise bad("messages", str(e)) from None
-            prompts = [encode(text, "messages")]
+            prompts = [await encode(text, "messages")]
         else:
-            prompts = [encode(p, "prompt") for p in parse_prompts(body)]
+            prompts = [await encode(p, "prompt") for p in parse_prompts(body)]
         reqs, events = submit_all(prompts, params)
         rid = new_id("chatcmpl" if chat else "cmpl")
         if opts.stream:
