@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import MambaConfig
+from .inference.cuda_graph import use_cuda_graph
 from .inference.plan import derived as derived_plan
+from .inference.step_graph import graphed_step
 from .layers.block import MambaBlock, RMSNorm
 from .layers.init import init_model_weights
 from .layers.plain import plain
@@ -147,14 +149,29 @@ class MambaBackbone(nn.Module):
             finals.append(final)
         return h, residual, cdt, backend, state_class(self.config).stack(finals)
 
-    def step(self, x: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]:
-        """One timestep: x [B] ids or [B, input_dim or M] -> (hidden [B, M], state)."""
+    def step(
+        self, x: torch.Tensor, state: ModelState, *, cuda_graph: bool | str = "auto"
+    ) -> tuple[torch.Tensor, ModelState]:
+        """One timestep: x [B] ids or [B, input_dim or M] -> (hidden [B, M], state).
+
+        Without autograd on a CUDA device the step is replayed from a CUDA graph captured
+        for the input's shape and dtype and this state's tensors, from the third such call
+        on (`inference.step_graph`; `cuda_graph=False`: never; True: from the first call);
+        `inference.step_graph_status(model)` says why a step ran eagerly."""
         self._check_step(x, state)
+        use_cuda_graph(cuda_graph, x.device)  # checks the argument
         if self._step_records_grad(state):
             out, new_state = self.forward(x.unsqueeze(1), state)
             return out[:, 0], new_state
+        out = graphed_step(self, self, self._step_rows, x, state, cuda_graph)
+        if out is None:
+            out = self._step_rows(x, state)
+        return out, state
+
+    def _step_rows(self, x: torch.Tensor, state: ModelState) -> torch.Tensor:
+        """The no-grad step's hidden rows [B, M], the state advanced in place."""
         h, residual, cdt, backend = self._decode_layers(x, state)
-        return self.norm_f.rows(h, residual, cdt, backend)[0], state
+        return self.norm_f.rows(h, residual, cdt, backend)[0]
 
     def _check_step(self, x: torch.Tensor, state: ModelState) -> None:
         want_dim = 1 if self.embeddings is not None else 2
@@ -349,18 +366,31 @@ class MambaLM(nn.Module):
         )
         return self._head(h, residual, cdt, backend, fuse=not grads), state
 
-    def step(self, input_ids: torch.Tensor, state: ModelState) -> tuple[torch.Tensor, ModelState]:
+    def step(
+        self, input_ids: torch.Tensor, state: ModelState, *, cuda_graph: bool | str = "auto"
+    ) -> tuple[torch.Tensor, ModelState]:
         """ids [B] -> (logits [B, V], state advanced one token).
 
         On the Triton backend the final norm is fused into the LM head's
-        matrix-vector kernel (`ops.norm_linear`), which streams the head once."""
+        matrix-vector kernel (`ops.norm_linear`), which streams the head once. Without
+        autograd on a CUDA device the step replays a CUDA graph as `MambaBackbone.step`'s
+        does (`cuda_graph`)."""
         bb = self.backbone
         bb._check_step(input_ids, state)
+        use_cuda_graph(cuda_graph, input_ids.device)  # checks the argument
         if bb._step_records_grad(state):
             hidden, state = bb.step(input_ids, state)
             return self.lm_head(hidden), state
-        h, residual, cdt, backend = bb._decode_layers(input_ids, state)
-        return self._head(h, residual, cdt, backend, fuse=True), state
+        out = graphed_step(self, bb, self._step_logits, input_ids, state, cuda_graph,
+                           self.lm_head)  # fmt: skip
+        if out is None:
+            out = self._step_logits(input_ids, state)
+        return out, state
+
+    def _step_logits(self, input_ids: torch.Tensor, state: ModelState) -> torch.Tensor:
+        """The no-grad step's logits [B, V], the state advanced in place."""
+        h, residual, cdt, backend = self.backbone._decode_layers(input_ids, state)
+        return self._head(h, residual, cdt, backend, fuse=True)
 
     def _head(self, h, residual, cdt, backend, fuse: bool) -> torch.Tensor:
         """Logits [B, V] of rows h [B, M] (+ residual): norm_f, then the LM head. With `fuse`

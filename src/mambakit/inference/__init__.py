@@ -3,6 +3,7 @@
 from .cuda_graph import CUDAGraphStep, clear_cuda_graphs
 from .generate import generate, stream
 from .sampling import SamplingConfig, apply_repetition_penalty, filter_logits, sample
+from .step_graph import step_graph_status
 
 __all__ = [
     "CUDAGraphStep",
@@ -12,5 +13,6 @@ __all__ = [
     "filter_logits",
     "generate",
     "sample",
+    "step_graph_status",
     "stream",
 ]

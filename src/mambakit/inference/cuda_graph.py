@@ -51,16 +51,19 @@ def use_cuda_graph(cuda_graph: bool | str, device: torch.device) -> bool:
     raise ValueError(f"cuda_graph must be 'auto', True or False, got {cuda_graph!r}")
 
 
-def capture(fn: Callable[[], Any], warmup: int = 2, pool=None) -> tuple[torch.cuda.CUDAGraph, Any]:
+def capture(
+    fn: Callable[[], Any], warmup: int = 2, pool=None, warm: Callable[[], Any] | None = None
+) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Warm `fn` up on a side stream, then capture one call: (graph, what the call returned).
 
     `fn` must read and write only tensors that outlive the graph (static buffers);
-    the warm-up runs it for real, so reload those buffers before the first replay."""
+    the warm-up runs it for real, so reload those buffers before the first replay, or
+    give `warm`, which the warm-up runs instead (the same work on other buffers)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(warmup):
-            fn()
+            (warm or fn)()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with graph_capture(graph, pool=pool):
@@ -72,10 +75,11 @@ def capture(fn: Callable[[], Any], warmup: int = 2, pool=None) -> tuple[torch.cu
 _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def graph_cache(model: torch.nn.Module) -> dict:
-    """The per-model dict of captured decode graphs (with the memory pool they share)."""
+def graph_cache(model: torch.nn.Module, create: bool = True) -> dict | None:
+    """The per-model dict of captured decode graphs (with the memory pool they share);
+    None where there is none and `create` is False."""
     cache = _CACHE.get(model)
-    if cache is None:
+    if cache is None and create:
         cache = {"pool": torch.cuda.graph_pool_handle()}
         _CACHE[model] = cache
     return cache
@@ -162,7 +166,7 @@ class CUDAGraphStep:
                 self.state.zero_()
 
     def _step(self) -> torch.Tensor:
-        out, _ = self.module.step(self.x, self.state)
+        out, _ = self.module.step(self.x, self.state, cuda_graph=False)
         return out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

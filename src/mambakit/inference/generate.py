@@ -211,7 +211,7 @@ class _Decoder:
         self.step += 1
 
     def decode_step(self) -> None:
-        logits, _ = self.model.step(self.tok, self.state)
+        logits, _ = self.model.step(self.tok, self.state, cuda_graph=False)
         self.emit(logits)
 
     def advance(self) -> None:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["derived", "drop", "refresh"]
+__all__ = ["derived", "drop", "record", "refresh"]
 
 # id(module) -> {name: _Plan}, removed when the module dies (a plain dict: a weak-keyed
 # one makes a weak reference on every lookup, which a decode step would pay per token)
@@ -51,10 +51,14 @@ _version = operator.attrgetter("_version")
 class _Plan:
     """One derived value and what it was derived from."""
 
-    __slots__ = ("build", "key", "slots", "params", "versions", "ptrs", "extra", "value", "owned")
+    __slots__ = (
+        "build", "key", "slots", "params", "versions", "ptrs", "extra", "value", "owned",
+        "addresses",
+    )  # fmt: skip
 
     def fresh(self, module: nn.Module) -> bool:
-        now = [d.get(name) for d, name in self.slots]
+        # maps of C functions, no Python frame per parameter: a batch-1 step pays this
+        now = map(dict.get, *self.slots)
         return (
             all(map(operator.is_, now, self.params))
             and list(map(_version, self.params)) == self.versions
@@ -82,6 +86,7 @@ def derived(
         return plan.value
     slots = _slots(module)
     params = [d[n] for d, n in slots]
+    slots = (tuple(d for d, _ in slots), tuple(n for _, n in slots))  # for `map(dict.get, ...)`
     with torch.no_grad():
         value = build(module)
     storages = {p.untyped_storage().data_ptr() for p in params}
@@ -95,8 +100,17 @@ def derived(
     # the plan's own tensors: those sharing no storage with a parameter when derived
     new.owned = {id(t) for t in _tensors(value) if t.untyped_storage().data_ptr() not in storages}
     new.value = value
+    new.addresses = tuple(t.data_ptr() for t in _tensors(value))
     plans[name] = new
     return value
+
+
+def record(module: nn.Module, name: str) -> _Plan | None:
+    """The current derivation of `module`'s plan `name` (a new object whenever the plan is
+    derived again), or None. Its `addresses` are those of the plan's tensors: a CUDA graph
+    captured on the plan reads them, so it stands while they are unchanged."""
+    plans = _PLANS.get(id(module))
+    return None if plans is None else plans.get(name)
 
 
 def refresh(model: nn.Module) -> None:

@@ -79,7 +79,7 @@ class SlotPool:
                 tok = self.tok[:b]
 
                 def step(view=view, tok=tok):
-                    return self.model.step(tok, view)[0]
+                    return self.model.step(tok, view, cuda_graph=False)[0]
 
                 self.graphs[b] = capture(step, warmup=2, pool=pool)
             self.state.zero_()  # the warm-up ran the step for real
@@ -94,7 +94,7 @@ class SlotPool:
             graph, logits = self.graphs[self.bucket(n)]
             graph.replay()
             return logits[:n]
-        logits, _ = self.model.step(self.tok[:n], rows_view(self.state, 0, n))
+        logits, _ = self.model.step(self.tok[:n], rows_view(self.state, 0, n), cuda_graph=False)
         return logits
 
     def need_seen(self) -> torch.Tensor:

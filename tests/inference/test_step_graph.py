@@ -1,0 +1,220 @@
+"""`MambaBackbone.step` / `MambaLM.step` replayed from CUDA graphs the library captures
+(`inference.step_graph`): every replayed step equals the eager step on a copy of the state.
+
+On the CPU the graph is a stand-in whose replay re-runs the captured function, which
+checks the bookkeeping (warm calls, keys, the state advanced once per call, outputs not
+aliased, parameters updated in place followed, replaced ones recaptured, hooks kept
+eager); on the GPU the graphs are real."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from mambakit import MambaBackbone, MambaConfig, MambaLM
+from mambakit.inference import step_graph_status
+
+sg = importlib.import_module("mambakit.inference.step_graph")
+
+MIXERS = {
+    "mamba1": {},
+    "mamba2": dict(headdim=16, d_state=16),
+    "mamba3": dict(headdim=16, d_state=16),
+}
+
+
+def backbone(mixer: str, device="cpu", seed=0) -> MambaBackbone:
+    torch.manual_seed(seed)
+    cfg = MambaConfig(d_model=32, n_layers=2, input_dim=12, mixer=mixer, **MIXERS[mixer])
+    return MambaBackbone(cfg).to(device)
+
+
+class _FakeGraph:
+    def __init__(self, replay):
+        self.replay = replay
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    """CUDA graphs on the CPU: capture runs the warm-up, replay re-runs the function into
+    the static output buffer. Returns the list of captured functions."""
+    captures = []
+
+    def fake_capture(fn, warmup=2, pool=None, warm=None):
+        for _ in range(warmup):
+            (warm or fn)()
+        buf = (warm or fn)().clone()  # the output's static buffer (warm: a scratch state)
+        captures.append(fn)
+        return _FakeGraph(lambda: buf.copy_(fn())), buf
+
+    caches = {}
+    monkeypatch.setattr(sg, "capture", fake_capture)
+    monkeypatch.setattr(sg, "use_cuda_graph", lambda flag, device: flag is not False)
+    monkeypatch.setattr(importlib.import_module("mambakit.model"), "use_cuda_graph",
+                        lambda flag, device: flag is not False)  # fmt: skip
+    monkeypatch.setattr(sg, "graph_cache", lambda m, create=True: caches.setdefault(id(m), {
+        "pool": None}) if create or id(m) in caches else None)  # fmt: skip
+    return captures
+
+
+def run(model, xs, state, **kw):
+    with torch.no_grad():
+        return [model.step(x, state, **kw)[0] for x in xs]
+
+
+@pytest.mark.parametrize("mixer", list(MIXERS))
+def test_replayed_steps_equal_eager_steps(fake_graphs, mixer):
+    m = backbone(mixer)
+    xs = torch.randn(9, 3, 12)
+    s_graph, s_eager = m.init_state(3), m.init_state(3)
+    outs = run(m, xs, s_graph)
+    want = run(m, xs, s_eager, cuda_graph=False)
+    assert len(fake_graphs) == 1  # captured at the third call, replayed from then on
+    status = step_graph_status(m)
+    assert status["replays"] == len(xs) - sg.WARM_CALLS and len(status["graphs"]) == 1
+    for got, ref in zip(outs, want):  # each output kept as returned: none aliased
+        assert torch.equal(got, ref)
+    for a, b in zip(s_graph._tensors(), s_eager._tensors()):
+        assert torch.equal(a, b)  # the state advanced once per call, the capture's included
+
+
+def test_parameters_updated_in_place_are_followed_and_replaced_ones_recaptured(fake_graphs):
+    m = backbone("mamba1")
+    xs = torch.randn(12, 2, 12)
+    s_graph, s_eager = m.init_state(2), m.init_state(2)
+    run(m, xs[:4], s_graph)
+    run(m, xs[:4], s_eager, cuda_graph=False)
+    with torch.no_grad():  # an optimizer step: A_log feeds the plan's own A = -exp(A_log)
+        for p in m.parameters():
+            p.mul_(1.01)
+    got = run(m, xs[4:8], s_graph)
+    want = run(m, xs[4:8], s_eager, cuda_graph=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(fake_graphs) == 1  # followed without a new capture
+    w = m.layers[0].mixer.in_proj.weight
+    w.data = w.data * 0.5  # replaced: the graph read the old storage
+    got = run(m, xs[8:], s_graph)
+    want = run(m, xs[8:], s_eager, cuda_graph=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(fake_graphs) == 2
+
+
+def test_a_new_state_is_warmed_and_captured_and_graphs_are_bounded(fake_graphs, monkeypatch):
+    monkeypatch.setattr(sg, "MAX_GRAPHS", 2)
+    m = backbone("mamba1")
+    x = torch.randn(2, 12)
+    states = [m.init_state(2) for _ in range(3)]
+    for s in states:
+        run(m, [x] * (sg.WARM_CALLS + 1), s)
+    assert len(fake_graphs) == 3
+    assert len(step_graph_status(m)["graphs"]) == 2  # the least recently used dropped
+    run(m, [x], states[-1])
+    assert len(fake_graphs) == 3  # the latest is still kept
+
+
+def test_a_hooked_module_keeps_the_step_eager_and_says_why(fake_graphs):
+    m = backbone("mamba1")
+    calls = []
+    m.input_proj.register_forward_hook(lambda mod, args, out: calls.append(1))
+    s = m.init_state(2)
+    run(m, torch.randn(5, 2, 12), s)
+    assert not fake_graphs and len(calls) == 5
+    assert "input_proj" in step_graph_status(m)["reason"]
+
+
+def test_a_hook_or_adapter_after_the_capture_drops_the_graph(fake_graphs):
+    m = backbone("mamba2")
+    s_graph, s_eager = m.init_state(2), m.init_state(2)
+    xs = torch.randn(12, 2, 12)
+    run(m, xs[:4], s_graph)
+    run(m, xs[:4], s_eager, cuda_graph=False)
+    calls = []
+    handle = m.layers[1].mixer.out_proj.register_forward_hook(lambda *a: calls.append(1))
+    got = run(m, xs[4:6], s_graph)
+    assert len(calls) == 2 and "layers.1" in step_graph_status(m)["reason"]
+    handle.remove()
+    mixer = m.layers[0].mixer
+    inner = mixer.in_proj
+    mixer.in_proj = torch.nn.Sequential(inner)  # an adapter in the projection's place
+    got += run(m, xs[6:8], s_graph)
+    assert "layers.0" in step_graph_status(m)["reason"]
+    mixer.in_proj = inner
+    got += run(m, xs[8:], s_graph)
+    want = run(m, xs[4:], s_eager, cuda_graph=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(fake_graphs) == 2  # captured again once the modules were plain again
+
+
+def test_cuda_graph_true_captures_at_the_first_call_and_false_never(fake_graphs):
+    m = backbone("mamba3")
+    s = m.init_state(1)
+    run(m, torch.randn(3, 1, 12), s, cuda_graph=False)
+    assert not fake_graphs
+    run(m, torch.randn(1, 1, 12), s, cuda_graph=True)
+    assert len(fake_graphs) == 1
+
+
+def test_lm_step_replays_equal_eager(fake_graphs):
+    torch.manual_seed(0)
+    lm = MambaLM(MambaConfig(d_model=32, n_layers=2, vocab_size=50))
+    ids = torch.randint(0, 50, (7, 3))
+    s_graph, s_eager = lm.init_state(3), lm.init_state(3)
+    got = run(lm, ids, s_graph)
+    want = run(lm, ids, s_eager, cuda_graph=False)
+    assert len(fake_graphs) == 1
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("flag", ["yes", 1, None])
+def test_bad_cuda_graph_argument(flag):
+    m = backbone("mamba1")
+    with pytest.raises(ValueError, match="cuda_graph"):
+        m.step(torch.randn(1, 12), m.init_state(1), cuda_graph=flag)
+
+
+def test_cuda_graph_true_needs_a_cuda_device():
+    m = backbone("mamba1")
+    with pytest.raises(ValueError, match="cuda_graph=True needs a CUDA device"):
+        m.step(torch.randn(1, 12), m.init_state(1), cuda_graph=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mixer", list(MIXERS))
+@pytest.mark.parametrize("autocast", [False, True], ids=["f32", "bf16"])
+def test_gpu_graph_steps_equal_eager_steps(mixer, autocast):
+    m = backbone(mixer, "cuda")
+    xs = torch.randn(10, 4, 12, device="cuda")
+    s_graph, s_eager = m.init_state(4), m.init_state(4)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+        got = run(m, xs[:6], s_graph)
+        want = run(m, xs[:6], s_eager, cuda_graph=False)
+        out, _ = m(xs.transpose(0, 1)[:, :3])  # a training step between rollouts
+        out.float().square().mean().backward()
+        opt.step()
+        s_graph.reset_(torch.tensor([True, False, True, False], device="cuda"))
+        s_eager.reset_(torch.tensor([True, False, True, False], device="cuda"))
+        got += run(m, xs[6:], s_graph)
+        want += run(m, xs[6:], s_eager, cuda_graph=False)
+    status = step_graph_status(m)
+    assert status["replays"] == len(xs) - sg.WARM_CALLS, status
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    for a, b in zip(s_graph._tensors(), s_eager._tensors()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_lm_graph_steps_equal_eager_steps():
+    torch.manual_seed(0)
+    lm = MambaLM(MambaConfig(d_model=64, n_layers=2, vocab_size=100)).cuda()
+    ids = torch.randint(0, 100, (8, 2), device="cuda")
+    s_graph, s_eager = lm.init_state(2), lm.init_state(2)
+    with torch.inference_mode():
+        got = [lm.step(t, s_graph)[0] for t in ids]
+        want = [lm.step(t, s_eager, cuda_graph=False)[0] for t in ids]
+    assert step_graph_status(lm)["replays"] == len(ids) - sg.WARM_CALLS
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
