@@ -8,7 +8,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile"}
-# opt-in stages: residual rms ncu tasks m3 m3step m3fwd m2 m2fwd
+# opt-in stages: residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve rl
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -111,5 +111,17 @@ if stage m2; then  # Mamba-2: the layer, the 130m-mamba2 training step, prefill 
   echo "== bench_mamba2" | tee -a "$LOG"
   timeout ${T_M2:-400} python benchmarks/bench_mamba2.py --out "$OUT/bench_mamba2.json" \
     --profile "$OUT/m2_profile.txt" ${M2_ARGS:-} 2>&1 | grep -v "^ \|^-\|^Name\|^Self" | tail -60 | tee -a "$LOG"
+fi
+if stage serve; then  # the serving engine: mixed and shared-prefix loads beside static generate
+  for preset in ${SERVE_PRESETS:-130m}; do
+    echo "== bench_serve $preset" | tee -a "$LOG"
+    timeout ${T_SERVE:-300} python benchmarks/bench_serve.py --preset $preset --device cuda \
+      --out "$OUT/bench_serve_$preset.json" ${SERVE_ARGS:-} 2>&1 | tail -40 | tee -a "$LOG"
+  done
+fi
+if stage rl; then  # small float-input backbones: the step and the T=32 training window
+  echo "== bench_rl" | tee -a "$LOG"
+  timeout ${T_RL:-240} python benchmarks/bench_rl.py --device both --out "$OUT/bench_rl.json" \
+    ${RL_ARGS:-} 2>&1 | tail -60 | tee -a "$LOG"
 fi
 echo "== done" | tee -a "$LOG"
