@@ -11,12 +11,14 @@ from .data import (
 )
 from .step import count_targets, lm_loss, split_time
 from .trainer import Trainer
+from .window import WindowStep
 
 __all__ = [
     "PackedRows",
     "RowBatches",
     "TrainConfig",
     "Trainer",
+    "WindowStep",
     "build_splits",
     "count_targets",
     "default_corpus_files",
