@@ -124,6 +124,22 @@ def layer_rows(row: dict, record: Record) -> Iterator[tuple[tuple, str]]:
     yield (record.device, match[1], match[3], match[2]), _impl(row)
 
 
+def rl_rows(row: dict, record: Record) -> Iterator[tuple[tuple, str]]:
+    """bench_rl: the step and the training window of a small float-input backbone, on the
+    CPU or the GPU of the record (a row names its own device: one record holds both)."""
+    workload = str(row.get("workload", ""))
+    if not workload.startswith("RL ") or "mixer" not in row:
+        return
+    if "median_us" not in row and "median_ms" not in row:
+        return
+    if row.get("device") == "cpu":
+        cpu = record.data.get("context", {}).get("cpu_model")
+        device = f"cpu ({cpu})" if cpu else "cpu"
+    else:
+        device = record.device
+    yield (device, row["mixer"], workload, row["batch"]), _impl(row)
+
+
 @dataclass
 class Chosen:
     record: Record
@@ -248,6 +264,42 @@ def layer_cells(key: tuple, c: Chosen) -> list[str]:
             ratio(peer.get("ms"), ours.get("ms")), tune or DASH]  # fmt: skip
 
 
+def _times(row: dict, *keys: str) -> list[str]:
+    """Times of a bench_rl row (median, p10, ...) as numbers and their unit: microseconds
+    for a step, ms for a window; dashes where the row has none."""
+    for unit, digits in (("us", 1), ("ms", 2)):
+        if f"median_{unit}" in row:
+            return [num(row.get(f"{key}_{unit}"), digits) for key in keys] + [unit]
+    return [DASH] * len(keys) + [""]
+
+
+def rl_cells(key: tuple, c: Chosen) -> list[str]:
+    device, mixer, workload, batch = key
+    ours = c.rows.get("mambakit", {})
+    if "aten_ops_per_step" in ours:
+        ops = f"{ours['aten_ops_per_step']} aten ops"
+    elif ours.get("kernels_per_eager_step") is not None:
+        ops = f"{ours['kernels_per_eager_step']} kernels (eager)"
+    elif ours.get("kernels_per_window") is not None:
+        ops = f"{ours['kernels_per_window']} kernels"
+    else:
+        ops = DASH
+    graph = DASH
+    if "graph_replays" in ours:
+        graph = f"{ours['graph_replays']} of {ours.get('timed_calls', '?')}"
+        if ours.get("graph_reason"):
+            graph += f" ({ours['graph_reason']})"
+    ref = DASH
+    if isinstance(ours.get("mamba_rs_us"), int | float):
+        us, unit = ours["mamba_rs_us"], "ms" if "median_ms" in ours else "us"
+        value = f"{us / 1e3:,.2f} ms" if unit == "ms" else f"{us:,.0f} us"
+        ref = f"{value}: {ours.get('mamba_rs_what', '')}, {ours.get('mamba_rs_machine', '')}"
+    threads = str(ours["threads"]) if device.startswith("cpu") and "threads" in ours else DASH
+    median, p10, p90, unit = _times(ours, "median", "p10", "p90")
+    return [device, mixer, workload, str(batch), f"{median} {unit}".strip(),
+            f"{p10} – {p90} {unit}".strip(), threads, ops, graph, ref]  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Family:
     title: str
@@ -256,6 +308,7 @@ class Family:
     classify: Callable  # (row, record) -> (workload key, implementation) pairs
     columns: str  # " | "-separated, before the source columns
     cells: Callable  # (key, Chosen) -> the cells of those columns
+    optional: bool = False  # left off the page until a record has a row of it
 
     def table(self, records: list[Record]) -> list[str]:
         chosen = sorted(choose(records, self.classify).items(), key=lambda kv: _order(kv[0]))
@@ -298,6 +351,19 @@ FAMILIES = [
            "bench_mamba2.py, bench_mamba3.py", layer_rows,
            "mixer | B x T | pass | ms | peak extra MiB | mamba_ssm ms | "
            "mamba_ssm peak extra MiB | speedup | mamba_ssm autotune", layer_cells),
+    Family("Small recurrent models (RL)", "A float-input backbone as RL and control code "
+           "runs it (d_model 128, 3 layers, input 64, f32): `model.step(x, state)` under "
+           "no_grad with the state carried in place (on CUDA the library replays it from a "
+           "CUDA graph; \"graph replays\" counts the timed calls that did), and a T = 32 "
+           "training window (forward from the carried, detached state, an MSE loss of a "
+           "linear head, backward, AdamW step, zero_grad). Median and p10 – p90 over rounds; "
+           "the CPU with torch's own thread count. The mamba-rs column is that library's "
+           "published figure for the same size on another machine (Xeon Gold 5412U, RTX "
+           "6000 Ada; its training figures are forward + backward only): context, not a "
+           "measurement of the same run.",
+           "bench_rl.py", rl_rows,
+           "device | mixer | workload | batch | median | p10 – p90 | threads | ops per call | "
+           "graph replays | mamba-rs (another machine)", rl_cells, optional=True),
 ]  # fmt: skip
 
 
@@ -358,9 +424,11 @@ roofline" is that bound over the measured time (100% = at the bound).
 def render(records: list[Record]) -> str:
     lines = [INTRO]
     for family in FAMILIES:
-        lines += [f"## {family.title}", "", textwrap.fill(family.text, 90), ""]
         body = family.table(records)
-        if len(body) == 2:  # the header alone
+        if len(body) == 2 and family.optional:  # the header alone: no section yet
+            continue
+        lines += [f"## {family.title}", "", textwrap.fill(family.text, 90), ""]
+        if len(body) == 2:
             body = [f"No record has this workload yet: `python benchmarks/{family.program} "
                     "--out benchmarks/results/DATE-WHAT.json` on a GPU writes one."]  # fmt: skip
         lines += body + [""]

@@ -31,6 +31,7 @@ def _load(name: str):
 
 common = _load("common")
 table = _load("table")
+bench_rl = _load("bench_rl")
 
 
 def test_a_record_on_the_cpu_describes_itself():
@@ -83,6 +84,11 @@ def _decode(impl, tps, us, batch=1, **extra):
             "tokens_per_s": tps, "us_per_token": us, **extra}  # fmt: skip
 
 
+def _rl(workload, device, batch=1, **figures):
+    return {"workload": workload, "impl": "mambakit", "mixer": "mamba1", "device": device,
+            "batch": batch, "dtype": "f32", **figures}  # fmt: skip
+
+
 @pytest.fixture
 def results(tmp_path):
     folder = tmp_path / "results"
@@ -117,6 +123,16 @@ def results(tmp_path):
                  {"workload": "Mamba3 layer forward+backward 8x2048", "impl": "mamba_ssm",
                   "ms": 6.0, "peak_extra_mib": 1041}],
                 peer_autotune="full"),
+        _record("rl.json", "2026-01-22T00:00:00Z", "1111111",
+                [_rl("RL step", "cpu", median_us=410.0, p10_us=400.0, p90_us=450.0,
+                     threads=16, aten_ops_per_step=98, mamba_rs_us=87.0,
+                     mamba_rs_what="CPU inference B=1", mamba_rs_machine="Xeon (mamba-rs)"),
+                 _rl("RL step", "cuda", median_us=30.0, p10_us=29.0, p90_us=31.0,
+                     kernels_per_eager_step=120, graph_replays=990, timed_calls=1000,
+                     graph_reason=None),
+                 _rl("RL train window T=32", "cuda", median_ms=4.5, p10_ms=4.25, p90_ms=5.0,
+                     kernels_per_window=700)],
+                cpu_model="AMD EPYC"),
     ]  # fmt: skip
     for name, data in records:
         (folder / name).write_text(json.dumps(data))
@@ -151,6 +167,20 @@ def test_table_rows_from_a_results_folder(results):
     ) in page
     row = f"| Mamba3 | 8x2048 | forward+backward | 5.00 | 1,298 | 6.00 | 1,041 | {6 / 5:.2f}x | "
     assert row + "full | " + _src("m3.json", "2026-01-21", "fffffff") in page
+    # bench_rl: one record, CPU and GPU rows, each on its own device; mamba-rs beside ours
+    src = _src("rl.json", "2026-01-22", "1111111")
+    assert (
+        "| cpu (AMD EPYC) | mamba1 | RL step | 1 | 410.0 us | 400.0 – 450.0 us | 16 | "
+        "98 aten ops | — | 87 us: CPU inference B=1, Xeon (mamba-rs) | " + src
+    ) in page
+    assert (
+        "| NVIDIA H200 | mamba1 | RL step | 1 | 30.0 us | 29.0 – 31.0 us | — | "
+        "120 kernels (eager) | 990 of 1000 | — | " + src
+    ) in page
+    assert ("| NVIDIA H200 | mamba1 | RL train window T=32 | 1 | 4.50 ms | 4.25 – 5.00 ms | — | "
+            "700 kernels | — | — | " + src) in page  # fmt: skip
+    # no other family takes a bench_rl row
+    assert sum("rl.json" in line for line in page) == 4  # three rows and the records table
 
 
 def test_table_is_idempotent_and_checks(results, tmp_path):
@@ -163,6 +193,47 @@ def test_table_is_idempotent_and_checks(results, tmp_path):
     (results / "later.json").write_text(json.dumps(_record("later.json", "2026-04-01", "1234567",
         [_decode("mambakit cuda-graph", 4100.0, 230.0)])[1]))  # fmt: skip
     assert table.main(["--results", str(results), "--out", str(out), "--check"]) == 1
+
+
+def test_the_rl_section_waits_for_a_record(results):
+    records = [r for r in table.load_records(results) if r.file != "rl.json"]
+    assert "## Small recurrent models (RL)" not in table.render(records)
+    assert "## Small recurrent models (RL)" in table.render(table.load_records(results))
+
+
+def test_bench_rl_spread_and_reference():
+    s = bench_rl.spread([3e-6, 1e-6, 2e-6, 5e-6, 4e-6], "us")
+    assert s["median_us"] == pytest.approx(3.0) and s["min_us"] == pytest.approx(1.0)
+    assert s["max_us"] == pytest.approx(5.0)
+    assert 1.0 < s["p10_us"] < 2.0 and 4.0 < s["p90_us"] < 5.0
+    assert bench_rl.spread([2e-3], "ms")["p90_ms"] == pytest.approx(2.0)  # one round
+    ref = bench_rl.reference_for(bench_rl.STEP, "mamba3", "cpu", 1)
+    assert ref["mamba_rs_us"] == 65.0 and "Xeon" in ref["mamba_rs_machine"]
+    assert bench_rl.reference_for(bench_rl.STEP, "mamba2", "cpu", 1) is None
+    assert bench_rl.reference_for(bench_rl.STEP, "mamba1", "cpu", 16) is None
+    assert bench_rl.reference_for(bench_rl.STEP, "mamba1", "cuda", 64)["mamba_rs_us"] == 115.0
+    train = bench_rl.reference_for(bench_rl.TRAIN, "mamba1", "cuda", 1)  # no batch given: B=1
+    assert train["mamba_rs_us"] == 1653.0 and "batch not stated" in train["mamba_rs_what"]
+    assert bench_rl.reference_for(bench_rl.TRAIN, "mamba1", "cuda", 16) is None
+
+
+def test_bench_rl_writes_a_record_the_table_reads(tmp_path):
+    # the smallest run of the program on the CPU: one mixer, batch 1, one round
+    folder = tmp_path / "results"
+    folder.mkdir()
+    out = folder / "rl.json"
+    args = ["--dry", "--device", "cpu", "--mixers", "mamba1", "--batches", "1", "--rounds", "1",
+            "--out", str(out)]  # fmt: skip
+    assert bench_rl.main(args) == 0
+    rec = json.loads(out.read_text())
+    assert set(rec) == FIELDS and rec["benchmark"] == "bench_rl"
+    step, window = rec["figures"]
+    assert (step["workload"], window["workload"]) == (bench_rl.STEP, bench_rl.TRAIN)
+    assert step["median_us"] > 0 and step["aten_ops_per_step"] > 0 and window["median_ms"] > 0
+    assert step["threads"] == torch.get_num_threads() and step["mamba_rs_us"] == 87.0
+    assert rec["context"]["mamba_rs"]["figures"]
+    page = table.render(table.load_records(folder))
+    assert "| mamba1 | RL step | 1 |" in page and "| mamba1 | RL train window T=32 | 1 |" in page
 
 
 def test_a_file_that_is_not_a_record_is_refused(tmp_path):
