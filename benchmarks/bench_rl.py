@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mambakit import MambaBackbone, MambaConfig
+from mambakit.training import WindowStep
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import count_aten_ops, count_kernels  # noqa: E402
@@ -66,6 +67,7 @@ MIXERS = {  # the fields each mixer needs beyond the shared ones (d_inner = 256)
 }
 STEP = "RL step"
 TRAIN = f"RL train window T={WINDOW}"
+TRAIN_GRAPHED = f"RL train window T={WINDOW}, WindowStep"
 
 # mamba-rs (github.com/silvermpx/mamba-rs), d_model 128, 3 layers, f32: README "Per-step
 # latency (default config)" and docs/mamba1-benchmarks.md ("GPU Inference synthetic", "CPU
@@ -234,6 +236,41 @@ def bench_window(model, mixer: str, B: int, device: torch.device, args) -> dict:
     return row
 
 
+def bench_window_graphed(model, mixer: str, B: int, device: torch.device, args) -> dict:
+    """The same window through `training.WindowStep` (on CUDA replayed whole from one CUDA
+    graph), with AdamW(capturable=True), which a captured step needs."""
+    torch.manual_seed(2)
+    head = nn.Linear(D_MODEL, ACTIONS, device=device)
+    capturable = device.type == "cuda"
+    opt = torch.optim.AdamW([*model.parameters(), *head.parameters()], lr=LR,
+                            capturable=capturable)  # fmt: skip
+    inputs = {"x": torch.randn(B, WINDOW, INPUT_DIM, device=device),
+              "y": torch.randn(B, WINDOW, ACTIONS, device=device)}  # fmt: skip
+
+    def loss_fn(m, batch, state):
+        out, final = m(batch["x"], state)
+        return F.mse_loss(head(out), batch["y"]), final
+
+    step = WindowStep(model, opt, loss_fn, B)
+
+    def window():
+        step(inputs)
+
+    row = {"workload": TRAIN_GRAPHED, "impl": "mambakit", "mixer": mixer,
+           "device": device.type, "batch": B, "dtype": "f32", "shapes": shapes(model.config),
+           "threads": torch.get_num_threads(),
+           "loss": f"MSE of Linear({D_MODEL}, {ACTIONS}) on out, random target",
+           "optimizer": f"torch.optim.AdamW(lr={LR}, capturable={capturable})"}  # fmt: skip
+    for _ in range(max(args.warmup_windows, 3)):  # past WindowStep's warm calls
+        window()
+    probe = 1 if args.dry else 2
+    seconds, calls = timed_rounds(window, device, args, probe=probe, lo=1, hi=5000)
+    row.update(rounds=args.rounds, windows_per_round=calls, **spread(seconds, "ms"))
+    row["graph_reason"] = step.graph_reason
+    row.update(reference_for(TRAIN, mixer, device.type, B) or {})
+    return row
+
+
 def load_1m() -> float | None:
     """The host's 1-minute load average: other work on the CPU moves the CPU figures (with
     torch's threads spin-waiting, one busy core slows every thread)."""
@@ -330,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.manual_seed(0)
             model = MambaBackbone(make_config(mixer), device=device)
             benches = [bench_step] + ([] if args.no_train else [bench_window])
+            if (device.type == "cuda" or args.dry) and not args.no_train:  # (dry: the path)
+                benches.append(bench_window_graphed)
             for bench in benches:
                 for B in args.batches:
                     row = bench(model, mixer, B, device, args)
