@@ -227,8 +227,10 @@ def test_bench_rl_writes_a_record_the_table_reads(tmp_path):
     assert bench_rl.main(args) == 0
     rec = json.loads(out.read_text())
     assert set(rec) == FIELDS and rec["benchmark"] == "bench_rl"
-    step, window = rec["figures"]
+    step, window, graphed = rec["figures"]  # (the WindowStep window runs eagerly on a CPU)
     assert (step["workload"], window["workload"]) == (bench_rl.STEP, bench_rl.TRAIN)
+    assert graphed["workload"] == bench_rl.TRAIN_GRAPHED and graphed["median_ms"] > 0
+    assert graphed["graph_reason"] == "not on a CUDA device"
     assert step["median_us"] > 0 and step["aten_ops_per_step"] > 0 and window["median_ms"] > 0
     assert step["threads"] == torch.get_num_threads() and step["mamba_rs_us"] == 87.0
     assert rec["context"]["mamba_rs"]["figures"]
