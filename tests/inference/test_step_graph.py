@@ -188,19 +188,24 @@ def test_gpu_graph_steps_equal_eager_steps(mixer, autocast):
     xs = torch.randn(10, 4, 12, device="cuda")
     s_graph, s_eager = m.init_state(4), m.init_state(4)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+    acting = torch.autocast("cuda", torch.bfloat16, enabled=autocast)
+    with acting:  # a rollout; autocast's cached casts end with the region
         got = run(m, xs[:6], s_graph)
         want = run(m, xs[:6], s_eager, cuda_graph=False)
-        out, _ = m(xs.transpose(0, 1)[:, :3])  # a training step between rollouts
+    with torch.autocast("cuda", torch.bfloat16, enabled=autocast):  # a training step
+        out, _ = m(xs.transpose(0, 1)[:, :3])
         out.float().square().mean().backward()
-        opt.step()
-        s_graph.reset_(torch.tensor([True, False, True, False], device="cuda"))
-        s_eager.reset_(torch.tensor([True, False, True, False], device="cuda"))
+    opt.step()
+    done = torch.tensor([True, False, True, False], device="cuda")
+    s_graph.reset_(done)
+    s_eager.reset_(done)
+    with acting:  # the next rollout, on the new weights
         got += run(m, xs[6:], s_graph)
         want += run(m, xs[6:], s_eager, cuda_graph=False)
     status = step_graph_status(m)
     assert status["replays"] == len(xs) - sg.WARM_CALLS, status
-    for a, b in zip(got, want):
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.isfinite().all() and b.isfinite().all(), (i, a.isfinite().all(), status)
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     for a, b in zip(s_graph._tensors(), s_eager._tensors()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
@@ -215,6 +220,7 @@ def test_gpu_lm_graph_steps_equal_eager_steps():
     with torch.inference_mode():
         got = [lm.step(t, s_graph)[0] for t in ids]
         want = [lm.step(t, s_eager, cuda_graph=False)[0] for t in ids]
-    assert step_graph_status(lm)["replays"] == len(ids) - sg.WARM_CALLS
+    status = step_graph_status(lm)
+    assert status["replays"] == len(ids) - sg.WARM_CALLS, status
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

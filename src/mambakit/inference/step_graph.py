@@ -27,6 +27,7 @@ asks for the eager step.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections import OrderedDict
 from collections.abc import Callable
@@ -227,14 +228,28 @@ def _stands(model, backbone, head, entry: _Graph) -> bool:
 
 def _capture(model, backbone, body, x, state, pool, head) -> _Graph:
     """Capture `body` on a static copy of x and the caller's state. The warm-up runs on a
-    copy of the state, so the caller's advances by the replay that follows alone."""
-    with static_mode():
-        static_x = torch.empty_like(x, memory_format=torch.contiguous_format)
-    static_x.copy_(x)
-    scratch = state.clone()
-    graph, out = capture(
-        lambda: body(static_x, state), warmup=1, pool=pool, warm=lambda: body(static_x, scratch)
+    copy of the state, so the caller's advances by the replay that follows alone.
+
+    Outside inference mode unless the state was made in it (as generate's graphs: the
+    graph's tensors are ordinary ones), and with autocast's cache of casts off (PyTorch's
+    rule for graphs: a cached cast is freed when the caller's autocast region ends, and
+    would not follow the weights; the graph casts them itself)."""
+    inference = any(t.is_inference() for t in state._tensors())
+    mode = torch.inference_mode() if inference else static_mode()
+    cast = torch.is_autocast_enabled("cuda")
+    uncached = (
+        torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
+        if cast
+        else contextlib.nullcontext()
     )
+    with mode, uncached:
+        static_x = torch.empty_like(x, memory_format=torch.contiguous_format)
+        static_x.copy_(x)
+        scratch = state.clone()
+        graph, out = capture(
+            lambda: body(static_x, state), warmup=1, pool=pool,
+            warm=lambda: body(static_x, scratch),
+        )  # fmt: skip
     backbone._decode_plan()
     watch = _watch([backbone] if head is None else [backbone, head])
     return _Graph(graph, static_x, out, _params(model), record(backbone, "step"),
