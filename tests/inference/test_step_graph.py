@@ -156,14 +156,18 @@ def test_cuda_graph_true_captures_at_the_first_call_and_false_never(fake_graphs)
     assert len(fake_graphs) == 1
 
 
-def test_lm_step_replays_equal_eager(fake_graphs):
+@pytest.mark.parametrize("tie", [True, False])
+def test_lm_step_replays_equal_eager(fake_graphs, tie):
     torch.manual_seed(0)
-    lm = MambaLM(MambaConfig(d_model=32, n_layers=2, vocab_size=50))
+    lm = MambaLM(MambaConfig(d_model=32, n_layers=2, vocab_size=50, tie_embeddings=tie))
+    assert lm.lm_head.bias is None  # a head without a bias (a None parameter slot)
     ids = torch.randint(0, 50, (7, 3))
     s_graph, s_eager = lm.init_state(3), lm.init_state(3)
     got = run(lm, ids, s_graph)
     want = run(lm, ids, s_eager, cuda_graph=False)
     assert len(fake_graphs) == 1
+    status = step_graph_status(lm)
+    assert status["replays"] == len(ids) - sg.WARM_CALLS and status["reason"] is None, status
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 

@@ -173,7 +173,9 @@ def graphed_step(
 
 
 def _head_ptrs(head: nn.Module | None) -> tuple:
-    return () if head is None else tuple(p.data_ptr() for p in head._parameters.values())
+    if head is None:
+        return ()
+    return tuple(p.data_ptr() for p in head._parameters.values() if p is not None)
 
 
 def _watch(modules: list[nn.Module]) -> tuple:
