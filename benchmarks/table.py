@@ -73,7 +73,7 @@ def _preset(row: dict, record: Record) -> str:
 
 def training_rows(row: dict, record: Record) -> Iterator[tuple[tuple, str]]:
     """bench_model, bench_mamba2 and bench_mamba3: one optimizer step of a preset."""
-    if "step_ms" not in row:
+    if "step_ms" not in row or "seqlen" not in row:  # (bench_serve's decode rows have no seqlen)
         return
     shape = f"{row['batch']}x{row['seqlen']}"
     base = (record.device, _preset(row, record), shape)
