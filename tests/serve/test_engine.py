@@ -414,3 +414,30 @@ def test_detokenizer_with_a_tokenizer_json(tmp_path):
         assert "".join(pieces) == hf.decode(prompt + ids)[len(hf.decode(prompt)) :]
     d = Detokenizer(ByteTokenizer(), [])
     assert [d.push(b) for b in "é!".encode()] == ["", "é", "!"]
+
+
+def test_histogram_observe_many_counts_as_observe():
+    from mambakit.serve.metrics import ITL_BUCKETS, Histogram
+
+    rng = random.Random(3)
+    values = [
+        rng.choice([0.0, *ITL_BUCKETS, 9.0]) * rng.choice([1, 1, 0.5, 1.5]) for _ in range(500)
+    ]
+    one, many = Histogram(ITL_BUCKETS), Histogram(ITL_BUCKETS)
+    for v in values:
+        one.observe(v)
+    many.observe_many(list(values[:200]))
+    many.observe_many(list(values[200:]))
+    assert (many.counts, many.count) == (one.counts, one.count)
+    assert many.sum == pytest.approx(one.sum)
+
+
+def test_prefix_hashes_are_the_polynomial_of_every_prefix():
+    rng = random.Random(4)
+    toks = [rng.randrange(50280) for _ in range(5000)]
+    h, want = 0, []
+    for t in toks:
+        h = (h * 1_000_003 + t + 1) % (1 << 64)
+        want.append(h)
+    assert prefix_hashes(toks) == want
+    assert prefix_hashes(toks[:3]) == want[:3]

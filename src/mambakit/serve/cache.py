@@ -16,24 +16,41 @@ entries are dropped first to keep the total bytes within the budget.
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..state import ModelState
 
-_MOD = (1 << 61) - 1  # a Mersenne prime: the rolling hash works modulo it
-_BASE = 1_000_003
+_BASE = 1_000_003  # odd: invertible modulo 2**64
+_INV = pow(_BASE, -1, 1 << 64)
+_powers: tuple[np.ndarray, np.ndarray] | None = None  # BASE**j and BASE**-j mod 2**64
+
+
+def _power_tables(n: int) -> tuple[np.ndarray, np.ndarray]:
+    global _powers
+    if _powers is None or len(_powers[0]) < n:
+        size = max(n, 4096, 2 * len(_powers[0]) if _powers is not None else 0)
+        up = np.full(size, _BASE, dtype=np.uint64)
+        up[0] = 1
+        down = np.full(size, _INV, dtype=np.uint64)
+        down[0] = 1
+        _powers = (np.cumprod(up), np.cumprod(down))  # uint64 products wrap modulo 2**64
+    return _powers
 
 
 def prefix_hashes(tokens: list[int]) -> list[int]:
-    """h[i] = the hash of tokens[:i + 1], for every i."""
-    out, h = [], 0
-    for t in tokens:
-        h = (h * _BASE + t + 1) % _MOD
-        out.append(h)
-    return out
+    """h[i] = the hash of tokens[:i + 1], for every i: the polynomial
+    sum_j (tokens[j] + 1) * BASE**(i - j) modulo 2**64, as BASE**i times a prefix sum of
+    (tokens[j] + 1) * BASE**-j, so numpy computes every prefix at once. Only candidates are
+    found by it (the tokens are compared), so a collision costs a comparison, no more."""
+    n = len(tokens)
+    up, down = _power_tables(n)
+    t = np.asarray(tokens, dtype=np.uint64) + np.uint64(1)
+    return (np.cumsum(t * down[:n], dtype=np.uint64) * up[:n]).tolist()
 
 
 @dataclass
@@ -54,6 +71,8 @@ class PrefixCache:
         self.max_bytes = max_bytes
         self.entries: OrderedDict[tuple[int, int], CacheEntry] = OrderedDict()
         self.nbytes = 0
+        self.lengths: dict[int, int] = {}  # prefix length -> entries of that length
+        self.sorted_lengths: list[int] = []  # the keys of `lengths`, ascending
         self.hits = 0  # lookups that found a prefix
         self.misses = 0
         self.hit_tokens = 0  # prompt tokens not prefilled thanks to a hit
@@ -68,7 +87,8 @@ class PrefixCache:
         marked as recently used; None when none is cached."""
         if not self.enabled:
             return None
-        for n in range(len(tokens), 0, -1):
+        top = bisect.bisect_right(self.sorted_lengths, len(tokens))
+        for n in reversed(self.sorted_lengths[:top]):  # the longest first
             entry = self.entries.get((n, hashes[n - 1]))
             if entry is not None and entry.tokens == tuple(tokens[:n]):
                 self.entries.move_to_end((n, hashes[n - 1]))
@@ -99,13 +119,24 @@ class PrefixCache:
             self._drop(key)
         self.entries[key] = CacheEntry(tuple(tokens), state, logits, nbytes)
         self.nbytes += nbytes
+        n = len(tokens)
+        self.lengths[n] = self.lengths.get(n, 0) + 1
+        if self.lengths[n] == 1:
+            bisect.insort(self.sorted_lengths, n)
         while self.nbytes > self.max_bytes:
             self._drop(next(iter(self.entries)))
             self.evictions += 1
 
     def _drop(self, key) -> None:
         self.nbytes -= self.entries.pop(key).nbytes
+        n = key[0]
+        self.lengths[n] -= 1
+        if not self.lengths[n]:
+            del self.lengths[n]
+            self.sorted_lengths.pop(bisect.bisect_left(self.sorted_lengths, n))
 
     def clear(self) -> None:
         self.entries.clear()
         self.nbytes = 0
+        self.lengths.clear()
+        self.sorted_lengths.clear()

@@ -49,7 +49,7 @@ from .metrics import Metrics
 from .params import EngineStopped, Event, QueueFull, SamplingParams
 from .prefill import PrefillGraphs, piece_lengths, plan_targets, stack_rows
 from .request import Completion, PromptTooLong, Request, Sequence
-from .slots import SlotPool, rows_view, sample_rows
+from .slots import SlotPool, rows_view, sample_rows, to_device
 
 
 class Engine:
@@ -121,7 +121,9 @@ class Engine:
         # decode: the step launched and not yet read (lookahead), two host buffers of tokens
         self.lookahead = self.device.type == "cuda"
         self._inflight = None
+        self._joined: list = []  # the first tokens of choices that joined, not yet read
         self._flip = 0
+        self._row_settings: dict[int, int] = {}  # id(SamplingConfig) -> running rows
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.reserved = 0  # rows promised to prefilling requests
@@ -320,7 +322,7 @@ class Engine:
                     self._end_request(req, "abort", "the server is shutting down")
                 with self._lock:
                     self._abort = False
-            if self.rows or self._inflight is not None:
+            if self.rows or self._inflight is not None or self._joined:
                 self._decode()
             self._flush()
             self._admit()
@@ -337,13 +339,11 @@ class Engine:
         with m.lock:  # once per iteration: the per-token path takes no lock
             m.iterations += 1
             m.tokens_out(self._n_out, time.monotonic())
-            for v in self._ttft:
-                m.ttft.observe(v)
-            for v in self._itl:
-                m.itl.observe(v)
+            m.ttft.observe_many(self._ttft)
+            m.itl.observe_many(self._itl)
         self._n_out = 0
-        self._ttft.clear()
-        self._itl.clear()
+        self._ttft = []
+        self._itl = []
 
     def _deliver(self, outbox: list[tuple[Request, Event]]) -> None:
         for req, ev in outbox:
@@ -364,11 +364,15 @@ class Engine:
         iteration's step, whose copy to the host was enqueued then: the host's work on one
         step's tokens overlaps the device's work on the next. A choice that ended is then
         stepped once more, its token dropped; rows moved meanwhile are copied in stream
-        order, after that step."""
+        order, after that step. The first tokens of choices that joined last iteration
+        (`_join`) are read after that iteration's step, and before their second."""
         launched = self._launch() if self.rows else None
         if self._inflight is not None:  # cleared first: a failure is not met again
             inflight, self._inflight = self._inflight, None
             self._collect(inflight)
+        joined, self._joined = self._joined, []
+        for first in joined:
+            self._collect(first)
         if launched is not None:
             if self.lookahead:
                 self._inflight = launched
@@ -382,7 +386,10 @@ class Engine:
         rows = list(self.rows)
         try:
             logits = pool.step(n)
-            cfgs = [s.request.sampling for s in rows]
+            if len(self._row_settings) == 1:  # one setting: no list of them per row
+                cfgs = [rows[0].request.sampling]
+            else:
+                cfgs = [s.request.sampling for s in rows]
             seen = pool.seen[:n] if pool.seen is not None else None
             nxt = sample_rows(logits, cfgs, pool.seeds[:n], pool.steps[:n], seen)
             pool.tok[:n].copy_(nxt)
@@ -404,34 +411,36 @@ class Engine:
         return rows, host, event
 
     def _collect(self, launched) -> None:
+        """The new tokens of a launched step (or of a join): one read of the host buffer,
+        then per choice its stop checks, text and event; a failure ends that request."""
         rows, host, event = launched
         if event is not None:
             event.synchronize()
         tokens = host[: len(rows)].tolist()
         now = time.monotonic()
+        hook, outbox, itl, ttft = self.on_token, self._outbox, self._itl, self._ttft
+        n_out = 0
         for seq, tok in zip(rows, tokens):
-            if seq.finished is None:
-                self._accept(seq, tok, now)
+            if seq.finished is not None:
+                continue
+            req = seq.request
+            try:
+                if hook is not None:
+                    hook(seq, tok)
+                n_out += 1
+                if seq.tokens:
+                    itl.append(now - seq.last_time)
+                elif seq.index == 0:
+                    ttft.append(now - req.arrival)
+                seq.last_time = now
+                text, reason = seq.push(tok)
+                outbox.append((req, Event(seq.index, [tok], text, reason)))
+                if reason is not None:
+                    self._finish(seq, reason)
+            except Exception as e:
+                self._end_request(req, "error", f"{type(e).__name__}: {e}")
+        self._n_out += n_out
         self._free_rows()
-
-    def _accept(self, seq: Sequence, tok: int, now: float) -> None:
-        """A new token of `seq`: stop checks, text, its event; a failure ends the request."""
-        req = seq.request
-        try:
-            if self.on_token is not None:
-                self.on_token(seq, tok)
-            self._n_out += 1
-            if seq.tokens:
-                self._itl.append(now - seq.last_time)
-            elif seq.index == 0:
-                self._ttft.append(now - req.arrival)
-            seq.last_time = now
-            text, reason = seq.push(tok, self.eos_token_id)
-            self._outbox.append((req, Event(seq.index, [tok], text, reason)))
-            if reason is not None:
-                self._finish(seq, reason)
-        except Exception as e:
-            self._end_request(req, "error", f"{type(e).__name__}: {e}")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finished = reason
@@ -466,9 +475,13 @@ class Engine:
 
     def _free_rows(self) -> None:
         """Drop finished choices from the pool, moving the last rows into the holes."""
-        rows = self.rows
+        rows, counts = self.rows, self._row_settings
         for i in reversed(range(len(rows))):
             if rows[i].finished is not None:
+                key = id(rows[i].request.sampling)
+                counts[key] -= 1
+                if not counts[key]:
+                    del counts[key]
                 last = len(rows) - 1
                 if i != last:
                     self.pool.move(last, i)
@@ -533,43 +546,54 @@ class Engine:
 
     def _join(self, ready: list[Request]) -> None:
         """Draw the first token of every choice of the prompts in `ready` and put the
-        choices that go on into free rows."""
+        choices into free rows. Nothing here waits for the device: with `lookahead` the
+        first tokens are read at the next iteration, after its step is launched (a choice
+        that ends on its first token is then stepped once more, that token dropped);
+        otherwise at once."""
         seqs: list[Sequence] = []
         for req in ready:
             self.prefilling.remove(req)
             self.reserved -= req.params.n
             p = req.params
             base = p.seed if p.seed is not None else self._rng.getrandbits(62)
-            req.seqs = [Sequence(req, i, base + i, self.tokenizer) for i in range(p.n)]
+            req.seqs = [Sequence(req, i, base + i, self.tokenizer, self.eos_token_id)
+                        for i in range(p.n)]  # fmt: skip
             seqs += req.seqs
         try:
             logits = torch.stack([s.request.logits for s in seqs])
             cfgs = [s.request.sampling for s in seqs]
-            seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=self.device)
+            seeds = to_device([s.seed for s in seqs], self.device)
             steps = torch.zeros_like(seeds)
             seen = None
             if any(c.repetition_penalty != 1 for c in cfgs):
                 seen = torch.zeros(len(seqs), self.vocab, dtype=torch.bool, device=self.device)
-                for i, s in enumerate(seqs):
-                    seen[i, s.request.prompt] = True
-            first = sample_rows(logits, cfgs, seeds, steps, seen).tolist()
+                rows = [i for i, s in enumerate(seqs) for _ in s.request.prompt]
+                cols = [t for s in seqs for t in s.request.prompt]
+                seen[to_device(rows, self.device), to_device(cols, self.device)] = True
+            first = sample_rows(logits, cfgs, seeds, steps, seen)
+            if seen is not None:
+                seen[torch.arange(len(seqs), device=self.device), first] = True
+            self.pool.load(len(self.rows), [s.request.state for s in seqs], first, seeds, 1,
+                           seen)  # fmt: skip
+            host = first.to("cpu", non_blocking=True)  # pinned, on CUDA
+            event = None
+            if self.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
         except Exception as e:
             msg = f"sampling failed: {type(e).__name__}: {e}"
             for req in ready:
                 self._end_request(req, "error", msg)
             return
-        now = time.monotonic()
-        for i, (seq, tok) in enumerate(zip(seqs, first)):
-            req = seq.request
-            if req.done:
-                continue
-            self._accept(seq, tok, now)
-            if seq.finished is None and not req.done:
-                row_seen = None
-                if seen is not None:
-                    row_seen = seen[i]
-                    row_seen[tok] = True
-                self.pool.load(len(self.rows), req.state, tok, seq.seed, 1, row_seen)
-                self.rows.append(seq)
-        for req in ready:
-            req.state = req.logits = None
+        finally:
+            for req in ready:
+                req.state = req.logits = None
+        self.rows += seqs
+        counts = self._row_settings
+        for s in seqs:
+            key = id(s.request.sampling)
+            counts[key] = counts.get(key, 0) + 1
+        if self.lookahead:
+            self._joined.append((seqs, host, event))
+        else:
+            self._collect((seqs, host, event))

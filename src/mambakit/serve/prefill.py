@@ -19,6 +19,7 @@ from collections import deque
 import torch
 
 from ..state import ModelState
+from .slots import to_device
 
 
 def piece_lengths(pos: int, end: int, block: int) -> deque[int]:
@@ -160,7 +161,7 @@ class PrefillGraphs:
             self.enabled = False
             return None
         state_in, state_out, logits_out = self.buffers[rows]
-        buf[:g].copy_(torch.tensor(ids, dtype=torch.int64))
+        buf[:g].copy_(to_device(ids, device))
         buf[g:].zero_()
         if state is None:
             state_in.zero_()

@@ -39,31 +39,45 @@ class Completion:
 class Sequence:
     """One choice of a request: its tokens, text and row in the pool while it runs."""
 
-    def __init__(self, request: Request, index: int, seed: int, tokenizer) -> None:
+    def __init__(
+        self, request: Request, index: int, seed: int, tokenizer, eos_token_id: int | None
+    ) -> None:
         self.request = request
         self.index = index
         self.seed = seed
         self.tokens: list[int] = []
-        self.detok = TextStream(tokenizer, request.prompt)
-        self.stop_text = StopText(request.params.stop)
+        p = request.params
+        # what push checks per token, worked out once: the ids that end the choice, and
+        # whether there is text at all (no tokenizer: none, and no stop strings)
+        stop_ids = set(p.stop_token_ids)
+        if eos_token_id is not None and not p.ignore_eos:
+            stop_ids.add(eos_token_id)
+        self.stop_ids = frozenset(stop_ids)
+        self.max_tokens = p.max_tokens
+        self.text = tokenizer is not None
+        self.detok = TextStream(tokenizer, request.prompt) if self.text else None
+        self.stop_text = StopText(p.stop)
         self.finished: str | None = None
         self.last_time = 0.0
 
-    def push(self, tok: int, eos_token_id: int | None) -> tuple[str, str | None]:
+    def push(self, tok: int) -> tuple[str, str | None]:
         """Append a new token: (the text that can be sent now, why the choice ends or None).
         A stop token (or end of sequence) adds no text; a stop string cuts the text before
         it; the end flushes what was held back."""
         self.tokens.append(tok)
-        p = self.request.params
+        if not self.text:  # token ids only: the stop ids and the length end it
+            if tok in self.stop_ids:
+                return "", "stop"
+            return "", "length" if len(self.tokens) >= self.max_tokens else None
         reason = None
-        if tok in p.stop_token_ids or (tok == eos_token_id and not p.ignore_eos):
+        if tok in self.stop_ids:
             reason = "stop"
             text = ""
         else:
             text = self.stop_text.add(self.detok.push(tok))
             if self.stop_text.stopped:
                 reason = "stop"
-        if reason is None and len(self.tokens) >= p.max_tokens:
+        if reason is None and len(self.tokens) >= self.max_tokens:
             reason = "length"
         if reason is not None and not self.stop_text.stopped:
             text += self.stop_text.add(self.detok.flush()) + self.stop_text.flush()

@@ -30,6 +30,17 @@ def rows_view(state: ModelState, start: int, stop: int) -> ModelState:
     return type(state)(*(t[:, start:stop] for t in state._tensors()))
 
 
+def to_device(values: list, device: torch.device) -> torch.Tensor:
+    """An int64 tensor of `values` (ints, or lists of ints of one length) on `device`
+    without waiting for the device: on CUDA through pinned memory and an asynchronous
+    copy (the caching host allocator keeps the pinned block until the copy has run); an
+    ordinary `torch.tensor(..., device=cuda)` waits for the stream to drain first."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    host = torch.tensor(values, dtype=torch.int64, pin_memory=True)
+    return host.to(device, non_blocking=True)
+
+
 def sample_rows(
     logits: torch.Tensor,  # [R, V]
     cfgs: list[SamplingConfig],  # one per row
@@ -48,7 +59,7 @@ def sample_rows(
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     for rows in groups.values():
         cfg = cfgs[rows[0]]
-        idx = torch.tensor(rows, device=logits.device)
+        idx = to_device(rows, logits.device)
         rep = seen[idx] if cfg.repetition_penalty != 1 else None
         out[idx] = sample(logits[idx], cfg, seeds[idx], steps[idx], rep)
     return out
@@ -103,17 +114,25 @@ class SlotPool:
                                     device=self.device)  # fmt: skip
         return self.seen
 
-    def load(self, row: int, state: ModelState, token: int, seed: int, step: int,
-             seen: torch.Tensor | None) -> None:  # fmt: skip
-        """Put a choice in `row`: the state after its prompt (one row), the token it drew
-        last, its seed and the number of the next token it draws."""
-        for dst, src in zip(self.state._tensors(), state._tensors()):
-            dst[:, row].copy_(src[:, 0])
-        self.tok[row] = token
-        self.seeds[row] = seed
-        self.steps[row] = step
+    def load(
+        self,
+        start: int,
+        states: list[ModelState],  # one row each: the state after each choice's prompt
+        tokens: torch.Tensor,  # [R] the token each drew last (on the device)
+        seeds: torch.Tensor,  # [R]
+        step: int,  # the number of the next token they draw
+        seen: torch.Tensor | None,  # [R, V]
+    ) -> None:
+        """Put R choices in rows start .. start+R-1; nothing here waits for the device."""
+        stop = start + len(states)
+        for i, state in enumerate(states):
+            for dst, src in zip(self.state._tensors(), state._tensors()):
+                dst[:, start + i].copy_(src[:, 0])
+        self.tok[start:stop].copy_(tokens)
+        self.seeds[start:stop].copy_(seeds)
+        self.steps[start:stop] = step
         if seen is not None:
-            self.need_seen()[row].copy_(seen)
+            self.need_seen()[start:stop].copy_(seen)
 
     def move(self, src: int, dst: int) -> None:
         """Row src's choice into row dst (the freed one)."""
