@@ -165,7 +165,9 @@ class Engine:
             prompt = prompt.tolist()
         if not isinstance(prompt, list | tuple) or not prompt:
             raise ValueError("prompt must be a non-empty list of token ids")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        types = set(map(type, prompt))  # one pass in C; the general check when not all int
+        if types != {int} and not all(isinstance(t, int) and not isinstance(t, bool)
+                                      for t in prompt):  # fmt: skip
             raise ValueError("prompt must hold token ids (ints)")
         lo, hi = min(prompt), max(prompt)
         if lo < 0 or hi >= self.vocab:
