@@ -222,13 +222,12 @@ class MambaBackbone(nn.Module):
         layers = self._modules["layers"]
         if not torch.compiler.is_compiling() and all(b.fusable() for b in layers):
             stack = getattr(type(layers[0].mixer), "stack_step", None)
+            lean = lambda: derived_plan(self, "stack", _stack_plan, _norm_eps)  # noqa: E731
             if stack is not None:  # the mixer's stack op (Mamba-2, Mamba-3)
                 states = [state.layer(i) for i in range(len(layers))]
-                plan = self._decode_plan()
-                return (*stack(h, plan, states, cdt, backend), cdt, backend)
+                return (*stack(h, self._decode_plan, states, cdt, backend, lean), cdt, backend)
             h, residual = mamba_stack_step(
-                h, self._decode_plan, state.conv, state.ssm, cdt, backend,
-                lambda: derived_plan(self, "stack", _stack_plan, _norm_eps),
+                h, self._decode_plan, state.conv, state.ssm, cdt, backend, lean
             )  # fmt: skip
             return h, residual, cdt, backend
         residual = None
@@ -243,8 +242,10 @@ def _step_plan(backbone: MambaBackbone) -> list:
 
 
 def _stack_plan(backbone: MambaBackbone):
-    """The reference body's whole-stack weights of Mamba-1 blocks (`ops.mamba_step.stack`)."""
-    return stack_weights(backbone._decode_plan())
+    """The reference body's whole-stack weights, from the decode plan: the mixer's
+    `stack_weights` (Mamba-2, Mamba-3), else Mamba-1's (`ops.mamba_step.stack`)."""
+    derive = getattr(type(backbone.layers[0].mixer), "stack_weights", stack_weights)
+    return derive(backbone._decode_plan())
 
 
 def _forward_plan(backbone: MambaBackbone) -> list:

@@ -134,17 +134,19 @@ def test_mamba1_stack_step_chain_when_weights_differ_from_compute_dtype(
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_mamba3_stack_step_body(backend, calls, monkeypatch):
     """Triton: per block the streaming linear kernels around the raw step kernel.
-    Reference: the reference step from in_proj's rows. Both equal the module path."""
+    Reference: the whole-stack body (`mamba3/stack.py`), no per-block reference step. Both
+    equal the module path."""
     monkeypatch.setenv("MAMBAKIT_BACKEND", backend)
     calls.watch(step_launch, "linear")
     calls.watch(m3_step, "state_update_raw")
     calls.watch(m3_step, "state_update")
     calls.watch(m3_ops, "mamba3_step_reference")
+    calls.watch(m3_ops, "decode_layers")
     lm = model("mamba3")
     tokens = ids()
     got = decode(lm, tokens)
     want = {
-        "reference": {"mamba3_step_reference"},
+        "reference": {"decode_layers"},
         "triton": {"linear", "state_update_raw"},
     }[backend]
     assert calls.ran() == want

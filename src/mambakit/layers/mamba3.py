@@ -44,6 +44,7 @@ from ..ops.mamba3 import (
     mamba3_step_raw,
     mamba3_step_reference,
 )
+from ..ops.mamba3.stack import stack_weights
 from ..state import Mamba3State
 from .init import no_weight_decay
 from .mixer import _p
@@ -209,6 +210,7 @@ class Mamba3(nn.Module):
 
     # the decode step of a stack of `fusable()` blocks on the model's decode plan
     stack_step = staticmethod(mamba3_stack_step)
+    stack_weights = staticmethod(stack_weights)  # its reference body's weights, from the plan
 
     def init_state(self, batch_size: int, device=None) -> Mamba3State:
         p = self.in_proj.weight

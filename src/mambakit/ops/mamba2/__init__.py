@@ -242,11 +242,12 @@ def mamba2_step_raw(
 
 def mamba2_stack_step(
     hidden: torch.Tensor,  # [B, M], the embedded input
-    layers: list[Mamba2StepWeights],  # every block's, in order
+    layers,  # every block's Mamba2StepWeights, in order: a list, or () -> the list (a plan)
     states: list,  # every block's `Mamba2State`, advanced in place
     compute_dtype: torch.dtype,
     backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
+    stack=None,  # () -> the reference body's whole-stack weights (`mamba2/stack.py`) or None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decode step through a stack of Mamba-2 blocks whose weights the caller holds
     (the model's decode plan), without autograd: (the last block's output [B, M], the
     residual stream [B, M] f32). The caller checked the input and the states.
@@ -262,6 +263,7 @@ def mamba2_stack_step(
     if triton:  # once per step, not per layer (the launchers import Triton)
         from ..mamba_step.launch import linear
         from ..rms_norm import rms_norm_triton as norm
+    layers = layers() if callable(layers) else layers
     residual = None
     for w, state in zip(layers, states):
         conv, ssm = state

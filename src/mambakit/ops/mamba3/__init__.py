@@ -35,6 +35,7 @@ from .reference import (
     mamba3_step_reference,
     rotate_pairs,
 )
+from .stack import decode_layers
 
 __all__ = [
     "Mamba3State",
@@ -214,27 +215,36 @@ def mamba3_step_raw(
 
 def mamba3_stack_step(
     hidden: torch.Tensor,  # [B, M], the embedded input
-    layers: list[Mamba3StepWeights],  # every block's, in order
+    layers,  # every block's Mamba3StepWeights, in order: a list, or () -> the list (a plan)
     states: list[Mamba3State],  # every block's, advanced in place
     compute_dtype: torch.dtype,
     backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor]:
+    stack=None,  # () -> the reference body's whole-stack weights (`mamba3/stack.py`) or None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decode step through a stack of Mamba-3 blocks whose weights the caller holds
-    (the model's decode plan), without autograd: (the last block's output [B, M], the
-    residual stream [B, M] f32). The caller checked the input and the states.
+    (the model's decode plan; a list, or () -> the list), without autograd: (the last
+    block's output [B, M], the residual stream [B, M] f32; or the residual stream and None
+    where the body carries it as the output). The caller checked the input and the states.
 
     Triton, with the projections in the compute dtype and f32 states: per block, at batch 1
     three kernels chained by programmatic dependent launch (the add, the norm and in_proj
     streaming its weight, which also stores the residual; the step kernel; out_proj
     streamed), above a norm launch, cuBLAS, the step kernel, cuBLAS
     (`mamba_step.launch.linear` picks). Otherwise the add and norm, F.linear, the step and
-    F.linear, each on the backend's body."""
+    F.linear, each on the backend's body. Reference, with the input, the weights and the
+    states in one dtype: the whole stack in as few PyTorch calls as it takes
+    (`mamba3/stack.py`, on the weights `stack()` derives once per plan)."""
     cdt = compute_dtype
     triton = resolve_backend(backend, hidden) == "triton"
     norm = rms_norm_reference
     if triton:  # once per step, not per layer (the launchers import Triton)
         from ..mamba_step.launch import linear
         from ..rms_norm import rms_norm_triton as norm
+    elif stack is not None and hidden.dtype == cdt == states[0].ssm.dtype:
+        weights = stack()
+        if weights is not None and weights.blocks[0].in_wT.dtype == cdt:
+            return decode_layers(hidden, weights, states), None
+    layers = layers() if callable(layers) else layers
     residual = None
     for w, state in zip(layers, states):
         if triton and w.in_w.dtype == w.out_w.dtype == cdt and state.ssm.dtype == torch.float32:
