@@ -515,6 +515,20 @@ def test_reference_reuses_no_buffer_it_returns(seed):
         assert torch.equal(a, b)
 
 
+def test_reference_runs_after_inference_mode(seed):
+    """A call under inference mode (evaluation, decoding) then one with autograd (training):
+    the second must run and match the oracle, whatever the first left in the workspace."""
+    inp = make_inputs(Case(Bsz=2, T=9, Dn=4, N=3, seq=False), device="cpu")
+    args = [inp[k] for k in ARGS]
+    kw = dict(delta_softplus=True, initial_state=inp["initial_state"], return_final_state=True)
+    with torch.inference_mode():
+        y0, h0 = selective_scan(*args, **kw, backend="reference")
+    y1, h1, _ = run(inp, True, backend="reference")
+    yo, ho, _ = run(inp, True, oracle_fn=oracle)
+    assert rel(y1, yo) < 1e-5 and rel(h1, ho) < 1e-5
+    assert rel(y0, yo) < 1e-5 and rel(h0, ho) < 1e-5
+
+
 # ----------------------------------------------------------------------------- GPU, real shapes
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

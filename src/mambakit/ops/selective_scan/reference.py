@@ -48,7 +48,8 @@ def _buffer(role: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tens
     if like.device.type != "cpu":
         return like.new_empty(shape)
     numel = math.prod(shape)
-    key = (role, like.dtype)
+    # a buffer made under inference mode cannot be written outside it: one set per mode
+    key = (role, like.dtype, torch.is_inference_mode_enabled())
     buf = _workspace.__dict__.get(key)
     if buf is None or buf.numel() < numel:
         buf = like.new_empty(numel)
