@@ -143,7 +143,10 @@ def test_a_hook_or_adapter_after_the_capture_drops_the_graph(fake_graphs):
     mixer.in_proj = inner
     got += run(m, xs[8:], s_graph)
     want = run(m, xs[4:], s_eager, cuda_graph=False)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # the hooked steps run the op-by-op body, the others the CPU's whole-stack body: the
+    # same math in another order of float operations
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert len(fake_graphs) == 2  # captured again once the modules were plain again
 
 

@@ -1,5 +1,5 @@
-"""The reference backend's whole-stack decode body of Mamba-3 (`ops/mamba3/stack.py`)
-against the op-by-op reference step of
+"""The reference backend's whole-stack decode bodies of Mamba-3 and Mamba-2
+(`ops/mamba3/stack.py`, `ops/mamba2/stack.py`) against the op-by-op reference step of
 the same stack op (`stack=None`: the add and norm, F.linear, the mixer's reference step
 and F.linear per block), the oracle: the residual stream and every state field over
 several steps, in float64 and float32, at batch 1 and 3, each row from a different
@@ -17,6 +17,13 @@ TOL = {torch.float64: 1e-12, torch.float32: 1e-5}  # relative error over a whole
 
 CONFIGS = {
     "mamba3": dict(mixer="mamba3", headdim=32, ngroups=2),
+    "mamba2": dict(mixer="mamba2", headdim=32, ngroups=2),
+    "mamba2-norm_before_gate-dt_limit-no_conv_bias": dict(
+        mixer="mamba2", headdim=32, norm_before_gate=True, dt_limit=(0.01, 0.5), conv_bias=False
+    ),
+    "mamba2-D_hdim-no_norm-mlp-biases": dict(
+        mixer="mamba2", headdim=32, D_has_hdim=True, rmsnorm=False, d_ssm=64, bias=True
+    ),
 }
 
 

@@ -39,6 +39,7 @@ from ..ops.mamba2 import (
     mamba2_state_update,
     mamba2_step_raw,
 )
+from ..ops.mamba2.stack import stack_weights
 from ..state import Mamba2State
 from .init import no_weight_decay
 from .mixer import _p, conv_silu, conv_silu_step
@@ -137,6 +138,7 @@ class Mamba2(nn.Module):
 
     # the decode step of a stack of `fusable()` blocks on the model's decode plan
     stack_step = staticmethod(mamba2_stack_step)
+    stack_weights = staticmethod(stack_weights)  # its reference body's weights, from the plan
 
     def init_state(self, batch_size: int, device=None) -> Mamba2State:
         p = self.A_log  # (a parameter of the layer itself: the projections may be wrapped)

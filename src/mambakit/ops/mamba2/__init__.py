@@ -37,6 +37,7 @@ from .reference import (
     mamba2_step_fused_reference,
     mamba2_step_reference,
 )
+from .stack import decode_layers
 
 __all__ = [
     "Mamba2StepWeights",
@@ -256,13 +257,19 @@ def mamba2_stack_step(
     the norm and in_proj (at batch 1 one kernel streaming the weight, which also stores
     the residual; `mamba_step.launch.linear` picks), the two step kernels, out_proj.
     Otherwise the add and norm, F.linear, the step and F.linear, each on the backend's
-    body."""
+    body. Reference, with the input, the weights and the states in one dtype: the whole
+    stack in as few PyTorch calls as it takes (`mamba2/stack.py`, on the weights `stack()`
+    derives once per plan)."""
     cdt = compute_dtype
     triton = resolve_backend(backend, hidden) == "triton"
     norm = rms_norm_reference
     if triton:  # once per step, not per layer (the launchers import Triton)
         from ..mamba_step.launch import linear
         from ..rms_norm import rms_norm_triton as norm
+    elif stack is not None and hidden.dtype == cdt == states[0].ssm.dtype:
+        weights = stack()
+        if weights is not None and weights.blocks[0].in_wT.dtype == cdt:
+            return decode_layers(hidden, weights, states), None
     layers = layers() if callable(layers) else layers
     residual = None
     for w, state in zip(layers, states):
