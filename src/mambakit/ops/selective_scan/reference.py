@@ -45,8 +45,8 @@ def _buffer(role: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tens
     fresh [T, B, D, N] buffer costs a page fault per 4 KB at first touch (~3 us each on the
     2-core machine, 6 ms for 8 MB), more than the arithmetic done in it. Nothing that
     leaves the op may be a view of one."""
-    if like.device.type != "cpu":
-        return like.new_empty(shape)
+    if like.device.type != "cpu" or type(like) is not torch.Tensor or torch.compiler.is_compiling():
+        return like.new_empty(shape)  # a GPU, or a trace (its fake tensors are not kept)
     numel = math.prod(shape)
     # a buffer made under inference mode cannot be written outside it: one set per mode
     key = (role, like.dtype, torch.is_inference_mode_enabled())
@@ -175,6 +175,9 @@ class _Scan(torch.autograd.Function):
 
     @staticmethod
     def _forward(ctx, dt, x, A, Bm, C, keep, h0):
+        # detached: the out= ops below take no input that needs grad, also where a trace
+        # inlines this body into a graph run with autograd on (torch.export)
+        dt, x, A, Bm, C, h0 = (t.detach() for t in (dt, x, A, Bm, C, h0))
         Bsz, T, D = dt.shape
         group = _group_size(T, Bsz, D, A.shape[1])
         dtT, xT, BT, CT = (t.transpose(0, 1) for t in (dt, x, Bm, C))
