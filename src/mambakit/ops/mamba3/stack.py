@@ -29,6 +29,10 @@ folds the norm's eps, contiguous transposed weights, inference mode), and:
   complex `mul_` on B and C together.
 - the two outer products of the state update share alpha: (1 - lam) delta alpha x_prev
   k_prev^T is alpha ((1 - lam) delta x_prev k_prev^T).
+
+With numba, up to COMPILED_MAX_ROWS rows of float32 or float64, `cpu_jit.mamba3` runs
+this math on the same weights as one compiled call for the whole stack
+(`DecodeWeights.compiled`); this body runs the rest.
 """
 
 from __future__ import annotations
@@ -40,8 +44,12 @@ import torch
 import torch.nn.functional as F
 
 from ...state import Mamba3State
+from ..cpu_jit import compiles
 
 TWO_PI = 2 * math.pi
+# rows up to which the compiled step runs (one row at a time); more: the matrix products
+# of the PyTorch body win
+COMPILED_MAX_ROWS = 16
 
 
 class BlockWeights(NamedTuple):
@@ -65,6 +73,8 @@ class DecodeWeights(NamedTuple):
 
     blocks: list[BlockWeights]
     pad: float  # sqrt(eps M), r's constant column (every block's norm has this eps)
+    # the step compiled on these weights (`cpu_jit.mamba3.Packed`) where it runs them
+    compiled: object | None = None
 
 
 def decode_layers(
@@ -74,6 +84,8 @@ def decode_layers(
 ) -> torch.Tensor:
     """The residual stream [B, M] after every block (before the final norm), as an
     inference tensor: the caller's next op makes a normal one."""
+    if weights.compiled is not None and h.shape[0] <= COMPILED_MAX_ROWS:
+        return weights.compiled(h, states)
     Bsz, M = h.shape
     with torch.inference_mode():
         r = F.pad(h, (0, 1), value=weights.pad)
@@ -173,4 +185,10 @@ def stack_weights(layers: list) -> DecodeWeights | None:
         blocks = [_derive(w) for w in layers]
     if any(b is None for b in blocks):
         return None
-    return DecodeWeights(blocks, math.sqrt(eps.pop() * layers[0].norm_w.shape[0]))
+    pad = math.sqrt(eps.pop() * layers[0].norm_w.shape[0])
+    compiled = None
+    if compiles(blocks[0].in_wT):
+        from ..cpu_jit.mamba3 import Packed
+
+        compiled = Packed(blocks, pad)
+    return DecodeWeights(blocks, pad, compiled)

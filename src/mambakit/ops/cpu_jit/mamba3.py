@@ -1,0 +1,178 @@
+"""The Mamba-3 stack's decode step as one compiled call: `mamba3/stack.py`'s math on its
+folded weights (`BlockWeights`), each layer's packed into arrays [L, ...].
+
+B batch, M = d_model, E = d_inner, H heads of P values, G groups of the N-wide B/C rows
+(head h reads group g = h // (H / G)), S rotary angles, W = in_proj's rows in the lean
+body's order (`_derive`: per group [B_g, c, 0, C_g, c, 0], per head [z_h, x_h, dt_h,
+1 - dd_A_h, trap_h], then theta). Per row and block, r [M + 1] being the residual stream
+and its constant column:
+
+    zxbc  = in_b + (r in_wT) / |r|
+    k_h   = kq_b[h, 0] + kq_w[0] B_g / |[B_g, c]|     q_h likewise from C_g and kq_*[1]
+    delta = softplus(dt_h)                            (dt_bias is in in_b)
+    phi   = (phi + pi tanh(theta) delta) mod 2 pi     angle state in place, in [0, 2 pi)
+    k_h, q_h: the pairs (2s, 2s + 1), s < S, turned by phi[s]
+    alpha = exp(-max(f + 1/g, A_floor) delta),        g = max(a, 1), f = g - a, a = 1 - dd_A
+    S     = alpha (S + (1 - lam) delta x_prev k_prev^T) + lam delta x_h k_h^T,
+            lam = sigmoid(trap_h); then x_prev, k_prev = x_h, k_h     state in place
+    r    += ((S q_h + D_h x_h) silu(z_h)) out_wT
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from numba import njit
+
+from .common import JIT, exp, norm, one, sigmoid, silu, softplus, vecmat, vecmat_add
+
+
+class Packed:
+    """Every block's `BlockWeights` stacked over the layers into numpy arrays [L, ...]
+    (viewing tensors this object keeps), and the compiled step on them."""
+
+    __slots__ = ("arrays", "groups", "pad", "tensors", "turn")
+
+    def __init__(self, blocks: list, pad: float) -> None:
+        def stack(ts):
+            return torch.stack([t.detach() for t in ts]).contiguous()
+
+        G, H, N, P, S = blocks[0].dims
+        in_wT = blocks[0].in_wT
+        self.tensors = (
+            stack([b.in_wT for b in blocks]),  # [L, M + 1, W]
+            stack([b.in_b for b in blocks]),  # [L, W]
+            stack([b.kq_w.view(2, N) for b in blocks]),  # [L, 2, N]: B's, C's norm weights
+            stack([b.kq_b.view(H, 2, N) for b in blocks]),  # [L, H, 2, N]: B_bias, C_bias
+            stack([b.D.view(H) for b in blocks]),  # [L, H]
+            stack([b.out_wT for b in blocks]),  # [L, E, M + 1]
+            in_wT.new_tensor([b.A_floor for b in blocks]),  # [L]
+        )
+        # pi and 2 pi in the weights' dtype, as PyTorch rounds the scalars of addcmul_ and
+        # remainder_ to the tensor's
+        self.turn = in_wT.new_tensor([math.pi, 2 * math.pi]).numpy()
+        self.arrays = tuple(t.numpy() for t in self.tensors)
+        self.groups = G
+        self.pad = pad
+
+    def __call__(self, h: torch.Tensor, states: list) -> torch.Tensor:
+        """`mamba3.stack.decode_layers` compiled: the residual stream [B, M] after every
+        block (an inference tensor); every layer's `Mamba3State` advances in place. Where
+        the layers' states are the slices of stacked tensors [L, B, ...] (a model state's
+        `layer(i)` views) one call runs every layer, else one call runs each."""
+        M = h.shape[1]
+        stacked = [_stacked(ts) for ts in zip(*states)]  # angle, ssm, k, x
+        with torch.inference_mode():
+            r = torch.nn.functional.pad(h, (0, 1), value=self.pad)
+            rn = r.numpy()
+            if all(t is not None for t in stacked):
+                _layers(rn, *self.arrays, self.turn, self.groups, *(t.numpy() for t in stacked))
+            else:
+                for i, state in enumerate(states):
+                    layer = tuple(a[i : i + 1] for a in self.arrays)
+                    fields = (t.detach().unsqueeze(0).numpy() for t in state)
+                    _layers(rn, *layer, self.turn, self.groups, *fields)
+            return r.narrow(1, 0, M)
+
+
+def _stacked(ts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor [L, ...] (detached) whose slices [i] ts are, one per layer, as
+    `ModelState.layer(i)` makes them; None where they are not."""
+    root = ts[0]._base
+    if root is None or root.shape[0] != len(ts) or not root.is_contiguous():
+        return None
+    start, step, shape = root.storage_offset(), root.stride(0), root.shape[1:]
+    for i, t in enumerate(ts):  # contiguous, of root[i]'s shape and offset: root[i] itself
+        if (t._base is not root or t.storage_offset() != start + i * step
+                or t.shape != shape or not t.is_contiguous()):  # fmt: skip
+            return None
+    return root.detach()
+
+
+@njit(**JIT)
+def _layers(r, in_wT, in_b, kq_w, kq_b, Dh, out_wT, A_floor, turn, G, angle, ssm, k_prev,
+            x_prev):  # fmt: skip
+    L, _, W = in_wT.shape
+    H = kq_b.shape[1]
+    N = kq_w.shape[2]
+    E = out_wT.shape[1]
+    P = E // H
+    S = angle.shape[3]
+    KQ = 2 * G * (N + 2)  # where the heads' region starts
+    HW = 2 * P + 3  # a head's region
+    TH = KQ + H * HW  # where theta starts
+    dtype = r.dtype
+    pi, two_pi = turn[0], turn[1]
+    zxbc = np.empty(W, dtype)
+    kq = np.empty((G, 2, N), dtype)  # the normed B and C rows of each group
+    spin = np.empty(S, dtype)  # pi tanh(theta)
+    k = np.empty(N, dtype)
+    q = np.empty(N, dtype)
+    y = np.empty(E, dtype)
+    for b in range(r.shape[0]):
+        rb = r[b]
+        for layer in range(L):
+            vecmat(rb, in_wT[layer], zxbc)
+            s = one(rb[0]) / norm(rb)
+            bias = in_b[layer]
+            for j in range(W):
+                zxbc[j] = zxbc[j] * s + bias[j]
+            # B and C: RMSNorm as |[row, c]|, c = sqrt(eps N) from in_b, the weights' sqrt(N)
+            for g in range(G):
+                for j in range(2):
+                    row = zxbc[(2 * g + j) * (N + 2) : (2 * g + j + 1) * (N + 2)]
+                    sn = one(s) / norm(row)
+                    wj = kq_w[layer, j]
+                    for n in range(N):
+                        kq[g, j, n] = row[n] * wj[n] * sn
+            for i in range(S):
+                spin[i] = pi * math.tanh(zxbc[TH + i])
+            for hd in range(H):
+                g = hd // (H // G)
+                o = KQ + hd * HW
+                delta = softplus(zxbc[o + 2 * P])
+                a = zxbc[o + 2 * P + 1]
+                gamma = sigmoid(zxbc[o + 2 * P + 2]) * delta  # lam delta
+                late = delta - gamma  # (1 - lam) delta
+                ga = max(a, one(a))
+                alpha = exp(-(max(ga - a + one(a) / ga, A_floor[layer]) * delta))
+                bk = kq_b[layer, hd, 0]
+                bq = kq_b[layer, hd, 1]
+                for n in range(N):
+                    k[n] = bk[n] + kq[g, 0, n]
+                    q[n] = bq[n] + kq[g, 1, n]
+                phi = angle[layer, b, hd]
+                for i in range(S):
+                    t = np.fmod(phi[i] + spin[i] * delta, two_pi)
+                    if t < 0:  # PyTorch's remainder: the divisor's sign
+                        t += two_pi
+                    phi[i] = t
+                    c = math.cos(t)
+                    sn = math.sin(t)
+                    k0, k1 = k[2 * i], k[2 * i + 1]
+                    k[2 * i] = k0 * c - k1 * sn
+                    k[2 * i + 1] = k0 * sn + k1 * c
+                    q0, q1 = q[2 * i], q[2 * i + 1]
+                    q[2 * i] = q0 * c - q1 * sn
+                    q[2 * i + 1] = q0 * sn + q1 * c
+                st = ssm[layer, b, hd]
+                kp = k_prev[layer, b, hd]
+                xp = x_prev[layer, b, hd]
+                d = Dh[layer, hd]
+                for p in range(P):
+                    xv = zxbc[o + P + p]
+                    xl = xp[p] * late
+                    xg = xv * gamma
+                    sp = st[p]
+                    acc = d * xv
+                    for n in range(N):
+                        v = (sp[n] + xl * kp[n]) * alpha + xg * k[n]
+                        sp[n] = v
+                        acc += v * q[n]
+                    xp[p] = xv
+                    y[hd * P + p] = acc * silu(zxbc[o + p])
+                for n in range(N):
+                    kp[n] = k[n]
+            vecmat_add(y, out_wT[layer], rb)
