@@ -24,6 +24,12 @@ from mambakit.ops.cpu_jit import mamba3 as jit3  # noqa: E402
 STEPS = 4
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}  # relative error over a whole tensor
 
+CONFIGS = {
+    "headdim32-ngroups2": dict(headdim=32, ngroups=2),
+    "rope1-d_state8-ngroups4": dict(headdim=16, ngroups=4, d_state=8, rope_fraction=1.0),
+    "wide_turns": dict(headdim=32, ngroups=2),  # delta ~ 6: turns of several times 2 pi
+}
+
 
 @pytest.fixture
 def numba_on(monkeypatch):
@@ -44,14 +50,16 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
 
 
-def setup(dtype: torch.dtype, batch: int):
+def setup(dtype: torch.dtype, batch: int, name: str = "headdim32-ngroups2"):
     torch.manual_seed(0)
-    cfg = MambaConfig(d_model=64, n_layers=3, input_dim=24, mixer="mamba3", headdim=32,
-                      ngroups=2)  # fmt: skip
+    cfg = MambaConfig(d_model=64, n_layers=3, input_dim=24, mixer="mamba3", **CONFIGS[name])
     bb = MambaBackbone(cfg).to(dtype).eval()
     with torch.no_grad():
         for p in bb.parameters():
             p.add_(torch.randn_like(p) * 0.1)
+        if name == "wide_turns":
+            for block in bb.layers:
+                block.mixer.dt_bias.add_(6.0)
     state = bb.init_state(batch)
     for t in state._tensors():  # every row its own state
         t.copy_(torch.randn_like(t))
@@ -95,8 +103,9 @@ def steps_against_oracle(bb, state, dtype, batch, weights, states=None):
 @pytest.mark.parametrize("layout", ["stacked", "separate"])
 @pytest.mark.parametrize("batch", [1, 3], ids=["B1", "B3"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
-def test_compiled_mamba3_stack_matches_op_by_op_step(dtype, batch, layout, numba_on):
-    bb, state = setup(dtype, batch)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_compiled_mamba3_stack_matches_op_by_op_step(name, dtype, batch, layout, numba_on):
+    bb, state = setup(dtype, batch, name)
     weights = m3_stack.stack_weights(bb._decode_plan())
     assert isinstance(weights.compiled, jit3.Packed)
     n = len(bb.layers)
