@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mambakit import MambaBackbone, MambaConfig
+from mambakit.ops import cpu_jit
 
 STEPS = 4
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}  # relative error over a whole tensor
@@ -25,6 +26,17 @@ CONFIGS = {
         mixer="mamba2", headdim=32, D_has_hdim=True, rmsnorm=False, d_ssm=64, bias=True
     ),
 }
+
+
+@pytest.fixture(autouse=True)
+def torch_bodies(monkeypatch):
+    """The PyTorch bodies, not the compiled ones that replace them where numba is
+    (tests/ops/test_cpu_jit*.py check those)."""
+    monkeypatch.setenv("MAMBAKIT_NUMBA", "0")
+    cpu_jit.available.cache_clear()
+    yield
+    monkeypatch.undo()
+    cpu_jit.available.cache_clear()
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -43,7 +43,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..cpu_jit import compiles
 from . import StepWeights
+
+# rows up to which the compiled step runs (one row at a time); more: the matrix products
+# of the PyTorch body win
+COMPILED_MAX_ROWS = 16
 
 
 class BlockWeights(NamedTuple):
@@ -69,6 +74,8 @@ class DecodeWeights(NamedTuple):
 
     blocks: list[BlockWeights]
     pad: float  # sqrt(eps M), r's constant column (every block's norm has this eps)
+    # the step compiled on these weights (`cpu_jit.mamba1.Packed`) where it runs them
+    compiled: object | None = None
 
 
 def decode_layers(
@@ -79,6 +86,8 @@ def decode_layers(
 ) -> torch.Tensor:
     """The residual stream [B, M] after every block (before the final norm), as an
     inference tensor: the caller's next op makes a normal one."""
+    if weights.compiled is not None and h.shape[0] <= COMPILED_MAX_ROWS:
+        return weights.compiled(h, conv, ssm)
     Bsz, M = h.shape
     with torch.inference_mode():
         r = F.pad(h, (0, 1), value=weights.pad).view(Bsz, 1, M + 1)
@@ -147,4 +156,10 @@ def stack_weights(layers: list[StepWeights]) -> DecodeWeights | None:
         return None
     with torch.no_grad():
         blocks = [_derive(w) for w in layers]
-    return DecodeWeights(blocks, math.sqrt(eps.pop() * layers[0].norm_w.shape[0]))
+    pad = math.sqrt(eps.pop() * layers[0].norm_w.shape[0])
+    compiled = None
+    if compiles(blocks[0].in_wT):
+        from ..cpu_jit.mamba1 import Packed
+
+        compiled = Packed(blocks, pad)
+    return DecodeWeights(blocks, pad, compiled)

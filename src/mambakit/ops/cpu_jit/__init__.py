@@ -1,0 +1,45 @@
+"""Decode steps on the CPU compiled with numba: one call per step for the whole stack.
+
+At batch 1 a small model's CPU step is bound by the cost of each PyTorch call (one to a
+few microseconds of dispatch, checks and allocation, against less than that in
+arithmetic), so even the leanest op chain (`mamba_step/stack.py`) spends most of its
+time outside the arithmetic. Here the stack's blocks run as one compiled function over
+the same folded weights that chain reads (`stack_weights`), packed once per decode plan
+into per-layer arrays: no allocation, no dispatch, loops the compiler vectorises.
+
+numba installs from pip with no system compiler (`pip install "mambakit[cpu]"`). Without
+it, or with `MAMBAKIT_NUMBA=0` in the environment, the PyTorch bodies run: they stay
+the oracle of these (tests/ops/test_cpu_jit.py) and the path for tensors these do not
+take (other dtypes than float32 and float64, a CUDA device). The first step of each dtype
+compiles (a few seconds; the machine code is cached on disk for later processes).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import torch
+
+__all__ = ["available", "compiles"]
+
+
+@cache
+def available() -> bool:
+    """Whether numba is importable and not turned off (`MAMBAKIT_NUMBA=0`)."""
+    if os.environ.get("MAMBAKIT_NUMBA", "1") == "0":
+        return False
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def compiles(t) -> bool:
+    """Whether the compiled steps take weights like `t`: numba there, a CPU tensor of
+    float32 or float64."""
+    return t.device.type == "cpu" and t.dtype in _DTYPES and available()
+
+
+_DTYPES = {torch.float32, torch.float64}

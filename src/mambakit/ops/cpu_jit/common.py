@@ -1,0 +1,131 @@
+"""What the compiled steps share: exp in both float widths, the activations, and the
+vector-matrix products the compiler vectorises (imported only when numba is).
+
+A product x W (x [K], W [K, N] row-major) runs as rows: out += x[k] W[k, :], the inner
+loop contiguous in W and out. It sits in a function of its own, never inlined: there
+LLVM checks once that out does not overlap W and vectorises the row loop; inlined into
+a larger body it often cannot prove that and stays scalar (twice the time or more).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, types
+from numba.extending import overload
+
+# reassociation lets sums vectorise; contraction makes a * b + c one fused multiply-add.
+# No flag that assumes finite values: the steps pass infinities and NaNs through as the
+# PyTorch bodies do.
+FAST = {"reassoc", "contract"}
+JIT = dict(fastmath=FAST, cache=True, nogil=True)
+LOG2E = 1.4426950408889634
+LN2_HI = 0.693145751953125  # ln 2 in two parts: k ln 2 subtracted without rounding error
+LN2_LO = 1.428606765330187e-06
+
+
+def exp(x):
+    """e^x, in numba code: float32 as a polynomial the loops vectorise (within 3e-7
+    relative of the exact value), float64 as libm's exp."""
+    raise NotImplementedError("exp runs in numba code only")
+
+
+def _exp32(x):
+    # e^x = 2^k e^f, k = round(x log2 e), |f| <= ln2 / 2: a degree-6 polynomial in f.
+    # Below -87 the result would leave float32's normal range: e^-87 (within 2e-38 of 0)
+    y = max(x, np.float32(-87.0))
+    y = min(y, np.float32(88.0))
+    k = np.floor(y * np.float32(LOG2E) + np.float32(0.5))
+    f = y - k * np.float32(LN2_HI) - k * np.float32(LN2_LO)
+    p = np.float32(1.0 / 720)
+    p = p * f + np.float32(1.0 / 120)
+    p = p * f + np.float32(1.0 / 24)
+    p = p * f + np.float32(1.0 / 6)
+    p = p * f + np.float32(0.5)
+    p = p * f + np.float32(1.0)
+    p = p * f + np.float32(1.0)
+    scale = np.int32((np.int32(k) + np.int32(127)) << np.int32(23)).view(np.float32)
+    out = p * scale
+    if x > np.float32(88.0):
+        out = np.float32(np.inf)
+    if x != x:  # NaN in, NaN out
+        out = x
+    return out
+
+
+def _exp64(x):
+    return math.exp(x)
+
+
+@overload(exp, jit_options={"fastmath": FAST})
+def _exp_overload(x):
+    if isinstance(x, types.Float) and x.bitwidth == 32:
+        return _exp32
+    if isinstance(x, types.Float):
+        return _exp64
+    return None
+
+
+def one(x):
+    """1 in x's float type, in numba code (an int literal would make float32 math float64)."""
+    raise NotImplementedError("one runs in numba code only")
+
+
+@overload(one)
+def _one_overload(x):
+    if isinstance(x, types.Float):
+        unit = np.float32(1) if x.bitwidth == 32 else np.float64(1)
+        return lambda x: unit
+    return None
+
+
+@njit(inline="always", **JIT)
+def sigmoid(x):
+    return one(x) / (one(x) + exp(-x))
+
+
+@njit(inline="always", **JIT)
+def silu(x):
+    return x / (one(x) + exp(-x))
+
+
+@njit(inline="always", **JIT)
+def softplus(x):
+    """log(1 + e^x), as PyTorch's softplus (beta 1, threshold 20: x itself above it)."""
+    if x > 20:
+        return x
+    return math.log1p(exp(x))
+
+
+@njit(inline="never", **JIT)
+def vecmat(x, W, out):
+    """out = x W: x [K], W [K, N], out [N] (not overlapping W)."""
+    K, N = W.shape
+    for j in range(N):
+        out[j] = x[0] * W[0, j]
+    for k in range(1, K):
+        v = x[k]
+        w = W[k]
+        for j in range(N):
+            out[j] += v * w[j]
+
+
+@njit(inline="never", **JIT)
+def vecmat_add(x, W, out):
+    """out += x W: x [K], W [K, N], out [N] (not overlapping W)."""
+    K, N = W.shape
+    for k in range(K):
+        v = x[k]
+        w = W[k]
+        for j in range(N):
+            out[j] += v * w[j]
+
+
+@njit(inline="always", **JIT)
+def norm(r):
+    """|r| (r [K])."""
+    s = r[0] * r[0]
+    for i in range(1, r.shape[0]):
+        s += r[i] * r[i]
+    return math.sqrt(s)

@@ -1,0 +1,123 @@
+"""The Mamba-1 stack's decode step as one compiled call: `mamba_step/stack.py`'s math on
+its folded weights (`BlockWeights`), each layer's packed into arrays [L, ...].
+
+B batch, M = d_model, D = d_inner, N = d_state, K = d_conv, R = dt_rank. Per row and
+block, r [M + 1] being the residual stream and its constant column:
+
+    xz    = in_b + (r in_wT) / |r|                   -> x_in, z
+    u     = silu(conv_b + sum_k conv_wT[k] window[k])  window = [conv state; x_in]
+    dt_r, B, C = u x_wT
+    delta = softplus(dt_r dt_wT + dt_bias)
+    h     = exp(delta A) h + delta u B                  ssm state in place
+    r    += ((h C + D u) silu(z)) out_wT + out_b
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit
+
+from .common import JIT, exp, norm, one, silu, softplus, vecmat, vecmat_add
+
+
+class Packed:
+    """Every block's `BlockWeights` stacked over the layers into numpy arrays [L, ...]
+    (viewing tensors this object keeps), and the compiled step on them."""
+
+    __slots__ = ("arrays", "pad", "tensors")
+
+    def __init__(self, blocks: list, pad: float) -> None:
+        def stack(ts):
+            return torch.stack([t.detach() for t in ts]).contiguous()
+
+        out_b = [b.out_b if b.out_b is not None else b.in_b.new_zeros(b.out_wT.shape[1])
+                 for b in blocks]  # fmt: skip
+        self.tensors = (
+            stack([b.in_wT for b in blocks]),  # [L, M + 1, 2D]
+            stack([b.in_b for b in blocks]),  # [L, 2D]
+            stack([b.conv_wT for b in blocks]),  # [L, K, D]
+            stack([b.conv_b[-1] for b in blocks]),  # [L, D]
+            stack([b.x_wT for b in blocks]),  # [L, D, R + 2N]
+            stack([b.dt_w.t() for b in blocks]),  # [L, R, D]
+            stack([b.dt_bias for b in blocks]),  # [L, D]
+            stack([b.A for b in blocks]),  # [L, D, N]
+            stack([b.D for b in blocks]),  # [L, D]
+            stack([b.out_wT for b in blocks]),  # [L, D, M + 1]
+            stack(out_b),  # [L, M + 1]
+        )
+        self.arrays = tuple(t.numpy() for t in self.tensors)
+        self.pad = pad
+
+    def __call__(self, h: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor) -> torch.Tensor:
+        """`mamba_step.stack.decode_layers` compiled: the residual stream [B, M] after every
+        block (an inference tensor); conv [L, B, K-1, D] and ssm [L, B, D, N] advance in
+        place."""
+        M = h.shape[1]
+        with torch.inference_mode():
+            r = torch.nn.functional.pad(h, (0, 1), value=self.pad)
+            _layers(r.numpy(), *self.arrays, conv.detach().numpy(), ssm.detach().numpy())
+            return r.narrow(1, 0, M)
+
+
+@njit(**JIT)
+def _layers(r, in_wT, in_b, conv_w, conv_b, x_wT, dt_wT, dt_b, A, Dv, out_wT, out_b, conv, ssm):
+    L, _, D2 = in_wT.shape
+    D = D2 // 2
+    K1 = conv.shape[2]
+    N = A.shape[2]
+    R = dt_wT.shape[1]
+    dtype = r.dtype
+    xz = np.empty(D2, dtype)
+    u = np.empty(D, dtype)
+    delta = np.empty(D, dtype)
+    xp = np.empty(R + 2 * N, dtype)
+    y = np.empty(D, dtype)
+    for b in range(r.shape[0]):
+        rb = r[b]
+        for layer in range(L):
+            vecmat(rb, in_wT[layer], xz)
+            s = one(rb[0]) / norm(rb)
+            bias = in_b[layer]
+            for j in range(D2):
+                xz[j] = xz[j] * s + bias[j]
+            # the causal conv over [conv state; x_in], the state shifted by one
+            cs = conv[layer, b]
+            cw = conv_w[layer]
+            cb = conv_b[layer]
+            for d in range(D):
+                u[d] = cb[d] + cw[K1, d] * xz[d]
+            for k in range(K1):
+                for d in range(D):
+                    u[d] += cw[k, d] * cs[k, d]
+            for k in range(K1 - 1):
+                for d in range(D):
+                    cs[k, d] = cs[k + 1, d]
+            for d in range(D):
+                cs[K1 - 1, d] = xz[d]
+                u[d] = silu(u[d])
+            vecmat(u, x_wT[layer], xp)
+            db = dt_b[layer]
+            for d in range(D):
+                delta[d] = db[d]
+            vecmat_add(xp[:R], dt_wT[layer], delta)
+            for d in range(D):
+                delta[d] = softplus(delta[d])
+            hs = ssm[layer, b]
+            Al = A[layer]
+            Dl = Dv[layer]
+            for d in range(D):
+                h = hs[d]
+                a = Al[d]
+                dl = delta[d]
+                du = dl * u[d]
+                acc = Dl[d] * u[d]
+                for n in range(N):
+                    hn = exp(dl * a[n]) * h[n] + du * xp[R + n]
+                    h[n] = hn
+                    acc += hn * xp[R + N + n]
+                y[d] = acc * silu(xz[D + d])
+            vecmat_add(y, out_wT[layer], rb)
+            ob = out_b[layer]
+            for j in range(rb.shape[0]):
+                rb[j] += ob[j]

@@ -1,0 +1,152 @@
+"""The compiled (numba) whole-stack decode step of Mamba-1 (`ops/cpu_jit/mamba1.py`)
+against the op-by-op reference step of the same stack op (`stack=None`: the add and
+norm, F.linear, the reference step and F.linear per block), the oracle: the residual
+stream and every state field over several steps, in float64 and float32, at batch 1 and
+3, each row from a different state. Also: the model's step takes the compiled body only
+where it should (numba there and on, float32/float64 on the CPU, few rows), and the
+PyTorch body it replaces still equals the oracle with numba off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mambakit import MambaBackbone, MambaConfig
+from mambakit.inference.plan import drop
+from mambakit.ops import cpu_jit, mamba_stack_step
+from mambakit.ops.mamba_step import stack as m1_stack
+
+pytest.importorskip("numba")
+from mambakit.ops.cpu_jit import mamba1 as jit1  # noqa: E402
+
+STEPS = 4
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5}  # relative error over a whole tensor
+
+CONFIGS = {
+    "default": dict(),
+    "biases-no_conv_bias-d_state8-dt_rank3": dict(
+        bias=True, conv_bias=False, d_state=8, dt_rank=3
+    ),  # fmt: skip
+    "d_conv2": dict(d_conv=2),
+}
+
+
+@pytest.fixture
+def numba_on(monkeypatch):
+    """The compiled bodies on (whatever the environment says), and back after."""
+
+    def turn(on: bool) -> None:
+        monkeypatch.setenv("MAMBAKIT_NUMBA", "1" if on else "0")
+        cpu_jit.available.cache_clear()
+
+    turn(True)
+    yield turn
+    monkeypatch.undo()
+    cpu_jit.available.cache_clear()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+def setup(cfg: dict, dtype: torch.dtype, batch: int, d_model: int = 64, input_dim: int = 24):
+    torch.manual_seed(0)
+    config = MambaConfig(d_model=d_model, n_layers=3, input_dim=input_dim, **cfg)
+    bb = MambaBackbone(config).to(dtype).eval()
+    with torch.no_grad():
+        for p in bb.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    state = bb.init_state(batch)
+    for t in state._tensors():  # every row its own state
+        t.copy_(torch.randn_like(t))
+    return bb, state
+
+
+def steps_against_oracle(bb, state, dtype, batch, weights):
+    oracle = state.clone()
+    plan = bb._decode_plan()
+    with torch.no_grad():
+        for t in range(STEPS):
+            h = bb.embed(torch.randn(batch, bb.config.input_dim, dtype=dtype))
+            got, none = mamba_stack_step(h, plan, state.conv, state.ssm, dtype, "reference",
+                                         lambda: weights)  # fmt: skip
+            out, residual = mamba_stack_step(h, plan, oracle.conv, oracle.ssm, dtype,
+                                             "reference")  # fmt: skip
+            assert none is None and not got.requires_grad
+            fields = [("residual stream", got, out + residual), *(
+                (f"state.{f}", a, b) for (f, a), (_, b) in zip(state._items(), oracle._items())
+            )]  # fmt: skip
+            for field, a, b in fields:
+                err = rel(a, b)
+                assert err < TOL[dtype], f"step {t}: {field} relative error {err:.1e}"
+
+
+@pytest.mark.parametrize("batch", [1, 3], ids=["B1", "B3"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_compiled_mamba1_stack_matches_op_by_op_step(name, dtype, batch, numba_on, monkeypatch):
+    bb, state = setup(CONFIGS[name], dtype, batch)
+    weights = m1_stack.stack_weights(bb._decode_plan())
+    assert isinstance(weights.compiled, jit1.Packed)
+    ran = []
+    run = jit1.Packed.__call__
+    monkeypatch.setattr(jit1.Packed, "__call__",
+                        lambda self, *a: ran.append(1) or run(self, *a))  # fmt: skip
+    steps_against_oracle(bb, state, dtype, batch, weights)
+    assert len(ran) == STEPS  # the compiled body ran every step
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_torch_body_without_numba_matches_op_by_op_step(dtype, numba_on, monkeypatch):
+    """MAMBAKIT_NUMBA=0: no compiled weights; the PyTorch whole-stack body runs and equals
+    the oracle; above COMPILED_MAX_ROWS rows the PyTorch body runs with numba on too."""
+    numba_on(False)
+    bb, state = setup(CONFIGS["default"], dtype, 3)
+    weights = m1_stack.stack_weights(bb._decode_plan())
+    assert weights.compiled is None
+    steps_against_oracle(bb, state, dtype, 3, weights)
+    numba_on(True)
+    monkeypatch.setattr(m1_stack, "COMPILED_MAX_ROWS", 2)
+    weights = m1_stack.stack_weights(bb._decode_plan())
+    assert weights.compiled is not None
+    monkeypatch.setattr(jit1.Packed, "__call__", None)  # it must not be called
+    steps_against_oracle(bb, state, dtype, 3, weights)
+
+
+def test_model_step_takes_the_compiled_body_and_equals_the_torch_one(numba_on, monkeypatch):
+    """`MambaBackbone.step` at the RL shape, batch 1 and 3: with numba on every step runs
+    the compiled body; the outputs and states of a run of steps equal those with it off."""
+    ran = []
+    run = jit1.Packed.__call__
+    monkeypatch.setattr(jit1.Packed, "__call__",
+                        lambda self, *a: ran.append(1) or run(self, *a))  # fmt: skip
+    torch.manual_seed(0)
+    bb = MambaBackbone(MambaConfig(d_model=128, n_layers=3, input_dim=64)).eval()
+    for batch in (1, 3):
+        xs = torch.randn(6, batch, 64)
+        runs = []
+        for on in (True, False):
+            numba_on(on)
+            drop(bb)  # the plan holds the packed weights: derive it again
+            state = bb.init_state(batch)
+            ran.clear()
+            with torch.no_grad():
+                outs = [bb.step(x, state)[0] for x in xs]
+            assert len(ran) == (len(xs) if on else 0)
+            runs.append((outs, state))
+        (got, s_got), (want, s_want) = runs
+        for a, b in zip(got, want):
+            assert rel(a, b) < 1e-5
+        for a, b in zip(s_got._tensors(), s_want._tensors()):
+            assert rel(a, b) < 1e-5
+
+
+def test_compiled_step_needs_float_cpu_weights(numba_on):
+    """bf16 weights (or numba off) give no compiled body."""
+    bb, _ = setup(CONFIGS["default"], torch.bfloat16, 1)
+    assert m1_stack.stack_weights(bb._decode_plan()).compiled is None
+    assert not cpu_jit.compiles(torch.zeros(1, dtype=torch.bfloat16))
+    assert cpu_jit.compiles(torch.zeros(1))
+    numba_on(False)
+    assert not cpu_jit.compiles(torch.zeros(1))
