@@ -23,6 +23,10 @@ transposed weights, rows [B, 1, X] so splits are views, inference mode), and:
 - the gated norm is one `F.rms_norm` per group (the same rsqrt(mean(v^2) + eps) v), its
   weight folded into out_proj's columns; the gated MLP's part, when there is one, is a
   second `addmm_` into r rather than a concatenation.
+
+With numba, up to COMPILED_MAX_ROWS rows of float32 or float64, `cpu_jit.mamba2` runs
+this math on the same weights as one compiled call for the whole stack
+(`DecodeWeights.compiled`); this body runs the rest.
 """
 
 from __future__ import annotations
@@ -32,6 +36,13 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from ...state import Mamba2State
+from ..cpu_jit import compiles
+
+# rows up to which the compiled step runs (one row at a time); more: the matrix products
+# of the PyTorch body win
+COMPILED_MAX_ROWS = 16
 
 
 class BlockWeights(NamedTuple):
@@ -58,15 +69,19 @@ class DecodeWeights(NamedTuple):
 
     blocks: list[BlockWeights]
     pad: float  # sqrt(eps M), r's constant column (every block's norm has this eps)
+    # the step compiled on these weights (`cpu_jit.mamba2.Packed`) where it runs them
+    compiled: object | None = None
 
 
 def decode_layers(
     h: torch.Tensor,  # [B, M], the embedded input
     weights: DecodeWeights,
-    states: list,  # every block's `Mamba2State`, advanced in place
+    states: list[Mamba2State],  # every block's, advanced in place
 ) -> torch.Tensor:
     """The residual stream [B, M] after every block (before the final norm), as an
     inference tensor: the caller's next op makes a normal one."""
+    if weights.compiled is not None and h.shape[0] <= COMPILED_MAX_ROWS:
+        return weights.compiled(h, states)
     Bsz, M = h.shape
     with torch.inference_mode():
         r = F.pad(h, (0, 1), value=weights.pad)
@@ -162,4 +177,10 @@ def stack_weights(layers: list) -> DecodeWeights | None:
         return None
     with torch.no_grad():
         blocks = [_derive(w) for w in layers]
-    return DecodeWeights(blocks, math.sqrt(eps.pop() * layers[0].norm_w.shape[0]))
+    pad = math.sqrt(eps.pop() * layers[0].norm_w.shape[0])
+    compiled = None
+    if compiles(blocks[0].in_wT):
+        from ..cpu_jit.mamba2 import Packed, packs
+
+        compiled = Packed(blocks, pad) if packs(blocks) else None
+    return DecodeWeights(blocks, pad, compiled)
