@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import MambaConfig
+from .inference.cpu_step import compiled_rows
 from .inference.cuda_graph import use_cuda_graph
 from .inference.plan import derived as derived_plan
 from .inference.step_graph import graphed_step
@@ -169,7 +170,12 @@ class MambaBackbone(nn.Module):
         return out, state
 
     def _step_rows(self, x: torch.Tensor, state: ModelState) -> torch.Tensor:
-        """The no-grad step's hidden rows [B, M], the state advanced in place."""
+        """The no-grad step's hidden rows [B, M], the state advanced in place: on the CPU
+        compiled end to end where it can be (`inference.cpu_step`)."""
+        if x.device.type == "cpu":
+            rows = compiled_rows(self, x, state, self._stack_weights)
+            if rows is not None:
+                return rows
         h, residual, cdt, backend = self._decode_layers(x, state)
         return self.norm_f.rows(h, residual, cdt, backend)[0]
 
@@ -202,6 +208,11 @@ class MambaBackbone(nn.Module):
         `_forward_plan`.)"""
         return derived_plan(self, "step", _step_plan, _norm_eps)
 
+    def _stack_weights(self):
+        """The reference bodies' whole-stack decode weights (`_stack_plan`), kept until a
+        parameter changes."""
+        return derived_plan(self, "stack", _stack_plan, _norm_eps)
+
     def _decode_layers(
         self, x: torch.Tensor, state: ModelState
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.dtype, str]:
@@ -222,7 +233,7 @@ class MambaBackbone(nn.Module):
         layers = self._modules["layers"]
         if not torch.compiler.is_compiling() and all(b.fusable() for b in layers):
             stack = getattr(type(layers[0].mixer), "stack_step", None)
-            lean = lambda: derived_plan(self, "stack", _stack_plan, _norm_eps)  # noqa: E731
+            lean = self._stack_weights
             if stack is not None:  # the mixer's stack op (Mamba-2, Mamba-3)
                 states = [state.layer(i) for i in range(len(layers))]
                 return (*stack(h, self._decode_plan, states, cdt, backend, lean), cdt, backend)

@@ -2,9 +2,10 @@
 against the op-by-op reference step of the same stack op (`stack=None`: the add and
 norm, F.linear, the reference step and F.linear per block), the oracle: the residual
 stream and every state field over several steps, in float64 and float32, at batch 1 and
-3, each row from a different state. Also: the model's step takes the compiled body only
-where it should (numba there and on, float32/float64 on the CPU, few rows), and the
-PyTorch body it replaces still equals the oracle with numba off."""
+3, each row from a different state. Also: the compiled body only where it applies (numba
+there and on, float32/float64 on the CPU, few rows), and the PyTorch body it replaces
+still equal to the oracle with numba off. The model's step on it:
+tests/inference/test_cpu_step.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import pytest
 import torch
 
 from mambakit import MambaBackbone, MambaConfig
-from mambakit.inference.plan import drop
 from mambakit.ops import cpu_jit, mamba_stack_step
 from mambakit.ops.mamba_step import stack as m1_stack
 
@@ -112,34 +112,6 @@ def test_torch_body_without_numba_matches_op_by_op_step(dtype, numba_on, monkeyp
     assert weights.compiled is not None
     monkeypatch.setattr(jit1.Packed, "__call__", None)  # it must not be called
     steps_against_oracle(bb, state, dtype, 3, weights)
-
-
-def test_model_step_takes_the_compiled_body_and_equals_the_torch_one(numba_on, monkeypatch):
-    """`MambaBackbone.step` at the RL shape, batch 1 and 3: with numba on every step runs
-    the compiled body; the outputs and states of a run of steps equal those with it off."""
-    ran = []
-    run = jit1.Packed.__call__
-    monkeypatch.setattr(jit1.Packed, "__call__",
-                        lambda self, *a: ran.append(1) or run(self, *a))  # fmt: skip
-    torch.manual_seed(0)
-    bb = MambaBackbone(MambaConfig(d_model=128, n_layers=3, input_dim=64)).eval()
-    for batch in (1, 3):
-        xs = torch.randn(6, batch, 64)
-        runs = []
-        for on in (True, False):
-            numba_on(on)
-            drop(bb)  # the plan holds the packed weights: derive it again
-            state = bb.init_state(batch)
-            ran.clear()
-            with torch.no_grad():
-                outs = [bb.step(x, state)[0] for x in xs]
-            assert len(ran) == (len(xs) if on else 0)
-            runs.append((outs, state))
-        (got, s_got), (want, s_want) = runs
-        for a, b in zip(got, want):
-            assert rel(a, b) < 1e-5
-        for a, b in zip(s_got._tensors(), s_want._tensors()):
-            assert rel(a, b) < 1e-5
 
 
 def test_compiled_step_needs_float_cpu_weights(numba_on):

@@ -178,11 +178,13 @@ def _head_ptrs(head: nn.Module | None) -> tuple:
     return tuple(p.data_ptr() for p in head._parameters.values() if p is not None)
 
 
-def _watch(modules: list[nn.Module]) -> tuple:
-    """What a replay assumes of `modules` and everything under them, in a form checked in a
-    few microseconds: their classes, their hooks (none), and which module is each one's
-    child (an adapter put in a projection's place changes one)."""
-    mods = [m for root in modules for m in root.modules()]
+def _watch(roots: list[nn.Module]) -> tuple:
+    """What a replay assumes of `roots` and everything under them, in a form checked in a
+    few microseconds (`_unchanged`): their classes, their hooks (none), and which module is
+    each one's child (an adapter put in a projection's place changes one). The roots
+    themselves are not held (the caller passes them again), so a table that keeps this
+    beside a model does not keep the model alive."""
+    mods = [m for root in roots for m in root.modules()]
     hooks = tuple(
         d
         for m in mods
@@ -190,9 +192,11 @@ def _watch(modules: list[nn.Module]) -> tuple:
                   m._backward_pre_hooks)
     )  # fmt: skip
     edges = [(m._modules, name, child) for m in mods for name, child in m._modules.items()]
+    inner = [m for m in mods if not any(m is r for r in roots)]
     return (
-        tuple(mods),
-        tuple(map(type, mods)),
+        tuple(inner),
+        tuple(map(type, inner)),
+        tuple(map(type, roots)),
         hooks,
         tuple(e[0] for e in edges),
         tuple(e[1] for e in edges),
@@ -200,11 +204,12 @@ def _watch(modules: list[nn.Module]) -> tuple:
     )
 
 
-def _unchanged(watch: tuple) -> bool:
-    mods, types, hooks, parents, names, children = watch
+def _unchanged(watch: tuple, roots: list[nn.Module]) -> bool:
+    mods, types, root_types, hooks, parents, names, children = watch
     return (
         not any(_GLOBAL_HOOKS)
         and not any(hooks)
+        and all(map(operator.is_, map(type, roots), root_types))
         and all(map(operator.is_, map(type, mods), types))
         and all(map(operator.is_, map(dict.get, parents, names), children))
     )
@@ -216,7 +221,8 @@ def _stands(model, backbone, head, entry: _Graph) -> bool:
     into the plan's own tensors, which the graph reads) and every tensor the graph reads
     where it was at the capture. While the plan is the same derivation, the backbone's
     parameters are the ones it was derived from (`inference.plan`)."""
-    if not _unchanged(entry.watch) or _head_ptrs(head) != entry.extra:
+    roots = [backbone] if head is None else [backbone, head]
+    if not _unchanged(entry.watch, roots) or _head_ptrs(head) != entry.extra:
         return False
     backbone._decode_plan()
     now = record(backbone, "step")

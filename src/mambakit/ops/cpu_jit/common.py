@@ -129,3 +129,32 @@ def norm(r):
     for i in range(1, r.shape[0]):
         s += r[i] * r[i]
     return math.sqrt(s)
+
+
+@njit(**JIT)
+def input_rows(x, WT, b, c, r):
+    """The residual stream's first rows: r[i, :M] = x[i] WT + b, r[i, M] = c[0] (x [B, F],
+    WT [F, M], b [M], r [B, M + 1]: the stream and its constant column)."""
+    M = WT.shape[1]
+    for i in range(x.shape[0]):
+        ri = r[i]
+        vecmat(x[i], WT, ri)
+        for j in range(M):
+            ri[j] += b[j]
+        ri[M] = c[0]
+
+
+@njit(**JIT)
+def norm_rows(r, w, c, out):
+    """The final norm: out[i] = r[i, :M] / sqrt(mean(r[i, :M]^2) + c[1]) w (r [B, M + 1],
+    w [M], out [B, M]; c[1] = eps and c[2] = 1 / M in the arrays' dtype)."""
+    M = out.shape[1]
+    for i in range(out.shape[0]):
+        ri = r[i]
+        s = ri[0] * ri[0]
+        for j in range(1, M):
+            s += ri[j] * ri[j]
+        k = one(s) / math.sqrt(s * c[2] + c[1])
+        oi = out[i]
+        for j in range(M):
+            oi[j] = ri[j] * k * w[j]

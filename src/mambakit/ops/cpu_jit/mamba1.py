@@ -59,6 +59,11 @@ class Packed:
             _layers(r.numpy(), *self.arrays, conv.detach().numpy(), ssm.detach().numpy())
             return r.narrow(1, 0, M)
 
+    def layers(self, r: np.ndarray, state) -> None:
+        """Every block on the rows r [B, M + 1] (the residual stream and its constant
+        column) in place; the model state (`MambaState`) advances in place."""
+        _layers(r, *self.arrays, state.conv.detach().numpy(), state.ssm.detach().numpy())
+
 
 @njit(**JIT)
 def _layers(r, in_wT, in_b, conv_w, conv_b, x_wT, dt_wT, dt_b, A, Dv, out_wT, out_b, conv, ssm):

@@ -76,6 +76,13 @@ class Packed:
                     _layers(rn, *layer, self.turn, self.groups, *fields)
             return r.narrow(1, 0, M)
 
+    def layers(self, r: np.ndarray, state) -> None:
+        """Every block on the rows r [B, M + 1] (the residual stream and its constant
+        column) in place; the model state (`Mamba3ModelState`: angle, ssm, k, x stacked
+        over the layers) advances in place."""
+        fields = (t.detach().numpy() for t in state._tensors())
+        _layers(r, *self.arrays, self.turn, self.groups, *fields)
+
 
 def _stacked(ts: list[torch.Tensor]) -> torch.Tensor | None:
     """The tensor [L, ...] (detached) whose slices [i] ts are, one per layer, as

@@ -1,0 +1,177 @@
+"""`MambaBackbone.step` on the CPU compiled end to end (`inference.cpu_step`: input_proj,
+the mixer's compiled stack body, norm_f as numba calls) against the same step with numba
+off (the PyTorch bodies, themselves checked against the op-by-op reference and float64
+elsewhere): outputs and every state field over a run of steps, for every mixer with a
+compiled body; and the general path wherever the compiled one would not compute what
+the modules say (a hook, an adapter, autocast, more rows than it takes), with weights
+changed in place by an optimizer followed."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from mambakit import MambaBackbone, MambaConfig
+from mambakit.inference import cpu_step
+from mambakit.inference.plan import drop
+from mambakit.ops import cpu_jit
+
+pytest.importorskip("numba")
+
+MIXERS = {
+    "mamba1": {},
+    "mamba3": dict(mixer="mamba3", headdim=16),
+}
+for _name, _kw in (("mamba2", dict(mixer="mamba2", headdim=32)),):
+    if importlib.util.find_spec("mambakit.ops.cpu_jit." + _name) is not None:
+        MIXERS[_name] = _kw
+
+
+@pytest.fixture
+def numba_on(monkeypatch):
+    def turn(on: bool) -> None:
+        monkeypatch.setenv("MAMBAKIT_NUMBA", "1" if on else "0")
+        cpu_jit.available.cache_clear()
+
+    turn(True)
+    yield turn
+    monkeypatch.undo()
+    cpu_jit.available.cache_clear()
+
+
+@pytest.fixture
+def compiled_calls(monkeypatch):
+    """The number of compiled whole-step calls (`cpu_step.compiled_rows` returning rows)."""
+    calls = []
+    run = cpu_step.compiled_rows
+
+    def counted(*args):
+        out = run(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(importlib.import_module("mambakit.model"), "compiled_rows", counted)
+    return calls
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+def backbone(name: str, dtype=torch.float32, input_dim: int | None = 64) -> MambaBackbone:
+    torch.manual_seed(0)
+    cfg = MambaConfig(d_model=128, n_layers=3, input_dim=input_dim, **MIXERS[name])
+    bb = MambaBackbone(cfg).to(dtype).eval()
+    with torch.no_grad():
+        for p in bb.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return bb
+
+
+def run(bb, xs, numba_on, on: bool, state=None):
+    numba_on(on)
+    drop(bb)  # the plans hold the compiled weights: derive them again
+    state = bb.init_state(xs.shape[1]) if state is None else state
+    with torch.no_grad():
+        outs = [bb.step(x, state)[0] for x in xs]
+    return outs, state
+
+
+def assert_close(got, want, tol):
+    (outs, state), (outs_w, state_w) = got, want
+    for t, (a, b) in enumerate(zip(outs, outs_w)):
+        assert rel(a, b) < tol, f"step {t}: output relative error {rel(a, b):.1e}"
+    for (f, a), (_, b) in zip(state._items(), state_w._items()):
+        assert rel(a, b) < tol, f"state.{f} relative error {rel(a, b):.1e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("batch", [1, 3], ids=["B1", "B3"])
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_compiled_step_equals_the_torch_step(name, batch, dtype, numba_on, compiled_calls):
+    bb = backbone(name, dtype)
+    xs = torch.randn(6, batch, 64, dtype=dtype)
+    got = run(bb, xs, numba_on, True)
+    assert compiled_calls == [True] * len(xs)
+    compiled_calls.clear()
+    want = run(bb, xs, numba_on, False)
+    assert not any(compiled_calls)
+    assert_close(got, want, 1e-12 if dtype == torch.float64 else 1e-5)
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_without_input_proj(name, numba_on, compiled_calls):
+    """input_dim None: x is the residual stream's first rows as they are."""
+    bb = backbone(name, input_dim=None)
+    xs = torch.randn(5, 2, 128)
+    got = run(bb, xs, numba_on, True)
+    assert all(compiled_calls)
+    assert_close(got, run(bb, xs, numba_on, False), 1e-5)
+
+
+def test_a_hook_or_an_adapter_takes_the_general_path(numba_on, compiled_calls):
+    bb = backbone("mamba1")
+    xs = torch.randn(4, 1, 64)
+    want = run(bb, xs, numba_on, False)
+    seen = []
+    handle = bb.input_proj.register_forward_hook(lambda *a: seen.append(1))
+    got = run(bb, xs, numba_on, True)
+    assert len(seen) == len(xs) and not any(compiled_calls)
+    assert_close(got, want, 1e-5)
+    handle.remove()
+    compiled_calls.clear()
+    run(bb, xs, numba_on, True)
+    assert all(compiled_calls)  # plain again: compiled again
+    mixer = bb.layers[1].mixer
+    inner = mixer.out_proj
+    mixer.out_proj = torch.nn.Sequential(inner)  # an adapter in the projection's place
+    compiled_calls.clear()
+    got = run(bb, xs, numba_on, True)
+    assert not any(compiled_calls)
+    assert_close(got, want, 1e-5)
+
+
+def test_autocast_and_many_rows_take_the_general_path(numba_on, compiled_calls):
+    bb = backbone("mamba1")
+    run(bb, torch.randn(2, cpu_step.COMPILED_MAX_ROWS + 1, 64), numba_on, True)
+    assert not any(compiled_calls)
+    numba_on(True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        bb.step(torch.randn(1, 64), bb.init_state(1))
+    assert not any(compiled_calls)
+
+
+def test_weights_changed_in_place_are_followed(numba_on, compiled_calls):
+    """An optimizer-like update between steps (in place: version counters move): the next
+    compiled steps read the new weights, input_proj and norm_f included, as the general
+    path does on a copy of the model."""
+    xs = torch.randn(3, 1, 64)
+    runs = []
+    for on in (True, False):
+        bb = backbone("mamba1")
+        numba_on(on)
+        state = bb.init_state(1)
+        with torch.no_grad():
+            bb.step(xs[0], state)
+            for p in (bb.input_proj.weight, bb.norm_f.weight, bb.layers[0].mixer.in_proj.weight):
+                p.mul_(1.5)
+            runs.append(([bb.step(x, state)[0] for x in xs[1:]], state))
+    assert compiled_calls == [True] * len(xs) + [False] * len(xs)
+    assert_close(runs[0], runs[1], 1e-5)
+
+
+def test_the_compiled_step_keeps_no_model_alive(numba_on):
+    """What the compiled step keeps beside a model (its watch list, weights) dies with it."""
+    import gc
+    import weakref
+
+    bb = backbone("mamba1")
+    run(bb, torch.randn(2, 1, 64), numba_on, True)
+    assert bb in cpu_step._ENTRIES
+    ref = weakref.ref(bb)
+    del bb
+    gc.collect()
+    assert ref() is None and not len(cpu_step._ENTRIES)
