@@ -116,10 +116,20 @@ def run_engine(engine: Engine, load, clients: int) -> dict:
     t0 = time.perf_counter()
     for _ in range(min(clients, len(pending))):
         send()
-    for _ in range(len(load)):
-        done.get(timeout=3600)
-        if pending:
-            send()
+    if engine._thread is None:  # not started: this thread runs the loop (as the profile does)
+        left = len(load)
+        while left:
+            engine.step()
+            while not done.empty():
+                done.get()
+                left -= 1
+                if pending:
+                    send()
+    else:
+        for _ in range(len(load)):
+            done.get(timeout=3600)
+            if pending:
+                send()
     wall = time.perf_counter() - t0
     ttft = [t.times[0] - t.t0 for t in tracks if t.times]
     itl = [b - a for t in tracks for a, b in zip(t.times, t.times[1:])]
@@ -251,6 +261,35 @@ def run_http(engine: Engine, load, clients: int, procs: int) -> dict:
     }  # fmt: skip
 
 
+def profile_engine(engine: Engine, load, clients: int, device) -> str:
+    """The load once more under the profiler, the engine's loop on this thread (the
+    profiler records the host ops of its own thread): how busy the device was (its kernels'
+    summed time over the wall time), the kernels and the host ops that took the most time,
+    and the engine's iterations and tokens per iteration."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    it0, tok0 = engine.metrics.iterations, engine.metrics.generation_tokens
+    with profile(activities=acts) as prof:
+        res = run_engine(engine, load, clients)
+    its = engine.metrics.iterations - it0
+    toks = engine.metrics.generation_tokens - tok0
+    table = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in table if e.device_type.name == "CUDA")
+    wall_us = res["wall_s"] * 1e6
+    lines = [
+        f"{clients} clients, {res['requests']} requests: wall {res['wall_s']} s (profiled), "
+        f"{its} iterations ({wall_us / max(its, 1):.0f} us each), "
+        f"{toks / max(its, 1):.1f} output tokens per iteration",
+        f"device kernels: {gpu_us / 1e3:.1f} ms in all, busy {gpu_us / wall_us:.1%} of the wall",
+        "",
+        table.table(sort_by="self_device_time_total" if device.type == "cuda"
+                    else "self_cpu_time_total", row_limit=30, max_name_column_width=60),
+        table.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60),
+    ]  # fmt: skip
+    return "\n".join(lines)
+
+
 def engine_for(model, clients: int, args, cache: bool) -> Engine:
     graphs = not args.no_cuda_graph and model_device(model).type == "cuda"
     engine = Engine(model, max_batch=clients, block_size=args.block_size,
@@ -288,6 +327,10 @@ def main() -> None:
                          "in --http-procs processes)")  # fmt: skip
     ap.add_argument("--http-procs", type=int, default=4)
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, small loads")
+    ap.add_argument("--no-prefix", action="store_true", help="skip the shared-prefix load")
+    ap.add_argument("--profile", default=None,
+                    help="write here where the engine's time goes at the largest client count "
+                         "(the load again under the profiler)")  # fmt: skip
     ap.add_argument("--out", default=None, help="write the results record (JSON) here")
     args = ap.parse_args()
     if args.smoke:
@@ -350,6 +393,18 @@ def main() -> None:
             throughput_vs_generate_equal=res["tokens_per_s"] / bN["tokens_per_s"]
             if n == big else None)  # fmt: skip
 
+    if args.profile:
+        load = make_load(big * args.requests_per_client, random.Random(args.seed), prompt_range,
+                         output_range, vocab)  # fmt: skip
+        engine = engine_for(model, big, args, cache=True)
+        run_engine(engine, make_load(big, rng, (1, 64), (2, 8), vocab), big)  # warm-up
+        Path(args.profile).write_text(profile_engine(engine, load, big, device))
+        engine.shutdown(timeout=60)
+        print(f"wrote {args.profile}")
+    if args.no_prefix:
+        write_record(args.out, "bench_serve", figures, device=device,
+                     context={"args": vars(args)})  # fmt: skip
+        return
     prefix = [rng.randrange(vocab) for _ in range(args.prefix)]
     load = make_load(args.prefix_requests, rng, (16, 64), (32, 32), vocab, prefix)
     ttft = {}

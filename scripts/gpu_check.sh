@@ -8,7 +8,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile"}
-# opt-in stages: residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve rl
+# opt-in stages: residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof rl rlprof
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -119,9 +119,22 @@ if stage serve; then  # the serving engine: mixed and shared-prefix loads beside
       --out "$OUT/bench_serve_$preset.json" ${SERVE_ARGS:-} 2>&1 | tail -40 | tee -a "$LOG"
   done
 fi
+if stage serveprof; then  # where the engine's time goes at 256 clients; the prefill budget swept
+  for pt in ${SERVE_PREFILL:-2048 8192 32768}; do
+    echo "== bench_serve 130m, 256 clients, prefill_tokens $pt" | tee -a "$LOG"
+    prof=""; [ "$pt" = "${SERVE_PREFILL%% *}" ] && prof="--profile $OUT/serve_profile.txt"
+    timeout ${T_SERVEPROF:-200} python benchmarks/bench_serve.py --preset ${SERVEPROF_PRESET:-130m} \
+      --device cuda --clients 256 --no-prefix --prefill-tokens $pt $prof \
+      --out "$OUT/bench_serve_prefill$pt.json" 2>&1 | grep -v "^ \|^-\|USDT" | tail -12 | tee -a "$LOG"
+  done
+fi
 if stage rl; then  # small float-input backbones: the step and the T=32 training window
   echo "== bench_rl" | tee -a "$LOG"
   timeout ${T_RL:-240} python benchmarks/bench_rl.py --device both --out "$OUT/bench_rl.json" \
     ${RL_ARGS:-} 2>&1 | tail -60 | tee -a "$LOG"
+fi
+if stage rlprof; then  # per-kernel GPU time of the RL step, graph-replayed and eager
+  echo "== rl_step_profile" | tee -a "$LOG"
+  timeout ${T_RLPROF:-120} python scripts/rl_step_profile.py ${RLPROF_ARGS:-} 2>&1 | tail -${RLPROF_LINES:-120} | tee -a "$LOG"
 fi
 echo "== done" | tee -a "$LOG"
