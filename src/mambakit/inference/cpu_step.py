@@ -22,10 +22,8 @@ from functools import cache
 import numpy as np
 import torch
 
-from ..ops.cpu_jit import compiles
+from ..ops.cpu_jit import COMPILED_MAX_ROWS, compiles
 from .step_graph import _not_plain, _unchanged, _watch
-
-COMPILED_MAX_ROWS = 16  # as the mixers' compiled bodies: more rows run the PyTorch bodies
 
 
 class _Entry:

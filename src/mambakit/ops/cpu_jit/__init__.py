@@ -21,7 +21,11 @@ from functools import cache
 
 import torch
 
-__all__ = ["available", "compiles"]
+__all__ = ["COMPILED_MAX_ROWS", "available", "compiles"]
+
+# rows up to which the compiled steps run (one row after another, one thread); beyond, the
+# PyTorch bodies' matrix products win (2 threads, the RL shape: 8 rows about level)
+COMPILED_MAX_ROWS = 8
 
 
 @cache

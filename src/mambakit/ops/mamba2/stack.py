@@ -38,11 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ...state import Mamba2State
-from ..cpu_jit import compiles
-
-# rows up to which the compiled step runs (one row at a time); more: the matrix products
-# of the PyTorch body win
-COMPILED_MAX_ROWS = 16
+from ..cpu_jit import COMPILED_MAX_ROWS, compiles
 
 
 class BlockWeights(NamedTuple):

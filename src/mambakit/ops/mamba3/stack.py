@@ -44,12 +44,9 @@ import torch
 import torch.nn.functional as F
 
 from ...state import Mamba3State
-from ..cpu_jit import compiles
+from ..cpu_jit import COMPILED_MAX_ROWS, compiles
 
 TWO_PI = 2 * math.pi
-# rows up to which the compiled step runs (one row at a time); more: the matrix products
-# of the PyTorch body win
-COMPILED_MAX_ROWS = 16
 
 
 class BlockWeights(NamedTuple):

@@ -43,12 +43,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..cpu_jit import compiles
+from ..cpu_jit import COMPILED_MAX_ROWS, compiles
 from . import StepWeights
-
-# rows up to which the compiled step runs (one row at a time); more: the matrix products
-# of the PyTorch body win
-COMPILED_MAX_ROWS = 16
 
 
 class BlockWeights(NamedTuple):
