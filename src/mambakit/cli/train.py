@@ -79,7 +79,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument(
-        "--steps", type=int, default=None, help="optimizer steps (none: 280 on CPU, 3000 on GPU)"
+        "--steps", type=int, default=None, help="optimizer steps (none: 400 on CPU, 3000 on GPU)"
     )
     p.add_argument(
         "--max-minutes", type=float, default=None, help="stop (and checkpoint) after this long"
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, d: dist_.Dist, device: torch.device) -> int:
     print(set_threads(args.threads))
-    steps = args.steps if args.steps is not None else (3000 if device.type == "cuda" else 280)
+    steps = args.steps if args.steps is not None else (3000 if device.type == "cuda" else 400)
     try:
         tokenizer = load_tokenizer(args.tokenizer)
     except (ValueError, OSError, ImportError) as e:
