@@ -122,3 +122,18 @@ def test_compiled_step_needs_float_cpu_weights(numba_on):
     assert cpu_jit.compiles(torch.zeros(1))
     numba_on(False)
     assert not cpu_jit.compiles(torch.zeros(1))
+
+
+def test_large_stacks_keep_the_torch_body(numba_on, monkeypatch):
+    """Weights past COMPILED_MAX_BYTES are not copied into compiled arrays: the PyTorch
+    body runs them (and still equals the oracle)."""
+    bb, state = setup(CONFIGS["default"], torch.float32, 1)
+    blocks = m1_stack.stack_weights(bb._decode_plan()).blocks
+    nbytes = sum(t.numel() * t.element_size() for b in blocks for t in b
+                 if isinstance(t, torch.Tensor))  # fmt: skip
+    monkeypatch.setattr(cpu_jit, "COMPILED_MAX_BYTES", nbytes)
+    assert m1_stack.stack_weights(bb._decode_plan()).compiled is not None
+    monkeypatch.setattr(cpu_jit, "COMPILED_MAX_BYTES", nbytes - 1)
+    weights = m1_stack.stack_weights(bb._decode_plan())
+    assert weights.compiled is None
+    steps_against_oracle(bb, state, torch.float32, 1, weights)

@@ -21,11 +21,14 @@ from functools import cache
 
 import torch
 
-__all__ = ["COMPILED_MAX_ROWS", "available", "compiles"]
+__all__ = ["COMPILED_MAX_BYTES", "COMPILED_MAX_ROWS", "available", "compiles", "compiles_stack"]
 
 # rows up to which the compiled steps run (one row after another, one thread); beyond, the
 # PyTorch bodies' matrix products win (2 threads, the RL shape: 8 rows about level)
 COMPILED_MAX_ROWS = 8
+COMPILED_MAX_BYTES = (
+    64 << 20
+)  # weights of a stack the compiled steps take at most (`compiles_stack`)
 
 
 @cache
@@ -44,6 +47,17 @@ def compiles(t) -> bool:
     """Whether the compiled steps take weights like `t`: numba there, a CPU tensor of
     float32 or float64."""
     return t.device.type == "cpu" and t.dtype in _DTYPES and available()
+
+
+def compiles_stack(blocks: list) -> bool:
+    """Whether a stack's whole-stack weights (`BlockWeights` of every block) are compiled:
+    they compile (`compiles`) and take at most `COMPILED_MAX_BYTES`. The compiled bodies
+    stack them into arrays of their own (one more copy of the weights), which pays where a
+    step is bound by per-call overhead: small models. At 64 MiB of weights a batch-1 step's
+    arithmetic already takes several times the PyTorch bodies' overhead."""
+    nbytes = sum(t.numel() * t.element_size() for b in blocks for t in b
+                 if isinstance(t, torch.Tensor))  # fmt: skip
+    return nbytes <= COMPILED_MAX_BYTES and compiles(blocks[0].in_wT)
 
 
 _DTYPES = {torch.float32, torch.float64}

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ...state import Mamba2State
-from ..cpu_jit import COMPILED_MAX_ROWS, compiles
+from ..cpu_jit import COMPILED_MAX_ROWS, compiles_stack
 
 
 class BlockWeights(NamedTuple):
@@ -175,7 +175,7 @@ def stack_weights(layers: list) -> DecodeWeights | None:
         blocks = [_derive(w) for w in layers]
     pad = math.sqrt(eps.pop() * layers[0].norm_w.shape[0])
     compiled = None
-    if compiles(blocks[0].in_wT):
+    if compiles_stack(blocks):
         from ..cpu_jit.mamba2 import Packed, packs
 
         compiled = Packed(blocks, pad) if packs(blocks) else None

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ...state import Mamba3State
-from ..cpu_jit import COMPILED_MAX_ROWS, compiles
+from ..cpu_jit import COMPILED_MAX_ROWS, compiles_stack
 
 TWO_PI = 2 * math.pi
 
@@ -184,7 +184,7 @@ def stack_weights(layers: list) -> DecodeWeights | None:
         return None
     pad = math.sqrt(eps.pop() * layers[0].norm_w.shape[0])
     compiled = None
-    if compiles(blocks[0].in_wT):
+    if compiles_stack(blocks):
         from ..cpu_jit.mamba3 import Packed
 
         compiled = Packed(blocks, pad)

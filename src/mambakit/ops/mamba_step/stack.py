@@ -43,7 +43,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..cpu_jit import COMPILED_MAX_ROWS, compiles
+from ..cpu_jit import COMPILED_MAX_ROWS, compiles_stack
 from . import StepWeights
 
 
@@ -154,7 +154,7 @@ def stack_weights(layers: list[StepWeights]) -> DecodeWeights | None:
         blocks = [_derive(w) for w in layers]
     pad = math.sqrt(eps.pop() * layers[0].norm_w.shape[0])
     compiled = None
-    if compiles(blocks[0].in_wT):
+    if compiles_stack(blocks):
         from ..cpu_jit.mamba1 import Packed
 
         compiled = Packed(blocks, pad)
