@@ -175,3 +175,80 @@ def test_the_compiled_step_keeps_no_model_alive(numba_on):
     del bb
     gc.collect()
     assert ref() is None and not len(cpu_step._ENTRIES)
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_a_new_norm_eps_or_a_norm_subclass_is_followed(name, numba_on, compiled_calls):
+    """norm_f's eps changed after the first steps: the compiled step uses the new one. A
+    subclass of RMSNorm in norm_f's place (its own forward): the general path calls it."""
+    xs = torch.randn(4, 1, 64)
+    runs = []
+    for on in (True, False):
+        bb = backbone(name)
+        numba_on(on)
+        state = bb.init_state(1)
+        with torch.no_grad():
+            bb.step(xs[0], state)
+            bb.norm_f.eps = 0.5
+            runs.append(([bb.step(x, state)[0] for x in xs[1:]], state))
+    assert all(compiled_calls[: len(xs)])
+    assert_close(runs[0], runs[1], 1e-5)
+
+    class Doubled(type(bb.norm_f)):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            return (2 * out[0], *out[1:]) if isinstance(out, tuple) else 2 * out
+
+    bb = backbone(name)
+    numba_on(True)
+    plain_out = bb.step(xs[0], bb.init_state(1))[0]
+    bb.norm_f.__class__ = Doubled
+    compiled_calls.clear()
+    with torch.no_grad():
+        doubled = bb.step(xs[0], bb.init_state(1))[0]
+    assert compiled_calls == [False]
+    assert rel(doubled, 2 * plain_out) < 1e-5
+
+
+def test_the_state_version_moves_so_autograd_sees_the_write(numba_on):
+    """A graph that saved the state, then a no-grad step that advances it in place: the
+    backward raises, as it does on the PyTorch path (the write is not silent)."""
+    for on in (True, False):
+        bb = backbone("mamba1")
+        numba_on(on)
+        state = bb.init_state(1)
+        w = torch.ones_like(state.ssm, requires_grad=True)
+        loss = (w * state.ssm).pow(2).sum()
+        with torch.no_grad():
+            bb.step(torch.randn(1, 64), state)
+        with pytest.raises(RuntimeError, match="inplace"):
+            loss.backward()
+
+
+def test_numba_that_cannot_work_turns_the_compiled_steps_off(monkeypatch):
+    """numba importable but failing (a read-only install with no cache folder raises at
+    import): a warning, and the PyTorch bodies."""
+    import importlib.abc
+    import sys
+
+    class Failing(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname == "mambakit.ops.cpu_jit.mamba1":
+                raise RuntimeError("cannot cache function: no locator available")
+            return None
+
+    monkeypatch.setenv("MAMBAKIT_NUMBA", "1")
+    monkeypatch.delitem(sys.modules, "mambakit.ops.cpu_jit.mamba1", raising=False)
+    monkeypatch.delattr(cpu_jit, "mamba1", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Failing(), *sys.meta_path])
+    cpu_jit.available.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="compiled CPU steps are off"):
+            assert not cpu_jit.available()
+        bb = backbone("mamba1")
+        with torch.no_grad():
+            out, _ = bb.step(torch.randn(1, 64), bb.init_state(1))
+        assert torch.isfinite(out).all()
+    finally:
+        monkeypatch.undo()
+        cpu_jit.available.cache_clear()

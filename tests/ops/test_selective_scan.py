@@ -529,6 +529,16 @@ def test_reference_runs_after_inference_mode(seed):
     assert rel(y0, yo) < 1e-5 and rel(h0, ho) < 1e-5
 
 
+def test_reference_backward_refuses_to_be_differentiated(seed):
+    """The hand-written backward is not differentiable: a second-order gradient through it
+    raises rather than coming out without its terms."""
+    inp = make_inputs(Case(Bsz=1, T=5, Dn=3, N=2, seq=False), device="cpu")
+    y, hT, leaves = run(inp, True, backend="reference")
+    (gA,) = torch.autograd.grad(y.sum(), leaves["A"], create_graph=True)
+    with pytest.raises(RuntimeError):
+        (gA.pow(2).sum() + leaves["u"].sum()).backward()
+
+
 # ----------------------------------------------------------------------------- GPU, real shapes
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

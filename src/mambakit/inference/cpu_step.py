@@ -22,15 +22,17 @@ from functools import cache
 import numpy as np
 import torch
 
+from ..layers.block import RMSNorm
+from ..layers.plain import plain
 from ..ops.cpu_jit import COMPILED_MAX_ROWS, compiles
 from .step_graph import _not_plain, _unchanged, _watch
 
 
 class _Entry:
-    __slots__ = ("watch", "weights", "ends")
+    __slots__ = ("watch", "weights", "eps", "ends")
 
     def __init__(self, watch) -> None:
-        self.watch, self.weights, self.ends = watch, None, None
+        self.watch, self.weights, self.eps, self.ends = watch, None, None, None
 
 
 _ENTRIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backbone -> _Entry
@@ -49,7 +51,8 @@ def compiled_rows(backbone, x: torch.Tensor, state, stack) -> torch.Tensor | Non
         return None
     entry = _ENTRIES.get(backbone)
     if entry is None or not _unchanged(entry.watch, [backbone]):
-        if _not_plain(backbone) is not None:
+        # the final norm runs as RMSNorm's math here: exactly that class, no subclass
+        if _not_plain(backbone) is not None or not plain(backbone.norm_f, RMSNorm):
             _ENTRIES.pop(backbone, None)
             return None
         entry = _ENTRIES[backbone] = _Entry(_watch([backbone]))
@@ -57,9 +60,10 @@ def compiled_rows(backbone, x: torch.Tensor, state, stack) -> torch.Tensor | Non
     compiled = getattr(weights, "compiled", None)
     if compiled is None:
         return None
-    if weights is not entry.weights:  # derived anew (a parameter changed): the ends too
+    eps = backbone.norm_f.eps
+    if weights is not entry.weights or eps != entry.eps:  # a parameter or eps changed
         entry.ends = _ends(backbone, weights.pad)
-        entry.weights = weights
+        entry.weights, entry.eps = weights, eps
     if entry.ends is None:
         return None
     WT, b, w, consts, dtype = entry.ends
@@ -77,6 +81,8 @@ def compiled_rows(backbone, x: torch.Tensor, state, stack) -> torch.Tensor | Non
         rows[:, :M] = xs
         rows[:, M] = consts[0]
     compiled.layers(rows, state)
+    # written through numpy, unseen by autograd: a graph that saved the state must know
+    torch.autograd.graph.increment_version(state._tensors())
     out = torch.empty(B, M, dtype=x.dtype)
     norm_rows(rows, w, consts, out.numpy())
     return out

@@ -17,6 +17,7 @@ compiles (a few seconds; the machine code is cached on disk for later processes)
 from __future__ import annotations
 
 import os
+import warnings
 from functools import cache
 
 import torch
@@ -33,12 +34,17 @@ COMPILED_MAX_BYTES = (
 
 @cache
 def available() -> bool:
-    """Whether numba is importable and not turned off (`MAMBAKIT_NUMBA=0`)."""
+    """Whether the compiled steps can run: numba importable, not turned off
+    (`MAMBAKIT_NUMBA=0`), and able to keep its machine code somewhere (a read-only install
+    with no writable cache folder turns them off with a warning: set NUMBA_CACHE_DIR)."""
     if os.environ.get("MAMBAKIT_NUMBA", "1") == "0":
         return False
     try:
-        import numba  # noqa: F401
+        from . import mamba1, mamba2, mamba3  # noqa: F401  (numba checks its cache here)
     except ImportError:
+        return False
+    except Exception as exc:  # noqa: BLE001 - numba present but unusable: the PyTorch bodies
+        warnings.warn(f"mambakit's compiled CPU steps are off: {exc}", stacklevel=2)
         return False
     return True
 

@@ -57,7 +57,8 @@ class Packed:
         with torch.inference_mode():
             r = torch.nn.functional.pad(h, (0, 1), value=self.pad)
             _layers(r.numpy(), *self.arrays, conv.detach().numpy(), ssm.detach().numpy())
-            return r.narrow(1, 0, M)
+        torch.autograd.graph.increment_version((conv, ssm))  # written unseen by autograd
+        return r.narrow(1, 0, M)
 
     def layers(self, r: np.ndarray, state) -> None:
         """Every block on the rows r [B, M + 1] (the residual stream and its constant

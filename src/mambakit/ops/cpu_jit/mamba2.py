@@ -94,7 +94,9 @@ class Packed:
                     layer = tuple(a[i : i + 1] for a in self.arrays)
                     fields = (t.detach().unsqueeze(0).numpy() for t in state)
                     _layers(rn, *layer, self.gate, self.groups, *fields)
-            return r.narrow(1, 0, M)
+        # written unseen by autograd: a graph that saved a state must know
+        torch.autograd.graph.increment_version([t for state in states for t in state])
+        return r.narrow(1, 0, M)
 
     def layers(self, r: np.ndarray, state) -> None:
         """Every block on the rows r [B, M + 1] (the residual stream and its constant

@@ -196,6 +196,7 @@ class _Scan(torch.autograd.Function):
         return y.transpose(0, 1), h
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the backward is not differentiable itself
     def backward(ctx, gy, g_hT):
         with torch.autocast(gy.device.type if gy is not None else "cpu", enabled=False):
             return _Scan._backward(ctx, gy, g_hT)
