@@ -13,6 +13,7 @@ from autograd through it.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import pytest
 import torch
@@ -442,6 +443,31 @@ def _reference_module():
     return importlib.import_module("mambakit.ops.selective_scan.reference")
 
 
+# the reference's recurrence: its PyTorch body, and the compiled one where numba is
+BODIES = ["torch", *(["compiled"] if importlib.util.find_spec("numba") else [])]
+
+
+def use_body(body: str, monkeypatch, checkpoint: int) -> None:
+    """Run the reference's recurrence on `body`; the compiled backward keeps a state every
+    `checkpoint` steps."""
+    from mambakit.ops import cpu_jit
+
+    monkeypatch.setenv("MAMBAKIT_NUMBA", "1" if body == "compiled" else "0")
+    cpu_jit.available.cache_clear()
+    if body == "compiled":
+        from mambakit.ops.cpu_jit import scan
+
+        monkeypatch.setattr(scan, "CHECKPOINT", checkpoint)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_numba_flag():
+    from mambakit.ops import cpu_jit
+
+    yield
+    cpu_jit.available.cache_clear()
+
+
 @pytest.mark.parametrize(
     "T, chunk, group_steps",
     [
@@ -456,11 +482,14 @@ def _reference_module():
     ids=lambda v: str(v),
 )
 @pytest.mark.parametrize("seq", [False, True], ids=["one-doc", "seq_idx"])
-def test_reference_matches_oracle_f64(T, chunk, group_steps, seq, seed, monkeypatch):
-    """The reference in float64 (every chunking and grouping of time the CPU path takes)
-    against the naive loop: y, the final state and the gradient of every input."""
+@pytest.mark.parametrize("body", BODIES)
+def test_reference_matches_oracle_f64(T, chunk, group_steps, seq, body, seed, monkeypatch):
+    """The reference in float64 (every chunking and grouping of time the CPU path takes,
+    and the compiled recurrence with its backward's checkpoints as often) against the
+    naive loop: y, the final state and the gradient of every input."""
     R = _reference_module()
     c = Case(Bsz=2, T=T, Dn=5, N=3, seq=seq)
+    use_body(body, monkeypatch, chunk)
     monkeypatch.setattr(R, "CHUNK", chunk)
     if group_steps is not None:
         monkeypatch.setattr(R, "GROUP_ELEMENTS", group_steps * c.Bsz * c.Dn * c.N)
@@ -477,11 +506,14 @@ def test_reference_matches_oracle_f64(T, chunk, group_steps, seq, seed, monkeypa
             assert rel(leaf.grad, oleaves[k].grad) < 1e-12, k
 
 
-def test_reference_gradcheck_across_chunks(seed, monkeypatch):
+@pytest.mark.parametrize("body", BODIES)
+def test_reference_gradcheck_across_chunks(body, seed, monkeypatch):
     """gradcheck of the reference with time cut in chunks and groups (CHUNK 4, groups of 8
-    steps over T = 19), documents and a gradient on the final state."""
+    steps over T = 19; the compiled backward's checkpoints every 4 steps), documents and a
+    gradient on the final state."""
     R = _reference_module()
     c = Case(Bsz=2, T=19, Dn=3, N=2)
+    use_body(body, monkeypatch, 4)
     monkeypatch.setattr(R, "CHUNK", 4)
     monkeypatch.setattr(R, "GROUP_ELEMENTS", 8 * c.Bsz * c.Dn * c.N)
     inp = make_inputs(c, device="cpu")
@@ -499,9 +531,10 @@ def test_reference_gradcheck_across_chunks(seed, monkeypatch):
     assert torch.autograd.gradcheck(f, tuple(leaves), eps=1e-6, atol=1e-7)
 
 
-def test_reference_reuses_no_buffer_it_returns(seed):
+def test_reference_reuses_no_buffer_it_returns(seed, monkeypatch):
     """The CPU workspace is reused across calls, so nothing the op returns may alias it:
     a second call leaves the first call's outputs and gradients unchanged."""
+    use_body("torch", monkeypatch, 0)  # the workspace is the PyTorch body's
     inp = make_inputs(Case(Bsz=2, T=9, Dn=4, N=3, seq=False), device="cpu")
     y1, h1, leaves1 = run(inp, True, backend="reference")
     (y1.sum() + h1.sum()).backward()
@@ -515,9 +548,10 @@ def test_reference_reuses_no_buffer_it_returns(seed):
         assert torch.equal(a, b)
 
 
-def test_reference_runs_after_inference_mode(seed):
+def test_reference_runs_after_inference_mode(seed, monkeypatch):
     """A call under inference mode (evaluation, decoding) then one with autograd (training):
     the second must run and match the oracle, whatever the first left in the workspace."""
+    use_body("torch", monkeypatch, 0)  # the workspace is the PyTorch body's
     inp = make_inputs(Case(Bsz=2, T=9, Dn=4, N=3, seq=False), device="cpu")
     args = [inp[k] for k in ARGS]
     kw = dict(delta_softplus=True, initial_state=inp["initial_state"], return_final_state=True)

@@ -17,7 +17,9 @@ when T <= CHUNK); inside the chunks the steps run in order, one whole-tensor op
 per step for all chunks at once, then one short loop over chunks carries the
 state across and one op adds each chunk's carry. A step costs one `addcmul_`
 over [B, D, N] (no concatenation, no copy); a T = 32 window is 32 such ops.
-No exp of a positive number is ever taken, so it is stable for any delta.
+No exp of a positive number is ever taken, so it is stable for any delta. Where numba
+is, a small scan's recurrence runs compiled instead (`cpu_jit.scan`, the same math in one
+walk through time; `COMPILED_MAX_ELEMENTS`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import state_dtype
+from ..cpu_jit import compiles
 
 CHUNK = 32  # timesteps per chunk: the steps inside a chunk run one op each, all chunks at once
 GROUP_ELEMENTS = 1 << 22  # [group, B, D, N] buffers are kept near this size (16 MB in f32)
@@ -55,6 +58,23 @@ def _buffer(role: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tens
         buf = like.new_empty(numel)
         _workspace.__dict__[key] = buf
     return buf[:numel].view(shape)
+
+
+COMPILED_MAX_ELEMENTS = 1 << 18  # B T D N up to which the compiled recurrence runs
+
+
+def _compiled(dt: torch.Tensor, N: int) -> bool:
+    """Whether the recurrence runs compiled (`cpu_jit.scan`): numba there, a plain CPU
+    tensor of float32/float64 (not a trace's), outside torch.compile, and a small scan
+    (one thread walking time wins where the PyTorch body's per-op cost dominates: an RL
+    window, T = 32 at batch 1 to 2 with d_inner 256; on larger scans the PyTorch body's
+    vectorised exp2 over all cores wins)."""
+    return (
+        type(dt) is torch.Tensor
+        and 0 < dt.numel() * N <= COMPILED_MAX_ELEMENTS
+        and compiles(dt)
+        and not torch.compiler.is_compiling()
+    )
 
 
 def _chunking(T: int) -> tuple[int, int]:
@@ -178,6 +198,16 @@ class _Scan(torch.autograd.Function):
         # detached: the out= ops below take no input that needs grad, also where a trace
         # inlines this body into a graph run with autograd on (torch.export)
         dt, x, A, Bm, C, h0 = (t.detach() for t in (dt, x, A, Bm, C, h0))
+        if _compiled(dt, A.shape[1]):  # the recurrence compiled (`cpu_jit.scan`)
+            from ..cpu_jit import scan
+
+            args = [t.contiguous() for t in (dt, x, A, Bm, C)]
+            keep = keep.contiguous() if keep is not None else None
+            h0 = h0.contiguous()
+            y, hT = scan.forward(*args, keep, h0)
+            ctx.save_for_backward(*args, keep, h0)
+            ctx.group = None
+            return y, hT
         Bsz, T, D = dt.shape
         group = _group_size(T, Bsz, D, A.shape[1])
         dtT, xT, BT, CT = (t.transpose(0, 1) for t in (dt, x, Bm, C))
@@ -207,6 +237,14 @@ class _Scan(torch.autograd.Function):
         f = dt.dtype
         Bsz, T, D = dt.shape
         group = ctx.group
+        if group is None:  # the forward ran compiled: so does the backward
+            from ..cpu_jit import scan
+
+            gy = gy.to(f).contiguous() if gy is not None else dt.new_zeros(Bsz, T, D)
+            g_hT = g_hT.to(f).contiguous() if g_hT is not None else torch.zeros_like(h_bounds[0])
+            g_dt, g_x, g_A, g_B, g_C, g_h0 = scan.backward(dt, x, A, Bm, C, keep, h_bounds[0],
+                                                           gy, g_hT)  # fmt: skip
+            return g_dt, g_x, g_A, g_B, g_C, None, g_h0
         gy = gy.to(f) if gy is not None else dt.new_zeros(Bsz, T, D)
         dtT, xT, BT, CT, gyT = (t.transpose(0, 1) for t in (dt, x, Bm, C, gy))
         keepT = None if keep is None else keep.t()
