@@ -153,3 +153,26 @@ def tiny_json(tmp_path) -> Path:
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps({"d_model": 16, "n_layers": 1, "d_state": 4}))
     return path
+
+
+@pytest.fixture
+def numba_on(monkeypatch):
+    """`numba_on(True | False)` turns the compiled CPU bodies (`ops.cpu_jit`) on or off,
+    whatever the environment says; on at the start, back as it was after."""
+    from mambakit.ops import cpu_jit
+
+    def turn(on: bool) -> None:
+        monkeypatch.setenv("MAMBAKIT_NUMBA", "1" if on else "0")
+        cpu_jit.available.cache_clear()
+
+    turn(True)
+    yield turn
+    monkeypatch.undo()
+    cpu_jit.available.cache_clear()
+
+
+@pytest.fixture
+def torch_bodies(numba_on):
+    """The PyTorch bodies, not the compiled ones that replace them where numba is (the
+    tests of `ops.cpu_jit` check those against these)."""
+    numba_on(False)

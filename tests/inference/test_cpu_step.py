@@ -30,18 +30,6 @@ for _name, _kw in (("mamba2", dict(mixer="mamba2", headdim=32)),):
 
 
 @pytest.fixture
-def numba_on(monkeypatch):
-    def turn(on: bool) -> None:
-        monkeypatch.setenv("MAMBAKIT_NUMBA", "1" if on else "0")
-        cpu_jit.available.cache_clear()
-
-    turn(True)
-    yield turn
-    monkeypatch.undo()
-    cpu_jit.available.cache_clear()
-
-
-@pytest.fixture
 def compiled_calls(monkeypatch):
     """The number of compiled whole-step calls (`cpu_step.compiled_rows` returning rows)."""
     calls = []

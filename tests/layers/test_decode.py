@@ -13,7 +13,6 @@ import torch
 
 from mambakit import MambaBackbone, MambaState
 from mambakit import ops as ops_module  # `ops.mamba_stack_step` looks its body up there
-from mambakit.ops import cpu_jit
 from mambakit.ops.mamba_step.reference import mamba_layer_step_reference
 from mambakit.ops.rms_norm.reference import rms_norm_reference
 
@@ -33,15 +32,7 @@ def op_chain_step(bb64: MambaBackbone, x: torch.Tensor, state: MambaState) -> to
     return rms_norm_reference(h, bb64.norm_f.weight, bb64.norm_f.eps, residual)[0]
 
 
-@pytest.fixture(autouse=True)
-def torch_bodies(monkeypatch):
-    """The PyTorch bodies, not the compiled step that replaces them where numba is
-    (tests/inference/test_cpu_step.py checks that one against these)."""
-    monkeypatch.setenv("MAMBAKIT_NUMBA", "0")
-    cpu_jit.available.cache_clear()
-    yield
-    monkeypatch.undo()
-    cpu_jit.available.cache_clear()
+pytestmark = pytest.mark.usefixtures("torch_bodies")  # the compiled bodies: test_cpu_jit*.py
 
 
 @pytest.fixture

@@ -31,20 +31,6 @@ CONFIGS = {
 }
 
 
-@pytest.fixture
-def numba_on(monkeypatch):
-    """The compiled bodies on (whatever the environment says), and back after."""
-
-    def turn(on: bool) -> None:
-        monkeypatch.setenv("MAMBAKIT_NUMBA", "1" if on else "0")
-        cpu_jit.available.cache_clear()
-
-    turn(True)
-    yield turn
-    monkeypatch.undo()
-    cpu_jit.available.cache_clear()
-
-
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()

@@ -15,7 +15,6 @@ import torch
 
 from mambakit import MambaBackbone, MambaConfig
 from mambakit.inference.plan import drop
-from mambakit.ops import cpu_jit
 from mambakit.ops.mamba2 import stack as m2_stack
 from mambakit.state import Mamba2State
 
@@ -35,20 +34,6 @@ CONFIGS = {
         headdim=32, D_has_hdim=True, rmsnorm=False, d_ssm=64, bias=True
     ),
 }
-
-
-@pytest.fixture
-def numba_on(monkeypatch):
-    """The compiled bodies on (whatever the environment says), and back after."""
-
-    def turn(on: bool) -> None:
-        monkeypatch.setenv("MAMBAKIT_NUMBA", "1" if on else "0")
-        cpu_jit.available.cache_clear()
-
-    turn(True)
-    yield turn
-    monkeypatch.undo()
-    cpu_jit.available.cache_clear()
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from mambakit import MambaBackbone, MambaConfig
-from mambakit.ops import cpu_jit
 from mambakit.ops.mamba3 import stack as m3_stack
 from mambakit.state import Mamba3State
 
@@ -27,20 +26,6 @@ CONFIGS = {
     "rope1-d_state8-ngroups4": dict(headdim=16, ngroups=4, d_state=8, rope_fraction=1.0),
     "wide_turns": dict(headdim=32, ngroups=2),  # delta ~ 6: turns of several times 2 pi
 }
-
-
-@pytest.fixture
-def numba_on(monkeypatch):
-    """The compiled bodies on (whatever the environment says), and back after."""
-
-    def turn(on: bool) -> None:
-        monkeypatch.setenv("MAMBAKIT_NUMBA", "1" if on else "0")
-        cpu_jit.available.cache_clear()
-
-    turn(True)
-    yield turn
-    monkeypatch.undo()
-    cpu_jit.available.cache_clear()
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from mambakit import MambaBackbone, MambaConfig
-from mambakit.ops import cpu_jit
 
 STEPS = 4
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}  # relative error over a whole tensor
@@ -28,15 +27,7 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def torch_bodies(monkeypatch):
-    """The PyTorch bodies, not the compiled ones that replace them where numba is
-    (tests/ops/test_cpu_jit*.py check those)."""
-    monkeypatch.setenv("MAMBAKIT_NUMBA", "0")
-    cpu_jit.available.cache_clear()
-    yield
-    monkeypatch.undo()
-    cpu_jit.available.cache_clear()
+pytestmark = pytest.mark.usefixtures("torch_bodies")  # the compiled bodies: test_cpu_jit*.py
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
