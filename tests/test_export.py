@@ -1,7 +1,9 @@
 """Models trace: `torch.export` of a MambaLM (the reference path, CPU) gives a program that
 computes what the eager model does, for every mixer, with the state in and out and the
 loss; no check of the inputs' values stops the tracer. (`torch.onnx.export(dynamo=True)`
-and AOTInductor start from such a program.)"""
+and AOTInductor start from such a program.) A trace runs the PyTorch bodies, so the eager
+model here runs them too (`torch_bodies`: not the compiled CPU bodies numba gives, the
+same math in another order of float operations)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ PRESETS = {
 
 
 @pytest.mark.parametrize("mixer", list(PRESETS))
-def test_exported_program_equals_eager(mixer, monkeypatch):
+def test_exported_program_equals_eager(mixer, monkeypatch, torch_bodies):
     monkeypatch.setenv("MAMBAKIT_BACKEND", "reference")
     torch.manual_seed(0)
     model = MambaLM(PRESETS[mixer]).eval()

@@ -573,6 +573,27 @@ def test_reference_backward_refuses_to_be_differentiated(seed):
         (gA.pow(2).sum() + leaves["u"].sum()).backward()
 
 
+@pytest.mark.skipif("compiled" not in BODIES, reason="needs numba")
+def test_compiled_recurrence_is_the_same_on_any_number_of_threads(seed, monkeypatch):
+    """Rows in parallel, reductions in one order: 1 and 2 threads give the same bits."""
+    use_body("compiled", monkeypatch, 4)
+    inp = make_inputs(Case(Bsz=5, T=19, Dn=6, N=4), device="cpu")
+    runs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            y, hT, leaves = run(inp, True, backend="reference")
+            ((y * y).sum() + hT.sum()).backward()
+            runs.append(
+                [y, hT, *(v.grad for v in leaves.values() if getattr(v, "grad", None) is not None)]
+            )
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 # ----------------------------------------------------------------------------- GPU, real shapes
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

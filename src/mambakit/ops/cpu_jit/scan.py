@@ -8,7 +8,8 @@ B batch, T time, D channels, N = d_state. With dt [B, T, D] (after softplus), x 
 
 The PyTorch body runs this as whole-tensor ops over chunks of time, each pass a trip
 through memory; here each row keeps its state [D, N] in cache and walks time once, the
-arithmetic of a step in one loop the compiler vectorises over N. The backward walks time
+arithmetic of a step in one loop the compiler vectorises over N, the rows on as many
+threads as torch uses (numba's own pool, entered by one caller at a time). The backward walks time
 backwards from the final state's gradient, recomputing the states chunk by chunk from
 states kept every `CHECKPOINT` steps (memory T / CHECKPOINT states, not T):
 
@@ -16,18 +17,24 @@ states kept every `CHECKPOINT` steps (memory T / CHECKPOINT states, not T):
     g_C_t  = sum_d h_t gy_t     g_B_t = sum_d g_h_t x_t     g_x_t = sum_n g_h_t B_t
     dz_t   = g_h_t a_t h_{t-1}  g_A += dz_t dt_t            g_dt_t = sum_n dz_t A
 
-Reductions run in one fixed order (rows, then time, then channels): deterministic.
+Reductions run in one fixed order whatever the threads (g_A: each row's share, then the
+rows in order; g_B, g_C: channels in order): deterministic.
 """
 
 from __future__ import annotations
 
+import threading
+
+import numba
 import numpy as np
 import torch
-from numba import njit
+from numba import njit, prange
 
 from .common import JIT, exp, one
 
 CHECKPOINT = 64  # steps between the states the backward keeps
+# numba's default thread pool (workqueue) must not be entered by two threads at once
+_LOCK = threading.Lock()
 
 
 def forward(dt, x, A, Bm, C, keep, h0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,8 +44,10 @@ def forward(dt, x, A, Bm, C, keep, h0) -> tuple[torch.Tensor, torch.Tensor]:
     y = dt.new_empty(Bsz, T, D)
     hT = h0.new_empty(h0.shape)
     k = keep if keep is not None else dt.new_ones(1, 1)
-    _forward(dt.numpy(), x.numpy(), A.numpy(), Bm.numpy(), C.numpy(), k.numpy(),
-             keep is not None, h0.numpy(), y.numpy(), hT.numpy())  # fmt: skip
+    with _LOCK:
+        _threads()
+        _forward(dt.numpy(), x.numpy(), A.numpy(), Bm.numpy(), C.numpy(), k.numpy(),
+                 keep is not None, h0.numpy(), y.numpy(), hT.numpy())  # fmt: skip
     return y, hT
 
 
@@ -50,11 +59,20 @@ def backward(dt, x, A, Bm, C, keep, h0, gy, g_hT) -> tuple[torch.Tensor, ...]:
     g_B, g_C = torch.empty_like(Bm), torch.empty_like(C)
     g_h0 = torch.empty_like(h0)
     k = keep if keep is not None else dt.new_ones(1, 1)
-    _backward(dt.numpy(), x.numpy(), A.numpy(), Bm.numpy(), C.numpy(), k.numpy(),
-              keep is not None, h0.numpy(), gy.numpy(), g_hT.numpy(), CHECKPOINT,
-              g_dt.numpy(), g_x.numpy(), g_A.numpy(), g_B.numpy(), g_C.numpy(),
-              g_h0.numpy())  # fmt: skip
+    with _LOCK:
+        _threads()
+        _backward(dt.numpy(), x.numpy(), A.numpy(), Bm.numpy(), C.numpy(), k.numpy(),
+                  keep is not None, h0.numpy(), gy.numpy(), g_hT.numpy(), CHECKPOINT,
+                  g_dt.numpy(), g_x.numpy(), g_A.numpy(), g_B.numpy(), g_C.numpy(),
+                  g_h0.numpy())  # fmt: skip
     return g_dt, g_x, g_A, g_B, g_C, g_h0
+
+
+def _threads() -> None:
+    """numba's threads as many as torch's (the library's choice: `mambakit.threads`)."""
+    n = torch.get_num_threads()
+    if numba.get_num_threads() != n:
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
 
 
 @njit(inline="never", **JIT)
@@ -74,10 +92,10 @@ def _step(h, A, dtv, xv, Bv, Cv, kv, y):
         y[d] = acc
 
 
-@njit(**JIT)
+@njit(parallel=True, **JIT)
 def _forward(dt, x, A, Bm, C, keep, has_keep, h0, y, hT):
     Bsz, T, D = dt.shape
-    for b in range(Bsz):
+    for b in prange(Bsz):  # rows in parallel: nothing is shared between them
         h = h0[b].copy()
         for t in range(T):
             kv = keep[b, t] if has_keep else one(dt[b, t, 0])
@@ -85,16 +103,17 @@ def _forward(dt, x, A, Bm, C, keep, has_keep, h0, y, hT):
         hT[b] = h
 
 
-@njit(**JIT)
+@njit(parallel=True, **JIT)
 def _backward(dt, x, A, Bm, C, keep, has_keep, h0, gy, g_hT, every, g_dt, g_x, g_A, g_B,
               g_C, g_h0):  # fmt: skip
     Bsz, T, D = dt.shape
     N = A.shape[1]
     chunks = (T + every - 1) // every
-    kept = np.empty((chunks, D, N), dt.dtype)  # the state before each chunk
-    states = np.empty((every + 1, D, N), dt.dtype)  # a chunk's states, recomputed
-    scratch = np.empty(D, dt.dtype)
-    for b in range(Bsz):
+    g_A_rows = np.zeros((Bsz, D, N), dt.dtype)  # each row's share of g_A, summed in order
+    for b in prange(Bsz):  # rows in parallel, each with buffers of its own
+        kept = np.empty((chunks, D, N), dt.dtype)  # the state before each chunk
+        states = np.empty((every + 1, D, N), dt.dtype)  # a chunk's states, recomputed
+        scratch = np.empty(D, dt.dtype)
         h = h0[b].copy()
         for t in range(T):
             if t % every == 0:
@@ -115,9 +134,11 @@ def _backward(dt, x, A, Bm, C, keep, has_keep, h0, gy, g_hT, every, g_dt, g_x, g
                 i = t - t0
                 kv = keep[b, t] if has_keep else one(dt[b, t, 0])
                 _step_back(gh, states[i], states[i + 1], A, dt[b, t], x[b, t], Bm[b, t],
-                           C[b, t], gy[b, t], kv, g_dt[b, t], g_x[b, t], g_A, g_B[b, t],
-                           g_C[b, t])  # fmt: skip
+                           C[b, t], gy[b, t], kv, g_dt[b, t], g_x[b, t], g_A_rows[b],
+                           g_B[b, t], g_C[b, t])  # fmt: skip
         g_h0[b] = gh
+    for b in range(Bsz):  # one fixed order: deterministic whatever the threads
+        g_A += g_A_rows[b]
 
 
 @njit(inline="never", **JIT)

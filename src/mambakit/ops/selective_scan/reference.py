@@ -18,8 +18,8 @@ per step for all chunks at once, then one short loop over chunks carries the
 state across and one op adds each chunk's carry. A step costs one `addcmul_`
 over [B, D, N] (no concatenation, no copy); a T = 32 window is 32 such ops.
 No exp of a positive number is ever taken, so it is stable for any delta. Where numba
-is, a small scan's recurrence runs compiled instead (`cpu_jit.scan`, the same math in one
-walk through time; `COMPILED_MAX_ELEMENTS`).
+is, the recurrence runs compiled instead (`cpu_jit.scan`: the same math in one walk
+through time per row, the rows in parallel).
 """
 
 from __future__ import annotations
@@ -60,18 +60,15 @@ def _buffer(role: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tens
     return buf[:numel].view(shape)
 
 
-COMPILED_MAX_ELEMENTS = 1 << 18  # B T D N up to which the compiled recurrence runs
-
-
-def _compiled(dt: torch.Tensor, N: int) -> bool:
+def _compiled(dt: torch.Tensor) -> bool:
     """Whether the recurrence runs compiled (`cpu_jit.scan`): numba there, a plain CPU
-    tensor of float32/float64 (not a trace's), outside torch.compile, and a small scan
-    (one thread walking time wins where the PyTorch body's per-op cost dominates: an RL
-    window, T = 32 at batch 1 to 2 with d_inner 256; on larger scans the PyTorch body's
-    vectorised exp2 over all cores wins)."""
+    tensor of float32/float64 (not a trace's), outside torch.compile. (On the 2-core
+    machine, 2 threads, a layer's scan forward + backward: 1.07 ms against 1.36 for the
+    PyTorch body at 1 x 32 x 256 x 16, 25.8 against 55.5 at 64 x 32 x 256 x 16, 36.8
+    against 66.3 at 8 x 256 x 384 x 16, level at 1 x 2048 x 384 x 16, one row.)"""
     return (
         type(dt) is torch.Tensor
-        and 0 < dt.numel() * N <= COMPILED_MAX_ELEMENTS
+        and dt.numel() > 0
         and compiles(dt)
         and not torch.compiler.is_compiling()
     )
@@ -198,7 +195,7 @@ class _Scan(torch.autograd.Function):
         # detached: the out= ops below take no input that needs grad, also where a trace
         # inlines this body into a graph run with autograd on (torch.export)
         dt, x, A, Bm, C, h0 = (t.detach() for t in (dt, x, A, Bm, C, h0))
-        if _compiled(dt, A.shape[1]):  # the recurrence compiled (`cpu_jit.scan`)
+        if _compiled(dt):  # the recurrence compiled (`cpu_jit.scan`)
             from ..cpu_jit import scan
 
             args = [t.contiguous() for t in (dt, x, A, Bm, C)]
