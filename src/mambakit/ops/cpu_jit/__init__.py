@@ -16,13 +16,21 @@ compiles (a few seconds; the machine code is cached on disk for later processes)
 
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from functools import cache
 
 import torch
 
-__all__ = ["COMPILED_MAX_BYTES", "COMPILED_MAX_ROWS", "available", "compiles", "compiles_stack"]
+__all__ = [
+    "COMPILED_MAX_BYTES",
+    "COMPILED_MAX_ROWS",
+    "available",
+    "compile_stack",
+    "compiles",
+    "compiles_stack",
+]
 
 # rows up to which the compiled steps run (one row after another, one thread); beyond, the
 # PyTorch bodies' matrix products win (2 threads, the RL shape: 8 rows about level)
@@ -53,6 +61,20 @@ def compiles(t) -> bool:
     """Whether the compiled steps take weights like `t`: numba there, a CPU tensor of
     float32 or float64."""
     return t.device.type == "cpu" and t.dtype in _DTYPES and available()
+
+
+def compile_stack(mixer: str, blocks: list, pad: float):
+    """The compiled body (`cpu_jit.<mixer>.Packed`) of a stack's lean-body weights
+    (`BlockWeights` of every block, r's constant column `pad`), or None where the
+    compiled steps do not take them (`compiles_stack`, and the module's own `packs` where
+    it has one)."""
+    if not compiles_stack(blocks):
+        return None
+    module = importlib.import_module(f"{__name__}.{mixer}")
+    packs = getattr(module, "packs", None)
+    if packs is not None and not packs(blocks):
+        return None
+    return module.Packed(blocks, pad)
 
 
 def compiles_stack(blocks: list) -> bool:

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ...state import Mamba2State
-from ..cpu_jit import COMPILED_MAX_ROWS, compiles_stack
+from ..cpu_jit import COMPILED_MAX_ROWS, compile_stack
 
 
 class BlockWeights(NamedTuple):
@@ -174,9 +174,4 @@ def stack_weights(layers: list) -> DecodeWeights | None:
     with torch.no_grad():
         blocks = [_derive(w) for w in layers]
     pad = math.sqrt(eps.pop() * layers[0].norm_w.shape[0])
-    compiled = None
-    if compiles_stack(blocks):
-        from ..cpu_jit.mamba2 import Packed, packs
-
-        compiled = Packed(blocks, pad) if packs(blocks) else None
-    return DecodeWeights(blocks, pad, compiled)
+    return DecodeWeights(blocks, pad, compile_stack("mamba2", blocks, pad))

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ...state import Mamba3State
-from ..cpu_jit import COMPILED_MAX_ROWS, compiles_stack
+from ..cpu_jit import COMPILED_MAX_ROWS, compile_stack
 
 TWO_PI = 2 * math.pi
 
@@ -183,9 +183,4 @@ def stack_weights(layers: list) -> DecodeWeights | None:
     if any(b is None for b in blocks):
         return None
     pad = math.sqrt(eps.pop() * layers[0].norm_w.shape[0])
-    compiled = None
-    if compiles_stack(blocks):
-        from ..cpu_jit.mamba3 import Packed
-
-        compiled = Packed(blocks, pad)
-    return DecodeWeights(blocks, pad, compiled)
+    return DecodeWeights(blocks, pad, compile_stack("mamba3", blocks, pad))

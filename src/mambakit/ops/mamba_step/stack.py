@@ -43,7 +43,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..cpu_jit import COMPILED_MAX_ROWS, compiles_stack
+from ..cpu_jit import COMPILED_MAX_ROWS, compile_stack
 from . import StepWeights
 
 
@@ -153,9 +153,4 @@ def stack_weights(layers: list[StepWeights]) -> DecodeWeights | None:
     with torch.no_grad():
         blocks = [_derive(w) for w in layers]
     pad = math.sqrt(eps.pop() * layers[0].norm_w.shape[0])
-    compiled = None
-    if compiles_stack(blocks):
-        from ..cpu_jit.mamba1 import Packed
-
-        compiled = Packed(blocks, pad)
-    return DecodeWeights(blocks, pad, compiled)
+    return DecodeWeights(blocks, pad, compile_stack("mamba1", blocks, pad))
