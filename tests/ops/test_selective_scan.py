@@ -594,6 +594,21 @@ def test_compiled_recurrence_is_the_same_on_any_number_of_threads(seed, monkeypa
         assert torch.equal(a, b)
 
 
+@pytest.mark.skipif("compiled" not in BODIES, reason="needs numba")
+def test_compiled_recurrence_leaves_torch_thread_count_alone(seed, monkeypatch):
+    """numba's thread pool must not change the thread count torch's own ops run on."""
+    use_body("compiled", monkeypatch, 4)
+    inp = make_inputs(Case(Bsz=3, T=9, Dn=4, N=3), device="cpu")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        y, hT, _ = run(inp, True, backend="reference")
+        (y.sum() + hT.sum()).backward()
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
 # ----------------------------------------------------------------------------- GPU, real shapes
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -23,6 +23,7 @@ rows in order; g_B, g_C: channels in order): deterministic.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numba
@@ -33,7 +34,11 @@ from numba import njit, prange
 from .common import JIT, exp, one
 
 CHECKPOINT = 64  # steps between the states the backward keeps
-# numba's default thread pool (workqueue) must not be entered by two threads at once
+# numba's own thread pool (workqueue), not its OpenMP one: that one would set the OpenMP
+# thread count torch's own ops run on (unless the user chose a layer: NUMBA_THREADING_LAYER).
+# The pool must not be entered by two threads at once.
+if "NUMBA_THREADING_LAYER" not in os.environ:
+    numba.config.THREADING_LAYER = "workqueue"
 _LOCK = threading.Lock()
 
 
