@@ -9,7 +9,7 @@ B batch, T time, D channels, N = d_state. With dt [B, T, D] (after softplus), x 
 The PyTorch body runs this as whole-tensor ops over chunks of time, each pass a trip
 through memory; here each row keeps its state [D, N] in cache and walks time once, the
 arithmetic of a step in one loop the compiler vectorises over N, the rows on as many
-threads as torch uses (numba's own pool, entered by one caller at a time). The backward walks time
+threads as torch uses (numba's pool, one caller at a time). The backward walks time
 backwards from the final state's gradient, recomputing the states chunk by chunk from
 states kept every `CHECKPOINT` steps (memory T / CHECKPOINT states, not T):
 
@@ -23,8 +23,8 @@ rows in order; g_B, g_C: channels in order): deterministic.
 
 from __future__ import annotations
 
-import os
 import threading
+from contextlib import contextmanager
 
 import numba
 import numpy as np
@@ -34,11 +34,8 @@ from numba import njit, prange
 from .common import JIT, exp, one
 
 CHECKPOINT = 64  # steps between the states the backward keeps
-# numba's own thread pool (workqueue), not its OpenMP one: that one would set the OpenMP
-# thread count torch's own ops run on (unless the user chose a layer: NUMBA_THREADING_LAYER).
-# The pool must not be entered by two threads at once.
-if "NUMBA_THREADING_LAYER" not in os.environ:
-    numba.config.THREADING_LAYER = "workqueue"
+# one caller at a time in numba's thread pool (its workqueue layer, where OpenMP is not
+# there, must not be entered by two threads at once)
 _LOCK = threading.Lock()
 
 
@@ -49,8 +46,7 @@ def forward(dt, x, A, Bm, C, keep, h0) -> tuple[torch.Tensor, torch.Tensor]:
     y = dt.new_empty(Bsz, T, D)
     hT = h0.new_empty(h0.shape)
     k = keep if keep is not None else dt.new_ones(1, 1)
-    with _LOCK:
-        _threads()
+    with _threads():
         _forward(dt.numpy(), x.numpy(), A.numpy(), Bm.numpy(), C.numpy(), k.numpy(),
                  keep is not None, h0.numpy(), y.numpy(), hT.numpy())  # fmt: skip
     return y, hT
@@ -64,8 +60,7 @@ def backward(dt, x, A, Bm, C, keep, h0, gy, g_hT) -> tuple[torch.Tensor, ...]:
     g_B, g_C = torch.empty_like(Bm), torch.empty_like(C)
     g_h0 = torch.empty_like(h0)
     k = keep if keep is not None else dt.new_ones(1, 1)
-    with _LOCK:
-        _threads()
+    with _threads():
         _backward(dt.numpy(), x.numpy(), A.numpy(), Bm.numpy(), C.numpy(), k.numpy(),
                   keep is not None, h0.numpy(), gy.numpy(), g_hT.numpy(), CHECKPOINT,
                   g_dt.numpy(), g_x.numpy(), g_A.numpy(), g_B.numpy(), g_C.numpy(),
@@ -73,11 +68,20 @@ def backward(dt, x, A, Bm, C, keep, h0, gy, g_hT) -> tuple[torch.Tensor, ...]:
     return g_dt, g_x, g_A, g_B, g_C, g_h0
 
 
-def _threads() -> None:
-    """numba's threads as many as torch's (the library's choice: `mambakit.threads`)."""
+@contextmanager
+def _threads():
+    """numba's threads as many as torch's (the library's choice: `mambakit.threads`),
+    and torch's count as it was after: numba's OpenMP layer (shared with torch's, so
+    neither pool spins against the other) sets OpenMP's count when it starts."""
     n = torch.get_num_threads()
-    if numba.get_num_threads() != n:
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    with _LOCK:
+        if numba.get_num_threads() != n:
+            numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        try:
+            yield
+        finally:
+            if torch.get_num_threads() != n:
+                torch.set_num_threads(n)
 
 
 @njit(inline="never", **JIT)
