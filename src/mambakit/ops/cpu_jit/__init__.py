@@ -57,6 +57,11 @@ def available() -> bool:
     return True
 
 
+def stack_layers(tensors) -> torch.Tensor:
+    """Per-layer tensors stacked into one contiguous [L, ...] (what a `Packed` holds)."""
+    return torch.stack([t.detach() for t in tensors]).contiguous()
+
+
 def compiles(t) -> bool:
     """Whether the compiled steps take weights like `t`: numba there, a CPU tensor of
     float32 or float64."""

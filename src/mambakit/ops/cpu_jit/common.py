@@ -158,3 +158,33 @@ def norm_rows(r, w, c, out):
         oi = out[i]
         for j in range(M):
             oi[j] = ri[j] * k * w[j]
+
+
+@njit(inline="never", **JIT)
+def normed_projection(r, WT, bias, out):
+    """A block's input projection on the normed residual stream, the norm folded into WT
+    (the lean bodies' layout): out = (r WT) / |r| + bias, r [M + 1] with its constant
+    column, WT [M + 1, W]."""
+    vecmat(r, WT, out)
+    s = one(r[0]) / norm(r)
+    for j in range(out.shape[0]):
+        out[j] = out[j] * s + bias[j]
+
+
+@njit(inline="never", **JIT)
+def conv_step(state, w, bias, x, out):
+    """The causal depthwise conv's step and its SiLU: out = silu(bias + sum_k w[k] window[k])
+    over window = [state; x] (state [K-1, C], w [K, C], x [C]); the state shifts by one,
+    x its newest row."""
+    K1, C = state.shape
+    for c in range(C):
+        out[c] = bias[c] + w[K1, c] * x[c]
+    for k in range(K1):
+        for c in range(C):
+            out[c] += w[k, c] * state[k, c]
+    for k in range(K1 - 1):
+        for c in range(C):
+            state[k, c] = state[k + 1, c]
+    for c in range(C):
+        state[K1 - 1, c] = x[c]
+        out[c] = silu(out[c])

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 from numba import njit
 
-from .common import JIT, exp, norm, one, silu, softplus, vecmat, vecmat_add
+from . import stack_layers
+from .common import JIT, conv_step, exp, normed_projection, silu, softplus, vecmat, vecmat_add
 
 
 class Packed:
@@ -28,23 +29,20 @@ class Packed:
     __slots__ = ("arrays", "pad", "tensors")
 
     def __init__(self, blocks: list, pad: float) -> None:
-        def stack(ts):
-            return torch.stack([t.detach() for t in ts]).contiguous()
-
         out_b = [b.out_b if b.out_b is not None else b.in_b.new_zeros(b.out_wT.shape[1])
                  for b in blocks]  # fmt: skip
         self.tensors = (
-            stack([b.in_wT for b in blocks]),  # [L, M + 1, 2D]
-            stack([b.in_b for b in blocks]),  # [L, 2D]
-            stack([b.conv_wT for b in blocks]),  # [L, K, D]
-            stack([b.conv_b[-1] for b in blocks]),  # [L, D]
-            stack([b.x_wT for b in blocks]),  # [L, D, R + 2N]
-            stack([b.dt_w.t() for b in blocks]),  # [L, R, D]
-            stack([b.dt_bias for b in blocks]),  # [L, D]
-            stack([b.A for b in blocks]),  # [L, D, N]
-            stack([b.D for b in blocks]),  # [L, D]
-            stack([b.out_wT for b in blocks]),  # [L, D, M + 1]
-            stack(out_b),  # [L, M + 1]
+            stack_layers([b.in_wT for b in blocks]),  # [L, M + 1, 2D]
+            stack_layers([b.in_b for b in blocks]),  # [L, 2D]
+            stack_layers([b.conv_wT for b in blocks]),  # [L, K, D]
+            stack_layers([b.conv_b[-1] for b in blocks]),  # [L, D]
+            stack_layers([b.x_wT for b in blocks]),  # [L, D, R + 2N]
+            stack_layers([b.dt_w.t() for b in blocks]),  # [L, R, D]
+            stack_layers([b.dt_bias for b in blocks]),  # [L, D]
+            stack_layers([b.A for b in blocks]),  # [L, D, N]
+            stack_layers([b.D for b in blocks]),  # [L, D]
+            stack_layers([b.out_wT for b in blocks]),  # [L, D, M + 1]
+            stack_layers(out_b),  # [L, M + 1]
         )
         self.arrays = tuple(t.numpy() for t in self.tensors)
         self.pad = pad
@@ -70,7 +68,6 @@ class Packed:
 def _layers(r, in_wT, in_b, conv_w, conv_b, x_wT, dt_wT, dt_b, A, Dv, out_wT, out_b, conv, ssm):
     L, _, D2 = in_wT.shape
     D = D2 // 2
-    K1 = conv.shape[2]
     N = A.shape[2]
     R = dt_wT.shape[1]
     dtype = r.dtype
@@ -82,26 +79,8 @@ def _layers(r, in_wT, in_b, conv_w, conv_b, x_wT, dt_wT, dt_b, A, Dv, out_wT, ou
     for b in range(r.shape[0]):
         rb = r[b]
         for layer in range(L):
-            vecmat(rb, in_wT[layer], xz)
-            s = one(rb[0]) / norm(rb)
-            bias = in_b[layer]
-            for j in range(D2):
-                xz[j] = xz[j] * s + bias[j]
-            # the causal conv over [conv state; x_in], the state shifted by one
-            cs = conv[layer, b]
-            cw = conv_w[layer]
-            cb = conv_b[layer]
-            for d in range(D):
-                u[d] = cb[d] + cw[K1, d] * xz[d]
-            for k in range(K1):
-                for d in range(D):
-                    u[d] += cw[k, d] * cs[k, d]
-            for k in range(K1 - 1):
-                for d in range(D):
-                    cs[k, d] = cs[k + 1, d]
-            for d in range(D):
-                cs[K1 - 1, d] = xz[d]
-                u[d] = silu(u[d])
+            normed_projection(rb, in_wT[layer], in_b[layer], xz)
+            conv_step(conv[layer, b], conv_w[layer], conv_b[layer], xz[:D], u)
             vecmat(u, x_wT[layer], xp)
             db = dt_b[layer]
             for d in range(D):

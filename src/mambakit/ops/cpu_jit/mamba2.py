@@ -26,7 +26,17 @@ import numpy as np
 import torch
 from numba import njit
 
-from .common import JIT, exp, norm, one, silu, softplus, vecmat, vecmat_add
+from . import stack_layers
+from .common import (
+    JIT,
+    conv_step,
+    exp,
+    normed_projection,
+    one,
+    silu,
+    softplus,
+    vecmat_add,
+)
 from .mamba3 import _stacked as stacked  # the layers' states as one tensor [L, ...]
 
 # the gated norm: `_layers`' `gate` argument
@@ -45,9 +55,6 @@ class Packed:
     __slots__ = ("arrays", "gate", "groups", "pad", "tensors")
 
     def __init__(self, blocks: list, pad: float) -> None:
-        def stack(ts):
-            return torch.stack([t.detach() for t in ts]).contiguous()
-
         G, H, P, _ = blocks[0].dims
         in_wT = blocks[0].in_wT
         new = in_wT.new_zeros
@@ -60,15 +67,15 @@ class Packed:
         limits = [b.dt_limit or (0.0, math.inf) for b in blocks]
         norms = [(b.gnorm[1], b.gnorm[0]) if b.gnorm else (0.0, 1.0) for b in blocks]
         self.tensors = (
-            stack([b.in_wT for b in blocks]),  # [L, M + 1, W]
-            stack([b.in_b for b in blocks]),  # [L, W]
-            stack([b.conv_wT for b in blocks]),  # [L, K, C]
-            stack([b.conv_b[-1] for b in blocks]),  # [L, C]
-            stack([b.A.view(H) for b in blocks]),  # [L, H]
-            stack([b.D.view(H, -1).expand(H, P) for b in blocks]),  # [L, H, P]
-            stack([b.out_wT for b in blocks]),  # [L, E, M + 1]
-            stack(mlp_wT),  # [L, F, M + 1]
-            stack(out_b),  # [L, M + 1]
+            stack_layers([b.in_wT for b in blocks]),  # [L, M + 1, W]
+            stack_layers([b.in_b for b in blocks]),  # [L, W]
+            stack_layers([b.conv_wT for b in blocks]),  # [L, K, C]
+            stack_layers([b.conv_b[-1] for b in blocks]),  # [L, C]
+            stack_layers([b.A.view(H) for b in blocks]),  # [L, H]
+            stack_layers([b.D.view(H, -1).expand(H, P) for b in blocks]),  # [L, H, P]
+            stack_layers([b.out_wT for b in blocks]),  # [L, E, M + 1]
+            stack_layers(mlp_wT),  # [L, F, M + 1]
+            stack_layers(out_b),  # [L, M + 1]
             in_wT.new_tensor(limits),  # [L, 2]
             in_wT.new_tensor(norms),  # [L, 2]
         )
@@ -113,7 +120,7 @@ def _layers(r, in_wT, in_b, conv_w, conv_b, A, Dv, out_wT, mlp_wT, out_b, dt_lim
     H, P = Dv.shape[1], Dv.shape[2]
     E = H * P
     F = mlp_wT.shape[1]
-    K1, C = conv.shape[2], conv.shape[3]
+    C = conv.shape[3]
     N = (C - E) // (2 * G)
     X0 = 2 * F + E  # where xBC starts in zxbcdt
     DT = X0 + C  # where dt starts
@@ -127,26 +134,8 @@ def _layers(r, in_wT, in_b, conv_w, conv_b, A, Dv, out_wT, mlp_wT, out_b, dt_lim
     for b in range(r.shape[0]):
         rb = r[b]
         for layer in range(L):
-            vecmat(rb, in_wT[layer], zx)
-            s = one(rb[0]) / norm(rb)
-            bias = in_b[layer]
-            for j in range(W):
-                zx[j] = zx[j] * s + bias[j]
-            # the causal conv over [conv state; xBC], the state shifted by one
-            cs = conv[layer, b]
-            cw = conv_w[layer]
-            cb = conv_b[layer]
-            for c in range(C):
-                xc[c] = cb[c] + cw[K1, c] * zx[X0 + c]
-            for k in range(K1):
-                for c in range(C):
-                    xc[c] += cw[k, c] * cs[k, c]
-            for k in range(K1 - 1):
-                for c in range(C):
-                    cs[k, c] = cs[k + 1, c]
-            for c in range(C):
-                cs[K1 - 1, c] = zx[X0 + c]
-                xc[c] = silu(xc[c])
+            normed_projection(rb, in_wT[layer], in_b[layer], zx)
+            conv_step(conv[layer, b], conv_w[layer], conv_b[layer], zx[X0 : X0 + C], xc)
             lo, hi = dt_limit[layer, 0], dt_limit[layer, 1]
             for hd in range(H):
                 g = hd // HG

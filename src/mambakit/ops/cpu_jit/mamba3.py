@@ -26,7 +26,18 @@ import numpy as np
 import torch
 from numba import njit
 
-from .common import JIT, exp, norm, one, sigmoid, silu, softplus, vecmat, vecmat_add
+from . import stack_layers
+from .common import (
+    JIT,
+    exp,
+    norm,
+    normed_projection,
+    one,
+    sigmoid,
+    silu,
+    softplus,
+    vecmat_add,
+)
 
 
 class Packed:
@@ -36,18 +47,15 @@ class Packed:
     __slots__ = ("arrays", "groups", "pad", "tensors", "turn")
 
     def __init__(self, blocks: list, pad: float) -> None:
-        def stack(ts):
-            return torch.stack([t.detach() for t in ts]).contiguous()
-
         G, H, N, P, S = blocks[0].dims
         in_wT = blocks[0].in_wT
         self.tensors = (
-            stack([b.in_wT for b in blocks]),  # [L, M + 1, W]
-            stack([b.in_b for b in blocks]),  # [L, W]
-            stack([b.kq_w.view(2, N) for b in blocks]),  # [L, 2, N]: B's, C's norm weights
-            stack([b.kq_b.view(H, 2, N) for b in blocks]),  # [L, H, 2, N]: B_bias, C_bias
-            stack([b.D.view(H) for b in blocks]),  # [L, H]
-            stack([b.out_wT for b in blocks]),  # [L, E, M + 1]
+            stack_layers([b.in_wT for b in blocks]),  # [L, M + 1, W]
+            stack_layers([b.in_b for b in blocks]),  # [L, W]
+            stack_layers([b.kq_w.view(2, N) for b in blocks]),  # [L, 2, N]: B's, C's norm weights
+            stack_layers([b.kq_b.view(H, 2, N) for b in blocks]),  # [L, H, 2, N]: B_bias, C_bias
+            stack_layers([b.D.view(H) for b in blocks]),  # [L, H]
+            stack_layers([b.out_wT for b in blocks]),  # [L, E, M + 1]
             in_wT.new_tensor([b.A_floor for b in blocks]),  # [L]
         )
         # pi and 2 pi in the weights' dtype, as PyTorch rounds the scalars of addcmul_ and
@@ -123,16 +131,12 @@ def _layers(r, in_wT, in_b, kq_w, kq_b, Dh, out_wT, A_floor, turn, G, angle, ssm
     for b in range(r.shape[0]):
         rb = r[b]
         for layer in range(L):
-            vecmat(rb, in_wT[layer], zxbc)
-            s = one(rb[0]) / norm(rb)
-            bias = in_b[layer]
-            for j in range(W):
-                zxbc[j] = zxbc[j] * s + bias[j]
+            normed_projection(rb, in_wT[layer], in_b[layer], zxbc)
             # B and C: RMSNorm as |[row, c]|, c = sqrt(eps N) from in_b, the weights' sqrt(N)
             for g in range(G):
                 for j in range(2):
                     row = zxbc[(2 * g + j) * (N + 2) : (2 * g + j + 1) * (N + 2)]
-                    sn = one(s) / norm(row)
+                    sn = one(row[0]) / norm(row)
                     wj = kq_w[layer, j]
                     for n in range(N):
                         kq[g, j, n] = row[n] * wj[n] * sn
