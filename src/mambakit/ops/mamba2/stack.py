@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from ...state import Mamba2State
 from ..cpu_jit import COMPILED_MAX_ROWS, compile_stack
+from ..mamba_step.stack import DecodeWeights
 
 
 class BlockWeights(NamedTuple):
@@ -58,15 +59,6 @@ class BlockWeights(NamedTuple):
     split: tuple[int, int, int, int, int]  # (d_mlp, d_mlp, d_ssm, conv_dim, H): zxbcdt
     xbc_split: tuple[int, int, int]  # (d_ssm, G N, G N)
     dims: tuple[int, int, int, int]  # (G, H, P, N)
-
-
-class DecodeWeights(NamedTuple):
-    """Every block's weights and the value of r's constant column."""
-
-    blocks: list[BlockWeights]
-    pad: float  # sqrt(eps M), r's constant column (every block's norm has this eps)
-    # the step compiled on these weights (`cpu_jit.mamba2.Packed`) where it runs them
-    compiled: object | None = None
 
 
 def decode_layers(

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from ...state import Mamba3State
 from ..cpu_jit import COMPILED_MAX_ROWS, compile_stack
+from ..mamba_step.stack import DecodeWeights
 
 TWO_PI = 2 * math.pi
 
@@ -63,15 +64,6 @@ class BlockWeights(NamedTuple):
     split: tuple[int, int, int]  # (2G (N + 2), H (2P + 3), S): zxbc's regions
     head_split: tuple[int, int, int, int, int]  # (P, P, 1, 1, 1): a head's region
     dims: tuple[int, int, int, int, int]  # (G, H, N, P, S)
-
-
-class DecodeWeights(NamedTuple):
-    """Every block's weights and the value of r's constant column."""
-
-    blocks: list[BlockWeights]
-    pad: float  # sqrt(eps M), r's constant column (every block's norm has this eps)
-    # the step compiled on these weights (`cpu_jit.mamba3.Packed`) where it runs them
-    compiled: object | None = None
 
 
 def decode_layers(

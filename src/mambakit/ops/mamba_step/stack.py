@@ -66,11 +66,12 @@ class BlockWeights(NamedTuple):
 
 
 class DecodeWeights(NamedTuple):
-    """Every block's weights and the value of r's constant column."""
+    """Every block's weights (the mixer's `BlockWeights`: this module's, Mamba-2's or
+    Mamba-3's) and the value of r's constant column."""
 
-    blocks: list[BlockWeights]
+    blocks: list
     pad: float  # sqrt(eps M), r's constant column (every block's norm has this eps)
-    # the step compiled on these weights (`cpu_jit.mamba1.Packed`) where it runs them
+    # the step compiled on these weights (`cpu_jit.<mixer>.Packed`) where it runs them
     compiled: object | None = None
 
 
