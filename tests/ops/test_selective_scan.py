@@ -447,25 +447,19 @@ def _reference_module():
 BODIES = ["torch", *(["compiled"] if importlib.util.find_spec("numba") else [])]
 
 
-def use_body(body: str, monkeypatch, checkpoint: int) -> None:
-    """Run the reference's recurrence on `body`; the compiled backward keeps a state every
-    `checkpoint` steps."""
-    from mambakit.ops import cpu_jit
+@pytest.fixture
+def use_body(numba_on, monkeypatch):
+    """`use_body(body, checkpoint)`: run the reference's recurrence on `body`; the compiled
+    backward keeps a state every `checkpoint` steps."""
 
-    monkeypatch.setenv("MAMBAKIT_NUMBA", "1" if body == "compiled" else "0")
-    cpu_jit.available.cache_clear()
-    if body == "compiled":
-        from mambakit.ops.cpu_jit import scan
+    def use(body: str, checkpoint: int = 4) -> None:
+        numba_on(body == "compiled")
+        if body == "compiled":
+            from mambakit.ops.cpu_jit import scan
 
-        monkeypatch.setattr(scan, "CHECKPOINT", checkpoint)
+            monkeypatch.setattr(scan, "CHECKPOINT", checkpoint)
 
-
-@pytest.fixture(autouse=True)
-def _fresh_numba_flag():
-    from mambakit.ops import cpu_jit
-
-    yield
-    cpu_jit.available.cache_clear()
+    return use
 
 
 @pytest.mark.parametrize(
@@ -483,13 +477,15 @@ def _fresh_numba_flag():
 )
 @pytest.mark.parametrize("seq", [False, True], ids=["one-doc", "seq_idx"])
 @pytest.mark.parametrize("body", BODIES)
-def test_reference_matches_oracle_f64(T, chunk, group_steps, seq, body, seed, monkeypatch):
+def test_reference_matches_oracle_f64(
+    T, chunk, group_steps, seq, body, seed, monkeypatch, use_body
+):
     """The reference in float64 (every chunking and grouping of time the CPU path takes,
     and the compiled recurrence with its backward's checkpoints as often) against the
     naive loop: y, the final state and the gradient of every input."""
     R = _reference_module()
     c = Case(Bsz=2, T=T, Dn=5, N=3, seq=seq)
-    use_body(body, monkeypatch, chunk)
+    use_body(body, chunk)
     monkeypatch.setattr(R, "CHUNK", chunk)
     if group_steps is not None:
         monkeypatch.setattr(R, "GROUP_ELEMENTS", group_steps * c.Bsz * c.Dn * c.N)
@@ -507,13 +503,13 @@ def test_reference_matches_oracle_f64(T, chunk, group_steps, seq, body, seed, mo
 
 
 @pytest.mark.parametrize("body", BODIES)
-def test_reference_gradcheck_across_chunks(body, seed, monkeypatch):
+def test_reference_gradcheck_across_chunks(body, seed, monkeypatch, use_body):
     """gradcheck of the reference with time cut in chunks and groups (CHUNK 4, groups of 8
     steps over T = 19; the compiled backward's checkpoints every 4 steps), documents and a
     gradient on the final state."""
     R = _reference_module()
     c = Case(Bsz=2, T=19, Dn=3, N=2)
-    use_body(body, monkeypatch, 4)
+    use_body(body, 4)
     monkeypatch.setattr(R, "CHUNK", 4)
     monkeypatch.setattr(R, "GROUP_ELEMENTS", 8 * c.Bsz * c.Dn * c.N)
     inp = make_inputs(c, device="cpu")
@@ -531,10 +527,10 @@ def test_reference_gradcheck_across_chunks(body, seed, monkeypatch):
     assert torch.autograd.gradcheck(f, tuple(leaves), eps=1e-6, atol=1e-7)
 
 
-def test_reference_reuses_no_buffer_it_returns(seed, monkeypatch):
+def test_reference_reuses_no_buffer_it_returns(seed, use_body):
     """The CPU workspace is reused across calls, so nothing the op returns may alias it:
     a second call leaves the first call's outputs and gradients unchanged."""
-    use_body("torch", monkeypatch, 0)  # the workspace is the PyTorch body's
+    use_body("torch", 0)  # the workspace is the PyTorch body's
     inp = make_inputs(Case(Bsz=2, T=9, Dn=4, N=3, seq=False), device="cpu")
     y1, h1, leaves1 = run(inp, True, backend="reference")
     (y1.sum() + h1.sum()).backward()
@@ -548,10 +544,10 @@ def test_reference_reuses_no_buffer_it_returns(seed, monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_reference_runs_after_inference_mode(seed, monkeypatch):
+def test_reference_runs_after_inference_mode(seed, use_body):
     """A call under inference mode (evaluation, decoding) then one with autograd (training):
     the second must run and match the oracle, whatever the first left in the workspace."""
-    use_body("torch", monkeypatch, 0)  # the workspace is the PyTorch body's
+    use_body("torch", 0)  # the workspace is the PyTorch body's
     inp = make_inputs(Case(Bsz=2, T=9, Dn=4, N=3, seq=False), device="cpu")
     args = [inp[k] for k in ARGS]
     kw = dict(delta_softplus=True, initial_state=inp["initial_state"], return_final_state=True)
@@ -574,9 +570,9 @@ def test_reference_backward_refuses_to_be_differentiated(seed):
 
 
 @pytest.mark.skipif("compiled" not in BODIES, reason="needs numba")
-def test_compiled_recurrence_is_the_same_on_any_number_of_threads(seed, monkeypatch):
+def test_compiled_recurrence_is_the_same_on_any_number_of_threads(seed, use_body):
     """Rows in parallel, reductions in one order: 1 and 2 threads give the same bits."""
-    use_body("compiled", monkeypatch, 4)
+    use_body("compiled", 4)
     inp = make_inputs(Case(Bsz=5, T=19, Dn=6, N=4), device="cpu")
     runs = []
     threads = torch.get_num_threads()
@@ -595,9 +591,9 @@ def test_compiled_recurrence_is_the_same_on_any_number_of_threads(seed, monkeypa
 
 
 @pytest.mark.skipif("compiled" not in BODIES, reason="needs numba")
-def test_compiled_recurrence_leaves_torch_thread_count_alone(seed, monkeypatch):
+def test_compiled_recurrence_leaves_torch_thread_count_alone(seed, use_body):
     """numba's thread pool must not change the thread count torch's own ops run on."""
-    use_body("compiled", monkeypatch, 4)
+    use_body("compiled", 4)
     inp = make_inputs(Case(Bsz=3, T=9, Dn=4, N=3), device="cpu")
     threads = torch.get_num_threads()
     try:
