@@ -8,7 +8,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile"}
-# opt-in stages: residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof rl rlprof
+# opt-in stages: residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof serveprobe rl rlprof
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -120,13 +120,19 @@ if stage serve; then  # the serving engine: mixed and shared-prefix loads beside
   done
 fi
 if stage serveprof; then  # where the engine's time goes at 256 clients; the prefill budget swept
-  for pt in ${SERVE_PREFILL:-2048 8192 32768}; do
+  SERVE_PREFILL=${SERVE_PREFILL:-2048 8192 32768}
+  for pt in $SERVE_PREFILL; do
     echo "== bench_serve 130m, 256 clients, prefill_tokens $pt" | tee -a "$LOG"
     prof=""; [ "$pt" = "${SERVE_PREFILL%% *}" ] && prof="--profile $OUT/serve_profile.txt"
     timeout ${T_SERVEPROF:-200} python benchmarks/bench_serve.py --preset ${SERVEPROF_PRESET:-130m} \
-      --device cuda --clients 256 --no-prefix --prefill-tokens $pt $prof \
+      --device cuda --clients 256 --no-prefix --prefill-tokens $pt $prof ${SERVEPROF_ARGS:-} \
       --out "$OUT/bench_serve_prefill$pt.json" 2>&1 | grep -v "^ \|^-\|USDT" | tail -12 | tee -a "$LOG"
   done
+fi
+if stage serveprobe; then  # prefill forwards by (rows, piece length) and the decode step by batch
+  echo "== serve_probe" | tee -a "$LOG"
+  timeout ${T_SERVEPROBE:-200} python scripts/serve_probe.py --presets ${SERVEPROBE_PRESETS:-130m} \
+    --out "$OUT/serve_probe.json" 2>&1 | tee -a "$LOG"
 fi
 if stage rl; then  # small float-input backbones: the step and the T=32 training window
   echo "== bench_rl" | tee -a "$LOG"

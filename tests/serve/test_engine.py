@@ -73,19 +73,23 @@ def mixed_requests(seed: int, count: int):
 
 
 @pytest.mark.parametrize(
-    "preset, lookahead",
-    [("tiny", False), ("tiny-mamba2", False), ("tiny-mamba3", False), ("tiny", True)],
-    ids=["tiny", "tiny-mamba2", "tiny-mamba3", "tiny-lookahead"],
-)
-def test_every_choice_is_what_generate_gives_alone(model_dirs, preset, lookahead, load):
+    "preset, lookahead, deferred",
+    [("tiny", False, False), ("tiny-mamba2", False, False), ("tiny-mamba3", False, False),
+     ("tiny", True, False), ("tiny-mamba2", True, True)],
+    ids=["tiny", "tiny-mamba2", "tiny-mamba3", "tiny-lookahead", "tiny-mamba2-deferred"],
+)  # fmt: skip
+def test_every_choice_is_what_generate_gives_alone(model_dirs, preset, lookahead, deferred,
+                                                   load):  # fmt: skip
     """14 requests of mixed lengths and settings through 5 rows: requests wait, join and
     leave the batch, long prompts are prefilled in pieces over several iterations. With
     `lookahead` (the CUDA default) the tokens of a step are read after the next is
-    launched."""
+    launched; `deferred` (`async_prefill`, the CUDA default) joins a prefill at the
+    iteration after its launch, and launches the next one only then."""
     model = load(model_dirs[preset])
     oracle = load(model_dirs[preset])
     engine = Engine(model, max_batch=5, block_size=16, prefill_tokens=40, cache_bytes=0)
     engine.lookahead = lookahead
+    engine.async_prefill = deferred
     work = mixed_requests(0, 14)
     reqs = [engine.submit(p, sp) for p, sp in work]
     run_all(engine, reqs)
@@ -181,6 +185,25 @@ def test_cancel_frees_the_row_at_once(model_dirs, lookahead, load):
     assert evs[-1].finish_reason == "abort" and 0 < sum(len(e.token_ids) for e in evs) < 20
     run_all(engine, [waiting])
     assert not engine.rows and engine.metrics.finished["abort"] == 1
+
+
+def test_a_request_cancelled_while_its_prefill_runs_never_joins(model_dirs, load):
+    """With the prefill deferred (as on CUDA): a request cancelled between the launch of
+    its prefill and the join ends with "abort", takes no row, and the next request gets
+    the rows it had reserved."""
+    model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
+    engine = Engine(model, max_batch=2, block_size=16, cache_bytes=0)
+    engine.lookahead = engine.async_prefill = True
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    gone = engine.submit(list(range(10, 40)), SamplingParams(max_tokens=4, n=2))
+    engine.step()  # admitted, its prefill launched
+    assert engine._pending is not None and engine.reserved == 2 and not engine.rows
+    engine.cancel(gone)
+    nxt = engine.submit(list(range(50, 60)), greedy)
+    run_all(engine, [gone, nxt])
+    assert [e.finish_reason for e in gone.events(timeout=5)] == ["abort", "abort"]
+    assert tokens(nxt) == alone(oracle, list(range(50, 60)), greedy)
+    assert engine.reserved == 0 and not engine.rows and engine.idle
 
 
 def test_limits_and_bad_input_name_the_field(model_dirs, load):
@@ -356,7 +379,7 @@ def test_graph_paths_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, mo
         engine.prefill_graphs = PrefillGraphs(model, 16)
         engine.prefill_graphs.max_rows = 2  # groups of 3 and more run in parts
     assert engine.pool.buckets == [1, 2, 4, 6]
-    engine.lookahead = True  # as on CUDA
+    engine.lookahead = engine.async_prefill = True  # as on CUDA
     work = mixed_requests(2, 12)
     reqs = [engine.submit(p, sp) for p, sp in work]
     run_all(engine, reqs)

@@ -117,6 +117,17 @@ class Engine:
             self._zero = model.init_state(1)
             self._host = [torch.zeros(max_batch, dtype=torch.int64, pin_memory=pin) for _ in "ab"]
         self.prefill_graphs = PrefillGraphs(model, block_size) if self.graphs else None
+        # on CUDA the prefill runs on a stream of its own, beside the decode steps (which
+        # run on a stream of higher priority): a prefill delays no decode step but for
+        # the share of the device it takes. A launched prefill is joined at the first
+        # iteration that finds its event done; the next one is launched then.
+        self.async_prefill = self.device.type == "cuda"
+        self.decode_stream = self.prefill_stream = None
+        if self.device.type == "cuda":
+            with self._on_device():
+                self.decode_stream = torch.cuda.Stream(self.device, priority=-1)
+                self.prefill_stream = torch.cuda.Stream(self.device)
+        self._pending = None  # (event, requests whose prompt completes) of a launched prefill
         self.rows: list[Sequence] = []  # the choice in each leading row of the pool
         # decode: the step launched and not yet read (lookahead), two host buffers of tokens
         self.lookahead = self.device.type == "cuda"
@@ -311,6 +322,14 @@ class Engine:
     def step(self) -> None:
         """One iteration (module docstring); the loop thread calls it, or the caller when
         the engine was not started."""
+        if self.decode_stream is None:
+            self._step()
+            return
+        self.decode_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.decode_stream):
+            self._step()
+
+    def _step(self) -> None:
         with self._lock:
             new, self._inbox = self._inbox, []
             cancels, self._cancels = self._cancels, []
@@ -328,7 +347,7 @@ class Engine:
                 self._decode()
             self._flush()
             self._admit()
-            if self.prefilling:
+            if self.prefilling or self._pending is not None:
                 self._prefill()
             self._flush()
         except Exception as e:  # a bug in the bookkeeping: end what runs, keep the loop
@@ -509,8 +528,46 @@ class Engine:
             self.prefilling.append(req)
 
     def _prefill(self) -> None:
-        """Up to `prefill_tokens` prompt tokens (prefill.py), then the first tokens of the
-        prompts that are complete."""
+        """Join the prefill launched before when it is done; then launch the next: up to
+        `prefill_tokens` prompt tokens (prefill.py). Without `async_prefill` the prefill
+        launched is joined at once. Joining draws the first tokens of the prompts that
+        are complete."""
+        if self._pending is not None:
+            event, ready = self._pending
+            if event is not None:
+                if self.rows or self._inflight is not None:
+                    if not event.query():  # decode steps to run meanwhile
+                        return
+                else:
+                    event.synchronize()  # nothing else to do: wait without spinning
+            self._pending = None
+            ready = [r for r in ready if r in self.prefilling]  # not cancelled meanwhile
+            if ready:
+                self._join(ready)
+        if not self.prefilling:
+            return
+        if self.prefill_stream is None:
+            ready = self._launch_prefill()
+        else:
+            self.prefill_stream.wait_stream(self.decode_stream)
+            with torch.cuda.stream(self.prefill_stream):
+                ready = self._launch_prefill()
+        if not self.async_prefill:
+            if ready:
+                if self.prefill_stream is not None:
+                    self.decode_stream.wait_stream(self.prefill_stream)
+                self._join(ready)
+            return
+        event = None
+        if self.prefill_stream is not None:
+            event = torch.cuda.Event()
+            event.record(self.prefill_stream)
+        self._pending = (event, ready)  # the next launch waits for this one's end
+
+    def _launch_prefill(self) -> list[Request]:
+        """Enqueue the forwards of this iteration's prompt pieces, grouped by length, and
+        the cache's copies of the states they reach; the requests whose prompt they
+        complete. Nothing here waits for the device."""
         for req, target in plan_targets(self.prefilling, self.prefill_tokens, self.block_size):
             req.pieces = piece_lengths(req.pos, target, self.block_size)
         while True:
@@ -542,9 +599,7 @@ class Engine:
                 r.state, r.logits = rows_view(out, i, i + 1), logits[i]
                 if r.pos % self.block_size == 0 or r.pos == len(r.prompt):
                     self.cache.insert(r.prompt[: r.pos], r.hashes, r.state, r.logits)
-        ready = [r for r in self.prefilling if r.pos == len(r.prompt)]
-        if ready:
-            self._join(ready)
+        return [r for r in self.prefilling if r.pos == len(r.prompt)]
 
     def _join(self, ready: list[Request]) -> None:
         """Draw the first token of every choice of the prompts in `ready` and put the
@@ -553,6 +608,11 @@ class Engine:
         that ends on its first token is then stepped once more, that token dropped);
         otherwise at once."""
         seqs: list[Sequence] = []
+        if self.prefill_stream is not None:  # made on the prefill stream, read on this one
+            stream = torch.cuda.current_stream(self.device)
+            for req in ready:
+                for t in (*req.state._tensors(), req.logits):
+                    t.record_stream(stream)
         for req in ready:
             self.prefilling.remove(req)
             self.reserved -= req.params.n

@@ -4,10 +4,10 @@ B = max_batch rows, V vocabulary. The pool is one model state of B rows allocate
 (`state.py`: [L, B, ...] per field); a running choice owns one row. The rows in use are
 always rows 0 .. n-1: a choice that ends frees its row by moving the last row into it
 (one row copy), so a decode step runs on the leading rows only. On CUDA the step of
-each bucket of batch sizes (1, 2, 4, ... B) is captured once in a CUDA graph reading the
-pool's leading rows, whose addresses never change; n rows run the smallest bucket that
-holds them (the rows past n compute garbage nobody reads). On the CPU the step runs
-eagerly on exactly n rows.
+each bucket of batch sizes (`decode_buckets`: 1, 2, 4, ... 32, then every multiple of
+32, and B) is captured once in a CUDA graph reading the pool's leading rows, whose
+addresses never change; n rows run the smallest bucket that holds them (the rows past n
+compute garbage nobody reads). On the CPU the step runs eagerly on exactly n rows.
 
 Sampling runs after the step, outside the graph, with `inference.sampling.sample` on
 the rows of each distinct setting: per-row seeds and per-row token numbers feed its
@@ -65,6 +65,21 @@ def sample_rows(
     return out
 
 
+BUCKET_STEP = 32  # past this many rows, buckets grow by this many rather than doubling
+
+
+def decode_buckets(max_batch: int) -> list[int]:
+    """The batch sizes a decode graph is captured for: 1, 2, 4, ... up to `BUCKET_STEP`,
+    then every multiple of it, and `max_batch`. A step's time grows with its rows (at
+    130m on an H200, 0.69 ms at 64 rows, 0.83 at 128, 1.08 at 256), so 130 running rows
+    in a bucket of 160 rather than 256 save a fifth of the step."""
+    out = [1 << i for i in range(max_batch.bit_length()) if 1 << i <= min(BUCKET_STEP, max_batch)]
+    out += range(2 * BUCKET_STEP, max_batch, BUCKET_STEP)
+    if out[-1] != max_batch:
+        out.append(max_batch)
+    return out
+
+
 class SlotPool:
     """B state rows and the per-row decode inputs, and the batched step over rows 0 .. n-1."""
 
@@ -80,8 +95,7 @@ class SlotPool:
         self.steps = torch.zeros(max_batch, **i64)  # [B] the number of the next token drawn
         self.seen: torch.Tensor | None = None  # [B, V] bool, once a request needs it
         self.vocab = model.config.vocab_size
-        self.buckets = [1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch]
-        self.buckets.append(max_batch)
+        self.buckets = decode_buckets(max_batch)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if graphs:
             pool = torch.cuda.graph_pool_handle()
