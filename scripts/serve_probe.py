@@ -47,7 +47,7 @@ def probe(preset: str, device) -> list[dict]:
         state = model.init_state(rows)
         with torch.no_grad():
 
-            def fwd():
+            def fwd(ids=ids, state=state):
                 model.last_logits(ids, state)
 
             eager = timed(fwd, device, 3)
@@ -62,15 +62,13 @@ def probe(preset: str, device) -> list[dict]:
         tok = torch.randint(0, vocab, (b,), device=device)
         state = model.init_state(b)
         with torch.no_grad():
-            graph, _ = capture(lambda: model.step(tok, state, cuda_graph=False), warmup=2)
+            graph, _ = capture(lambda t=tok, s=state: model.step(t, s, cuda_graph=False))
             replay = timed(graph.replay, device, 20)
         del graph
         row = dict(preset=preset, kind="decode", batch=b, step_us=replay * 1e6,
                    tok_s=b / replay)  # fmt: skip
         print(json.dumps(row), flush=True)
         out.append(row)
-    del model
-    torch.cuda.empty_cache()
     return out
 
 
@@ -80,7 +78,10 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     device = torch.device("cuda")
-    rows = [r for p in args.presets for r in probe(p, device)]
+    rows = []
+    for preset in args.presets:
+        rows += probe(preset, device)
+        torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
