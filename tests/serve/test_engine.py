@@ -73,23 +73,29 @@ def mixed_requests(seed: int, count: int):
 
 
 @pytest.mark.parametrize(
-    "preset, lookahead, deferred",
-    [("tiny", False, False), ("tiny-mamba2", False, False), ("tiny-mamba3", False, False),
-     ("tiny", True, False), ("tiny-mamba2", True, True)],
-    ids=["tiny", "tiny-mamba2", "tiny-mamba3", "tiny-lookahead", "tiny-mamba2-deferred"],
+    "preset, lookahead, deferred, whole",
+    [("tiny", False, False, True), ("tiny-mamba2", False, False, True),
+     ("tiny-mamba3", False, False, True), ("tiny", True, False, True),
+     ("tiny-mamba2", True, True, True), ("tiny", False, False, False),
+     ("tiny-mamba2", False, False, False), ("tiny-mamba3", True, True, False)],
+    ids=["tiny", "tiny-mamba2", "tiny-mamba3", "tiny-lookahead", "tiny-mamba2-deferred",
+         "tiny-blocks", "tiny-mamba2-blocks", "tiny-mamba3-blocks-deferred"],
 )  # fmt: skip
 def test_every_choice_is_what_generate_gives_alone(model_dirs, preset, lookahead, deferred,
-                                                   load):  # fmt: skip
+                                                   whole, load):  # fmt: skip
     """14 requests of mixed lengths and settings through 5 rows: requests wait, join and
-    leave the batch, long prompts are prefilled in pieces over several iterations. With
-    `lookahead` (the CUDA default) the tokens of a step are read after the next is
-    launched; `deferred` (`async_prefill`, the CUDA default) joins a prefill at the
-    iteration after its launch, and launches the next one only then."""
+    leave the batch, long prompts are prefilled over several iterations. With `lookahead`
+    (the CUDA default) the tokens of a step are read after the next is launched;
+    `deferred` (`async_prefill`, the CUDA default) joins a prefill at the iteration after
+    its launch, and launches the next one only then. `whole`: prompts up to 40 tokens
+    are prefilled in one forward, left-padded (the rest block by block); else every
+    prompt runs in pieces (blocks, then powers of two) from the state before."""
     model = load(model_dirs[preset])
     oracle = load(model_dirs[preset])
     engine = Engine(model, max_batch=5, block_size=16, prefill_tokens=40, cache_bytes=0)
     engine.lookahead = lookahead
     engine.async_prefill = deferred
+    engine.whole_max = 40 if whole else 0
     work = mixed_requests(0, 14)
     reqs = [engine.submit(p, sp) for p, sp in work]
     run_all(engine, reqs)
@@ -130,13 +136,21 @@ def test_prefix_cache_hits_are_exact_and_counted(model_dirs, load):
     first = engine.submit(a, greedy)
     run_all(engine, [first])
     assert engine.cache.hits == 0 and engine.cache.misses == 1
-    # the whole prompt, a block boundary (32) of it, and its end inside a longer prompt
-    prompts = [a, a[:32] + [7, 8, 9], a + [1, 2, 3, 4, 5]]
+    # its first block was new: it ran whole, and only its end state was kept. The whole
+    # prompt, and its end inside a longer prompt, hit; a prompt that shares the first 32
+    # tokens does not, but its first block was seen: it runs block by block, and keeps the
+    # state at each boundary, which the last prompt finds
+    prompts = [a, a + [1, 2, 3, 4, 5], a[:32] + [7, 8, 9]]
     reqs = [engine.submit(p, greedy) for p in prompts]
     run_all(engine, reqs)
-    assert engine.cache.hits == 3 and engine.cache.hit_tokens == 40 + 32 + 40
-    assert engine.metrics.prefill_tokens == 40 + 3 + 5
-    for p, req in zip([a, *prompts], [first, *reqs]):
+    assert engine.cache.hits == 2 and engine.cache.hit_tokens == 40 + 40
+    assert not reqs[2].whole
+    last = a[:32] + [4, 4]
+    reqs.append(engine.submit(last, greedy))
+    run_all(engine, reqs)
+    assert engine.cache.hits == 3 and engine.cache.hit_tokens == 40 + 40 + 32
+    assert engine.metrics.prefill_tokens == 40 + 5 + 35 + 2
+    for p, req in zip([a, *prompts, last], [first, *reqs]):
         assert tokens(req) == alone(oracle, p, greedy)
 
 
@@ -335,8 +349,8 @@ def test_prefill_pieces_share_forwards():
     assert list(piece_lengths(300, 520, 256)) == [128, 64, 16, 4, 8]
 
     class R:
-        def __init__(self, n, pos=0):
-            self.prompt, self.pos = [0] * n, pos
+        def __init__(self, n, pos=0, whole=False):
+            self.prompt, self.pos, self.whole = [0] * n, pos, whole
 
     a, b, c = R(1000), R(50), R(10)
     # a stops at a block boundary within the budget; the first always advances
@@ -344,6 +358,11 @@ def test_prefill_pieces_share_forwards():
     assert [t for _, t in plan_targets([a, b, c], 600, 256)] == [512, 50, 10]
     assert [t for _, t in plan_targets([b, c, a], 600, 256)] == [50, 10, 512]
     assert [t for _, t in plan_targets([a], 100, 256)] == [256]
+    # a whole prompt goes all the way, or waits when others came first
+    w = R(700, whole=True)
+    assert [t for _, t in plan_targets([w, b], 100, 256)] == [700]
+    assert [t for _, t in plan_targets([b, w, c], 600, 256)] == [50]
+    assert [t for _, t in plan_targets([b, w, c], 800, 256)] == [50, 700, 10]
 
 
 def test_graph_paths_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, monkeypatch):
@@ -380,14 +399,17 @@ def test_graph_paths_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, mo
         engine.prefill_graphs.max_rows = 2  # groups of 3 and more run in parts
     assert engine.pool.buckets == [1, 2, 4, 6]
     engine.lookahead = engine.async_prefill = True  # as on CUDA
+    engine.whole_max = 40  # prompts up to 40 tokens whole, longer ones in pieces
     work = mixed_requests(2, 12)
     reqs = [engine.submit(p, sp) for p, sp in work]
     run_all(engine, reqs)
     for (prompt, sp), req in zip(work, reqs):
         assert tokens(req) == alone(oracle, prompt, sp), (len(prompt), sp)
     assert engine.prefill_graphs.graphs  # the pieces ran from the stand-in graphs
+    # rows 1, 2; pieces 1 ... 16, and whole prompts of 16 ... 64 tokens
+    engine.whole_max = 64
     engine.warmup()
-    assert len(engine.prefill_graphs.graphs) == 2 * 5  # rows 1, 2; pieces 1 ... 16
+    assert len(engine.prefill_graphs.graphs) == 2 * (5 + 3)
 
 
 @pytest.mark.gpu

@@ -15,10 +15,12 @@ One thread (the engine loop) does all the model work. Each iteration:
    before the prefill work starts;
 3. admits waiting requests while rows are free (a request of n choices needs n), looks
    their prompt up in the prefix cache, and prefills up to `prefill_tokens` prompt
-   tokens over the admitted prompts (`prefill.py`): the time a long prompt adds to an
-   iteration, and so to the running streams' inter-token latency, is bounded by that
-   budget. A prompt whose prefill completes draws its first token from the prompt's
-   last logits and joins the decode batch.
+   tokens over the admitted prompts (`prefill.py`: whole prompts many to a forward, or
+   block by block). On CUDA that prefill runs on a stream of its own, beside the next
+   decode steps, and is joined at the first iteration that finds it done; elsewhere at
+   once (then the budget bounds the time a prompt adds to an iteration). A prompt
+   whose prefill completes draws its first token from the prompt's last logits and
+   joins the decode batch.
 
 Requests beyond the free rows wait in a queue of at most `max_queue`; `submit` raises
 `QueueFull` beyond it. An exception while handling one request ends that request with
@@ -36,7 +38,7 @@ import random
 import threading
 import time
 import traceback
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from contextlib import nullcontext
 
@@ -47,9 +49,19 @@ from ..threads import apply_threads
 from .cache import PrefixCache, prefix_hashes
 from .metrics import Metrics
 from .params import EngineStopped, Event, QueueFull, SamplingParams
-from .prefill import PrefillGraphs, piece_lengths, plan_targets, stack_rows
+from .prefill import (
+    WHOLE_MAX,
+    PrefillGraphs,
+    left_padded,
+    piece_lengths,
+    plan_targets,
+    stack_rows,
+    whole_bucket,
+)
 from .request import Completion, PromptTooLong, Request, Sequence
 from .slots import SlotPool, rows_view, sample_rows, to_device
+
+HEADS_KEPT = 1 << 16  # first blocks remembered (`Engine._new_head`)
 
 
 class Engine:
@@ -128,6 +140,12 @@ class Engine:
                 self.decode_stream = torch.cuda.Stream(self.device, priority=-1)
                 self.prefill_stream = torch.cuda.Stream(self.device)
         self._pending = None  # (event, requests whose prompt completes) of a launched prefill
+        # prompts of at most `whole_max` tokens that start from zeros are prefilled in one
+        # forward each, many prompts in one (`_prefill_whole`), rather than block by block;
+        # with the prefix cache on, only when their first block is new: the states at the
+        # block boundaries are kept for a prompt whose first block was seen before
+        self.whole_max = WHOLE_MAX
+        self._heads: OrderedDict[int, None] = OrderedDict()  # first blocks seen (hashes)
         self.rows: list[Sequence] = []  # the choice in each leading row of the pool
         # decode: the step launched and not yet read (lookahead), two host buffers of tokens
         self.lookahead = self.device.type == "cuda"
@@ -229,7 +247,7 @@ class Engine:
         need one pay for its capture. Call before `start`."""
         if self.prefill_graphs is not None:
             with self._on_device():
-                self.prefill_graphs.warmup(self.device)
+                self.prefill_graphs.warmup(self.device, self.whole_max)
 
     def _on_device(self):
         """The model's CUDA device as the current one (graphs capture on the current
@@ -525,7 +543,22 @@ class Engine:
                 if hit is not None:
                     req.pos = req.cached = len(hit.tokens)
                     req.state, req.logits = hit.state, hit.logits
+            req.whole = req.pos == 0 and len(req.prompt) <= self.whole_max and self._new_head(req)
             self.prefilling.append(req)
+
+    def _new_head(self, req: Request) -> bool:
+        """Whether `req` (starting from zeros) may be prefilled whole: no cache, a prompt
+        shorter than a block, or a first block not seen before (noted now). The first
+        prompt with a new system prompt runs whole; the next one keeps its block states."""
+        if not self.cache.enabled or len(req.prompt) < self.block_size:
+            return True
+        head = req.hashes[self.block_size - 1]
+        seen = head in self._heads
+        self._heads[head] = None
+        self._heads.move_to_end(head)
+        if len(self._heads) > HEADS_KEPT:
+            self._heads.popitem(last=False)
+        return not seen
 
     def _prefill(self) -> None:
         """Join the prefill launched before when it is done; then launch the next: up to
@@ -568,8 +601,14 @@ class Engine:
         """Enqueue the forwards of this iteration's prompt pieces, grouped by length, and
         the cache's copies of the states they reach; the requests whose prompt they
         complete. Nothing here waits for the device."""
+        whole = []
         for req, target in plan_targets(self.prefilling, self.prefill_tokens, self.block_size):
-            req.pieces = piece_lengths(req.pos, target, self.block_size)
+            if req.whole:
+                whole.append(req)
+            else:
+                req.pieces = piece_lengths(req.pos, target, self.block_size)
+        if whole:
+            self._prefill_whole(whole)
         while True:
             active = [r for r in self.prefilling if r.pieces]
             if not active:
@@ -600,6 +639,37 @@ class Engine:
                 if r.pos % self.block_size == 0 or r.pos == len(r.prompt):
                     self.cache.insert(r.prompt[: r.pos], r.hashes, r.state, r.logits)
         return [r for r in self.prefilling if r.pos == len(r.prompt)]
+
+    def _prefill_whole(self, reqs: list[Request]) -> None:
+        """Prefill whole prompts from zeros: on CUDA grouped by the power of two their
+        length pads to (one captured forward for each group, `PrefillGraphs.run_whole`),
+        else by length."""
+        groups: dict[int, list[Request]] = {}
+        pad = self.device.type == "cuda"
+        for r in reqs:
+            n = len(r.prompt)
+            groups.setdefault(whole_bucket(n) if pad else n, []).append(r)
+        for n, group in groups.items():
+            try:
+                prompts = [r.prompt for r in group]
+                done = None
+                if self.prefill_graphs is not None:
+                    done = self.prefill_graphs.run_whole(prompts, self.device)
+                if done is None:
+                    ids, seq_idx = left_padded(prompts, n, self.device)
+                    done = self.model.last_logits(ids, None, seq_idx)
+                logits, out = done
+            except Exception as e:
+                msg = f"prefill failed: {type(e).__name__}: {e}"
+                for r in group:
+                    self._end_request(r, "error", msg)
+                continue
+            with self.metrics.lock:
+                self.metrics.prefill_tokens += sum(map(len, prompts))
+            for i, r in enumerate(group):
+                r.pos = len(r.prompt)
+                r.state, r.logits = rows_view(out, i, i + 1), logits[i]
+                self.cache.insert(r.prompt, r.hashes, r.state, r.logits)
 
     def _join(self, ready: list[Request]) -> None:
         """Draw the first token of every choice of the prompts in `ready` and put the

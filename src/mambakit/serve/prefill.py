@@ -10,6 +10,13 @@ every prompt whose next piece has that round's length: at most log2(P) + 1 forwa
 plus one per whole block, whatever the number of prompts, each with the prompts'
 states stacked as its initial state. A forward over a piece from a state gives the
 same state and last logits as the prompt run whole (up to the rounding of f32 sums).
+
+A prompt that starts from zeros (no cached prefix) needs no state before it, so it can
+run whole instead: one forward for many prompts, each left-padded to a common bucket
+length with `seq_idx` marking the filler (as `generate` prefills ragged prompts). That
+keeps only the state at the prompt's end; the engine does it for prompts whose first
+block it has not seen before (`Engine._new_head`), and runs the others block by block
+so that the states at their boundaries go into the prefix cache.
 """
 
 from __future__ import annotations
@@ -46,15 +53,40 @@ def stack_rows(states: list[ModelState | None], zero: ModelState) -> ModelState 
     return type(zero)(*(torch.cat(ts, dim=1) for ts in fields))
 
 
+def whole_bucket(n: int) -> int:
+    """The length a prompt of n tokens prefilled whole is left-padded to (on CUDA): a
+    power of two from `WHOLE_MIN` up to `WHOLE_STEP`, then a multiple of `WHOLE_STEP`
+    (the filler is at most a fifth of a forward past 1,024 tokens)."""
+    if n > WHOLE_STEP:
+        return -(-n // WHOLE_STEP) * WHOLE_STEP
+    return max(WHOLE_MIN, 1 << (n - 1).bit_length())
+
+
+def whole_buckets(whole_max: int) -> list[int]:
+    """Every bucket of prompts up to `whole_max` tokens."""
+    out, n = [], 1
+    while n <= whole_max:
+        out.append(whole_bucket(n))
+        n = out[-1] + 1
+    return out
+
+
 def plan_targets(prefilling: list, budget: int, block: int) -> list[tuple[object, int]]:
     """(request, the position its prefill reaches in this iteration), first come first
     served, within `budget` prompt tokens: a request stops at a block boundary unless it
-    finishes its prompt; the first one always advances by at least one piece."""
+    finishes its prompt; the first one always advances by at least one piece. A request
+    prefilled whole (`whole`) goes all the way or waits for the next iteration."""
     plan = []
     for req in prefilling:
         if budget <= 0:
             break
         end = len(req.prompt)
+        if req.whole:
+            if plan and end - req.pos > budget:
+                break
+            plan.append((req, end))
+            budget -= end - req.pos
+            continue
         target = min(end, req.pos + budget)
         if target < end:
             aligned = (target // block) * block
@@ -68,6 +100,9 @@ def plan_targets(prefilling: list, budget: int, block: int) -> list[tuple[object
     return plan
 
 
+WHOLE_MIN = 16  # the shortest bucket of a prompt prefilled whole
+WHOLE_STEP = 256  # past this length, the buckets of whole prompts grow by this much
+WHOLE_MAX = 2048  # prompts prefilled whole have at most this many tokens
 GRAPH_STATE_BYTES = 2 << 30  # the static state buffers of the prefill graphs, at most
 GRAPH_MAX_ROWS = 16  # rows of a captured prefill at most (a larger group runs in parts)
 
@@ -97,10 +132,12 @@ class PrefillGraphs:
         self.lengths = [1 << i for i in range(block_size.bit_length()) if 1 << i < block_size]
         self.lengths.append(block_size)
 
-    def _entry(self, rows: int, n: int, device):
+    def _entry(self, rows: int, n: int, device, whole: bool = False):
+        """The graph of a (rows, n) piece, and its ids buffer: from the state buffer, or
+        (`whole`) from zeros with a `seq_idx` buffer marking each row's left filler."""
         from ..inference.cuda_graph import capture
 
-        key = (rows, n)
+        key = (rows, n, whole)
         if key in self.graphs:
             return self.graphs[key]
         if rows not in self.buffers:
@@ -113,22 +150,27 @@ class PrefillGraphs:
             )
         state_in, state_out, logits_out = self.buffers[rows]
         ids = torch.zeros(rows, n, dtype=torch.int64, device=device)
+        seq = torch.zeros(rows, n, dtype=torch.int32, device=device) if whole else None
 
         def fn():
-            logits, state = self.model.last_logits(ids, state_in)
+            logits, state = self.model.last_logits(ids, None if whole else state_in, seq)
             state_out.copy_(state)
             logits_out.copy_(logits)
 
         graph, _ = capture(fn, warmup=2, pool=self.pool)
-        self.graphs[key] = (graph, ids)
+        self.graphs[key] = (graph, ids, seq)
         return self.graphs[key]
 
-    def warmup(self, device) -> None:
-        """Capture every graph now (a capture mid-service would stall an iteration)."""
+    def warmup(self, device, whole_max: int = 0) -> None:
+        """Capture every graph now (a capture mid-service would stall an iteration): the
+        pieces', and the whole prompts' up to `whole_max` tokens."""
         for rows in (1 << i for i in range(self.max_rows.bit_length())):
             for n in self.lengths:
                 if self.enabled:
                     self._run([[0] * n] * rows, None, device)
+            for n in whole_buckets(whole_max):
+                if self.enabled:
+                    self._run_whole([[0] * n] * rows, n, device)
 
     def run(self, ids: list[list[int]], state: ModelState | None, device):
         """(logits [g, V], state [L, g, ...]) of the pieces `ids` (g rows of one length) from
@@ -144,23 +186,55 @@ class PrefillGraphs:
             if out is None:
                 return None
             parts.append(out)
-        if len(parts) == 1:
-            return parts[0]
-        logits = torch.cat([p[0] for p in parts])
-        fields = zip(*(p[1]._tensors() for p in parts))
-        return logits, type(parts[0][1])(*(torch.cat(ts, dim=1) for ts in fields))
+        return join_parts(parts)
 
-    def _run(self, ids, state, device):
+    def run_whole(self, prompts: list[list[int]], device):
+        """(logits [g, V], state [L, g, ...]) of whole prompts from zeros, each left-padded to
+        the bucket of the longest (`whole_bucket`), or None when the graphs are off."""
+        if not self.enabled:
+            return None
+        n = whole_bucket(max(map(len, prompts)))
+        parts = []
+        for i in range(0, len(prompts), self.max_rows):
+            out = self._run_whole(prompts[i : i + self.max_rows], n, device)
+            if out is None:
+                return None
+            parts.append(out)
+        return join_parts(parts)
+
+    def _replay(self, rows: int, g: int, graph):
         from ..inference.plan import refresh
 
-        g, n = len(ids), len(ids[0])
+        refresh(self.model)
+        graph.replay()
+        _, state_out, logits_out = self.buffers[rows]
+        rows_out = (t[:, :g].clone() for t in state_out._tensors())
+        return logits_out[:g].clone(), type(state_out)(*rows_out)
+
+    def _run_whole(self, prompts, n, device):
+        g = len(prompts)
         rows = 1 << (g - 1).bit_length()
         try:
-            graph, buf = self._entry(rows, n, device)
+            graph, buf, seq = self._entry(rows, n, device, whole=True)
         except Exception:  # a capture that fails: eager from now on
             self.enabled = False
             return None
-        state_in, state_out, logits_out = self.buffers[rows]
+        ids, seq_idx = left_padded(prompts, n, device)
+        buf[:g].copy_(ids)
+        buf[g:].zero_()
+        seq[:g].copy_(seq_idx)
+        seq[g:].zero_()
+        return self._replay(rows, g, graph)
+
+    def _run(self, ids, state, device):
+        g, n = len(ids), len(ids[0])
+        rows = 1 << (g - 1).bit_length()
+        try:
+            graph, buf, _ = self._entry(rows, n, device)
+        except Exception:  # a capture that fails: eager from now on
+            self.enabled = False
+            return None
+        state_in = self.buffers[rows][0]
         buf[:g].copy_(to_device(ids, device))
         buf[g:].zero_()
         if state is None:
@@ -169,7 +243,30 @@ class PrefillGraphs:
             for dst, src in zip(state_in._tensors(), state._tensors()):
                 dst[:, :g].copy_(src)
                 dst[:, g:].zero_()
-        refresh(self.model)
-        graph.replay()
-        rows_out = (t[:, :g].clone() for t in state_out._tensors())
-        return logits_out[:g].clone(), type(state_out)(*rows_out)
+        return self._replay(rows, g, graph)
+
+
+def left_padded(prompts: list[list[int]], n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as rows of n tokens, each at the end of its row after filler tokens (0):
+    ids [g, n] int64 and seq_idx [g, n] int32 (0 on the filler, 1 on the prompt). The
+    change of seq_idx zeroes the state where the prompt starts, so each row's final state
+    and last logits are its prompt's from a zero state (generate.py does the same)."""
+    host = torch.zeros(len(prompts), n, dtype=torch.int64)
+    for i, p in enumerate(prompts):
+        host[i, n - len(p) :] = torch.tensor(p, dtype=torch.int64)
+    if device.type == "cuda":
+        ids = host.pin_memory().to(device, non_blocking=True)
+    else:
+        ids = host
+    starts = to_device([n - len(p) for p in prompts], device)
+    seq_idx = torch.arange(n, device=device) >= starts[:, None]
+    return ids, seq_idx.to(torch.int32)
+
+
+def join_parts(parts: list[tuple]) -> tuple:
+    """(logits, state) of row groups run apart, as one."""
+    if len(parts) == 1:
+        return parts[0]
+    logits = torch.cat([p[0] for p in parts])
+    fields = zip(*(p[1]._tensors() for p in parts))
+    return logits, type(parts[0][1])(*(torch.cat(ts, dim=1) for ts in fields))

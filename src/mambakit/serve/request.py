@@ -103,6 +103,7 @@ class Request:
         self.state: ModelState | None = None  # after prompt[:pos], one row
         self.logits: torch.Tensor | None = None  # [V] at prompt[pos - 1]
         self.pieces: deque[int] = deque()
+        self.whole = False  # prefilled in one piece from zeros (Engine._admit)
         self.cached = 0  # prompt tokens found in the prefix cache
         self.sampling = params.sampling  # the engine's one object for equal settings
 
