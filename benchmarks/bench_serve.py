@@ -325,7 +325,7 @@ def main() -> None:
     ap.add_argument("--prefix-clients", type=int, default=16)
     ap.add_argument("--prefix-requests", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=256)
-    ap.add_argument("--prefill-tokens", type=int, default=2048)
+    ap.add_argument("--prefill-tokens", type=int, default=16384)
     ap.add_argument("--cache-gib", type=float, default=4.0)
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument("--seed", type=int, default=0)

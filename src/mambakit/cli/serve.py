@@ -43,7 +43,7 @@ def add_parser(sub) -> None:
     p.add_argument("--cache-gib", type=float, default=1.0, help="prefix-state cache (0: off)")
     p.add_argument("--block-size", type=int, default=256, help="prefix-cache block in tokens")
     p.add_argument(
-        "--prefill-tokens", type=int, default=2048, help="prompt tokens prefilled per iteration"
+        "--prefill-tokens", type=int, default=16384, help="prompt tokens prefilled per launch"
     )
     p.add_argument("--max-prompt-tokens", type=int, default=32768, help="longer prompts: 413")
     p.add_argument("--max-tokens", type=int, default=4096, help="the largest max_tokens allowed")

@@ -73,8 +73,10 @@ class Engine:
     eos_token_id: a choice that draws it ends with "stop" (unless `ignore_eos`).
     block_size: prefill pieces never cross a multiple of it; the prefix cache keeps the
         state at each multiple inside a prompt and at the prompt's end.
-    prefill_tokens: prompt tokens prefilled per iteration at most (the bound on the
-        delay a new prompt adds to running streams).
+    prefill_tokens: prompt tokens in one prefill launch at most. On CUDA a launch runs
+        beside the decode steps and the next waits for its end (larger launches group
+        more prompts to a forward); elsewhere it bounds the time a new prompt adds to an
+        iteration.
     cache_bytes: the prefix cache's budget on the device (0: off).
     max_queue: requests waiting for a free row at most.
     max_prompt_tokens: longer prompts are refused (`PromptTooLong`).
@@ -90,7 +92,7 @@ class Engine:
         eos_token_id: int | None = None,
         max_batch: int = 64,
         block_size: int = 256,
-        prefill_tokens: int = 2048,
+        prefill_tokens: int = 16384,
         cache_bytes: int = 1 << 30,
         max_queue: int = 1024,
         max_prompt_tokens: int = 32768,
@@ -641,15 +643,22 @@ class Engine:
         return [r for r in self.prefilling if r.pos == len(r.prompt)]
 
     def _prefill_whole(self, reqs: list[Request]) -> None:
-        """Prefill whole prompts from zeros: on CUDA grouped by the power of two their
-        length pads to (one captured forward for each group, `PrefillGraphs.run_whole`),
-        else by length."""
-        groups: dict[int, list[Request]] = {}
-        pad = self.device.type == "cuda"
-        for r in reqs:
-            n = len(r.prompt)
-            groups.setdefault(whole_bucket(n) if pad else n, []).append(r)
-        for n, group in groups.items():
+        """Prefill whole prompts from zeros. On CUDA in groups of up to the captured rows
+        (16) of similar lengths (the prompts sorted by length, cut into groups), each one
+        forward padded to the bucket of its longest (`PrefillGraphs.run_whole`): few large
+        forwards, the filler a fraction of each; elsewhere grouped by exact length."""
+        if self.device.type == "cuda" or self.prefill_graphs is not None:
+            size = self.prefill_graphs.max_rows if self.prefill_graphs is not None else 16
+            reqs = sorted(reqs, key=lambda r: len(r.prompt))
+            groups = {}
+            for i in range(0, len(reqs), size):
+                group = reqs[i : i + size]
+                groups[(i, whole_bucket(len(group[-1].prompt)))] = group
+        else:
+            groups: dict = {}
+            for r in reqs:
+                groups.setdefault((0, len(r.prompt)), []).append(r)
+        for (_, n), group in groups.items():
             try:
                 prompts = [r.prompt for r in group]
                 done = None
