@@ -220,6 +220,32 @@ def test_a_request_cancelled_while_its_prefill_runs_never_joins(model_dirs, load
     assert engine.reserved == 0 and not engine.rows and engine.idle
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["whole", "blocks"])
+def test_a_prefill_that_raises_ends_only_its_requests(model_dirs, load, monkeypatch, whole):
+    """A forward that fails during the prefill ends the requests of that forward (the
+    prompts sharing it) with an error event naming it and frees their rows; the others
+    run on, as generate gives."""
+    model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
+    real = model.last_logits
+
+    def last_logits(ids, *args, **kwargs):
+        if (ids == 255).any():
+            raise RuntimeError("the forward broke")
+        return real(ids, *args, **kwargs)
+
+    monkeypatch.setattr(model, "last_logits", last_logits)
+    engine = Engine(model, max_batch=2, block_size=16, cache_bytes=0)
+    engine.whole_max = 64 if whole else 0
+    greedy = SamplingParams(max_tokens=5, temperature=0)
+    bad = engine.submit([255] * 20, greedy)
+    good = engine.submit(list(range(8)), greedy)  # no piece length in common with bad's
+    run_all(engine, [bad, good])
+    evs = list(bad.events(timeout=5))
+    assert evs[-1].finish_reason == "error" and "the forward broke" in evs[-1].error
+    assert tokens(good) == alone(oracle, list(range(8)), greedy)
+    assert engine.reserved == 0 and engine.idle
+
+
 def test_limits_and_bad_input_name_the_field(model_dirs, load):
     engine = Engine(load(model_dirs["tiny"]), max_batch=2, max_queue=1, max_prompt_tokens=8)
     for kw, field in [(dict(top_p=2.0), "top_p"), (dict(temperature=-1), "temperature"),

@@ -617,8 +617,9 @@ class Engine:
                 break
             size = max(r.pieces[0] for r in active)
             group = [r for r in active if r.pieces[0] == size]
-            try:
-                pieces = [r.prompt[r.pos : r.pos + size] for r in group]
+            pieces = [r.prompt[r.pos : r.pos + size] for r in group]
+
+            def forward(group=group, pieces=pieces):
                 state = stack_rows([r.state for r in group], self._zero)
                 done = None
                 if self.prefill_graphs is not None:
@@ -626,20 +627,11 @@ class Engine:
                 if done is None:
                     ids = torch.tensor(pieces, dtype=torch.int64, device=self.device)
                     done = self.model.last_logits(ids, state)
-                logits, out = done
-            except Exception as e:
-                msg = f"prefill failed: {type(e).__name__}: {e}"
-                for r in group:
-                    self._end_request(r, "error", msg)
-                continue
-            with self.metrics.lock:
-                self.metrics.prefill_tokens += size * len(group)
-            for i, r in enumerate(group):
+                return done
+
+            for r in group:
                 r.pieces.popleft()
-                r.pos += size
-                r.state, r.logits = rows_view(out, i, i + 1), logits[i]
-                if r.pos % self.block_size == 0 or r.pos == len(r.prompt):
-                    self.cache.insert(r.prompt[: r.pos], r.hashes, r.state, r.logits)
+            self._forward_group(group, forward, [r.pos + size for r in group])
         return [r for r in self.prefilling if r.pos == len(r.prompt)]
 
     def _prefill_whole(self, reqs: list[Request]) -> None:
@@ -659,26 +651,38 @@ class Engine:
             for r in reqs:
                 groups.setdefault((0, len(r.prompt)), []).append(r)
         for (_, n), group in groups.items():
-            try:
-                prompts = [r.prompt for r in group]
+            prompts = [r.prompt for r in group]
+
+            def forward(prompts=prompts, n=n):
                 done = None
                 if self.prefill_graphs is not None:
                     done = self.prefill_graphs.run_whole(prompts, self.device)
                 if done is None:
                     ids, seq_idx = left_padded(prompts, n, self.device)
                     done = self.model.last_logits(ids, None, seq_idx)
-                logits, out = done
-            except Exception as e:
-                msg = f"prefill failed: {type(e).__name__}: {e}"
-                for r in group:
-                    self._end_request(r, "error", msg)
-                continue
-            with self.metrics.lock:
-                self.metrics.prefill_tokens += sum(map(len, prompts))
-            for i, r in enumerate(group):
-                r.pos = len(r.prompt)
-                r.state, r.logits = rows_view(out, i, i + 1), logits[i]
-                self.cache.insert(r.prompt, r.hashes, r.state, r.logits)
+                return done
+
+            self._forward_group(group, forward, [len(p) for p in prompts])
+
+    def _forward_group(self, group: list[Request], forward, ends: list[int]) -> None:
+        """Run `forward` (-> logits [g, V], state [L, g, ...]) that takes the requests of
+        `group` to positions `ends`; keep each one's state row and last logits, and give
+        the cache those at a block boundary or a prompt's end. A forward that fails ends
+        the requests of the group with an error."""
+        try:
+            logits, out = forward()
+        except Exception as e:
+            msg = f"prefill failed: {type(e).__name__}: {e}"
+            for r in group:
+                self._end_request(r, "error", msg)
+            return
+        with self.metrics.lock:
+            self.metrics.prefill_tokens += sum(end - r.pos for r, end in zip(group, ends))
+        for i, (r, end) in enumerate(zip(group, ends)):
+            r.pos = end
+            r.state, r.logits = rows_view(out, i, i + 1), logits[i]
+            if end % self.block_size == 0 or end == len(r.prompt):
+                self.cache.insert(r.prompt[:end], r.hashes, r.state, r.logits)
 
     def _join(self, ready: list[Request]) -> None:
         """Draw the first token of every choice of the prompts in `ready` and put the
