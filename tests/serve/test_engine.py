@@ -201,6 +201,16 @@ def test_cancel_frees_the_row_at_once(model_dirs, lookahead, load):
     assert not engine.rows and engine.metrics.finished["abort"] == 1
 
 
+def test_whole_prompts_stay_within_the_prefill_budget(model_dirs, load):
+    """A prompt longer than `prefill_tokens` is never prefilled whole (in one piece past
+    the budget): it runs block by block over several iterations."""
+    model = load(model_dirs["tiny"])
+    engine = Engine(model, max_batch=2, block_size=16, prefill_tokens=24, cache_bytes=0)
+    short, long = engine.submit(list(range(20)), None), engine.submit(list(range(30)), None)
+    engine.step()
+    assert short.whole and not long.whole
+
+
 def test_a_request_cancelled_while_its_prefill_runs_never_joins(model_dirs, load):
     """With the prefill deferred (as on CUDA): a request cancelled between the launch of
     its prefill and the join ends with "abort", takes no row, and the next request gets
@@ -436,6 +446,23 @@ def test_graph_paths_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, mo
     engine.whole_max = 64
     engine.warmup()
     assert len(engine.prefill_graphs.graphs) == 2 * (5 + 3)
+    # a whole prompts' capture that fails: those run eagerly, the pieces keep their graphs
+    graphs = engine.prefill_graphs
+    graphs.graphs = {k: v for k, v in graphs.graphs.items() if not k[2]}
+    real_entry = graphs._entry
+
+    def entry(rows, n, device, whole=False):
+        if whole:
+            raise RuntimeError("out of memory")
+        return real_entry(rows, n, device, whole)
+
+    monkeypatch.setattr(graphs, "_entry", entry)
+    work = mixed_requests(5, 8)
+    reqs = [engine.submit(p, sp) for p, sp in work]
+    run_all(engine, reqs)
+    for (prompt, sp), req in zip(work, reqs):
+        assert tokens(req) == alone(oracle, prompt, sp), (len(prompt), sp)
+    assert graphs.enabled and not graphs.whole_enabled
 
 
 @pytest.mark.gpu

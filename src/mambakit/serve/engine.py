@@ -142,7 +142,8 @@ class Engine:
                 self.decode_stream = torch.cuda.Stream(self.device, priority=-1)
                 self.prefill_stream = torch.cuda.Stream(self.device)
         self._pending = None  # (event, requests whose prompt completes) of a launched prefill
-        # prompts of at most `whole_max` tokens that start from zeros are prefilled in one
+        # prompts of at most `whole_max` tokens (and at most `prefill_tokens`) that start
+        # from zeros are prefilled in one
         # forward each, many prompts in one (`_prefill_whole`), rather than block by block;
         # with the prefix cache on, only when their first block is new: the states at the
         # block boundaries are kept for a prompt whose first block was seen before
@@ -545,7 +546,8 @@ class Engine:
                 if hit is not None:
                     req.pos = req.cached = len(hit.tokens)
                     req.state, req.logits = hit.state, hit.logits
-            req.whole = req.pos == 0 and len(req.prompt) <= self.whole_max and self._new_head(req)
+            short = len(req.prompt) <= min(self.whole_max, self.prefill_tokens)
+            req.whole = req.pos == 0 and short and self._new_head(req)
             self.prefilling.append(req)
 
     def _new_head(self, req: Request) -> bool:
@@ -595,7 +597,7 @@ class Engine:
             return
         event = None
         if self.prefill_stream is not None:
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # its synchronize() sleeps, not spins
             event.record(self.prefill_stream)
         self._pending = (event, ready)  # the next launch waits for this one's end
 

@@ -122,7 +122,8 @@ class PrefillGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], tuple] = {}  # (rows, n) -> (graph, ids buffer)
         self.buffers: dict[int, tuple] = {}  # rows -> (state in, state out, logits)
-        self.enabled = True
+        self.enabled = True  # the pieces' graphs
+        self.whole_enabled = True  # the whole prompts' (a failed capture turns off its kind)
         row = model.init_state(1)
         row_bytes = sum(t.numel() * t.element_size() for t in row._tensors())
         rows = 1  # buckets 1, 2, ... R hold 2 states of 2R - 1 rows in all
@@ -163,13 +164,16 @@ class PrefillGraphs:
 
     def warmup(self, device, whole_max: int = 0) -> None:
         """Capture every graph now (a capture mid-service would stall an iteration): the
-        pieces', and the whole prompts' up to `whole_max` tokens."""
-        for rows in (1 << i for i in range(self.max_rows.bit_length())):
+        pieces', then the whole prompts' up to `whole_max` tokens (the largest ones, which
+        a capture is likeliest to fail on for want of memory, last)."""
+        buckets = [1 << i for i in range(self.max_rows.bit_length())]
+        for rows in buckets:
             for n in self.lengths:
                 if self.enabled:
                     self._run([[0] * n] * rows, None, device)
-            for n in whole_buckets(whole_max):
-                if self.enabled:
+        for n in whole_buckets(whole_max):
+            for rows in buckets:
+                if self.whole_enabled:
                     self._run_whole([[0] * n] * rows, n, device)
 
     def run(self, ids: list[list[int]], state: ModelState | None, device):
@@ -191,7 +195,7 @@ class PrefillGraphs:
     def run_whole(self, prompts: list[list[int]], device):
         """(logits [g, V], state [L, g, ...]) of whole prompts from zeros, each left-padded to
         the bucket of the longest (`whole_bucket`), or None when the graphs are off."""
-        if not self.enabled:
+        if not self.whole_enabled:
             return None
         n = whole_bucket(max(map(len, prompts)))
         parts = []
@@ -216,8 +220,8 @@ class PrefillGraphs:
         rows = 1 << (g - 1).bit_length()
         try:
             graph, buf, seq = self._entry(rows, n, device, whole=True)
-        except Exception:  # a capture that fails: eager from now on
-            self.enabled = False
+        except Exception:  # a capture that fails: whole prompts run eagerly from now on
+            self.whole_enabled = False
             return None
         ids, seq_idx = left_padded(prompts, n, device)
         buf[:g].copy_(ids)

@@ -5,9 +5,10 @@ B = max_batch rows, V vocabulary. The pool is one model state of B rows allocate
 always rows 0 .. n-1: a choice that ends frees its row by moving the last row into it
 (one row copy), so a decode step runs on the leading rows only. On CUDA the step of
 each bucket of batch sizes (`decode_buckets`: 1, 2, 4, ... 32, then every multiple of
-32, and B) is captured once in a CUDA graph reading the pool's leading rows, whose
-addresses never change; n rows run the smallest bucket that holds them (the rows past n
-compute garbage nobody reads). On the CPU the step runs eagerly on exactly n rows.
+32, and B; coarser for B past 256) is captured once in a CUDA graph reading the pool's
+leading rows, whose addresses never change; n rows run the smallest bucket that holds
+them (the rows past n compute garbage nobody reads). On the CPU the step runs eagerly on
+exactly n rows.
 
 Sampling runs after the step, outside the graph, with `inference.sampling.sample` on
 the rows of each distinct setting: per-row seeds and per-row token numbers feed its
@@ -65,16 +66,19 @@ def sample_rows(
     return out
 
 
-BUCKET_STEP = 32  # past this many rows, buckets grow by this many rather than doubling
+BUCKET_STEP = 32  # past this many rows, buckets grow by a multiple of it, not doubling
 
 
 def decode_buckets(max_batch: int) -> list[int]:
-    """The batch sizes a decode graph is captured for: 1, 2, 4, ... up to `BUCKET_STEP`,
-    then every multiple of it, and `max_batch`. A step's time grows with its rows (at
-    130m on an H200, 0.69 ms at 64 rows, 0.83 at 128, 1.08 at 256), so 130 running rows
-    in a bucket of 160 rather than 256 save a fifth of the step."""
-    out = [1 << i for i in range(max_batch.bit_length()) if 1 << i <= min(BUCKET_STEP, max_batch)]
-    out += range(2 * BUCKET_STEP, max_batch, BUCKET_STEP)
+    """The batch sizes a decode graph is captured for: 1, 2, 4, ... up to the step, then
+    every multiple of it, and `max_batch`; the step is `BUCKET_STEP`, or an eighth of
+    `max_batch` (in multiples of it) for a large pool, so that there are at most about 8
+    coarse buckets, each graph holding its own logits. A step's time grows with its rows
+    (at 130m on an H200, 0.69 ms at 64 rows, 0.83 at 128, 1.08 at 256), so 130 running
+    rows in a bucket of 160 rather than 256 save a fifth of the step."""
+    step = max(1, -(-max_batch // (8 * BUCKET_STEP))) * BUCKET_STEP
+    out = [1 << i for i in range(max_batch.bit_length()) if 1 << i <= min(step, max_batch)]
+    out += range(2 * step, max_batch, step)
     if out[-1] != max_batch:
         out.append(max_batch)
     return out
