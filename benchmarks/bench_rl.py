@@ -12,6 +12,8 @@ Mamba-2 in 8 heads of 32), at batch 1, 16 and 64, on the CPU and on CUDA:
   train window  T = 32: `out, state = model(x, state)` from the state the previous window
                 left (detached), an MSE loss of a linear head on `out` against a random
                 target, `loss.backward()`, `AdamW.step()`, `zero_grad()`: ms per window.
+  forward+backward  the same window without the optimizer (gradients dropped after each):
+                what mamba-rs's training figures time.
 
 Each figure is the median over `--rounds` rounds, with p10 / p90 and min / max; a round
 times a loop of calls long enough to last about `--round-s` seconds. The CPU runs with the
@@ -67,6 +69,7 @@ MIXERS = {  # the fields each mixer needs beyond the shared ones (d_inner = 256)
 }
 STEP = "RL step"
 TRAIN = f"RL train window T={WINDOW}"
+FWD_BWD = f"RL forward+backward T={WINDOW}"
 TRAIN_GRAPHED = f"RL train window T={WINDOW}, WindowStep"
 
 # mamba-rs (github.com/silvermpx/mamba-rs), d_model 128, 3 layers, f32: README "Per-step
@@ -82,10 +85,10 @@ MAMBA_RS = [
     (STEP, "mamba3", "cuda", 1, 87.0, "GPU inference B=1, CUDA graph"),
     (STEP, "mamba1", "cuda", 16, 103.0, "GPU inference B=16, CUDA graph"),
     (STEP, "mamba1", "cuda", 64, 115.0, "GPU inference B=64, CUDA graph"),
-    (TRAIN, "mamba1", "cuda", None, 1653.0, "GPU training forward+backward T=32"),
-    (TRAIN, "mamba3", "cuda", None, 1784.0, "GPU training forward+backward T=32"),
-    (TRAIN, "mamba1", "cpu", None, 14859.0, "CPU training forward+backward T=32"),
-    (TRAIN, "mamba3", "cpu", None, 3635.0, "CPU training forward+backward T=32"),
+    (FWD_BWD, "mamba1", "cuda", None, 1653.0, "GPU training forward+backward T=32"),
+    (FWD_BWD, "mamba3", "cuda", None, 1784.0, "GPU training forward+backward T=32"),
+    (FWD_BWD, "mamba1", "cpu", None, 14859.0, "CPU training forward+backward T=32"),
+    (FWD_BWD, "mamba3", "cpu", None, 3635.0, "CPU training forward+backward T=32"),
     (TRAIN, "mamba1", "cpu", 16, 27808.0, "CPU parallel training T=32, B=16, 48 threads"),
     (TRAIN, "mamba1", "cpu", 64, 77400.0, "CPU parallel training T=32, B=64, 48 threads"),
 ]
@@ -236,6 +239,33 @@ def bench_window(model, mixer: str, B: int, device: torch.device, args) -> dict:
     return row
 
 
+def bench_fwd_bwd(model, mixer: str, B: int, device: torch.device, args) -> dict:
+    torch.manual_seed(2)
+    head = nn.Linear(D_MODEL, ACTIONS, device=device)
+    params = [*model.parameters(), *head.parameters()]
+    x = torch.randn(B, WINDOW, INPUT_DIM, device=device)  # [B, T, F]
+    target = torch.randn(B, WINDOW, ACTIONS, device=device)
+    state = model.init_state(B)
+
+    def fwd_bwd():
+        out, _ = model(x, state)
+        F.mse_loss(head(out), target).backward()
+        for p in params:
+            p.grad = None
+
+    row = {"workload": FWD_BWD, "impl": "mambakit", "mixer": mixer, "device": device.type,
+           "batch": B, "dtype": "f32", "shapes": shapes(model.config),
+           "threads": torch.get_num_threads(),
+           "loss": f"MSE of Linear({D_MODEL}, {ACTIONS}) on out, random target"}  # fmt: skip
+    for _ in range(args.warmup_windows):
+        fwd_bwd()
+    seconds, calls = timed_rounds(fwd_bwd, device, args, probe=1 if args.dry else 2, lo=1,
+                                  hi=2000)  # fmt: skip
+    row.update(rounds=args.rounds, windows_per_round=calls, **spread(seconds, "ms"))
+    row.update(reference_for(FWD_BWD, mixer, device.type, B) or {})
+    return row
+
+
 def bench_window_graphed(model, mixer: str, B: int, device: torch.device, args) -> dict:
     """The same window through `training.WindowStep` (on CUDA replayed whole from one CUDA
     graph), with AdamW(capturable=True), which a captured step needs."""
@@ -291,7 +321,7 @@ def line(r: dict) -> str:
     """A figure in one line of the summary table."""
     unit = "us" if "median_us" in r else "ms"
     fig = f"{r[f'median_{unit}']:,.1f} {unit} ({r[f'p10_{unit}']:,.1f}, {r[f'p90_{unit}']:,.1f})"
-    s = f"{r['device']:<4} {r['mixer']:<6} {r['workload']:<22} {r['batch']:<5} {fig:>36}"
+    s = f"{r['device']:<4} {r['mixer']:<6} {r['workload']:<34} {r['batch']:<5} {fig:>36}"
     if "mamba_rs_us" in r:
         ref = r["mamba_rs_us"] / (1 if unit == "us" else 1e3)
         s += f"   {ref:,.1f} {unit} ({r['mamba_rs_what']}, {r['mamba_rs_machine']})"
@@ -346,8 +376,8 @@ def main(argv: list[str] | None = None) -> int:
             "source": "github.com/silvermpx/mamba-rs README (per-step latency, default "
             "config d_model 128, 3 layers) and docs/mamba1-benchmarks.md",
             "note": "another library on another machine (Xeon Gold 5412U, RTX 6000 Ada): "
-            "context, not measured here; its training figures are forward+backward "
-            "(ours add the loss, AdamW and zero_grad)",
+            "context, not measured here; its training figures are forward+backward, "
+            "beside our forward+backward rows (the train window rows add AdamW)",
             "figures": mamba_rs_reference(),
         },
     }
@@ -366,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         for mixer in args.mixers:
             torch.manual_seed(0)
             model = MambaBackbone(make_config(mixer), device=device)
-            benches = [bench_step] + ([] if args.no_train else [bench_window])
+            benches = [bench_step] + ([] if args.no_train else [bench_window, bench_fwd_bwd])
             if (device.type == "cuda" or args.dry) and not args.no_train:  # (dry: the path)
                 benches.append(bench_window_graphed)
             for bench in benches:
@@ -379,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    print(f"\n{'dev':<4} {'mixer':<6} {'workload':<22} {'batch':<5} "
+    print(f"\n{'dev':<4} {'mixer':<6} {'workload':<34} {'batch':<5} "
           f"{'median (p10, p90)':>36}   mamba-rs, another machine")  # fmt: skip
     for row in rows:
         print(line(row))
