@@ -143,10 +143,10 @@ class Engine:
                 self.prefill_stream = torch.cuda.Stream(self.device)
         self._pending = None  # (event, requests whose prompt completes) of a launched prefill
         # prompts of at most `whole_max` tokens (and at most `prefill_tokens`) that start
-        # from zeros are prefilled in one
-        # forward each, many prompts in one (`_prefill_whole`), rather than block by block;
-        # with the prefix cache on, only when their first block is new: the states at the
-        # block boundaries are kept for a prompt whose first block was seen before
+        # from zeros are prefilled whole, many prompts to a forward (`_prefill_whole`),
+        # rather than block by block; with the prefix cache on, only when their first
+        # block is new: the states at the block boundaries are kept for a prompt whose
+        # first block was seen before
         self.whole_max = WHOLE_MAX
         self._heads: OrderedDict[int, None] = OrderedDict()  # first blocks seen (hashes)
         self.rows: list[Sequence] = []  # the choice in each leading row of the pool
