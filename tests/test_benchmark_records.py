@@ -212,9 +212,11 @@ def test_bench_rl_spread_and_reference():
     assert bench_rl.reference_for(bench_rl.STEP, "mamba2", "cpu", 1) is None
     assert bench_rl.reference_for(bench_rl.STEP, "mamba1", "cpu", 16) is None
     assert bench_rl.reference_for(bench_rl.STEP, "mamba1", "cuda", 64)["mamba_rs_us"] == 115.0
-    train = bench_rl.reference_for(bench_rl.TRAIN, "mamba1", "cuda", 1)  # no batch given: B=1
-    assert train["mamba_rs_us"] == 1653.0 and "batch not stated" in train["mamba_rs_what"]
-    assert bench_rl.reference_for(bench_rl.TRAIN, "mamba1", "cuda", 16) is None
+    # mamba-rs's training figures time forward + backward: they stand beside that row
+    fb = bench_rl.reference_for(bench_rl.FWD_BWD, "mamba1", "cuda", 1)  # no batch given: B=1
+    assert fb["mamba_rs_us"] == 1653.0 and "batch not stated" in fb["mamba_rs_what"]
+    assert bench_rl.reference_for(bench_rl.FWD_BWD, "mamba1", "cuda", 16) is None
+    assert bench_rl.reference_for(bench_rl.TRAIN, "mamba1", "cuda", 1) is None
 
 
 def test_bench_rl_writes_a_record_the_table_reads(tmp_path):
@@ -227,8 +229,10 @@ def test_bench_rl_writes_a_record_the_table_reads(tmp_path):
     assert bench_rl.main(args) == 0
     rec = json.loads(out.read_text())
     assert set(rec) == FIELDS and rec["benchmark"] == "bench_rl"
-    step, window, graphed = rec["figures"]  # (the WindowStep window runs eagerly on a CPU)
+    step, window, fwd_bwd, graphed = rec["figures"]  # (WindowStep runs eagerly on a CPU)
     assert (step["workload"], window["workload"]) == (bench_rl.STEP, bench_rl.TRAIN)
+    assert fwd_bwd["workload"] == bench_rl.FWD_BWD and fwd_bwd["median_ms"] > 0
+    assert fwd_bwd["mamba_rs_us"] == 14859.0
     assert graphed["workload"] == bench_rl.TRAIN_GRAPHED and graphed["median_ms"] > 0
     assert graphed["graph_reason"] == "not on a CUDA device"
     assert step["median_us"] > 0 and step["aten_ops_per_step"] > 0 and window["median_ms"] > 0
@@ -236,6 +240,7 @@ def test_bench_rl_writes_a_record_the_table_reads(tmp_path):
     assert rec["context"]["mamba_rs"]["figures"]
     page = table.render(table.load_records(folder))
     assert "| mamba1 | RL step | 1 |" in page and "| mamba1 | RL train window T=32 | 1 |" in page
+    assert "| mamba1 | RL forward+backward T=32 | 1 |" in page
 
 
 def test_a_file_that_is_not_a_record_is_refused(tmp_path):
