@@ -205,6 +205,7 @@ def test_whole_prompts_stay_within_the_prefill_budget(model_dirs, load):
     """A prompt longer than `prefill_tokens` is never prefilled whole (in one piece past
     the budget): it runs block by block over several iterations."""
     model = load(model_dirs["tiny"])
+    assert Engine(model, max_batch=1).prefill_tokens == 2048  # the default off CUDA
     engine = Engine(model, max_batch=2, block_size=16, prefill_tokens=24, cache_bytes=0)
     short, long = engine.submit(list(range(20)), None), engine.submit(list(range(30)), None)
     engine.step()

@@ -43,7 +43,10 @@ def add_parser(sub) -> None:
     p.add_argument("--cache-gib", type=float, default=1.0, help="prefix-state cache (0: off)")
     p.add_argument("--block-size", type=int, default=256, help="prefix-cache block in tokens")
     p.add_argument(
-        "--prefill-tokens", type=int, default=16384, help="prompt tokens prefilled per launch"
+        "--prefill-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens in one prefill launch (default: 16384 on CUDA, 2048 elsewhere)",
     )
     p.add_argument("--max-prompt-tokens", type=int, default=32768, help="longer prompts: 413")
     p.add_argument("--max-tokens", type=int, default=4096, help="the largest max_tokens allowed")
@@ -70,7 +73,7 @@ def add_parser(sub) -> None:
 def _check_args(args) -> None:
     for flag, v, lo in (("--max-batch", args.max_batch, 1), ("--max-queue", args.max_queue, 1),
                         ("--block-size", args.block_size, 1),
-                        ("--prefill-tokens", args.prefill_tokens, 1),
+                        ("--prefill-tokens", args.prefill_tokens or 1, 1),
                         ("--max-prompt-tokens", args.max_prompt_tokens, 1),
                         ("--max-tokens", args.max_tokens, 1)):  # fmt: skip
         if v < lo:

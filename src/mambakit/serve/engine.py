@@ -62,6 +62,8 @@ from .request import Completion, PromptTooLong, Request, Sequence
 from .slots import SlotPool, rows_view, sample_rows, to_device
 
 HEADS_KEPT = 1 << 16  # first blocks remembered (`Engine._new_head`)
+PREFILL_TOKENS_CUDA = 16384  # the default prefill launch on CUDA (beside the decode steps)
+PREFILL_TOKENS = 2048  # elsewhere, where it adds to an iteration's time
 
 
 class Engine:
@@ -73,10 +75,10 @@ class Engine:
     eos_token_id: a choice that draws it ends with "stop" (unless `ignore_eos`).
     block_size: prefill pieces never cross a multiple of it; the prefix cache keeps the
         state at each multiple inside a prompt and at the prompt's end.
-    prefill_tokens: prompt tokens in one prefill launch at most. On CUDA a launch runs
-        beside the decode steps and the next waits for its end (larger launches group
-        more prompts to a forward); elsewhere it bounds the time a new prompt adds to an
-        iteration.
+    prefill_tokens: prompt tokens in one prefill launch at most (None: 16,384 on CUDA,
+        2,048 elsewhere). On CUDA a launch runs beside the decode steps and the next
+        waits for its end (larger launches group more prompts to a forward); elsewhere it
+        bounds the time a new prompt adds to an iteration.
     cache_bytes: the prefix cache's budget on the device (0: off).
     max_queue: requests waiting for a free row at most.
     max_prompt_tokens: longer prompts are refused (`PromptTooLong`).
@@ -92,19 +94,23 @@ class Engine:
         eos_token_id: int | None = None,
         max_batch: int = 64,
         block_size: int = 256,
-        prefill_tokens: int = 16384,
+        prefill_tokens: int | None = None,
         cache_bytes: int = 1 << 30,
         max_queue: int = 1024,
         max_prompt_tokens: int = 32768,
         cuda_graph: bool | str = "auto",
     ) -> None:
+        if not hasattr(model, "last_logits") or not hasattr(model, "step"):
+            raise TypeError(f"model must be a MambaLM, got {type(model).__name__}")
+        self.device = next(model.parameters()).device
+        if prefill_tokens is None:
+            cuda = self.device.type == "cuda"
+            prefill_tokens = PREFILL_TOKENS_CUDA if cuda else PREFILL_TOKENS
         for name, v, lo in (("max_batch", max_batch, 1), ("block_size", block_size, 1),
                             ("prefill_tokens", prefill_tokens, 1), ("max_queue", max_queue, 1),
                             ("max_prompt_tokens", max_prompt_tokens, 1)):  # fmt: skip
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
-        if not hasattr(model, "last_logits") or not hasattr(model, "step"):
-            raise TypeError(f"model must be a MambaLM, got {type(model).__name__}")
         vocab = model.config.vocab_size
         if eos_token_id is not None and not 0 <= eos_token_id < vocab:
             raise ValueError(f"eos_token_id must lie in [0, {vocab}), got {eos_token_id}")
@@ -117,7 +123,6 @@ class Engine:
         self.prefill_tokens = prefill_tokens
         self.max_queue = max_queue
         self.max_prompt_tokens = max_prompt_tokens
-        self.device = next(model.parameters()).device
         if self.device.type == "cpu":
             apply_threads()
         self.graphs = use_cuda_graph(cuda_graph, self.device)
