@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from stack_helpers import STEPS, assert_close, random_stack
 
-from mambakit import MambaBackbone, MambaConfig
 from mambakit.ops import cpu_jit, mamba_stack_step
 from mambakit.ops.mamba_step import stack as m1_stack
 
 pytest.importorskip("numba")
 from mambakit.ops.cpu_jit import mamba1 as jit1  # noqa: E402
-
-STEPS = 4
-TOL = {torch.float64: 1e-12, torch.float32: 1e-5}  # relative error over a whole tensor
 
 CONFIGS = {
     "default": dict(),
@@ -29,24 +26,6 @@ CONFIGS = {
     ),  # fmt: skip
     "d_conv2": dict(d_conv=2),
 }
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
-
-
-def setup(cfg: dict, dtype: torch.dtype, batch: int, d_model: int = 64, input_dim: int = 24):
-    torch.manual_seed(0)
-    config = MambaConfig(d_model=d_model, n_layers=3, input_dim=input_dim, **cfg)
-    bb = MambaBackbone(config).to(dtype).eval()
-    with torch.no_grad():
-        for p in bb.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    state = bb.init_state(batch)
-    for t in state._tensors():  # every row its own state
-        t.copy_(torch.randn_like(t))
-    return bb, state
 
 
 def steps_against_oracle(bb, state, dtype, batch, weights):
@@ -63,16 +42,14 @@ def steps_against_oracle(bb, state, dtype, batch, weights):
             fields = [("residual stream", got, out + residual), *(
                 (f"state.{f}", a, b) for (f, a), (_, b) in zip(state._items(), oracle._items())
             )]  # fmt: skip
-            for field, a, b in fields:
-                err = rel(a, b)
-                assert err < TOL[dtype], f"step {t}: {field} relative error {err:.1e}"
+            assert_close(t, dtype, fields)
 
 
 @pytest.mark.parametrize("batch", [1, 3], ids=["B1", "B3"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_compiled_mamba1_stack_matches_op_by_op_step(name, dtype, batch, numba_on, monkeypatch):
-    bb, state = setup(CONFIGS[name], dtype, batch)
+    bb, state = random_stack(CONFIGS[name], dtype, batch)
     weights = m1_stack.stack_weights(bb._decode_plan())
     assert isinstance(weights.compiled, jit1.Packed)
     ran = []
@@ -88,7 +65,7 @@ def test_torch_body_without_numba_matches_op_by_op_step(dtype, numba_on, monkeyp
     """MAMBAKIT_NUMBA=0: no compiled weights; the PyTorch whole-stack body runs and equals
     the oracle; above COMPILED_MAX_ROWS rows the PyTorch body runs with numba on too."""
     numba_on(False)
-    bb, state = setup(CONFIGS["default"], dtype, 3)
+    bb, state = random_stack(CONFIGS["default"], dtype, 3)
     weights = m1_stack.stack_weights(bb._decode_plan())
     assert weights.compiled is None
     steps_against_oracle(bb, state, dtype, 3, weights)
@@ -102,7 +79,7 @@ def test_torch_body_without_numba_matches_op_by_op_step(dtype, numba_on, monkeyp
 
 def test_compiled_step_needs_float_cpu_weights(numba_on):
     """bf16 weights (or numba off) give no compiled body."""
-    bb, _ = setup(CONFIGS["default"], torch.bfloat16, 1)
+    bb, _ = random_stack(CONFIGS["default"], torch.bfloat16, 1)
     assert m1_stack.stack_weights(bb._decode_plan()).compiled is None
     assert not cpu_jit.compiles(torch.zeros(1, dtype=torch.bfloat16))
     assert cpu_jit.compiles(torch.zeros(1))
@@ -113,7 +90,7 @@ def test_compiled_step_needs_float_cpu_weights(numba_on):
 def test_large_stacks_keep_the_torch_body(numba_on, monkeypatch):
     """Weights past COMPILED_MAX_BYTES are not copied into compiled arrays: the PyTorch
     body runs them (and still equals the oracle)."""
-    bb, state = setup(CONFIGS["default"], torch.float32, 1)
+    bb, state = random_stack(CONFIGS["default"], torch.float32, 1)
     blocks = m1_stack.stack_weights(bb._decode_plan()).blocks
     nbytes = sum(t.numel() * t.element_size() for b in blocks for t in b
                  if isinstance(t, torch.Tensor))  # fmt: skip

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from stack_helpers import STEPS, assert_close, random_stack
 
-from mambakit import MambaBackbone, MambaConfig
 from mambakit.ops.mamba2 import stack as m2_stack
 from mambakit.ops.mamba3 import stack as m3_stack
 from mambakit.state import Mamba2State, Mamba3State
@@ -23,9 +23,6 @@ from mambakit.state import Mamba2State, Mamba3State
 pytest.importorskip("numba")
 from mambakit.ops.cpu_jit import mamba2 as jit2  # noqa: E402
 from mambakit.ops.cpu_jit import mamba3 as jit3  # noqa: E402
-
-STEPS = 4
-TOL = {torch.float64: 1e-12, torch.float32: 1e-5}  # relative error over a whole tensor
 
 # mixer -> (its stack module, its compiled module, its layer state class)
 MIXERS = {"mamba2": (m2_stack, jit2, Mamba2State), "mamba3": (m3_stack, jit3, Mamba3State)}
@@ -46,27 +43,9 @@ CONFIGS = {
 }
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
-
-
 def setup(name: str, dtype: torch.dtype, batch: int):
-    torch.manual_seed(0)
-    cfg = MambaConfig(d_model=64, n_layers=3, input_dim=24, **CONFIGS[name])
-    bb = MambaBackbone(cfg).to(dtype).eval()
-    with torch.no_grad():
-        for p in bb.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-        if name.endswith("wide_turns"):  # turns of several times 2 pi a step
-            for block in bb.layers:
-                block.mixer.dt_bias.add_(6.0)
-    state = bb.init_state(batch)
-    for t in state._tensors():  # every row its own state
-        t.copy_(torch.randn_like(t))
-    if cfg.mixer == "mamba3":
-        state.angle.uniform_(0, 6.28)
-    return bb, state
+    wide = name.endswith("wide_turns")  # turns of several times 2 pi a step
+    return random_stack(CONFIGS[name], dtype, batch, dt_shift=6.0 if wide else 0.0)
 
 
 def steps_against_oracle(bb, state, dtype, batch, weights, states=None):
@@ -96,9 +75,7 @@ def steps_against_oracle(bb, state, dtype, batch, weights, states=None):
                 (f"state.{f}", torch.stack([getattr(s, f) for s in states]), b)
                 for f, b in oracle._items()
             )]  # fmt: skip
-            for field, a, b in fields:
-                err = rel(a, b)
-                assert err < TOL[dtype], f"step {t}: {field} relative error {err:.1e}"
+            assert_close(t, dtype, fields)
             if bb.config.mixer == "mamba3":
                 angle = torch.stack([s.angle for s in states])
                 assert 0 <= angle.min() and angle.max() < 6.2832

@@ -9,11 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from mambakit import MambaBackbone, MambaConfig
-
-STEPS = 4
-TOL = {torch.float64: 1e-12, torch.float32: 1e-5}  # relative error over a whole tensor
+from stack_helpers import STEPS, assert_close, random_stack
 
 CONFIGS = {
     "mamba3": dict(mixer="mamba3", headdim=32, ngroups=2),
@@ -30,31 +26,11 @@ CONFIGS = {
 pytestmark = pytest.mark.usefixtures("torch_bodies")  # the compiled bodies: test_cpu_jit*.py
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
-
-
-def setup(name: str, dtype: torch.dtype, batch: int):
-    torch.manual_seed(0)
-    cfg = MambaConfig(d_model=64, n_layers=3, input_dim=24, **CONFIGS[name])
-    bb = MambaBackbone(cfg).to(dtype).eval()
-    with torch.no_grad():
-        for p in bb.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    state = bb.init_state(batch)
-    for t in state._tensors():  # every row its own state
-        t.copy_(torch.randn_like(t))
-    if name == "mamba3":
-        state.angle.uniform_(0, 6.28)
-    return bb, state
-
-
 @pytest.mark.parametrize("batch", [1, 3], ids=["B1", "B3"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_stack_body_matches_op_by_op_step(name, dtype, batch):
-    bb, state = setup(name, dtype, batch)
+    bb, state = random_stack(CONFIGS[name], dtype, batch)
     mixer = type(bb.layers[0].mixer)
     plan = bb._decode_plan()
     weights = mixer.stack_weights(plan)
@@ -72,6 +48,4 @@ def test_stack_body_matches_op_by_op_step(name, dtype, batch):
             fields = [("residual stream", got, out + residual), *(
                 (f"state.{f}", a, b) for (f, a), (_, b) in zip(state._items(), oracle._items())
             )]  # fmt: skip
-            for field, a, b in fields:
-                err = rel(a, b)
-                assert err < TOL[dtype], f"step {t}: {field} relative error {err:.1e}"
+            assert_close(t, dtype, fields)
