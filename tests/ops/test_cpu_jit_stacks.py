@@ -23,6 +23,7 @@ from mambakit.state import Mamba2State, Mamba3State
 pytest.importorskip("numba")
 from mambakit.ops.cpu_jit import mamba2 as jit2  # noqa: E402
 from mambakit.ops.cpu_jit import mamba3 as jit3  # noqa: E402
+from mambakit.ops.cpu_jit.packed import stacked  # noqa: E402
 
 # mixer -> (its stack module, its compiled module, its layer state class)
 MIXERS = {"mamba2": (m2_stack, jit2, Mamba2State), "mamba3": (m3_stack, jit3, Mamba3State)}
@@ -93,10 +94,10 @@ def test_compiled_stack_matches_op_by_op_step(name, dtype, batch, layout, numba_
     n = len(bb.layers)
     if layout == "stacked":  # the model state's `layer(i)` views: one call runs every layer
         states = [state.layer(i) for i in range(n)]
-        assert all(jit3._stacked(ts) is not None for ts in zip(*states))
+        assert all(stacked(ts) is not None for ts in zip(*states))
     else:  # each layer's state a tensor of its own: one call per layer
         states = [layer_state(*(t.clone() for t in state.layer(i))) for i in range(n)]
-        assert all(jit3._stacked(ts) is None for ts in zip(*states))
+        assert all(stacked(ts) is None for ts in zip(*states))
     steps_against_oracle(bb, state, dtype, batch, weights, states)
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 from numba import njit
 
 from . import stack_layers
@@ -37,7 +36,7 @@ from .common import (
     softplus,
     vecmat_add,
 )
-from .mamba3 import _stacked as stacked  # the layers' states as one tensor [L, ...]
+from .packed import PackedStack
 
 # the gated norm: `_layers`' `gate` argument
 GATE, NORM_GATED, NORM_THEN_GATE = 0, 1, 2
@@ -48,11 +47,12 @@ def packs(blocks: list) -> bool:
     return len({(b.split, b.xbc_split, b.dims, b.gnorm and b.gnorm[2]) for b in blocks}) == 1
 
 
-class Packed:
+class Packed(PackedStack):
     """Every block's `BlockWeights` stacked over the layers into numpy arrays [L, ...]
-    (viewing tensors this object keeps), and the compiled step on them."""
+    (viewing tensors this object keeps), and the compiled step on them (`PackedStack`:
+    the states `Mamba2State` (conv, ssm))."""
 
-    __slots__ = ("arrays", "gate", "groups", "pad", "tensors")
+    __slots__ = ("gate",)
 
     def __init__(self, blocks: list, pad: float) -> None:
         G, H, P, _ = blocks[0].dims
@@ -84,33 +84,8 @@ class Packed:
         self.groups = G
         self.pad = pad
 
-    def __call__(self, h: torch.Tensor, states: list) -> torch.Tensor:
-        """`mamba2.stack.decode_layers` compiled: the residual stream [B, M] after every
-        block (an inference tensor); every layer's `Mamba2State` advances in place. Where
-        the layers' states are the slices of stacked tensors [L, B, ...] (a model state's
-        `layer(i)` views) one call runs every layer, else one call runs each."""
-        M = h.shape[1]
-        roots = [stacked(ts) for ts in zip(*states)]  # conv, ssm
-        with torch.inference_mode():
-            r = torch.nn.functional.pad(h, (0, 1), value=self.pad)
-            rn = r.numpy()
-            if all(t is not None for t in roots):
-                _layers(rn, *self.arrays, self.gate, self.groups, *(t.numpy() for t in roots))
-            else:
-                for i, state in enumerate(states):
-                    layer = tuple(a[i : i + 1] for a in self.arrays)
-                    fields = (t.detach().unsqueeze(0).numpy() for t in state)
-                    _layers(rn, *layer, self.gate, self.groups, *fields)
-        # written unseen by autograd: a graph that saved a state must know
-        torch.autograd.graph.increment_version([t for state in states for t in state])
-        return r.narrow(1, 0, M)
-
-    def layers(self, r: np.ndarray, state) -> None:
-        """Every block on the rows r [B, M + 1] (the residual stream and its constant
-        column) in place; the model state (`Mamba2ModelState`: conv and ssm stacked over
-        the layers) advances in place."""
-        fields = (state.conv.detach().numpy(), state.ssm.detach().numpy())
-        _layers(r, *self.arrays, self.gate, self.groups, *fields)
+    def consts(self) -> tuple:
+        return self.gate, self.groups
 
 
 @njit(**JIT)
@@ -184,3 +159,6 @@ def _layers(r, in_wT, in_b, conv_w, conv_b, A, Dv, out_wT, mlp_wT, out_b, dt_lim
             ob = out_b[layer]
             for j in range(rb.shape[0]):
                 rb[j] += ob[j]
+
+
+Packed.kernel = staticmethod(_layers)

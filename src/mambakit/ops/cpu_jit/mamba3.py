@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 from numba import njit
 
 from . import stack_layers
@@ -38,13 +37,15 @@ from .common import (
     softplus,
     vecmat_add,
 )
+from .packed import PackedStack
 
 
-class Packed:
+class Packed(PackedStack):
     """Every block's `BlockWeights` stacked over the layers into numpy arrays [L, ...]
-    (viewing tensors this object keeps), and the compiled step on them."""
+    (viewing tensors this object keeps), and the compiled step on them (`PackedStack`:
+    the states `Mamba3State` (angle, ssm, k, x))."""
 
-    __slots__ = ("arrays", "groups", "pad", "tensors", "turn")
+    __slots__ = ("turn",)
 
     def __init__(self, blocks: list, pad: float) -> None:
         G, H, N, P, S = blocks[0].dims
@@ -65,47 +66,8 @@ class Packed:
         self.groups = G
         self.pad = pad
 
-    def __call__(self, h: torch.Tensor, states: list) -> torch.Tensor:
-        """`mamba3.stack.decode_layers` compiled: the residual stream [B, M] after every
-        block (an inference tensor); every layer's `Mamba3State` advances in place. Where
-        the layers' states are the slices of stacked tensors [L, B, ...] (a model state's
-        `layer(i)` views) one call runs every layer, else one call runs each."""
-        M = h.shape[1]
-        stacked = [_stacked(ts) for ts in zip(*states)]  # angle, ssm, k, x
-        with torch.inference_mode():
-            r = torch.nn.functional.pad(h, (0, 1), value=self.pad)
-            rn = r.numpy()
-            if all(t is not None for t in stacked):
-                _layers(rn, *self.arrays, self.turn, self.groups, *(t.numpy() for t in stacked))
-            else:
-                for i, state in enumerate(states):
-                    layer = tuple(a[i : i + 1] for a in self.arrays)
-                    fields = (t.detach().unsqueeze(0).numpy() for t in state)
-                    _layers(rn, *layer, self.turn, self.groups, *fields)
-        # written unseen by autograd: a graph that saved a state must know
-        torch.autograd.graph.increment_version([t for state in states for t in state])
-        return r.narrow(1, 0, M)
-
-    def layers(self, r: np.ndarray, state) -> None:
-        """Every block on the rows r [B, M + 1] (the residual stream and its constant
-        column) in place; the model state (`Mamba3ModelState`: angle, ssm, k, x stacked
-        over the layers) advances in place."""
-        fields = (t.detach().numpy() for t in state._tensors())
-        _layers(r, *self.arrays, self.turn, self.groups, *fields)
-
-
-def _stacked(ts: list[torch.Tensor]) -> torch.Tensor | None:
-    """The tensor [L, ...] (detached) whose slices [i] ts are, one per layer, as
-    `ModelState.layer(i)` makes them; None where they are not."""
-    root = ts[0]._base
-    if root is None or root.shape[0] != len(ts) or not root.is_contiguous():
-        return None
-    start, step, shape = root.storage_offset(), root.stride(0), root.shape[1:]
-    for i, t in enumerate(ts):  # contiguous, of root[i]'s shape and offset: root[i] itself
-        if (t._base is not root or t.storage_offset() != start + i * step
-                or t.shape != shape or not t.is_contiguous()):  # fmt: skip
-            return None
-    return root.detach()
+    def consts(self) -> tuple:
+        return self.turn, self.groups
 
 
 @njit(**JIT)
@@ -189,3 +151,6 @@ def _layers(r, in_wT, in_b, kq_w, kq_b, Dh, out_wT, A_floor, turn, G, angle, ssm
                 for n in range(N):
                     kp[n] = k[n]
             vecmat_add(y, out_wT[layer], rb)
+
+
+Packed.kernel = staticmethod(_layers)
