@@ -43,3 +43,10 @@ def assert_close(step: int, dtype: torch.dtype, fields) -> None:
     for field, a, b in fields:
         err = rel(a, b)
         assert err < TOL[dtype], f"step {step}: {field} relative error {err:.1e}"
+
+
+def stream_and_states(got, out, residual, state, oracle) -> list:
+    """(name, got, oracle) of a stack step: the residual stream (the oracle's out +
+    residual) and every field of the state against the oracle's."""
+    fields = [(f"state.{f}", a, b) for (f, a), (_, b) in zip(state._items(), oracle._items())]
+    return [("residual stream", got, out + residual), *fields]

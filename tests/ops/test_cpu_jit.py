@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from stack_helpers import STEPS, assert_close, random_stack
+from stack_helpers import STEPS, assert_close, random_stack, stream_and_states
 
 from mambakit.ops import cpu_jit, mamba_stack_step
 from mambakit.ops.mamba_step import stack as m1_stack
@@ -39,10 +39,7 @@ def steps_against_oracle(bb, state, dtype, batch, weights):
             out, residual = mamba_stack_step(h, plan, oracle.conv, oracle.ssm, dtype,
                                              "reference")  # fmt: skip
             assert none is None and not got.requires_grad
-            fields = [("residual stream", got, out + residual), *(
-                (f"state.{f}", a, b) for (f, a), (_, b) in zip(state._items(), oracle._items())
-            )]  # fmt: skip
-            assert_close(t, dtype, fields)
+            assert_close(t, dtype, stream_and_states(got, out, residual, state, oracle))
 
 
 @pytest.mark.parametrize("batch", [1, 3], ids=["B1", "B3"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from stack_helpers import STEPS, assert_close, random_stack
+from stack_helpers import STEPS, assert_close, random_stack, stream_and_states
 
 CONFIGS = {
     "mamba3": dict(mixer="mamba3", headdim=32, ngroups=2),
@@ -45,7 +45,4 @@ def test_stack_body_matches_op_by_op_step(name, dtype, batch):
             out, residual = mixer.stack_step(h, plan, [oracle.layer(i) for i in range(n)], dtype,
                                              "reference")  # fmt: skip
             assert none is None and not got.requires_grad
-            fields = [("residual stream", got, out + residual), *(
-                (f"state.{f}", a, b) for (f, a), (_, b) in zip(state._items(), oracle._items())
-            )]  # fmt: skip
-            assert_close(t, dtype, fields)
+            assert_close(t, dtype, stream_and_states(got, out, residual, state, oracle))
