@@ -25,7 +25,7 @@ from .layers.block import MambaBlock, RMSNorm
 from .layers.init import init_model_weights
 from .layers.plain import plain
 from .ops import _norm_linear, linear_cross_entropy, mamba_stack_step, resolve_backend
-from .ops._checks import check_seq_idx, check_tensor, state_dtype
+from .ops._checks import check_positions, check_seq_idx, check_tensor, state_dtype
 from .ops.mamba_step.stack import stack_weights
 from .state import ModelState, check_state, init_state, state_class
 from .targets import next_token_targets
@@ -104,10 +104,12 @@ class MambaBackbone(nn.Module):
         out, _ = self.norm_f(h, residual, cdt, backend=backend)
         return out, state
 
-    def _forward_layers(self, x, state, seq_idx, last: bool = False) -> tuple:
+    def _forward_layers(self, x, state, seq_idx, last: bool = False, at=None) -> tuple:
         """`forward` up to norm_f: (the last block's output, the residual stream [B, T, M]
         f32, compute dtype, backend, final state). `last`: only the last step's output is
-        read; the last block may give that step's alone ([B, 1, M], `MambaBlock.forward`)."""
+        read; the last block may give that step's alone ([B, 1, M], `MambaBlock.forward`).
+        `at` [B, k] int64 (Mamba-1 layers, checked by the caller): the state is instead the
+        states after those steps, B * k rows (row b * k + j: after step at[b, j] of row b)."""
         want_dim = 2 if self.embeddings is not None else 3
         name = "input_ids" if self.embeddings is not None else "x"
         if not isinstance(x, torch.Tensor) or x.dim() != want_dim:
@@ -144,9 +146,15 @@ class MambaBackbone(nn.Module):
             layer_state = None if state is None else state.layer(i)
             derived = None if plan is None else plan[i]
             end = last and i == len(self.layers) - 1
-            h, residual, final = layer(
-                h, residual, cdt, layer_state, seq_idx, backend, derived, end
-            )
+            if at is None:
+                h, residual, final = layer(
+                    h, residual, cdt, layer_state, seq_idx, backend, derived, end
+                )
+            else:
+                h, residual, _, states = layer(
+                    h, residual, cdt, layer_state, seq_idx, backend, derived, at=at
+                )
+                final = tuple(t.flatten(0, 1) for t in states)
             finals.append(final)
         return h, residual, cdt, backend, state_class(self.config).stack(finals)
 
@@ -377,6 +385,47 @@ class MambaLM(nn.Module):
             t.requires_grad for t in (h, residual, self.lm_head.weight, bb._param)
         )
         return self._head(h, residual, cdt, backend, fuse=not grads), state
+
+    def states_at(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        positions: torch.Tensor,  # [B, k] int64, distinct steps within a row
+        state: ModelState | None = None,
+        seq_idx: torch.Tensor | None = None,  # [B, T] int32
+    ) -> tuple[torch.Tensor, ModelState]:
+        """(logits [B, k, V] at each step of `positions`, the states after them: B * k rows,
+        row b * k + j after step positions[b, j] of row b), from one forward: for each step
+        p, what `last_logits(input_ids[b:b+1, :p+1], ...)` gives (up to the rounding of f32
+        sums). A packed row of prompts (`seq_idx` numbering them) gives every prompt's end
+        state and logits, and the states at block boundaries for a prefix cache, at once
+        (the server's prefill). Mamba-1 mixers."""
+        cfg = self.config
+        if cfg.mixer != "mamba1":
+            raise NotImplementedError(
+                f"states_at: the {cfg.mixer} mixer does not give states at given steps yet"
+            )
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError("input_ids must be a 2-d tensor [B, T] of token ids")
+        check_positions(positions, input_ids.shape[0], input_ids.shape[1], input_ids.device)
+        return self._states_at(input_ids, positions, state, seq_idx)
+
+    def _states_at(self, input_ids, positions, state=None, seq_idx=None):
+        """`states_at` without its checks of `positions` (a sync): the serve engine's
+        captured forward, whose steps it builds itself."""
+        bb = self.backbone
+        h, residual, cdt, backend, out = bb._forward_layers(
+            input_ids, state, seq_idx, at=positions
+        )
+        Bsz, k = positions.shape
+        M = h.shape[-1]
+        index = positions[..., None].expand(Bsz, k, M)
+        h = torch.gather(h, 1, index).flatten(0, 1)
+        residual = torch.gather(residual, 1, index).flatten(0, 1)
+        grads = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (h, residual, self.lm_head.weight, bb._param)
+        )
+        logits = self._head(h, residual, cdt, backend, fuse=not grads)
+        return logits.view(Bsz, k, -1), out
 
     def step(
         self, input_ids: torch.Tensor, state: ModelState, *, cuda_graph: bool | str = "auto"

@@ -134,10 +134,15 @@ class MambaBlock(nn.Module):
         backend: str = "auto",  # the model resolves it once per call
         derived: tuple | None = None,  # what the model's plan holds for the mixer, if any
         last: bool = False,  # only the output at the last step is read (a prefill's last layer)
-    ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        at: torch.Tensor | None = None,  # [B, k] int64: also the states after these steps
+    ) -> tuple:
         """(the mixer's output, the residual [B, T, M] f32, the layer's final state). With
-        `last`, a mixer may give its output at the last step alone ([B, 1, M])."""
+        `last`, a mixer may give its output at the last step alone ([B, 1, M]). With `at`
+        (a Mamba-1 mixer), the layer's states after those steps come fourth."""
         normed, residual = self.norm(hidden, residual, compute_dtype, backend=backend)
+        if at is not None:
+            out, new, states = self.mixer.sequence(normed, state, seq_idx, backend, derived, at=at)
+            return out, residual, new, states
         out, new = self.mixer.sequence(normed, state, seq_idx, backend, derived, last)
         return out, residual, new
 

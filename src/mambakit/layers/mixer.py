@@ -23,6 +23,7 @@ from ..ops import (
     selective_state_update,
 )
 from ..ops._checks import check_tensor, state_dtype
+from ..ops.causal_conv1d.reference import conv_states_at
 from . import mamba_ssm_cache
 from .init import init_A_log, init_dt_proj, no_weight_decay
 from .plain import plain
@@ -170,20 +171,25 @@ class Mamba(nn.Module):
         ssm_state: torch.Tensor | None,
         seq_idx: torch.Tensor | None,
         backend: str,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        at: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...]:
         """`mamba_inner` calling conv1d (unless plain), x_proj and dt_proj as modules, so
-        their adapters and hooks take part: (y [B, T, D], final conv and ssm states)."""
+        their adapters and hooks take part: (y [B, T, D], final conv and ssm states), and
+        with `at` the conv and ssm states after those steps."""
         Dn, N, R = self.d_inner, self.d_state, self.dt_rank
         x_in, z = xz[..., :Dn], xz[..., Dn:]
         u, conv_out = conv_silu(self.conv1d, x_in, conv_state, seq_idx, backend)
         dt_r, B, C = self.x_proj(u).split([R, N, N], dim=-1)
         delta = self.dt_proj(dt_r)  # with dt_proj's own bias
         A, D, _ = self._ssm_params()
-        y, ssm_out = selective_scan(
+        out = selective_scan(
             u, delta, A, B, C, D=D, z=z, delta_softplus=True, initial_state=ssm_state,
-            seq_idx=seq_idx, return_final_state=True, backend=backend,
+            seq_idx=seq_idx, return_final_state=True, backend=backend, states_at=at,
         )  # fmt: skip
-        return y, conv_out, ssm_out
+        if at is None:
+            return out[0], conv_out, out[1]
+        conv_at = conv_states_at(x_in, at, self.d_conv, conv_state, seq_idx)
+        return out[0], conv_out, out[1], conv_at, out[2]
 
     def sequence(
         self,
@@ -193,13 +199,18 @@ class Mamba(nn.Module):
         backend: str,
         derived: tuple | None = None,
         last: bool = False,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        at: torch.Tensor | None = None,
+    ) -> tuple:
         """What a block runs over a sequence (every mixer has it): (out, the final state).
         `derived`: (A, D, dt bias) as `ssm_params` gives them, when the caller holds them
         (the model's plan, without autograd). `last`: only the last step's output is read
         (a prefill's last layer); without autograd and with plain modules the output is
-        that step's alone ([B, 1, M]), from `ops.mamba_last`."""
+        that step's alone ([B, 1, M]), from `ops.mamba_last`. `at` [B, k] int64 (distinct
+        steps, checked by the caller): also the states after those steps, (out, final
+        state, (conv [B, k, K-1, D], ssm [B, k, D, N])) (`MambaLM.states_at`)."""
         conv, ssm = (None, None) if state is None else state
+        if at is not None:
+            return self._sequence_at(x, conv, ssm, seq_idx, backend, derived, at)
         if (
             last
             and self.fusable()
@@ -213,6 +224,24 @@ class Mamba(nn.Module):
             out, conv_out, ssm_out = mamba_last(x, w, conv, ssm, seq_idx, backend)
             return out, (conv_out, ssm_out)
         return self(x, conv, ssm, seq_idx, return_state=True, backend=backend, derived=derived)
+
+    def _sequence_at(self, x, conv, ssm, seq_idx, backend, derived, at) -> tuple:
+        """`sequence` with the states after the steps `at`: the fused inner op when the
+        modules are plain, else the modules' chain (their adapters and hooks take part)."""
+        check_tensor("x", x, (None, None, self.d_model))
+        xz = self.in_proj(x)
+        if self.inner_plain():
+            A, D, dt_bias = self._ssm_params() if derived is None else derived
+            w = (self.conv1d.weight.squeeze(1), self.conv1d.bias, self.x_proj.weight,
+                 self.dt_proj.weight, A, D, dt_bias)  # fmt: skip
+            y, conv_out, ssm_out, conv_at, ssm_at = _mamba_inner(
+                xz, *w, conv, ssm, seq_idx, backend, states_at=at
+            )
+        else:
+            y, conv_out, ssm_out, conv_at, ssm_at = self._inner_modules(
+                xz, conv, ssm, seq_idx, backend, at
+            )
+        return self.out_proj(y), (conv_out, ssm_out), (conv_at, ssm_at)
 
     def decode(self, x: torch.Tensor, state: tuple, backend: str) -> torch.Tensor:
         """What a block runs for one decode step (every mixer has it): x [B, M] -> [B, M],

@@ -14,7 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from ._backend import _TRITON_DTYPES, resolve_backend
-from ._checks import check_same_dtype, check_seq_idx, check_tensor, state_dtype
+from ._checks import (
+    check_positions,
+    check_same_dtype,
+    check_seq_idx,
+    check_tensor,
+    state_dtype,
+)
 from .causal_conv1d.reference import causal_conv1d_reference, causal_conv1d_update_reference
 from .cross_entropy.linear import LinearCrossEntropy
 from .mamba_inner.reference import mamba_inner_chain
@@ -26,6 +32,7 @@ from .rms_norm.reference import rms_norm_reference
 from .rms_norm_gated.reference import rms_norm_gated_reference
 from .selective_scan.reference import (
     selective_scan_reference,
+    selective_scan_states_at_reference,
     selective_state_update_reference,
 )
 
@@ -61,12 +68,17 @@ def selective_scan(
     seq_idx: torch.Tensor | None = None,
     return_final_state: bool = False,
     backend: str = "auto",
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    states_at: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Selective scan over u, delta, z [B, T, D] and B, C [B, T, N] (see DESIGN.md section 1).
 
     A [D, N], D and delta_bias [D] are f32 (f64 on the oracle path); initial_state
     [B, D, N] f32; seq_idx [B, T] int32 resets the state where it changes. Returns y
     [B, T, D] in u.dtype, and the final state [B, D, N] f32 when return_final_state.
+
+    `states_at` [B, k] int64, steps distinct within a row: also the state after each of
+    those steps, [B, k, D, N] f32, as a third output (y, final state, states); without
+    autograd on the Triton backend (one masked store in the forward's pass).
     """
     check_tensor("u", u, (None, None, None), last_dim_contiguous=True)
     Bsz, T, Dn = u.shape
@@ -92,6 +104,19 @@ def selective_scan(
     if seq_idx is not None:
         check_seq_idx(seq_idx, Bsz, T, dev)
     args = (u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, seq_idx)
+    if states_at is not None:
+        check_positions(states_at, Bsz, T, dev)
+        if resolve_backend(backend, u) == "triton":
+            tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
+            if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+                raise ValueError("states_at: the Triton scan gives them without autograd only")
+            from .selective_scan import states_at_buffers
+            from .selective_scan.launch import scan_fwd
+
+            slot, out = states_at_buffers(states_at, T, Dn, N, dev)
+            y, hT, _ = scan_fwd(*args, False, at=(slot, out))
+            return y, hT, out
+        return selective_scan_states_at_reference(*args, states_at)
     if resolve_backend(backend, u) == "triton":
         from .selective_scan import selective_scan_triton
 
@@ -176,13 +201,25 @@ def mamba_inner(
 
 def _mamba_inner(
     xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias, conv_state,
-    ssm_state, seq_idx, backend,
+    ssm_state, seq_idx, backend, states_at=None,
 ):  # fmt: skip
     """`mamba_inner` without the checks of the weights and states (the Mamba layer checked
-    its input and states); seq_idx is checked here."""
+    its input and states); seq_idx is checked here. `states_at` [B, k] int64 (distinct
+    steps in [0, T), not checked: the caller's), without autograd: also the conv states
+    [B, k, K-1, D] and ssm states [B, k, D, N] after those steps."""
     if seq_idx is not None:
         check_seq_idx(seq_idx, xz.shape[0], xz.shape[1], xz.device)
     args = (conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias)
+    if states_at is not None:
+        if resolve_backend(backend, xz) == "triton":
+            from .mamba_inner import mamba_inner_at_triton
+
+            return mamba_inner_at_triton(xz, *args, conv_state, ssm_state, seq_idx, states_at)
+        return mamba_inner_chain(xz, conv_weight=conv_weight, conv_bias=conv_bias,
+                                 x_proj_weight=x_proj_weight, dt_proj_weight=dt_proj_weight,
+                                 A=A, D=D, dt_bias=dt_bias, conv_state=conv_state,
+                                 ssm_state=ssm_state, seq_idx=seq_idx, backend="reference",
+                                 states_at=states_at)  # fmt: skip
     if resolve_backend(backend, xz) == "triton":
         from .mamba_inner import mamba_inner_triton
 

@@ -45,6 +45,18 @@ def check_seq_idx(seq_idx: torch.Tensor, batch: int, seqlen: int, device: torch.
     check_tensor("seq_idx", seq_idx, (batch, seqlen), (torch.int32,), device)
 
 
+def check_positions(positions: torch.Tensor, batch: int, seqlen: int, device) -> None:
+    """Steps [batch, k] int64, each in [0, seqlen) (checked on the host: a sync)."""
+    check_tensor("states_at", positions, (batch, None), (torch.int64,), device)
+    if positions.numel():
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= seqlen:
+            raise ValueError(f"states_at: steps must lie in [0, {seqlen}), got {lo} .. {hi}")
+        k = positions.shape[1]
+        if k > 1 and bool((positions.sort(dim=1).values.diff(dim=1) == 0).any()):
+            raise ValueError("states_at: a step is named twice in one row")
+
+
 def check_same_dtype(names_tensors: dict[str, torch.Tensor]) -> None:
     dtypes = {n: t.dtype for n, t in names_tensors.items()}
     if len(set(dtypes.values())) > 1:

@@ -87,3 +87,38 @@ def causal_conv1d_update_reference(
     if activation == "silu":
         out = F.silu(out)
     return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def conv_states_at(
+    x: torch.Tensor,  # [B, T, D], the conv's input
+    positions: torch.Tensor,  # [B, k] int64
+    K: int,
+    initial_state: torch.Tensor | None = None,  # [B, K-1, D]
+    seq_idx: torch.Tensor | None = None,  # [B, T] int32
+) -> torch.Tensor:
+    """The conv state after each step of `positions`: [B, k, K-1, D] f32 (f64 for f64
+    inputs), the K-1 inputs up to that step, oldest first, as the conv run to there would
+    leave it: zero before the step's document, the initial state's tail before step 0 (in
+    the first document only). Gathers only: no sync, so it runs inside a CUDA graph."""
+    Bsz, T, D = x.shape
+    k = positions.shape[1]
+    f = torch.float64 if x.dtype == torch.float64 else torch.float32
+    idx = positions[:, :, None] + torch.arange(2 - K, 1, device=x.device)  # [B, k, K-1]
+    flat = idx.clamp(min=0).view(Bsz, k * (K - 1))
+    out = torch.gather(x, 1, flat[..., None].expand(Bsz, k * (K - 1), D))
+    out = out.view(Bsz, k, K - 1, D).to(f)
+    inside = idx >= 0
+    if seq_idx is not None:
+        own = torch.gather(seq_idx, 1, positions)[:, :, None]  # each step's document
+        inside &= torch.gather(seq_idx, 1, flat).view(Bsz, k, K - 1) == own
+    out = out * inside[..., None]
+    if initial_state is not None:  # steps before 0 read the initial state's tail
+        before = idx < 0
+        if seq_idx is not None:
+            before &= seq_idx[:, :1, None] == own
+        tail = torch.gather(
+            initial_state.to(f), 1, (idx + K - 1).clamp(0, K - 2).view(Bsz, -1, 1).expand(
+                Bsz, k * (K - 1), D)
+        ).view(Bsz, k, K - 1, D)  # fmt: skip
+        out = torch.where(before[..., None], tail, out)
+    return out

@@ -103,6 +103,32 @@ def mamba_inner_triton(
     return _inner_forward(xz, *weights, conv_state, ssm_state, seq_idx, False)[:3]
 
 
+def mamba_inner_at_triton(
+    xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias, conv_state,
+    ssm_state, seq_idx, positions,
+):  # fmt: skip
+    """(y, final conv state, final ssm state, conv states [B, k, K-1, D] and ssm states
+    [B, k, D, N] after the steps `positions` [B, k]), without autograd: `_inner_forward`
+    whose scan also stores the states asked for (one masked store in its pass), and the
+    conv states gathered from x_in."""
+    from ..causal_conv1d.reference import conv_states_at
+    from ..selective_scan import states_at_buffers
+    from ..selective_scan.launch import scan_fwd
+
+    Dn, N = A.shape
+    x_in, z = xz[..., :Dn], xz[..., Dn:]
+    u, conv_out, _, delta, bc = _scan_inputs(
+        x_in, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, dt_bias, conv_state, seq_idx
+    )
+    at = states_at_buffers(positions, xz.shape[1], Dn, N, xz.device)
+    y, ssm_out, _ = scan_fwd(
+        u, delta, A, bc[..., :N], bc[..., N:], D, z, None, False, ssm_state, seq_idx, False,
+        at=at,
+    )  # fmt: skip
+    conv_at = conv_states_at(x_in, positions, conv_weight.shape[1], conv_state, seq_idx)
+    return y, conv_out, ssm_out, conv_at, at[1]
+
+
 def mamba_inner_last_triton(
     x_in, z_last, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias,
     conv_state, ssm_state, seq_idx,

@@ -21,9 +21,12 @@ def mamba_inner_chain(
     ssm_state: torch.Tensor | None = None,
     seq_idx: torch.Tensor | None = None,
     backend: str = "auto",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`mamba_inner` as a chain of ops, each saving its own inputs (u and delta included)."""
+    states_at: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """`mamba_inner` as a chain of ops, each saving its own inputs (u and delta included).
+    `states_at` [B, k]: also the conv and ssm states after those steps (`mamba_inner`)."""
     from .. import causal_conv1d, selective_scan  # the public ops (this package imports them)
+    from ..causal_conv1d.reference import conv_states_at
 
     Dn, N = A.shape
     R = dt_proj_weight.shape[1]
@@ -40,7 +43,7 @@ def mamba_inner_chain(
     )
     dt_r, B, C = F.linear(u, x_proj_weight).split([R, N, N], dim=-1)
     delta = F.linear(dt_r, dt_proj_weight)
-    y, ssm_out = selective_scan(
+    out = selective_scan(
         u,
         delta,
         A,
@@ -54,5 +57,10 @@ def mamba_inner_chain(
         seq_idx=seq_idx,
         return_final_state=True,
         backend=backend,
+        states_at=states_at,
     )
-    return y, conv_out, ssm_out
+    if states_at is None:
+        return out[0], conv_out, out[1]
+    y, ssm_out, ssm_at = out
+    conv_at = conv_states_at(x_in, states_at, conv_weight.shape[1], conv_state, seq_idx)
+    return y, conv_out, ssm_out, conv_at, ssm_at

@@ -159,6 +159,18 @@ scan_fwd_op = Op(_scan_fwd, _setup_context, _backward)
 scan_bwd_op = Op(_scan_bwd)
 
 
+def states_at_buffers(
+    positions: torch.Tensor, T: int, Dn: int, N: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the forward kernel takes for `states_at` [B, k]: slot int32 [B, T] (j at step
+    positions[b, j], -1 elsewhere) and the output [B, k, D, N] f32 it writes."""
+    Bsz, k = positions.shape
+    slot = torch.full((Bsz, T), -1, dtype=torch.int32, device=device)
+    rank = torch.arange(k, dtype=torch.int32, device=device).expand(Bsz, k)
+    slot.scatter_(1, positions, rank)
+    return slot, torch.empty(Bsz, k, Dn, N, dtype=torch.float32, device=device)
+
+
 def selective_scan_triton(
     u: torch.Tensor,  # [B, T, D]
     delta: torch.Tensor,  # [B, T, D]

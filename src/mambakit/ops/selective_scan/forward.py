@@ -44,17 +44,19 @@ def _compose(h, p_P, p_hloc, b, nseg, count, Dn, N, off_dn, mdn):
 @triton.jit
 def _fwd_kernel(
     p_u, p_dt, p_A, p_B, p_C, p_D, p_z, p_bias, p_seq,
-    p_h0, p_states, p_hT, p_hloc, p_P, p_y,
-    T, Dn, N, Bsz, nc, ns, nseg, seg_chunks,
+    p_h0, p_states, p_hT, p_hloc, p_P, p_y, p_slot, p_at,
+    T, Dn, N, Bsz, nc, ns, nseg, seg_chunks, n_at,
     s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b, s_z_t, s_seq_b, s_seq_t,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_H0: tl.constexpr, LOCAL: tl.constexpr, SAVE: tl.constexpr,
-    SPLIT_N: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
+    HAS_AT: tl.constexpr, SPLIT_N: tl.constexpr, TC: tl.constexpr, TS: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
 ):
     """One segment of one row, tile by tile. LOCAL: from a zero state, only the segment's end
     state and decay product; else, from h0 (HAS_H0) and the summaries of the earlier segments
-    (hloc, P: [B, nseg, D, N]), y, the state every TS steps (SAVE) and h_T (last segment)."""
+    (hloc, P: [B, nseg, D, N]), y, the state every TS steps (SAVE), h_T (last segment) and
+    (HAS_AT) the state after every step t whose slot[b, t] (int32 [B, T]) is not negative, into
+    row slot[b, t] of b's n_at states ([B, n_at, D, N])."""
     pid_d, s, b, pid_n, d, n, md, mn, mdn, A, bias = _program_block(
         p_A, p_bias, Dn, N, Bsz, HAS_BIAS, BLOCK_D, BLOCK_N
     )
@@ -91,6 +93,11 @@ def _fwd_kernel(
         # only needed for a LOCAL pass (unused, they compile away)
         bx = tl.where((rows == 0)[:, None, None], bx + a * h[None, :, :], bx)
         pa, hs = tl.associative_scan((a, bx), 0, _combine)
+        if HAS_AT:  # the states asked for inside this tile: one masked store
+            sl = tl.load(p_slot + b * T + t, mask=mt, other=-1)
+            off_at = (b * n_at + sl).to(tl.int64) * Dn * N
+            m_at = (sl >= 0)[:, None, None] & mdn[None, :, :]
+            tl.store(p_at + off_at[:, None, None] + off_dn[None, :, :], hs, mask=m_at)
         if SAVE:  # the state every TS steps (the backward's tile), [B, ns, D, N]
             if TC <= TS:
                 c_s = (c * TC) // TS

@@ -208,10 +208,13 @@ def scan_fwd(
     seq_idx,
     save_states: bool,
     cfg: ScanConfig | None = None,
+    at: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
     """(y [B, T, D] in u.dtype, final state [B, D, N] f32, the states at every TC-th step
     [B, T/TC, D, N] or an empty tensor). cfg: launch parameters other than the library's
-    (`config`), for scripts/scan_sweep.py and the tests."""
+    (`config`), for scripts/scan_sweep.py and the tests. `at`: (slot int32 [B, T], out f32
+    [B, k, D, N]): the state after each step t with slot[b, t] >= 0 is written to
+    out[b, slot[b, t]] (`states_at`)."""
     Bsz, T, Dn = u.shape
     N = A.shape[1]
     dev = u.device
@@ -254,9 +257,11 @@ def scan_fwd(
         )
     states = _new((Bsz, ns, Dn, N), f32, dev) if save_states else _new((0,), f32, dev)
     y = _new((Bsz, T, Dn), u.dtype, dev) if nb == 1 else _new((nb, Bsz, T, Dn), f32, dev)
+    slot, at_out = at if at is not None else (A, A)
+    sizes = (*sizes[:8], at_out.shape[1] if at is not None else 0, *sizes[8:])
     launch(_fwd_kernel, grid,
-        *ins, opt(h0, A), opt(states, A), hT, hloc, P, y, *sizes,
-        HAS_H0=h0 is not None, LOCAL=False, SAVE=save_states, **flags,
+        *ins, opt(h0, A), opt(states, A), hT, hloc, P, y, slot, at_out, *sizes,
+        HAS_H0=h0 is not None, LOCAL=False, SAVE=save_states, HAS_AT=at is not None, **flags,
     )  # fmt: skip
     if nb > 1:  # the state blocks' partial sums, then D u and the gate
         y = y.sum(0)
@@ -286,11 +291,12 @@ def _summaries(u, delta, A, B, C, delta_bias, softplus, seq_idx, nseg, per, with
     P = torch.empty_like(hloc)
     launch(
         _fwd_kernel, (cdiv(Dn, bd), nseg if with_last else nseg - 1, Bsz * nb),
-        u, delta, A, B, C, A, A, opt(delta_bias, A), opt(seq_idx, A), A, A, A, hloc, P, A,
-        T, Dn, N, Bsz, cdiv(T, tc * m), 1, nseg, per // m,
+        u, delta, A, B, C, A, A, opt(delta_bias, A), opt(seq_idx, A), A, A, A, hloc, P, A, A, A,
+        T, Dn, N, Bsz, cdiv(T, tc * m), 1, nseg, per // m, 0,
         *_input_strides(u, delta, B, C, None, seq_idx),
         HAS_D=False, HAS_Z=False, HAS_BIAS=delta_bias is not None, SOFTPLUS=bool(softplus),
-        HAS_SEQ=seq_idx is not None, HAS_H0=False, LOCAL=True, SAVE=False, SPLIT_N=nb > 1,
+        HAS_SEQ=seq_idx is not None, HAS_H0=False, LOCAL=True, SAVE=False, HAS_AT=False,
+        SPLIT_N=nb > 1,
         TC=tc * m, TS=cfg.bwd_tile, BLOCK_D=bd, BLOCK_N=bn, EVEN=even, num_warps=cfg.fwd_warps,
     )  # fmt: skip
     return hloc, P

@@ -355,3 +355,41 @@ def selective_state_update_reference(
     if z is not None:
         y = y * F.silu(z if z.dtype == f else z.to(f))
     return y if y.dtype == u.dtype else y.to(u.dtype)
+
+
+def selective_scan_states_at_reference(
+    u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, seq_idx, positions
+):  # fmt: skip
+    """(y, final state, the states after the steps `positions` [B, k] as [B, k, D, N]): the
+    scan of each row cut after every step asked for, each piece from the state the one before
+    it left, or from zeros where a document starts at the piece's first step (inside a piece
+    `seq_idx` resets it as in one pass). Inputs are checked by `mambakit.ops.selective_scan`."""
+    Bsz, T, Dn = u.shape
+    ys, finals, states = [], [], []
+    for b in range(Bsz):
+        row = slice(b, b + 1)
+        h = initial_state[row] if initial_state is not None else None
+        at: dict[int, torch.Tensor] = {}
+        pieces, start = [], 0
+        for stop in [*sorted(set(positions[b].tolist())), T - 1]:
+            if stop < start:
+                continue
+            if start > 0 and seq_idx is not None and seq_idx[b, start] != seq_idx[b, start - 1]:
+                h = None  # a document starts here: the carried state does not enter it
+            sl = slice(start, stop + 1)
+            y, h = selective_scan_reference(
+                u[row, sl], delta[row, sl], A, B[row, sl], C[row, sl], D,
+                None if z is None else z[row, sl], delta_bias, delta_softplus, h,
+                None if seq_idx is None else seq_idx[row, sl], return_final_state=True,
+            )  # fmt: skip
+            pieces.append(y)
+            at[stop] = h
+            start = stop + 1
+        ys.append(torch.cat(pieces, dim=1))
+        finals.append(h)
+        states.append([at[p][0] for p in positions[b].tolist()])
+    k = positions.shape[1]
+    at_states = torch.stack([torch.stack(s) for s in states]) if k else finals[0].new_zeros(
+        Bsz, 0, Dn, A.shape[1]
+    )
+    return torch.cat(ys), torch.cat(finals), at_states
