@@ -104,6 +104,38 @@ def test_every_choice_is_what_generate_gives_alone(model_dirs, preset, lookahead
     assert not engine.rows and not engine.prefilling and engine.idle
 
 
+@pytest.mark.parametrize("cache, deferred", [(False, False), (True, True)],
+                         ids=["no-cache", "cache-deferred"])  # fmt: skip
+def test_packed_prefill_gives_generate_alone(model_dirs, load, cache, deferred):
+    """Mamba-1's packed prefill (the CUDA default, `Engine.packed`): the prompts that start
+    from zeros run end to end in one row, their states taken at their ends (and, with the
+    cache, at the block boundaries of prompts whose first block was seen) by `states_at`.
+    Requests whose first block repeats hit the cache those states filled."""
+    model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
+    engine = Engine(model, max_batch=5, block_size=16, prefill_tokens=80,
+                    cache_bytes=(1 << 26) if cache else 0)  # fmt: skip
+    engine.packed = True
+    engine.lookahead = engine.async_prefill = deferred
+    work = mixed_requests(3, 12)
+    head = [7] * 20  # a shared first block: the later ones keep their block states
+    work += [(head + p[:40], sp) for p, sp in mixed_requests(4, 6)]
+    reqs = [engine.submit(p, sp) for p, sp in work]
+    run_all(engine, reqs)
+    for (prompt, sp), req in zip(work, reqs):
+        assert tokens(req) == alone(oracle, prompt, sp), (len(prompt), sp)
+    # a prompt from zeros was packed; one that found a cached prefix continued from it
+    assert all(r.whole != bool(r.cached) for r in reqs)
+    skipped = sum(r.cached for r in reqs)
+    assert engine.metrics.prefill_tokens == sum(len(p) for p, _ in work) - skipped
+    if cache:
+        assert any(r.blocks for r in reqs) and skipped
+        before = engine.metrics.prefill_tokens
+        more = engine.submit(head + [1, 2], SamplingParams(max_tokens=8, temperature=0))
+        run_all(engine, [more])
+        assert more.cached == 16 and engine.metrics.prefill_tokens == before + 6
+        assert tokens(more) == alone(oracle, head + [1, 2], more.params)
+
+
 def test_an_engine_built_under_inference_mode_serves(model_dirs, load):
     """Built (and stepped) inside torch.inference_mode, as a user's script may: the loop's
     buffers written in place are not inference tensors; the tokens are generate's."""
@@ -402,6 +434,68 @@ def test_prefill_pieces_share_forwards():
     assert [t for _, t in plan_targets([b, w, c], 800, 256)] == [50, 700, 10]
 
 
+def stand_in(fn, warmup=2, pool=None):
+    """`capture` on the CPU: a graph whose replay reruns the call into the captured
+    outputs, as a graph writes its static outputs."""
+    for _ in range(warmup):
+        fn()
+    out = fn()
+
+    class Graph:
+        def replay(self):
+            new = fn()
+            if out is not None:  # a call that returns its outputs (not one that copies)
+                out.copy_(new)
+
+    return Graph(), out
+
+
+def test_packed_graphs_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, monkeypatch):
+    """The packed rows' graphs (`PrefillGraphs.run_packed`): rows padded to a bucket, the
+    unused slots filled with other steps, the results copied through the shared buffers,
+    give what generate gives alone; a capture that fails turns them off, and the packed
+    rows run eagerly."""
+    import mambakit.inference.cuda_graph as cg
+    from mambakit.inference.cuda_graph import static_mode
+    from mambakit.serve import slots
+    from mambakit.serve.prefill import PrefillGraphs, pack_buckets
+
+    monkeypatch.setattr(cg, "capture", stand_in)
+    monkeypatch.setattr(slots, "capture", stand_in)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
+    engine = Engine(model, max_batch=6, block_size=16, prefill_tokens=300, cache_bytes=1 << 24)
+    engine.packed = True
+    with static_mode():
+        engine.pool = slots.SlotPool(model, 6, graphs=True)
+        engine.prefill_graphs = PrefillGraphs(model, 16)
+    graphs = engine.prefill_graphs
+    graphs.slots = 16  # few slots: a launch of many prompts runs as several rows
+    engine.lookahead = engine.async_prefill = True
+    engine.warmup()
+    packed = [k for k in graphs.graphs if k[2] == "packed"]
+    assert sorted(k[1] for k in packed) == pack_buckets(300) == [256, 320]
+    head = [9] * 18
+    work = mixed_requests(6, 10) + [(head + p, sp) for p, sp in mixed_requests(7, 6)]
+    reqs = [engine.submit(p, sp) for p, sp in work]
+    run_all(engine, reqs)
+    for (prompt, sp), req in zip(work, reqs):
+        assert tokens(req) == alone(oracle, prompt, sp), (len(prompt), sp)
+    assert graphs.packed_enabled and any(r.blocks for r in reqs)
+
+    def broken(n, device):
+        raise RuntimeError("out of memory")
+
+    graphs.graphs = {}
+    monkeypatch.setattr(graphs, "_packed_entry", broken)
+    work = mixed_requests(8, 6)
+    reqs = [engine.submit(p, sp) for p, sp in work]
+    run_all(engine, reqs)
+    for (prompt, sp), req in zip(work, reqs):
+        assert tokens(req) == alone(oracle, prompt, sp), (len(prompt), sp)
+    assert not graphs.packed_enabled
+
+
 def test_graph_paths_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, monkeypatch):
     """The CUDA-graph paths (decode per bucket of rows, prefill pieces per rows bucket)
     with `capture` replaced by a stand-in whose replay reruns the call into the captured
@@ -411,19 +505,6 @@ def test_graph_paths_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, mo
     from mambakit.inference.cuda_graph import static_mode
     from mambakit.serve import slots
     from mambakit.serve.prefill import PrefillGraphs
-
-    def stand_in(fn, warmup=2, pool=None):
-        for _ in range(warmup):
-            fn()
-        out = fn()
-
-        class Graph:
-            def replay(self):
-                new = fn()
-                if out is not None:  # a call that returns its outputs (not one that copies)
-                    out.copy_(new)
-
-        return Graph(), out
 
     monkeypatch.setattr(cg, "capture", stand_in)
     monkeypatch.setattr(slots, "capture", stand_in)

@@ -50,9 +50,13 @@ from .cache import PrefixCache, prefix_hashes
 from .metrics import Metrics
 from .params import EngineStopped, Event, QueueFull, SamplingParams
 from .prefill import (
+    PACK_SLOTS_EAGER,
     WHOLE_MAX,
     PrefillGraphs,
     left_padded,
+    pack_bucket,
+    pack_steps,
+    packed_row,
     piece_lengths,
     plan_targets,
     stack_rows,
@@ -153,6 +157,11 @@ class Engine:
         # block is new: the states at the block boundaries are kept for a prompt whose
         # first block was seen before
         self.whole_max = WHOLE_MAX
+        # Mamba-1 on CUDA: the prompts that start from zeros are packed end to end into
+        # rows instead, one forward giving the state at each prompt's end and at its block
+        # boundaries (`MambaLM.states_at`): no filler but a row's tail, and no block by
+        # block prefill of prompts from zeros (`_prefill_packed`)
+        self.packed = self.device.type == "cuda" and model.config.mixer == "mamba1"
         self._heads: OrderedDict[int, None] = OrderedDict()  # first blocks seen (hashes)
         self.rows: list[Sequence] = []  # the choice in each leading row of the pool
         # decode: the step launched and not yet read (lookahead), two host buffers of tokens
@@ -255,7 +264,10 @@ class Engine:
         need one pay for its capture. Call before `start`."""
         if self.prefill_graphs is not None:
             with self._on_device():
-                self.prefill_graphs.warmup(self.device, self.whole_max)
+                if self.packed:
+                    self.prefill_graphs.warmup(self.device, pack_max=self.prefill_tokens)
+                else:
+                    self.prefill_graphs.warmup(self.device, self.whole_max)
 
     def _on_device(self):
         """The model's CUDA device as the current one (graphs capture on the current
@@ -551,8 +563,12 @@ class Engine:
                 if hit is not None:
                     req.pos = req.cached = len(hit.tokens)
                     req.state, req.logits = hit.state, hit.logits
-            short = len(req.prompt) <= min(self.whole_max, self.prefill_tokens)
-            req.whole = req.pos == 0 and short and self._new_head(req)
+            if self.packed:  # from zeros: packed, with the block states unless the head is new
+                req.whole = req.pos == 0 and len(req.prompt) <= self.prefill_tokens
+                req.blocks = req.whole and self.cache.enabled and not self._new_head(req)
+            else:
+                short = len(req.prompt) <= min(self.whole_max, self.prefill_tokens)
+                req.whole = req.pos == 0 and short and self._new_head(req)
             self.prefilling.append(req)
 
     def _new_head(self, req: Request) -> bool:
@@ -616,7 +632,9 @@ class Engine:
                 whole.append(req)
             else:
                 req.pieces = piece_lengths(req.pos, target, self.block_size)
-        if whole:
+        if whole and self.packed:
+            self._prefill_packed(whole)
+        elif whole:
             self._prefill_whole(whole)
         while True:
             active = [r for r in self.prefilling if r.pieces]
@@ -671,11 +689,56 @@ class Engine:
 
             self._forward_group(group, forward, [len(p) for p in prompts])
 
-    def _forward_group(self, group: list[Request], forward, ends: list[int]) -> None:
+    def _prefill_packed(self, reqs: list[Request]) -> None:
+        """Prefill prompts from zeros packed end to end into rows of up to `prefill_tokens`
+        tokens and `PrefillGraphs.slots` kept states (each prompt's end, and its block
+        boundaries when `blocks`), one forward a row (`MambaLM.states_at`); on CUDA each row
+        is padded to a `pack_bucket` and replayed from its graph."""
+        graphs = self.prefill_graphs
+        slots = graphs.slots if graphs is not None else PACK_SLOTS_EAGER
+        packs, cur, tokens, kept = [], [], 0, 0
+        for r in reqs:
+            n = len(pack_steps(len(r.prompt), self.block_size, r.blocks))
+            if cur and (tokens + len(r.prompt) > self.prefill_tokens or kept + n > slots):
+                packs.append(cur)
+                cur, tokens, kept = [], 0, 0
+            cur.append(r)
+            tokens += len(r.prompt)
+            kept += n
+        packs.append(cur)
+        for group in packs:
+            steps = [pack_steps(len(r.prompt), self.block_size, r.blocks) for r in group]
+            total = sum(len(r.prompt) for r in group)
+            k = sum(map(len, steps))
+            rows, marks, j = [], [], 0
+            for r, st in zip(group, steps):
+                marks += [(r, s + 1, j + i) for i, s in enumerate(st[:-1])]
+                j += len(st)
+                rows.append(j - 1)
+
+            def forward(group=group, steps=steps, total=total, k=k):
+                prompts = [r.prompt for r in group]
+                if graphs is not None:
+                    n = pack_bucket(total)
+                    done = graphs.run_packed(*packed_row(prompts, steps, n, slots), k, self.device)
+                    if done is not None:
+                        return done
+                ids, seq, pos = packed_row(prompts, steps, total, k)
+                dev = self.device
+                logits, state = self.model._states_at(ids.to(dev), pos.to(dev), None, seq.to(dev))
+                return logits[0], state
+
+            self._forward_group(group, forward, [len(r.prompt) for r in group], rows, marks)
+
+    def _forward_group(
+        self, group: list[Request], forward, ends: list[int], rows=None, marks=()
+    ) -> None:
         """Run `forward` (-> logits [g, V], state [L, g, ...]) that takes the requests of
         `group` to positions `ends`; keep each one's state row and last logits, and give
-        the cache those at a block boundary or a prompt's end. A forward that fails ends
-        the requests of the group with an error."""
+        the cache those at a block boundary or a prompt's end. `rows`: the row of each
+        request's end (default: its index); `marks`: (request, tokens, row) of the states
+        at block boundaries inside the prompts (a packed forward's), for the cache. A
+        forward that fails ends the requests of the group with an error."""
         try:
             logits, out = forward()
         except Exception as e:
@@ -685,9 +748,12 @@ class Engine:
             return
         with self.metrics.lock:
             self.metrics.prefill_tokens += sum(end - r.pos for r, end in zip(group, ends))
+        for r, n, j in marks:
+            self.cache.insert(r.prompt[:n], r.hashes, rows_view(out, j, j + 1), logits[j])
         for i, (r, end) in enumerate(zip(group, ends)):
+            j = i if rows is None else rows[i]
             r.pos = end
-            r.state, r.logits = rows_view(out, i, i + 1), logits[i]
+            r.state, r.logits = rows_view(out, j, j + 1), logits[j]
             if end % self.block_size == 0 or end == len(r.prompt):
                 self.cache.insert(r.prompt[:end], r.hashes, r.state, r.logits)
 

@@ -100,11 +100,60 @@ def plan_targets(prefilling: list, budget: int, block: int) -> list[tuple[object
     return plan
 
 
+def pack_bucket(n: int) -> int:
+    """The length a packed row of n prompt tokens is padded to (on CUDA): 256 at least, then
+    four buckets per octave (320, 384, 448, 512, 640, ...): the filler is under a fifth."""
+    if n <= PACK_MIN:
+        return PACK_MIN
+    step = 1 << ((n - 1).bit_length() - 3)
+    return -(-n // step) * step
+
+
+def pack_buckets(most: int) -> list[int]:
+    """Every bucket of packed rows of up to `most` tokens."""
+    out, n = [], 1
+    while n <= most:
+        out.append(pack_bucket(n))
+        n = out[-1] + 1
+    return out
+
+
+def pack_steps(prompt_len: int, block: int, blocks: bool) -> list[int]:
+    """The steps of a packed prompt whose states are kept: its last, and (`blocks`) the last
+    of each whole block inside it, for the prefix cache."""
+    inner = range(block - 1, prompt_len - 1, block) if blocks else ()
+    return [*inner, prompt_len - 1]
+
+
+def packed_row(prompts: list[list[int]], steps: list[list[int]], n: int, slots: int):
+    """The host tensors of one packed forward: ids [1, n] int64 (the prompts end to end,
+    then filler 0), seq_idx [1, n] int32 (prompt i is document i, the filler the next one)
+    and positions [1, slots] int64: the steps asked for (prompt i's `steps[i]`, offset to
+    where it starts), then distinct unused steps to fill the slots (their states are
+    written and never read)."""
+    ids = torch.zeros(1, n, dtype=torch.int64)
+    seq = torch.full((1, n), len(prompts), dtype=torch.int32)
+    pos: list[int] = []
+    at = 0
+    for i, (p, st) in enumerate(zip(prompts, steps)):
+        ids[0, at : at + len(p)] = torch.tensor(p, dtype=torch.int64)
+        seq[0, at : at + len(p)] = i
+        pos += [at + s for s in st]
+        at += len(p)
+    used = set(pos)
+    free = (t for t in range(n) if t not in used)
+    pos += [next(free) for _ in range(slots - len(pos))]
+    return ids, seq, torch.tensor([pos], dtype=torch.int64)
+
+
+PACK_MIN = 256  # the shortest packed row
 WHOLE_MIN = 16  # the shortest bucket of a prompt prefilled whole
 WHOLE_STEP = 256  # past this length, the buckets of whole prompts grow by this much
 WHOLE_MAX = 2048  # prompts prefilled whole have at most this many tokens
 GRAPH_STATE_BYTES = 2 << 30  # the static state buffers of the prefill graphs, at most
 GRAPH_MAX_ROWS = 16  # rows of a captured prefill at most (a larger group runs in parts)
+PACK_SLOTS = 128  # the states one packed forward keeps at most
+PACK_SLOTS_EAGER = 256  # the same without graphs (its outputs are the forward's own)
 
 
 class PrefillGraphs:
@@ -124,12 +173,19 @@ class PrefillGraphs:
         self.buffers: dict[int, tuple] = {}  # rows -> (state in, state out, logits)
         self.enabled = True  # the pieces' graphs
         self.whole_enabled = True  # the whole prompts' (a failed capture turns off its kind)
+        self.packed_enabled = True  # the packed rows' (`run_packed`)
         row = model.init_state(1)
         row_bytes = sum(t.numel() * t.element_size() for t in row._tensors())
         rows = 1  # buckets 1, 2, ... R hold 2 states of 2R - 1 rows in all
         while rows < GRAPH_MAX_ROWS and 2 * (4 * rows - 1) * row_bytes <= GRAPH_STATE_BYTES:
             rows *= 2
         self.max_rows = rows
+        # the states a packed forward keeps at most (a step's state of every layer each):
+        # its output buffer holds that many rows, within the same bound
+        slots = 16
+        while slots < PACK_SLOTS and 2 * slots * row_bytes <= GRAPH_STATE_BYTES:
+            slots *= 2
+        self.slots = slots
         self.lengths = [1 << i for i in range(block_size.bit_length()) if 1 << i < block_size]
         self.lengths.append(block_size)
 
@@ -162,15 +218,66 @@ class PrefillGraphs:
         self.graphs[key] = (graph, ids, seq)
         return self.graphs[key]
 
-    def warmup(self, device, whole_max: int = 0) -> None:
+    def _packed_entry(self, n: int, device):
+        """The graph of a packed row of n tokens and its buffers: (graph, ids [1, n],
+        seq_idx [1, n], positions [1, slots]); its results go to the shared buffers of
+        `slots` rows (`buffers[-slots]`)."""
+        from ..inference.cuda_graph import capture
+
+        key = (1, n, "packed")
+        if key in self.graphs:
+            return self.graphs[key]
+        if -self.slots not in self.buffers:
+            param = next(self.model.parameters())
+            vocab = self.model.config.vocab_size
+            self.buffers[-self.slots] = (
+                None,
+                self.model.init_state(self.slots),
+                torch.zeros(self.slots, vocab, dtype=param.dtype, device=device),
+            )
+        _, state_out, logits_out = self.buffers[-self.slots]
+        ids = torch.zeros(1, n, dtype=torch.int64, device=device)
+        seq = torch.zeros(1, n, dtype=torch.int32, device=device)
+        pos = torch.arange(self.slots, dtype=torch.int64, device=device)[None]
+
+        def fn():
+            logits, state = self.model._states_at(ids, pos, None, seq)
+            state_out.copy_(state)
+            logits_out.copy_(logits[0])
+
+        graph, _ = capture(fn, warmup=2, pool=self.pool)
+        self.graphs[key] = (graph, ids, seq, pos)
+        return self.graphs[key]
+
+    def run_packed(self, ids, seq, pos, k: int, device):
+        """(logits [k, V], state [L, k, ...]) of the first k steps of a packed row (host
+        tensors from `packed_row`, its length a `pack_bucket`, `slots` steps), or None when
+        the graphs are off."""
+        if not self.packed_enabled:
+            return None
+        try:
+            graph, ids_buf, seq_buf, pos_buf = self._packed_entry(ids.shape[1], device)
+        except Exception:  # a capture that fails: packed rows run eagerly from now on
+            self.packed_enabled = False
+            return None
+        for buf, host in ((ids_buf, ids), (seq_buf, seq), (pos_buf, pos)):
+            buf.copy_(host.pin_memory() if device.type == "cuda" else host, non_blocking=True)
+        return self._replay(-self.slots, k, graph)
+
+    def warmup(self, device, whole_max: int = 0, pack_max: int = 0) -> None:
         """Capture every graph now (a capture mid-service would stall an iteration): the
         pieces', then the whole prompts' up to `whole_max` tokens (the largest ones, which
-        a capture is likeliest to fail on for want of memory, last)."""
+        a capture is likeliest to fail on for want of memory, last), or the packed rows' up
+        to `pack_max` tokens."""
         buckets = [1 << i for i in range(self.max_rows.bit_length())]
         for rows in buckets:
             for n in self.lengths:
                 if self.enabled:
                     self._run([[0] * n] * rows, None, device)
+        for n in pack_buckets(pack_max):
+            if self.packed_enabled:
+                row = packed_row([[0] * n], [[n - 1]], n, self.slots)
+                self.run_packed(*row, 1, device)
         for n in whole_buckets(whole_max):
             for rows in buckets:
                 if self.whole_enabled:

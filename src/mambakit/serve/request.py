@@ -104,6 +104,7 @@ class Request:
         self.logits: torch.Tensor | None = None  # [V] at prompt[pos - 1]
         self.pieces: deque[int] = deque()
         self.whole = False  # prefilled in one piece from zeros (Engine._admit)
+        self.blocks = False  # packed (Engine.packed): its block boundaries' states kept too
         self.cached = 0  # prompt tokens found in the prefix cache
         self.sampling = params.sampling  # the engine's one object for equal settings
 
