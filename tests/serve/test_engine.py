@@ -107,10 +107,11 @@ def test_every_choice_is_what_generate_gives_alone(model_dirs, preset, lookahead
 @pytest.mark.parametrize("cache, deferred", [(False, False), (True, True)],
                          ids=["no-cache", "cache-deferred"])  # fmt: skip
 def test_packed_prefill_gives_generate_alone(model_dirs, load, cache, deferred):
-    """Mamba-1's packed prefill (the CUDA default, `Engine.packed`): the prompts that start
-    from zeros run end to end in one row, their states taken at their ends (and, with the
-    cache, at the block boundaries of prompts whose first block was seen) by `states_at`.
-    Requests whose first block repeats hit the cache those states filled."""
+    """Mamba-1's packed prefill (the CUDA default, `Engine.packed`): prompts run end to end
+    in rows, their states taken at their ends (and, with the cache, at the block
+    boundaries of prompts whose first block was seen) by `states_at`. Requests whose first
+    block repeats hit the cache those states filled, and continue from it at the start of
+    a row."""
     model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
     engine = Engine(model, max_batch=5, block_size=16, prefill_tokens=80,
                     cache_bytes=(1 << 26) if cache else 0)  # fmt: skip
@@ -123,8 +124,8 @@ def test_packed_prefill_gives_generate_alone(model_dirs, load, cache, deferred):
     run_all(engine, reqs)
     for (prompt, sp), req in zip(work, reqs):
         assert tokens(req) == alone(oracle, prompt, sp), (len(prompt), sp)
-    # a prompt from zeros was packed; one that found a cached prefix continued from it
-    assert all(r.whole != bool(r.cached) for r in reqs)
+    # every prompt was packed: from zeros, or (starting a row) from its cached prefix
+    assert all(r.whole for r in reqs)
     skipped = sum(r.cached for r in reqs)
     assert engine.metrics.prefill_tokens == sum(len(p) for p, _ in work) - skipped
     if cache:

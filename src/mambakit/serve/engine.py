@@ -563,9 +563,10 @@ class Engine:
                 if hit is not None:
                     req.pos = req.cached = len(hit.tokens)
                     req.state, req.logits = hit.state, hit.logits
-            if self.packed:  # from zeros: packed, with the block states unless the head is new
-                req.whole = req.pos == 0 and len(req.prompt) <= self.prefill_tokens
-                req.blocks = req.whole and self.cache.enabled and not self._new_head(req)
+            if self.packed:  # packed, with the block states unless the head is new
+                req.whole = len(req.prompt) - req.pos <= self.prefill_tokens
+                seen = req.pos > 0 or not self._new_head(req)
+                req.blocks = req.whole and self.cache.enabled and seen
             else:
                 short = len(req.prompt) <= min(self.whole_max, self.prefill_tokens)
                 req.whole = req.pos == 0 and short and self._new_head(req)
@@ -690,42 +691,50 @@ class Engine:
             self._forward_group(group, forward, [len(p) for p in prompts])
 
     def _prefill_packed(self, reqs: list[Request]) -> None:
-        """Prefill prompts from zeros packed end to end into rows of up to `prefill_tokens`
+        """Prefill the rest of prompts packed end to end into rows of up to `prefill_tokens`
         tokens and `PrefillGraphs.slots` kept states (each prompt's end, and its block
-        boundaries when `blocks`), one forward a row (`MambaLM.states_at`); on CUDA each row
-        is padded to a `pack_bucket` and replayed from its graph."""
+        boundaries when `blocks`), one forward a row (`MambaLM.states_at`). A prompt that
+        continues a cached prefix starts a row, from that prefix's state (the state a row
+        starts from enters its first prompt only); the others start from zeros. On CUDA
+        each row is padded to a `pack_bucket` and replayed from its graph."""
         graphs = self.prefill_graphs
         slots = graphs.slots if graphs is not None else PACK_SLOTS_EAGER
+        block = self.block_size
+
+        def steps_of(r):
+            return pack_steps(r.pos, len(r.prompt), block, r.blocks)
+
         packs, cur, tokens, kept = [], [], 0, 0
-        for r in reqs:
-            n = len(pack_steps(len(r.prompt), self.block_size, r.blocks))
-            if cur and (tokens + len(r.prompt) > self.prefill_tokens or kept + n > slots):
+        for r in sorted(reqs, key=lambda r: r.pos == 0):  # the continued ones first
+            n, rest = len(steps_of(r)), len(r.prompt) - r.pos
+            full = tokens + rest > self.prefill_tokens or kept + n > slots
+            if cur and (full or r.pos > 0):
                 packs.append(cur)
                 cur, tokens, kept = [], 0, 0
             cur.append(r)
-            tokens += len(r.prompt)
+            tokens += rest
             kept += n
         packs.append(cur)
         for group in packs:
-            steps = [pack_steps(len(r.prompt), self.block_size, r.blocks) for r in group]
-            total = sum(len(r.prompt) for r in group)
+            steps = [steps_of(r) for r in group]
+            total = sum(len(r.prompt) - r.pos for r in group)
             k = sum(map(len, steps))
             rows, marks, j = [], [], 0
             for r, st in zip(group, steps):
-                marks += [(r, s + 1, j + i) for i, s in enumerate(st[:-1])]
+                marks += [(r, r.pos + s + 1, j + i) for i, s in enumerate(st[:-1])]
                 j += len(st)
                 rows.append(j - 1)
 
             def forward(group=group, steps=steps, total=total, k=k):
-                prompts = [r.prompt for r in group]
+                prompts = [r.prompt[r.pos :] for r in group]
+                start = group[0].state  # a cached prefix's (one row), or None
                 if graphs is not None:
-                    n = pack_bucket(total)
-                    done = graphs.run_packed(*packed_row(prompts, steps, n, slots), k, self.device)
+                    row = packed_row(prompts, steps, pack_bucket(total), slots)
+                    done = graphs.run_packed(*row, k, self.device, start)
                     if done is not None:
                         return done
-                ids, seq, pos = packed_row(prompts, steps, total, k)
-                dev = self.device
-                logits, state = self.model._states_at(ids.to(dev), pos.to(dev), None, seq.to(dev))
+                ids, seq, pos = (t.to(self.device) for t in packed_row(prompts, steps, total, k))
+                logits, state = self.model._states_at(ids, pos, start, seq)
                 return logits[0], state
 
             self._forward_group(group, forward, [len(r.prompt) for r in group], rows, marks)

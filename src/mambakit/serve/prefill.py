@@ -118,11 +118,13 @@ def pack_buckets(most: int) -> list[int]:
     return out
 
 
-def pack_steps(prompt_len: int, block: int, blocks: bool) -> list[int]:
-    """The steps of a packed prompt whose states are kept: its last, and (`blocks`) the last
-    of each whole block inside it, for the prefix cache."""
-    inner = range(block - 1, prompt_len - 1, block) if blocks else ()
-    return [*inner, prompt_len - 1]
+def pack_steps(pos: int, end: int, block: int, blocks: bool) -> list[int]:
+    """The steps of a prompt's packed part (tokens pos .. end - 1, counted from pos) whose
+    states are kept: its last, and (`blocks`) the last of each block that ends inside it,
+    for the prefix cache."""
+    first = (pos // block + 1) * block  # the first boundary past pos
+    inner = range(first - 1 - pos, end - 1 - pos, block) if blocks else ()
+    return [*inner, end - 1 - pos]
 
 
 def packed_row(prompts: list[list[int]], steps: list[list[int]], n: int, slots: int):
@@ -218,13 +220,13 @@ class PrefillGraphs:
         self.graphs[key] = (graph, ids, seq)
         return self.graphs[key]
 
-    def _packed_entry(self, n: int, device):
+    def _packed_entry(self, n: int, device, from_state: bool = False):
         """The graph of a packed row of n tokens and its buffers: (graph, ids [1, n],
-        seq_idx [1, n], positions [1, slots]); its results go to the shared buffers of
-        `slots` rows (`buffers[-slots]`)."""
+        seq_idx [1, n], positions [1, slots], the initial state of its first prompt or
+        None); its results go to the shared buffers of `slots` rows (`buffers[-slots]`)."""
         from ..inference.cuda_graph import capture
 
-        key = (1, n, "packed")
+        key = (1, n, "packed-from" if from_state else "packed")
         if key in self.graphs:
             return self.graphs[key]
         if -self.slots not in self.buffers:
@@ -239,29 +241,34 @@ class PrefillGraphs:
         ids = torch.zeros(1, n, dtype=torch.int64, device=device)
         seq = torch.zeros(1, n, dtype=torch.int32, device=device)
         pos = torch.arange(self.slots, dtype=torch.int64, device=device)[None]
+        state_in = self.model.init_state(1) if from_state else None
 
         def fn():
-            logits, state = self.model._states_at(ids, pos, None, seq)
+            logits, state = self.model._states_at(ids, pos, state_in, seq)
             state_out.copy_(state)
             logits_out.copy_(logits[0])
 
         graph, _ = capture(fn, warmup=2, pool=self.pool)
-        self.graphs[key] = (graph, ids, seq, pos)
+        self.graphs[key] = (graph, ids, seq, pos, state_in)
         return self.graphs[key]
 
-    def run_packed(self, ids, seq, pos, k: int, device):
+    def run_packed(self, ids, seq, pos, k: int, device, state: ModelState | None = None):
         """(logits [k, V], state [L, k, ...]) of the first k steps of a packed row (host
-        tensors from `packed_row`, its length a `pack_bucket`, `slots` steps), or None when
-        the graphs are off."""
+        tensors from `packed_row`, its length a `pack_bucket`, `slots` steps) whose first
+        prompt starts from `state` (one row; None: zeros), or None when the graphs are
+        off."""
         if not self.packed_enabled:
             return None
         try:
-            graph, ids_buf, seq_buf, pos_buf = self._packed_entry(ids.shape[1], device)
+            entry = self._packed_entry(ids.shape[1], device, state is not None)
         except Exception:  # a capture that fails: packed rows run eagerly from now on
             self.packed_enabled = False
             return None
+        graph, ids_buf, seq_buf, pos_buf, state_in = entry
         for buf, host in ((ids_buf, ids), (seq_buf, seq), (pos_buf, pos)):
             buf.copy_(host.pin_memory() if device.type == "cuda" else host, non_blocking=True)
+        if state is not None:
+            state_in.copy_(state)
         return self._replay(-self.slots, k, graph)
 
     def warmup(self, device, whole_max: int = 0, pack_max: int = 0) -> None:
@@ -275,9 +282,10 @@ class PrefillGraphs:
                 if self.enabled:
                     self._run([[0] * n] * rows, None, device)
         for n in pack_buckets(pack_max):
-            if self.packed_enabled:
-                row = packed_row([[0] * n], [[n - 1]], n, self.slots)
-                self.run_packed(*row, 1, device)
+            for start in (None, self.model.init_state(1)):
+                if self.packed_enabled:
+                    row = packed_row([[0] * n], [[n - 1]], n, self.slots)
+                    self.run_packed(*row, 1, device, start)
         for n in whole_buckets(whole_max):
             for rows in buckets:
                 if self.whole_enabled:
