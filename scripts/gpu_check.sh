@@ -8,7 +8,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile"}
-# opt-in stages: residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof serveprobe rl rlprof
+# opt-in stages: residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof serveprobe packprobe rl rlprof
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -133,6 +133,10 @@ if stage serveprobe; then  # prefill forwards by (rows, piece length) and the de
   echo "== serve_probe" | tee -a "$LOG"
   timeout ${T_SERVEPROBE:-200} python scripts/serve_probe.py --presets ${SERVEPROBE_PRESETS:-130m} \
     --out "$OUT/serve_probe.json" 2>&1 | tee -a "$LOG"
+fi
+if stage packprobe; then  # a packed prefill row against whole prompts in padded rows
+  echo "== pack_probe" | tee -a "$LOG"
+  timeout ${T_PACKPROBE:-200} python scripts/pack_probe.py --out "$OUT/pack_probe.json" 2>&1 | tee -a "$LOG"
 fi
 if stage rl; then  # small float-input backbones: the step and the T=32 training window
   echo "== bench_rl" | tee -a "$LOG"

@@ -413,9 +413,7 @@ class MambaLM(nn.Module):
         """`states_at` without its checks of `positions` (a sync): the serve engine's
         captured forward, whose steps it builds itself."""
         bb = self.backbone
-        h, residual, cdt, backend, out = bb._forward_layers(
-            input_ids, state, seq_idx, at=positions
-        )
+        h, residual, cdt, backend, out = bb._forward_layers(input_ids, state, seq_idx, at=positions)
         Bsz, k = positions.shape
         M = h.shape[-1]
         index = positions[..., None].expand(Bsz, k, M)

@@ -212,6 +212,9 @@ def _mamba_inner(
     args = (conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias)
     if states_at is not None:
         if resolve_backend(backend, xz) == "triton":
+            tensors = (xz, *args, conv_state, ssm_state)
+            if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+                raise ValueError("states_at: the Triton scan gives them without autograd only")
             from .mamba_inner import mamba_inner_at_triton
 
             return mamba_inner_at_triton(xz, *args, conv_state, ssm_state, seq_idx, states_at)

@@ -56,7 +56,9 @@ def _fwd_kernel(
     state and decay product; else, from h0 (HAS_H0) and the summaries of the earlier segments
     (hloc, P: [B, nseg, D, N]), y, the state every TS steps (SAVE), h_T (last segment) and
     (HAS_AT) the state after every step t whose slot[b, t] (int32 [B, T]) is not negative, into
-    row slot[b, t] of b's n_at states ([B, n_at, D, N])."""
+    row slot[b, t] of b's n_at states ([B, n_at, D, N]): a tile with one stores it row by row
+    in a branch (a whole-tile masked store keeps [TC, BLOCK_N, BLOCK_D] addresses live in
+    registers on every tile and spills)."""
     pid_d, s, b, pid_n, d, n, md, mn, mdn, A, bias = _program_block(
         p_A, p_bias, Dn, N, Bsz, HAS_BIAS, BLOCK_D, BLOCK_N
     )
@@ -93,11 +95,14 @@ def _fwd_kernel(
         # only needed for a LOCAL pass (unused, they compile away)
         bx = tl.where((rows == 0)[:, None, None], bx + a * h[None, :, :], bx)
         pa, hs = tl.associative_scan((a, bx), 0, _combine)
-        if HAS_AT:  # the states asked for inside this tile: one masked store
+        if HAS_AT:  # the states asked for inside this tile (rare: a branch, off the hot path)
             sl = tl.load(p_slot + b * T + t, mask=mt, other=-1)
-            off_at = (b * n_at + sl).to(tl.int64) * Dn * N
-            m_at = (sl >= 0)[:, None, None] & mdn[None, :, :]
-            tl.store(p_at + off_at[:, None, None] + off_dn[None, :, :], hs, mask=m_at)
+            if tl.max(sl, axis=0) >= 0:
+                for r in tl.static_range(TC):
+                    s_r = tl.max(tl.where(rows == r, sl, -1), axis=0)
+                    if s_r >= 0:
+                        off_r = (b * n_at + s_r).to(tl.int64) * Dn * N
+                        tl.store(p_at + off_r + off_dn, _row(hs, rows, r), mask=mdn)
         if SAVE:  # the state every TS steps (the backward's tile), [B, ns, D, N]
             if TC <= TS:
                 c_s = (c * TC) // TS

@@ -389,7 +389,9 @@ def selective_scan_states_at_reference(
         finals.append(h)
         states.append([at[p][0] for p in positions[b].tolist()])
     k = positions.shape[1]
-    at_states = torch.stack([torch.stack(s) for s in states]) if k else finals[0].new_zeros(
-        Bsz, 0, Dn, A.shape[1]
+    at_states = (
+        torch.stack([torch.stack(s) for s in states])
+        if k
+        else finals[0].new_zeros(Bsz, 0, Dn, A.shape[1])
     )
     return torch.cat(ys), torch.cat(finals), at_states

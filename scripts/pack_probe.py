@@ -1,0 +1,78 @@
+# ruff: noqa: B023 (each lambda is timed inside its own iteration)
+"""A packed prefill row against whole prompts padded into rows, on the device: the forward
+(captured), the scan alone with and without `states_at`, at 130m. Prints milliseconds."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from mambakit import MambaConfig, MambaLM  # noqa: E402
+from mambakit.ops import selective_scan  # noqa: E402
+from mambakit.serve.prefill import PrefillGraphs, packed_row  # noqa: E402
+
+
+def timed(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="130m")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    model = MambaLM(MambaConfig.preset(args.preset)).to(dev, torch.bfloat16).eval()
+    graphs = PrefillGraphs(model, 256)
+    res = {}
+    with torch.no_grad():
+        for rows, n in ((8, 2048), (2, 2048), (16, 256), (1, 1024)):
+            prompts = [[1] * n] * rows
+            res[f"whole {rows}x{n}"] = timed(lambda: graphs.run_whole(prompts, dev))
+            row = packed_row(prompts, [[n - 1]] * rows, rows * n, graphs.slots)
+            res[f"packed 1x{rows * n}"] = timed(lambda: graphs.run_packed(*row, rows, dev))
+            ids, seq, pos = (t.to(dev) for t in row)
+            res[f"eager states_at 1x{rows * n}"] = timed(
+                lambda: model._states_at(ids, pos, None, seq)
+            )
+            res[f"eager last_logits 1x{rows * n}"] = timed(
+                lambda: model.last_logits(ids, None, seq)
+            )
+        D, N = 1536, 16
+        for Bsz, T in ((8, 2048), (1, 16384)):
+            u = torch.randn(Bsz, T, D, device=dev, dtype=torch.bfloat16)
+            dt = torch.rand(Bsz, T, D, device=dev)
+            A = -torch.rand(D, N, device=dev)
+            Bm = torch.randn(Bsz, T, N, device=dev, dtype=torch.bfloat16)
+            C = torch.randn_like(Bm)
+            dt = dt.to(torch.bfloat16)
+            pos = torch.randperm(T, device=dev)[:128].view(1, 128).expand(Bsz, 128).contiguous()
+            res[f"scan {Bsz}x{T}"] = timed(lambda: selective_scan(u, dt, A, Bm, C))
+            res[f"scan {Bsz}x{T} states_at 128"] = timed(
+                lambda: selective_scan(u, dt, A, Bm, C, states_at=pos)
+            )
+    for k, v in res.items():
+        print(f"{k:40s} {v:8.3f} ms")
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
