@@ -157,11 +157,12 @@ class Engine:
         # block is new: the states at the block boundaries are kept for a prompt whose
         # first block was seen before
         self.whole_max = WHOLE_MAX
-        # Mamba-1 on CUDA: the prompts that start from zeros are packed end to end into
+        # packed (a Mamba-1 model; off by default): prompts are packed end to end into
         # rows instead, one forward giving the state at each prompt's end and at its block
-        # boundaries (`MambaLM.states_at`): no filler but a row's tail, and no block by
-        # block prefill of prompts from zeros (`_prefill_packed`)
-        self.packed = self.device.type == "cuda" and model.config.mixer == "mamba1"
+        # boundaries (`MambaLM.states_at`, `_prefill_packed`). Measured on the H200 at 130m
+        # it is not faster yet than the padded groups (a scan with `states_at` costs 2x
+        # one without, and a row per cached prefix serialises hits): docs/serving.md
+        self.packed = False
         self._heads: OrderedDict[int, None] = OrderedDict()  # first blocks seen (hashes)
         self.rows: list[Sequence] = []  # the choice in each leading row of the pool
         # decode: the step launched and not yet read (lookahead), two host buffers of tokens
