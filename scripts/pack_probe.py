@@ -47,12 +47,14 @@ def main() -> None:
             prompts = [[1] * n] * rows
             res[f"whole {rows}x{n}"] = timed(lambda: graphs.run_whole(prompts, dev))
             row = packed_row(prompts, [[n - 1]] * rows, rows * n, graphs.slots)
-            res[f"packed 1x{rows * n}"] = timed(lambda: graphs.run_packed(*row, rows, dev))
+            res[f"packed 1x{rows * n} ({rows}x{n})"] = timed(
+                lambda: graphs.run_packed(*row, rows, dev)
+            )
             ids, seq, pos = (t.to(dev) for t in row)
-            res[f"eager states_at 1x{rows * n}"] = timed(
+            res[f"eager states_at 1x{rows * n} ({rows}x{n})"] = timed(
                 lambda: model._states_at(ids, pos, None, seq)
             )
-            res[f"eager last_logits 1x{rows * n}"] = timed(
+            res[f"eager last_logits 1x{rows * n} ({rows}x{n})"] = timed(
                 lambda: model.last_logits(ids, None, seq)
             )
         D, N = 1536, 16
