@@ -48,6 +48,16 @@ def run_all(engine: Engine, reqs) -> None:
     raise AssertionError("the engine did not finish its requests")
 
 
+def served_alone(engine: Engine, oracle, work) -> list:
+    """Submit every (prompt, params) of `work`, run the engine until they end, and check
+    each request's tokens against `generate` on it alone; the requests."""
+    reqs = [engine.submit(p, sp) for p, sp in work]
+    run_all(engine, reqs)
+    for (prompt, sp), req in zip(work, reqs):
+        assert tokens(req) == alone(oracle, prompt, sp), (len(prompt), sp)
+    return reqs
+
+
 def tokens(req) -> list[list[int]]:
     out = [[] for _ in range(req.params.n)]
     for ev in req.events(timeout=5):
@@ -97,10 +107,7 @@ def test_every_choice_is_what_generate_gives_alone(model_dirs, preset, lookahead
     engine.async_prefill = deferred
     engine.whole_max = 40 if whole else 0
     work = mixed_requests(0, 14)
-    reqs = [engine.submit(p, sp) for p, sp in work]
-    run_all(engine, reqs)
-    for (prompt, sp), req in zip(work, reqs):
-        assert tokens(req) == alone(oracle, prompt, sp), (len(prompt), sp)
+    served_alone(engine, oracle, work)
     assert not engine.rows and not engine.prefilling and engine.idle
 
 
@@ -120,10 +127,7 @@ def test_packed_prefill_gives_generate_alone(model_dirs, load, cache, deferred):
     work = mixed_requests(3, 12)
     head = [7] * 20  # a shared first block: the later ones keep their block states
     work += [(head + p[:40], sp) for p, sp in mixed_requests(4, 6)]
-    reqs = [engine.submit(p, sp) for p, sp in work]
-    run_all(engine, reqs)
-    for (prompt, sp), req in zip(work, reqs):
-        assert tokens(req) == alone(oracle, prompt, sp), (len(prompt), sp)
+    reqs = served_alone(engine, oracle, work)
     # every prompt was packed: from zeros, or (starting a row) from its cached prefix
     assert all(r.whole for r in reqs)
     skipped = sum(r.cached for r in reqs)
@@ -459,7 +463,7 @@ def test_packed_graphs_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, 
     import mambakit.inference.cuda_graph as cg
     from mambakit.inference.cuda_graph import static_mode
     from mambakit.serve import slots
-    from mambakit.serve.prefill import PrefillGraphs, pack_buckets
+    from mambakit.serve.prefill import PrefillGraphs, buckets, pack_bucket
 
     monkeypatch.setattr(cg, "capture", stand_in)
     monkeypatch.setattr(slots, "capture", stand_in)
@@ -475,25 +479,19 @@ def test_packed_graphs_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, 
     engine.lookahead = engine.async_prefill = True
     engine.warmup()
     packed = [k for k in graphs.graphs if k[2] == "packed"]
-    assert sorted(k[1] for k in packed) == pack_buckets(300) == [256, 320]
+    assert sorted(k[1] for k in packed) == buckets(pack_bucket, 300) == [256, 320]
     head = [9] * 18
     work = mixed_requests(6, 10) + [(head + p, sp) for p, sp in mixed_requests(7, 6)]
-    reqs = [engine.submit(p, sp) for p, sp in work]
-    run_all(engine, reqs)
-    for (prompt, sp), req in zip(work, reqs):
-        assert tokens(req) == alone(oracle, prompt, sp), (len(prompt), sp)
+    reqs = served_alone(engine, oracle, work)
     assert graphs.packed_enabled and any(r.blocks for r in reqs)
 
-    def broken(n, device):
+    def broken(n, device, from_state=False):
         raise RuntimeError("out of memory")
 
     graphs.graphs = {}
     monkeypatch.setattr(graphs, "_packed_entry", broken)
     work = mixed_requests(8, 6)
-    reqs = [engine.submit(p, sp) for p, sp in work]
-    run_all(engine, reqs)
-    for (prompt, sp), req in zip(work, reqs):
-        assert tokens(req) == alone(oracle, prompt, sp), (len(prompt), sp)
+    reqs = served_alone(engine, oracle, work)
     assert not graphs.packed_enabled
 
 
@@ -520,10 +518,7 @@ def test_graph_paths_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, mo
     engine.lookahead = engine.async_prefill = True  # as on CUDA
     engine.whole_max = 40  # prompts up to 40 tokens whole, longer ones in pieces
     work = mixed_requests(2, 12)
-    reqs = [engine.submit(p, sp) for p, sp in work]
-    run_all(engine, reqs)
-    for (prompt, sp), req in zip(work, reqs):
-        assert tokens(req) == alone(oracle, prompt, sp), (len(prompt), sp)
+    served_alone(engine, oracle, work)
     assert engine.prefill_graphs.graphs  # the pieces ran from the stand-in graphs
     # rows 1, 2; pieces 1 ... 16, and whole prompts of 16 ... 64 tokens
     engine.whole_max = 64
@@ -541,10 +536,7 @@ def test_graph_paths_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, mo
 
     monkeypatch.setattr(graphs, "_entry", entry)
     work = mixed_requests(5, 8)
-    reqs = [engine.submit(p, sp) for p, sp in work]
-    run_all(engine, reqs)
-    for (prompt, sp), req in zip(work, reqs):
-        assert tokens(req) == alone(oracle, prompt, sp), (len(prompt), sp)
+    served_alone(engine, oracle, work)
     assert graphs.enabled and not graphs.whole_enabled
 
 

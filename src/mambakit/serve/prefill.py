@@ -62,11 +62,11 @@ def whole_bucket(n: int) -> int:
     return max(WHOLE_MIN, 1 << (n - 1).bit_length())
 
 
-def whole_buckets(whole_max: int) -> list[int]:
-    """Every bucket of prompts up to `whole_max` tokens."""
+def buckets(bucket, most: int) -> list[int]:
+    """Every length `bucket` (`whole_bucket`, `pack_bucket`) maps 1 .. `most` tokens to."""
     out, n = [], 1
-    while n <= whole_max:
-        out.append(whole_bucket(n))
+    while n <= most:
+        out.append(bucket(n))
         n = out[-1] + 1
     return out
 
@@ -107,15 +107,6 @@ def pack_bucket(n: int) -> int:
         return PACK_MIN
     step = 1 << ((n - 1).bit_length() - 3)
     return -(-n // step) * step
-
-
-def pack_buckets(most: int) -> list[int]:
-    """Every bucket of packed rows of up to `most` tokens."""
-    out, n = [], 1
-    while n <= most:
-        out.append(pack_bucket(n))
-        n = out[-1] + 1
-    return out
 
 
 def pack_steps(pos: int, end: int, block: int, blocks: bool) -> list[int]:
@@ -276,18 +267,18 @@ class PrefillGraphs:
         pieces', then the whole prompts' up to `whole_max` tokens (the largest ones, which
         a capture is likeliest to fail on for want of memory, last), or the packed rows' up
         to `pack_max` tokens."""
-        buckets = [1 << i for i in range(self.max_rows.bit_length())]
-        for rows in buckets:
+        row_buckets = [1 << i for i in range(self.max_rows.bit_length())]
+        for rows in row_buckets:
             for n in self.lengths:
                 if self.enabled:
                     self._run([[0] * n] * rows, None, device)
-        for n in pack_buckets(pack_max):
+        for n in buckets(pack_bucket, pack_max):
             for start in (None, self.model.init_state(1)):
                 if self.packed_enabled:
                     row = packed_row([[0] * n], [[n - 1]], n, self.slots)
                     self.run_packed(*row, 1, device, start)
-        for n in whole_buckets(whole_max):
-            for rows in buckets:
+        for n in buckets(whole_bucket, whole_max):
+            for rows in row_buckets:
                 if self.whole_enabled:
                     self._run_whole([[0] * n] * rows, n, device)
 
