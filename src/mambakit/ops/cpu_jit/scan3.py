@@ -1,0 +1,299 @@
+"""The Mamba-3 SISO scan, forward and backward, compiled: the CPU body of
+`mamba3.reference.mamba3_scan_reference` where numba is (`ops.cpu_jit`) and there are no
+documents (`seq_idx` None).
+
+B batch, T time, H heads of P values, G groups of the normalised B, C rows (k, q [N]),
+S rotary angles. Per row and head, step by step (reference.py gives the math):
+
+    phi_t = (phi_{t-1} + pi tanh(theta_t) delta_t) mod 2 pi
+    k~_t  = rot(k_t + k_bias, phi_t)     q~_t = rot(q_t + q_bias, phi_t)
+    lam_t = sigmoid(trap_t)   alpha_t = exp(A_t delta_t)
+    S_t   = alpha_t (S_{t-1} + (1 - lam_t) delta_t x_{t-1} k~_{t-1}^T) + lam_t delta_t x_t k~_t^T
+    y_t   = (S_t q~_t + D x_t) silu(z_t)
+
+The PyTorch body runs this as a few dozen whole-tensor ops per chunk of 64 steps, each a
+trip through PyTorch's dispatch and memory; at the RL shapes (T = 32, a row or a few)
+that overhead is the whole cost. Here each (row, head) walks time once with its state
+[P, N] in cache, keeping every step's state for the backward (the caller bounds that
+memory: `MAX_STATE_BYTES`), which walks time backwards:
+
+    G_t  = dS_t (from y_t and from S_{t+1} through alpha_{t+1})
+    dS_{t-1} = alpha_t G_t,  and the gradients of alpha, lam, delta, k~, x, q~ at t
+
+The rows run on as many threads as torch uses; the heads of a row in order, so the sums
+over heads (q, k, theta) and over rows (the biases, D: each row's share, then the rows in
+order) are deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from .common import JIT, exp
+from .scan import _threads
+
+MAX_STATE_BYTES = 256 << 20  # every step's state kept for the backward, at most
+TWO_PI = 2 * math.pi
+
+
+def state_bytes(x: torch.Tensor, N: int) -> int:
+    """The bytes of every step's state of a scan over x [B, T, H, P]."""
+    return x.numel() * N * x.element_size()
+
+
+def forward(x, q, k, delta, A, trap, theta, qb, kb, D, z, angle0, ssm0, k0, x0):
+    """(y [B, T, H, P], final angle, ssm, k~, x, and the states kept for `backward`) from
+    contiguous tensors of one float dtype; D and z may be None."""
+    Bsz, T, H, P = x.shape
+    N = q.shape[-1]
+    y = torch.empty_like(x)
+    states = x.new_empty(Bsz, H, T, P, N)
+    angle, ssm = torch.empty_like(angle0), torch.empty_like(ssm0)
+    kT, xT = torch.empty_like(k0), torch.empty_like(x0)
+    Dv = D if D is not None else x.new_zeros(H)
+    zv = z if z is not None else x.new_zeros(1, 1, 1, 1)
+    with _threads():
+        _forward(x.numpy(), q.numpy(), k.numpy(), delta.numpy(), A.numpy(), trap.numpy(),
+                 theta.numpy(), qb.numpy(), kb.numpy(), Dv.numpy(), zv.numpy(), z is not None,
+                 angle0.numpy(), ssm0.numpy(), k0.numpy(), x0.numpy(), y.numpy(),
+                 states.numpy(), angle.numpy(), ssm.numpy(), kT.numpy(), xT.numpy())  # fmt: skip
+    return y, angle, ssm, kT, xT, states
+
+
+def backward(saved, states, gy, g_angle, g_ssm, g_k, g_x):
+    """The gradients of `forward`'s inputs (x, q, k, delta, A, trap, theta, qb, kb, D, z,
+    angle0, ssm0, k0, x0; None for an absent D or z) from the outputs' gradients."""
+    x, q, k, delta, A, trap, theta, qb, kb, D, z, angle0, ssm0, k0, x0 = saved
+    Bsz, T, H, P = x.shape
+    N = q.shape[-1]
+    g = {n: torch.zeros_like(t) for n, t in (("x", x), ("q", q), ("k", k), ("theta", theta))}
+    g_delta, g_A, g_trap = torch.empty_like(delta), torch.empty_like(A), torch.empty_like(trap)
+    g_z = torch.empty_like(x) if z is not None else x.new_zeros(1, 1, 1, 1)
+    g_qb_rows, g_kb_rows = x.new_zeros(Bsz, H, N), x.new_zeros(Bsz, H, N)
+    g_D_rows = x.new_zeros(Bsz, H)
+    g_angle0, g_ssm0 = torch.empty_like(angle0), torch.empty_like(ssm0)
+    g_k0, g_x0 = torch.empty_like(k0), torch.empty_like(x0)
+    Dv = D if D is not None else x.new_zeros(H)
+    zv = z if z is not None else x.new_zeros(1, 1, 1, 1)
+    with _threads():
+        _backward(x.numpy(), q.numpy(), k.numpy(), delta.numpy(), A.numpy(), trap.numpy(),
+                  theta.numpy(), qb.numpy(), kb.numpy(), Dv.numpy(), zv.numpy(), z is not None,
+                  angle0.numpy(), ssm0.numpy(), k0.numpy(), x0.numpy(), states.numpy(),
+                  gy.numpy(), g_angle.numpy(), g_ssm.numpy(), g_k.numpy(), g_x.numpy(),
+                  g["x"].numpy(), g["q"].numpy(), g["k"].numpy(), g_delta.numpy(), g_A.numpy(),
+                  g_trap.numpy(), g["theta"].numpy(), g_qb_rows.numpy(), g_kb_rows.numpy(),
+                  g_D_rows.numpy(), g_z.numpy(), g_angle0.numpy(), g_ssm0.numpy(),
+                  g_k0.numpy(), g_x0.numpy())  # fmt: skip
+    g_qb, g_kb, g_D = _row_sums(g_qb_rows), _row_sums(g_kb_rows), _row_sums(g_D_rows)
+    return (g["x"], g["q"], g["k"], g_delta, g_A, g_trap, g["theta"], g_qb, g_kb,
+            g_D if D is not None else None, g_z if z is not None else None, g_angle0,
+            g_ssm0, g_k0, g_x0)  # fmt: skip
+
+
+def _row_sums(t: torch.Tensor) -> torch.Tensor:
+    """The rows' shares summed in row order (deterministic)."""
+    out = t[0].clone()
+    for b in range(1, t.shape[0]):
+        out += t[b]
+    return out
+
+
+@njit(inline="never", **JIT)
+def _turned(v, bias, phi, out):
+    """out = rot(v + bias, phi): the pairs (2i, 2i+1), i < S, turned by phi[i]."""
+    N = v.shape[0]
+    S = phi.shape[0]
+    for n in range(N):
+        out[n] = v[n] + bias[n]
+    for i in range(S):
+        c, s = math.cos(phi[i]), math.sin(phi[i])
+        a, b = out[2 * i], out[2 * i + 1]
+        out[2 * i] = a * c - b * s
+        out[2 * i + 1] = a * s + b * c
+
+
+@njit(inline="never", **JIT)
+def _angles_step(phi, theta_t, dl):
+    """phi += pi tanh(theta_t) delta, mod 2 pi, in place."""
+    for i in range(phi.shape[0]):
+        v = phi[i] + math.pi * math.tanh(theta_t[i]) * dl
+        phi[i] = v - TWO_PI * math.floor(v / TWO_PI)
+
+
+@njit(parallel=True, **JIT)
+def _forward(x, q, k, delta, A, trap, theta, qb, kb, Dv, z, has_z, angle0, ssm0, k0, x0, y,
+             states, angle, ssm, kT, xT):  # fmt: skip
+    Bsz, T, H, P = x.shape
+    G, N = q.shape[2], q.shape[3]
+    per = H // G
+    for b in prange(Bsz):  # rows in parallel: nothing is shared between them
+        kr = np.empty(N, x.dtype)
+        qr = np.empty(N, x.dtype)
+        for h in range(H):
+            g = h // per
+            phi = angle0[b, h].copy()
+            S = ssm0[b, h].copy()
+            kp = k0[b, h].copy()
+            xp = x0[b, h].copy()
+            for t in range(T):
+                dl = delta[b, t, h]
+                _angles_step(phi, theta[b, t], dl)
+                _turned(k[b, t, g], kb[h], phi, kr)
+                _turned(q[b, t, g], qb[h], phi, qr)
+                lam = 1 / (1 + exp(-trap[b, t, h]))
+                alpha = exp(A[b, t, h] * dl)
+                late = (1 - lam) * dl
+                gamma = lam * dl
+                xt = x[b, t, h]
+                for p in range(P):
+                    lx = late * xp[p]
+                    gx = gamma * xt[p]
+                    acc = S[p, 0] * 0
+                    for n in range(N):
+                        v = alpha * (S[p, n] + lx * kp[n]) + gx * kr[n]
+                        S[p, n] = v
+                        acc += v * qr[n]
+                    acc += Dv[h] * xt[p]
+                    if has_z:
+                        zz = z[b, t, h, p]
+                        acc *= zz / (1 + exp(-zz))
+                    y[b, t, h, p] = acc
+                states[b, h, t] = S
+                kp[:] = kr
+                xp[:] = xt
+            angle[b, h] = phi
+            ssm[b, h] = S
+            kT[b, h] = kp
+            xT[b, h] = xp
+
+
+@njit(parallel=True, **JIT)
+def _backward(x, q, k, delta, A, trap, theta, qb, kb, Dv, z, has_z, angle0, ssm0, k0, x0,
+              states, gy, g_angle, g_ssm, g_k, g_x, dx, dq, dk, ddelta, dA, dtrap, dtheta,
+              dqb, dkb, dD, dz, dangle0, dssm0, dk0, dx0):  # fmt: skip
+    Bsz, T, H, P = x.shape
+    G, N = q.shape[2], q.shape[3]
+    S_ = theta.shape[2]
+    per = H // G
+    for b in prange(Bsz):  # rows in parallel; a row's heads in order (sums over heads)
+        phis = np.empty((T, S_), x.dtype)
+        krs = np.empty((T, N), x.dtype)
+        qrs = np.empty((T, N), x.dtype)
+        dkr = np.empty((T, N), x.dtype)
+        dxa = np.empty((T, P), x.dtype)
+        dyr = np.empty(P, x.dtype)
+        Gs = np.empty((P, N), x.dtype)
+        for h in range(H):
+            g = h // per
+            phi = angle0[b, h].copy()
+            for t in range(T):  # the angles and turned rows again (cheap), for every step
+                _angles_step(phi, theta[b, t], delta[b, t, h])
+                phis[t] = phi
+                _turned(k[b, t, g], kb[h], phi, krs[t])
+                _turned(q[b, t, g], qb[h], phi, qrs[t])
+            dkr[:] = 0
+            dxa[:] = 0
+            dkr[T - 1] += g_k[b, h]
+            dxa[T - 1] += g_x[b, h]
+            Gs[:] = g_ssm[b, h]
+            gphi = g_angle[b, h].copy()
+            for t in range(T - 1, -1, -1):
+                dl = delta[b, t, h]
+                lam = 1 / (1 + exp(-trap[b, t, h]))
+                alpha = exp(A[b, t, h] * dl)
+                late = (1 - lam) * dl
+                gamma = lam * dl
+                xt = x[b, t, h]
+                St = states[b, h, t]
+                Sp = states[b, h, t - 1] if t > 0 else ssm0[b, h]
+                kp = krs[t - 1] if t > 0 else k0[b, h]
+                xp = x[b, t - 1, h] if t > 0 else x0[b, h]
+                kr, qr = krs[t], qrs[t]
+                # y_t: the gate, D, and S_t q~_t
+                for p in range(P):
+                    gyp = gy[b, t, h, p]
+                    if has_z:
+                        zz = z[b, t, h, p]
+                        sg = 1 / (1 + exp(-zz))
+                        raw = Dv[h] * xt[p]
+                        for n in range(N):
+                            raw += St[p, n] * qr[n]
+                        dz[b, t, h, p] = gyp * raw * sg * (1 + zz * (1 - sg))
+                        gyp = gyp * zz * sg
+                    dyr[p] = gyp
+                    dD[b, h] += gyp * xt[p]
+                    dxa[t, p] += Dv[h] * gyp
+                dqr = np.zeros(N, x.dtype)
+                dgamma = dl * 0
+                dalpha = dl * 0
+                for p in range(P):
+                    gp = dyr[p]
+                    for n in range(N):
+                        dqr[n] += St[p, n] * gp
+                        Gs[p, n] += gp * qr[n]
+                # S_t = alpha (S_{t-1} + late xp kp^T) + gamma x_t k~_t^T
+                for p in range(P):
+                    gx = dl * 0
+                    for n in range(N):
+                        gpn = Gs[p, n]
+                        dgamma += gpn * xt[p] * kr[n]
+                        gx += gpn * kr[n]
+                        dkr[t, n] += gamma * gpn * xt[p]
+                        dalpha += gpn * (Sp[p, n] + late * xp[p] * kp[n])
+                    dxa[t, p] += gamma * gx
+                dlate = dl * 0
+                dkp = np.zeros(N, x.dtype)
+                for p in range(P):
+                    gx = dl * 0
+                    for n in range(N):
+                        gi = alpha * Gs[p, n]
+                        Gs[p, n] = gi
+                        dlate += gi * xp[p] * kp[n]
+                        gx += gi * kp[n]
+                        dkp[n] += late * gi * xp[p]
+                    if t > 0:
+                        dxa[t - 1, p] += late * gx
+                    else:
+                        dx0[b, h, p] = late * gx
+                if t > 0:
+                    for n in range(N):
+                        dkr[t - 1, n] += dkp[n]
+                else:
+                    dk0[b, h] = dkp
+                # the step's scalars: alpha = exp(A delta), late, gamma, lam = sigmoid(trap)
+                A_t = A[b, t, h]
+                dA[b, t, h] = dalpha * alpha * dl
+                ddl = dalpha * alpha * A_t + dlate * (1 - lam) + dgamma * lam
+                dtrap[b, t, h] = (dgamma - dlate) * dl * lam * (1 - lam)
+                # the turns: k~ = rot(k + kb, phi), q~ likewise
+                phi = phis[t]
+                for i in range(S_):
+                    c, s = math.cos(phi[i]), math.sin(phi[i])
+                    a0, a1 = dkr[t, 2 * i], dkr[t, 2 * i + 1]
+                    b0, b1 = dqr[2 * i], dqr[2 * i + 1]
+                    gphi[i] += -a0 * kr[2 * i + 1] + a1 * kr[2 * i]
+                    gphi[i] += -b0 * qr[2 * i + 1] + b1 * qr[2 * i]
+                    dkr[t, 2 * i] = a0 * c + a1 * s
+                    dkr[t, 2 * i + 1] = -a0 * s + a1 * c
+                    dqr[2 * i] = b0 * c + b1 * s
+                    dqr[2 * i + 1] = -b0 * s + b1 * c
+                for n in range(N):
+                    dk[b, t, g, n] += dkr[t, n]
+                    dkb[b, h, n] += dkr[t, n]
+                    dq[b, t, g, n] += dqr[n]
+                    dqb[b, h, n] += dqr[n]
+                # phi_t = phi_{t-1} + pi tanh(theta_t) delta_t (mod 2 pi: a shift)
+                for i in range(S_):
+                    th = math.tanh(theta[b, t, i])
+                    dtheta[b, t, i] += gphi[i] * math.pi * (1 - th * th) * dl
+                    ddl += gphi[i] * math.pi * th
+                ddelta[b, t, h] = ddl
+            for t in range(T):
+                for p in range(P):
+                    dx[b, t, h, p] += dxa[t, p]
+            dssm0[b, h] = Gs
+            dangle0[b, h] = gphi
