@@ -149,10 +149,11 @@ def _forward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0, 
         sin = np.empty(rate.shape[2], x.dtype)
         g = h // per
         phi = angle0[b, h].copy()
-        S = ssm0[b, h].copy()
         kp = k0[b, h].copy()
         xp = x0[b, h].copy()
         for t in range(T):
+            Sp = states[b, h, t - 1] if t > 0 else ssm0[b, h]
+            S = states[b, h, t]  # written in place: the state kept for the backward
             dl = delta[b, t, h]
             _angles_step(phi, rate[b, t], dl, cos, sin)
             _turned(k[b, t, g], kb[h], cos, sin, kr)
@@ -165,9 +166,9 @@ def _forward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0, 
             for p in range(P):
                 lx = late * xp[p]
                 gx = gamma * xt[p]
-                acc = S[p, 0] * 0
+                acc = alpha * 0  # (S is not written yet: its old bytes may be NaN)
                 for n in range(N):
-                    v = alpha * (S[p, n] + lx * kp[n]) + gx * kr[n]
+                    v = alpha * (Sp[p, n] + lx * kp[n]) + gx * kr[n]
                     S[p, n] = v
                     acc += v * qr[n]
                 acc += Dv[h] * xt[p]
@@ -175,11 +176,12 @@ def _forward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0, 
                     zz = z[b, t, h, p]
                     acc *= zz / (1 + exp(-zz))
                 y[b, t, h, p] = acc
-            states[b, h, t] = S
-            kp[:] = kr
-            xp[:] = xt
+            for n in range(N):
+                kp[n] = kr[n]
+            for p in range(P):
+                xp[p] = xt[p]
         angle[b, h] = phi
-        ssm[b, h] = S
+        ssm[b, h] = states[b, h, T - 1]
         kT[b, h] = kp
         xT[b, h] = xp
 
@@ -202,6 +204,8 @@ def _backward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0,
         dkr = np.empty((T, N), x.dtype)
         dxa = np.empty((T, P), x.dtype)
         dyr = np.empty(P, x.dtype)
+        dqr = np.empty(N, x.dtype)
+        dkp = np.empty(N, x.dtype)
         Gs = np.empty((P, N), x.dtype)
         g = h // per
         phi = angle0[b, h].copy()
@@ -241,7 +245,7 @@ def _backward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0,
                 dyr[p] = gyp
                 dD[b, h] += gyp * xt[p]
                 dxa[t, p] += Dv[h] * gyp
-            dqr = np.zeros(N, x.dtype)
+            dqr[:] = 0
             dgamma = dl * 0
             dalpha = dl * 0
             for p in range(P):
@@ -260,7 +264,7 @@ def _backward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0,
                     dalpha += gpn * (Sp[p, n] + late * xp[p] * kp[n])
                 dxa[t, p] += gamma * gx
             dlate = dl * 0
-            dkp = np.zeros(N, x.dtype)
+            dkp[:] = 0
             for p in range(P):
                 gx = dl * 0
                 for n in range(N):
@@ -277,7 +281,8 @@ def _backward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0,
                 for n in range(N):
                     dkr[t - 1, n] += dkp[n]
             else:
-                dk0[b, h] = dkp
+                for n in range(N):
+                    dk0[b, h, n] = dkp[n]
             # the step's scalars: alpha = exp(A delta), late, gamma, lam = sigmoid(trap)
             A_t = A[b, t, h]
             dA[b, t, h] = dalpha * alpha * dl
