@@ -423,7 +423,7 @@ class MambaLM(nn.Module):
             t.requires_grad for t in (h, residual, self.lm_head.weight, bb._param)
         )
         logits = self._head(h, residual, cdt, backend, fuse=not grads)
-        return logits.view(Bsz, k, -1), out
+        return logits.view(Bsz, k, logits.shape[-1]), out
 
     def step(
         self, input_ids: torch.Tensor, state: ModelState, *, cuda_graph: bool | str = "auto"

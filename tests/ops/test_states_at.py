@@ -532,6 +532,15 @@ def test_triton_scan_states_need_no_autograd(seed):
         assert rel(states, prefix_states(inp, pos)) < TOL[F32]
 
 
+def test_model_states_at_no_steps(randomize):
+    """No steps asked for: empty logits [B, 0, V] and a state of no rows."""
+    model = tiny_lm(randomize)
+    ids = torch.randint(0, 64, (2, 8), device=DEVICE)
+    with torch.no_grad():
+        logits, state = model.states_at(ids, torch.zeros(2, 0, dtype=torch.int64, device=DEVICE))
+    assert logits.shape == (2, 0, 64) and state.ssm.shape[1] == 0
+
+
 def test_model_rejects_bad_steps_and_other_mixers(randomize):
     model = tiny_lm(randomize)
     ids = torch.randint(0, 64, (2, 8), device=DEVICE)

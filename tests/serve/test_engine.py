@@ -141,6 +141,29 @@ def test_packed_prefill_gives_generate_alone(model_dirs, load, cache, deferred):
         assert tokens(more) == alone(oracle, head + [1, 2], more.params)
 
 
+def test_packed_prefill_edges(model_dirs, load, monkeypatch):
+    """A prompt found whole in the cache joins at once (nothing to pack); a prompt with more
+    block boundaries than a row keeps states runs packed keeping its end state only; packing
+    needs a Mamba-1 model."""
+    model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
+    engine = Engine(model, max_batch=4, block_size=16, prefill_tokens=400, cache_bytes=1 << 26)
+    engine.packed = True
+    rng = random.Random(5)
+    a = [rng.randrange(256) for _ in range(20)]
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    served_alone(engine, oracle, [(a, greedy)])
+    reqs = served_alone(engine, oracle, [(a, greedy), (a + [5, 6, 7], greedy)])
+    assert reqs[0].cached == 20 and not reqs[0].whole and reqs[1].whole
+    # 23 boundaries of 16 tokens: more than the slots of an eager packed forward here
+    monkeypatch.setattr(engine, "_pack_slots", lambda: 8)
+    long = a[:16] + [rng.randrange(256) for _ in range(360)]
+    (req,) = served_alone(engine, oracle, [(long, greedy)])
+    assert req.whole and not req.blocks
+    other = Engine(load(model_dirs["tiny-mamba2"]), max_batch=2)
+    with pytest.raises(ValueError, match="Mamba-1"):
+        other.packed = True
+
+
 def test_an_engine_built_under_inference_mode_serves(model_dirs, load):
     """Built (and stepped) inside torch.inference_mode, as a user's script may: the loop's
     buffers written in place are not inference tensors; the tokens are generate's."""

@@ -162,7 +162,7 @@ class Engine:
         # boundaries (`MambaLM.states_at`, `_prefill_packed`). Measured on the H200 at 130m
         # it is not faster yet than the padded groups (a scan with `states_at` costs 2x
         # one without, and a row per cached prefix serialises hits): docs/serving.md
-        self.packed = False
+        self._packed = False
         self._heads: OrderedDict[int, None] = OrderedDict()  # first blocks seen (hashes)
         self.rows: list[Sequence] = []  # the choice in each leading row of the pool
         # decode: the step launched and not yet read (lookahead), two host buffers of tokens
@@ -269,6 +269,18 @@ class Engine:
                     self.prefill_graphs.warmup(self.device, pack_max=self.prefill_tokens)
                 else:
                     self.prefill_graphs.warmup(self.device, self.whole_max)
+
+    @property
+    def packed(self) -> bool:
+        """Whether prompts are prefilled packed (`_prefill_packed`): a Mamba-1 model only."""
+        return self._packed
+
+    @packed.setter
+    def packed(self, on: bool) -> None:
+        mixer = self.model.config.mixer
+        if on and mixer != "mamba1":
+            raise ValueError(f"packed prefill needs a Mamba-1 model (states_at), not {mixer}")
+        self._packed = bool(on)
 
     def _on_device(self):
         """The model's CUDA device as the current one (graphs capture on the current
@@ -565,9 +577,13 @@ class Engine:
                     req.pos = req.cached = len(hit.tokens)
                     req.state, req.logits = hit.state, hit.logits
             if self.packed:  # packed, with the block states unless the head is new
-                req.whole = len(req.prompt) - req.pos <= self.prefill_tokens
+                rest = len(req.prompt) - req.pos  # 0: the whole prompt was cached
+                req.whole = 0 < rest <= self.prefill_tokens
                 seen = req.pos > 0 or not self._new_head(req)
                 req.blocks = req.whole and self.cache.enabled and seen
+                steps = pack_steps(req.pos, len(req.prompt), self.block_size, req.blocks)
+                if len(steps) > self._pack_slots():  # more boundaries than a row keeps
+                    req.blocks = False
             else:
                 short = len(req.prompt) <= min(self.whole_max, self.prefill_tokens)
                 req.whole = req.pos == 0 and short and self._new_head(req)
@@ -691,6 +707,11 @@ class Engine:
 
             self._forward_group(group, forward, [len(p) for p in prompts])
 
+    def _pack_slots(self) -> int:
+        """The states one packed forward keeps at most."""
+        graphs = self.prefill_graphs
+        return graphs.slots if graphs is not None else PACK_SLOTS_EAGER
+
     def _prefill_packed(self, reqs: list[Request]) -> None:
         """Prefill the rest of prompts packed end to end into rows of up to `prefill_tokens`
         tokens and `PrefillGraphs.slots` kept states (each prompt's end, and its block
@@ -699,7 +720,7 @@ class Engine:
         starts from enters its first prompt only); the others start from zeros. On CUDA
         each row is padded to a `pack_bucket` and replayed from its graph."""
         graphs = self.prefill_graphs
-        slots = graphs.slots if graphs is not None else PACK_SLOTS_EAGER
+        slots = self._pack_slots()
         block = self.block_size
 
         def steps_of(r):

@@ -248,7 +248,7 @@ class PrefillGraphs:
         tensors from `packed_row`, its length a `pack_bucket`, `slots` steps) whose first
         prompt starts from `state` (one row; None: zeros), or None when the graphs are
         off."""
-        if not self.packed_enabled:
+        if not self.packed_enabled or pos.shape[1] != self.slots:
             return None
         try:
             entry = self._packed_entry(ids.shape[1], device, state is not None)
