@@ -55,14 +55,21 @@ def forward(x, q, k, delta, A, trap, rate, qb, kb, D, z, angle0, ssm0, k0, x0):
     states = x.new_empty(Bsz, H, T, P, N)
     angle, ssm = torch.empty_like(angle0), torch.empty_like(ssm0)
     kT, xT = torch.empty_like(k0), torch.empty_like(x0)
-    Dv = D if D is not None else x.new_zeros(H)
-    zv = z if z is not None else x.new_zeros(1, 1, 1, 1)
+    ins = (x, q, k, delta, A, trap, rate, qb, kb, D, z, angle0, ssm0, k0, x0)
     with _threads():
-        _forward(x.numpy(), q.numpy(), k.numpy(), delta.numpy(), A.numpy(), trap.numpy(),
-                 rate.numpy(), qb.numpy(), kb.numpy(), Dv.numpy(), zv.numpy(), z is not None,
-                 angle0.numpy(), ssm0.numpy(), k0.numpy(), x0.numpy(), y.numpy(),
-                 states.numpy(), angle.numpy(), ssm.numpy(), kT.numpy(), xT.numpy())  # fmt: skip
+        _forward(*_arrays(*ins), y.numpy(), states.numpy(), angle.numpy(), ssm.numpy(),
+                 kT.numpy(), xT.numpy())  # fmt: skip
     return y, angle, ssm, kT, xT, states
+
+
+def _arrays(x, q, k, delta, A, trap, rate, qb, kb, D, z, angle0, ssm0, k0, x0) -> tuple:
+    """The kernels' leading arguments: the inputs as arrays, zeros for an absent D or z and
+    whether z is there."""
+    Dv = D if D is not None else x.new_zeros(x.shape[2])
+    zv = z if z is not None else x.new_zeros(1, 1, 1, 1)
+    head = (x, q, k, delta, A, trap, rate, qb, kb, Dv, zv)
+    return (*(t.numpy() for t in head), z is not None,
+            *(t.numpy() for t in (angle0, ssm0, k0, x0)))  # fmt: skip
 
 
 def backward(saved, states, gy, g_angle, g_ssm, g_k, g_x):
@@ -82,17 +89,11 @@ def backward(saved, states, gy, g_angle, g_ssm, g_k, g_x):
     g_D_rows = x.new_zeros(Bsz, H)
     g_angle0, g_ssm0 = torch.empty_like(angle0), torch.empty_like(ssm0)
     g_k0, g_x0 = torch.empty_like(k0), torch.empty_like(x0)
-    Dv = D if D is not None else x.new_zeros(H)
-    zv = z if z is not None else x.new_zeros(1, 1, 1, 1)
     with _threads():
-        _backward(x.numpy(), q.numpy(), k.numpy(), delta.numpy(), A.numpy(), trap.numpy(),
-                  rate.numpy(), qb.numpy(), kb.numpy(), Dv.numpy(), zv.numpy(), z is not None,
-                  angle0.numpy(), ssm0.numpy(), k0.numpy(), x0.numpy(), states.numpy(),
-                  gy.numpy(), g_angle.numpy(), g_ssm.numpy(), g_k.numpy(), g_x.numpy(),
-                  g["x"].numpy(), g_q_heads.numpy(), g_k_heads.numpy(), g_delta.numpy(),
-                  g_A.numpy(), g_trap.numpy(), g_rate_heads.numpy(), g_qb_rows.numpy(),
-                  g_kb_rows.numpy(), g_D_rows.numpy(), g_z.numpy(), g_angle0.numpy(),
-                  g_ssm0.numpy(), g_k0.numpy(), g_x0.numpy())  # fmt: skip
+        grads_in = (states, gy, g_angle, g_ssm, g_k, g_x)
+        grads_out = (g["x"], g_q_heads, g_k_heads, g_delta, g_A, g_trap, g_rate_heads,
+                     g_qb_rows, g_kb_rows, g_D_rows, g_z, g_angle0, g_ssm0, g_k0, g_x0)  # fmt: skip
+        _backward(*_arrays(*saved), *(t.numpy() for t in (*grads_in, *grads_out)))
     g_qb, g_kb, g_D = _row_sums(g_qb_rows), _row_sums(g_kb_rows), _row_sums(g_D_rows)
     # heads h of group h // (H // G): [B, H, T, N] -> [B, T, G, N]
     g["q"] = g_q_heads.view(Bsz, G, H // G, T, N).sum(2).transpose(1, 2).contiguous()
