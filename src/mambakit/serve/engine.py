@@ -160,8 +160,9 @@ class Engine:
         # packed (a Mamba-1 model; off by default): prompts are packed end to end into
         # rows instead, one forward giving the state at each prompt's end and at its block
         # boundaries (`MambaLM.states_at`, `_prefill_packed`). Measured on the H200 at 130m
-        # it is not faster yet than the padded groups (a scan with `states_at` costs 2x
-        # one without, and a row per cached prefix serialises hits): docs/serving.md
+        # it is not faster yet than the padded groups (a packed row costs what the same
+        # tokens padded into rows cost, and a row per cached prefix serialises the hits of
+        # a launch): docs/serving.md
         self._packed = False
         self._heads: OrderedDict[int, None] = OrderedDict()  # first blocks seen (hashes)
         self.rows: list[Sequence] = []  # the choice in each leading row of the pool
