@@ -39,12 +39,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _chain(xz, conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias,
-           conv_state, ssm_state, seq_idx, backend):  # fmt: skip
+           conv_state, ssm_state, seq_idx, backend, states_at=None):  # fmt: skip
     """The op chain in the fused node's place (the mixer calls `ops._mamba_inner`)."""
     return mamba_inner_chain(
         xz, conv_weight=conv_weight, conv_bias=conv_bias, x_proj_weight=x_proj_weight,
         dt_proj_weight=dt_proj_weight, A=A, D=D, dt_bias=dt_bias, conv_state=conv_state,
-        ssm_state=ssm_state, seq_idx=seq_idx, backend=backend,
+        ssm_state=ssm_state, seq_idx=seq_idx, backend=backend, states_at=states_at,
     )  # fmt: skip
 
 

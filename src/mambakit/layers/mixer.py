@@ -142,27 +142,21 @@ class Mamba(nn.Module):
         if ssm_state is not None:
             check_tensor("ssm_state", ssm_state, (Bsz, self.d_inner, self.d_state), device=x.device)
         xz = self.in_proj(x)  # [B, T, 2D]
-        if not self.inner_plain():
-            y, conv_out, ssm_out = self._inner_modules(xz, conv_state, ssm_state, seq_idx, backend)
-            out = self.out_proj(y)
-            return (out, (conv_out, ssm_out)) if return_state else out
-        A, D, dt_bias = self._ssm_params() if derived is None else derived
-        y, conv_out, ssm_out = _mamba_inner(
-            xz,
-            self.conv1d.weight.squeeze(1),
-            self.conv1d.bias,
-            self.x_proj.weight,
-            self.dt_proj.weight,
-            A,
-            D,
-            dt_bias,
-            conv_state,
-            ssm_state,
-            seq_idx,
-            backend,
-        )  # y [B, T, D]; x and the states are checked above
+        y, conv_out, ssm_out = self._inner(xz, conv_state, ssm_state, seq_idx, backend, derived)
         out = self.out_proj(y)
         return (out, (conv_out, ssm_out)) if return_state else out
+
+    def _inner(self, xz, conv_state, ssm_state, seq_idx, backend, derived, at=None) -> tuple:
+        """Between in_proj and out_proj: (y [B, T, D], final conv and ssm states, and with
+        `at` the states after those steps). The fused op on the weights when the modules
+        are plain (`derived`: A, D, dt bias held by the caller), else the modules' chain
+        (their adapters and hooks take part). x and the states are checked by the caller."""
+        if not self.inner_plain():
+            return self._inner_modules(xz, conv_state, ssm_state, seq_idx, backend, at)
+        A, D, dt_bias = self._ssm_params() if derived is None else derived
+        w = (self.conv1d.weight.squeeze(1), self.conv1d.bias, self.x_proj.weight,
+             self.dt_proj.weight, A, D, dt_bias)  # fmt: skip
+        return _mamba_inner(xz, *w, conv_state, ssm_state, seq_idx, backend, states_at=at)
 
     def _inner_modules(
         self,
@@ -226,21 +220,11 @@ class Mamba(nn.Module):
         return self(x, conv, ssm, seq_idx, return_state=True, backend=backend, derived=derived)
 
     def _sequence_at(self, x, conv, ssm, seq_idx, backend, derived, at) -> tuple:
-        """`sequence` with the states after the steps `at`: the fused inner op when the
-        modules are plain, else the modules' chain (their adapters and hooks take part)."""
+        """`sequence` with the states after the steps `at`."""
         check_tensor("x", x, (None, None, self.d_model))
-        xz = self.in_proj(x)
-        if self.inner_plain():
-            A, D, dt_bias = self._ssm_params() if derived is None else derived
-            w = (self.conv1d.weight.squeeze(1), self.conv1d.bias, self.x_proj.weight,
-                 self.dt_proj.weight, A, D, dt_bias)  # fmt: skip
-            y, conv_out, ssm_out, conv_at, ssm_at = _mamba_inner(
-                xz, *w, conv, ssm, seq_idx, backend, states_at=at
-            )
-        else:
-            y, conv_out, ssm_out, conv_at, ssm_at = self._inner_modules(
-                xz, conv, ssm, seq_idx, backend, at
-            )
+        y, conv_out, ssm_out, conv_at, ssm_at = self._inner(
+            self.in_proj(x), conv, ssm, seq_idx, backend, derived, at
+        )
         return self.out_proj(y), (conv_out, ssm_out), (conv_at, ssm_at)
 
     def decode(self, x: torch.Tensor, state: tuple, backend: str) -> torch.Tensor:

@@ -18,6 +18,7 @@ from ._checks import (
     check_positions,
     check_same_dtype,
     check_seq_idx,
+    check_states_at_no_grad,
     check_tensor,
     state_dtype,
 )
@@ -107,9 +108,7 @@ def selective_scan(
     if states_at is not None:
         check_positions(states_at, Bsz, T, dev)
         if resolve_backend(backend, u) == "triton":
-            tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
-            if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-                raise ValueError("states_at: the Triton scan gives them without autograd only")
+            check_states_at_no_grad(u, delta, A, B, C, D, z, delta_bias, initial_state)
             from .selective_scan import states_at_buffers
             from .selective_scan.launch import scan_fwd
 
@@ -210,27 +209,19 @@ def _mamba_inner(
     if seq_idx is not None:
         check_seq_idx(seq_idx, xz.shape[0], xz.shape[1], xz.device)
     args = (conv_weight, conv_bias, x_proj_weight, dt_proj_weight, A, D, dt_bias)
-    if states_at is not None:
-        if resolve_backend(backend, xz) == "triton":
-            tensors = (xz, *args, conv_state, ssm_state)
-            if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-                raise ValueError("states_at: the Triton scan gives them without autograd only")
+    if resolve_backend(backend, xz) == "triton":
+        if states_at is not None:
+            check_states_at_no_grad(xz, *args, conv_state, ssm_state)
             from .mamba_inner import mamba_inner_at_triton
 
             return mamba_inner_at_triton(xz, *args, conv_state, ssm_state, seq_idx, states_at)
-        return mamba_inner_chain(xz, conv_weight=conv_weight, conv_bias=conv_bias,
-                                 x_proj_weight=x_proj_weight, dt_proj_weight=dt_proj_weight,
-                                 A=A, D=D, dt_bias=dt_bias, conv_state=conv_state,
-                                 ssm_state=ssm_state, seq_idx=seq_idx, backend="reference",
-                                 states_at=states_at)  # fmt: skip
-    if resolve_backend(backend, xz) == "triton":
         from .mamba_inner import mamba_inner_triton
 
         return mamba_inner_triton(xz, *args, conv_state, ssm_state, seq_idx)
     return mamba_inner_chain(
         xz, conv_weight=conv_weight, conv_bias=conv_bias, x_proj_weight=x_proj_weight,
         dt_proj_weight=dt_proj_weight, A=A, D=D, dt_bias=dt_bias, conv_state=conv_state,
-        ssm_state=ssm_state, seq_idx=seq_idx, backend="reference",
+        ssm_state=ssm_state, seq_idx=seq_idx, backend="reference", states_at=states_at,
     )  # fmt: skip
 
 

@@ -57,6 +57,13 @@ def check_positions(positions: torch.Tensor, batch: int, seqlen: int, device) ->
             raise ValueError("states_at: a step is named twice in one row")
 
 
+def check_states_at_no_grad(*tensors: torch.Tensor | None) -> None:
+    """The Triton scan stores the states asked for outside autograd: refuse them where a
+    gradient would be needed (the reference backend differentiates through them)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise ValueError("states_at: the Triton scan gives them without autograd only")
+
+
 def check_same_dtype(names_tensors: dict[str, torch.Tensor]) -> None:
     dtypes = {n: t.dtype for n, t in names_tensors.items()}
     if len(set(dtypes.values())) > 1:
