@@ -58,6 +58,7 @@ from .prefill import (
     pack_steps,
     packed_row,
     piece_lengths,
+    plan_packs,
     plan_targets,
     stack_rows,
     whole_bucket,
@@ -722,31 +723,10 @@ class Engine:
         each row is padded to a `pack_bucket` and replayed from its graph."""
         graphs = self.prefill_graphs
         slots = self._pack_slots()
-        block = self.block_size
-
-        def steps_of(r):
-            return pack_steps(r.pos, len(r.prompt), block, r.blocks)
-
-        packs, cur, tokens, kept = [], [], 0, 0
-        for r in sorted(reqs, key=lambda r: r.pos == 0):  # the continued ones first
-            n, rest = len(steps_of(r)), len(r.prompt) - r.pos
-            full = tokens + rest > self.prefill_tokens or kept + n > slots
-            if cur and (full or r.pos > 0):
-                packs.append(cur)
-                cur, tokens, kept = [], 0, 0
-            cur.append(r)
-            tokens += rest
-            kept += n
-        packs.append(cur)
-        for group in packs:
-            steps = [steps_of(r) for r in group]
+        for group, steps, rows, marks in plan_packs(reqs, self.block_size, self.prefill_tokens,
+                                                    slots):  # fmt: skip
             total = sum(len(r.prompt) - r.pos for r in group)
             k = sum(map(len, steps))
-            rows, marks, j = [], [], 0
-            for r, st in zip(group, steps):
-                marks += [(r, r.pos + s + 1, j + i) for i, s in enumerate(st[:-1])]
-                j += len(st)
-                rows.append(j - 1)
 
             def forward(group=group, steps=steps, total=total, k=k):
                 prompts = [r.prompt[r.pos :] for r in group]

@@ -118,6 +118,39 @@ def pack_steps(pos: int, end: int, block: int, blocks: bool) -> list[int]:
     return [*inner, end - 1 - pos]
 
 
+def plan_packs(reqs: list, block: int, budget: int, slots: int) -> list[tuple]:
+    """The rows of a packed prefill (`Engine._prefill_packed`): (requests, each one's kept
+    steps (`pack_steps`), the state row of each one's end, (request, tokens, state row) of
+    the block boundaries inside them) per row. A row holds up to `budget` tokens and
+    `slots` kept states; a request that continues a cached prefix starts a row (the state
+    a row starts from enters its first prompt only)."""
+
+    def steps_of(r):
+        return pack_steps(r.pos, len(r.prompt), block, r.blocks)
+
+    packs, cur, tokens, kept = [], [], 0, 0
+    for r in sorted(reqs, key=lambda r: r.pos == 0):  # the continued ones first
+        n, rest = len(steps_of(r)), len(r.prompt) - r.pos
+        full = tokens + rest > budget or kept + n > slots
+        if cur and (full or r.pos > 0):
+            packs.append(cur)
+            cur, tokens, kept = [], 0, 0
+        cur.append(r)
+        tokens += rest
+        kept += n
+    packs.append(cur)
+    out = []
+    for group in packs:
+        steps = [steps_of(r) for r in group]
+        rows, marks, j = [], [], 0
+        for r, st in zip(group, steps):
+            marks += [(r, r.pos + s + 1, j + i) for i, s in enumerate(st[:-1])]
+            j += len(st)
+            rows.append(j - 1)
+        out.append((group, steps, rows, marks))
+    return out
+
+
 def packed_row(prompts: list[list[int]], steps: list[list[int]], n: int, slots: int):
     """The host tensors of one packed forward: ids [1, n] int64 (the prompts end to end,
     then filler 0), seq_idx [1, n] int32 (prompt i is document i, the filler the next one)
