@@ -8,7 +8,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile"}
-# opt-in stages: residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof serveprobe packprobe rl rlprof
+# opt-in stages: residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof serveprobe packprobe rl rlprof gemmprobe
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -146,5 +146,9 @@ fi
 if stage rlprof; then  # per-kernel GPU time of the RL step, graph-replayed and eager
   echo "== rl_step_profile" | tee -a "$LOG"
   timeout ${T_RLPROF:-120} python scripts/rl_step_profile.py ${RLPROF_ARGS:-} 2>&1 | tail -${RLPROF_LINES:-120} | tee -a "$LOG"
+fi
+if stage gemmprobe; then  # small-batch f32 GEMMs: cuBLAS's picks against other routes
+  echo "== small_gemm_probe" | tee -a "$LOG"
+  timeout ${T_GEMM:-120} python scripts/small_gemm_probe.py ${GEMM_ARGS:-} 2>&1 | tail -60 | tee -a "$LOG"
 fi
 echo "== done" | tee -a "$LOG"

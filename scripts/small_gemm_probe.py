@@ -1,14 +1,23 @@
 """Small-batch f32 GEMMs as the decode steps of small models issue them (x [B, K] times
 W [N, K]^T): F.linear against other ways to get the same product, CUDA-graph-free, per
 shape. cuBLAS picked kernels of 20-50 us for [16, 128] x [512, 128]^T in float32 on the
-H200, where batch 64 took a few us."""
+H200, where batch 64 took a few us. "triton stream" is the decode step's own matrix-vector
+kernel (ops/mamba_step) at that batch.
+
+    PYTHONPATH=src python scripts/small_gemm_probe.py --batches 1 16 64"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 import torch.nn.functional as F
+
+from mambakit.ops.mamba_step import launch
+
+# the decode step's streaming kernel (`_linear_kernel`) at any batch
+STREAM = dataclasses.replace(launch.config(False), rows_max_batch=1 << 20)
 
 
 def time_us(fn, iters=200) -> float:
@@ -31,6 +40,7 @@ def variants(x, x32, w, wt, bias, B) -> dict:
         "(w @ x.T).T": lambda: (w @ x.t()).t(),
         "pad to 32": lambda: F.linear(x32, w, bias)[:B],
         "bmm": lambda: torch.bmm(x[None], wt[None])[0],
+        "triton stream": lambda: launch.linear(x, w, bias, cfg=STREAM),
     }
 
 

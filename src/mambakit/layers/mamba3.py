@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import _rms_norm
+from ..ops._backend import resolve_backend
 from ..ops._checks import check_seq_idx, check_tensor, state_dtype
 from ..ops.mamba3 import (
     Mamba3StepWeights,
@@ -44,6 +45,7 @@ from ..ops.mamba3 import (
     mamba3_step_raw,
     mamba3_step_reference,
 )
+from ..ops.mamba3.reference import layer_compiles, mamba3_layer_compiled
 from ..ops.mamba3.stack import stack_weights
 from ..state import Mamba3State
 from .init import no_weight_decay
@@ -225,10 +227,14 @@ class Mamba3(nn.Module):
 
     def _inputs(self, u: torch.Tensor):
         """in_proj, split and activated: the scan's inputs over u's leading dims."""
-        z, x, B, C, dd_dt, dd_A, trap, theta = _split(self.in_proj(u), self._sizes())
+        return self._terms(self.in_proj(u))
+
+    def _terms(self, zx: torch.Tensor):
+        """in_proj's rows split and activated: the scan's inputs."""
+        z, x, B, C, dd_dt, dd_A, trap, theta = _split(zx, self._sizes())
         k = self.B_norm(B)
         q = self.C_norm(C)
-        f = state_dtype(u)
+        f = state_dtype(zx)
         A = -heavy_tail(dd_A.to(f)).clamp(min=self.A_floor)  # min(-f(dd_A), -A_floor)
         delta = F.softplus(dd_dt.to(f) + self.dt_bias.to(f))
         return x, q, k, delta, A, trap, theta, z
@@ -246,11 +252,32 @@ class Mamba3(nn.Module):
             self._check_state(state, u.shape[0], u.device)
         if seq_idx is not None:
             check_seq_idx(seq_idx, u.shape[0], u.shape[1], u.device)
-        x, q, k, delta, A, trap, theta, z = self._inputs(u)
-        args = (x, q, k, delta, A, trap, theta, self.C_bias[:, 0], self.B_bias[:, 0], self.D, z)
-        y, final = _mamba3_scan(*args, state, seq_idx, self.chunk_size, backend)
+        zx = self.in_proj(u)
+        if seq_idx is None and self._compiled(zx, state, backend):
+            bn, cn = self.B_norm, self.C_norm
+            y, final = mamba3_layer_compiled(
+                zx, self._sizes(), (bn.weight, bn.eps, cn.weight, cn.eps), self.dt_bias,
+                self.A_floor, self.C_bias, self.B_bias, self.D, state,
+            )  # fmt: skip
+        else:
+            x, q, k, delta, A, trap, theta, z = self._terms(zx)
+            args = (x, q, k, delta, A, trap, theta, self.C_bias[:, 0], self.B_bias[:, 0],
+                    self.D, z)  # fmt: skip
+            y, final = _mamba3_scan(*args, state, seq_idx, self.chunk_size, backend)
         out = self.out_proj(y.flatten(-2).to(self.out_proj.weight.dtype))
         return (out, final) if return_state else out
+
+    def _compiled(self, zx: torch.Tensor, state: Mamba3State | None, backend: str) -> bool:
+        """Whether the forward runs its terms and scan compiled on the CPU
+        (`ops.mamba3.reference.mamba3_layer_compiled`): the reference backend there, plain B
+        and C norms (their weights are read, not called) and `layer_compiles`."""
+        if zx.device.type != "cpu" or resolve_backend(backend, zx) != "reference":
+            return False
+        if not (plain(self.B_norm, _RMSNormN) and plain(self.C_norm, _RMSNormN)):
+            return False
+        params = (self.B_norm.weight, self.C_norm.weight, self.dt_bias, self.C_bias,
+                  self.B_bias, self.D)  # fmt: skip
+        return layer_compiles(zx, self.d_state, params, state)
 
     def step(
         self, u: torch.Tensor, state: Mamba3State, backend: str = "auto"

@@ -216,8 +216,8 @@ class _Scan3(torch.autograd.Function):
         from ..cpu_jit import scan3
 
         ins = tuple(None if t is None else t.detach() for t in ins)
-        y, angle, ssm, kT, xT, states = scan3.forward(*ins)
-        ctx.save_for_backward(*(t for t in ins if t is not None), states)
+        y, angle, ssm, kT, xT, kept = scan3.forward(*ins)
+        ctx.save_for_backward(*(t for t in ins if t is not None), *kept)
         ctx.present = tuple(t is not None for t in ins)
         ctx.set_materialize_grads(False)
         return y, angle, ssm, kT, xT
@@ -227,7 +227,7 @@ class _Scan3(torch.autograd.Function):
     def backward(ctx, gy, g_angle, g_ssm, g_k, g_x):
         from ..cpu_jit import scan3
 
-        *kept, states = ctx.saved_tensors
+        *kept, states, turned, cs = ctx.saved_tensors
         it = iter(kept)
         ins = tuple(next(it) if here else None for here in ctx.present)
         x, angle0, ssm0, k0, x0 = ins[0], *ins[11:]
@@ -237,7 +237,89 @@ class _Scan3(torch.autograd.Function):
             torch.zeros_like(like) if g is None else g.to(like.dtype).contiguous()
             for g, like in zip(outs, likes)
         )
-        return scan3.backward(ins, states, gy, g_angle, g_ssm, g_k, g_x)
+        return scan3.backward(ins, (states, turned, cs), gy, g_angle, g_ssm, g_k, g_x)
+
+
+def mamba3_layer_compiled(
+    zx: torch.Tensor,  # [B, T, W] in_proj's rows
+    sizes: tuple[int, ...],  # (E, N, G, H, P, S): how they split (`ops.mamba3._split`)
+    norms: tuple,  # (w_B, eps_B, w_C, eps_C): the B and C norms' weights [N] and eps
+    dt_bias: torch.Tensor,  # [H]
+    A_floor: float,
+    q_bias: torch.Tensor,  # [H, 1, N] (the layer's C_bias)
+    k_bias: torch.Tensor,  # [H, 1, N] (B_bias)
+    D: torch.Tensor,  # [H]
+    initial_state: Mamba3State | None,
+) -> tuple[torch.Tensor, Mamba3State]:
+    """A Mamba-3 layer from in_proj's rows to the scan's output, compiled on the CPU (where
+    `layer_compiles`): the per-token terms (`cpu_jit.terms3`) and the scan (`cpu_jit.scan3`)
+    as one autograd node. (y [B, T, H, P], the final state), as `layers.Mamba3` computes
+    them with its modules' ops and `mamba3_scan_reference`, differentiable in zx, the norms'
+    weights, the biases, D and the initial state."""
+    E, N, G, H, P, S = sizes
+    if initial_state is None:
+        initial_state = Mamba3State.zeros(zx.shape[0], H, P, N, S, zx.device, zx.dtype)
+    w_B, eps_B, w_C, eps_C = norms
+    consts = (sizes, eps_B, eps_C, A_floor)
+    y, *final = _Layer3.apply(consts, zx.contiguous(), w_B, w_C, dt_bias, q_bias, k_bias, D,
+                              *initial_state)  # fmt: skip
+    return y, Mamba3State(*final)
+
+
+def layer_compiles(zx: torch.Tensor, N: int, params: tuple, state: Mamba3State | None) -> bool:
+    """Whether `mamba3_layer_compiled` runs: the scan compiles (`_compiled`) and zx, the
+    parameters it reads and the state are all zx's dtype (float32 or float64)."""
+    f = zx.dtype
+    if f not in (torch.float32, torch.float64) or not _compiled(zx, f, N):
+        return False
+    tensors = (*params, *(state if state is not None else ()))
+    return all(isinstance(t, torch.Tensor) and t.dtype == f for t in tensors)
+
+
+class _Layer3(torch.autograd.Function):
+    """`mamba3_layer_compiled`'s node: terms3 then scan3 forward; scan3 then terms3 back."""
+
+    @staticmethod
+    def forward(ctx, consts, zx, w_B, w_C, dt_bias, q_bias, k_bias, D, *state0):
+        from ..cpu_jit import scan3, terms3
+
+        sizes, eps_B, eps_C, A_floor = consts
+        H, N = sizes[3], sizes[1]
+        zx, w_B, w_C, dt_bias, D = (t.detach() for t in (zx, w_B, w_C, dt_bias, D))
+        qb, kb = q_bias.detach().view(H, N), k_bias.detach().view(H, N)
+        x, z, q, k, delta, A, trap, rate, r_k, r_q = terms3.forward(
+            zx, w_B, w_C, eps_B, eps_C, dt_bias, A_floor, sizes
+        )
+        ins = (x, q, k, delta, A, trap, rate, qb, kb, D, z,
+               *(t.detach().contiguous() for t in state0))  # fmt: skip
+        y, angle, ssm, kT, xT, kept = scan3.forward(*ins)
+        ctx.save_for_backward(zx, w_B, w_C, dt_bias, r_k, r_q, *ins, *kept)
+        ctx.A_floor = A_floor
+        ctx.set_materialize_grads(False)
+        return y, angle, ssm, kT, xT
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, gy, g_angle, g_ssm, g_k, g_x):
+        from ..cpu_jit import scan3, terms3
+
+        zx, w_B, w_C, dt_bias, r_k, r_q, *ins, states, turned, cs = ctx.saved_tensors
+        x, angle0, ssm0, k0, x0 = ins[0], *ins[11:]
+        outs = (gy, g_angle, g_ssm, g_k, g_x)
+        likes = (x, angle0, ssm0, k0, x0)
+        gy, g_angle, g_ssm, g_k, g_x = (
+            torch.zeros_like(like) if g is None else g.to(like.dtype).contiguous()
+            for g, like in zip(outs, likes)
+        )
+        (g_xin, g_q, g_k_heads, g_delta, g_A, g_trap, g_rate, g_qb, g_kb, g_D, g_z,
+         *g_state0) = scan3.backward_heads(tuple(ins), (states, turned, cs), gy, g_angle, g_ssm, g_k, g_x)  # fmt: skip
+        g_zx, g_wB, g_wC, g_dt = terms3.backward(
+            zx, w_B, w_C, dt_bias, ctx.A_floor, r_k, r_q, g_xin, g_z, g_q, g_k_heads,
+            g_delta, g_A, g_trap, g_rate,
+        )  # fmt: skip
+        H, N = g_qb.shape
+        return (None, g_zx, g_wB, g_wC, g_dt, g_qb.view(H, 1, N), g_kb.view(H, 1, N), g_D,
+                *g_state0)  # fmt: skip
 
 
 def mamba3_step_reference(

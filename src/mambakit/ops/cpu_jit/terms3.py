@@ -1,0 +1,209 @@
+"""The Mamba-3 layer's per-token terms, compiled: what `layers.Mamba3` derives from in_proj's
+rows before the scan, forward and backward, so that on the CPU a layer is in_proj, one
+compiled call (these terms and `cpu_jit.scan3`) and out_proj, instead of some forty
+PyTorch ops and their backward nodes (at the RL shapes each costs more than its arithmetic).
+
+B batch, T time, H heads of P values, G groups of N, S angles; in_proj's row of width
+W = 2 H P + 2 G N + 3 H + S splits (`ops.mamba3._split`) into z, x [H, P], B, C [G, N],
+dd_dt, dd_A, trap [H] and theta [S]. Per token:
+
+    k = rmsnorm_N(B) w_B       q = rmsnorm_N(C) w_C        (per group; eps of each norm)
+    delta = softplus(dd_dt + dt_bias)
+    A     = -max(f(dd_A), A_floor)    f(u) = max(u, 0) + 1 / (1 - min(u, 0))
+    rate  = pi tanh(theta)
+
+and z, x and trap pass through. The backward takes the scan's gradients, with q's, k's and
+rate's still per head (`scan3.backward_heads`), sums them over each group's heads in order,
+and writes the gradient of the whole row; the norms' weights and dt_bias get each token's
+share, summed over the tokens in order afterwards (deterministic). The clamps' gradients
+follow PyTorch's (a clamp passes the gradient where its input is at the bound), so this
+agrees with the op chain it replaces to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from .common import JIT, exp, one, softplus
+from .scan import _threads
+
+
+def forward(zx, w_B, w_C, eps_B, eps_C, dt_bias, A_floor, sizes):
+    """(x, z [B, T, H, P], q, k [B, T, G, N], delta, A, trap [B, T, H], rate [B, T, S], and
+    the norms' 1 / rms of k and q [B, T, G] for the backward) from in_proj's rows zx
+    [B, T, W], contiguous, all of one float dtype."""
+    E, N, G, H, P, S = sizes
+    Bsz, T = zx.shape[:2]
+    new = zx.new_empty
+    x, z = new(Bsz, T, H, P), new(Bsz, T, H, P)
+    q, k = new(Bsz, T, G, N), new(Bsz, T, G, N)
+    delta, A, trap = new(Bsz, T, H), new(Bsz, T, H), new(Bsz, T, H)
+    rate = new(Bsz, T, S)
+    r_k, r_q = new(Bsz, T, G), new(Bsz, T, G)
+    c = zx.new_tensor([eps_B, eps_C, A_floor])
+    with _threads():
+        _forward(zx.numpy(), w_B.numpy(), w_C.numpy(), dt_bias.numpy(), c.numpy(), H, G,
+                 *(t.numpy() for t in (x, z, q, k, delta, A, trap, rate, r_k, r_q)))  # fmt: skip
+    return x, z, q, k, delta, A, trap, rate, r_k, r_q
+
+
+def backward(zx, w_B, w_C, dt_bias, A_floor, r_k, r_q, g_x, g_z, g_q_heads, g_k_heads,
+             g_delta, g_A, g_trap, g_rate_heads):  # fmt: skip
+    """(the gradient of zx [B, T, W], of w_B, w_C [N] and of dt_bias [H]) from the scan's
+    input gradients: g_x, g_z [B, T, H, P] (g_z may be None: zeros), g_delta, g_A, g_trap
+    [B, T, H], and each head's share of q's, k's and rate's: [B, H, T, N], [B, H, T, S]."""
+    Bsz, T, H = g_delta.shape
+    G, N = r_k.shape[2], w_B.shape[0]
+    g_zx = torch.empty_like(zx)
+    share_B, share_C = zx.new_empty(Bsz, T, N), zx.new_empty(Bsz, T, N)
+    share_dt = zx.new_empty(Bsz, T, H)
+    gz = g_z if g_z is not None else g_x.new_zeros(1, 1, 1, 1)
+    c = zx.new_tensor([A_floor])
+    with _threads():
+        _backward(zx.numpy(), w_B.numpy(), w_C.numpy(), dt_bias.numpy(), c.numpy(), G,
+                  r_k.numpy(), r_q.numpy(), g_x.numpy(), gz.numpy(), g_z is not None,
+                  g_q_heads.numpy(), g_k_heads.numpy(), g_delta.numpy(), g_A.numpy(),
+                  g_trap.numpy(), g_rate_heads.numpy(), g_zx.numpy(), share_B.numpy(),
+                  share_C.numpy(), share_dt.numpy())  # fmt: skip
+    return g_zx, _token_sum(share_B), _token_sum(share_C), _token_sum(share_dt)
+
+
+def _token_sum(share: torch.Tensor) -> torch.Tensor:
+    """[B, T, X] -> [X]: the tokens' shares summed in order (deterministic)."""
+    out = np.empty(share.shape[-1], share.numpy().dtype)
+    _sum_rows(share.reshape(-1, share.shape[-1]).numpy(), out)
+    return torch.from_numpy(out)
+
+
+@njit(**JIT)
+def _sum_rows(a, out):
+    for j in range(a.shape[1]):
+        out[j] = a[0, j]
+    for i in range(1, a.shape[0]):
+        for j in range(a.shape[1]):
+            out[j] += a[i, j]
+
+
+@njit(parallel=True, **JIT)
+def _forward(zx, w_B, w_C, dt_bias, c, H, G, x, z, q, k, delta, A, trap, rate, r_k, r_q):
+    Bsz, T = zx.shape[0], zx.shape[1]
+    P, N, S = x.shape[3], q.shape[3], rate.shape[2]
+    E = H * P
+    o_B = 2 * E
+    o_C = o_B + G * N
+    o_dt = o_C + G * N
+    o_A, o_trap, o_theta = o_dt + H, o_dt + 2 * H, o_dt + 3 * H
+    eps_B, eps_C, A_floor = c[0], c[1], c[2]
+    for bt in prange(Bsz * T):  # tokens in parallel: nothing shared between them
+        b, t = bt // T, bt % T
+        row = zx[b, t]
+        for h in range(H):
+            for p in range(P):
+                z[b, t, h, p] = row[h * P + p]
+                x[b, t, h, p] = row[E + h * P + p]
+        for g in range(G):
+            r_k[b, t, g] = _norm_into(row, o_B + g * N, w_B, eps_B, k[b, t, g])
+            r_q[b, t, g] = _norm_into(row, o_C + g * N, w_C, eps_C, q[b, t, g])
+        for h in range(H):
+            delta[b, t, h] = softplus(row[o_dt + h] + dt_bias[h])
+            u = row[o_A + h]
+            f = max(u, 0 * u) + one(u) / (one(u) - min(u, 0 * u))
+            A[b, t, h] = -max(f, A_floor)
+            trap[b, t, h] = row[o_trap + h]
+        for i in range(S):
+            rate[b, t, i] = math.pi * math.tanh(row[o_theta + i])
+
+
+@njit(inline="always", **JIT)
+def _norm_into(row, start, w, eps, out):
+    """out = v / rms(v) w over v = row[start : start + N]; returns 1 / rms(v)."""
+    N = out.shape[0]
+    s = row[start] * 0
+    for n in range(N):
+        v = row[start + n]
+        s += v * v
+    r = one(s) / math.sqrt(s / N + eps)
+    for n in range(N):
+        out[n] = row[start + n] * r * w[n]
+    return r
+
+
+@njit(parallel=True, **JIT)
+def _backward(zx, w_B, w_C, dt_bias, c, G, r_k, r_q, g_x, g_z, has_z, g_q_heads, g_k_heads,
+              g_delta, g_A, g_trap, g_rate_heads, g_zx, share_B, share_C, share_dt):  # fmt: skip
+    Bsz, T, H, P = g_x.shape
+    N, S = w_B.shape[0], g_rate_heads.shape[3]
+    per = H // G
+    E = H * P
+    o_B = 2 * E
+    o_C = o_B + G * N
+    o_dt = o_C + G * N
+    o_A, o_trap, o_theta = o_dt + H, o_dt + 2 * H, o_dt + 3 * H
+    A_floor = c[0]
+    for bt in prange(Bsz * T):
+        b, t = bt // T, bt % T
+        row = zx[b, t]
+        out = g_zx[b, t]
+        for h in range(H):
+            for p in range(P):
+                out[h * P + p] = g_z[b, t, h, p] if has_z else 0 * row[0]
+                out[E + h * P + p] = g_x[b, t, h, p]
+        gsum = np.empty(N, zx.dtype)
+        for n in range(N):
+            share_B[b, t, n] = 0
+            share_C[b, t, n] = 0
+        for g in range(G):
+            for which in range(2):  # k (from B), then q (from C)
+                heads = g_k_heads if which == 0 else g_q_heads
+                for n in range(N):
+                    gsum[n] = heads[b, g * per, t, n]
+                for j in range(1, per):
+                    for n in range(N):
+                        gsum[n] += heads[b, g * per + j, t, n]
+                if which == 0:
+                    _norm_back(row, o_B + g * N, w_B, r_k[b, t, g], gsum, out, share_B[b, t])
+                else:
+                    _norm_back(row, o_C + g * N, w_C, r_q[b, t, g], gsum, out, share_C[b, t])
+        for h in range(H):
+            v = row[o_dt + h] + dt_bias[h]
+            gd = g_delta[b, t, h]
+            if v <= 20:  # softplus' slope, as PyTorch's backward: 1 above its threshold
+                e = exp(v)
+                gd = gd * e / (e + 1)
+            out[o_dt + h] = gd
+            share_dt[b, t, h] = gd
+            u = row[o_A + h]
+            f = max(u, 0 * u) + one(u) / (one(u) - min(u, 0 * u))
+            slope = 0 * u
+            if u >= 0:
+                slope += 1
+            if u <= 0:
+                m = one(u) - u
+                slope += one(u) / (m * m)
+            out[o_A + h] = -g_A[b, t, h] * slope if f >= A_floor else 0 * u
+            out[o_trap + h] = g_trap[b, t, h]
+        for i in range(S):
+            gr = g_rate_heads[b, 0, t, i]
+            for h in range(1, H):
+                gr += g_rate_heads[b, h, t, i]
+            th = math.tanh(row[o_theta + i])
+            out[o_theta + i] = gr * math.pi * (1 - th * th)
+
+
+@njit(inline="always", **JIT)
+def _norm_back(row, start, w, r, gy, out, share_w):
+    """The RMSNorm's backward for v = row[start : start + N], y = v r w, r = 1 / rms(v):
+    out[start + n] = r (w gy)_n - v_n r^3 mean(v w gy); share_w += v r gy."""
+    N = w.shape[0]
+    dot = r * 0
+    for n in range(N):
+        dot += row[start + n] * w[n] * gy[n]
+    c = r * r * r * dot / N
+    for n in range(N):
+        v = row[start + n]
+        out[start + n] = r * w[n] * gy[n] - v * c
+        share_w[n] += v * r * gy[n]
