@@ -126,6 +126,19 @@ def _one_overload(x):
     return None
 
 
+def zero(x):
+    """0 in x's float type, in numba code (`x * 0` would be float64 for a float32 x)."""
+    raise NotImplementedError("zero runs in numba code only")
+
+
+@overload(zero)
+def _zero_overload(x):
+    if isinstance(x, types.Float):
+        nil = np.float32(0) if x.bitwidth == 32 else np.float64(0)
+        return lambda x: nil
+    return None
+
+
 @njit(inline="always", **JIT)
 def sigmoid(x):
     return one(x) / (one(x) + exp(-x))

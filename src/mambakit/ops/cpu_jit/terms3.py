@@ -25,73 +25,45 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 from numba import njit, prange
 
-from .common import JIT, exp, one, softplus
+from .common import JIT, exp, one, softplus, zero
 from .scan import _threads
 
 
 def forward(zx, w_B, w_C, eps_B, eps_C, dt_bias, A_floor, sizes):
     """(x, z [B, T, H, P], q, k [B, T, G, N], delta, A, trap [B, T, H], rate [B, T, S], and
-    the norms' 1 / rms of k and q [B, T, G] for the backward) from in_proj's rows zx
-    [B, T, W], contiguous, all of one float dtype."""
+    the norms' 1 / rms of k and q [B, T, G] for the backward), arrays, from in_proj's rows
+    zx [B, T, W] and the parameters, arrays of one float dtype (zx contiguous)."""
     E, N, G, H, P, S = sizes
-    Bsz, T = zx.shape[:2]
-    new = zx.new_empty
-    x, z = new(Bsz, T, H, P), new(Bsz, T, H, P)
-    q, k = new(Bsz, T, G, N), new(Bsz, T, G, N)
-    delta, A, trap = new(Bsz, T, H), new(Bsz, T, H), new(Bsz, T, H)
-    rate = new(Bsz, T, S)
-    r_k, r_q = new(Bsz, T, G), new(Bsz, T, G)
-    c = zx.new_tensor([eps_B, eps_C, A_floor])
+    c = np.array([eps_B, eps_C, A_floor], zx.dtype)
     with _threads():
-        _forward(zx.numpy(), w_B.numpy(), w_C.numpy(), dt_bias.numpy(), c.numpy(), H, G,
-                 *(t.numpy() for t in (x, z, q, k, delta, A, trap, rate, r_k, r_q)))  # fmt: skip
-    return x, z, q, k, delta, A, trap, rate, r_k, r_q
+        return _forward(zx, w_B, w_C, dt_bias, c, H, G, P, S)
 
 
 def backward(zx, w_B, w_C, dt_bias, A_floor, r_k, r_q, g_x, g_z, g_q_heads, g_k_heads,
              g_delta, g_A, g_trap, g_rate_heads):  # fmt: skip
-    """(the gradient of zx [B, T, W], of w_B, w_C [N] and of dt_bias [H]) from the scan's
-    input gradients: g_x, g_z [B, T, H, P] (g_z may be None: zeros), g_delta, g_A, g_trap
-    [B, T, H], and each head's share of q's, k's and rate's: [B, H, T, N], [B, H, T, S]."""
-    Bsz, T, H = g_delta.shape
-    G, N = r_k.shape[2], w_B.shape[0]
-    g_zx = torch.empty_like(zx)
-    share_B, share_C = zx.new_empty(Bsz, T, N), zx.new_empty(Bsz, T, N)
-    share_dt = zx.new_empty(Bsz, T, H)
-    gz = g_z if g_z is not None else g_x.new_zeros(1, 1, 1, 1)
-    c = zx.new_tensor([A_floor])
+    """(the gradients of zx [B, T, W], w_B, w_C [N] and dt_bias [H]), arrays, from the
+    scan's input gradients (arrays): g_x, g_z [B, T, H, P] (g_z None or [1, 1, 1, 1]:
+    zeros), g_delta, g_A, g_trap [B, T, H], and each head's share of q's, k's and rate's:
+    [B, H, T, N], [B, H, T, S]."""
+    has_z = g_z is not None and g_z.shape == g_x.shape
+    gz = g_z if has_z else np.zeros((1, 1, 1, 1), g_x.dtype)
+    c = np.array([A_floor], zx.dtype)
     with _threads():
-        _backward(zx.numpy(), w_B.numpy(), w_C.numpy(), dt_bias.numpy(), c.numpy(), G,
-                  r_k.numpy(), r_q.numpy(), g_x.numpy(), gz.numpy(), g_z is not None,
-                  g_q_heads.numpy(), g_k_heads.numpy(), g_delta.numpy(), g_A.numpy(),
-                  g_trap.numpy(), g_rate_heads.numpy(), g_zx.numpy(), share_B.numpy(),
-                  share_C.numpy(), share_dt.numpy())  # fmt: skip
-    return g_zx, _token_sum(share_B), _token_sum(share_C), _token_sum(share_dt)
-
-
-def _token_sum(share: torch.Tensor) -> torch.Tensor:
-    """[B, T, X] -> [X]: the tokens' shares summed in order (deterministic)."""
-    out = np.empty(share.shape[-1], share.numpy().dtype)
-    _sum_rows(share.reshape(-1, share.shape[-1]).numpy(), out)
-    return torch.from_numpy(out)
-
-
-@njit(**JIT)
-def _sum_rows(a, out):
-    for j in range(a.shape[1]):
-        out[j] = a[0, j]
-    for i in range(1, a.shape[0]):
-        for j in range(a.shape[1]):
-            out[j] += a[i, j]
+        return _backward(zx, w_B, w_C, dt_bias, c, r_k.shape[2], r_k, r_q, g_x, gz, has_z,
+                         g_q_heads, g_k_heads, g_delta, g_A, g_trap, g_rate_heads)  # fmt: skip
 
 
 @njit(parallel=True, **JIT)
-def _forward(zx, w_B, w_C, dt_bias, c, H, G, x, z, q, k, delta, A, trap, rate, r_k, r_q):
+def _forward(zx, w_B, w_C, dt_bias, c, H, G, P, S):
     Bsz, T = zx.shape[0], zx.shape[1]
-    P, N, S = x.shape[3], q.shape[3], rate.shape[2]
+    N, f = w_B.shape[0], zx.dtype
+    x, z = np.empty((Bsz, T, H, P), f), np.empty((Bsz, T, H, P), f)
+    q, k = np.empty((Bsz, T, G, N), f), np.empty((Bsz, T, G, N), f)
+    delta, A, trap = np.empty((Bsz, T, H), f), np.empty((Bsz, T, H), f), np.empty((Bsz, T, H), f)
+    rate = np.empty((Bsz, T, S), f)
+    r_k, r_q = np.empty((Bsz, T, G), f), np.empty((Bsz, T, G), f)
     E = H * P
     o_B = 2 * E
     o_C = o_B + G * N
@@ -111,18 +83,19 @@ def _forward(zx, w_B, w_C, dt_bias, c, H, G, x, z, q, k, delta, A, trap, rate, r
         for h in range(H):
             delta[b, t, h] = softplus(row[o_dt + h] + dt_bias[h])
             u = row[o_A + h]
-            f = max(u, 0 * u) + one(u) / (one(u) - min(u, 0 * u))
+            f = max(u, zero(u)) + one(u) / (one(u) - min(u, zero(u)))
             A[b, t, h] = -max(f, A_floor)
             trap[b, t, h] = row[o_trap + h]
         for i in range(S):
             rate[b, t, i] = math.pi * math.tanh(row[o_theta + i])
+    return x, z, q, k, delta, A, trap, rate, r_k, r_q
 
 
 @njit(inline="always", **JIT)
 def _norm_into(row, start, w, eps, out):
     """out = v / rms(v) w over v = row[start : start + N]; returns 1 / rms(v)."""
     N = out.shape[0]
-    s = row[start] * 0
+    s = zero(row[start])
     for n in range(N):
         v = row[start + n]
         s += v * v
@@ -134,9 +107,13 @@ def _norm_into(row, start, w, eps, out):
 
 @njit(parallel=True, **JIT)
 def _backward(zx, w_B, w_C, dt_bias, c, G, r_k, r_q, g_x, g_z, has_z, g_q_heads, g_k_heads,
-              g_delta, g_A, g_trap, g_rate_heads, g_zx, share_B, share_C, share_dt):  # fmt: skip
+              g_delta, g_A, g_trap, g_rate_heads):  # fmt: skip
     Bsz, T, H, P = g_x.shape
     N, S = w_B.shape[0], g_rate_heads.shape[3]
+    g_zx = np.empty_like(zx)
+    # each token's share of the weights' gradients, summed over the tokens in order after
+    share_B, share_C = np.empty((Bsz, T, N), zx.dtype), np.empty((Bsz, T, N), zx.dtype)
+    share_dt = np.empty((Bsz, T, H), zx.dtype)
     per = H // G
     E = H * P
     o_B = 2 * E
@@ -150,7 +127,7 @@ def _backward(zx, w_B, w_C, dt_bias, c, G, r_k, r_q, g_x, g_z, has_z, g_q_heads,
         out = g_zx[b, t]
         for h in range(H):
             for p in range(P):
-                out[h * P + p] = g_z[b, t, h, p] if has_z else 0 * row[0]
+                out[h * P + p] = g_z[b, t, h, p] if has_z else zero(row[0])
                 out[E + h * P + p] = g_x[b, t, h, p]
         gsum = np.empty(N, zx.dtype)
         for n in range(N):
@@ -177,14 +154,14 @@ def _backward(zx, w_B, w_C, dt_bias, c, G, r_k, r_q, g_x, g_z, has_z, g_q_heads,
             out[o_dt + h] = gd
             share_dt[b, t, h] = gd
             u = row[o_A + h]
-            f = max(u, 0 * u) + one(u) / (one(u) - min(u, 0 * u))
-            slope = 0 * u
+            f = max(u, zero(u)) + one(u) / (one(u) - min(u, zero(u)))
+            slope = zero(u)
             if u >= 0:
                 slope += 1
             if u <= 0:
                 m = one(u) - u
                 slope += one(u) / (m * m)
-            out[o_A + h] = -g_A[b, t, h] * slope if f >= A_floor else 0 * u
+            out[o_A + h] = -g_A[b, t, h] * slope if f >= A_floor else zero(u)
             out[o_trap + h] = g_trap[b, t, h]
         for i in range(S):
             gr = g_rate_heads[b, 0, t, i]
@@ -192,6 +169,15 @@ def _backward(zx, w_B, w_C, dt_bias, c, G, r_k, r_q, g_x, g_z, has_z, g_q_heads,
                 gr += g_rate_heads[b, h, t, i]
             th = math.tanh(row[o_theta + i])
             out[o_theta + i] = gr * math.pi * (1 - th * th)
+    for b in range(Bsz):
+        for t in range(T):
+            if b + t > 0:
+                for n in range(N):
+                    share_B[0, 0, n] += share_B[b, t, n]
+                    share_C[0, 0, n] += share_C[b, t, n]
+                for h in range(H):
+                    share_dt[0, 0, h] += share_dt[b, t, h]
+    return g_zx, share_B[0, 0], share_C[0, 0], share_dt[0, 0]
 
 
 @njit(inline="always", **JIT)
@@ -199,7 +185,7 @@ def _norm_back(row, start, w, r, gy, out, share_w):
     """The RMSNorm's backward for v = row[start : start + N], y = v r w, r = 1 / rms(v):
     out[start + n] = r (w gy)_n - v_n r^3 mean(v w gy); share_w += v r gy."""
     N = w.shape[0]
-    dot = r * 0
+    dot = zero(r)
     for n in range(N):
         dot += row[start + n] * w[n] * gy[n]
     c = r * r * r * dot / N

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -217,7 +218,8 @@ class _Scan3(torch.autograd.Function):
 
         ins = tuple(None if t is None else t.detach() for t in ins)
         y, angle, ssm, kT, xT, kept = scan3.forward(*ins)
-        ctx.save_for_backward(*(t for t in ins if t is not None), *kept)
+        ctx.save_for_backward(*(t for t in ins if t is not None))
+        ctx.kept = kept  # arrays of the node's own
         ctx.present = tuple(t is not None for t in ins)
         ctx.set_materialize_grads(False)
         return y, angle, ssm, kT, xT
@@ -227,8 +229,7 @@ class _Scan3(torch.autograd.Function):
     def backward(ctx, gy, g_angle, g_ssm, g_k, g_x):
         from ..cpu_jit import scan3
 
-        *kept, states, turned, cs = ctx.saved_tensors
-        it = iter(kept)
+        it = iter(ctx.saved_tensors)
         ins = tuple(next(it) if here else None for here in ctx.present)
         x, angle0, ssm0, k0, x0 = ins[0], *ins[11:]
         outs = (gy, g_angle, g_ssm, g_k, g_x)
@@ -237,7 +238,7 @@ class _Scan3(torch.autograd.Function):
             torch.zeros_like(like) if g is None else g.to(like.dtype).contiguous()
             for g, like in zip(outs, likes)
         )
-        return scan3.backward(ins, (states, turned, cs), gy, g_angle, g_ssm, g_k, g_x)
+        return scan3.backward(ins, ctx.kept, gy, g_angle, g_ssm, g_k, g_x)
 
 
 def mamba3_layer_compiled(
@@ -277,7 +278,8 @@ def layer_compiles(zx: torch.Tensor, N: int, params: tuple, state: Mamba3State |
 
 
 class _Layer3(torch.autograd.Function):
-    """`mamba3_layer_compiled`'s node: terms3 then scan3 forward; scan3 then terms3 back."""
+    """`mamba3_layer_compiled`'s node: terms3 then scan3 forward; scan3 then terms3 back.
+    What the kernels derive stays in arrays on the node (no tensor per intermediate)."""
 
     @staticmethod
     def forward(ctx, consts, zx, w_B, w_C, dt_bias, q_bias, k_bias, D, *state0):
@@ -285,41 +287,42 @@ class _Layer3(torch.autograd.Function):
 
         sizes, eps_B, eps_C, A_floor = consts
         H, N = sizes[3], sizes[1]
-        zx, w_B, w_C, dt_bias, D = (t.detach() for t in (zx, w_B, w_C, dt_bias, D))
-        qb, kb = q_bias.detach().view(H, N), k_bias.detach().view(H, N)
+        ctx.save_for_backward(zx, w_B, w_C, dt_bias, q_bias, k_bias, D, *state0)
+        zx_, w_B_, w_C_, dt_, D_ = (t.detach().numpy() for t in (zx, w_B, w_C, dt_bias, D))
+        qb, kb = q_bias.detach().numpy().reshape(H, N), k_bias.detach().numpy().reshape(H, N)
         x, z, q, k, delta, A, trap, rate, r_k, r_q = terms3.forward(
-            zx, w_B, w_C, eps_B, eps_C, dt_bias, A_floor, sizes
+            zx_, w_B_, w_C_, eps_B, eps_C, dt_, A_floor, sizes
         )
-        ins = (x, q, k, delta, A, trap, rate, qb, kb, D, z,
-               *(t.detach().contiguous() for t in state0))  # fmt: skip
-        y, angle, ssm, kT, xT, kept = scan3.forward(*ins)
-        ctx.save_for_backward(zx, w_B, w_C, dt_bias, r_k, r_q, *ins, *kept)
+        s0 = tuple(t.detach().numpy() for t in state0)
+        arrs = (x, q, k, delta, A, trap, rate, qb, kb, D_, z, True, *s0)
+        y, angle, ssm, kT, xT, kept = scan3.forward_arrays(arrs)
+        ctx.arrays = (arrs, kept, r_k, r_q)
         ctx.A_floor = A_floor
         ctx.set_materialize_grads(False)
-        return y, angle, ssm, kT, xT
+        return tuple(map(torch.from_numpy, (y, angle, ssm, kT, xT)))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy, g_angle, g_ssm, g_k, g_x):
         from ..cpu_jit import scan3, terms3
 
-        zx, w_B, w_C, dt_bias, r_k, r_q, *ins, states, turned, cs = ctx.saved_tensors
-        x, angle0, ssm0, k0, x0 = ins[0], *ins[11:]
-        outs = (gy, g_angle, g_ssm, g_k, g_x)
-        likes = (x, angle0, ssm0, k0, x0)
-        gy, g_angle, g_ssm, g_k, g_x = (
-            torch.zeros_like(like) if g is None else g.to(like.dtype).contiguous()
-            for g, like in zip(outs, likes)
+        zx, w_B, w_C, dt_bias, q_bias, k_bias, D, *state0 = ctx.saved_tensors
+        arrs, kept, r_k, r_q = ctx.arrays
+        x = arrs[0]
+        likes = (x, *arrs[12:])
+        grads = tuple(
+            np.zeros_like(like) if g is None else g.to(zx.dtype).contiguous().numpy()
+            for g, like in zip((gy, g_angle, g_ssm, g_k, g_x), likes)
         )
         (g_xin, g_q, g_k_heads, g_delta, g_A, g_trap, g_rate, g_qb, g_kb, g_D, g_z,
-         *g_state0) = scan3.backward_heads(tuple(ins), (states, turned, cs), gy, g_angle, g_ssm, g_k, g_x)  # fmt: skip
+         *g_state0) = scan3.backward_arrays(arrs, kept, grads)  # fmt: skip
         g_zx, g_wB, g_wC, g_dt = terms3.backward(
-            zx, w_B, w_C, dt_bias, ctx.A_floor, r_k, r_q, g_xin, g_z, g_q, g_k_heads,
-            g_delta, g_A, g_trap, g_rate,
+            zx.numpy(), w_B.detach().numpy(), w_C.detach().numpy(), dt_bias.detach().numpy(),
+            ctx.A_floor, r_k, r_q, g_xin, g_z, g_q, g_k_heads, g_delta, g_A, g_trap, g_rate,
         )  # fmt: skip
-        H, N = g_qb.shape
-        return (None, g_zx, g_wB, g_wC, g_dt, g_qb.view(H, 1, N), g_kb.view(H, 1, N), g_D,
-                *g_state0)  # fmt: skip
+        t = torch.from_numpy
+        return (None, t(g_zx), t(g_wB), t(g_wC), t(g_dt), t(g_qb).view_as(q_bias),
+                t(g_kb).view_as(k_bias), t(g_D), *map(t, g_state0))  # fmt: skip
 
 
 def mamba3_step_reference(
