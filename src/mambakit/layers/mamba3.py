@@ -253,12 +253,13 @@ class Mamba3(nn.Module):
         if seq_idx is not None:
             check_seq_idx(seq_idx, u.shape[0], u.shape[1], u.device)
         zx = self.in_proj(u)
-        if seq_idx is None and self._compiled(zx, state, backend):
-            bn, cn = self.B_norm, self.C_norm
+        compiled = self._compiled(zx, state, backend) if seq_idx is None else None
+        if compiled:
+            w_B, w_C, dt_bias, C_bias, B_bias, D = compiled
+            norms = (w_B, self._modules["B_norm"].eps, w_C, self._modules["C_norm"].eps)
             y, final = mamba3_layer_compiled(
-                zx, self._sizes(), (bn.weight, bn.eps, cn.weight, cn.eps), self.dt_bias,
-                self.A_floor, self.C_bias, self.B_bias, self.D, state,
-            )  # fmt: skip
+                zx, self._sizes(), norms, dt_bias, self.A_floor, C_bias, B_bias, D, state
+            )
         else:
             x, q, k, delta, A, trap, theta, z = self._terms(zx)
             args = (x, q, k, delta, A, trap, theta, self.C_bias[:, 0], self.B_bias[:, 0],
@@ -267,17 +268,21 @@ class Mamba3(nn.Module):
         out = self.out_proj(y.flatten(-2).to(self.out_proj.weight.dtype))
         return (out, final) if return_state else out
 
-    def _compiled(self, zx: torch.Tensor, state: Mamba3State | None, backend: str) -> bool:
-        """Whether the forward runs its terms and scan compiled on the CPU
-        (`ops.mamba3.reference.mamba3_layer_compiled`): the reference backend there, plain B
-        and C norms (their weights are read, not called) and `layer_compiles`."""
+    def _compiled(self, zx: torch.Tensor, state: Mamba3State | None, backend: str):
+        """The tensors the forward's compiled CPU core reads (B and C norms' weights, dt_bias,
+        C_bias, B_bias, D) where it runs (`ops.mamba3.reference.mamba3_layer_compiled`: the
+        reference backend on the CPU, plain B and C norms, whose weights are read rather
+        than the modules called, and `layer_compiles`), else None. (A small model's step
+        pays this per layer: module attribute lookups are avoided.)"""
         if zx.device.type != "cpu" or resolve_backend(backend, zx) != "reference":
-            return False
-        if not (plain(self.B_norm, _RMSNormN) and plain(self.C_norm, _RMSNormN)):
-            return False
-        params = (self.B_norm.weight, self.C_norm.weight, self.dt_bias, self.C_bias,
-                  self.B_bias, self.D)  # fmt: skip
-        return layer_compiles(zx, self.d_state, params, state)
+            return None
+        mods, own = self._modules, self._parameters
+        bn, cn = mods["B_norm"], mods["C_norm"]
+        if not (plain(bn, _RMSNormN) and plain(cn, _RMSNormN)):
+            return None
+        params = (bn._parameters["weight"], cn._parameters["weight"], own["dt_bias"],
+                  own["C_bias"], own["B_bias"], own["D"])  # fmt: skip
+        return params if layer_compiles(zx, self.d_state, params, state) else None
 
     def step(
         self, u: torch.Tensor, state: Mamba3State, backend: str = "auto"

@@ -30,6 +30,8 @@ from numba import njit, prange
 from .common import JIT, exp, one, softplus, zero
 from .scan import _threads
 
+PARALLEL_MIN = 512  # tokens from which they run on threads (below, waking them costs more)
+
 
 def forward(zx, w_B, w_C, eps_B, eps_C, dt_bias, A_floor, sizes):
     """(x, z [B, T, H, P], q, k [B, T, G, N], delta, A, trap [B, T, H], rate [B, T, S], and
@@ -37,8 +39,10 @@ def forward(zx, w_B, w_C, eps_B, eps_C, dt_bias, A_floor, sizes):
     zx [B, T, W] and the parameters, arrays of one float dtype (zx contiguous)."""
     E, N, G, H, P, S = sizes
     c = np.array([eps_B, eps_C, A_floor], zx.dtype)
+    if zx.shape[0] * zx.shape[1] < PARALLEL_MIN:
+        return _forward_one(zx, w_B, w_C, dt_bias, c, H, G, P, S)
     with _threads():
-        return _forward(zx, w_B, w_C, dt_bias, c, H, G, P, S)
+        return _forward_par(zx, w_B, w_C, dt_bias, c, H, G, P, S)
 
 
 def backward(zx, w_B, w_C, dt_bias, A_floor, r_k, r_q, g_x, g_z, g_q_heads, g_k_heads,
@@ -50,12 +54,14 @@ def backward(zx, w_B, w_C, dt_bias, A_floor, r_k, r_q, g_x, g_z, g_q_heads, g_k_
     has_z = g_z is not None and g_z.shape == g_x.shape
     gz = g_z if has_z else np.zeros((1, 1, 1, 1), g_x.dtype)
     c = np.array([A_floor], zx.dtype)
+    args = (zx, w_B, w_C, dt_bias, c, r_k.shape[2], r_k, r_q, g_x, gz, has_z, g_q_heads,
+            g_k_heads, g_delta, g_A, g_trap, g_rate_heads)  # fmt: skip
+    if zx.shape[0] * zx.shape[1] < PARALLEL_MIN:
+        return _backward_one(*args)
     with _threads():
-        return _backward(zx, w_B, w_C, dt_bias, c, r_k.shape[2], r_k, r_q, g_x, gz, has_z,
-                         g_q_heads, g_k_heads, g_delta, g_A, g_trap, g_rate_heads)  # fmt: skip
+        return _backward_par(*args)
 
 
-@njit(parallel=True, **JIT)
 def _forward(zx, w_B, w_C, dt_bias, c, H, G, P, S):
     Bsz, T = zx.shape[0], zx.shape[1]
     N, f = w_B.shape[0], zx.dtype
@@ -105,7 +111,6 @@ def _norm_into(row, start, w, eps, out):
     return r
 
 
-@njit(parallel=True, **JIT)
 def _backward(zx, w_B, w_C, dt_bias, c, G, r_k, r_q, g_x, g_z, has_z, g_q_heads, g_k_heads,
               g_delta, g_A, g_trap, g_rate_heads):  # fmt: skip
     Bsz, T, H, P = g_x.shape
@@ -193,3 +198,8 @@ def _norm_back(row, start, w, r, gy, out, share_w):
         v = row[start + n]
         out[start + n] = r * w[n] * gy[n] - v * c
         share_w[n] += v * r * gy[n]
+
+
+# each body twice: on threads (prange) and in one (prange as range)
+_forward_par, _backward_par = (njit(parallel=True, **JIT)(f) for f in (_forward, _backward))
+_forward_one, _backward_one = (njit(**JIT)(f) for f in (_forward, _backward))

@@ -196,15 +196,17 @@ def _compiled(x: torch.Tensor, f: torch.dtype, N: int) -> bool:
     reads) within `scan3.MAX_STATE_BYTES`. (On the 2-core machine, 2 threads, the RL shape:
     a layer's scan forward + backward at 1 x 32 steps x 16 heads x 16 x 16 states, with
     the token terms and autograd around it, 0.86 ms against 1.78 for the PyTorch body.)"""
-    from ..cpu_jit import compiles
-
-    if type(x) is not torch.Tensor or x.shape[1] == 0 or torch.compiler.is_compiling():
+    if type(x) is not torch.Tensor or x.device.type != "cpu" or f not in _JIT_DTYPES:
         return False
-    if not compiles(x.new_empty(0, dtype=f)):
+    if x.shape[1] == 0 or torch.compiler.is_compiling():
         return False
+    from ..cpu_jit import available
     from ..cpu_jit.scan3 import MAX_STATE_BYTES
 
-    return x.numel() * N * torch.finfo(f).bits // 8 <= MAX_STATE_BYTES
+    return available() and x.numel() * N * (8 if f == torch.float64 else 4) <= MAX_STATE_BYTES
+
+
+_JIT_DTYPES = (torch.float32, torch.float64)
 
 
 class _Scan3(torch.autograd.Function):
