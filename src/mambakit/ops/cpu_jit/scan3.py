@@ -38,6 +38,7 @@ from .scan import _threads
 
 MAX_STATE_BYTES = 256 << 20  # every step's state kept for the backward, at most
 TWO_PI = 2 * math.pi
+INV_TWO_PI = 1 / TWO_PI
 
 
 def state_bytes(x: torch.Tensor, N: int) -> int:
@@ -120,17 +121,16 @@ def _forward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0, 
         phi = angle0[b, h].copy()
         kp = k0[b, h].copy()
         xp = x0[b, h].copy()
-        cur = ssm0[b, h].copy()  # the state [P, N], updated in place step by step
         kr, qr = np.empty(N, x.dtype), np.empty(N, x.dtype)
         for p in range(P):
             for n in range(N):
-                states[b, h, 0, p, n] = cur[p, n]
+                states[b, h, 0, p, n] = ssm0[b, h, p, n]
         Dh = Dv[h]
         for t in range(T):
             dl = delta[b, t, h]
             for i in range(S):
                 v = phi[i] + rate[b, t, i] * dl
-                phi[i] = v - TWO_PI * math.floor(v / TWO_PI)
+                phi[i] = v - TWO_PI * math.floor(v * INV_TWO_PI)
                 sn, c = sincos(phi[i])
                 cs[b, h, t, 0, i] = c
                 cs[b, h, t, 1, i] = sn
@@ -150,31 +150,31 @@ def _forward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0, 
             alpha = exp(A[b, t, h] * dl)
             late = (one(lam) - lam) * dl
             gamma = lam * dl
-            for p in range(P):
+            for p in range(P):  # S_t from S_{t-1}, both kept in `states`
                 xv = x[b, t, h, p]
                 lx = alpha * late * xp[p]
                 gx = gamma * xv
                 for n in range(N):
-                    cur[p, n] = alpha * cur[p, n] + lx * kp[n] + gx * kr[n]
+                    states[b, h, t + 1, p, n] = (
+                        alpha * states[b, h, t, p, n] + lx * kp[n] + gx * kr[n]
+                    )
                 acc = Dh * xv
                 for n in range(N):
-                    acc += cur[p, n] * qr[n]
-                if has_z:
-                    pre[b, t, h, p] = acc
-                    zz = z[b, t, h, p]
-                    acc *= silu(zz)
+                    acc += states[b, h, t + 1, p, n] * qr[n]
                 y[b, t, h, p] = acc
                 xp[p] = xv
-            for p in range(P):  # kept for the backward
-                for n in range(N):
-                    states[b, h, t + 1, p, n] = cur[p, n]
+            if has_z:  # the gate, in a loop of its own (it vectorises there)
+                for p in range(P):
+                    pre[b, t, h, p] = y[b, t, h, p]
+                for p in range(P):
+                    y[b, t, h, p] = pre[b, t, h, p] * silu(z[b, t, h, p])
             for n in range(N):
                 kp[n] = kr[n]
         for i in range(S):
             angle[b, h, i] = phi[i]
         for p in range(P):
             for n in range(N):
-                ssm[b, h, p, n] = cur[p, n]
+                ssm[b, h, p, n] = states[b, h, T, p, n]
         for n in range(N):
             kT[b, h, n] = kp[n]
         for p in range(P):
@@ -218,49 +218,55 @@ def _backward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0,
             alpha = exp(A[b, t, h] * dl)
             late = (one(lam) - lam) * dl
             gamma = lam * dl
-            for n in range(N):  # this step's k~, q~; the previous one's k~ (k0 at t = 0)
+            for n in range(N):  # this step's k~, q~; the previous one's k~ and x (t = 0: k0, x0)
                 kr[n] = turned[b, h, t, 0, n]
                 qr[n] = turned[b, h, t, 1, n]
-                kp[n] = turned[b, h, t - 1, 0, n] if t > 0 else k0[b, h, n]
-            for p in range(P):
-                xp[p] = x[b, t - 1, h, p] if t > 0 else x0[b, h, p]
+            if t > 0:
+                for n in range(N):
+                    kp[n] = turned[b, h, t - 1, 0, n]
+                for p in range(P):
+                    xp[p] = x[b, t - 1, h, p]
+            else:
+                for n in range(N):
+                    kp[n] = k0[b, h, n]
+                for p in range(P):
+                    xp[p] = x0[b, h, p]
             # y_t = (S_t q~_t + D x_t) silu(z_t)
-            for p in range(P):
-                gyp = gy[b, t, h, p]
-                xv = x[b, t, h, p]
-                if has_z:
+            if has_z:  # through the gate, in a loop of its own (it vectorises there)
+                for p in range(P):
                     zz = z[b, t, h, p]
                     sg = sigmoid(zz)
+                    gyp = gy[b, t, h, p]
                     dz[b, t, h, p] = gyp * pre[b, t, h, p] * sg * (one(zz) + zz * (one(sg) - sg))
-                    gyp = gyp * zz * sg
-                dyr[p] = gyp
-                gD += gyp * xv
-                dxa[t, p] += Dh * gyp
-            for n in range(N):
-                dqr[n] = 0
+                    dyr[p] = gyp * zz * sg
+            else:
+                for p in range(P):
+                    dyr[p] = gy[b, t, h, p]
             for p in range(P):
-                gp = dyr[p]
-                for n in range(N):
-                    dqr[n] += states[b, h, t + 1, p, n] * gp
-                for n in range(N):
-                    Gs[p, n] += gp * qr[n]
+                gD += dyr[p] * x[b, t, h, p]
+                dxa[t, p] += Dh * dyr[p]
             # S_t = alpha S_{t-1} + alpha late x_{t-1} k~_{t-1}^T + gamma x_t k~_t^T, by rows p:
-            # three sums of G_p against k~_t, k~_{t-1} and S_{t-1}, then G_p's updates
+            # G_p = (the carried gradient + y_t's, dy_p q~_t), three sums of it against k~_t,
+            # k~_{t-1} and S_{t-1} (with q~'s gradient, S_t's rows times dy_p), then updates
             dgamma = zero(dl)
             dalpha = zero(dl)
             dlate = zero(dl)
             for n in range(N):
                 dkp[n] = 0
+                dqr[n] = 0
             for p in range(P):
                 xv = x[b, t, h, p]
+                gp = dyr[p]
                 s_kr = zero(dl)
                 s_kp = zero(dl)
                 s_sp = zero(dl)
                 for n in range(N):
-                    gpn = Gs[p, n]
+                    gpn = Gs[p, n] + gp * qr[n]
                     s_kr += gpn * kr[n]
                     s_kp += gpn * kp[n]
                     s_sp += gpn * states[b, h, t, p, n]
+                for n in range(N):
+                    dqr[n] += states[b, h, t + 1, p, n] * gp
                 dgamma += xv * s_kr
                 dxa[t, p] += gamma * s_kr
                 dalpha += s_sp + late * xp[p] * s_kp
@@ -272,7 +278,7 @@ def _backward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0,
                 c1 = gamma * xv
                 c2 = late * alpha * xp[p]
                 for n in range(N):
-                    gpn = Gs[p, n]
+                    gpn = Gs[p, n] + gp * qr[n]
                     dkr[t, n] += c1 * gpn
                     dkp[n] += c2 * gpn
                     Gs[p, n] = alpha * gpn  # the gradient carried to S_{t-1}

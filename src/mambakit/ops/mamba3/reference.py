@@ -279,6 +279,14 @@ def layer_compiles(zx: torch.Tensor, N: int, params: tuple, state: Mamba3State |
     return all(isinstance(t, torch.Tensor) and t.dtype == f for t in tensors)
 
 
+def _array_of(g: torch.Tensor | None, like: np.ndarray) -> np.ndarray:
+    """An output's gradient as a contiguous array of `like`'s dtype (zeros for None)."""
+    if g is None:
+        return np.zeros(like.shape, like.dtype)
+    a = g.detach().numpy()
+    return a if a.flags.c_contiguous and a.dtype == like.dtype else np.ascontiguousarray(a, like.dtype)
+
+
 class _Layer3(torch.autograd.Function):
     """`mamba3_layer_compiled`'s node: terms3 then scan3 forward; scan3 then terms3 back.
     What the kernels derive stays in arrays on the node (no tensor per intermediate)."""
@@ -312,10 +320,7 @@ class _Layer3(torch.autograd.Function):
         arrs, kept, r_k, r_q = ctx.arrays
         x = arrs[0]
         likes = (x, *arrs[12:])
-        grads = tuple(
-            np.zeros_like(like) if g is None else g.to(zx.dtype).contiguous().numpy()
-            for g, like in zip((gy, g_angle, g_ssm, g_k, g_x), likes)
-        )
+        grads = tuple(map(_array_of, (gy, g_angle, g_ssm, g_k, g_x), likes))
         (g_xin, g_q, g_k_heads, g_delta, g_A, g_trap, g_rate, g_qb, g_kb, g_D, g_z,
          *g_state0) = scan3.backward_arrays(arrs, kept, grads)  # fmt: skip
         g_zx, g_wB, g_wC, g_dt = terms3.backward(
