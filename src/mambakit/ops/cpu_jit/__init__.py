@@ -1,7 +1,8 @@
 """Decode steps on the CPU compiled with numba: one call per step for the whole stack.
 (Also here: the recurrences of Mamba-1's selective scan, `scan.py`, and of Mamba-3's scan,
 `scan3.py`, forward and backward, which the PyTorch reference bodies call where these
-compile.)
+compile; and a Mamba-3 layer's per-token terms, `terms3.py`, which with scan3 make the
+layer's CPU core one autograd node, `ops.mamba3.reference.mamba3_layer_compiled`.)
 
 At batch 1 a small model's CPU step is bound by the cost of each PyTorch call (one to a
 few microseconds of dispatch, checks and allocation, against less than that in
