@@ -169,3 +169,57 @@ def test_compiled_layer_is_deterministic():
         grads.append([p.grad.clone() for p in layer.parameters()])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_compiled_layer_on_threads_matches_the_op_chain(monkeypatch):
+    """From 512 tokens the per-token terms run on threads (`terms3.PARALLEL_MIN`)."""
+    from mambakit.ops.cpu_jit import terms3
+
+    layer = make(torch.float64, G=2, d_model=16, d_state=8, headdim=8)
+    u = torch.randn(2, 2 * terms3.PARALLEL_MIN // 2 + 3, 16, dtype=torch.float64)
+    state = start_state(layer, 2, torch.float64)
+    out, final, grads = run(layer, u, state, True, monkeypatch)
+    want_out, want_final, want_grads = run(layer, u, state, False, monkeypatch)
+    assert rel(out, want_out) < 1e-11
+    for a, b in zip(final, want_final):
+        assert rel(a, b) < 1e-11
+    for name, b in want_grads.items():
+        assert rel(grads[name], b) < 1e-11, name
+
+
+def test_compiled_layer_leaves_what_it_cannot_take(monkeypatch):
+    """An empty batch and a parametrized parameter take the op chain (the same values); the
+    start state's angle and ssm may change in place between the forward and the backward
+    (the node keeps copies of what it reads of them)."""
+    calls = []
+    real = ref._Layer3.apply
+    monkeypatch.setattr(ref._Layer3, "apply", lambda *a: calls.append(1) or real(*a))
+    layer = make(torch.float64)
+    empty = torch.randn(0, 5, 32, dtype=torch.float64, requires_grad=True)
+    out, final = layer(empty, return_state=True)
+    (out.sum() + final.ssm.sum()).backward()
+    assert calls == [] and out.shape == (0, 5, 32)
+    assert all(p.grad is None or p.grad.abs().max() == 0 for p in layer.parameters())
+
+    layer.zero_grad(set_to_none=True)
+    u = torch.randn(2, 6, 32, dtype=torch.float64)
+    state = Mamba3State(*(t.requires_grad_() for t in start_state(layer, 2, torch.float64)))
+    out = layer(u, state)
+    with torch.no_grad():
+        state.ssm.zero_()
+        state.angle.zero_()
+    out.square().sum().backward()  # no "modified by an inplace operation"
+    assert calls == [1]
+
+    class Doubled(torch.nn.Module):
+        def forward(self, t):
+            return 2 * t
+
+    torch.nn.utils.parametrize.register_parametrization(layer, "D", Doubled())
+    got = layer(u)
+    assert calls == [1]
+    with monkeypatch.context() as m:
+        m.setattr(Mamba3, "_compiled", lambda *a: None)
+        m.setattr(ref, "_compiled", lambda *a: False)
+        want = layer(u)
+    assert rel(got, want) < 1e-12

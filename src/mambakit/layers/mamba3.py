@@ -277,12 +277,13 @@ class Mamba3(nn.Module):
         if zx.device.type != "cpu" or resolve_backend(backend, zx) != "reference":
             return None
         mods, own = self._modules, self._parameters
-        bn, cn = mods["B_norm"], mods["C_norm"]
+        bn, cn = mods.get("B_norm"), mods.get("C_norm")
         if not (plain(bn, _RMSNormN) and plain(cn, _RMSNormN)):
             return None
-        params = (bn._parameters["weight"], cn._parameters["weight"], own["dt_bias"],
-                  own["C_bias"], own["B_bias"], own["D"])  # fmt: skip
-        return params if layer_compiles(zx, self.d_state, params, state) else None
+        # (a parametrized tensor is no longer in _parameters: then the modules' chain runs)
+        params = (bn._parameters.get("weight"), cn._parameters.get("weight"), own.get("dt_bias"),
+                  own.get("C_bias"), own.get("B_bias"), own.get("D"))  # fmt: skip
+        return params if layer_compiles(zx, self._sizes(), params, state) else None
 
     def step(
         self, u: torch.Tensor, state: Mamba3State, backend: str = "auto"

@@ -68,36 +68,42 @@ def _exp_overload(x):
 
 
 def sincos(x):
-    """(sin x, cos x), in numba code, for x in [0, 2 pi): float32 as polynomials the loops
-    vectorise (within 1e-7 of the exact values), float64 as libm's."""
+    """(sin x, cos x), in numba code: float32 through float64 polynomials the loops vectorise
+    (rounded once: within an ulp), float64 as libm's."""
     raise NotImplementedError("sincos runs in numba code only")
 
 
 def _sincos32(x):
-    # x - 2 pi round(x / 2 pi) in [-pi, pi], folded into [-pi/2, pi/2] (sin(pi - r) = sin r,
-    # cos(pi - r) = -cos r), then Taylor polynomials to r^11 and r^12 (error < 6e-8)
-    r = x - np.float32(2 * math.pi) * np.floor(x * np.float32(0.5 / math.pi) + np.float32(0.5))
-    half = np.float32(0.5 * math.pi)
-    flip = r > half or r < -half
-    if r > half:
-        r = np.float32(math.pi) - r
-    elif r < -half:
-        r = np.float32(-math.pi) - r
+    # in float64, rounded once at the end: x - 2 pi round(x / 2 pi) in [-pi, pi], folded into
+    # [-pi/2, pi/2] (sin(pi - r) = sin r, cos(pi - r) = -cos r), Taylor polynomials to r^13
+    # and r^14 (error < 1e-9 there)
+    v = np.float64(x)
+    r = v - TWO_PI * np.floor(v * (0.5 / math.pi) + 0.5)
+    flip = r > 0.5 * math.pi or r < -0.5 * math.pi
+    if r > 0.5 * math.pi:
+        r = math.pi - r
+    elif r < -0.5 * math.pi:
+        r = -math.pi - r
     r2 = r * r
-    s = np.float32(-1.0 / 39916800)
-    s = s * r2 + np.float32(1.0 / 362880)
-    s = s * r2 + np.float32(-1.0 / 5040)
-    s = s * r2 + np.float32(1.0 / 120)
-    s = s * r2 + np.float32(-1.0 / 6)
-    s = (s * r2 + np.float32(1.0)) * r
-    c = np.float32(1.0 / 479001600)
-    c = c * r2 + np.float32(-1.0 / 3628800)
-    c = c * r2 + np.float32(1.0 / 40320)
-    c = c * r2 + np.float32(-1.0 / 720)
-    c = c * r2 + np.float32(1.0 / 24)
-    c = c * r2 + np.float32(-0.5)
-    c = c * r2 + np.float32(1.0)
-    return s, -c if flip else c
+    s = 1.0 / 6227020800
+    s = s * r2 - 1.0 / 39916800
+    s = s * r2 + 1.0 / 362880
+    s = s * r2 - 1.0 / 5040
+    s = s * r2 + 1.0 / 120
+    s = s * r2 - 1.0 / 6
+    s = (s * r2 + 1.0) * r
+    c = -1.0 / 87178291200
+    c = c * r2 + 1.0 / 479001600
+    c = c * r2 - 1.0 / 3628800
+    c = c * r2 + 1.0 / 40320
+    c = c * r2 - 1.0 / 720
+    c = c * r2 + 1.0 / 24
+    c = c * r2 - 0.5
+    c = c * r2 + 1.0
+    return np.float32(s), np.float32(-c if flip else c)
+
+
+TWO_PI = 2 * math.pi
 
 
 def _sincos64(x):

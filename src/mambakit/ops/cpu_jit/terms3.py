@@ -13,7 +13,7 @@ dd_dt, dd_A, trap [H] and theta [S]. Per token:
     rate  = pi tanh(theta)
 
 and z, x and trap pass through. The backward takes the scan's gradients, with q's, k's and
-rate's still per head (`scan3.backward_heads`), sums them over each group's heads in order,
+rate's still per head (`scan3.backward_arrays`), sums them over each group's heads in order,
 and writes the gradient of the whole row; the norms' weights and dt_bias get each token's
 share, summed over the tokens in order afterwards (deterministic). The clamps' gradients
 follow PyTorch's (a clamp passes the gradient where its input is at the bound), so this
@@ -27,7 +27,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .common import JIT, exp, one, softplus, zero
+from .common import JIT, exp, one, zero
 from .scan import _threads
 
 PARALLEL_MIN = 512  # tokens from which they run on threads (below, waking them costs more)
@@ -38,7 +38,7 @@ def forward(zx, w_B, w_C, eps_B, eps_C, dt_bias, A_floor, sizes):
     the norms' 1 / rms of k and q [B, T, G] for the backward), arrays, from in_proj's rows
     zx [B, T, W] and the parameters, arrays of one float dtype (zx contiguous)."""
     E, N, G, H, P, S = sizes
-    c = np.array([eps_B, eps_C, A_floor], zx.dtype)
+    c = np.array([eps_B, eps_C, A_floor, math.pi, 1 / sizes[1]], zx.dtype)
     if zx.shape[0] * zx.shape[1] < PARALLEL_MIN:
         return _forward_one(zx, w_B, w_C, dt_bias, c, H, G, P, S)
     with _threads():
@@ -53,7 +53,7 @@ def backward(zx, w_B, w_C, dt_bias, A_floor, r_k, r_q, g_x, g_z, g_q_heads, g_k_
     [B, H, T, N], [B, H, T, S]."""
     has_z = g_z is not None and g_z.shape == g_x.shape
     gz = g_z if has_z else np.zeros((1, 1, 1, 1), g_x.dtype)
-    c = np.array([A_floor], zx.dtype)
+    c = np.array([A_floor, math.pi, 1 / w_B.shape[0]], zx.dtype)
     args = (zx, w_B, w_C, dt_bias, c, r_k.shape[2], r_k, r_q, g_x, gz, has_z, g_q_heads,
             g_k_heads, g_delta, g_A, g_trap, g_rate_heads)  # fmt: skip
     if zx.shape[0] * zx.shape[1] < PARALLEL_MIN:
@@ -75,7 +75,7 @@ def _forward(zx, w_B, w_C, dt_bias, c, H, G, P, S):
     o_C = o_B + G * N
     o_dt = o_C + G * N
     o_A, o_trap, o_theta = o_dt + H, o_dt + 2 * H, o_dt + 3 * H
-    eps_B, eps_C, A_floor = c[0], c[1], c[2]
+    eps_B, eps_C, A_floor, pi, inv_N = c[0], c[1], c[2], c[3], c[4]  # in zx's dtype
     for bt in prange(Bsz * T):  # tokens in parallel: nothing shared between them
         b, t = bt // T, bt % T
         row = zx[b, t]
@@ -84,28 +84,29 @@ def _forward(zx, w_B, w_C, dt_bias, c, H, G, P, S):
                 z[b, t, h, p] = row[h * P + p]
                 x[b, t, h, p] = row[E + h * P + p]
         for g in range(G):
-            r_k[b, t, g] = _norm_into(row, o_B + g * N, w_B, eps_B, k[b, t, g])
-            r_q[b, t, g] = _norm_into(row, o_C + g * N, w_C, eps_C, q[b, t, g])
+            r_k[b, t, g] = _norm_into(row, o_B + g * N, w_B, eps_B, inv_N, k[b, t, g])
+            r_q[b, t, g] = _norm_into(row, o_C + g * N, w_C, eps_C, inv_N, q[b, t, g])
         for h in range(H):
-            delta[b, t, h] = softplus(row[o_dt + h] + dt_bias[h])
+            v = row[o_dt + h] + dt_bias[h]  # softplus (threshold 20) with libm's exp, as torch's
+            delta[b, t, h] = v if v > 20 else math.log1p(math.exp(v))
             u = row[o_A + h]
             f = max(u, zero(u)) + one(u) / (one(u) - min(u, zero(u)))
             A[b, t, h] = -max(f, A_floor)
             trap[b, t, h] = row[o_trap + h]
         for i in range(S):
-            rate[b, t, i] = math.pi * math.tanh(row[o_theta + i])
+            rate[b, t, i] = pi * math.tanh(row[o_theta + i])
     return x, z, q, k, delta, A, trap, rate, r_k, r_q
 
 
 @njit(inline="always", **JIT)
-def _norm_into(row, start, w, eps, out):
+def _norm_into(row, start, w, eps, inv_N, out):
     """out = v / rms(v) w over v = row[start : start + N]; returns 1 / rms(v)."""
     N = out.shape[0]
     s = zero(row[start])
     for n in range(N):
         v = row[start + n]
         s += v * v
-    r = one(s) / math.sqrt(s / N + eps)
+    r = one(s) / math.sqrt(s * inv_N + eps)
     for n in range(N):
         out[n] = row[start + n] * r * w[n]
     return r
@@ -125,7 +126,7 @@ def _backward(zx, w_B, w_C, dt_bias, c, G, r_k, r_q, g_x, g_z, has_z, g_q_heads,
     o_C = o_B + G * N
     o_dt = o_C + G * N
     o_A, o_trap, o_theta = o_dt + H, o_dt + 2 * H, o_dt + 3 * H
-    A_floor = c[0]
+    A_floor, pi, inv_N = c[0], c[1], c[2]  # in zx's dtype
     for bt in prange(Bsz * T):
         b, t = bt // T, bt % T
         row = zx[b, t]
@@ -147,22 +148,22 @@ def _backward(zx, w_B, w_C, dt_bias, c, G, r_k, r_q, g_x, g_z, has_z, g_q_heads,
                     for n in range(N):
                         gsum[n] += heads[b, g * per + j, t, n]
                 if which == 0:
-                    _norm_back(row, o_B + g * N, w_B, r_k[b, t, g], gsum, out, share_B[b, t])
+                    _norm_back(row, o_B + g * N, w_B, r_k[b, t, g], inv_N, gsum, out, share_B[b, t])
                 else:
-                    _norm_back(row, o_C + g * N, w_C, r_q[b, t, g], gsum, out, share_C[b, t])
+                    _norm_back(row, o_C + g * N, w_C, r_q[b, t, g], inv_N, gsum, out, share_C[b, t])
         for h in range(H):
             v = row[o_dt + h] + dt_bias[h]
             gd = g_delta[b, t, h]
             if v <= 20:  # softplus' slope, as PyTorch's backward: 1 above its threshold
                 e = exp(v)
-                gd = gd * e / (e + 1)
+                gd = gd * e / (e + one(e))
             out[o_dt + h] = gd
             share_dt[b, t, h] = gd
             u = row[o_A + h]
             f = max(u, zero(u)) + one(u) / (one(u) - min(u, zero(u)))
             slope = zero(u)
             if u >= 0:
-                slope += 1
+                slope += one(u)
             if u <= 0:
                 m = one(u) - u
                 slope += one(u) / (m * m)
@@ -173,7 +174,7 @@ def _backward(zx, w_B, w_C, dt_bias, c, G, r_k, r_q, g_x, g_z, has_z, g_q_heads,
             for h in range(1, H):
                 gr += g_rate_heads[b, h, t, i]
             th = math.tanh(row[o_theta + i])
-            out[o_theta + i] = gr * math.pi * (1 - th * th)
+            out[o_theta + i] = gr * pi * (one(th) - th * th)
     for b in range(Bsz):
         for t in range(T):
             if b + t > 0:
@@ -186,14 +187,14 @@ def _backward(zx, w_B, w_C, dt_bias, c, G, r_k, r_q, g_x, g_z, has_z, g_q_heads,
 
 
 @njit(inline="always", **JIT)
-def _norm_back(row, start, w, r, gy, out, share_w):
+def _norm_back(row, start, w, r, inv_N, gy, out, share_w):
     """The RMSNorm's backward for v = row[start : start + N], y = v r w, r = 1 / rms(v):
     out[start + n] = r (w gy)_n - v_n r^3 mean(v w gy); share_w += v r gy."""
     N = w.shape[0]
     dot = zero(r)
     for n in range(N):
         dot += row[start + n] * w[n] * gy[n]
-    c = r * r * r * dot / N
+    c = r * r * r * dot * inv_N
     for n in range(N):
         v = row[start + n]
         out[start + n] = r * w[n] * gy[n] - v * c

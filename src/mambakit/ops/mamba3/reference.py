@@ -190,20 +190,23 @@ def mamba3_scan_reference(
     return y.to(x.dtype), final
 
 
-def _compiled(x: torch.Tensor, f: torch.dtype, N: int) -> bool:
+def _compiled(x: torch.Tensor, f: torch.dtype, N: int, values: int | None = None) -> bool:
     """Whether the scan runs compiled (`cpu_jit.scan3`): numba there, plain CPU tensors of
-    float32/float64, outside torch.compile, and every step's state (which the backward
-    reads) within `scan3.MAX_STATE_BYTES`. (On the 2-core machine, 2 threads, the RL shape:
+    float32/float64, none empty, outside torch.compile, and every step's state (which the
+    backward reads: `values` = B T H P values of N each, x's by default, and the start
+    state) within `scan3.MAX_STATE_BYTES`. (On the 2-core machine, 2 threads, the RL shape:
     a layer's scan forward + backward at 1 x 32 steps x 16 heads x 16 x 16 states, with
     the token terms and autograd around it, 0.86 ms against 1.78 for the PyTorch body.)"""
     if type(x) is not torch.Tensor or x.device.type != "cpu" or f not in _JIT_DTYPES:
         return False
-    if x.shape[1] == 0 or torch.compiler.is_compiling():
+    if x.numel() == 0 or torch.compiler.is_compiling():
         return False
     from ..cpu_jit import available
     from ..cpu_jit.scan3 import MAX_STATE_BYTES
 
-    return available() and x.numel() * N * (8 if f == torch.float64 else 4) <= MAX_STATE_BYTES
+    values = x.numel() if values is None else values
+    per_step = values // x.shape[1]  # B H P: one step's state values, N each
+    return available() and (values + per_step) * N * (8 if f == torch.float64 else 4) <= MAX_STATE_BYTES
 
 
 _JIT_DTYPES = (torch.float32, torch.float64)
@@ -269,11 +272,13 @@ def mamba3_layer_compiled(
     return y, Mamba3State(*final)
 
 
-def layer_compiles(zx: torch.Tensor, N: int, params: tuple, state: Mamba3State | None) -> bool:
+def layer_compiles(zx: torch.Tensor, sizes: tuple, params: tuple, state: Mamba3State | None
+                   ) -> bool:  # fmt: skip
     """Whether `mamba3_layer_compiled` runs: the scan compiles (`_compiled`) and zx, the
     parameters it reads and the state are all zx's dtype (float32 or float64)."""
-    f = zx.dtype
-    if f not in (torch.float32, torch.float64) or not _compiled(zx, f, N):
+    f, E, N = zx.dtype, sizes[0], sizes[1]
+    values = zx.shape[0] * zx.shape[1] * E if zx.dim() == 3 else 0
+    if f not in _JIT_DTYPES or not _compiled(zx, f, N, values):
         return False
     tensors = (*params, *(state if state is not None else ()))
     return all(isinstance(t, torch.Tensor) and t.dtype == f for t in tensors)
@@ -297,7 +302,8 @@ class _Layer3(torch.autograd.Function):
 
         sizes, eps_B, eps_C, A_floor = consts
         H, N = sizes[3], sizes[1]
-        ctx.save_for_backward(zx, w_B, w_C, dt_bias, q_bias, k_bias, D, *state0)
+        # what the backward reads (the start state's angle and ssm are copied into `kept`)
+        ctx.save_for_backward(zx, w_B, w_C, dt_bias, q_bias, k_bias, D, *state0[2:])
         zx_, w_B_, w_C_, dt_, D_ = (t.detach().numpy() for t in (zx, w_B, w_C, dt_bias, D))
         qb, kb = q_bias.detach().numpy().reshape(H, N), k_bias.detach().numpy().reshape(H, N)
         x, z, q, k, delta, A, trap, rate, r_k, r_q = terms3.forward(
@@ -316,7 +322,7 @@ class _Layer3(torch.autograd.Function):
     def backward(ctx, gy, g_angle, g_ssm, g_k, g_x):
         from ..cpu_jit import scan3, terms3
 
-        zx, w_B, w_C, dt_bias, q_bias, k_bias, D, *state0 = ctx.saved_tensors
+        zx, w_B, w_C, dt_bias, q_bias, k_bias, D, *_ = ctx.saved_tensors
         arrs, kept, r_k, r_q = ctx.arrays
         x = arrs[0]
         likes = (x, *arrs[12:])
