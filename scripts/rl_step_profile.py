@@ -24,10 +24,15 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--rows", type=int, default=12)
     ap.add_argument("--calls", type=int, default=3000, help="calls timed by the host split")
-    ap.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
-    ap.add_argument("--rows-max", type=int, default=None,
-                    help="StepConfig.rows_max_batch: up to this batch the projections stream "
-                    "through the step's kernels (above, cuBLAS)")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="launch without programmatic dependent launch")  # fmt: skip
+    ap.add_argument(
+        "--rows-max",
+        type=int,
+        default=None,
+        help="StepConfig.rows_max_batch: up to this batch the projections stream "
+        "through the step's kernels (above, cuBLAS)",
+    )
     ap.add_argument("--no-profile", action="store_true", help="the host split alone")
     args = ap.parse_args()
     if args.no_pdl:
@@ -85,8 +90,10 @@ def host_split(model, x, state, n: int) -> None:
     end.record()
     end.synchronize()
     gpu = start.elapsed_time(end) * 1e3 / n
-    print(f"host split: step {whole:.1f} us/call, replay loop {replay:.1f} us/call "
-          f"(events {gpu:.1f}), so about {whole - replay:.1f} us of Python and copies")
+    print(
+        f"host split: step {whole:.1f} us/call, replay loop {replay:.1f} us/call "
+        f"(events {gpu:.1f}), so about {whole - replay:.1f} us of Python and copies"
+    )
 
 
 if __name__ == "__main__":

@@ -120,7 +120,8 @@ def test_compiled_terms_at_their_edges(monkeypatch):
                 )  # fmt: skip
         w = torch.randn(y.shape, generator=torch.Generator().manual_seed(5), dtype=y.dtype)
         ((y * w).sum() + fin.ssm.sum()).backward()
-        return y.detach(), z.grad, [p.grad.clone() for p in layer.parameters() if p.grad is not None]
+        grads = [p.grad.clone() for p in layer.parameters() if p.grad is not None]
+        return y.detach(), z.grad, grads
 
     y, g_z, g_p = loss_of(True)
     y0, g_z0, g_p0 = loss_of(False)

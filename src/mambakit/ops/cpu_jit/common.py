@@ -58,13 +58,18 @@ def _exp64(x):
     return math.exp(x)
 
 
-@overload(exp, jit_options={"fastmath": FAST})
-def _exp_overload(x):
-    if isinstance(x, types.Float) and x.bitwidth == 32:
-        return _exp32
-    if isinstance(x, types.Float):
-        return _exp64
-    return None
+def _by_width(impl32, impl64):
+    """The overload of a float function: `impl32` for float32, `impl64` for float64."""
+
+    def pick(x):
+        if isinstance(x, types.Float):
+            return impl32 if x.bitwidth == 32 else impl64
+        return None
+
+    return pick
+
+
+overload(exp, jit_options={"fastmath": FAST})(_by_width(_exp32, _exp64))
 
 
 def sincos(x):
@@ -110,13 +115,7 @@ def _sincos64(x):
     return math.sin(x), math.cos(x)
 
 
-@overload(sincos, jit_options={"fastmath": FAST})
-def _sincos_overload(x):
-    if isinstance(x, types.Float) and x.bitwidth == 32:
-        return _sincos32
-    if isinstance(x, types.Float):
-        return _sincos64
-    return None
+overload(sincos, jit_options={"fastmath": FAST})(_by_width(_sincos32, _sincos64))
 
 
 def one(x):
@@ -124,25 +123,25 @@ def one(x):
     raise NotImplementedError("one runs in numba code only")
 
 
-@overload(one)
-def _one_overload(x):
-    if isinstance(x, types.Float):
-        unit = np.float32(1) if x.bitwidth == 32 else np.float64(1)
-        return lambda x: unit
-    return None
-
-
 def zero(x):
     """0 in x's float type, in numba code (`x * 0` would be float64 for a float32 x)."""
     raise NotImplementedError("zero runs in numba code only")
 
 
-@overload(zero)
-def _zero_overload(x):
-    if isinstance(x, types.Float):
-        nil = np.float32(0) if x.bitwidth == 32 else np.float64(0)
-        return lambda x: nil
-    return None
+def _constant(value: float):
+    """The overload of a function returning `value` in its argument's float type."""
+
+    def typed(x):
+        if isinstance(x, types.Float):
+            c = np.float32(value) if x.bitwidth == 32 else np.float64(value)
+            return lambda x: c
+        return None
+
+    return typed
+
+
+overload(one)(_constant(1.0))
+overload(zero)(_constant(0.0))
 
 
 @njit(inline="always", **JIT)

@@ -296,7 +296,8 @@ def _backward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0,
                 c, s = cs[b, h, t, 0, i], cs[b, h, t, 1, i]
                 a0, a1 = dkr[t, 2 * i], dkr[t, 2 * i + 1]
                 b0, b1 = dqr[2 * i], dqr[2 * i + 1]
-                gphi[i] += -a0 * kr[2 * i + 1] + a1 * kr[2 * i] - b0 * qr[2 * i + 1] + b1 * qr[2 * i]
+                gphi[i] += a1 * kr[2 * i] - a0 * kr[2 * i + 1]
+                gphi[i] += b1 * qr[2 * i] - b0 * qr[2 * i + 1]
                 dkr[t, 2 * i] = a0 * c + a1 * s
                 dkr[t, 2 * i + 1] = -a0 * s + a1 * c
                 dqr[2 * i] = b0 * c + b1 * s
@@ -327,4 +328,4 @@ def _backward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0,
                 dqb[0, h, n] += dqb[b, h, n]
                 dkb[0, h, n] += dkb[b, h, n]
     return (dx, dq, dk, ddelta, dA, dtrap, drate, dqb[0], dkb[0], dD[0], dz, dangle0, dssm0,
-            dk0, dx0)
+            dk0, dx0)  # fmt: skip

@@ -206,7 +206,8 @@ def _compiled(x: torch.Tensor, f: torch.dtype, N: int, values: int | None = None
 
     values = x.numel() if values is None else values
     per_step = values // x.shape[1]  # B H P: one step's state values, N each
-    return available() and (values + per_step) * N * (8 if f == torch.float64 else 4) <= MAX_STATE_BYTES
+    nbytes = (values + per_step) * N * (8 if f == torch.float64 else 4)
+    return available() and nbytes <= MAX_STATE_BYTES
 
 
 _JIT_DTYPES = (torch.float32, torch.float64)
@@ -289,7 +290,9 @@ def _array_of(g: torch.Tensor | None, like: np.ndarray) -> np.ndarray:
     if g is None:
         return np.zeros(like.shape, like.dtype)
     a = g.detach().numpy()
-    return a if a.flags.c_contiguous and a.dtype == like.dtype else np.ascontiguousarray(a, like.dtype)
+    if a.flags.c_contiguous and a.dtype == like.dtype:
+        return a
+    return np.ascontiguousarray(a, like.dtype)
 
 
 class _Layer3(torch.autograd.Function):
