@@ -202,12 +202,14 @@ def _compiled(x: torch.Tensor, f: torch.dtype, N: int, values: int | None = None
     if x.numel() == 0 or torch.compiler.is_compiling():
         return False
     from ..cpu_jit import available
+
+    if not available():  # (numba may not be installed: nothing of scan3's is imported then)
+        return False
     from ..cpu_jit.scan3 import MAX_STATE_BYTES
 
     values = x.numel() if values is None else values
     per_step = values // x.shape[1]  # B H P: one step's state values, N each
-    nbytes = (values + per_step) * N * (8 if f == torch.float64 else 4)
-    return available() and nbytes <= MAX_STATE_BYTES
+    return (values + per_step) * N * (8 if f == torch.float64 else 4) <= MAX_STATE_BYTES
 
 
 _JIT_DTYPES = (torch.float32, torch.float64)
@@ -333,7 +335,8 @@ class _Layer3(torch.autograd.Function):
         (g_xin, g_q, g_k_heads, g_delta, g_A, g_trap, g_rate, g_qb, g_kb, g_D, g_z,
          *g_state0) = scan3.backward_arrays(arrs, kept, grads)  # fmt: skip
         g_zx, g_wB, g_wC, g_dt = terms3.backward(
-            zx.numpy(), w_B.detach().numpy(), w_C.detach().numpy(), dt_bias.detach().numpy(),
+            zx.detach().numpy(), w_B.detach().numpy(), w_C.detach().numpy(),
+            dt_bias.detach().numpy(),
             ctx.A_floor, r_k, r_q, g_xin, g_z, g_q, g_k_heads, g_delta, g_A, g_trap, g_rate,
         )  # fmt: skip
         t = torch.from_numpy
