@@ -156,16 +156,22 @@ def test_mamba3_stack_step_body(backend, calls, monkeypatch):
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_mamba3_scan_body(backend, calls, monkeypatch):
-    """The sequence forward: the chunk kernels on Triton, the chunked reference otherwise;
-    the two agree (the reference in float64 is the oracle)."""
+    """The sequence forward: the chunk kernels on Triton; otherwise, on the CPU with numba,
+    the layer's compiled core (`mamba3_layer_compiled`), else the chunked reference; they
+    agree (the reference in float64 is the oracle)."""
+    from mambakit.layers import mamba3 as m3_layer
+    from mambakit.ops.cpu_jit import available
+
     monkeypatch.setenv("MAMBAKIT_BACKEND", backend)
     calls.watch(m3_ops, "mamba3_scan_kernel")
     calls.watch(m3_ops, "mamba3_scan_reference")
+    calls.watch(m3_layer, "mamba3_layer_compiled")
     lm = model("mamba3")
     tokens = ids()
     with torch.no_grad():
         got = lm(tokens).logits
-    want = {"reference": {"mamba3_scan_reference"}, "triton": {"mamba3_scan_kernel"}}[backend]
+    on_cpu = "mamba3_layer_compiled" if available() else "mamba3_scan_reference"
+    want = {"reference": {on_cpu}, "triton": {"mamba3_scan_kernel"}}[backend]
     assert calls.ran() == want
     monkeypatch.setenv("MAMBAKIT_BACKEND", "reference")
     with torch.no_grad():
