@@ -20,9 +20,9 @@ memory: `MAX_STATE_BYTES`), which walks time backwards:
     G_t  = dS_t (from y_t and from S_{t+1} through alpha_{t+1})
     dS_{t-1} = alpha_t G_t,  and the gradients of alpha, lam, delta, k~, x, q~ at t
 
-The rows run on as many threads as torch uses; the heads of a row in order, so the sums
-over heads (q, k, theta) and over rows (the biases, D: each row's share, then the rows in
-order) are deterministic.
+The (row, head) pairs run on as many threads as torch uses, each writing its own shares
+of what heads and rows share (q, k, theta; the biases, D), which are summed after in one
+fixed order: the results are deterministic.
 """
 
 from __future__ import annotations
@@ -39,11 +39,6 @@ from .scan import _threads
 MAX_STATE_BYTES = 256 << 20  # every step's state kept for the backward, at most
 TWO_PI = 2 * math.pi
 INV_TWO_PI = 1 / TWO_PI
-
-
-def state_bytes(x: torch.Tensor, N: int) -> int:
-    """The bytes of every step's state of a scan over x [B, T, H, P]."""
-    return x.numel() * N * x.element_size()
 
 
 def forward(x, q, k, delta, A, trap, rate, qb, kb, D, z, angle0, ssm0, k0, x0):
@@ -75,11 +70,11 @@ def arrays(x, q, k, delta, A, trap, rate, qb, kb, D, z, angle0, ssm0, k0, x0) ->
             *(t.numpy() for t in (angle0, ssm0, k0, x0)))  # fmt: skip
 
 
-def backward(saved, kept, gy, g_angle, g_ssm, g_k, g_x):
+def backward(saved, kept, grads):
     """The gradients of `forward`'s inputs (x, q, k, delta, A, trap, rate, qb, kb, D, z,
-    angle0, ssm0, k0, x0; None for an absent D or z) from the outputs' gradients (`kept`:
-    what `forward` returned for this)."""
-    grads = tuple(t.numpy() for t in (gy, g_angle, g_ssm, g_k, g_x))
+    angle0, ssm0, k0, x0; None for an absent D or z) from the outputs' gradients (`grads`:
+    y's, angle's, ssm's, k~'s and x's, contiguous arrays of the inputs' dtype; `kept`: what
+    `forward` returned for this)."""
     g = [torch.from_numpy(a) for a in backward_arrays(arrays(*saved), kept, grads)]
     g_q_heads, g_k_heads, g_rate_heads = g[1], g[2], g[6]
     Bsz, H, T, N = g_q_heads.shape

@@ -194,9 +194,7 @@ def _compiled(x: torch.Tensor, f: torch.dtype, N: int, values: int | None = None
     """Whether the scan runs compiled (`cpu_jit.scan3`): numba there, plain CPU tensors of
     float32/float64, none empty, outside torch.compile, and every step's state (which the
     backward reads: `values` = B T H P values of N each, x's by default, and the start
-    state) within `scan3.MAX_STATE_BYTES`. (On the 2-core machine, 2 threads, the RL shape:
-    a layer's scan forward + backward at 1 x 32 steps x 16 heads x 16 x 16 states, with
-    the token terms and autograd around it, 0.86 ms against 1.78 for the PyTorch body.)"""
+    state) within `scan3.MAX_STATE_BYTES`."""
     if type(x) is not torch.Tensor or x.device.type != "cpu" or f not in _JIT_DTYPES:
         return False
     if x.numel() == 0 or torch.compiler.is_compiling():
@@ -239,14 +237,10 @@ class _Scan3(torch.autograd.Function):
 
         it = iter(ctx.saved_tensors)
         ins = tuple(next(it) if here else None for here in ctx.present)
-        x, angle0, ssm0, k0, x0 = ins[0], *ins[11:]
-        outs = (gy, g_angle, g_ssm, g_k, g_x)
-        likes = (x, angle0, ssm0, k0, x0)
-        gy, g_angle, g_ssm, g_k, g_x = (
-            torch.zeros_like(like) if g is None else g.to(like.dtype).contiguous()
-            for g, like in zip(outs, likes)
-        )
-        return scan3.backward(ins, ctx.kept, gy, g_angle, g_ssm, g_k, g_x)
+        likes = (ins[0], *ins[11:])  # x and the start state's fields: the outputs' likes
+        likes = tuple(t.numpy() for t in likes)
+        grads = tuple(map(_array_of, (gy, g_angle, g_ssm, g_k, g_x), likes))
+        return scan3.backward(ins, ctx.kept, grads)
 
 
 def mamba3_layer_compiled(
