@@ -1,11 +1,17 @@
 """Per-kernel GPU time of the small float-input backbone's step (replayed from the library's
-CUDA graph) and of its eager step, by batch: what bounds benchmarks/bench_rl.py's step."""
+CUDA graph) and of its eager step, by batch: what bounds benchmarks/bench_rl.py's step.
+
+`--stand-in` (on a machine without CUDA) times the Python a replayed step runs around its
+CUDA calls: the graph is a stand-in whose replay does nothing, so `step` per call is the
+key, the checks, the input copy and the output clone (on the CPU) alone."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import time
+from functools import partial
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -34,7 +40,12 @@ def main() -> None:
         "through the step's kernels (above, cuBLAS)",
     )
     ap.add_argument("--no-profile", action="store_true", help="the host split alone")
+    ap.add_argument("--stand-in", action="store_true",
+                    help="no CUDA: the replayed step's Python, with a stand-in graph")  # fmt: skip
     args = ap.parse_args()
+    if args.stand_in:
+        stand_in_split(args)
+        return
     if args.no_pdl:
         _triton.USE_PDL = False
     if args.rows_max is not None:
@@ -66,12 +77,53 @@ def main() -> None:
 
 
 def per_call_us(fn, n: int) -> float:
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    sync()
     t0 = time.perf_counter()
     for _ in range(n):
         fn()
-    torch.cuda.synchronize()
+    sync()
     return (time.perf_counter() - t0) / n * 1e6
+
+
+class _StandIn:
+    def replay(self) -> None:
+        pass
+
+
+def stand_in_split(args) -> None:
+    """`--stand-in`: per mixer and batch, the best of 7 timings of the replayed step."""
+    stand_in()
+    for mixer in args.mixers:
+        cfg = MambaConfig(d_model=128, n_layers=3, input_dim=64, mixer=mixer, **MIXERS[mixer])
+        model = MambaBackbone(cfg)
+        for B in args.batches:
+            state, x = model.init_state(B), torch.randn(B, 64)
+            with torch.no_grad():
+                for _ in range(5):
+                    model.step(x, state)
+                best = min(per_call_us(partial(model.step, x, state), args.calls)
+                           for _ in range(7))  # fmt: skip
+            print(f"{mixer} batch {B}: replayed step's Python {best:.1f} us/call (best of 7)")
+
+
+def stand_in() -> None:
+    """The step's graphs on the CPU as stand-ins: captured by running the step once, their
+    replay doing nothing (the state does not advance; the Python around it is all there)."""
+    sg = importlib.import_module("mambakit.inference.step_graph")
+    caches: dict = {}
+
+    def capture(fn, warmup=1, pool=None, warm=None):
+        return _StandIn(), (warm or fn)().clone()
+
+    def cache(model, create=True):
+        if create or id(model) in caches:
+            return caches.setdefault(id(model), {"pool": None})
+        return None
+
+    sg.capture, sg.graph_cache = capture, cache
+    for mod in (sg, importlib.import_module("mambakit.model")):
+        mod.use_cuda_graph = lambda flag, device: flag is not False
 
 
 def host_split(model, x, state, n: int) -> None:

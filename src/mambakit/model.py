@@ -59,7 +59,11 @@ class MambaBackbone(nn.Module):
 
     @property
     def _param(self) -> torch.Tensor:
-        return self.norm_f.weight
+        """norm_f's weight: where the model's device and dtype are read (dict lookups
+        first: a batch-1 step reads it on every call)."""
+        norm = self._modules["norm_f"]
+        weight = norm._parameters.get("weight")
+        return weight if weight is not None else norm.weight
 
     def init_state(self, batch_size: int, device=None) -> ModelState:
         """Zero state for `batch_size` rows: f32 (f64 for a float64 model) on the model device;
@@ -279,7 +283,7 @@ def _norm_eps(backbone: MambaBackbone) -> list:
     mixer's own norm's (Mamba-2's gated norm), so a plan is rebuilt when one changes."""
     return [(block._modules["norm"].eps, getattr(block._modules["mixer"]._modules.get("norm"),
                                                  "eps", None))
-            for block in backbone._modules["layers"]]  # fmt: skip
+            for block in backbone._modules["layers"]._modules.values()]  # fmt: skip
 
 
 @dataclass

@@ -46,6 +46,7 @@ _ROOTS: dict[int, tuple[int, list]] = {}
 _generation = 0  # moves whenever a module gains its first plan or one with plans dies
 
 _version = operator.attrgetter("_version")
+_data_ptr = torch.Tensor.data_ptr
 
 
 class _Plan:
@@ -58,11 +59,11 @@ class _Plan:
 
     def fresh(self, module: nn.Module) -> bool:
         # maps of C functions, no Python frame per parameter: a batch-1 step pays this
-        now = map(dict.get, *self.slots)
+        params = self.params
         return (
-            all(map(operator.is_, now, self.params))
-            and list(map(_version, self.params)) == self.versions
-            and list(map(torch.Tensor.data_ptr, self.params)) == self.ptrs
+            all(map(operator.is_, map(dict.get, *self.slots), params))
+            and tuple(map(_version, params)) == self.versions
+            and tuple(map(_data_ptr, params)) == self.ptrs
             and (self.key is None or self.key(module) == self.extra)
         )
 
@@ -94,8 +95,8 @@ def derived(
         value = _refresh_into(plan.value, value, plan.owned)
     new = _Plan()
     new.build, new.key, new.slots, new.params = build, key, slots, params
-    new.versions = list(map(_version, params))
-    new.ptrs = list(map(torch.Tensor.data_ptr, params))
+    new.versions = tuple(map(_version, params))
+    new.ptrs = tuple(map(_data_ptr, params))
     new.extra = None if key is None else key(module)
     # the plan's own tensors: those sharing no storage with a parameter when derived
     new.owned = {id(t) for t in _tensors(value) if t.untyped_storage().data_ptr() not in storages}

@@ -82,7 +82,7 @@ def step_graph_status(model: nn.Module) -> dict:
     if table is None:
         return {"graphs": [], "replays": 0, "reason": None}
     return {
-        "graphs": [(k[0][0], k[1], k[2]) for k in table.graphs],
+        "graphs": [(k[0][0], k[1], k[2]) for k in table.graphs],  # (batch, dtype, autocast)
         "replays": table.replays,
         "reason": table.reason,
     }
@@ -102,8 +102,11 @@ def _not_plain(backbone: nn.Module) -> str | None:
     return None
 
 
+_data_ptr = torch.Tensor.data_ptr
+
+
 def _params(model: nn.Module) -> tuple:
-    return tuple(p.data_ptr() for p in model.parameters())
+    return tuple(map(_data_ptr, model.parameters()))
 
 
 def graphed_step(
@@ -130,7 +133,7 @@ def graphed_step(
         table.reason = "a CUDA graph is being captured around the step"
         return None
     autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-    key = (tuple(x.shape), x.dtype, autocast, tuple(t.data_ptr() for t in state._tensors()))
+    key = (x.shape, x.dtype, autocast, tuple(map(_data_ptr, state._tensors())))
     entry = table.graphs.get(key)
     if entry is not None:
         if _stands(model, backbone, head, entry):
@@ -209,8 +212,8 @@ def _unchanged(watch: tuple, roots: list[nn.Module]) -> bool:
     return (
         not any(_GLOBAL_HOOKS)
         and not any(hooks)
-        and all(map(operator.is_, map(type, roots), root_types))
-        and all(map(operator.is_, map(type, mods), types))
+        and tuple(map(type, roots)) == root_types  # classes compare by identity
+        and tuple(map(type, mods)) == types
         and all(map(operator.is_, map(dict.get, parents, names), children))
     )
 
@@ -224,6 +227,8 @@ def _stands(model, backbone, head, entry: _Graph) -> bool:
     roots = [backbone] if head is None else [backbone, head]
     if not _unchanged(entry.watch, roots) or _head_ptrs(head) != entry.extra:
         return False
+    if entry.plan.fresh(backbone):  # the derivation captured on, still fresh: the common case
+        return True
     backbone._decode_plan()
     now = record(backbone, "step")
     if now is entry.plan:
