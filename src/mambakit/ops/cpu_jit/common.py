@@ -1,8 +1,8 @@
 """What the compiled steps share: exp in both float widths, the activations, and the
 vector-matrix products the compiler vectorises (imported only when numba is).
 
-A product x W (x [K], W [K, N] row-major) runs as rows: out += x[k] W[k, :], the inner
-loop contiguous in W and out. It sits in a function of its own, never inlined: there
+A product x W (x [K], W [K, N] row-major) runs as rows: out += x[k] W[k, :], eight k at a
+time, the inner loop contiguous in W and out. It sits in a function of its own, never inlined: there
 LLVM checks once that out does not overlap W and vectorises the row loop; inlined into
 a larger body it often cannot prove that and stays scalar (twice the time or more).
 """
@@ -165,25 +165,34 @@ def softplus(x):
 @njit(inline="never", **JIT)
 def vecmat(x, W, out):
     """out = x W: x [K], W [K, N], out [N] (not overlapping W)."""
-    K, N = W.shape
-    for j in range(N):
-        out[j] = x[0] * W[0, j]
-    for k in range(1, K):
-        v = x[k]
-        w = W[k]
-        for j in range(N):
-            out[j] += v * w[j]
+    for j in range(out.shape[0]):
+        out[j] = zero(out[j])
+    vecmat_add(x, W, out)
 
 
 @njit(inline="never", **JIT)
 def vecmat_add(x, W, out):
-    """out += x W: x [K], W [K, N], out [N] (not overlapping W)."""
+    """out += x W: x [K], W [K, N], out [N] (not overlapping W). Eight rows of W per pass
+    over out: one load and store of out per eight multiply-adds, not per one (at 129 x 512,
+    3.1 us against 5.1 row by row)."""
     K, N = W.shape
-    for k in range(K):
+    k = 0
+    while k + 8 <= K:
+        v0, v1, v2, v3 = x[k], x[k + 1], x[k + 2], x[k + 3]
+        v4, v5, v6, v7 = x[k + 4], x[k + 5], x[k + 6], x[k + 7]
+        w0, w1, w2, w3 = W[k], W[k + 1], W[k + 2], W[k + 3]
+        w4, w5, w6, w7 = W[k + 4], W[k + 5], W[k + 6], W[k + 7]
+        for j in range(N):
+            out[j] += (v0 * w0[j] + v1 * w1[j] + v2 * w2[j] + v3 * w3[j]) + (
+                v4 * w4[j] + v5 * w5[j] + v6 * w6[j] + v7 * w7[j]
+            )
+        k += 8
+    while k < K:
         v = x[k]
         w = W[k]
         for j in range(N):
             out[j] += v * w[j]
+        k += 1
 
 
 @njit(inline="always", **JIT)

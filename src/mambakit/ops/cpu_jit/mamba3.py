@@ -34,6 +34,7 @@ from .common import (
     one,
     sigmoid,
     silu,
+    sincos,
     softplus,
     vecmat_add,
 )
@@ -90,6 +91,11 @@ def _layers(r, in_wT, in_b, kq_w, kq_b, Dh, out_wT, A_floor, turn, G, angle, ssm
     k = np.empty(N, dtype)
     q = np.empty(N, dtype)
     y = np.empty(E, dtype)
+    delta = np.empty(H, dtype)
+    gamma = np.empty(H, dtype)
+    alpha = np.empty(H, dtype)
+    cos_t = np.empty(S, dtype)  # the turns' cos and sin
+    sin_t = np.empty(S, dtype)
     for b in range(r.shape[0]):
         rb = r[b]
         for layer in range(L):
@@ -104,15 +110,23 @@ def _layers(r, in_wT, in_b, kq_w, kq_b, Dh, out_wT, A_floor, turn, G, angle, ssm
                         kq[g, j, n] = row[n] * wj[n] * sn
             for i in range(S):
                 spin[i] = pi * math.tanh(zxbc[TH + i])
+            for hd in range(H):  # the heads' scalars, then their gates: loops that vectorise
+                o = KQ + hd * HW
+                dl = softplus(zxbc[o + 2 * P])
+                a = zxbc[o + 2 * P + 1]
+                ga = max(a, one(a))
+                gam = sigmoid(zxbc[o + 2 * P + 2]) * dl  # lam delta
+                delta[hd], gamma[hd] = dl, gam
+                alpha[hd] = exp(-(max(ga - a + one(a) / ga, A_floor[layer]) * dl))
+            for hd in range(H):
+                o = KQ + hd * HW
+                for p in range(P):
+                    y[hd * P + p] = silu(zxbc[o + p])
             for hd in range(H):
                 g = hd // (H // G)
                 o = KQ + hd * HW
-                delta = softplus(zxbc[o + 2 * P])
-                a = zxbc[o + 2 * P + 1]
-                gamma = sigmoid(zxbc[o + 2 * P + 2]) * delta  # lam delta
-                late = delta - gamma  # (1 - lam) delta
-                ga = max(a, one(a))
-                alpha = exp(-(max(ga - a + one(a) / ga, A_floor[layer]) * delta))
+                dl, gam = delta[hd], gamma[hd]
+                late = dl - gam  # (1 - lam) delta
                 bk = kq_b[layer, hd, 0]
                 bq = kq_b[layer, hd, 1]
                 for n in range(N):
@@ -120,34 +134,39 @@ def _layers(r, in_wT, in_b, kq_w, kq_b, Dh, out_wT, A_floor, turn, G, angle, ssm
                     q[n] = bq[n] + kq[g, 1, n]
                 phi = angle[layer, b, hd]
                 for i in range(S):
-                    t = np.fmod(phi[i] + spin[i] * delta, two_pi)
-                    if t < 0:  # PyTorch's remainder: the divisor's sign
-                        t += two_pi
+                    t = phi[i] + spin[i] * dl
+                    if not (t >= 0 and t < two_pi):  # PyTorch's remainder: the divisor's sign
+                        t = np.fmod(t, two_pi)
+                        if t < 0:
+                            t += two_pi
                     phi[i] = t
-                    c = math.cos(t)
-                    sn = math.sin(t)
+                for i in range(S):
+                    sin_t[i], cos_t[i] = sincos(phi[i])
+                for i in range(S):
+                    c, si = cos_t[i], sin_t[i]
                     k0, k1 = k[2 * i], k[2 * i + 1]
-                    k[2 * i] = k0 * c - k1 * sn
-                    k[2 * i + 1] = k0 * sn + k1 * c
+                    k[2 * i] = k0 * c - k1 * si
+                    k[2 * i + 1] = k0 * si + k1 * c
                     q0, q1 = q[2 * i], q[2 * i + 1]
-                    q[2 * i] = q0 * c - q1 * sn
-                    q[2 * i + 1] = q0 * sn + q1 * c
+                    q[2 * i] = q0 * c - q1 * si
+                    q[2 * i + 1] = q0 * si + q1 * c
                 st = ssm[layer, b, hd]
                 kp = k_prev[layer, b, hd]
                 xp = x_prev[layer, b, hd]
                 d = Dh[layer, hd]
+                al = alpha[hd]
                 for p in range(P):
                     xv = zxbc[o + P + p]
                     xl = xp[p] * late
-                    xg = xv * gamma
+                    xg = xv * gam
                     sp = st[p]
                     acc = d * xv
                     for n in range(N):
-                        v = (sp[n] + xl * kp[n]) * alpha + xg * k[n]
+                        v = (sp[n] + xl * kp[n]) * al + xg * k[n]
                         sp[n] = v
                         acc += v * q[n]
                     xp[p] = xv
-                    y[hd * P + p] = acc * silu(zxbc[o + p])
+                    y[hd * P + p] *= acc
                 for n in range(N):
                     kp[n] = k[n]
             vecmat_add(y, out_wT[layer], rb)
