@@ -198,6 +198,50 @@ def test_a_new_norm_eps_or_a_norm_subclass_is_followed(name, numba_on, compiled_
     assert rel(doubled, 2 * plain_out) < 1e-5
 
 
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_states_switched_or_fields_replaced_are_followed(name, numba_on, compiled_calls):
+    """The compiled step keeps the last state's numpy views: two states stepped in turn, a
+    field replaced by a copy (the copy advances, the old tensor does not) and a field of
+    another dtype (the general path) all step as the PyTorch path does."""
+    bb = backbone(name)
+    xs = torch.randn(8, 2, 64)
+
+    def loop(on: bool):
+        numba_on(on)
+        drop(bb)
+        a, b = bb.init_state(2), bb.init_state(2)
+        outs, old = [], None
+        with torch.no_grad():
+            for t, x in enumerate(xs):
+                if t == 4:  # a field replaced by its copy: the copy is what advances
+                    old = a.ssm
+                    a.ssm = a.ssm.clone()
+                    frozen = old.clone()
+                outs.append(bb.step(x, a if t % 2 else b)[0])
+                outs.append(bb.step(x.flip(0), a)[0])
+        assert torch.equal(old, frozen)
+        return outs, a, b
+
+    got, want = loop(True), loop(False)
+    assert compiled_calls[: 2 * len(xs)] == [True] * (2 * len(xs))
+    for t, (u, v) in enumerate(zip(got[0], want[0])):
+        assert rel(u, v) < 1e-5, f"call {t}: output relative error {rel(u, v):.1e}"
+    for s_got, s_want in zip(got[1:], want[1:]):
+        for (f, u), (_, v) in zip(s_got._items(), s_want._items()):
+            assert rel(u, v) < 1e-5, f"state.{f} relative error {rel(u, v):.1e}"
+    numba_on(True)
+    drop(bb)
+    compiled_calls.clear()
+    state = bb.init_state(1)
+    with torch.no_grad():
+        bb.step(xs[0, :1], state)
+        first = [f for f in state.layer_type._fields if f != "ssm"][0]
+        setattr(state, first, getattr(state, first).double())  # not the weights' dtype
+        out = bb.step(xs[1, :1], state)[0]
+    assert compiled_calls == [True, False]
+    assert out.dtype == torch.float32
+
+
 def test_the_state_version_moves_so_autograd_sees_the_write(numba_on):
     """A graph that saved the state, then a no-grad step that advances it in place: the
     backward raises, as it does on the PyTorch path (the write is not silent)."""

@@ -58,10 +58,11 @@ class Packed:
         torch.autograd.graph.increment_version((conv, ssm))  # written unseen by autograd
         return r.narrow(1, 0, M)
 
-    def layers(self, r: np.ndarray, state) -> None:
+    def layers(self, r: np.ndarray, fields: tuple) -> None:
         """Every block on the rows r [B, M + 1] (the residual stream and its constant
-        column) in place; the model state (`MambaState`) advances in place."""
-        _layers(r, *self.arrays, state.conv.detach().numpy(), state.ssm.detach().numpy())
+        column) in place; a `MambaState`'s fields (conv, ssm) as numpy arrays advance in
+        place."""
+        _layers(r, *self.arrays, *fields)
 
 
 @njit(**JIT)

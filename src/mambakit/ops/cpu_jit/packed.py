@@ -56,8 +56,7 @@ class PackedStack:
         torch.autograd.graph.increment_version([t for state in states for t in state])
         return r.narrow(1, 0, M)
 
-    def layers(self, r: np.ndarray, state) -> None:
-        """Every block on the rows r [B, M + 1] in place; the model state (its fields
-        stacked over the layers) advances in place."""
-        fields = (t.detach().numpy() for t in state._tensors())
+    def layers(self, r: np.ndarray, fields: tuple) -> None:
+        """Every block on the rows r [B, M + 1] in place; a model state's fields (stacked
+        over the layers), as numpy arrays, advance in place."""
         self.kernel(r, *self.arrays, *self.consts(), *fields)
