@@ -183,6 +183,8 @@ class ModelState:
         cls._fields_of = staticmethod(operator.attrgetter(*fields))
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
+        if torch.compiler.is_compiling():  # dynamo does not trace an attrgetter
+            return tuple(getattr(self, f) for f in self.layer_type._fields)
         return self._fields_of(self)
 
     def _items(self):

@@ -124,7 +124,10 @@ def test_a_hook_or_an_adapter_takes_the_general_path(numba_on, compiled_calls):
 
 def test_autocast_and_many_rows_take_the_general_path(numba_on, compiled_calls):
     bb = backbone("mamba1")
-    run(bb, torch.randn(2, cpu_step.COMPILED_MAX_ROWS + 1, 64), numba_on, True)
+    numba_on(True)
+    rows = bb._stack_weights().compiled.rows_max  # a 1.4 MiB stack: SMALL_STACK_MAX_ROWS
+    assert rows == cpu_jit.SMALL_STACK_MAX_ROWS
+    run(bb, torch.randn(2, rows + 1, 64), numba_on, True)
     assert not any(compiled_calls)
     numba_on(True)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -240,6 +243,44 @@ def test_states_switched_or_fields_replaced_are_followed(name, numba_on, compile
         out = bb.step(xs[1, :1], state)[0]
     assert compiled_calls == [True, False]
     assert out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_rows_on_threads_equal_each_row_stepped_alone(name, numba_on, monkeypatch):
+    """With two torch threads and five rows the compiled step runs its rows on numba's
+    threads (`common.run_rows`): every row's output and state bit for bit those of that row
+    stepped alone on one thread."""
+    common = importlib.import_module("mambakit.ops.cpu_jit.common")
+    parallel = []
+
+    def spied(serial, rows, r, *args):
+        parallel.append(r.shape[0] >= common.PARALLEL_ROWS and torch.get_num_threads() > 1)
+        common.run_rows(serial, rows, r, *args)
+
+    for module in ("mamba1", "packed"):
+        monkeypatch.setattr(importlib.import_module(f"mambakit.ops.cpu_jit.{module}"),
+                            "run_rows", spied)  # fmt: skip
+    bb = backbone(name)
+    numba_on(True)
+    drop(bb)
+    xs = torch.randn(4, 5, 64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        state = bb.init_state(5)
+        with torch.no_grad():
+            outs = [bb.step(x, state)[0] for x in xs]
+    finally:
+        torch.set_num_threads(threads)
+    assert parallel == [True] * len(xs)
+    for b in range(5):
+        alone = bb.init_state(1)
+        with torch.no_grad():
+            for t, x in enumerate(xs):
+                assert torch.equal(bb.step(x[b : b + 1], alone)[0], outs[t][b : b + 1])
+        for (f, u), (_, v) in zip(state._items(), alone._items()):
+            assert torch.equal(u[:, b : b + 1], v), f"row {b}: state.{f}"
+    assert parallel[len(xs) :] == [False] * (5 * len(xs))
 
 
 def test_the_state_version_moves_so_autograd_sees_the_write(numba_on):

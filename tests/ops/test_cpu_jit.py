@@ -60,16 +60,17 @@ def test_compiled_mamba1_stack_matches_op_by_op_step(name, dtype, batch, numba_o
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 def test_torch_body_without_numba_matches_op_by_op_step(dtype, numba_on, monkeypatch):
     """MAMBAKIT_NUMBA=0: no compiled weights; the PyTorch whole-stack body runs and equals
-    the oracle; above COMPILED_MAX_ROWS rows the PyTorch body runs with numba on too."""
+    the oracle; above the compiled stack's `rows_max` rows the PyTorch body runs with numba
+    on too."""
     numba_on(False)
     bb, state = random_stack(CONFIGS["default"], dtype, 3)
     weights = m1_stack.stack_weights(bb._decode_plan())
     assert weights.compiled is None
     steps_against_oracle(bb, state, dtype, 3, weights)
     numba_on(True)
-    monkeypatch.setattr(m1_stack, "COMPILED_MAX_ROWS", 2)
     weights = m1_stack.stack_weights(bb._decode_plan())
     assert weights.compiled is not None
+    weights.compiled.rows_max = 2
     monkeypatch.setattr(jit1.Packed, "__call__", None)  # it must not be called
     steps_against_oracle(bb, state, dtype, 3, weights)
 

@@ -68,7 +68,7 @@ def steps_against_oracle(bb, state, dtype, batch, weights, states=None):
             out, residual = mixer.stack_step(h, plan, [oracle.layer(i) for i in range(n)], dtype,
                                              "reference")  # fmt: skip
             assert none is None and not got.requires_grad
-            if weights.compiled is not None and batch <= stack_module.COMPILED_MAX_ROWS:
+            if weights.compiled is not None and batch <= weights.compiled.rows_max:
                 # the stack op took the compiled body
                 assert torch.equal(got, weights.compiled(h, twin))
                 assert all(torch.equal(a, b) for s, u in zip(states, twin) for a, b in zip(s, u))
@@ -105,7 +105,8 @@ def test_compiled_stack_matches_op_by_op_step(name, dtype, batch, layout, numba_
 @pytest.mark.parametrize("mixer", list(MIXERS))
 def test_torch_body_without_numba_matches_op_by_op_step(mixer, dtype, numba_on, monkeypatch):
     """MAMBAKIT_NUMBA=0: no compiled weights; the PyTorch whole-stack body runs and equals
-    the oracle; above COMPILED_MAX_ROWS rows the PyTorch body runs with numba on too."""
+    the oracle; above the compiled stack's `rows_max` rows the PyTorch body runs with numba
+    on too."""
     stack_module, jit, _ = MIXERS[mixer]
     numba_on(False)
     bb, state = setup(f"{mixer}-ngroups2", dtype, 3)
@@ -113,8 +114,8 @@ def test_torch_body_without_numba_matches_op_by_op_step(mixer, dtype, numba_on, 
     assert weights.compiled is None
     steps_against_oracle(bb, state, dtype, 3, weights)
     numba_on(True)
-    monkeypatch.setattr(stack_module, "COMPILED_MAX_ROWS", 2)
     weights = stack_module.stack_weights(bb._decode_plan())
     assert weights.compiled is not None
+    weights.compiled.rows_max = 2
     monkeypatch.setattr(jit.Packed, "__call__", None)  # it must not be called
     steps_against_oracle(bb, state, dtype, 3, weights)

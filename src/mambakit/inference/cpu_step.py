@@ -10,8 +10,8 @@ residual stream, every block (the mixer's `Packed` body on the model state's sta
 tensors), norm_f. The checks that remain are the ones that decide whether this computes
 what the modules say: every module plain and unchanged since last seen (one pass over a
 watch list, `step_graph._watch`), the decode plan fresh (`inference.plan`). Anything else
-(token ids, a hook or an adapter, autocast, other dtypes, more than `COMPILED_MAX_ROWS`
-rows) takes the general path.
+(token ids, a hook or an adapter, autocast, other dtypes, more rows than the compiled
+stack takes: `cpu_jit.rows_max`) takes the general path.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 from ..layers.block import RMSNorm
 from ..layers.plain import plain
-from ..ops.cpu_jit import COMPILED_MAX_ROWS, compiles
+from ..ops.cpu_jit import compiles
 from .step_graph import _not_plain, _unchanged, _watch
 
 
@@ -47,7 +47,6 @@ def compiled_rows(backbone, x: torch.Tensor, state, stack) -> torch.Tensor | Non
     weights (its "stack" plan), whose `compiled` body runs the blocks."""
     if (
         backbone.embeddings is not None
-        or x.shape[0] > COMPILED_MAX_ROWS
         or torch.is_autocast_enabled("cpu")
         or torch.compiler.is_compiling()
     ):
@@ -61,7 +60,7 @@ def compiled_rows(backbone, x: torch.Tensor, state, stack) -> torch.Tensor | Non
         entry = _ENTRIES[backbone] = _Entry(_watch([backbone]))
     weights = stack()
     compiled = getattr(weights, "compiled", None)
-    if compiled is None:
+    if compiled is None or x.shape[0] > compiled.rows_max:
         return None
     eps = backbone._modules["norm_f"].eps  # the module is plain: no hook, no __getattr__
     if weights is not entry.weights or eps != entry.eps:  # a parameter or eps changed

@@ -30,15 +30,23 @@ import torch
 __all__ = [
     "COMPILED_MAX_BYTES",
     "COMPILED_MAX_ROWS",
+    "SMALL_STACK_BYTES",
+    "SMALL_STACK_MAX_ROWS",
     "available",
     "compile_stack",
     "compiles",
     "compiles_stack",
+    "rows_max",
 ]
 
-# rows up to which the compiled steps run (one row after another, one thread); beyond, the
-# PyTorch bodies' matrix products win (2 threads, the RL shape: 8 rows about level)
+# rows up to which the compiled steps run (a row's products read every weight: they win
+# while the weights stay in a core's cache), beyond which the PyTorch bodies' matrix
+# products do: 8 rows, and 64 for stacks of at most SMALL_STACK_BYTES (2 threads, the RL
+# shape, 1.4 MiB: level at 64 rows for Mamba-1, half the time for Mamba-3; 5 MiB: level
+# at about 10 rows)
 COMPILED_MAX_ROWS = 8
+SMALL_STACK_MAX_ROWS = 64
+SMALL_STACK_BYTES = 2 << 20
 COMPILED_MAX_BYTES = (
     64 << 20
 )  # weights of a stack the compiled steps take at most (`compiles_stack`)
@@ -70,6 +78,12 @@ def compiles(t) -> bool:
     """Whether the compiled steps take weights like `t`: numba there, a CPU tensor of
     float32 or float64."""
     return t.device.type == "cpu" and t.dtype in _DTYPES and available()
+
+
+def rows_max(tensors) -> int:
+    """The rows up to which a compiled stack on these weights runs a step."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return SMALL_STACK_MAX_ROWS if nbytes <= SMALL_STACK_BYTES else COMPILED_MAX_ROWS
 
 
 def compile_stack(mixer: str, blocks: list, pad: float):

@@ -10,8 +10,12 @@ a larger body it often cannot prove that and stays scalar (twice the time or mor
 from __future__ import annotations
 
 import math
+import threading
+from contextlib import contextmanager
 
+import numba
 import numpy as np
+import torch
 from numba import njit, types
 from numba.extending import overload
 
@@ -23,6 +27,41 @@ JIT = dict(fastmath=FAST, cache=True, nogil=True)
 LOG2E = 1.4426950408889634
 LN2_HI = 0.693145751953125  # ln 2 in two parts: k ln 2 subtracted without rounding error
 LN2_LO = 1.428606765330187e-06
+
+
+# one caller at a time in numba's thread pool (its workqueue layer, where OpenMP is not
+# there, must not be entered by two threads at once)
+_LOCK = threading.Lock()
+
+
+@contextmanager
+def threads():
+    """numba's threads as many as torch's (the library's choice: `mambakit.threads`),
+    and torch's count as it was after: numba's OpenMP layer (shared with torch's, so
+    neither pool spins against the other) sets OpenMP's count when it starts."""
+    n = torch.get_num_threads()
+    with _LOCK:
+        if numba.get_num_threads() != n:
+            numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        try:
+            yield
+        finally:
+            if torch.get_num_threads() != n:
+                torch.set_num_threads(n)
+
+
+PARALLEL_ROWS = 2  # rows from which a compiled step runs them on numba's threads
+
+
+def run_rows(serial, parallel, r, *args) -> None:
+    """`serial(r, *args)`, a compiled step over the rows r; or `parallel(r, *args)`, the
+    same with the rows on numba's threads (as many as torch's), from `PARALLEL_ROWS` rows
+    where torch has more than one thread. A row's arithmetic is the same either way."""
+    if r.shape[0] >= PARALLEL_ROWS and torch.get_num_threads() > 1:
+        with threads():
+            parallel(r, *args)
+    else:
+        serial(r, *args)
 
 
 def exp(x):
@@ -204,14 +243,65 @@ def norm(r):
     return math.sqrt(s)
 
 
+@njit(inline="never", **JIT)
+def matmul_add(X, W, out):
+    """out += X W: X [B, K], W [K, N], out [B, N] (not overlapping W). W's rows eight at a
+    time, each block over every row of X: W is read from memory once whatever B."""
+    B = X.shape[0]
+    K, N = W.shape
+    k = 0
+    while k + 8 <= K:
+        w0, w1, w2, w3 = W[k], W[k + 1], W[k + 2], W[k + 3]
+        w4, w5, w6, w7 = W[k + 4], W[k + 5], W[k + 6], W[k + 7]
+        for b in range(B):
+            x = X[b]
+            o = out[b]
+            v0, v1, v2, v3 = x[k], x[k + 1], x[k + 2], x[k + 3]
+            v4, v5, v6, v7 = x[k + 4], x[k + 5], x[k + 6], x[k + 7]
+            for j in range(N):
+                o[j] += (v0 * w0[j] + v1 * w1[j] + v2 * w2[j] + v3 * w3[j]) + (
+                    v4 * w4[j] + v5 * w5[j] + v6 * w6[j] + v7 * w7[j]
+                )
+        k += 8
+    while k < K:
+        w = W[k]
+        for b in range(B):
+            v = X[b, k]
+            o = out[b]
+            for j in range(N):
+                o[j] += v * w[j]
+        k += 1
+
+
+@njit(inline="never", **JIT)
+def matmul(X, W, out):
+    """out = X W: X [B, K], W [K, N], out [B, N] (not overlapping W)."""
+    for b in range(out.shape[0]):
+        for j in range(out.shape[1]):
+            out[b, j] = zero(out[b, j])
+    matmul_add(X, W, out)
+
+
+@njit(inline="never", **JIT)
+def normed_rows(r, WT, bias, out):
+    """`normed_projection` of every row: out[b] = (r[b] WT) / |r[b]| + bias (r [B, M + 1],
+    WT [M + 1, W], out [B, W])."""
+    matmul(r, WT, out)
+    for b in range(r.shape[0]):
+        s = one(r[b, 0]) / norm(r[b])
+        o = out[b]
+        for j in range(o.shape[0]):
+            o[j] = o[j] * s + bias[j]
+
+
 @njit(**JIT)
 def input_rows(x, WT, b, c, r):
     """The residual stream's first rows: r[i, :M] = x[i] WT + b, r[i, M] = c[0] (x [B, F],
     WT [F, M], b [M], r [B, M + 1]: the stream and its constant column)."""
     M = WT.shape[1]
+    matmul(x, WT, r[:, :M])
     for i in range(x.shape[0]):
         ri = r[i]
-        vecmat(x[i], WT, ri)
         for j in range(M):
             ri[j] += b[j]
         ri[M] = c[0]

@@ -16,17 +16,27 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit
+from numba import njit, prange
 
-from . import stack_layers
-from .common import JIT, conv_step, exp, normed_projection, silu, softplus, vecmat, vecmat_add
+from . import rows_max, stack_layers
+from .common import (
+    JIT,
+    conv_step,
+    exp,
+    normed_projection,
+    run_rows,
+    silu,
+    softplus,
+    vecmat,
+    vecmat_add,
+)
 
 
 class Packed:
     """Every block's `BlockWeights` stacked over the layers into numpy arrays [L, ...]
     (viewing tensors this object keeps), and the compiled step on them."""
 
-    __slots__ = ("arrays", "pad", "tensors")
+    __slots__ = ("arrays", "pad", "rows_max", "tensors")
 
     def __init__(self, blocks: list, pad: float) -> None:
         out_b = [b.out_b if b.out_b is not None else b.in_b.new_zeros(b.out_wT.shape[1])
@@ -46,6 +56,7 @@ class Packed:
         )
         self.arrays = tuple(t.numpy() for t in self.tensors)
         self.pad = pad
+        self.rows_max = rows_max(self.tensors)  # rows a step on these weights takes
 
     def __call__(self, h: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor) -> torch.Tensor:
         """`mamba_step.stack.decode_layers` compiled: the residual stream [B, M] after every
@@ -54,7 +65,8 @@ class Packed:
         M = h.shape[1]
         with torch.inference_mode():
             r = torch.nn.functional.pad(h, (0, 1), value=self.pad)
-            _layers(r.numpy(), *self.arrays, conv.detach().numpy(), ssm.detach().numpy())
+            fields = (conv.detach().numpy(), ssm.detach().numpy())
+            run_rows(_layers, _layers_rows, r.numpy(), *self.arrays, *fields)
         torch.autograd.graph.increment_version((conv, ssm))  # written unseen by autograd
         return r.narrow(1, 0, M)
 
@@ -62,11 +74,29 @@ class Packed:
         """Every block on the rows r [B, M + 1] (the residual stream and its constant
         column) in place; a `MambaState`'s fields (conv, ssm) as numpy arrays advance in
         place."""
-        _layers(r, *self.arrays, *fields)
+        run_rows(_layers, _layers_rows, r, *self.arrays, *fields)
 
 
 @njit(**JIT)
 def _layers(r, in_wT, in_b, conv_w, conv_b, x_wT, dt_wT, dt_b, A, Dv, out_wT, out_b, conv, ssm):
+    """Every block on every row of r, one row after another."""
+    _span(r, in_wT, in_b, conv_w, conv_b, x_wT, dt_wT, dt_b, A, Dv, out_wT, out_b, conv, ssm, 0,
+          r.shape[0])  # fmt: skip
+
+
+@njit(parallel=True, **JIT)
+def _layers_rows(r, in_wT, in_b, conv_w, conv_b, x_wT, dt_wT, dt_b, A, Dv, out_wT, out_b, conv,
+                 ssm):  # fmt: skip
+    """`_layers` with the rows on numba's threads: nothing is shared between rows."""
+    for b in prange(r.shape[0]):
+        _span(r, in_wT, in_b, conv_w, conv_b, x_wT, dt_wT, dt_b, A, Dv, out_wT, out_b, conv,
+              ssm, b, b + 1)  # fmt: skip
+
+
+@njit(inline="never", **JIT)
+def _span(r, in_wT, in_b, conv_w, conv_b, x_wT, dt_wT, dt_b, A, Dv, out_wT, out_b, conv, ssm, lo,
+          hi):  # fmt: skip
+    """Every block on the rows lo..hi-1 of r."""
     L, _, D2 = in_wT.shape
     D = D2 // 2
     N = A.shape[2]
@@ -77,7 +107,7 @@ def _layers(r, in_wT, in_b, conv_w, conv_b, x_wT, dt_wT, dt_b, A, Dv, out_wT, ou
     delta = np.empty(D, dtype)
     xp = np.empty(R + 2 * N, dtype)
     y = np.empty(D, dtype)
-    for b in range(r.shape[0]):
+    for b in range(lo, hi):
         rb = r[b]
         for layer in range(L):
             normed_projection(rb, in_wT[layer], in_b[layer], xz)

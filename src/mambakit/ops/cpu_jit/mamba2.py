@@ -23,9 +23,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
-from . import stack_layers
+from . import rows_max, stack_layers
 from .common import (
     JIT,
     conv_step,
@@ -83,6 +83,7 @@ class Packed(PackedStack):
         self.gate = GATE if gnorm is None else NORM_THEN_GATE if gnorm[2] else NORM_GATED
         self.groups = G
         self.pad = pad
+        self.rows_max = rows_max(self.tensors)  # rows a step on these weights takes
 
     def consts(self) -> tuple:
         return self.gate, self.groups
@@ -91,6 +92,24 @@ class Packed(PackedStack):
 @njit(**JIT)
 def _layers(r, in_wT, in_b, conv_w, conv_b, A, Dv, out_wT, mlp_wT, out_b, dt_limit, gnorm,
             gate, G, conv, ssm):  # fmt: skip
+    """Every block on every row of r, one row after another."""
+    _span(r, in_wT, in_b, conv_w, conv_b, A, Dv, out_wT, mlp_wT, out_b, dt_limit, gnorm, gate,
+          G, conv, ssm, 0, r.shape[0])  # fmt: skip
+
+
+@njit(parallel=True, **JIT)
+def _layers_rows(r, in_wT, in_b, conv_w, conv_b, A, Dv, out_wT, mlp_wT, out_b, dt_limit, gnorm,
+                 gate, G, conv, ssm):  # fmt: skip
+    """`_layers` with the rows on numba's threads: nothing is shared between rows."""
+    for b in prange(r.shape[0]):
+        _span(r, in_wT, in_b, conv_w, conv_b, A, Dv, out_wT, mlp_wT, out_b, dt_limit, gnorm,
+              gate, G, conv, ssm, b, b + 1)  # fmt: skip
+
+
+@njit(inline="never", **JIT)
+def _span(r, in_wT, in_b, conv_w, conv_b, A, Dv, out_wT, mlp_wT, out_b, dt_limit, gnorm, gate,
+          G, conv, ssm, lo, hi):  # fmt: skip
+    """Every block on the rows lo..hi-1 of r."""
     L, _, W = in_wT.shape
     H, P = Dv.shape[1], Dv.shape[2]
     E = H * P
@@ -106,7 +125,7 @@ def _layers(r, in_wT, in_b, conv_w, conv_b, A, Dv, out_wT, mlp_wT, out_b, dt_lim
     xc = np.empty(C, dtype)  # x, B, C after the conv
     y = np.empty(E, dtype)
     m = np.empty(F, dtype)
-    for b in range(r.shape[0]):
+    for b in range(lo, hi):
         rb = r[b]
         for layer in range(L):
             normed_projection(rb, in_wT[layer], in_b[layer], zx)
@@ -162,3 +181,4 @@ def _layers(r, in_wT, in_b, conv_w, conv_b, A, Dv, out_wT, mlp_wT, out_b, dt_lim
 
 
 Packed.kernel = staticmethod(_layers)
+Packed.kernel_rows = staticmethod(_layers_rows)

@@ -23,9 +23,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
-from . import stack_layers
+from . import rows_max, stack_layers
 from .common import (
     JIT,
     exp,
@@ -66,6 +66,7 @@ class Packed(PackedStack):
         self.arrays = tuple(t.numpy() for t in self.tensors)
         self.groups = G
         self.pad = pad
+        self.rows_max = rows_max(self.tensors)  # rows a step on these weights takes
 
     def consts(self) -> tuple:
         return self.turn, self.groups
@@ -74,6 +75,24 @@ class Packed(PackedStack):
 @njit(**JIT)
 def _layers(r, in_wT, in_b, kq_w, kq_b, Dh, out_wT, A_floor, turn, G, angle, ssm, k_prev,
             x_prev):  # fmt: skip
+    """Every block on every row of r, one row after another."""
+    _span(r, in_wT, in_b, kq_w, kq_b, Dh, out_wT, A_floor, turn, G, angle, ssm, k_prev, x_prev,
+          0, r.shape[0])  # fmt: skip
+
+
+@njit(parallel=True, **JIT)
+def _layers_rows(r, in_wT, in_b, kq_w, kq_b, Dh, out_wT, A_floor, turn, G, angle, ssm, k_prev,
+                 x_prev):  # fmt: skip
+    """`_layers` with the rows on numba's threads: nothing is shared between rows."""
+    for b in prange(r.shape[0]):
+        _span(r, in_wT, in_b, kq_w, kq_b, Dh, out_wT, A_floor, turn, G, angle, ssm, k_prev,
+              x_prev, b, b + 1)  # fmt: skip
+
+
+@njit(inline="never", **JIT)
+def _span(r, in_wT, in_b, kq_w, kq_b, Dh, out_wT, A_floor, turn, G, angle, ssm, k_prev, x_prev,
+          lo, hi):  # fmt: skip
+    """Every block on the rows lo..hi-1 of r."""
     L, _, W = in_wT.shape
     H = kq_b.shape[1]
     N = kq_w.shape[2]
@@ -96,7 +115,7 @@ def _layers(r, in_wT, in_b, kq_w, kq_b, Dh, out_wT, A_floor, turn, G, angle, ssm
     alpha = np.empty(H, dtype)
     cos_t = np.empty(S, dtype)  # the turns' cos and sin
     sin_t = np.empty(S, dtype)
-    for b in range(r.shape[0]):
+    for b in range(lo, hi):
         rb = r[b]
         for layer in range(L):
             normed_projection(rb, in_wT[layer], in_b[layer], zxbc)
@@ -173,3 +192,4 @@ def _layers(r, in_wT, in_b, kq_w, kq_b, Dh, out_wT, A_floor, turn, G, angle, ssm
 
 
 Packed.kernel = staticmethod(_layers)
+Packed.kernel_rows = staticmethod(_layers_rows)

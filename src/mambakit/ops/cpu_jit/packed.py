@@ -1,11 +1,14 @@
 """The host side the compiled Mamba-2 and Mamba-3 stack steps share: the call over the
 layers' states (one compiled call when they are slices of stacked tensors, one per layer
-otherwise) and the call on a model state. No numba here."""
+otherwise) and the call on a model state; the rows on numba's threads from a few rows
+(`common.run_rows`). No compiled code here."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from .common import run_rows
 
 
 def stacked(ts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -28,8 +31,9 @@ class PackedStack:
     block on the rows r [B, M + 1] (the residual stream and its constant column `pad`)
     and advances the state fields [L, B, ...] in place."""
 
-    __slots__ = ("arrays", "groups", "pad", "tensors")
+    __slots__ = ("arrays", "groups", "pad", "rows_max", "tensors")
     kernel = None  # a subclass's compiled `_layers`, as a staticmethod
+    kernel_rows = None  # and its `_layers_rows` (the rows on numba's threads)
 
     def consts(self) -> tuple:
         raise NotImplementedError
@@ -46,12 +50,13 @@ class PackedStack:
             r = torch.nn.functional.pad(h, (0, 1), value=self.pad)
             rn = r.numpy()
             if all(t is not None for t in roots):
-                self.kernel(rn, *self.arrays, *consts, *(t.numpy() for t in roots))
+                fields = tuple(t.numpy() for t in roots)
+                run_rows(self.kernel, self.kernel_rows, rn, *self.arrays, *consts, *fields)
             else:
                 for i, state in enumerate(states):
                     layer = tuple(a[i : i + 1] for a in self.arrays)
                     fields = (t.detach().unsqueeze(0).numpy() for t in state)
-                    self.kernel(rn, *layer, *consts, *fields)
+                    run_rows(self.kernel, self.kernel_rows, rn, *layer, *consts, *fields)
         # written unseen by autograd: a graph that saved a state must know
         torch.autograd.graph.increment_version([t for state in states for t in state])
         return r.narrow(1, 0, M)
@@ -59,4 +64,4 @@ class PackedStack:
     def layers(self, r: np.ndarray, fields: tuple) -> None:
         """Every block on the rows r [B, M + 1] in place; a model state's fields (stacked
         over the layers), as numpy arrays, advance in place."""
-        self.kernel(r, *self.arrays, *self.consts(), *fields)
+        run_rows(self.kernel, self.kernel_rows, r, *self.arrays, *self.consts(), *fields)

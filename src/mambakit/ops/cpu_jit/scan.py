@@ -23,20 +23,13 @@ rows in order; g_B, g_C: channels in order): deterministic.
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
-
-import numba
 import numpy as np
 import torch
 from numba import njit, prange
 
-from .common import JIT, exp, one
+from .common import JIT, exp, one, threads
 
 CHECKPOINT = 64  # steps between the states the backward keeps
-# one caller at a time in numba's thread pool (its workqueue layer, where OpenMP is not
-# there, must not be entered by two threads at once)
-_LOCK = threading.Lock()
 
 
 def forward(dt, x, A, Bm, C, keep, h0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +39,7 @@ def forward(dt, x, A, Bm, C, keep, h0) -> tuple[torch.Tensor, torch.Tensor]:
     y = dt.new_empty(Bsz, T, D)
     hT = h0.new_empty(h0.shape)
     k = keep if keep is not None else dt.new_ones(1, 1)
-    with _threads():
+    with threads():
         _forward(dt.numpy(), x.numpy(), A.numpy(), Bm.numpy(), C.numpy(), k.numpy(),
                  keep is not None, h0.numpy(), y.numpy(), hT.numpy())  # fmt: skip
     return y, hT
@@ -60,28 +53,12 @@ def backward(dt, x, A, Bm, C, keep, h0, gy, g_hT) -> tuple[torch.Tensor, ...]:
     g_B, g_C = torch.empty_like(Bm), torch.empty_like(C)
     g_h0 = torch.empty_like(h0)
     k = keep if keep is not None else dt.new_ones(1, 1)
-    with _threads():
+    with threads():
         _backward(dt.numpy(), x.numpy(), A.numpy(), Bm.numpy(), C.numpy(), k.numpy(),
                   keep is not None, h0.numpy(), gy.numpy(), g_hT.numpy(), CHECKPOINT,
                   g_dt.numpy(), g_x.numpy(), g_A.numpy(), g_B.numpy(), g_C.numpy(),
                   g_h0.numpy())  # fmt: skip
     return g_dt, g_x, g_A, g_B, g_C, g_h0
-
-
-@contextmanager
-def _threads():
-    """numba's threads as many as torch's (the library's choice: `mambakit.threads`),
-    and torch's count as it was after: numba's OpenMP layer (shared with torch's, so
-    neither pool spins against the other) sets OpenMP's count when it starts."""
-    n = torch.get_num_threads()
-    with _LOCK:
-        if numba.get_num_threads() != n:
-            numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-        try:
-            yield
-        finally:
-            if torch.get_num_threads() != n:
-                torch.set_num_threads(n)
 
 
 @njit(inline="never", **JIT)

@@ -33,8 +33,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from .common import JIT, exp, one, sigmoid, silu, sincos, zero
-from .scan import _threads
+from .common import JIT, exp, one, sigmoid, silu, sincos, threads, zero
 
 MAX_STATE_BYTES = 256 << 20  # every step's state kept for the backward, at most
 TWO_PI = 2 * math.pi
@@ -54,7 +53,7 @@ def forward_arrays(arrs: tuple) -> tuple:
     every step's [B, H, T + 1, P, N], the turned rows k~, q~ [B, H, T, 2, N], the angles'
     cos and sin [B, H, T, 2, S], y before the gate [B, T, H, P] (where there is one));
     arrays all."""
-    with _threads():
+    with threads():
         y, states, turned, cs, pre, angle, ssm, kT, xT = _forward(*arrs)
     return y, angle, ssm, kT, xT, (states, turned, cs, pre)
 
@@ -93,7 +92,7 @@ def backward_arrays(arrs: tuple, kept: tuple, grads: tuple) -> tuple:
     (what heads share is summed by the caller), from those of the outputs (`grads`: y,
     angle, ssm, k~, x) and `kept`; arrays all. The heads run in parallel; the rows' shares
     of the biases' and D's gradients are summed in row order."""
-    with _threads():
+    with threads():
         return _backward(*arrs, *kept, *grads)
 
 

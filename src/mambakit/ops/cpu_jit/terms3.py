@@ -27,8 +27,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from .common import JIT, exp, one, zero
-from .scan import _threads
+from .common import JIT, exp, one, threads, zero
 
 PARALLEL_MIN = 512  # tokens from which they run on threads (below, waking them costs more)
 
@@ -41,7 +40,7 @@ def forward(zx, w_B, w_C, eps_B, eps_C, dt_bias, A_floor, sizes):
     c = np.array([eps_B, eps_C, A_floor, math.pi, 1 / sizes[1]], zx.dtype)
     if zx.shape[0] * zx.shape[1] < PARALLEL_MIN:
         return _forward_one(zx, w_B, w_C, dt_bias, c, H, G, P, S)
-    with _threads():
+    with threads():
         return _forward_par(zx, w_B, w_C, dt_bias, c, H, G, P, S)
 
 
@@ -58,7 +57,7 @@ def backward(zx, w_B, w_C, dt_bias, A_floor, r_k, r_q, g_x, g_z, g_q_heads, g_k_
             g_k_heads, g_delta, g_A, g_trap, g_rate_heads)  # fmt: skip
     if zx.shape[0] * zx.shape[1] < PARALLEL_MIN:
         return _backward_one(*args)
-    with _threads():
+    with threads():
         return _backward_par(*args)
 
 

@@ -24,7 +24,7 @@ transposed weights, rows [B, 1, X] so splits are views, inference mode), and:
   weight folded into out_proj's columns; the gated MLP's part, when there is one, is a
   second `addmm_` into r rather than a concatenation.
 
-With numba, up to COMPILED_MAX_ROWS rows of float32 or float64, `cpu_jit.mamba2` runs
+With numba, up to `rows_max` rows of float32 or float64 (`cpu_jit.rows_max`), `cpu_jit.mamba2` runs
 this math on the same weights as one compiled call for the whole stack
 (`DecodeWeights.compiled`); this body runs the rest.
 """
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ...state import Mamba2State
-from ..cpu_jit import COMPILED_MAX_ROWS, compile_stack
+from ..cpu_jit import compile_stack
 from ..mamba_step.stack import DecodeWeights
 
 
@@ -68,7 +68,7 @@ def decode_layers(
 ) -> torch.Tensor:
     """The residual stream [B, M] after every block (before the final norm), as an
     inference tensor: the caller's next op makes a normal one."""
-    if weights.compiled is not None and h.shape[0] <= COMPILED_MAX_ROWS:
+    if weights.compiled is not None and h.shape[0] <= weights.compiled.rows_max:
         return weights.compiled(h, states)
     Bsz, M = h.shape
     with torch.inference_mode():

@@ -30,7 +30,7 @@ folds the norm's eps, contiguous transposed weights, inference mode), and:
 - the two outer products of the state update share alpha: (1 - lam) delta alpha x_prev
   k_prev^T is alpha ((1 - lam) delta x_prev k_prev^T).
 
-With numba, up to COMPILED_MAX_ROWS rows of float32 or float64, `cpu_jit.mamba3` runs
+With numba, up to `rows_max` rows of float32 or float64 (`cpu_jit.rows_max`), `cpu_jit.mamba3` runs
 this math on the same weights as one compiled call for the whole stack
 (`DecodeWeights.compiled`); this body runs the rest.
 """
@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ...state import Mamba3State
-from ..cpu_jit import COMPILED_MAX_ROWS, compile_stack
+from ..cpu_jit import compile_stack
 from ..mamba_step.stack import DecodeWeights
 
 TWO_PI = 2 * math.pi
@@ -73,7 +73,7 @@ def decode_layers(
 ) -> torch.Tensor:
     """The residual stream [B, M] after every block (before the final norm), as an
     inference tensor: the caller's next op makes a normal one."""
-    if weights.compiled is not None and h.shape[0] <= COMPILED_MAX_ROWS:
+    if weights.compiled is not None and h.shape[0] <= weights.compiled.rows_max:
         return weights.compiled(h, states)
     Bsz, M = h.shape
     with torch.inference_mode():

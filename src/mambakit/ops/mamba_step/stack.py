@@ -43,7 +43,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..cpu_jit import COMPILED_MAX_ROWS, compile_stack
+from ..cpu_jit import compile_stack
 from . import StepWeights
 
 
@@ -83,7 +83,7 @@ def decode_layers(
 ) -> torch.Tensor:
     """The residual stream [B, M] after every block (before the final norm), as an
     inference tensor: the caller's next op makes a normal one."""
-    if weights.compiled is not None and h.shape[0] <= COMPILED_MAX_ROWS:
+    if weights.compiled is not None and h.shape[0] <= weights.compiled.rows_max:
         return weights.compiled(h, conv, ssm)
     Bsz, M = h.shape
     with torch.inference_mode():
