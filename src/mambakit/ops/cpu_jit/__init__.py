@@ -9,7 +9,9 @@ few microseconds of dispatch, checks and allocation, against less than that in
 arithmetic), so even the leanest op chain (`mamba_step/stack.py`) spends most of its
 time outside the arithmetic. Here the stack's blocks run as one compiled function over
 the same folded weights that chain reads (`stack_weights`), packed once per decode plan
-into per-layer arrays: no allocation, no dispatch, loops the compiler vectorises.
+into per-layer arrays: no allocation, no dispatch, loops the compiler vectorises. Each
+row runs every block on its own (the same arithmetic whatever the batch), the rows on
+numba's threads from two rows on.
 
 numba installs from pip with no system compiler (`pip install "mambakit[cpu]"`). Without
 it, or with `MAMBAKIT_NUMBA=0` in the environment, the PyTorch bodies run: they stay
