@@ -101,11 +101,13 @@ def _backward(dt, x, A, Bm, C, keep, has_keep, h0, gy, g_hT, every, g_dt, g_x, g
         states = np.empty((every + 1, D, N), dt.dtype)  # a chunk's states, recomputed
         scratch = np.empty(D, dt.dtype)
         h = h0[b].copy()
-        for t in range(T):
+        last = (chunks - 1) * every  # the last chunk's own steps are recomputed below
+        for t in range(last):
             if t % every == 0:
                 kept[t // every] = h
             kv = keep[b, t] if has_keep else one(dt[b, t, 0])
             _step(h, A, dt[b, t], x[b, t], Bm[b, t], C[b, t], kv, scratch)
+        kept[chunks - 1] = h
         gh = g_hT[b].copy()  # dL/dh after the last step
         for c in range(chunks - 1, -1, -1):
             t0 = c * every
