@@ -444,7 +444,9 @@ def _reference_module():
 
 
 # the reference's recurrence: its PyTorch body, and the compiled one where numba is
-BODIES = ["torch", *(["compiled"] if importlib.util.find_spec("numba") else [])]
+# (compiled: the backward recomputes the states from checkpoints; compiled-kept: the
+# forward keeps every state for it, as for windows of at most `scan.KEEP_BYTES`)
+BODIES = ["torch", *(["compiled", "compiled-kept"] if importlib.util.find_spec("numba") else [])]
 
 
 @pytest.fixture
@@ -453,11 +455,12 @@ def use_body(numba_on, monkeypatch):
     backward keeps a state every `checkpoint` steps."""
 
     def use(body: str, checkpoint: int = 4) -> None:
-        numba_on(body == "compiled")
-        if body == "compiled":
+        numba_on(body != "torch")
+        if body != "torch":
             from mambakit.ops.cpu_jit import scan
 
             monkeypatch.setattr(scan, "CHECKPOINT", checkpoint)
+            monkeypatch.setattr(scan, "KEEP_BYTES", 1 << 30 if body == "compiled-kept" else 0)
 
     return use
 
@@ -586,6 +589,28 @@ def test_compiled_recurrence_is_the_same_on_any_number_of_threads(seed, use_body
             )
     finally:
         torch.set_num_threads(threads)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif("compiled" not in BODIES, reason="needs numba")
+def test_compiled_backward_kept_states_equal_recomputed(seed, use_body, monkeypatch):
+    """The forward that keeps every state and the one that keeps checkpoints (the backward
+    recomputing the rest) give the same bits: outputs and every gradient."""
+    from mambakit.ops.cpu_jit import scan
+
+    inp = make_inputs(Case(Bsz=3, T=19, Dn=6, N=4, seq=True), device="cpu")
+    runs, kept = [], []
+    forward_states = scan.forward_states
+    monkeypatch.setattr(scan, "forward_states", lambda *a: kept.append(1) or forward_states(*a))
+    for body in ("compiled", "compiled-kept"):
+        use_body(body, 4)
+        y, hT, leaves = run(inp, True, backend="reference")
+        assert len(kept) == (body == "compiled-kept")
+        ((y * y).sum() + hT.sum()).backward()
+        grads = [v.grad for v in leaves.values() if getattr(v, "grad", None) is not None]
+        runs.append([y, hT, *grads])
+    assert len(runs[0]) == len(runs[1]) > 2
     for a, b in zip(*runs):
         assert torch.equal(a, b)
 

@@ -10,8 +10,11 @@ The PyTorch body runs this as whole-tensor ops over chunks of time, each pass a 
 through memory; here each row keeps its state [D, N] in cache and walks time once, the
 arithmetic of a step in one loop the compiler vectorises over N, the rows on as many
 threads as torch uses (numba's pool, one caller at a time). The backward walks time
-backwards from the final state's gradient, recomputing the states chunk by chunk from
-states kept every `CHECKPOINT` steps (memory T / CHECKPOINT states, not T):
+backwards from the final state's gradient. Where every state of a layer takes at most
+`KEEP_BYTES` (short windows: an RL policy's), the forward keeps them all
+(`forward_states`) and the backward reads them (`backward_states`); otherwise it
+recomputes them chunk by chunk from states kept every `CHECKPOINT` steps (memory
+T / CHECKPOINT states, not T). Both give the same bits:
 
     g_h_t  = C_t gy_t + a_{t+1} g_h_{t+1}
     g_C_t  = sum_d h_t gy_t     g_B_t = sum_d g_h_t x_t     g_x_t = sum_n g_h_t B_t
@@ -30,6 +33,13 @@ from numba import njit, prange
 from .common import JIT, exp, one, threads
 
 CHECKPOINT = 64  # steps between the states the backward keeps
+KEEP_BYTES = 32 << 20  # every state of a forward kept for its backward up to this size
+
+
+def keeps(dt: torch.Tensor, A: torch.Tensor) -> bool:
+    """Whether a forward on dt [B, T, D] and A [D, N] keeps every state (`KEEP_BYTES`)."""
+    Bsz, T, D = dt.shape
+    return Bsz * (T + 1) * D * A.shape[1] * dt.element_size() <= KEEP_BYTES
 
 
 def forward(dt, x, A, Bm, C, keep, h0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,6 +53,33 @@ def forward(dt, x, A, Bm, C, keep, h0) -> tuple[torch.Tensor, torch.Tensor]:
         _forward(dt.numpy(), x.numpy(), A.numpy(), Bm.numpy(), C.numpy(), k.numpy(),
                  keep is not None, h0.numpy(), y.numpy(), hT.numpy())  # fmt: skip
     return y, hT
+
+
+def forward_states(dt, x, A, Bm, C, keep, h0) -> tuple[torch.Tensor, ...]:
+    """`forward` keeping every state: (y, h_T, states [B, T + 1, D, N], h0 first)."""
+    Bsz, T, D = dt.shape
+    y = dt.new_empty(Bsz, T, D)
+    states = h0.new_empty(Bsz, T + 1, *h0.shape[1:])
+    k = keep if keep is not None else dt.new_ones(1, 1)
+    with threads():
+        _forward_states(dt.numpy(), x.numpy(), A.numpy(), Bm.numpy(), C.numpy(), k.numpy(),
+                        keep is not None, h0.numpy(), y.numpy(), states.numpy())  # fmt: skip
+    return y, states[:, T].clone(), states
+
+
+def backward_states(dt, x, A, Bm, C, keep, states, gy, g_hT) -> tuple[torch.Tensor, ...]:
+    """`backward` from the states `forward_states` kept (nothing recomputed)."""
+    g_dt, g_x = torch.empty_like(dt), torch.empty_like(x)
+    g_A = torch.zeros_like(A)
+    g_B, g_C = torch.empty_like(Bm), torch.empty_like(C)
+    g_h0 = torch.empty_like(g_hT)
+    k = keep if keep is not None else dt.new_ones(1, 1)
+    with threads():
+        _backward_states(dt.numpy(), x.numpy(), A.numpy(), Bm.numpy(), C.numpy(), k.numpy(),
+                         keep is not None, states.numpy(), gy.numpy(), g_hT.numpy(),
+                         g_dt.numpy(), g_x.numpy(), g_A.numpy(), g_B.numpy(), g_C.numpy(),
+                         g_h0.numpy())  # fmt: skip
+    return g_dt, g_x, g_A, g_B, g_C, g_h0
 
 
 def backward(dt, x, A, Bm, C, keep, h0, gy, g_hT) -> tuple[torch.Tensor, ...]:
@@ -87,6 +124,37 @@ def _forward(dt, x, A, Bm, C, keep, has_keep, h0, y, hT):
             kv = keep[b, t] if has_keep else one(dt[b, t, 0])
             _step(h, A, dt[b, t], x[b, t], Bm[b, t], C[b, t], kv, y[b, t])
         hT[b] = h
+
+
+@njit(parallel=True, **JIT)
+def _forward_states(dt, x, A, Bm, C, keep, has_keep, h0, y, states):
+    Bsz, T, D = dt.shape
+    for b in prange(Bsz):  # rows in parallel: nothing is shared between them
+        s = states[b]
+        h = h0[b].copy()  # stepped in place, in cache; each step's copy stored
+        s[0] = h
+        for t in range(T):
+            kv = keep[b, t] if has_keep else one(dt[b, t, 0])
+            _step(h, A, dt[b, t], x[b, t], Bm[b, t], C[b, t], kv, y[b, t])
+            s[t + 1] = h
+
+
+@njit(parallel=True, **JIT)
+def _backward_states(dt, x, A, Bm, C, keep, has_keep, states, gy, g_hT, g_dt, g_x, g_A, g_B,
+                     g_C, g_h0):  # fmt: skip
+    Bsz, T, D = dt.shape
+    N = A.shape[1]
+    g_A_rows = np.zeros((Bsz, D, N), dt.dtype)  # each row's share of g_A, summed in order
+    for b in prange(Bsz):  # rows in parallel, each writing its own gradients
+        s = states[b]
+        gh = g_hT[b].copy()  # dL/dh after the last step
+        for t in range(T - 1, -1, -1):
+            kv = keep[b, t] if has_keep else one(dt[b, t, 0])
+            _step_back(gh, s[t], s[t + 1], A, dt[b, t], x[b, t], Bm[b, t], C[b, t], gy[b, t],
+                       kv, g_dt[b, t], g_x[b, t], g_A_rows[b], g_B[b, t], g_C[b, t])  # fmt: skip
+        g_h0[b] = gh
+    for b in range(Bsz):  # one fixed order: deterministic whatever the threads
+        g_A += g_A_rows[b]
 
 
 @njit(parallel=True, **JIT)

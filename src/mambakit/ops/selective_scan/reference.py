@@ -201,9 +201,15 @@ class _Scan(torch.autograd.Function):
             args = [t.contiguous() for t in (dt, x, A, Bm, C)]
             keep = keep.contiguous() if keep is not None else None
             h0 = h0.contiguous()
-            y, hT = scan.forward(*args, keep, h0)
-            ctx.save_for_backward(*args, keep, h0)
             ctx.group = None
+            # a short window keeps every state for the backward (`scan.KEEP_BYTES`)
+            ctx.kept = any(ctx.needs_input_grad) and scan.keeps(dt, A)
+            if ctx.kept:
+                y, hT, states = scan.forward_states(*args, keep, h0)
+                ctx.save_for_backward(*args, keep, states)
+            else:
+                y, hT = scan.forward(*args, keep, h0)
+                ctx.save_for_backward(*args, keep, h0)
             return y, hT
         Bsz, T, D = dt.shape
         group = _group_size(T, Bsz, D, A.shape[1])
@@ -238,9 +244,11 @@ class _Scan(torch.autograd.Function):
             from ..cpu_jit import scan
 
             gy = gy.to(f).contiguous() if gy is not None else dt.new_zeros(Bsz, T, D)
-            g_hT = g_hT.to(f).contiguous() if g_hT is not None else torch.zeros_like(h_bounds[0])
-            g_dt, g_x, g_A, g_B, g_C, g_h0 = scan.backward(dt, x, A, Bm, C, keep, h_bounds[0],
-                                                           gy, g_hT)  # fmt: skip
+            h = h_bounds[0]  # h0, or every state [B, T + 1, D, N] where the forward kept them
+            g_hT = (g_hT.to(f).contiguous() if g_hT is not None
+                    else h.new_zeros(Bsz, *h.shape[-2:]))  # fmt: skip
+            run = scan.backward_states if ctx.kept else scan.backward
+            g_dt, g_x, g_A, g_B, g_C, g_h0 = run(dt, x, A, Bm, C, keep, h, gy, g_hT)
             return g_dt, g_x, g_A, g_B, g_C, None, g_h0
         gy = gy.to(f) if gy is not None else dt.new_zeros(Bsz, T, D)
         dtT, xT, BT, CT, gyT = (t.transpose(0, 1) for t in (dt, x, Bm, C, gy))
