@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from mambakit import MambaBackbone, MambaState
+from mambakit import MambaBackbone, MambaConfig, MambaState
 
 CASES = [(torch.float64, None), (torch.float64, 7), (torch.float32, None), (torch.float32, 7)]
 CASE_IDS = ["f64-d_model", "f64-input_dim7", "f32-d_model", "f32-input_dim7"]
@@ -202,3 +202,29 @@ def test_gradcheck_backbone_wrt_state_input_and_parameter(seed, tiny_config, ran
         return h, st.conv, st.ssm
 
     assert torch.autograd.gradcheck(f, (x, conv0, ssm0, a_log), eps=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("mixer", ["mamba1", "mamba3"])
+def test_forward_and_step_with_a_state_trace_whole(seed, mixer):
+    """torch.compile(fullgraph=True) traces a forward and a step that take a state (the
+    state's checks and field reads included): no graph break, the values of the eager
+    calls."""
+    kw = {} if mixer == "mamba1" else dict(headdim=4, d_state=8)
+    bb = MambaBackbone(MambaConfig(d_model=16, n_layers=2, input_dim=6, mixer=mixer, **kw))
+    x = torch.randn(2, 5, 6)
+    s0 = bb.init_state(2)
+    for t in s0._tensors():
+        t.normal_()
+    forward = torch.compile(lambda x, s: bb(x, s), backend="eager", fullgraph=True)
+    step = torch.compile(lambda x, s: bb.step(x, s, cuda_graph=False), backend="eager",
+                         fullgraph=True)  # fmt: skip
+    with torch.no_grad():
+        out, s1 = forward(x, s0.clone())
+        want, w1 = bb(x, s0.clone())
+        torch.testing.assert_close(out, want)
+        s, w = s0.clone(), s0.clone()
+        got_step = step(x[:, 0], s)[0]
+        want_step = bb.step(x[:, 0], w, cuda_graph=False)[0]
+    torch.testing.assert_close(got_step, want_step)
+    for a, b in zip((*s1._tensors(), *s._tensors()), (*w1._tensors(), *w._tensors())):
+        torch.testing.assert_close(a, b)

@@ -131,7 +131,7 @@ def check_state(state, config, batch: int, device: torch.device) -> None:
     pays it per call: the common case is one comparison of shapes)."""
     shapes = _expected(config, batch)
     cls = _STATE_CLASSES.get(config.mixer, MambaState)
-    if type(state) is cls:
+    if type(state) is cls and not torch.compiler.is_compiling():  # dynamo: the checks below
         ssm = state.ssm
         if (
             tuple(map(_shape, state._tensors())) == shapes
@@ -179,8 +179,12 @@ class ModelState:
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
-        fields = cls.layer_type._fields  # two or more: attrgetter returns their tuple
-        cls._fields_of = staticmethod(operator.attrgetter(*fields))
+        layer_type = cls.__dict__.get("layer_type")
+        if layer_type is None:  # a class between this one and the states: nothing to read
+            return
+        get = operator.attrgetter(*layer_type._fields)
+        one = len(layer_type._fields) == 1  # attrgetter of one name returns the value alone
+        cls._fields_of = staticmethod((lambda s: (get(s),)) if one else get)
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
         if torch.compiler.is_compiling():  # dynamo does not trace an attrgetter

@@ -77,13 +77,19 @@ def assert_close(got, want, tol):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
-@pytest.mark.parametrize("batch", [1, 3], ids=["B1", "B3"])
+@pytest.mark.parametrize("batch", [1, 3, 16], ids=["B1", "B3", "B16"])
 @pytest.mark.parametrize("name", list(MIXERS))
 def test_compiled_step_equals_the_torch_step(name, batch, dtype, numba_on, compiled_calls):
+    """16 rows: compiled where the stack takes them (float32: 1.4 MiB of weights, up to
+    SMALL_STACK_MAX_ROWS), the PyTorch path where it does not (float64: 2.8 MiB, 8 rows)."""
     bb = backbone(name, dtype)
     xs = torch.randn(6, batch, 64, dtype=dtype)
     got = run(bb, xs, numba_on, True)
-    assert compiled_calls == [True] * len(xs)
+    small = dtype == torch.float32
+    assert bb._stack_weights().compiled.rows_max == (cpu_jit.SMALL_STACK_MAX_ROWS if small
+                                                     else cpu_jit.COMPILED_MAX_ROWS)  # fmt: skip
+    compiled = batch <= bb._stack_weights().compiled.rows_max
+    assert compiled_calls == [compiled] * len(xs)
     compiled_calls.clear()
     want = run(bb, xs, numba_on, False)
     assert not any(compiled_calls)

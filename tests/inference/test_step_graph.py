@@ -231,3 +231,30 @@ def test_gpu_lm_graph_steps_equal_eager_steps():
     assert status["replays"] == len(ids) - sg.WARM_CALLS, status
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_a_superseded_plan_is_not_replayed_on(fake_graphs):
+    """A graph's plan derived again in between (a parameter's data swapped for a step and
+    swapped back, as an EMA swap does, moving no version): the plan then holds the values
+    of the swapped weights in its own tensors, however fresh it looks; the graph must see
+    the plan derived again, its tensors the values of the weights it reads."""
+    from mambakit.inference.plan import _tensors, record
+    from mambakit.model import _step_plan
+
+    m = backbone("mamba1")
+    state = m.init_state(2)
+    xs = torch.randn(4, 2, 12)
+    run(m, xs[:3], state)  # captured at the third call
+    entry = next(iter(sg._tables(m).graphs.values()))
+    A_log = m.layers[0].mixer.A_log
+    kept = A_log.data
+    A_log.data = kept + 1.0  # a new storage: no version moves
+    run(m, xs[3:], state, cuda_graph=False)  # derived again, into the plan's own tensors
+    A_log.data = kept
+    assert sg._stands(m, m, None, entry)
+    assert entry.plan is record(m, "step")
+    with torch.no_grad():
+        want = _tensors(_step_plan(m))
+    got = _tensors(entry.plan.value)
+    assert len(got) == len(want) > 0
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -16,7 +16,6 @@ stack takes: `cpu_jit.rows_max`) takes the general path.
 
 from __future__ import annotations
 
-import operator
 import weakref
 from functools import cache
 
@@ -30,15 +29,13 @@ from .step_graph import _not_plain, _unchanged, _watch
 
 
 class _Entry:
-    __slots__ = ("watch", "weights", "eps", "ends", "fields", "ptrs", "arrays")
+    __slots__ = ("watch", "weights", "eps", "ends")
 
     def __init__(self, watch) -> None:
         self.watch, self.weights, self.eps, self.ends = watch, None, None, None
-        self.fields, self.ptrs, self.arrays = (), (), ()
 
 
 _ENTRIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backbone -> _Entry
-_data_ptr = torch.Tensor.data_ptr
 
 
 def compiled_rows(backbone, x: torch.Tensor, state, stack) -> torch.Tensor | None:
@@ -72,8 +69,7 @@ def compiled_rows(backbone, x: torch.Tensor, state, stack) -> torch.Tensor | Non
     fields = state._tensors()
     if x.shape[1] != (WT.shape[0] if WT is not None else w.shape[0]) or x.dtype != dtype:
         return None
-    arrays = _arrays(entry, fields, dtype)
-    if arrays is None:
+    if any(t.dtype != dtype for t in fields):
         return None
     B, M = x.shape[0], w.shape[0]
     rows = np.empty((B, M + 1), consts.dtype)
@@ -84,28 +80,12 @@ def compiled_rows(backbone, x: torch.Tensor, state, stack) -> torch.Tensor | Non
     else:
         rows[:, :M] = xs
         rows[:, M] = consts[0]
-    compiled.layers(rows, arrays)
+    compiled.layers(rows, tuple(t.detach().numpy() for t in fields))
     # written through numpy, unseen by autograd: a graph that saved the state must know
     torch.autograd.graph.increment_version(fields)
-    out = np.empty((B, M), consts.dtype)
-    norm_rows(rows, w, consts, out)
-    return torch.from_numpy(out)
-
-
-def _arrays(entry: _Entry, fields: tuple, dtype: torch.dtype) -> tuple | None:
-    """The state's fields as numpy arrays (None unless each is of `dtype`), kept from the
-    last call while the fields are the same tensors at the same addresses: a loop carries
-    one state, and the conversions cost a microsecond a field."""
-    if not (
-        len(fields) == len(entry.fields)
-        and all(map(operator.is_, fields, entry.fields))
-        and tuple(map(_data_ptr, fields)) == entry.ptrs
-    ):
-        if any(t.dtype != dtype for t in fields):
-            return None
-        entry.arrays = tuple(t.detach().numpy() for t in fields)
-        entry.fields, entry.ptrs = fields, tuple(map(_data_ptr, fields))
-    return entry.arrays
+    out = torch.empty(B, M, dtype=dtype)  # torch's own storage: resizable, as elsewhere
+    norm_rows(rows, w, consts, out.numpy())
+    return out
 
 
 def _ends(backbone, pad: float):

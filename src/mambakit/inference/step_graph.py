@@ -227,8 +227,8 @@ def _stands(model, backbone, head, entry: _Graph) -> bool:
     roots = [backbone] if head is None else [backbone, head]
     if not _unchanged(entry.watch, roots) or _head_ptrs(head) != entry.extra:
         return False
-    if entry.plan.fresh(backbone):  # the derivation captured on, still fresh: the common case
-        return True
+    if record(backbone, "step") is entry.plan and entry.plan.fresh(backbone):
+        return True  # the derivation captured on, current and fresh: the common case
     backbone._decode_plan()
     now = record(backbone, "step")
     if now is entry.plan:

@@ -10,6 +10,7 @@ a larger body it often cannot prove that and stays scalar (twice the time or mor
 from __future__ import annotations
 
 import math
+import os
 import threading
 from contextlib import contextmanager
 
@@ -32,6 +33,14 @@ LN2_LO = 1.428606765330187e-06
 # one caller at a time in numba's thread pool (its workqueue layer, where OpenMP is not
 # there, must not be entered by two threads at once)
 _LOCK = threading.Lock()
+
+
+def _new_lock() -> None:
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock)  # a fork while a thread held it: a free one
 
 
 @contextmanager
@@ -280,18 +289,6 @@ def matmul(X, W, out):
         for j in range(out.shape[1]):
             out[b, j] = zero(out[b, j])
     matmul_add(X, W, out)
-
-
-@njit(inline="never", **JIT)
-def normed_rows(r, WT, bias, out):
-    """`normed_projection` of every row: out[b] = (r[b] WT) / |r[b]| + bias (r [B, M + 1],
-    WT [M + 1, W], out [B, W])."""
-    matmul(r, WT, out)
-    for b in range(r.shape[0]):
-        s = one(r[b, 0]) / norm(r[b])
-        o = out[b]
-        for j in range(o.shape[0]):
-            o[j] = o[j] * s + bias[j]
 
 
 @njit(**JIT)

@@ -130,14 +130,14 @@ def _span(r, in_wT, in_b, conv_w, conv_b, A, Dv, out_wT, mlp_wT, out_b, dt_limit
         for layer in range(L):
             normed_projection(rb, in_wT[layer], in_b[layer], zx)
             conv_step(conv[layer, b], conv_w[layer], conv_b[layer], zx[X0 : X0 + C], xc)
-            lo, hi = dt_limit[layer, 0], dt_limit[layer, 1]
+            dt_lo, dt_hi = dt_limit[layer, 0], dt_limit[layer, 1]
             for hd in range(H):
                 g = hd // HG
                 delta = softplus(zx[DT + hd])
-                if delta < lo:  # as clamp: NaN stays NaN
-                    delta = lo
-                if delta > hi:
-                    delta = hi
+                if delta < dt_lo:  # as clamp: NaN stays NaN
+                    delta = dt_lo
+                if delta > dt_hi:
+                    delta = dt_hi
                 dA = exp(delta * A[layer, hd])
                 Bg = xc[E + g * N : E + (g + 1) * N]
                 Cg = xc[E + (G + g) * N : E + (G + g + 1) * N]

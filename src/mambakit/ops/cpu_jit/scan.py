@@ -175,7 +175,8 @@ def _backward(dt, x, A, Bm, C, keep, has_keep, h0, gy, g_hT, every, g_dt, g_x, g
                 kept[t // every] = h
             kv = keep[b, t] if has_keep else one(dt[b, t, 0])
             _step(h, A, dt[b, t], x[b, t], Bm[b, t], C[b, t], kv, scratch)
-        kept[chunks - 1] = h
+        if chunks:  # T = 0: nothing kept, nothing to walk back
+            kept[chunks - 1] = h
         gh = g_hT[b].copy()  # dL/dh after the last step
         for c in range(chunks - 1, -1, -1):
             t0 = c * every
