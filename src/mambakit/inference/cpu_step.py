@@ -69,7 +69,7 @@ def compiled_rows(backbone, x: torch.Tensor, state, stack) -> torch.Tensor | Non
     fields = state._tensors()
     if x.shape[1] != (WT.shape[0] if WT is not None else w.shape[0]) or x.dtype != dtype:
         return None
-    if any(t.dtype != dtype for t in fields):
+    if not all(t.dtype == dtype for t in fields):
         return None
     B, M = x.shape[0], w.shape[0]
     rows = np.empty((B, M + 1), consts.dtype)
@@ -80,12 +80,17 @@ def compiled_rows(backbone, x: torch.Tensor, state, stack) -> torch.Tensor | Non
     else:
         rows[:, :M] = xs
         rows[:, M] = consts[0]
-    compiled.layers(rows, tuple(t.detach().numpy() for t in fields))
+    compiled.layers(rows, tuple(map(_array, fields)))
     # written through numpy, unseen by autograd: a graph that saved the state must know
     torch.autograd.graph.increment_version(fields)
     out = torch.empty(B, M, dtype=dtype)  # torch's own storage: resizable, as elsewhere
     norm_rows(rows, w, consts, out.numpy())
     return out
+
+
+def _array(t: torch.Tensor) -> np.ndarray:
+    """t's numpy view (detached first only where it needs it: a microsecond a field)."""
+    return t.detach().numpy() if t.requires_grad else t.numpy()
 
 
 def _ends(backbone, pad: float):
