@@ -22,6 +22,9 @@ One thread (the engine loop) does all the model work. Each iteration:
    whose prefill completes draws its first token from the prompt's last logits and
    joins the decode batch.
 
+Step 2 is `decode.py`'s (`Decoding`), step 3 `intake.py`'s (`Intake`): the engine's two
+sides, methods of `Engine` on the state its constructor sets up.
+
 Requests beyond the free rows wait in a queue of at most `max_queue`; `submit` raises
 `QueueFull` beyond it. An exception while handling one request ends that request with
 an error event; a failed batched forward ends the requests in that batch; the loop
@@ -46,32 +49,23 @@ import torch
 
 from ..inference.cuda_graph import static_mode, use_cuda_graph
 from ..threads import apply_threads
-from .cache import PrefixCache, prefix_hashes
+from .cache import PrefixCache
+from .decode import Decoding
+from .intake import Intake
 from .metrics import Metrics
 from .params import EngineStopped, Event, QueueFull, SamplingParams
 from .prefill import (
-    PACK_SLOTS_EAGER,
     WHOLE_MAX,
     PrefillGraphs,
-    left_padded,
-    pack_bucket,
-    pack_steps,
-    packed_row,
-    piece_lengths,
-    plan_packs,
-    plan_targets,
-    stack_rows,
-    whole_bucket,
 )
 from .request import Completion, PromptTooLong, Request, Sequence
-from .slots import SlotPool, rows_view, sample_rows, to_device
+from .slots import SlotPool
 
-HEADS_KEPT = 1 << 16  # first blocks remembered (`Engine._new_head`)
 PREFILL_TOKENS_CUDA = 16384  # the default prefill launch on CUDA (beside the decode steps)
 PREFILL_TOKENS = 2048  # elsewhere, where it adds to an iteration's time
 
 
-class Engine:
+class Engine(Intake, Decoding):
     """Continuous batching over `max_batch` state slots (module docstring).
 
     model: a MambaLM (eval mode; its device and dtype are the engine's).
@@ -432,90 +426,6 @@ class Engine:
             out, self._outbox = self._outbox, []
             self.deliver(out)
 
-    def _decode(self) -> None:
-        """Launch the decode step of the running rows; take the tokens of a step launched
-        before. With `lookahead` (on CUDA) the tokens taken are those of the previous
-        iteration's step, whose copy to the host was enqueued then: the host's work on one
-        step's tokens overlaps the device's work on the next. A choice that ended is then
-        stepped once more, its token dropped; rows moved meanwhile are copied in stream
-        order, after that step. The first tokens of choices that joined last iteration
-        (`_join`) are read after that iteration's step, and before their second."""
-        launched = self._launch() if self.rows else None
-        if self._inflight is not None:  # cleared first: a failure is not met again
-            inflight, self._inflight = self._inflight, None
-            self._collect(inflight)
-        joined, self._joined = self._joined, []
-        for first in joined:
-            self._collect(first)
-        if launched is not None:
-            if self.lookahead:
-                self._inflight = launched
-            else:
-                self._collect(launched)
-
-    def _launch(self):
-        """Step rows 0 .. n-1 and sample; (their choices, the host buffer their tokens are
-        copied to, the event that marks the copy done), or None when the step failed."""
-        pool, n = self.pool, len(self.rows)
-        rows = list(self.rows)
-        try:
-            logits = pool.step(n)
-            if len(self._row_settings) == 1:  # one setting: no list of them per row
-                cfgs = [rows[0].request.sampling]
-            else:
-                cfgs = [s.request.sampling for s in rows]
-            seen = pool.seen[:n] if pool.seen is not None else None
-            nxt = sample_rows(logits, cfgs, pool.seeds[:n], pool.steps[:n], seen)
-            pool.tok[:n].copy_(nxt)
-            pool.steps[:n] += 1
-            if pool.seen is not None:
-                pool.seen[torch.arange(n, device=pool.device), nxt] = True
-            host = self._host[self._flip]
-            self._flip ^= 1
-            host[:n].copy_(nxt, non_blocking=True)
-            event = None
-            if pool.device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record()
-        except Exception as e:  # the batch's step failed: every running choice ends
-            msg = f"decode step failed: {type(e).__name__}: {e}"
-            for req in {s.request for s in rows}:
-                self._end_request(req, "error", msg)
-            return None
-        return rows, host, event
-
-    def _collect(self, launched) -> None:
-        """The new tokens of a launched step (or of a join): one read of the host buffer,
-        then per choice its stop checks, text and event; a failure ends that request."""
-        rows, host, event = launched
-        if event is not None:
-            event.synchronize()
-        tokens = host[: len(rows)].tolist()
-        now = time.monotonic()
-        hook, outbox, itl, ttft = self.on_token, self._outbox, self._itl, self._ttft
-        n_out = 0
-        for seq, tok in zip(rows, tokens):
-            if seq.finished is not None:
-                continue
-            req = seq.request
-            try:
-                if hook is not None:
-                    hook(seq, tok)
-                n_out += 1
-                if seq.tokens:
-                    itl.append(now - seq.last_time)
-                elif seq.index == 0:
-                    ttft.append(now - req.arrival)
-                seq.last_time = now
-                text, reason = seq.push(tok)
-                outbox.append((req, Event(seq.index, [tok], text, reason)))
-                if reason is not None:
-                    self._finish(seq, reason)
-            except Exception as e:
-                self._end_request(req, "error", f"{type(e).__name__}: {e}")
-        self._n_out += n_out
-        self._free_rows()
-
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finished = reason
         seq.request.open -= 1
@@ -561,269 +471,3 @@ class Engine:
                     self.pool.move(last, i)
                     rows[i] = rows[last]
                 rows.pop()
-
-    def _admit(self) -> None:
-        """Waiting requests into prefill while rows are free, first come first served."""
-        while self.waiting:
-            req = self.waiting[0]
-            if len(self.rows) + self.reserved + req.params.n > self.max_batch:
-                break
-            self.waiting.popleft()
-            with self._lock:
-                self._n_waiting -= 1
-            self.reserved += req.params.n
-            if self.cache.enabled:
-                req.hashes = prefix_hashes(req.prompt)
-                hit = self.cache.lookup(req.prompt, req.hashes)
-                if hit is not None:
-                    req.pos = req.cached = len(hit.tokens)
-                    req.state, req.logits = hit.state, hit.logits
-            if self.packed:  # packed, with the block states unless the head is new
-                rest = len(req.prompt) - req.pos  # 0: the whole prompt was cached
-                req.whole = 0 < rest <= self.prefill_tokens
-                seen = req.pos > 0 or not self._new_head(req)
-                req.blocks = req.whole and self.cache.enabled and seen
-                steps = pack_steps(req.pos, len(req.prompt), self.block_size, req.blocks)
-                if len(steps) > self._pack_slots():  # more boundaries than a row keeps
-                    req.blocks = False
-            else:
-                short = len(req.prompt) <= min(self.whole_max, self.prefill_tokens)
-                req.whole = req.pos == 0 and short and self._new_head(req)
-            self.prefilling.append(req)
-
-    def _new_head(self, req: Request) -> bool:
-        """Whether `req` (starting from zeros) may be prefilled whole: no cache, a prompt
-        shorter than a block, or a first block not seen before (noted now). The first
-        prompt with a new system prompt runs whole; the next one keeps its block states."""
-        if not self.cache.enabled or len(req.prompt) < self.block_size:
-            return True
-        head = req.hashes[self.block_size - 1]
-        seen = head in self._heads
-        self._heads[head] = None
-        self._heads.move_to_end(head)
-        if len(self._heads) > HEADS_KEPT:
-            self._heads.popitem(last=False)
-        return not seen
-
-    def _prefill(self) -> None:
-        """Join the prefill launched before when it is done; then launch the next: up to
-        `prefill_tokens` prompt tokens (prefill.py). Without `async_prefill` the prefill
-        launched is joined at once. Joining draws the first tokens of the prompts that
-        are complete."""
-        if self._pending is not None:
-            event, ready = self._pending
-            if event is not None:
-                if self.rows or self._inflight is not None:
-                    if not event.query():  # decode steps to run meanwhile
-                        return
-                else:
-                    event.synchronize()  # nothing else to do: wait without spinning
-            self._pending = None
-            ready = [r for r in ready if r in self.prefilling]  # not cancelled meanwhile
-            if ready:
-                self._join(ready)
-        if not self.prefilling:
-            return
-        if self.prefill_stream is None:
-            ready = self._launch_prefill()
-        else:
-            self.prefill_stream.wait_stream(self.decode_stream)
-            with torch.cuda.stream(self.prefill_stream):
-                ready = self._launch_prefill()
-        if not self.async_prefill:
-            if ready:
-                if self.prefill_stream is not None:
-                    self.decode_stream.wait_stream(self.prefill_stream)
-                self._join(ready)
-            return
-        event = None
-        if self.prefill_stream is not None:
-            event = torch.cuda.Event(blocking=True)  # its synchronize() sleeps, not spins
-            event.record(self.prefill_stream)
-        self._pending = (event, ready)  # the next launch waits for this one's end
-
-    def _launch_prefill(self) -> list[Request]:
-        """Enqueue the forwards of this iteration's prompt pieces, grouped by length, and
-        the cache's copies of the states they reach; the requests whose prompt they
-        complete. Nothing here waits for the device."""
-        whole = []
-        for req, target in plan_targets(self.prefilling, self.prefill_tokens, self.block_size):
-            if req.whole:
-                whole.append(req)
-            else:
-                req.pieces = piece_lengths(req.pos, target, self.block_size)
-        if whole and self.packed:
-            self._prefill_packed(whole)
-        elif whole:
-            self._prefill_whole(whole)
-        while True:
-            active = [r for r in self.prefilling if r.pieces]
-            if not active:
-                break
-            size = max(r.pieces[0] for r in active)
-            group = [r for r in active if r.pieces[0] == size]
-            pieces = [r.prompt[r.pos : r.pos + size] for r in group]
-
-            def forward(group=group, pieces=pieces):
-                state = stack_rows([r.state for r in group], self._zero)
-                done = None
-                if self.prefill_graphs is not None:
-                    done = self.prefill_graphs.run(pieces, state, self.device)
-                if done is None:
-                    ids = torch.tensor(pieces, dtype=torch.int64, device=self.device)
-                    done = self.model.last_logits(ids, state)
-                return done
-
-            for r in group:
-                r.pieces.popleft()
-            self._forward_group(group, forward, [r.pos + size for r in group])
-        return [r for r in self.prefilling if r.pos == len(r.prompt)]
-
-    def _prefill_whole(self, reqs: list[Request]) -> None:
-        """Prefill whole prompts from zeros. On CUDA in groups of up to the captured rows
-        (16) of similar lengths (the prompts sorted by length, cut into groups), each one
-        forward padded to the bucket of its longest (`PrefillGraphs.run_whole`): few large
-        forwards, the filler a fraction of each; elsewhere grouped by exact length."""
-        if self.device.type == "cuda" or self.prefill_graphs is not None:
-            size = self.prefill_graphs.max_rows if self.prefill_graphs is not None else 16
-            reqs = sorted(reqs, key=lambda r: len(r.prompt))
-            groups = {}
-            for i in range(0, len(reqs), size):
-                group = reqs[i : i + size]
-                groups[(i, whole_bucket(len(group[-1].prompt)))] = group
-        else:
-            groups: dict = {}
-            for r in reqs:
-                groups.setdefault((0, len(r.prompt)), []).append(r)
-        for (_, n), group in groups.items():
-            prompts = [r.prompt for r in group]
-
-            def forward(prompts=prompts, n=n):
-                done = None
-                if self.prefill_graphs is not None:
-                    done = self.prefill_graphs.run_whole(prompts, self.device)
-                if done is None:
-                    ids, seq_idx = left_padded(prompts, n, self.device)
-                    done = self.model.last_logits(ids, None, seq_idx)
-                return done
-
-            self._forward_group(group, forward, [len(p) for p in prompts])
-
-    def _pack_slots(self) -> int:
-        """The states one packed forward keeps at most."""
-        graphs = self.prefill_graphs
-        return graphs.slots if graphs is not None else PACK_SLOTS_EAGER
-
-    def _prefill_packed(self, reqs: list[Request]) -> None:
-        """Prefill the rest of prompts packed end to end into rows of up to `prefill_tokens`
-        tokens and `PrefillGraphs.slots` kept states (each prompt's end, and its block
-        boundaries when `blocks`), one forward a row (`MambaLM.states_at`). A prompt that
-        continues a cached prefix starts a row, from that prefix's state (the state a row
-        starts from enters its first prompt only); the others start from zeros. On CUDA
-        each row is padded to a `pack_bucket` and replayed from its graph."""
-        graphs = self.prefill_graphs
-        slots = self._pack_slots()
-        for group, steps, rows, marks in plan_packs(reqs, self.block_size, self.prefill_tokens,
-                                                    slots):  # fmt: skip
-            total = sum(len(r.prompt) - r.pos for r in group)
-            k = sum(map(len, steps))
-
-            def forward(group=group, steps=steps, total=total, k=k):
-                prompts = [r.prompt[r.pos :] for r in group]
-                start = group[0].state  # a cached prefix's (one row), or None
-                if graphs is not None:
-                    row = packed_row(prompts, steps, pack_bucket(total), slots)
-                    done = graphs.run_packed(*row, k, self.device, start)
-                    if done is not None:
-                        return done
-                ids, seq, pos = (t.to(self.device) for t in packed_row(prompts, steps, total, k))
-                logits, state = self.model._states_at(ids, pos, start, seq)
-                return logits[0], state
-
-            self._forward_group(group, forward, [len(r.prompt) for r in group], rows, marks)
-
-    def _forward_group(
-        self, group: list[Request], forward, ends: list[int], rows=None, marks=()
-    ) -> None:
-        """Run `forward` (-> logits [g, V], state [L, g, ...]) that takes the requests of
-        `group` to positions `ends`; keep each one's state row and last logits, and give
-        the cache those at a block boundary or a prompt's end. `rows`: the row of each
-        request's end (default: its index); `marks`: (request, tokens, row) of the states
-        at block boundaries inside the prompts (a packed forward's), for the cache. A
-        forward that fails ends the requests of the group with an error."""
-        try:
-            logits, out = forward()
-        except Exception as e:
-            msg = f"prefill failed: {type(e).__name__}: {e}"
-            for r in group:
-                self._end_request(r, "error", msg)
-            return
-        with self.metrics.lock:
-            self.metrics.prefill_tokens += sum(end - r.pos for r, end in zip(group, ends))
-        for r, n, j in marks:
-            self.cache.insert(r.prompt[:n], r.hashes, rows_view(out, j, j + 1), logits[j])
-        for i, (r, end) in enumerate(zip(group, ends)):
-            j = i if rows is None else rows[i]
-            r.pos = end
-            r.state, r.logits = rows_view(out, j, j + 1), logits[j]
-            if end % self.block_size == 0 or end == len(r.prompt):
-                self.cache.insert(r.prompt[:end], r.hashes, r.state, r.logits)
-
-    def _join(self, ready: list[Request]) -> None:
-        """Draw the first token of every choice of the prompts in `ready` and put the
-        choices into free rows. Nothing here waits for the device: with `lookahead` the
-        first tokens are read at the next iteration, after its step is launched (a choice
-        that ends on its first token is then stepped once more, that token dropped);
-        otherwise at once."""
-        seqs: list[Sequence] = []
-        if self.prefill_stream is not None:  # made on the prefill stream, read on this one
-            stream = torch.cuda.current_stream(self.device)
-            for req in ready:
-                for t in (*req.state._tensors(), req.logits):
-                    t.record_stream(stream)
-        for req in ready:
-            self.prefilling.remove(req)
-            self.reserved -= req.params.n
-            p = req.params
-            base = p.seed if p.seed is not None else self._rng.getrandbits(62)
-            req.seqs = [Sequence(req, i, base + i, self.tokenizer, self.eos_token_id)
-                        for i in range(p.n)]  # fmt: skip
-            seqs += req.seqs
-        try:
-            logits = torch.stack([s.request.logits for s in seqs])
-            cfgs = [s.request.sampling for s in seqs]
-            seeds = to_device([s.seed for s in seqs], self.device)
-            steps = torch.zeros_like(seeds)
-            seen = None
-            if any(c.repetition_penalty != 1 for c in cfgs):
-                seen = torch.zeros(len(seqs), self.vocab, dtype=torch.bool, device=self.device)
-                rows = [i for i, s in enumerate(seqs) for _ in s.request.prompt]
-                cols = [t for s in seqs for t in s.request.prompt]
-                seen[to_device(rows, self.device), to_device(cols, self.device)] = True
-            first = sample_rows(logits, cfgs, seeds, steps, seen)
-            if seen is not None:
-                seen[torch.arange(len(seqs), device=self.device), first] = True
-            self.pool.load(len(self.rows), [s.request.state for s in seqs], first, seeds, 1,
-                           seen)  # fmt: skip
-            host = first.to("cpu", non_blocking=True)  # pinned, on CUDA
-            event = None
-            if self.device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record()
-        except Exception as e:
-            msg = f"sampling failed: {type(e).__name__}: {e}"
-            for req in ready:
-                self._end_request(req, "error", msg)
-            return
-        finally:
-            for req in ready:
-                req.state = req.logits = None
-        self.rows += seqs
-        counts = self._row_settings
-        for s in seqs:
-            key = id(s.request.sampling)
-            counts[key] = counts.get(key, 0) + 1
-        if self.lookahead:
-            self._joined.append((seqs, host, event))
-        else:
-            self._collect((seqs, host, event))
