@@ -252,53 +252,14 @@ def norm(r):
     return math.sqrt(s)
 
 
-@njit(inline="never", **JIT)
-def matmul_add(X, W, out):
-    """out += X W: X [B, K], W [K, N], out [B, N] (not overlapping W). W's rows eight at a
-    time, each block over every row of X: W is read from memory once whatever B."""
-    B = X.shape[0]
-    K, N = W.shape
-    k = 0
-    while k + 8 <= K:
-        w0, w1, w2, w3 = W[k], W[k + 1], W[k + 2], W[k + 3]
-        w4, w5, w6, w7 = W[k + 4], W[k + 5], W[k + 6], W[k + 7]
-        for b in range(B):
-            x = X[b]
-            o = out[b]
-            v0, v1, v2, v3 = x[k], x[k + 1], x[k + 2], x[k + 3]
-            v4, v5, v6, v7 = x[k + 4], x[k + 5], x[k + 6], x[k + 7]
-            for j in range(N):
-                o[j] += (v0 * w0[j] + v1 * w1[j] + v2 * w2[j] + v3 * w3[j]) + (
-                    v4 * w4[j] + v5 * w5[j] + v6 * w6[j] + v7 * w7[j]
-                )
-        k += 8
-    while k < K:
-        w = W[k]
-        for b in range(B):
-            v = X[b, k]
-            o = out[b]
-            for j in range(N):
-                o[j] += v * w[j]
-        k += 1
-
-
-@njit(inline="never", **JIT)
-def matmul(X, W, out):
-    """out = X W: X [B, K], W [K, N], out [B, N] (not overlapping W)."""
-    for b in range(out.shape[0]):
-        for j in range(out.shape[1]):
-            out[b, j] = zero(out[b, j])
-    matmul_add(X, W, out)
-
-
 @njit(**JIT)
 def input_rows(x, WT, b, c, r):
     """The residual stream's first rows: r[i, :M] = x[i] WT + b, r[i, M] = c[0] (x [B, F],
     WT [F, M], b [M], r [B, M + 1]: the stream and its constant column)."""
     M = WT.shape[1]
-    matmul(x, WT, r[:, :M])
     for i in range(x.shape[0]):
         ri = r[i]
+        vecmat(x[i], WT, ri[:M])
         for j in range(M):
             ri[j] += b[j]
         ri[M] = c[0]
