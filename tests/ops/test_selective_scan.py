@@ -616,6 +616,24 @@ def test_compiled_backward_kept_states_equal_recomputed(seed, use_body, monkeypa
 
 
 @pytest.mark.skipif("compiled" not in BODIES, reason="needs numba")
+def test_compiled_forward_keeps_states_only_for_a_backward(seed, use_body, monkeypatch):
+    """Inputs that require grad under no_grad: no backward can run, so the forward keeps no
+    state (`forward_states` is not called); with grad mode on it does."""
+    from mambakit.ops.cpu_jit import scan
+
+    use_body("compiled-kept", 4)
+    kept = []
+    forward_states = scan.forward_states
+    monkeypatch.setattr(scan, "forward_states", lambda *a: kept.append(1) or forward_states(*a))
+    inp = make_inputs(Case(Bsz=2, T=9, Dn=4, N=3), device="cpu")
+    with torch.no_grad():
+        run(inp, True, backend="reference")
+    assert not kept
+    run(inp, True, backend="reference")
+    assert kept == [1]
+
+
+@pytest.mark.skipif("compiled" not in BODIES, reason="needs numba")
 def test_compiled_recurrence_leaves_torch_thread_count_alone(seed, use_body):
     """numba's thread pool must not change the thread count torch's own ops run on."""
     use_body("compiled", 4)

@@ -40,7 +40,9 @@ def _new_lock() -> None:
     _LOCK = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_new_lock)  # a fork while a thread held it: a free one
+# a fork while another thread held the lock: the child gets a free one (numba's workqueue
+# and TBB layers; its OpenMP layer does not run in a forked child at all)
+os.register_at_fork(after_in_child=_new_lock)
 
 
 @contextmanager

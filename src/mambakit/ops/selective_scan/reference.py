@@ -180,18 +180,19 @@ class _Scan(torch.autograd.Function):
     Inputs: dt [B, T, D] (after softplus), x = dt * u [B, T, D], A [D, N],
     B, C [B, T, N], keep [B, T] (0 at document starts) or None, h0 [B, D, N].
     Outputs: y_t = sum_n h_t C_t [B, T, D] and h_T. Only the states at group
-    boundaries are kept; the backward recomputes each group's states, then runs
+    boundaries are kept (compiled, `cpu_jit.scan`: every state of a short window where a
+    backward can run, `grad`); the backward recomputes each group's states, then runs
     the reverse scan g_h_t = C_t gy_t + a_{t+1} g_h_{t+1} with the same machinery.
     Inside, tensors are time-major ([T, B, ...]): a step is one contiguous slice.
     """
 
     @staticmethod
-    def forward(ctx, dt, x, A, Bm, C, keep, h0):
+    def forward(ctx, dt, x, A, Bm, C, keep, h0, grad=True):
         with torch.autocast(dt.device.type, enabled=False):  # the scan is f32 (f64) throughout
-            return _Scan._forward(ctx, dt, x, A, Bm, C, keep, h0)
+            return _Scan._forward(ctx, dt, x, A, Bm, C, keep, h0, grad)
 
     @staticmethod
-    def _forward(ctx, dt, x, A, Bm, C, keep, h0):
+    def _forward(ctx, dt, x, A, Bm, C, keep, h0, grad):
         # detached: the out= ops below take no input that needs grad, also where a trace
         # inlines this body into a graph run with autograd on (torch.export)
         dt, x, A, Bm, C, h0 = (t.detach() for t in (dt, x, A, Bm, C, h0))
@@ -202,8 +203,9 @@ class _Scan(torch.autograd.Function):
             keep = keep.contiguous() if keep is not None else None
             h0 = h0.contiguous()
             ctx.group = None
-            # a short window keeps every state for the backward (`scan.KEEP_BYTES`)
-            ctx.kept = any(ctx.needs_input_grad) and scan.keeps(dt, A)
+            # a short window keeps every state for a backward that will run (`grad`: the
+            # caller's grad mode and inputs; autograd turns grad mode off in here)
+            ctx.kept = grad and scan.keeps(dt, A)
             if ctx.kept:
                 y, hT, states = scan.forward_states(*args, keep, h0)
                 ctx.save_for_backward(*args, keep, states)
@@ -249,7 +251,7 @@ class _Scan(torch.autograd.Function):
                     else h.new_zeros(Bsz, *h.shape[-2:]))  # fmt: skip
             run = scan.backward_states if ctx.kept else scan.backward
             g_dt, g_x, g_A, g_B, g_C, g_h0 = run(dt, x, A, Bm, C, keep, h, gy, g_hT)
-            return g_dt, g_x, g_A, g_B, g_C, None, g_h0
+            return g_dt, g_x, g_A, g_B, g_C, None, g_h0, None
         gy = gy.to(f) if gy is not None else dt.new_zeros(Bsz, T, D)
         dtT, xT, BT, CT, gyT = (t.transpose(0, 1) for t in (dt, x, Bm, C, gy))
         keepT = None if keep is None else keep.t()
@@ -284,7 +286,7 @@ class _Scan(torch.autograd.Function):
             G = a[0] * g_h[0]  # the carry past the group's first step
         return (
             g_dt.transpose(0, 1), g_x.transpose(0, 1), g_A, g_B.transpose(0, 1),
-            g_C.transpose(0, 1), None, G,
+            g_C.transpose(0, 1), None, G, None,
         )  # fmt: skip
 
 
@@ -323,7 +325,11 @@ def selective_scan_reference(
     if T == 0:  # nothing to scan: the state passes through (a copy, gradient unchanged)
         y, h = uf.new_zeros(Bsz, 0, Dn), h0.clone()
     else:
-        y, h = _Scan.apply(dt, dt * uf, A.to(f), B.to(f), C.to(f), keep, h0)
+        x, Af, Bf, Cf = dt * uf, A.to(f), B.to(f), C.to(f)
+        grad = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (dt, x, Af, Bf, Cf, h0)
+        )  # a backward can run: the compiled forward may keep every state for it
+        y, h = _Scan.apply(dt, x, Af, Bf, Cf, keep, h0, grad)
     if D is not None:
         y = y + uf * D.to(f)
     if z is not None:
