@@ -12,9 +12,9 @@ arithmetic of a step in one loop the compiler vectorises over N, the rows on as 
 threads as torch uses (numba's pool, one caller at a time). The backward walks time
 backwards from the final state's gradient. Where every state of a layer takes at most
 `KEEP_BYTES` (short windows: an RL policy's), the forward keeps them all
-(`forward_states`) and the backward reads them (`backward_states`); otherwise it
-recomputes them chunk by chunk from states kept every `CHECKPOINT` steps (memory
-T / CHECKPOINT states, not T). Both give the same bits:
+(`forward_states`) and the backward reads them; otherwise it recomputes them chunk by
+chunk from states kept every `CHECKPOINT` steps (memory T / CHECKPOINT states, not T).
+Both give the same bits:
 
     g_h_t  = C_t gy_t + a_{t+1} g_h_{t+1}
     g_C_t  = sum_d h_t gy_t     g_B_t = sum_d g_h_t x_t     g_x_t = sum_n g_h_t B_t
@@ -67,34 +67,24 @@ def forward_states(dt, x, A, Bm, C, keep, h0) -> tuple[torch.Tensor, ...]:
     return y, states[:, T].clone(), states
 
 
-def backward_states(dt, x, A, Bm, C, keep, states, gy, g_hT) -> tuple[torch.Tensor, ...]:
-    """`backward` from the states `forward_states` kept (nothing recomputed)."""
+def backward(dt, x, A, Bm, C, keep, h, gy, g_hT) -> tuple[torch.Tensor, ...]:
+    """(g_dt, g_x, g_A, g_B, g_C, g_h0) of the forward's inputs from the outputs' gradients
+    (contiguous tensors of its dtype). h: what the forward kept, h0 [B, D, N] (`forward`:
+    the states are recomputed from checkpoints) or every state [B, T + 1, D, N]
+    (`forward_states`)."""
     g_dt, g_x = torch.empty_like(dt), torch.empty_like(x)
     g_A = torch.zeros_like(A)
     g_B, g_C = torch.empty_like(Bm), torch.empty_like(C)
     g_h0 = torch.empty_like(g_hT)
     k = keep if keep is not None else dt.new_ones(1, 1)
+    arrs = (dt.numpy(), x.numpy(), A.numpy(), Bm.numpy(), C.numpy(), k.numpy(), keep is not None,
+            h.numpy(), gy.numpy(), g_hT.numpy())  # fmt: skip
+    grads = (g_dt.numpy(), g_x.numpy(), g_A.numpy(), g_B.numpy(), g_C.numpy(), g_h0.numpy())
     with threads():
-        _backward_states(dt.numpy(), x.numpy(), A.numpy(), Bm.numpy(), C.numpy(), k.numpy(),
-                         keep is not None, states.numpy(), gy.numpy(), g_hT.numpy(),
-                         g_dt.numpy(), g_x.numpy(), g_A.numpy(), g_B.numpy(), g_C.numpy(),
-                         g_h0.numpy())  # fmt: skip
-    return g_dt, g_x, g_A, g_B, g_C, g_h0
-
-
-def backward(dt, x, A, Bm, C, keep, h0, gy, g_hT) -> tuple[torch.Tensor, ...]:
-    """(g_dt, g_x, g_A, g_B, g_C, g_h0) of `forward`'s inputs from the outputs' gradients
-    (contiguous tensors of its dtype)."""
-    g_dt, g_x = torch.empty_like(dt), torch.empty_like(x)
-    g_A = torch.zeros_like(A)
-    g_B, g_C = torch.empty_like(Bm), torch.empty_like(C)
-    g_h0 = torch.empty_like(h0)
-    k = keep if keep is not None else dt.new_ones(1, 1)
-    with threads():
-        _backward(dt.numpy(), x.numpy(), A.numpy(), Bm.numpy(), C.numpy(), k.numpy(),
-                  keep is not None, h0.numpy(), gy.numpy(), g_hT.numpy(), CHECKPOINT,
-                  g_dt.numpy(), g_x.numpy(), g_A.numpy(), g_B.numpy(), g_C.numpy(),
-                  g_h0.numpy())  # fmt: skip
+        if h.dim() == 4:
+            _backward_states(*arrs, *grads)
+        else:
+            _backward(*arrs, CHECKPOINT, *grads)
     return g_dt, g_x, g_A, g_B, g_C, g_h0
 
 

@@ -205,8 +205,7 @@ class _Scan(torch.autograd.Function):
             ctx.group = None
             # a short window keeps every state for a backward that will run (`grad`: the
             # caller's grad mode and inputs; autograd turns grad mode off in here)
-            ctx.kept = grad and scan.keeps(dt, A)
-            if ctx.kept:
+            if grad and scan.keeps(dt, A):
                 y, hT, states = scan.forward_states(*args, keep, h0)
                 ctx.save_for_backward(*args, keep, states)
             else:
@@ -249,8 +248,7 @@ class _Scan(torch.autograd.Function):
             h = h_bounds[0]  # h0, or every state [B, T + 1, D, N] where the forward kept them
             g_hT = (g_hT.to(f).contiguous() if g_hT is not None
                     else h.new_zeros(Bsz, *h.shape[-2:]))  # fmt: skip
-            run = scan.backward_states if ctx.kept else scan.backward
-            g_dt, g_x, g_A, g_B, g_C, g_h0 = run(dt, x, A, Bm, C, keep, h, gy, g_hT)
+            g_dt, g_x, g_A, g_B, g_C, g_h0 = scan.backward(dt, x, A, Bm, C, keep, h, gy, g_hT)
             return g_dt, g_x, g_A, g_B, g_C, None, g_h0, None
         gy = gy.to(f) if gy is not None else dt.new_zeros(Bsz, T, D)
         dtT, xT, BT, CT, gyT = (t.transpose(0, 1) for t in (dt, x, Bm, C, gy))
