@@ -64,15 +64,16 @@ def threads():
 PARALLEL_ROWS = 2  # rows from which a compiled step runs them on numba's threads
 
 
-def run_rows(serial, parallel, r, *args) -> None:
-    """`serial(r, *args)`, a compiled step over the rows r; or `parallel(r, *args)`, the
-    same with the rows on numba's threads (as many as torch's), from `PARALLEL_ROWS` rows
-    where torch has more than one thread. A row's arithmetic is the same either way."""
+def run_rows(rows, parallel, r, *args) -> None:
+    """`rows(r, *args, 0, B)`, a compiled step over the rows 0..B-1 of r; or
+    `parallel(r, *args)`, which runs `rows` on each row, on numba's threads (as many as
+    torch's), from `PARALLEL_ROWS` rows where torch has more than one thread. A row's
+    arithmetic is the same either way."""
     if r.shape[0] >= PARALLEL_ROWS and torch.get_num_threads() > 1:
         with threads():
             parallel(r, *args)
     else:
-        serial(r, *args)
+        rows(r, *args, 0, r.shape[0])
 
 
 def exp(x):

@@ -77,26 +77,19 @@ class Packed:
         run_rows(_layers, _layers_rows, r, *self.arrays, *fields)
 
 
-@njit(**JIT)
-def _layers(r, in_wT, in_b, conv_w, conv_b, x_wT, dt_wT, dt_b, A, Dv, out_wT, out_b, conv, ssm):
-    """Every block on every row of r, one row after another."""
-    _span(r, in_wT, in_b, conv_w, conv_b, x_wT, dt_wT, dt_b, A, Dv, out_wT, out_b, conv, ssm, 0,
-          r.shape[0])  # fmt: skip
-
-
 @njit(parallel=True, **JIT)
 def _layers_rows(r, in_wT, in_b, conv_w, conv_b, x_wT, dt_wT, dt_b, A, Dv, out_wT, out_b, conv,
                  ssm):  # fmt: skip
     """`_layers` with the rows on numba's threads: nothing is shared between rows."""
     for b in prange(r.shape[0]):
-        _span(r, in_wT, in_b, conv_w, conv_b, x_wT, dt_wT, dt_b, A, Dv, out_wT, out_b, conv,
+        _layers(r, in_wT, in_b, conv_w, conv_b, x_wT, dt_wT, dt_b, A, Dv, out_wT, out_b, conv,
               ssm, b, b + 1)  # fmt: skip
 
 
 @njit(inline="never", **JIT)
-def _span(r, in_wT, in_b, conv_w, conv_b, x_wT, dt_wT, dt_b, A, Dv, out_wT, out_b, conv, ssm, lo,
+def _layers(r, in_wT, in_b, conv_w, conv_b, x_wT, dt_wT, dt_b, A, Dv, out_wT, out_b, conv, ssm, lo,
           hi):  # fmt: skip
-    """Every block on the rows lo..hi-1 of r."""
+    """Every block on the rows lo..hi-1 of r, one row after another."""
     L, _, D2 = in_wT.shape
     D = D2 // 2
     N = A.shape[2]

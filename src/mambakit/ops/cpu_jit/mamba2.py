@@ -89,27 +89,19 @@ class Packed(PackedStack):
         return self.gate, self.groups
 
 
-@njit(**JIT)
-def _layers(r, in_wT, in_b, conv_w, conv_b, A, Dv, out_wT, mlp_wT, out_b, dt_limit, gnorm,
-            gate, G, conv, ssm):  # fmt: skip
-    """Every block on every row of r, one row after another."""
-    _span(r, in_wT, in_b, conv_w, conv_b, A, Dv, out_wT, mlp_wT, out_b, dt_limit, gnorm, gate,
-          G, conv, ssm, 0, r.shape[0])  # fmt: skip
-
-
 @njit(parallel=True, **JIT)
 def _layers_rows(r, in_wT, in_b, conv_w, conv_b, A, Dv, out_wT, mlp_wT, out_b, dt_limit, gnorm,
                  gate, G, conv, ssm):  # fmt: skip
     """`_layers` with the rows on numba's threads: nothing is shared between rows."""
     for b in prange(r.shape[0]):
-        _span(r, in_wT, in_b, conv_w, conv_b, A, Dv, out_wT, mlp_wT, out_b, dt_limit, gnorm,
+        _layers(r, in_wT, in_b, conv_w, conv_b, A, Dv, out_wT, mlp_wT, out_b, dt_limit, gnorm,
               gate, G, conv, ssm, b, b + 1)  # fmt: skip
 
 
 @njit(inline="never", **JIT)
-def _span(r, in_wT, in_b, conv_w, conv_b, A, Dv, out_wT, mlp_wT, out_b, dt_limit, gnorm, gate,
+def _layers(r, in_wT, in_b, conv_w, conv_b, A, Dv, out_wT, mlp_wT, out_b, dt_limit, gnorm, gate,
           G, conv, ssm, lo, hi):  # fmt: skip
-    """Every block on the rows lo..hi-1 of r."""
+    """Every block on the rows lo..hi-1 of r, one row after another."""
     L, _, W = in_wT.shape
     H, P = Dv.shape[1], Dv.shape[2]
     E = H * P

@@ -72,27 +72,19 @@ class Packed(PackedStack):
         return self.turn, self.groups
 
 
-@njit(**JIT)
-def _layers(r, in_wT, in_b, kq_w, kq_b, Dh, out_wT, A_floor, turn, G, angle, ssm, k_prev,
-            x_prev):  # fmt: skip
-    """Every block on every row of r, one row after another."""
-    _span(r, in_wT, in_b, kq_w, kq_b, Dh, out_wT, A_floor, turn, G, angle, ssm, k_prev, x_prev,
-          0, r.shape[0])  # fmt: skip
-
-
 @njit(parallel=True, **JIT)
 def _layers_rows(r, in_wT, in_b, kq_w, kq_b, Dh, out_wT, A_floor, turn, G, angle, ssm, k_prev,
                  x_prev):  # fmt: skip
     """`_layers` with the rows on numba's threads: nothing is shared between rows."""
     for b in prange(r.shape[0]):
-        _span(r, in_wT, in_b, kq_w, kq_b, Dh, out_wT, A_floor, turn, G, angle, ssm, k_prev,
+        _layers(r, in_wT, in_b, kq_w, kq_b, Dh, out_wT, A_floor, turn, G, angle, ssm, k_prev,
               x_prev, b, b + 1)  # fmt: skip
 
 
 @njit(inline="never", **JIT)
-def _span(r, in_wT, in_b, kq_w, kq_b, Dh, out_wT, A_floor, turn, G, angle, ssm, k_prev, x_prev,
+def _layers(r, in_wT, in_b, kq_w, kq_b, Dh, out_wT, A_floor, turn, G, angle, ssm, k_prev, x_prev,
           lo, hi):  # fmt: skip
-    """Every block on the rows lo..hi-1 of r."""
+    """Every block on the rows lo..hi-1 of r, one row after another."""
     L, _, W = in_wT.shape
     H = kq_b.shape[1]
     N = kq_w.shape[2]

@@ -27,13 +27,14 @@ def stacked(ts: list[torch.Tensor]) -> torch.Tensor | None:
 
 class PackedStack:
     """Every layer's weights as numpy arrays [L, ...] (`arrays`, viewing `tensors`), and
-    the mixer's compiled `kernel(r, *arrays, *consts(), *state fields)`, which runs every
-    block on the rows r [B, M + 1] (the residual stream and its constant column `pad`)
-    and advances the state fields [L, B, ...] in place."""
+    the mixer's compiled `kernel(r, *arrays, *consts(), *state fields, lo, hi)`, which runs
+    every block on the rows lo..hi-1 of r [B, M + 1] (the residual stream and its constant
+    column `pad`) and advances the state fields [L, B, ...] in place (`kernel_rows`: the
+    same on every row, the rows on numba's threads; `common.run_rows` picks)."""
 
     __slots__ = ("arrays", "groups", "pad", "rows_max", "tensors")
-    kernel = None  # a subclass's compiled `_layers`, as a staticmethod
-    kernel_rows = None  # and its `_layers_rows` (the rows on numba's threads)
+    kernel = None  # a subclass's compiled `_layers` (rows lo..hi-1), as a staticmethod
+    kernel_rows = None  # and its `_layers_rows` (each row on numba's threads)
 
     def consts(self) -> tuple:
         raise NotImplementedError
