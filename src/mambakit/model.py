@@ -24,8 +24,9 @@ from .inference.step_graph import graphed_step
 from .layers.block import MambaBlock, RMSNorm
 from .layers.init import init_model_weights
 from .layers.plain import plain
-from .ops import _norm_linear, linear_cross_entropy, mamba_stack_step, resolve_backend
+from .ops import linear_cross_entropy, mamba_stack_step, resolve_backend
 from .ops._checks import check_positions, check_seq_idx, check_tensor, state_dtype
+from .ops.decode import _norm_linear
 from .ops.mamba_step.stack import stack_weights
 from .state import ModelState, check_state, init_state, state_class
 from .targets import next_token_targets

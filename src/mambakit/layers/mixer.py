@@ -15,7 +15,6 @@ from ..config import auto_dt_rank
 from ..ops import (
     StepWeights,
     _mamba_inner,
-    _mamba_mixer_step,
     causal_conv1d,
     causal_conv1d_update,
     mamba_last,
@@ -24,6 +23,7 @@ from ..ops import (
 )
 from ..ops._checks import check_tensor, state_dtype
 from ..ops.causal_conv1d.reference import conv_states_at
+from ..ops.decode import _mamba_mixer_step
 from . import mamba_ssm_cache
 from .init import init_A_log, init_dt_proj, no_weight_decay
 from .plain import plain
