@@ -122,7 +122,7 @@ def stand_in() -> None:
         return None
 
     sg.capture, sg.graph_cache = capture, cache
-    for mod in (sg, importlib.import_module("mambakit.model")):
+    for mod in (sg, *map(importlib.import_module, ("mambakit.backbone", "mambakit.model"))):
         mod.use_cuda_graph = lambda flag, device: flag is not False
 
 

@@ -16,7 +16,7 @@ _WHERE = {  # public name -> the module that defines it
     "Mamba3": ".layers.mamba3",
     "Mamba3ModelState": ".state",
     "Mamba3State": ".state",
-    "MambaBackbone": ".model",
+    "MambaBackbone": ".backbone",
     "MambaBlock": ".layers.block",
     "MambaConfig": ".config",
     "MambaLM": ".model",
@@ -57,10 +57,11 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from .backbone import MambaBackbone
     from .config import MambaConfig
     from .layers.block import MambaBlock, RMSNorm
     from .layers.mamba2 import Mamba2
     from .layers.mamba3 import Mamba3
     from .layers.mixer import Mamba
-    from .model import MambaBackbone, MambaLM, MambaLMOutput
+    from .model import MambaLM, MambaLMOutput
     from .state import Mamba2ModelState, Mamba2State, Mamba3ModelState, Mamba3State, MambaState

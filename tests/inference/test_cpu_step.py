@@ -40,7 +40,7 @@ def compiled_calls(monkeypatch):
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(importlib.import_module("mambakit.model"), "compiled_rows", counted)
+    monkeypatch.setattr(importlib.import_module("mambakit.backbone"), "compiled_rows", counted)
     return calls
 
 

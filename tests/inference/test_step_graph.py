@@ -52,8 +52,9 @@ def fake_graphs(monkeypatch):
     caches = {}
     monkeypatch.setattr(sg, "capture", fake_capture)
     monkeypatch.setattr(sg, "use_cuda_graph", lambda flag, device: flag is not False)
-    monkeypatch.setattr(importlib.import_module("mambakit.model"), "use_cuda_graph",
-                        lambda flag, device: flag is not False)  # fmt: skip
+    for name in ("mambakit.backbone", "mambakit.model"):
+        monkeypatch.setattr(importlib.import_module(name), "use_cuda_graph",
+                            lambda flag, device: flag is not False)  # fmt: skip
     monkeypatch.setattr(sg, "graph_cache", lambda m, create=True: caches.setdefault(id(m), {
         "pool": None}) if create or id(m) in caches else None)  # fmt: skip
     return captures
@@ -238,8 +239,8 @@ def test_a_superseded_plan_is_not_replayed_on(fake_graphs):
     swapped back, as an EMA swap does, moving no version): the plan then holds the values
     of the swapped weights in its own tensors, however fresh it looks; the graph must see
     the plan derived again, its tensors the values of the weights it reads."""
+    from mambakit.backbone import _step_plan
     from mambakit.inference.plan import _tensors, record
-    from mambakit.model import _step_plan
 
     m = backbone("mamba1")
     state = m.init_state(2)
