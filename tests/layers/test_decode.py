@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mambakit import MambaBackbone, MambaState
-from mambakit import ops as ops_module  # `ops.mamba_stack_step` looks its body up there
+from mambakit.ops import decode as decode_ops  # `ops.mamba_stack_step` looks its body up there
 from mambakit.ops.mamba_step.reference import mamba_layer_step_reference
 from mambakit.ops.rms_norm.reference import rms_norm_reference
 
@@ -39,13 +39,13 @@ pytestmark = pytest.mark.usefixtures("torch_bodies")  # the compiled bodies: tes
 def fused_calls(monkeypatch) -> list[int]:
     """Counts the backbone's calls of the fused decode, so a test knows it ran."""
     calls = []
-    fused = ops_module.decode_layers
+    fused = decode_ops.decode_layers
 
     def counted(*args):
         calls.append(1)
         return fused(*args)
 
-    monkeypatch.setattr(ops_module, "decode_layers", counted)
+    monkeypatch.setattr(decode_ops, "decode_layers", counted)
     return calls
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mambakit import MambaConfig, MambaLM
-from mambakit import ops as ops_pkg  # where `ops` looks its bodies up
+from mambakit.ops import decode as decode_ops  # where the decode step's ops look theirs up
 from mambakit.ops import mamba3 as m3_ops
 from mambakit.ops import mamba_step as step_pkg
 from mambakit.ops.mamba3 import step as m3_step
@@ -101,9 +101,9 @@ def test_mamba1_stack_step_body(backend, calls, monkeypatch):
     """Reference: the whole-stack body (`stack.decode_layers`), no layer kernel. Triton: the
     three-kernel layer step per block, no whole-stack body. Both equal the module path."""
     monkeypatch.setenv("MAMBAKIT_BACKEND", backend)
-    calls.watch(ops_pkg, "decode_layers")
+    calls.watch(decode_ops, "decode_layers")
     calls.watch(step_pkg, "mamba_layer_step_triton")
-    calls.watch(ops_pkg, "layer_step")
+    calls.watch(decode_ops, "layer_step")
     lm = model("mamba1")
     tokens = ids()
     got = decode(lm, tokens)
@@ -120,9 +120,9 @@ def test_mamba1_stack_step_chain_when_weights_differ_from_compute_dtype(
     """f32 weights under bf16 autocast: the fused bodies do not apply; the op chain of the
     backend runs per block (`chain.layer_step`)."""
     monkeypatch.setenv("MAMBAKIT_BACKEND", backend)
-    calls.watch(ops_pkg, "decode_layers")
+    calls.watch(decode_ops, "decode_layers")
     calls.watch(step_pkg, "mamba_layer_step_triton")
-    calls.watch(ops_pkg, "layer_step")
+    calls.watch(decode_ops, "layer_step")
     lm = model("mamba1")
     state = lm.init_state(2)
     with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
