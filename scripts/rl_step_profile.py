@@ -36,7 +36,7 @@ def main() -> None:
         "--rows-max",
         type=int,
         default=None,
-        help="StepConfig.rows_max_batch: up to this batch the projections stream "
+        help="StepConfig.rows_max_batch (and _f32): up to this batch the projections stream "
         "through the step's kernels (above, cuBLAS)",
     )
     ap.add_argument("--no-profile", action="store_true", help="the host split alone")
@@ -49,8 +49,13 @@ def main() -> None:
     if args.no_pdl:
         _triton.USE_PDL = False
     if args.rows_max is not None:
-        launch._GPU = dataclasses.replace(launch._GPU, rows_max_batch=args.rows_max)
-    print(f"== pdl {_triton.USE_PDL}, rows_max_batch {launch._GPU.rows_max_batch}")
+        launch._GPU = dataclasses.replace(
+            launch._GPU, rows_max_batch=args.rows_max, rows_max_batch_f32=args.rows_max
+        )
+    g = launch._GPU
+    print(
+        f"== pdl {_triton.USE_PDL}, rows_max_batch {g.rows_max_batch}, {g.rows_max_batch_f32} f32"
+    )
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     for mixer in args.mixers:
         cfg = MambaConfig(d_model=128, n_layers=3, input_dim=64, mixer=mixer, **MIXERS[mixer])

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from mambakit.ops.mamba_step import launch
 
 # the decode step's streaming kernel (`_linear_kernel`) at any batch
-STREAM = dataclasses.replace(launch.config(False), rows_max_batch=1 << 20)
+STREAM = dataclasses.replace(
+    launch.config(False), rows_max_batch=1 << 20, rows_max_batch_f32=1 << 20
+)
 
 
 def time_us(fn, iters=200) -> float:

@@ -112,6 +112,7 @@ def test_layer_step_matches_float64_op_chain(nan_empty, dtype, B, rows_max, dt_b
     cfg = dataclasses.replace(
         launch.config(DEVICE == "cpu"),
         rows_max_batch=rows_max,
+        rows_max_batch_f32=rows_max,
         dt_proj_fused_bytes=dt_bytes,
         ssm_rows=ssm_rows,
     )
@@ -167,7 +168,7 @@ def test_linear_returns_the_residual(B, first):
         linear(x, W, return_residual=True)
 
 
-@pytest.mark.parametrize("B", [1, 3])
+@pytest.mark.parametrize("B", [1, 3, 17])
 def test_lm_step_runs_the_fused_kernels_and_equals_the_op_chain(monkeypatch, B):
     from mambakit.ops.mamba_step import launch
 
@@ -194,9 +195,11 @@ def test_lm_step_runs_the_fused_kernels_and_equals_the_op_chain(monkeypatch, B):
         with torch.no_grad():
             logits[backend] = torch.stack([model.step(ids[:, t], state)[0] for t in range(5)], 1)
         states[backend] = state
-    # 5 steps of 2 layers; each step's LM head is a `linear` (at batch 1 so are each
-    # layer's x_proj and out_proj; at 3 rows cuBLAS runs them)
-    assert calls == {"layer": 10, "linear": 5 + (20 if B == 1 else 0)}
+    # 5 steps of 2 layers; each step's LM head is a `linear`, and so are each layer's x_proj
+    # and out_proj up to `rows_max_batch_f32` (16) rows of these float32 weights (at 17 rows
+    # cuBLAS runs them)
+    assert launch.config(DEVICE == "cpu").rows_max_batch_f32 == 16
+    assert calls == {"layer": 10, "linear": 5 + (20 if B <= 16 else 0)}
     torch.testing.assert_close(logits["triton"], logits["reference"], rtol=1e-5, atol=1e-5)
     for part in ("conv", "ssm"):
         a, b = getattr(states["triton"], part), getattr(states["reference"], part)
