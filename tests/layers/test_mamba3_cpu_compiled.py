@@ -224,3 +224,27 @@ def test_compiled_layer_leaves_what_it_cannot_take(monkeypatch):
         m.setattr(ref, "_compiled", lambda *a: False)
         want = layer(u)
     assert rel(got, want) < 1e-12
+
+
+def test_compiled_layer_keeps_nothing_for_inference(monkeypatch):
+    """Under no_grad the node keeps no step's state (a long prefill is not held to the
+    scan's memory bound): past the bound it still runs, with the output and final state of
+    the node that keeps every state, bit for bit."""
+    from mambakit.ops.cpu_jit import scan3
+
+    calls = []
+    real = ref._Layer3.apply
+    monkeypatch.setattr(ref._Layer3, "apply", lambda *a: calls.append(a[0][-1]) or real(*a))
+    layer = make(torch.float32)
+    u = torch.randn(2, 11, 32)
+    state = start_state(layer, 2, torch.float32)
+    want, want_final = layer(u, state, return_state=True)
+    monkeypatch.setattr(scan3, "MAX_STATE_BYTES", 64)
+    with torch.no_grad():
+        got, final = layer(u, state, return_state=True)
+    assert calls == [True, False]  # (the grad flag the node was given)
+    assert torch.equal(got, want.detach())
+    for a, b in zip(final, want_final):
+        assert torch.equal(a, b.detach())
+    layer(u, state)  # with grad, past the bound: the op chain
+    assert calls == [True, False]

@@ -15,7 +15,8 @@ pytest.importorskip("numba")
 
 def scan(compiled: bool, dtype, monkeypatch, B=2, T=37, H=4, P=3, N=8, S=2, G=2, gate=True,
          skip=True, start=True, seq_idx=None):  # fmt: skip
-    """(outputs, gradients of a loss over y and every final field) of one scan."""
+    """(outputs, gradients of a loss over y and every final field) of one scan (under
+    no_grad, the outputs and None)."""
     g = torch.Generator().manual_seed(1)
 
     def rand(*shape, lo=None):
@@ -36,6 +37,8 @@ def scan(compiled: bool, dtype, monkeypatch, B=2, T=37, H=4, P=3, N=8, S=2, G=2,
             m.setattr(ref, "_compiled", lambda *a: False)
         y, final = ref.mamba3_scan_reference(x, q, k, delta, A, trap, theta, qb, kb, D, z,
                                              state, seq_idx)  # fmt: skip
+    if not torch.is_grad_enabled():  # the caller's no_grad: the outputs alone
+        return [y, *final], None
     w = torch.randn(y.shape, generator=g, dtype=torch.float64).to(dtype)
     loss = (y * w).sum() + 0.1 * final.ssm.square().sum() + final.angle.sin().sum()
     loss = loss + 1.3 * final.k.sum() + 0.7 * final.x.sum()
@@ -81,3 +84,33 @@ def test_compiled_scan_runs_only_where_it_applies(monkeypatch):
     assert calls == [1]  # neither call compiled
     want, _ = scan(False, torch.float64, monkeypatch, B=1, T=6)
     assert all(rel(a, b) < 1e-12 for a, b in zip(got, want))
+
+
+def test_compiled_scan_keeps_nothing_for_inference(monkeypatch):
+    """Without a backward to come (no_grad, or no input requiring grad) the node keeps no
+    step's state, so its memory bound does not apply: past it, the scan still compiles, and
+    y and the final state are bit for bit those of the scan that keeps every state."""
+    from mambakit.ops.cpu_jit import scan3
+
+    calls, kept = [], []
+    real = ref._Scan3.apply
+    monkeypatch.setattr(ref._Scan3, "apply", lambda *a: calls.append(a[0]) or real(*a))
+    real_fwd = scan3.forward_arrays
+
+    def keeping(arrs, keep=True):
+        out = real_fwd(arrs, keep)
+        kept.append(out[-1])
+        return out
+
+    monkeypatch.setattr(scan3, "forward_arrays", keeping)
+    want, _ = scan(True, torch.float32, monkeypatch, B=2, T=9)
+    assert calls == [True] and kept[0] is not None
+    monkeypatch.setattr(scan3, "MAX_STATE_BYTES", 64)
+    with torch.no_grad():
+        got, _ = scan(True, torch.float32, monkeypatch, B=2, T=9)
+    assert calls == [True, False] and kept[-1] is None
+    for a, b in zip(got, want):
+        assert torch.equal(a, b.detach())
+    calls.clear()
+    scan(True, torch.float32, monkeypatch, B=2, T=9)  # with grad past the bound: chunked
+    assert calls == []

@@ -14,8 +14,9 @@ S rotary angles. Per row and head, step by step (reference.py gives the math):
 The PyTorch body runs this as a few dozen whole-tensor ops per chunk of 64 steps, each a
 trip through PyTorch's dispatch and memory; at the RL shapes (T = 32, a row or a few)
 that overhead is the whole cost. Here each (row, head) walks time once with its state
-[P, N] in cache, keeping every step's state for the backward (the caller bounds that
-memory: `MAX_STATE_BYTES`), which walks time backwards:
+[P, N] in cache, keeping every step's state for the backward where one is to come (the
+caller bounds that memory: `MAX_STATE_BYTES`; inference keeps none), which walks time
+backwards:
 
     G_t  = dS_t (from y_t and from S_{t+1} through alpha_{t+1})
     dS_{t-1} = alpha_t G_t,  and the gradients of alpha, lam, delta, k~, x, q~ at t
@@ -40,22 +41,24 @@ TWO_PI = 2 * math.pi
 INV_TWO_PI = 1 / TWO_PI
 
 
-def forward(x, q, k, delta, A, trap, rate, qb, kb, D, z, angle0, ssm0, k0, x0):
-    """(y [B, T, H, P], final angle, ssm, k~, x, and what `backward` reads) from contiguous
-    tensors of one float dtype; rate = pi tanh(theta) [B, T, S]; D and z may be None."""
+def forward(x, q, k, delta, A, trap, rate, qb, kb, D, z, angle0, ssm0, k0, x0, keep=True):
+    """(y [B, T, H, P], final angle, ssm, k~, x, and what `backward` reads, or None without
+    `keep`) from contiguous tensors of one float dtype; rate = pi tanh(theta) [B, T, S]; D
+    and z may be None."""
     ins = (x, q, k, delta, A, trap, rate, qb, kb, D, z, angle0, ssm0, k0, x0)
-    y, angle, ssm, kT, xT, kept = forward_arrays(arrays(*ins))
+    y, angle, ssm, kT, xT, kept = forward_arrays(arrays(*ins), keep)
     return (*map(torch.from_numpy, (y, angle, ssm, kT, xT)), kept)
 
 
-def forward_arrays(arrs: tuple) -> tuple:
+def forward_arrays(arrs: tuple, keep: bool = True) -> tuple:
     """`forward` on `arrays(...)`: (y, angle, ssm, k~, x, kept), kept = (the start state and
     every step's [B, H, T + 1, P, N], the turned rows k~, q~ [B, H, T, 2, N], the angles'
     cos and sin [B, H, T, 2, S], y before the gate [B, T, H, P] (where there is one));
-    arrays all."""
+    arrays all. Without `keep` (no backward to come: inference) kept is None, and the
+    scan holds one state per (row, head), whatever T."""
     with threads():
-        y, states, turned, cs, pre, angle, ssm, kT, xT = _forward(*arrs)
-    return y, angle, ssm, kT, xT, (states, turned, cs, pre)
+        y, states, turned, cs, pre, angle, ssm, kT, xT = _forward(*arrs, keep)
+    return y, angle, ssm, kT, xT, (states, turned, cs, pre) if keep else None
 
 
 def arrays(x, q, k, delta, A, trap, rate, qb, kb, D, z, angle0, ssm0, k0, x0) -> tuple:
@@ -97,14 +100,17 @@ def backward_arrays(arrs: tuple, kept: tuple, grads: tuple) -> tuple:
 
 
 @njit(parallel=True, **JIT)
-def _forward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0, k0, x0):
+def _forward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0, k0, x0, keep):
     Bsz, T, H, P = x.shape
     G, N, S = q.shape[2], q.shape[3], rate.shape[2]
     per = H // G
     y = np.empty_like(x)
-    pre = np.empty_like(x) if has_z else np.empty((1, 1, 1, 1), x.dtype)  # y before the gate
-    states = np.empty((Bsz, H, T + 1, P, N), x.dtype)  # the start state, then every step's
-    turned, cs = np.empty((Bsz, H, T, 2, N), x.dtype), np.empty((Bsz, H, T, 2, S), x.dtype)
+    # what the backward reads, kept only where there is one: the start state and every
+    # step's, the turned rows, the angles' cos and sin, y before the gate
+    Tk, Bk = (T, Bsz) if keep else (0, 0)
+    pre = np.empty_like(x) if has_z and keep else np.empty((1, 1, 1, 1), x.dtype)
+    states = np.empty((Bk, H, Tk + 1, P, N), x.dtype)
+    turned, cs = np.empty((Bk, H, Tk, 2, N), x.dtype), np.empty((Bk, H, Tk, 2, S), x.dtype)
     angle, ssm = np.empty_like(angle0), np.empty_like(ssm0)
     kT, xT = np.empty_like(k0), np.empty_like(x0)
     # No array views in the loops (in numba each costs reference counting), and each inner
@@ -115,10 +121,13 @@ def _forward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0, 
         phi = angle0[b, h].copy()
         kp = k0[b, h].copy()
         xp = x0[b, h].copy()
+        St = ssm0[b, h].copy()  # the state [P, N], updated in place step by step
         kr, qr = np.empty(N, x.dtype), np.empty(N, x.dtype)
-        for p in range(P):
-            for n in range(N):
-                states[b, h, 0, p, n] = ssm0[b, h, p, n]
+        cst, yt = np.empty((2, S), x.dtype), np.empty(P, x.dtype)
+        if keep:
+            for p in range(P):
+                for n in range(N):
+                    states[b, h, 0, p, n] = St[p, n]
         Dh = Dv[h]
         for t in range(T):
             dl = delta[b, t, h]
@@ -126,49 +135,58 @@ def _forward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0, 
                 v = phi[i] + rate[b, t, i] * dl
                 phi[i] = v - TWO_PI * math.floor(v * INV_TWO_PI)
                 sn, c = sincos(phi[i])
-                cs[b, h, t, 0, i] = c
-                cs[b, h, t, 1, i] = sn
+                cst[0, i] = c
+                cst[1, i] = sn
             for n in range(N):  # k~ = rot(k + kb, phi), q~ likewise: pairs (2i, 2i+1), i < S
                 kr[n] = k[b, t, g, n] + kb[h, n]
                 qr[n] = q[b, t, g, n] + qb[h, n]
             for i in range(S):
-                c, sn = cs[b, h, t, 0, i], cs[b, h, t, 1, i]
+                c, sn = cst[0, i], cst[1, i]
                 a0, a1 = kr[2 * i], kr[2 * i + 1]
                 kr[2 * i], kr[2 * i + 1] = a0 * c - a1 * sn, a0 * sn + a1 * c
                 a0, a1 = qr[2 * i], qr[2 * i + 1]
                 qr[2 * i], qr[2 * i + 1] = a0 * c - a1 * sn, a0 * sn + a1 * c
-            for n in range(N):
-                turned[b, h, t, 0, n] = kr[n]
-                turned[b, h, t, 1, n] = qr[n]
             lam = sigmoid(trap[b, t, h])
             alpha = exp(A[b, t, h] * dl)
             late = (one(lam) - lam) * dl
             gamma = lam * dl
-            for p in range(P):  # S_t from S_{t-1}, both kept in `states`
+            for p in range(P):  # S_t from S_{t-1}, in place
                 xv = x[b, t, h, p]
                 lx = alpha * late * xp[p]
                 gx = gamma * xv
                 for n in range(N):
-                    states[b, h, t + 1, p, n] = (
-                        alpha * states[b, h, t, p, n] + lx * kp[n] + gx * kr[n]
-                    )
+                    St[p, n] = alpha * St[p, n] + lx * kp[n] + gx * kr[n]
                 acc = Dh * xv
                 for n in range(N):
-                    acc += states[b, h, t + 1, p, n] * qr[n]
-                y[b, t, h, p] = acc
+                    acc += St[p, n] * qr[n]
+                yt[p] = acc
                 xp[p] = xv
+            if keep:
+                for i in range(S):
+                    cs[b, h, t, 0, i] = cst[0, i]
+                    cs[b, h, t, 1, i] = cst[1, i]
+                for n in range(N):
+                    turned[b, h, t, 0, n] = kr[n]
+                    turned[b, h, t, 1, n] = qr[n]
+                for p in range(P):
+                    for n in range(N):
+                        states[b, h, t + 1, p, n] = St[p, n]
+                if has_z:
+                    for p in range(P):
+                        pre[b, t, h, p] = yt[p]
             if has_z:  # the gate, in a loop of its own (it vectorises there)
                 for p in range(P):
-                    pre[b, t, h, p] = y[b, t, h, p]
+                    y[b, t, h, p] = yt[p] * silu(z[b, t, h, p])
+            else:
                 for p in range(P):
-                    y[b, t, h, p] = pre[b, t, h, p] * silu(z[b, t, h, p])
+                    y[b, t, h, p] = yt[p]
             for n in range(N):
                 kp[n] = kr[n]
         for i in range(S):
             angle[b, h, i] = phi[i]
         for p in range(P):
             for n in range(N):
-                ssm[b, h, p, n] = states[b, h, T, p, n]
+                ssm[b, h, p, n] = St[p, n]
         for n in range(N):
             kT[b, h, n] = kp[n]
         for p in range(P):

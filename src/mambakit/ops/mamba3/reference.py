@@ -133,11 +133,13 @@ def mamba3_scan_reference(
     f = state_dtype(x)
     if initial_state is None:
         initial_state = Mamba3State.zeros(Bsz, H, P, N, S, x.device, f)
-    if seq_idx is None and _compiled(x, f, N):  # step by step, compiled (`cpu_jit.scan3`)
+    ins = (x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z, *initial_state)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ins)
+    if seq_idx is None and _compiled(x, f, N, None, grad):  # compiled: `cpu_jit.scan3`
         rate = math.pi * torch.tanh(theta.to(f))  # the angles' rate, shared by the heads
-        ins = (x, q, k, delta, A, trap, rate, q_bias, k_bias, D, z, *initial_state)
+        ins = (*ins[:6], rate, *ins[7:])
         ins = tuple(None if t is None else t.to(f).contiguous() for t in ins)
-        y, *final = _Scan3.apply(*ins)
+        y, *final = _Scan3.apply(grad, *ins)
         return y.to(x.dtype), Mamba3State(*final)
     xf = x.to(f)
     phi, qr, kr, adt, gamma, late = token_terms(
@@ -190,11 +192,13 @@ def mamba3_scan_reference(
     return y.to(x.dtype), final
 
 
-def _compiled(x: torch.Tensor, f: torch.dtype, N: int, values: int | None = None) -> bool:
+def _compiled(
+    x: torch.Tensor, f: torch.dtype, N: int, values: int | None = None, grad: bool = True
+) -> bool:
     """Whether the scan runs compiled (`cpu_jit.scan3`): numba there, plain CPU tensors of
-    float32/float64, none empty, outside torch.compile, and every step's state (which the
-    backward reads: `values` = B T H P values of N each, x's by default, and the start
-    state) within `scan3.MAX_STATE_BYTES`."""
+    float32/float64, none empty, outside torch.compile, and, where a backward is to come
+    (`grad`), every step's state (which it reads: `values` = B T H P values of N each, x's
+    by default, and the start state) within `scan3.MAX_STATE_BYTES`."""
     if type(x) is not torch.Tensor or x.device.type != "cpu" or f not in _JIT_DTYPES:
         return False
     if x.numel() == 0 or torch.compiler.is_compiling():
@@ -203,6 +207,8 @@ def _compiled(x: torch.Tensor, f: torch.dtype, N: int, values: int | None = None
 
     if not available():  # (numba may not be installed: nothing of scan3's is imported then)
         return False
+    if not grad:  # inference keeps no state but the running one
+        return True
     from ..cpu_jit.scan3 import MAX_STATE_BYTES
 
     values = x.numel() if values is None else values
@@ -214,16 +220,17 @@ _JIT_DTYPES = (torch.float32, torch.float64)
 
 
 class _Scan3(torch.autograd.Function):
-    """The compiled scan (`cpu_jit.scan3`) with its hand-written backward. Inputs: x, q, k,
-    delta, A, trap, pi tanh(theta), q_bias, k_bias, D or None, z or None, and the initial
-    state's angle, ssm, k, x; outputs: y and the final state's four fields."""
+    """The compiled scan (`cpu_jit.scan3`) with its hand-written backward. Inputs: whether a
+    backward is to come (`grad`: else nothing is kept for one), x, q, k, delta, A, trap,
+    pi tanh(theta), q_bias, k_bias, D or None, z or None, and the initial state's angle,
+    ssm, k, x; outputs: y and the final state's four fields."""
 
     @staticmethod
-    def forward(ctx, *ins):
+    def forward(ctx, grad, *ins):
         from ..cpu_jit import scan3
 
         ins = tuple(None if t is None else t.detach() for t in ins)
-        y, angle, ssm, kT, xT, kept = scan3.forward(*ins)
+        y, angle, ssm, kT, xT, kept = scan3.forward(*ins, keep=grad)
         ctx.save_for_backward(*(t for t in ins if t is not None))
         ctx.kept = kept  # arrays of the node's own
         ctx.present = tuple(t is not None for t in ins)
@@ -240,7 +247,7 @@ class _Scan3(torch.autograd.Function):
         likes = (ins[0], *ins[11:])  # x and the start state's fields: the outputs' likes
         likes = tuple(t.numpy() for t in likes)
         grads = tuple(map(_array_of, (gy, g_angle, g_ssm, g_k, g_x), likes))
-        return scan3.backward(ins, ctx.kept, grads)
+        return None, *scan3.backward(ins, ctx.kept, grads)
 
 
 def mamba3_layer_compiled(
@@ -263,7 +270,8 @@ def mamba3_layer_compiled(
     if initial_state is None:
         initial_state = Mamba3State.zeros(zx.shape[0], H, P, N, S, zx.device, zx.dtype)
     w_B, eps_B, w_C, eps_C = norms
-    consts = (sizes, eps_B, eps_C, A_floor)
+    grad = _needs_grad(zx, w_B, w_C, dt_bias, q_bias, k_bias, D, *initial_state)
+    consts = (sizes, eps_B, eps_C, A_floor, grad)
     y, *final = _Layer3.apply(consts, zx.contiguous(), w_B, w_C, dt_bias, q_bias, k_bias, D,
                               *initial_state)  # fmt: skip
     return y, Mamba3State(*final)
@@ -271,14 +279,20 @@ def mamba3_layer_compiled(
 
 def layer_compiles(zx: torch.Tensor, sizes: tuple, params: tuple, state: Mamba3State | None
                    ) -> bool:  # fmt: skip
-    """Whether `mamba3_layer_compiled` runs: the scan compiles (`_compiled`) and zx, the
-    parameters it reads and the state are all zx's dtype (float32 or float64)."""
+    """Whether `mamba3_layer_compiled` runs: the scan compiles (`_compiled`, its memory
+    bound where a backward is to come) and zx, the parameters it reads and the state are
+    all zx's dtype (float32 or float64)."""
     f, E, N = zx.dtype, sizes[0], sizes[1]
-    values = zx.shape[0] * zx.shape[1] * E if zx.dim() == 3 else 0
-    if f not in _JIT_DTYPES or not _compiled(zx, f, N, values):
-        return False
     tensors = (*params, *(state if state is not None else ()))
-    return all(isinstance(t, torch.Tensor) and t.dtype == f for t in tensors)
+    if not all(isinstance(t, torch.Tensor) and t.dtype == f for t in tensors):
+        return False
+    values = zx.shape[0] * zx.shape[1] * E if zx.dim() == 3 else 0
+    return f in _JIT_DTYPES and _compiled(zx, f, N, values, _needs_grad(zx, *tensors))
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd will want a backward of a node on `tensors`."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _array_of(g: torch.Tensor | None, like: np.ndarray) -> np.ndarray:
@@ -299,7 +313,7 @@ class _Layer3(torch.autograd.Function):
     def forward(ctx, consts, zx, w_B, w_C, dt_bias, q_bias, k_bias, D, *state0):
         from ..cpu_jit import scan3, terms3
 
-        sizes, eps_B, eps_C, A_floor = consts
+        sizes, eps_B, eps_C, A_floor, grad = consts
         H, N = sizes[3], sizes[1]
         # what the backward reads (the start state's angle and ssm are copied into `kept`)
         ctx.save_for_backward(zx, w_B, w_C, dt_bias, q_bias, k_bias, D, *state0[2:])
@@ -310,8 +324,8 @@ class _Layer3(torch.autograd.Function):
         )
         s0 = tuple(t.detach().numpy() for t in state0)
         arrs = (x, q, k, delta, A, trap, rate, qb, kb, D_, z, True, *s0)
-        y, angle, ssm, kT, xT, kept = scan3.forward_arrays(arrs)
-        ctx.arrays = (arrs, kept, r_k, r_q)
+        y, angle, ssm, kT, xT, kept = scan3.forward_arrays(arrs, grad)
+        ctx.arrays = (arrs, kept, r_k, r_q) if grad else None
         ctx.A_floor = A_floor
         ctx.set_materialize_grads(False)
         return tuple(map(torch.from_numpy, (y, angle, ssm, kT, xT)))
