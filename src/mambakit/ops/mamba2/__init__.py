@@ -154,7 +154,7 @@ def mamba2_scan_kernel(x, delta, A, B, C, D=None, z=None, initial_state=None, se
     op, `mambakit::mamba2_scan_fwd`; under autograd `mambakit::mamba2_scan_train`, with
     `mambakit::mamba2_scan_bwd` its backward. A D of one value per head and the gate run
     inside the kernels; a D per channel ([H, P]) is added here. cfg: launch parameters other
-    than the library's (`ops.mamba3.chunk.Mamba3ScanConfig`). With dt_bias, delta is
+    than the library's (`ops.mamba3.scan_config.Mamba3ScanConfig`). With dt_bias, delta is
     in_proj's dt (`mamba2_scan`): made into the scan's inside the forward kernels without
     autograd, before them otherwise."""
     Bsz, T, H, P = x.shape

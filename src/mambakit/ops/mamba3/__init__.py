@@ -135,7 +135,7 @@ def mamba3_scan_kernel(x, q, k, delta, A, trap, theta, q_bias, k_bias, D=None, z
     op, `mambakit::mamba3_scan_fwd` (chunk.py's `mamba3_scan_fwd`: D and the gate inside the
     kernel); under autograd `mambakit::mamba3_scan_train`, the per-token terms and the scan
     as one node, with `mambakit::mamba3_scan_bwd` its backward. cfg: launch parameters
-    other than the library's (chunk.py's `Mamba3ScanConfig`)."""
+    other than the library's (scan_config.py's `Mamba3ScanConfig`)."""
     Bsz, T, H, P = x.shape
     N, S = q.shape[-1], theta.shape[-1]
     if initial_state is None:
