@@ -248,3 +248,10 @@ def test_compiled_layer_keeps_nothing_for_inference(monkeypatch):
         assert torch.equal(a, b.detach())
     layer(u, state)  # with grad, past the bound: the op chain
     assert calls == [True, False]
+    layer.requires_grad_(False)  # grad mode on, nothing requiring grad: as under no_grad
+    assert torch.equal(layer(u, state), got) and calls == [True, False, False]
+    # a node told no backward would come cannot give one: it says so
+    monkeypatch.setattr(ref, "_needs_grad", lambda *a: False)
+    y = layer(u.clone().requires_grad_(), state)
+    with pytest.raises(RuntimeError, match="kept nothing for a backward"):
+        y.sum().backward()

@@ -14,19 +14,19 @@ pytest.importorskip("numba")
 
 
 def scan(compiled: bool, dtype, monkeypatch, B=2, T=37, H=4, P=3, N=8, S=2, G=2, gate=True,
-         skip=True, start=True, seq_idx=None):  # fmt: skip
+         skip=True, start=True, seq_idx=None, grad=True):  # fmt: skip
     """(outputs, gradients of a loss over y and every final field) of one scan (under
-    no_grad, the outputs and None)."""
+    no_grad, or with no input requiring grad (`grad` False), the outputs and None)."""
     g = torch.Generator().manual_seed(1)
 
     def rand(*shape, lo=None):
         t = torch.randn(*shape, generator=g, dtype=torch.float64)
         if lo is not None:  # positive values in [lo, lo + 0.5)
             t = torch.rand(*shape, generator=g, dtype=torch.float64) * 0.5 + lo
-        return t.to(dtype).requires_grad_()
+        return t.to(dtype).requires_grad_(grad)
 
     x, q, k = rand(B, T, H, P), rand(B, T, G, N), rand(B, T, G, N)
-    delta, A = rand(B, T, H, lo=0.05), (-rand(B, T, H, lo=0.1)).detach().requires_grad_()
+    delta, A = rand(B, T, H, lo=0.05), (-rand(B, T, H, lo=0.1)).detach().requires_grad_(grad)
     trap, theta, qb, kb = rand(B, T, H), rand(B, T, S), rand(H, N), rand(H, N)
     D = rand(H) if skip else None
     z = rand(B, T, H, P) if gate else None
@@ -37,7 +37,7 @@ def scan(compiled: bool, dtype, monkeypatch, B=2, T=37, H=4, P=3, N=8, S=2, G=2,
             m.setattr(ref, "_compiled", lambda *a: False)
         y, final = ref.mamba3_scan_reference(x, q, k, delta, A, trap, theta, qb, kb, D, z,
                                              state, seq_idx)  # fmt: skip
-    if not torch.is_grad_enabled():  # the caller's no_grad: the outputs alone
+    if not (grad and torch.is_grad_enabled()):  # no backward: the outputs alone
         return [y, *final], None
     w = torch.randn(y.shape, generator=g, dtype=torch.float64).to(dtype)
     loss = (y * w).sum() + 0.1 * final.ssm.square().sum() + final.angle.sin().sum()
@@ -87,9 +87,10 @@ def test_compiled_scan_runs_only_where_it_applies(monkeypatch):
 
 
 def test_compiled_scan_keeps_nothing_for_inference(monkeypatch):
-    """Without a backward to come (no_grad, or no input requiring grad) the node keeps no
-    step's state, so its memory bound does not apply: past it, the scan still compiles, and
-    y and the final state are bit for bit those of the scan that keeps every state."""
+    """Without a backward to come (no_grad, or grad mode on with no input requiring grad) the
+    node keeps no step's state, so its memory bound does not apply: past it, the scan still
+    compiles, and y and the final state are bit for bit those of the scan that keeps every
+    state."""
     from mambakit.ops.cpu_jit import scan3
 
     calls, kept = [], []
@@ -108,9 +109,10 @@ def test_compiled_scan_keeps_nothing_for_inference(monkeypatch):
     monkeypatch.setattr(scan3, "MAX_STATE_BYTES", 64)
     with torch.no_grad():
         got, _ = scan(True, torch.float32, monkeypatch, B=2, T=9)
-    assert calls == [True, False] and kept[-1] is None
-    for a, b in zip(got, want):
-        assert torch.equal(a, b.detach())
+    got_free, _ = scan(True, torch.float32, monkeypatch, B=2, T=9, grad=False)  # grad mode on
+    assert calls == [True, False, False] and kept[-2] is None and kept[-1] is None
+    for a, b, c in zip(got, want, got_free):
+        assert torch.equal(a, b.detach()) and torch.equal(c, a)
     calls.clear()
     scan(True, torch.float32, monkeypatch, B=2, T=9)  # with grad past the bound: chunked
     assert calls == []

@@ -95,6 +95,11 @@ def backward_arrays(arrs: tuple, kept: tuple, grads: tuple) -> tuple:
     (what heads share is summed by the caller), from those of the outputs (`grads`: y,
     angle, ssm, k~, x) and `kept`; arrays all. The heads run in parallel; the rows' shares
     of the biases' and D's gradients are summed in row order."""
+    if kept is None:
+        raise RuntimeError(
+            "the compiled Mamba-3 scan kept nothing for a backward: its forward ran where no "
+            "backward was expected (grad mode off, or no input requiring grad)"
+        )
     with threads():
         return _backward(*arrs, *kept, *grads)
 
@@ -121,7 +126,8 @@ def _forward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0, 
         phi = angle0[b, h].copy()
         kp = k0[b, h].copy()
         xp = x0[b, h].copy()
-        St = ssm0[b, h].copy()  # the state [P, N], updated in place step by step
+        # the state [P, N]: kept, every step's in `states`; else one, updated in place
+        St = ssm0[b, h].copy()
         kr, qr = np.empty(N, x.dtype), np.empty(N, x.dtype)
         cst, yt = np.empty((2, S), x.dtype), np.empty(P, x.dtype)
         if keep:
@@ -150,15 +156,23 @@ def _forward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0, 
             alpha = exp(A[b, t, h] * dl)
             late = (one(lam) - lam) * dl
             gamma = lam * dl
-            for p in range(P):  # S_t from S_{t-1}, in place
+            for p in range(P):  # S_t from S_{t-1}: into `states` (kept) or in place
                 xv = x[b, t, h, p]
                 lx = alpha * late * xp[p]
                 gx = gamma * xv
-                for n in range(N):
-                    St[p, n] = alpha * St[p, n] + lx * kp[n] + gx * kr[n]
                 acc = Dh * xv
-                for n in range(N):
-                    acc += St[p, n] * qr[n]
+                if keep:
+                    for n in range(N):
+                        states[b, h, t + 1, p, n] = (
+                            alpha * states[b, h, t, p, n] + lx * kp[n] + gx * kr[n]
+                        )
+                    for n in range(N):
+                        acc += states[b, h, t + 1, p, n] * qr[n]
+                else:
+                    for n in range(N):
+                        St[p, n] = alpha * St[p, n] + lx * kp[n] + gx * kr[n]
+                    for n in range(N):
+                        acc += St[p, n] * qr[n]
                 yt[p] = acc
                 xp[p] = xv
             if keep:
@@ -168,9 +182,6 @@ def _forward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0, 
                 for n in range(N):
                     turned[b, h, t, 0, n] = kr[n]
                     turned[b, h, t, 1, n] = qr[n]
-                for p in range(P):
-                    for n in range(N):
-                        states[b, h, t + 1, p, n] = St[p, n]
                 if has_z:
                     for p in range(P):
                         pre[b, t, h, p] = yt[p]
@@ -186,7 +197,7 @@ def _forward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0, 
             angle[b, h, i] = phi[i]
         for p in range(P):
             for n in range(N):
-                ssm[b, h, p, n] = St[p, n]
+                ssm[b, h, p, n] = states[b, h, T, p, n] if keep else St[p, n]
         for n in range(N):
             kT[b, h, n] = kp[n]
         for p in range(P):

@@ -335,6 +335,11 @@ class _Layer3(torch.autograd.Function):
     def backward(ctx, gy, g_angle, g_ssm, g_k, g_x):
         from ..cpu_jit import scan3, terms3
 
+        if ctx.arrays is None:
+            raise RuntimeError(
+                "the compiled Mamba-3 layer kept nothing for a backward: its forward ran where "
+                "no backward was expected (grad mode off, or no input requiring grad)"
+            )
         zx, w_B, w_C, dt_bias, q_bias, k_bias, D, *_ = ctx.saved_tensors
         arrs, kept, r_k, r_q = ctx.arrays
         x = arrs[0]
