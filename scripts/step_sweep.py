@@ -4,8 +4,8 @@ a preset's shapes: every layer's `layer_step`, then the final norm and the LM he
 
 `tile` (elements of a program's weight slab) sets rows per program and warps of the
 matrix-vector kernels; `ssm_rows` the batch rows per program of `_layer_ssm_kernel`;
-`rows_max_batch` the batch up to which the projections stream through the kernels (above
-it, cuBLAS). Each candidate is the library's config with these replaced, handed to the
+`rows_max_batch` (and `rows_max_batch_f32`) the batch up to which the projections stream
+through the kernels (above it, cuBLAS). Each candidate is the library's config with these replaced, handed to the
 launchers as `cfg=`; the library always runs `config()`, so a better value found here is
 adopted by editing its defaults. Per preset, batch and candidate: the step replayed from a
 CUDA graph (us), and each kernel's mean GPU time in an eager step (profiler).
@@ -121,7 +121,8 @@ def sweep(name: str, args, dev: str, dtype: torch.dtype) -> None:
         conv = torch.zeros(len(layers), batch, K - 1, D, device=dev)
         ssm = torch.zeros(len(layers), batch, D, N, device=dev)
         for tile, rows, rows_max in itertools.product(args.tiles, args.ssm_rows, args.rows_max):
-            c = dataclasses.replace(base, tile=tile, ssm_rows=rows, rows_max_batch=rows_max)
+            c = dataclasses.replace(base, tile=tile, ssm_rows=rows, rows_max_batch=rows_max,
+                                    rows_max_batch_f32=rows_max)  # fmt: skip
             step = make_step(layers, norm_f, head, hidden, conv, ssm, c)
             label = f"{name} batch {batch} tile {tile} ssm_rows {rows} rows_max {rows_max}"
             if args.dry:

@@ -261,3 +261,18 @@ class TestGPU:
         else:
             assert bf16_ok(got, ref, oracle)
         assert torch.equal(got, norm_linear(x, W, residual=res, norm_weight=nw))  # deterministic
+
+
+def test_projections_stream_by_batch_dtype_and_weight_size():
+    """Where the step's projections stream through its kernels rather than cuBLAS: 16-bit
+    weights at batch 1; float32 weights up to 16 rows while the weight is at most 1 MiB (the
+    small RL models), else at batch 1 alone."""
+    from mambakit.ops.mamba_step import launch
+
+    cfg = launch.config(False)
+    small, large = torch.empty(512, 128), torch.empty(3072, 768)  # 256 KiB, 9 MiB of f32
+    half = torch.empty(512, 128, dtype=torch.bfloat16)
+    assert [launch._streams(b, small, 128, cfg) for b in (1, 16, 17)] == [True, True, False]
+    assert [launch._streams(b, large, 1024, cfg) for b in (1, 2)] == [True, False]
+    assert [launch._streams(b, half, 128, cfg) for b in (1, 2)] == [True, False]
+    assert not launch._streams(1, small, 2 * cfg.tile, cfg)  # rows wider than a slab

@@ -3,8 +3,8 @@ their launch parameters `StepConfig`.
 
 B batch, M = d_model, D = d_inner, N = d_state, R = dt_rank, K = d_conv.
 
-Up to `rows_max_batch` rows (`rows_max_batch_f32` with float32 weights) a block is the four
-streaming launches of kernels.py. Above, the projections go to cuBLAS (`F.linear`) and the
+Up to `rows_max_batch` rows (`rows_max_batch_f32` with small float32 weights) a block is
+the four streaming launches of kernels.py. Above, the projections go to cuBLAS (`F.linear`) and the
 small work between them stays fused: the norm, the conv update, then dt_proj
 (while row blocks x its weight <= `dt_proj_fused_bytes`) + state update + gate in
 `_layer_ssm_kernel`, `ssm_rows` rows per program.
@@ -35,11 +35,14 @@ class StepConfig:
 
     tile: int = 16384  # elements of a program's weight slab (32 KB in bf16)
     rows_max_batch: int = 1  # up to this batch the weights stream through here; above, cuBLAS
-    # the same for float32 weights (the small RL models): H200, d_model 128 x 3 graph step at
-    # batch 16, M1 / M3 / M2 98.7 / 62.9 / 68.1 us streamed against 272.8 / 255.6 / 259.3
-    # with cuBLAS, whose f32 kernels at 16 rows take 22-50 us each; at 64 rows cuBLAS wins
-    # (89.5 / 71.1 / 72.2 against 123.6 / 86.1 / 83.9)
+    # the same for float32 weights of at most `f32_stream_bytes` (the small RL models): H200,
+    # d_model 128 x 3 graph step at batch 16, M1 / M3 / M2 98.7 / 62.9 / 68.1 us streamed
+    # against 272.8 / 255.6 / 259.3 with cuBLAS, whose f32 kernels at 16 rows take 22-50 us
+    # each; at 64 rows cuBLAS wins (89.5 / 71.1 / 72.2 against 123.6 / 86.1 / 83.9). Larger
+    # f32 weights stream slower than cuBLAS at 16 rows: the 130m LM's step 1854 us against
+    # 1197, its 50280 x 768 head alone 275 against 82, a d_model 2048 block 266 against 197.
     rows_max_batch_f32: int = 16
+    f32_stream_bytes: int = 1 << 20  # in_proj's weight (a block) or the weight (`linear`)
     dt_proj_fused_bytes: int = 16 << 20  # row blocks x dt_proj weight bytes fused, at most
     ssm_rows: int = 2  # batch rows per program of _layer_ssm_kernel
     ssm_block_d: int = 32  # channels per program of _layer_ssm_kernel
@@ -66,9 +69,12 @@ def _rows_per_program(n_rows: int, k_pad: int, tile: int, interp: bool) -> int:
     return block
 
 
-def _streams(batch: int, dtype: torch.dtype, k_pad: int, cfg: StepConfig) -> bool:
-    """Whether the projections stream through this module's kernels (else cuBLAS)."""
-    rows = cfg.rows_max_batch_f32 if dtype == torch.float32 else cfg.rows_max_batch
+def _streams(batch: int, weight: torch.Tensor, k_pad: int, cfg: StepConfig) -> bool:
+    """Whether the projections stream through this module's kernels (else cuBLAS), by the
+    batch and the largest weight they read."""
+    rows = cfg.rows_max_batch
+    if weight.dtype == torch.float32 and weight.numel() * 4 <= cfg.f32_stream_bytes:
+        rows = max(rows, cfg.rows_max_batch_f32)
     return batch <= rows and k_pad <= cfg.tile
 
 
@@ -98,7 +104,7 @@ def layer_step(
     cfg = cfg or (_INTERPRETED if interp else _GPU)
     tile = cfg.tile
     k_pad = next_power_of_2(M)
-    if not _streams(Bsz, cdt, k_pad, cfg):
+    if not _streams(Bsz, w.in_w, k_pad, cfg):
         normed, res_out, _ = rms_fwd(hidden, w.norm_w, w.eps, residual, cdt)
         xz = F.linear(normed, w.in_w, w.in_b)
         u = conv_update(conv_state, xz[:, :Dn], w.conv_w, w.conv_b, silu=True)
@@ -193,7 +199,7 @@ def linear(
     if norm_weight is not None and (Bsz > 1 or k_pad > tile):
         x, res_out, _ = rms_fwd(x, norm_weight, eps, residual, cdt, store_residual=return_residual)
         residual = norm_weight = None
-    if not _streams(Bsz, cdt, k_pad, cfg):
+    if not _streams(Bsz, weight, k_pad, cfg):
         out = F.linear(x if x.dtype == cdt else x.to(cdt), weight, bias)
         return (out, res_out) if return_residual else out
     out = torch.empty(Bsz, Nout, device=x.device, dtype=cdt)
