@@ -5,10 +5,11 @@ a preset's shapes: every layer's `layer_step`, then the final norm and the LM he
 `tile` (elements of a program's weight slab) sets rows per program and warps of the
 matrix-vector kernels; `ssm_rows` the batch rows per program of `_layer_ssm_kernel`;
 `rows_max_batch` (and `rows_max_batch_f32`) the batch up to which the projections stream
-through the kernels (above it, cuBLAS). Each candidate is the library's config with these replaced, handed to the
-launchers as `cfg=`; the library always runs `config()`, so a better value found here is
-adopted by editing its defaults. Per preset, batch and candidate: the step replayed from a
-CUDA graph (us), and each kernel's mean GPU time in an eager step (profiler).
+through the kernels (above it, cuBLAS). Each candidate is the library's config with these
+replaced, handed to the launchers as `cfg=`; the library always runs `config()`, so a better
+value found here is adopted by editing its defaults. Per preset, batch and candidate: the
+step replayed from a CUDA graph (us), and each kernel's mean GPU time in an eager step
+(profiler).
 
     PYTHONPATH=src python scripts/step_sweep.py --presets 130m 1.4b --tiles 4096 8192 16384
     PYTHONPATH=src python scripts/step_sweep.py --batch 64 --ssm-rows 1 2 4 8
