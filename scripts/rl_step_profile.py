@@ -3,7 +3,9 @@ CUDA graph) and of its eager step, by batch: what bounds benchmarks/bench_rl.py'
 
 `--stand-in` (on a machine without CUDA) times the Python a replayed step runs around its
 CUDA calls: the graph is a stand-in whose replay does nothing, so `step` per call is the
-key, the checks, the input copy and the output clone (on the CPU) alone."""
+key, the checks, the input copy and the output clone (on the CPU) alone. `--pieces` times
+each piece of a replayed step alone and (on CUDA) checks that a step never synchronises
+with the device."""
 
 from __future__ import annotations
 
@@ -40,6 +42,9 @@ def main() -> None:
         "through the step's kernels (above, cuBLAS)",
     )
     ap.add_argument("--no-profile", action="store_true", help="the host split alone")
+    ap.add_argument("--pieces", action="store_true",
+                    help="also each piece of a replayed step timed alone, and whether a step "
+                         "synchronises with the device")  # fmt: skip
     ap.add_argument("--stand-in", action="store_true",
                     help="no CUDA: the replayed step's Python, with a stand-in graph")  # fmt: skip
     args = ap.parse_args()
@@ -79,6 +84,8 @@ def main() -> None:
                     print(prof.key_averages().table(sort_by=key, row_limit=args.rows))
                 if dev == "cuda":
                     host_split(model, x, state, args.calls)
+                    if args.pieces:
+                        pieces(model, x, state, args.calls)
 
 
 def per_call_us(fn, n: int) -> float:
@@ -110,6 +117,8 @@ def stand_in_split(args) -> None:
                 best = min(per_call_us(partial(model.step, x, state), args.calls)
                            for _ in range(7))  # fmt: skip
             print(f"{mixer} batch {B}: replayed step's Python {best:.1f} us/call (best of 7)")
+            if args.pieces:
+                pieces(model, x, state, args.calls)
 
 
 def stand_in() -> None:
@@ -151,6 +160,44 @@ def host_split(model, x, state, n: int) -> None:
         f"host split: step {whole:.1f} us/call, replay loop {replay:.1f} us/call "
         f"(events {gpu:.1f}), so about {whole - replay:.1f} us of Python and copies"
     )
+
+
+def pieces(model, x, state, n: int) -> None:
+    """Each piece of a replayed step timed alone (us per call, the device synchronised at
+    each loop's end only), and a step run with CUDA's sync debug mode at "error": a step
+    that synchronises with the device (its time then adds the GPU's) shows where."""
+    from mambakit.inference import step_graph as sg
+    from mambakit.inference.plan import record
+
+    entry = next(reversed(_tables(model).graphs.values()))
+    parts = {
+        "step": lambda: model.step(x, state),
+        "checks": lambda: model._check_step(x, state),
+        "key": lambda: tuple(map(sg._data_ptr, state._tensors())),
+        "stands": lambda: sg._stands(model, model, None, entry),
+        "copy in": lambda: entry.x.copy_(x),
+        "replay": entry.graph.replay,
+        "clone out": entry.out.clone,
+        "copy, replay, clone": lambda: (entry.x.copy_(x), entry.graph.replay(), entry.out.clone()),
+    }
+    fast = record(model, "step") is entry.plan and entry.plan.fresh(model)
+    with torch.no_grad():
+        times = ", ".join(f"{k} {per_call_us(f, n):.1f}" for k, f in parts.items())
+    print(f"pieces (us/call): {times}; the plan's fast path {fast}")
+    if not torch.cuda.is_available():  # (the stand-in)
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad():
+            model.step(x, state)
+        print("a step does not synchronise with the device")
+    except RuntimeError as exc:
+        import traceback
+
+        print(f"a step synchronises: {exc}")
+        traceback.print_exc(limit=-8)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
 
 
 if __name__ == "__main__":
