@@ -4,8 +4,8 @@ their launch parameters `StepConfig`.
 B batch, M = d_model, D = d_inner, N = d_state, R = dt_rank, K = d_conv.
 
 Up to `rows_max_batch` rows (`rows_max_batch_f32` with small float32 weights) a block is
-the four streaming launches of kernels.py. Above, the projections go to cuBLAS (`F.linear`) and the
-small work between them stays fused: the norm, the conv update, then dt_proj
+the four streaming launches of kernels.py. Above, the projections go to cuBLAS (`F.linear`)
+and the small work between them stays fused: the norm, the conv update, then dt_proj
 (while row blocks x its weight <= `dt_proj_fused_bytes`) + state update + gate in
 `_layer_ssm_kernel`, `ssm_rows` rows per program.
 """
