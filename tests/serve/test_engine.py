@@ -19,7 +19,7 @@ from mambakit.serve import (
 )
 from mambakit.serve.cache import prefix_hashes
 from mambakit.serve.detok import StopText
-from mambakit.serve.prefill import piece_lengths, plan_targets
+from mambakit.serve.prefill import piece_lengths, plan_targets, span_bucket, span_lengths
 from mambakit.text import ByteTokenizer
 
 
@@ -212,6 +212,38 @@ def test_prefix_cache_hits_are_exact_and_counted(model_dirs, load):
     assert engine.metrics.prefill_tokens == 40 + 5 + 35 + 2
     for p, req in zip([a, *prompts, last], [first, *reqs]):
         assert tokens(req) == alone(oracle, p, greedy)
+
+
+def test_mamba1_pieces_of_different_lengths_share_a_forward(model_dirs, load):
+    """On a Mamba-1 model the remainders of prompts after their cached prefix, of different
+    lengths, run as one forward right-padded (`states_at` stops each row at its own last
+    token), and a piece of one length alone as an ordinary forward; the tokens are what
+    generate gives each prompt alone."""
+    model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
+    engine = Engine(model, max_batch=8, block_size=16, prefill_tokens=400, cache_bytes=1 << 26)
+    assert engine.spans
+    rng = random.Random(9)
+    head = [rng.randrange(256) for _ in range(32)]
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    # the first runs whole (a new first block); the second keeps the states at 16 and 32
+    served_alone(engine, oracle, [(head + [1], greedy)])
+    served_alone(engine, oracle, [(head + [2], greedy)])
+    calls = []
+    for name in ("_states_at", "last_logits"):
+        real = getattr(model, name)
+
+        def spy(ids, *args, real=real, name=name):
+            calls.append((name, tuple(ids.shape)))
+            return real(ids, *args)
+
+        setattr(model, name, spy)
+    tails = [[rng.randrange(256) for _ in range(n)] for n in (3, 7, 12, 15, 20)]
+    reqs = served_alone(engine, oracle, [(head + t, greedy) for t in tails])
+    assert [r.cached for r in reqs] == [32] * 5
+    # round 1: the four remainders and the 20-token one's first block, one forward; round
+    # 2: that one's last 4 tokens alone
+    assert calls == [("_states_at", (5, 16)), ("last_logits", (1, 4))]
+    assert engine.metrics.prefill_tokens == 33 + 33 + sum(map(len, tails))
 
 
 def test_prefix_cache_lru_budget_and_exact_keys():
@@ -444,6 +476,12 @@ def test_prefill_pieces_share_forwards():
     assert list(piece_lengths(0, 100, 256)) == [64, 32, 4]
     assert list(piece_lengths(0, 600, 256)) == [256, 256, 64, 16, 8]
     assert list(piece_lengths(300, 520, 256)) == [128, 64, 16, 4, 8]
+    # with states_at (Mamba-1): whole up to each block boundary, padded to a power of two
+    assert list(span_lengths(0, 100, 256)) == [100]
+    assert list(span_lengths(300, 600, 256)) == [212, 88]
+    assert list(span_lengths(0, 600, 256)) == [256, 256, 88]
+    assert [span_bucket(n, 256) for n in (1, 3, 88, 129, 256)] == [1, 4, 128, 256, 256]
+    assert [span_bucket(n, 100) for n in (64, 65, 100)] == [64, 100, 100]
 
     class R:
         def __init__(self, n, pos=0, whole=False):
@@ -518,11 +556,14 @@ def test_packed_graphs_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, 
     assert not graphs.packed_enabled
 
 
-def test_graph_paths_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, monkeypatch):
-    """The CUDA-graph paths (decode per bucket of rows, prefill pieces per rows bucket)
-    with `capture` replaced by a stand-in whose replay reruns the call into the captured
-    outputs, as a graph writes its static outputs: the buckets' padding rows, the copies
-    in and out of static buffers and the row moves give what generate gives alone."""
+@pytest.mark.parametrize("preset", ["tiny-mamba3", "tiny"])
+def test_graph_paths_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, monkeypatch,
+                                                            preset):  # fmt: skip
+    """The CUDA-graph paths (decode per bucket of rows, prefill pieces per rows bucket,
+    on Mamba-1 pieces of different lengths in one forward) with `capture` replaced by a
+    stand-in whose replay reruns the call into the captured outputs, as a graph writes
+    its static outputs: the buckets' padding rows, the copies in and out of static
+    buffers and the row moves give what generate gives alone."""
     import mambakit.inference.cuda_graph as cg
     from mambakit.inference.cuda_graph import static_mode
     from mambakit.serve import slots
@@ -531,7 +572,7 @@ def test_graph_paths_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, mo
     monkeypatch.setattr(cg, "capture", stand_in)
     monkeypatch.setattr(slots, "capture", stand_in)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    model, oracle = load(model_dirs["tiny-mamba3"]), load(model_dirs["tiny-mamba3"])
+    model, oracle = load(model_dirs[preset]), load(model_dirs[preset])
     engine = Engine(model, max_batch=6, block_size=16, prefill_tokens=40, cache_bytes=1 << 24)
     with static_mode():
         engine.pool = slots.SlotPool(model, 6, graphs=True)
@@ -543,10 +584,13 @@ def test_graph_paths_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, mo
     work = mixed_requests(2, 12)
     served_alone(engine, oracle, work)
     assert engine.prefill_graphs.graphs  # the pieces ran from the stand-in graphs
-    # rows 1, 2; pieces 1 ... 16, and whole prompts of 16 ... 64 tokens
+    spans = preset == "tiny"
+    assert any(k[2] == "spans" for k in engine.prefill_graphs.graphs) == spans
+    # rows 1, 2; pieces 1 ... 16 (and on Mamba-1 pieces of different lengths up to 2 ...
+    # 16), and whole prompts of 16 ... 64 tokens
     engine.whole_max = 64
     engine.warmup()
-    assert len(engine.prefill_graphs.graphs) == 2 * (5 + 3)
+    assert len(engine.prefill_graphs.graphs) == 2 * (5 + 4 * spans + 3)
     # a whole prompts' capture that fails: those run eagerly, the pieces keep their graphs
     graphs = engine.prefill_graphs
     graphs.graphs = {k: v for k, v in graphs.graphs.items() if not k[2]}

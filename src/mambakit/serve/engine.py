@@ -152,6 +152,11 @@ class Engine(Intake, Decoding):
         # block is new: the states at the block boundaries are kept for a prompt whose
         # first block was seen before
         self.whole_max = WHOLE_MAX
+        # the other prompts run in pieces up to each block boundary; a Mamba-1 model stops
+        # each row of a forward at a step of its own (`MambaLM.states_at`), so pieces of
+        # different lengths share a forward, right-padded (a cached prefix's remainder is
+        # one forward); the other mixers cut pieces into powers of two, one forward a length
+        self.spans = model.config.mixer == "mamba1"
         # packed (a Mamba-1 model; off by default): prompts are packed end to end into
         # rows instead, one forward giving the state at each prompt's end and at its block
         # boundaries (`MambaLM.states_at`, `_prefill_packed`). Measured on the H200 at 130m

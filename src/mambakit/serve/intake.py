@@ -18,6 +18,9 @@ from .prefill import (
     piece_lengths,
     plan_packs,
     plan_targets,
+    right_padded,
+    span_bucket,
+    span_lengths,
     stack_rows,
     whole_bucket,
 )
@@ -25,6 +28,10 @@ from .request import Request, Sequence
 from .slots import rows_view, sample_rows, to_device
 
 HEADS_KEPT = 1 << 16  # first blocks remembered (`Intake._new_head`)
+# filler tokens a forward of pieces of different lengths (Mamba-1) takes on rather than
+# leave a shorter piece to a forward of its own: a forward's fixed cost is about a
+# millisecond on the H200, a thousand tokens' worth at 130m, a few hundred at 1.4b
+SPAN_FILL = 1024
 
 
 class Intake:
@@ -115,11 +122,13 @@ class Intake:
         the cache's copies of the states they reach; the requests whose prompt they
         complete. Nothing here waits for the device."""
         whole = []
-        for req, target in plan_targets(self.prefilling, self.prefill_tokens, self.block_size):
+        block = self.block_size
+        cut = span_lengths if self.spans else piece_lengths
+        for req, target in plan_targets(self.prefilling, self.prefill_tokens, block):
             if req.whole:
                 whole.append(req)
             else:
-                req.pieces = piece_lengths(req.pos, target, self.block_size)
+                req.pieces = cut(req.pos, target, block)
         if whole and self.packed:
             self._prefill_packed(whole)
         elif whole:
@@ -128,24 +137,48 @@ class Intake:
             active = [r for r in self.prefilling if r.pieces]
             if not active:
                 break
-            size = max(r.pieces[0] for r in active)
-            group = [r for r in active if r.pieces[0] == size]
-            pieces = [r.prompt[r.pos : r.pos + size] for r in group]
-
-            def forward(group=group, pieces=pieces):
-                state = stack_rows([r.state for r in group], self._zero)
-                done = None
-                if self.prefill_graphs is not None:
-                    done = self.prefill_graphs.run(pieces, state, self.device)
-                if done is None:
-                    ids = torch.tensor(pieces, dtype=torch.int64, device=self.device)
-                    done = self.model.last_logits(ids, state)
-                return done
-
-            for r in group:
-                r.pieces.popleft()
-            self._forward_group(group, forward, [r.pos + size for r in group])
+            # a round: one forward over every prompt whose next piece has the round's
+            # length; with `spans`, whose piece pads to the round's bucket, and the shorter
+            # ones, longest first, while the filler they add stays within SPAN_FILL tokens
+            size = max(span_bucket(r.pieces[0], block) for r in active)
+            group = [r for r in active if span_bucket(r.pieces[0], block) == size]
+            if self.spans:
+                fill = sum(size - r.pieces[0] for r in group)
+                for r in sorted((r for r in active if r not in group), key=lambda r: -r.pieces[0]):
+                    fill += size - r.pieces[0]
+                    if fill > SPAN_FILL:
+                        break
+                    group.append(r)
+            lengths = [r.pieces.popleft() for r in group]
+            pieces = [r.prompt[r.pos : r.pos + n] for r, n in zip(group, lengths)]
+            forward = self._pieces_forward if min(lengths) == size else self._spans_forward
+            self._forward_group(group, lambda g=group, p=pieces, n=size: forward(g, p, n),
+                                [r.pos + n for r, n in zip(group, lengths)])  # fmt: skip
         return [r for r in self.prefilling if r.pos == len(r.prompt)]
+
+    def _pieces_forward(self, group: list[Request], pieces: list[list[int]], n: int):
+        """(logits, state) of pieces of one length n, from the states of `group`."""
+        state = stack_rows([r.state for r in group], self._zero)
+        done = None
+        if self.prefill_graphs is not None:
+            done = self.prefill_graphs.run(pieces, state, self.device)
+        if done is None:
+            ids = torch.tensor(pieces, dtype=torch.int64, device=self.device)
+            done = self.model.last_logits(ids, state)
+        return done
+
+    def _spans_forward(self, group: list[Request], pieces: list[list[int]], n: int):
+        """(logits, state) of pieces of different lengths (at most n tokens) from the states
+        of `group`, right-padded to n, each row's at its own last token (`states_at`)."""
+        state = stack_rows([r.state for r in group], self._zero)
+        done = None
+        if self.prefill_graphs is not None:
+            done = self.prefill_graphs.run_spans(pieces, state, n, self.device)
+        if done is None:
+            ids, last = (t.to(self.device) for t in right_padded(pieces, n))
+            logits, done_state = self.model._states_at(ids, last, state)
+            done = logits[:, 0], done_state
+        return done
 
     def _prefill_whole(self, reqs: list[Request]) -> None:
         """Prefill whole prompts from zeros. On CUDA in groups of up to the captured rows

@@ -11,6 +11,13 @@ plus one per whole block, whatever the number of prompts, each with the prompts'
 states stacked as its initial state. A forward over a piece from a state gives the
 same state and last logits as the prompt run whole (up to the rounding of f32 sums).
 
+A Mamba-1 model can stop each row of one forward at a step of its own
+(`MambaLM.states_at`): its pieces are not cut into powers of two but run whole, up to the
+next block boundary (`span_lengths`), pieces of different lengths sharing a forward
+right-padded to a power of two (`span_bucket`), each row's state and logits taken at its
+own last token. A cached prefix's remainder is then one forward, however the lengths of
+the prompts of a launch differ.
+
 A prompt that starts from zeros (no cached prefix) needs no state before it, so it can
 run whole instead: one forward for many prompts, each left-padded to a common bucket
 length with `seq_idx` marking the filler (as `generate` prefills ragged prompts). That
@@ -43,6 +50,33 @@ def piece_lengths(pos: int, end: int, block: int) -> deque[int]:
                     out.append(1 << bit)
         pos = stop
     return out
+
+
+def span_lengths(pos: int, end: int, block: int) -> deque[int]:
+    """The pieces that take a prompt from `pos` to `end` when a forward stops each row at a
+    step of its own (`MambaLM.states_at`): up to each block boundary, then the rest."""
+    out: deque[int] = deque()
+    while pos < end:
+        stop = min(end, (pos // block + 1) * block)
+        out.append(stop - pos)
+        pos = stop
+    return out
+
+
+def span_bucket(n: int, block: int) -> int:
+    """The length a forward whose longest piece has n tokens (n <= block) is right-padded
+    to: the next power of two, or the block (the lengths `PrefillGraphs` captures)."""
+    return min(1 << (n - 1).bit_length(), block)
+
+
+def right_padded(pieces: list[list[int]], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host tensors of pieces of different lengths as rows of n tokens: ids [g, n] int64
+    (filler 0 after each piece) and each row's last step [g, 1] int64."""
+    ids = torch.zeros(len(pieces), n, dtype=torch.int64)
+    for i, p in enumerate(pieces):
+        ids[i, : len(p)] = torch.tensor(p, dtype=torch.int64)
+    last = torch.tensor([[len(p) - 1] for p in pieces], dtype=torch.int64)
+    return ids, last
 
 
 def stack_rows(states: list[ModelState | None], zero: ModelState) -> ModelState | None:
@@ -200,6 +234,8 @@ class PrefillGraphs:
         self.enabled = True  # the pieces' graphs
         self.whole_enabled = True  # the whole prompts' (a failed capture turns off its kind)
         self.packed_enabled = True  # the packed rows' (`run_packed`)
+        # pieces of different lengths in one forward (`run_spans`): a Mamba-1 model's
+        self.spans_enabled = model.config.mixer == "mamba1"
         row = model.init_state(1)
         row_bytes = sum(t.numel() * t.element_size() for t in row._tensors())
         rows = 1  # buckets 1, 2, ... R hold 2 states of 2R - 1 rows in all
@@ -215,12 +251,14 @@ class PrefillGraphs:
         self.lengths = [1 << i for i in range(block_size.bit_length()) if 1 << i < block_size]
         self.lengths.append(block_size)
 
-    def _entry(self, rows: int, n: int, device, whole: bool = False):
-        """The graph of a (rows, n) piece, and its ids buffer: from the state buffer, or
-        (`whole`) from zeros with a `seq_idx` buffer marking each row's left filler."""
+    def _entry(self, rows: int, n: int, device, whole: bool = False, spans: bool = False):
+        """The graph of a (rows, n) piece, its ids buffer and a third: from the state buffer
+        (None), or (`whole`) from zeros with a `seq_idx` buffer marking each row's left
+        filler, or (`spans`) from the state buffer, each row stopped at its step in a
+        buffer of last steps [rows, 1] (`MambaLM.states_at`)."""
         from ..inference.cuda_graph import capture
 
-        key = (rows, n, whole)
+        key = (rows, n, "spans" if spans else whole)
         if key in self.graphs:
             return self.graphs[key]
         if rows not in self.buffers:
@@ -234,14 +272,19 @@ class PrefillGraphs:
         state_in, state_out, logits_out = self.buffers[rows]
         ids = torch.zeros(rows, n, dtype=torch.int64, device=device)
         seq = torch.zeros(rows, n, dtype=torch.int32, device=device) if whole else None
+        last = torch.zeros(rows, 1, dtype=torch.int64, device=device) if spans else None
 
         def fn():
-            logits, state = self.model.last_logits(ids, None if whole else state_in, seq)
+            if spans:
+                logits, state = self.model._states_at(ids, last, state_in)
+                logits = logits[:, 0]
+            else:
+                logits, state = self.model.last_logits(ids, None if whole else state_in, seq)
             state_out.copy_(state)
             logits_out.copy_(logits)
 
         graph, _ = capture(fn, warmup=2, pool=self.pool)
-        self.graphs[key] = (graph, ids, seq)
+        self.graphs[key] = (graph, ids, last if spans else seq)
         return self.graphs[key]
 
     def _packed_entry(self, n: int, device, from_state: bool = False):
@@ -297,7 +340,8 @@ class PrefillGraphs:
 
     def warmup(self, device, whole_max: int = 0, pack_max: int = 0) -> None:
         """Capture every graph now (a capture mid-service would stall an iteration): the
-        pieces', then the whole prompts' up to `whole_max` tokens (the largest ones, which
+        pieces' (one length a forward, and different lengths with `spans_enabled`), then
+        the whole prompts' up to `whole_max` tokens (the largest ones, which
         a capture is likeliest to fail on for want of memory, last), or the packed rows' up
         to `pack_max` tokens."""
         row_buckets = [1 << i for i in range(self.max_rows.bit_length())]
@@ -305,6 +349,9 @@ class PrefillGraphs:
             for n in self.lengths:
                 if self.enabled:
                     self._run([[0] * n] * rows, None, device)
+            for n in self.lengths[1:]:
+                if self.spans_enabled:
+                    self._run_spans([[0] * n] + [[0]] * (rows - 1), None, n, device)
         for n in buckets(pack_bucket, pack_max):
             for start in (None, self.model.init_state(1)):
                 if self.packed_enabled:
@@ -326,6 +373,23 @@ class PrefillGraphs:
             if state is not None:
                 part = type(state)(*(t[:, i : i + self.max_rows] for t in state._tensors()))
             out = self._run(ids[i : i + self.max_rows], part, device)
+            if out is None:
+                return None
+            parts.append(out)
+        return join_parts(parts)
+
+    def run_spans(self, pieces: list[list[int]], state: ModelState | None, n: int, device):
+        """(logits [g, V], state [L, g, ...]) of pieces of different lengths (g rows, at most
+        n tokens each, n a captured length) from `state`, each row's at its own last token,
+        or None when these graphs are off."""
+        if not self.spans_enabled:
+            return None
+        parts = []
+        for i in range(0, len(pieces), self.max_rows):
+            part = None
+            if state is not None:
+                part = type(state)(*(t[:, i : i + self.max_rows] for t in state._tensors()))
+            out = self._run_spans(pieces[i : i + self.max_rows], part, n, device)
             if out is None:
                 return None
             parts.append(out)
@@ -369,6 +433,23 @@ class PrefillGraphs:
         seq[g:].zero_()
         return self._replay(rows, g, graph)
 
+    def _run_spans(self, pieces, state, n, device):
+        g = len(pieces)
+        rows = 1 << (g - 1).bit_length()
+        try:
+            graph, buf, last_buf = self._entry(rows, n, device, spans=True)
+        except Exception:  # a capture that fails: pieces of one length only from now on
+            self.spans_enabled = False
+            return None
+        ids, last = right_padded(pieces, n)
+        pin = device.type == "cuda"
+        buf[:g].copy_(ids.pin_memory() if pin else ids, non_blocking=True)
+        buf[g:].zero_()
+        last_buf[:g].copy_(last.pin_memory() if pin else last, non_blocking=True)
+        last_buf[g:].zero_()
+        self._load_state(rows, g, state)
+        return self._replay(rows, g, graph)
+
     def _run(self, ids, state, device):
         g, n = len(ids), len(ids[0])
         rows = 1 << (g - 1).bit_length()
@@ -377,16 +458,21 @@ class PrefillGraphs:
         except Exception:  # a capture that fails: eager from now on
             self.enabled = False
             return None
-        state_in = self.buffers[rows][0]
         buf[:g].copy_(to_device(ids, device))
         buf[g:].zero_()
+        self._load_state(rows, g, state)
+        return self._replay(rows, g, graph)
+
+    def _load_state(self, rows: int, g: int, state: ModelState | None) -> None:
+        """The first g rows of the rows bucket's state buffer from `state` (None: zeros),
+        the rest zeros."""
+        state_in = self.buffers[rows][0]
         if state is None:
             state_in.zero_()
         else:
             for dst, src in zip(state_in._tensors(), state._tensors()):
                 dst[:, :g].copy_(src)
                 dst[:, g:].zero_()
-        return self._replay(rows, g, graph)
 
 
 def left_padded(prompts: list[list[int]], n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
