@@ -151,8 +151,8 @@ class Intake:
                     group.append(r)
             lengths = [r.pieces.popleft() for r in group]
             pieces = [r.prompt[r.pos : r.pos + n] for r, n in zip(group, lengths)]
-            forward = self._pieces_forward if min(lengths) == size else self._spans_forward
-            self._forward_group(group, lambda g=group, p=pieces, n=size: forward(g, p, n),
+            run = self._pieces_forward if min(lengths) == size else self._spans_forward
+            self._forward_group(group, lambda f=run, g=group, p=pieces, n=size: f(g, p, n),
                                 [r.pos + n for r, n in zip(group, lengths)])  # fmt: skip
         return [r for r in self.prefilling if r.pos == len(r.prompt)]
 
