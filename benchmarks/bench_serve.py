@@ -297,7 +297,12 @@ def engine_for(model, clients: int, args, cache: bool) -> Engine:
                     prefill_tokens=args.prefill_tokens, max_queue=1 << 20,
                     cache_bytes=int(args.cache_gib * (1 << 30)) if cache else 0,
                     cuda_graph=graphs)  # fmt: skip
+    if args.prefill_hold:
+        tokens, ms = args.prefill_hold.split(",")
+        engine.prefill_hold = (int(tokens), float(ms) / 1e3)
     engine.warmup()
+    if engine.prefill_graphs is not None:
+        print(f"prefill forward's fixed cost: {engine.prefill_graphs.forward_tokens} tokens' worth")
     return engine
 
 
@@ -326,6 +331,9 @@ def main() -> None:
     ap.add_argument("--prefix-requests", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=256)
     ap.add_argument("--prefill-tokens", type=int, default=16384)
+    ap.add_argument("--prefill-hold", default=None, metavar="TOKENS,MS",
+                    help="the engine's prefill_hold: launches wait for this many prompt "
+                         "tokens, a prompt at most this long, while decode steps run")  # fmt: skip
     ap.add_argument("--cache-gib", type=float, default=4.0)
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument("--seed", type=int, default=0)

@@ -19,7 +19,14 @@ from mambakit.serve import (
 )
 from mambakit.serve.cache import prefix_hashes
 from mambakit.serve.detok import StopText
-from mambakit.serve.prefill import piece_lengths, plan_targets, span_bucket, span_lengths
+from mambakit.serve.prefill import (
+    piece_lengths,
+    plan_groups,
+    plan_targets,
+    span_bucket,
+    span_lengths,
+    whole_bucket,
+)
 from mambakit.text import ByteTokenizer
 
 
@@ -498,6 +505,70 @@ def test_prefill_pieces_share_forwards():
     assert [t for _, t in plan_targets([w, b], 100, 256)] == [700]
     assert [t for _, t in plan_targets([b, w, c], 600, 256)] == [50]
     assert [t for _, t in plan_targets([b, w, c], 800, 256)] == [50, 700, 10]
+
+
+def test_whole_prompts_group_where_the_filler_saved_pays_for_a_forward():
+    """`plan_groups` against every way of cutting the sorted prompts (brute force): the
+    fewest tokens computed (rows padded to a power of two, each row to the bucket of
+    its group's longest) plus the fixed cost of each forward."""
+    import itertools
+
+    def cost(lengths, ends, fixed):
+        total, i = 0, 0
+        for end in ends:
+            total += fixed + (1 << (end - i - 1).bit_length()) * whole_bucket(lengths[end - 1])
+            i = end
+        return total
+
+    rng = random.Random(3)
+    for _ in range(40):
+        k = rng.randint(1, 9)
+        lengths = sorted(rng.randint(1, 2048) for _ in range(k))
+        most, fixed = rng.choice([2, 4, 16]), rng.choice([0, 300, 1024, 5000])
+        ends = plan_groups(lengths, most, fixed)
+        assert ends[-1] == k and all(b - a <= most for a, b in zip([0, *ends], ends))
+        best = min(
+            cost(lengths, [*cuts, k], fixed)
+            for r in range(k)
+            for cuts in itertools.combinations(range(1, k), r)
+            if all(b - a <= most for a, b in zip([0, *cuts], [*cuts, k]))
+        )
+        assert cost(lengths, ends, fixed) == best, (lengths, most, fixed)
+    # no fixed cost: every bucket its own forward; a large one: one forward
+    assert plan_groups([20, 30, 600, 700], 16, 0) == [2, 4]
+    assert plan_groups([20, 30, 600, 700], 16, 10**6) == [4]
+
+
+def test_prefill_hold_waits_for_tokens_or_time(model_dirs, load):
+    """With `prefill_hold`, a prompt admitted while others decode waits until the prompts
+    waiting reach the tokens asked or it has waited the time; with nothing decoding it
+    launches at once. The tokens are generate's."""
+    import time
+
+    model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
+    engine = Engine(model, max_batch=4, block_size=16, cache_bytes=0)
+    engine.prefill_hold = (50, 3600.0)
+    greedy = SamplingParams(max_tokens=40, temperature=0)
+    first = engine.submit(list(range(10, 30)), greedy)
+    engine.step()  # nothing decodes: launched and joined at once
+    assert engine.rows and not engine.prefilling
+    short = engine.submit(list(range(40, 60)), SamplingParams(max_tokens=4, temperature=0))
+    for _ in range(3):
+        engine.step()
+    assert engine.prefilling == [short] and short.pos == 0  # 20 tokens < 50: waits
+    more = engine.submit(list(range(70, 110)), SamplingParams(max_tokens=4, temperature=0))
+    engine.step()  # 60 tokens waiting: both launch
+    assert not engine.prefilling and short.pos == 20 and more.pos == 40
+    late = engine.submit([5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
+    engine.prefill_hold = (50, 0.01)
+    engine.step()
+    assert engine.prefilling == [late]
+    time.sleep(0.02)
+    engine.step()  # waited long enough
+    assert not engine.prefilling
+    run_all(engine, [first, short, more, late])
+    for req in (first, short, more, late):
+        assert tokens(req) == alone(oracle, req.prompt, req.params)
 
 
 def stand_in(fn, warmup=2, pool=None):

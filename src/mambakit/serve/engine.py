@@ -157,6 +157,9 @@ class Engine(Intake, Decoding):
         # different lengths share a forward, right-padded (a cached prefix's remainder is
         # one forward); the other mixers cut pieces into powers of two, one forward a length
         self.spans = model.config.mixer == "mamba1"
+        # (least prompt tokens, longest wait in seconds) a prefill launch waits for while
+        # decode steps run (`Intake._hold`); None: every iteration launches what is there
+        self.prefill_hold: tuple[int, float] | None = None
         # packed (a Mamba-1 model; off by default): prompts are packed end to end into
         # rows instead, one forward giving the state at each prompt's end and at its block
         # boundaries (`MambaLM.states_at`, `_prefill_packed`). Measured on the H200 at 130m

@@ -6,16 +6,20 @@ their first tokens drawn. The state these read and write is `Engine.__init__`'s.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .cache import prefix_hashes
 from .prefill import (
+    FORWARD_TOKENS,
     PACK_SLOTS_EAGER,
     left_padded,
     pack_bucket,
     pack_steps,
     packed_row,
     piece_lengths,
+    plan_groups,
     plan_packs,
     plan_targets,
     right_padded,
@@ -28,10 +32,6 @@ from .request import Request, Sequence
 from .slots import rows_view, sample_rows, to_device
 
 HEADS_KEPT = 1 << 16  # first blocks remembered (`Intake._new_head`)
-# filler tokens a forward of pieces of different lengths (Mamba-1) takes on rather than
-# leave a shorter piece to a forward of its own: a forward's fixed cost is about a
-# millisecond on the H200, a thousand tokens' worth at 130m, a few hundred at 1.4b
-SPAN_FILL = 1024
 
 
 class Intake:
@@ -47,6 +47,7 @@ class Intake:
             with self._lock:
                 self._n_waiting -= 1
             self.reserved += req.params.n
+            req.admitted = time.monotonic()
             if self.cache.enabled:
                 req.hashes = prefix_hashes(req.prompt)
                 hit = self.cache.lookup(req.prompt, req.hashes)
@@ -97,7 +98,7 @@ class Intake:
             ready = [r for r in ready if r in self.prefilling]  # not cancelled meanwhile
             if ready:
                 self._join(ready)
-        if not self.prefilling:
+        if not self.prefilling or self._hold():
             return
         if self.prefill_stream is None:
             ready = self._launch_prefill()
@@ -116,6 +117,18 @@ class Intake:
             event = torch.cuda.Event(blocking=True)  # its synchronize() sleeps, not spins
             event.record(self.prefill_stream)
         self._pending = (event, ready)  # the next launch waits for this one's end
+
+    def _hold(self) -> bool:
+        """Whether to let the prompts wait for more to launch with (`prefill_hold`: the
+        least prompt tokens a launch should have, and the longest a prompt waits for that,
+        in seconds): while decode steps keep the device busy, larger launches run as larger
+        forwards, each token cheaper."""
+        if self.prefill_hold is None or not self.rows:
+            return False
+        least, wait = self.prefill_hold
+        if sum(len(r.prompt) - r.pos for r in self.prefilling) >= least:
+            return False
+        return time.monotonic() - self.prefilling[0].admitted < wait
 
     def _launch_prefill(self) -> list[Request]:
         """Enqueue the forwards of this iteration's prompt pieces, grouped by length, and
@@ -139,14 +152,14 @@ class Intake:
                 break
             # a round: one forward over every prompt whose next piece has the round's
             # length; with `spans`, whose piece pads to the round's bucket, and the shorter
-            # ones, longest first, while the filler they add stays within SPAN_FILL tokens
+            # ones, longest first, while the filler they add costs less than a forward
             size = max(span_bucket(r.pieces[0], block) for r in active)
             group = [r for r in active if span_bucket(r.pieces[0], block) == size]
             if self.spans:
                 fill = sum(size - r.pieces[0] for r in group)
                 for r in sorted((r for r in active if r not in group), key=lambda r: -r.pieces[0]):
                     fill += size - r.pieces[0]
-                    if fill > SPAN_FILL:
+                    if fill > self._forward_tokens():
                         break
                     group.append(r)
             lengths = [r.pieces.popleft() for r in group]
@@ -182,16 +195,18 @@ class Intake:
 
     def _prefill_whole(self, reqs: list[Request]) -> None:
         """Prefill whole prompts from zeros. On CUDA in groups of up to the captured rows
-        (16) of similar lengths (the prompts sorted by length, cut into groups), each one
-        forward padded to the bucket of its longest (`PrefillGraphs.run_whole`): few large
+        (16) of similar lengths (the prompts sorted by length, cut where the filler saved
+        pays for another forward: `plan_groups`), each one forward padded to the bucket of
+        its longest (`PrefillGraphs.run_whole`): few large
         forwards, the filler a fraction of each; elsewhere grouped by exact length."""
         if self.device.type == "cuda" or self.prefill_graphs is not None:
             size = self.prefill_graphs.max_rows if self.prefill_graphs is not None else 16
             reqs = sorted(reqs, key=lambda r: len(r.prompt))
-            groups = {}
-            for i in range(0, len(reqs), size):
-                group = reqs[i : i + size]
+            groups, i = {}, 0
+            for end in plan_groups([len(r.prompt) for r in reqs], size, self._forward_tokens()):
+                group = reqs[i:end]
                 groups[(i, whole_bucket(len(group[-1].prompt)))] = group
+                i = end
         else:
             groups: dict = {}
             for r in reqs:
@@ -209,6 +224,13 @@ class Intake:
                 return done
 
             self._forward_group(group, forward, [len(p) for p in prompts])
+
+    def _forward_tokens(self) -> int:
+        """A prefill forward's fixed cost in tokens' worth of its work (measured at warm-up
+        on CUDA): what a shorter piece or a smaller group must save to get a forward of
+        its own."""
+        graphs = self.prefill_graphs
+        return graphs.forward_tokens if graphs is not None else FORWARD_TOKENS
 
     def _pack_slots(self) -> int:
         """The states one packed forward keeps at most."""

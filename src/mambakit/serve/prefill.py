@@ -96,6 +96,28 @@ def whole_bucket(n: int) -> int:
     return max(WHOLE_MIN, 1 << (n - 1).bit_length())
 
 
+def plan_groups(lengths: list[int], most: int, fixed: int) -> list[int]:
+    """Cut whole prompts, sorted by length, into groups of at most `most`, each one forward
+    of its rows (padded to a power of two, as the graphs are captured) left-padded to the
+    bucket of its longest (`whole_bucket`), so that the tokens computed plus `fixed` a
+    forward (its fixed cost, in tokens) are fewest; the end of each group (dynamic
+    programming over the cut points: a few prompts to a few hundred)."""
+    k = len(lengths)
+    best = [0] + [float("inf")] * k
+    cut = [0] * (k + 1)
+    for j in range(1, k + 1):
+        n = whole_bucket(lengths[j - 1])  # the longest of any group ending at j
+        for i in range(max(0, j - most), j):
+            cost = best[i] + fixed + (1 << (j - i - 1).bit_length()) * n
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    ends, j = [], k
+    while j:
+        ends.append(j)
+        j = cut[j]
+    return ends[::-1]
+
+
 def buckets(bucket, most: int) -> list[int]:
     """Every length `bucket` (`whole_bucket`, `pack_bucket`) maps 1 .. `most` tokens to."""
     out, n = [], 1
@@ -214,6 +236,9 @@ GRAPH_STATE_BYTES = 2 << 30  # the static state buffers of the prefill graphs, a
 GRAPH_MAX_ROWS = 16  # rows of a captured prefill at most (a larger group runs in parts)
 PACK_SLOTS = 128  # the states one packed forward keeps at most
 PACK_SLOTS_EAGER = 256  # the same without graphs (its outputs are the forward's own)
+# a forward's fixed cost in tokens' worth of its work, where it is not measured
+# (`PrefillGraphs.warmup` measures it): about a millisecond on the H200 at 130m
+FORWARD_TOKENS = 1024
 
 
 class PrefillGraphs:
@@ -250,6 +275,7 @@ class PrefillGraphs:
         self.slots = slots
         self.lengths = [1 << i for i in range(block_size.bit_length()) if 1 << i < block_size]
         self.lengths.append(block_size)
+        self.forward_tokens = FORWARD_TOKENS  # measured by `warmup` once it has the graphs
 
     def _entry(self, rows: int, n: int, device, whole: bool = False, spans: bool = False):
         """The graph of a (rows, n) piece, its ids buffer and a third: from the state buffer
@@ -361,6 +387,20 @@ class PrefillGraphs:
             for rows in row_buckets:
                 if self.whole_enabled:
                     self._run_whole([[0] * n] * rows, n, device)
+        self._measure(device)
+
+    def _measure(self, device) -> None:
+        """`forward_tokens` from two captured forwards of whole prompts, the smallest and
+        the largest: the smallest's time in tokens at the rate the largest adds per token."""
+        whole = [(r, n) for r, n, kind in self.graphs if kind is True]
+        if device.type != "cuda" or (1, WHOLE_MIN) not in whole or len(whole) < 2:
+            return
+        rows, n = max(whole, key=lambda k: k[0] * k[1])
+        t_small = _replay_ms(self.graphs[(1, WHOLE_MIN, True)][0])
+        t_big = _replay_ms(self.graphs[(rows, n, True)][0])
+        per_token = (t_big - t_small) / (rows * n - WHOLE_MIN)
+        if per_token > 0:
+            self.forward_tokens = max(0, round(t_small / per_token) - WHOLE_MIN)
 
     def run(self, ids: list[list[int]], state: ModelState | None, device):
         """(logits [g, V], state [L, g, ...]) of the pieces `ids` (g rows of one length) from
@@ -473,6 +513,19 @@ class PrefillGraphs:
             for dst, src in zip(state_in._tensors(), state._tensors()):
                 dst[:, :g].copy_(src)
                 dst[:, g:].zero_()
+
+
+def _replay_ms(graph, times: int = 3) -> float:
+    """The fastest of a few replays of a CUDA graph, in milliseconds."""
+    best = float("inf")
+    for _ in range(times):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end))
+    return best
 
 
 def left_padded(prompts: list[list[int]], n: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -106,6 +106,7 @@ class Request:
         self.whole = False  # prefilled in one piece from zeros (Engine._admit)
         self.blocks = False  # packed (Engine.packed): its block boundaries' states kept too
         self.cached = 0  # prompt tokens found in the prefix cache
+        self.admitted = 0.0  # when it left the queue for the prefill (time.monotonic)
         self.sampling = params.sampling  # the engine's one object for equal settings
 
     @property
