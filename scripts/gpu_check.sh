@@ -8,7 +8,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile"}
-# opt-in stages: residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof serveprobe packprobe rl rlprof gemmprobe
+# opt-in stages: residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof servehold serveprobe packprobe rl rlprof gemmprobe
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -127,6 +127,14 @@ if stage serveprof; then  # where the engine's time goes at 256 clients; the pre
     timeout ${T_SERVEPROF:-200} python benchmarks/bench_serve.py --preset ${SERVEPROF_PRESET:-130m} \
       --device cuda --clients 256 --no-prefix --prefill-tokens $pt $prof ${SERVEPROF_ARGS:-} \
       --out "$OUT/bench_serve_prefill$pt.json" 2>&1 | grep -v "^ \|^-\|USDT" | tail -12 | tee -a "$LOG"
+  done
+fi
+if stage servehold; then  # the mixed load at 256 clients with the prefill held for larger launches
+  for hold in ${SERVE_HOLDS:-"8192,30" "16384,60"}; do
+    echo "== bench_serve 130m, 256 clients, prefill_hold $hold" | tee -a "$LOG"
+    timeout ${T_SERVEHOLD:-150} python benchmarks/bench_serve.py --preset ${SERVEPROF_PRESET:-130m} \
+      --device cuda --clients 256 --no-prefix --prefill-hold $hold ${SERVEHOLD_ARGS:-} \
+      --out "$OUT/bench_serve_hold${hold%%,*}.json" 2>&1 | grep -v "^ \|^-\|USDT" | tail -8 | tee -a "$LOG"
   done
 fi
 if stage serveprobe; then  # prefill forwards by (rows, piece length) and the decode step by batch
