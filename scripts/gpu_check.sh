@@ -8,7 +8,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile"}
-# opt-in stages: residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof servehold serveprobe packprobe rl rlprof gemmprobe
+# opt-in stages: model14 residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof servehold serveprobe packprobe rl rlprof gemmprobe
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -66,6 +66,12 @@ if stage model; then
   echo "== bench_model" | tee -a "$LOG"
   timeout ${T_MODEL:-120} python benchmarks/bench_model.py --out "$OUT/bench_model.json" \
     --profile "$OUT/profile_train_step.txt" ${MODEL_ARGS:-} 2>&1 | tee -a "$LOG"
+fi
+if stage model14; then  # the 1.4b training step (4 x 2048) beside mamba_ssm, with its profile
+  echo "== bench_model 1.4b" | tee -a "$LOG"
+  timeout ${T_MODEL14:-240} python benchmarks/bench_model.py --preset 1.4b --batch 4 \
+    --iters ${MODEL14_ITERS:-5} --out "$OUT/bench_model_1.4b.json" \
+    --profile "$OUT/profile_train_step_1.4b.txt" 2>&1 | grep -v "^ \|^-\|^Name\|^Self" | tee -a "$LOG"
 fi
 if stage tests; then
   echo "== pytest -m gpu" | tee -a "$LOG"
