@@ -104,12 +104,16 @@ class MambaBackbone(nn.Module):
         out, _ = self.norm_f(h, residual, cdt, backend=backend)
         return out, state
 
-    def _forward_layers(self, x, state, seq_idx, last: bool = False, at=None) -> tuple:
+    def _forward_layers(
+        self, x, state, seq_idx, last: bool = False, at=None, stop=None
+    ) -> tuple:
         """`forward` up to norm_f: (the last block's output, the residual stream [B, T, M]
         f32, compute dtype, backend, final state). `last`: only the last step's output is
         read; the last block may give that step's alone ([B, 1, M], `MambaBlock.forward`).
         `at` [B, k] int64 (Mamba-1 layers, checked by the caller): the state is instead the
-        states after those steps, B * k rows (row b * k + j: after step at[b, j] of row b)."""
+        states after those steps, B * k rows (row b * k + j: after step at[b, j] of row b).
+        `stop` [B] int64 (Mamba-2 layers that `stops_rows()`): the state is each row's after
+        its step stop[b]; the steps past it are filler."""
         want_dim = 2 if self.embeddings is not None else 3
         name = "input_ids" if self.embeddings is not None else "x"
         if not isinstance(x, torch.Tensor) or x.dim() != want_dim:
@@ -146,7 +150,11 @@ class MambaBackbone(nn.Module):
             layer_state = None if state is None else state.layer(i)
             derived = None if plan is None else plan[i]
             end = last and i == len(self.layers) - 1
-            if at is None:
+            if stop is not None:
+                h, residual, final = layer(
+                    h, residual, cdt, layer_state, None, backend, derived, stop=stop
+                )
+            elif at is None:
                 h, residual, final = layer(
                     h, residual, cdt, layer_state, seq_idx, backend, derived, end
                 )

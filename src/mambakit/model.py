@@ -170,6 +170,33 @@ class MambaLM(nn.Module):
         logits = self._head(h, residual, cdt, backend, fuse=not grads)
         return logits.view(Bsz, k, logits.shape[-1]), out
 
+    def stops_rows(self) -> bool:
+        """Whether `_last_at` can stop each row of a forward at a step of its own: Mamba-1
+        (`states_at`), and Mamba-2 whose layers can freeze their state (`stops_rows()`)."""
+        if self.config.mixer == "mamba1":
+            return True
+        mixers = [block.mixer for block in self.backbone.layers]
+        return all(getattr(m, "stops_rows", lambda: False)() for m in mixers)
+
+    def _last_at(self, input_ids, stop, state=None):
+        """(logits [B, V] at step stop[b] of each row b, the state after it) from one
+        forward over right-padded rows [B, T] (`stop` [B] int64, not checked: the serve
+        engine's captured forward): what `last_logits(input_ids[b:b+1, :stop[b]+1])` gives
+        (up to the rounding of f32 sums). The steps past a row's stop are filler; their
+        outputs are not the model's. Where `stops_rows()`."""
+        if self.config.mixer == "mamba1":
+            logits, out = self._states_at(input_ids, stop[:, None], state)
+            return logits[:, 0], out
+        bb = self.backbone
+        h, residual, cdt, backend, out = bb._forward_layers(input_ids, state, None, stop=stop)
+        index = stop[:, None, None].expand(-1, 1, h.shape[-1])
+        h = torch.gather(h, 1, index)[:, 0]
+        residual = torch.gather(residual, 1, index)[:, 0]
+        grads = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (h, residual, self.lm_head.weight, bb._param)
+        )
+        return self._head(h, residual, cdt, backend, fuse=not grads), out
+
     def step(
         self, input_ids: torch.Tensor, state: ModelState, *, cuda_graph: bool | str = "auto"
     ) -> tuple[torch.Tensor, ModelState]:

@@ -106,7 +106,8 @@ def test_every_choice_is_what_generate_gives_alone(model_dirs, preset, lookahead
     `deferred` (`async_prefill`, the CUDA default) joins a prefill at the iteration after
     its launch, and launches the next one only then. `whole`: prompts up to 40 tokens
     are prefilled in one forward, left-padded (the rest block by block); else every
-    prompt runs in pieces (blocks, then powers of two) from the state before."""
+    prompt runs in pieces from the state before (up to each block boundary, right-padded
+    where the model stops rows (Mamba-1, -2), else cut into powers of two)."""
     model = load(model_dirs[preset])
     oracle = load(model_dirs[preset])
     engine = Engine(model, max_batch=5, block_size=16, prefill_tokens=40, cache_bytes=0)

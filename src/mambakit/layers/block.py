@@ -135,14 +135,20 @@ class MambaBlock(nn.Module):
         derived: tuple | None = None,  # what the model's plan holds for the mixer, if any
         last: bool = False,  # only the output at the last step is read (a prefill's last layer)
         at: torch.Tensor | None = None,  # [B, k] int64: also the states after these steps
+        stop: torch.Tensor | None = None,  # [B] int64: each row's state after its own step
     ) -> tuple:
         """(the mixer's output, the residual [B, T, M] f32, the layer's final state). With
         `last`, a mixer may give its output at the last step alone ([B, 1, M]). With `at`
-        (a Mamba-1 mixer), the layer's states after those steps come fourth."""
+        (a Mamba-1 mixer), the layer's states after those steps come fourth. With `stop`
+        (a Mamba-2 mixer, `stops_rows()`), the state is the one after step stop[b] of each
+        row b, the steps past it filler."""
         normed, residual = self.norm(hidden, residual, compute_dtype, backend=backend)
         if at is not None:
             out, new, states = self.mixer.sequence(normed, state, seq_idx, backend, derived, at=at)
             return out, residual, new, states
+        if stop is not None:
+            out, new = self.mixer.sequence(normed, state, None, backend, derived, stop=stop)
+            return out, residual, new
         out, new = self.mixer.sequence(normed, state, seq_idx, backend, derived, last)
         return out, residual, new
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from ..ops import _rms_norm_gated
 from ..ops._checks import check_seq_idx, check_tensor, state_dtype
+from ..ops.causal_conv1d.reference import conv_states_at
 from ..ops.mamba2 import (
     Mamba2StepWeights,
     _mamba2_scan,
@@ -46,6 +47,9 @@ from .mixer import _p, conv_silu, conv_silu_step
 from .plain import plain
 
 _NO_LIMIT = (0.0, float("inf"))
+# in_proj's dt rows past a row's stop (`Mamba2.sequence`): softplus(dt + dt_bias) is 0
+# there in f32 and bf16, so the state passes those steps unchanged
+FREEZE_DT = -1e4
 
 
 class Mamba2(nn.Module):
@@ -187,16 +191,30 @@ class Mamba2(nn.Module):
             self._check_state(state, u.shape[0], u.device)
         if seq_idx is not None:
             check_seq_idx(seq_idx, u.shape[0], u.shape[1], u.device)
+        out, final = self._run(u, state, seq_idx, backend)
+        return (out, final) if return_state else out
+
+    def _run(self, u, state, seq_idx, backend, stop=None) -> tuple[torch.Tensor, Mamba2State]:
+        """The forward's body: (out, the final state). `stop` [B] int64: the steps past
+        stop[b] of row b are filler, and the state is the one after step stop[b]: their
+        delta is made 0 (`FREEZE_DT`), so the scan's state passes them unchanged (e^0 = 1,
+        no input), and the conv state is gathered from the inputs up to the stop."""
         z0, x0, z, xBC, dt = self._split(self.in_proj(u))
         conv_state = None if state is None else state.conv
+        if stop is not None:
+            after = torch.arange(u.shape[1], device=u.device) > stop[:, None]
+            dt = dt.masked_fill(after[..., None], FREEZE_DT)
+            conv_at = conv_states_at(xBC, stop[:, None], self.d_conv, conv_state)[:, 0]
         xBC, conv_final = conv_silu(self.conv1d, xBC, conv_state, seq_idx, backend)
+        if stop is not None:
+            conv_final = conv_at
         x, B, C, dt, A, D = self._ssm_inputs(xBC, dt, raw_dt=True)
         gate = None if self.rmsnorm else z.unflatten(-1, (self.nheads, self.headdim))
         ssm_state = None if state is None else state.ssm
         y, ssm_final = _mamba2_scan(x, dt, A, B, C, D, gate, ssm_state, seq_idx, self.chunk_size,
                                     backend, self.dt_bias, self.dt_limit)  # fmt: skip
         out = self._output(y.flatten(-2), z0, x0, z, backend)
-        return (out, Mamba2State(conv_final, ssm_final)) if return_state else out
+        return out, Mamba2State(conv_final, ssm_final)
 
     def step(
         self, u: torch.Tensor, state: Mamba2State, backend: str = "auto"
@@ -233,10 +251,19 @@ class Mamba2(nn.Module):
         y = mamba2_state_update(state.ssm, x, delta, A, B, C, D, gate)
         return self._output(y.flatten(-2), z0, x0, z, backend)
 
-    def sequence(self, x, state, seq_idx, backend, derived=None, last=False):
+    def sequence(self, x, state, seq_idx, backend, derived=None, last=False, stop=None):
         """What a block runs over a sequence (every mixer has it): (out, the final state).
-        Nothing is derived ahead for Mamba-2 and every step's output is given."""
-        return self(x, state, seq_idx, return_state=True, backend=backend)
+        Nothing is derived ahead for Mamba-2 and every step's output is given. `stop` [B]
+        int64 (`stops_rows()`): the state after step stop[b] of each row instead, the steps
+        past it filler (their outputs are not the model's)."""
+        if stop is None:
+            return self(x, state, seq_idx, return_state=True, backend=backend)
+        return self._run(x, state, None, backend, stop)
+
+    def stops_rows(self) -> bool:
+        """Whether `sequence` can stop each row at a step of its own: a delta of 0 must pass
+        the state unchanged, which a lower dt_limit above 0 forbids."""
+        return self.dt_limit[0] == 0
 
     def _inner_plain(self) -> bool:
         """Whether the decode step may read the conv's and the gated norm's weights (each a

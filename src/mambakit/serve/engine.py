@@ -152,11 +152,11 @@ class Engine(Intake, Decoding):
         # block is new: the states at the block boundaries are kept for a prompt whose
         # first block was seen before
         self.whole_max = WHOLE_MAX
-        # the other prompts run in pieces up to each block boundary; a Mamba-1 model stops
-        # each row of a forward at a step of its own (`MambaLM.states_at`), so pieces of
-        # different lengths share a forward, right-padded (a cached prefix's remainder is
-        # one forward); the other mixers cut pieces into powers of two, one forward a length
-        self.spans = model.config.mixer == "mamba1"
+        # the other prompts run in pieces up to each block boundary; a model that stops each
+        # row of a forward at a step of its own (`MambaLM.stops_rows`: Mamba-1 and -2) runs
+        # pieces of different lengths in one forward, right-padded (a cached prefix's
+        # remainder is one forward); Mamba-3 cuts pieces into powers of two, a forward each
+        self.spans = model.stops_rows()
         # (least prompt tokens, longest wait in seconds) a prefill launch waits for while
         # decode steps run (`Intake._hold`); None: every iteration launches what is there
         self.prefill_hold: tuple[int, float] | None = None

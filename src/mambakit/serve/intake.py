@@ -182,15 +182,14 @@ class Intake:
 
     def _spans_forward(self, group: list[Request], pieces: list[list[int]], n: int):
         """(logits, state) of pieces of different lengths (at most n tokens) from the states
-        of `group`, right-padded to n, each row's at its own last token (`states_at`)."""
+        of `group`, right-padded to n, each row's at its own last token (`_last_at`)."""
         state = stack_rows([r.state for r in group], self._zero)
         done = None
         if self.prefill_graphs is not None:
             done = self.prefill_graphs.run_spans(pieces, state, n, self.device)
         if done is None:
             ids, last = (t.to(self.device) for t in right_padded(pieces, n))
-            logits, done_state = self.model._states_at(ids, last, state)
-            done = logits[:, 0], done_state
+            done = self.model._last_at(ids, last, state)
         return done
 
     def _prefill_whole(self, reqs: list[Request]) -> None:

@@ -11,8 +11,9 @@ plus one per whole block, whatever the number of prompts, each with the prompts'
 states stacked as its initial state. A forward over a piece from a state gives the
 same state and last logits as the prompt run whole (up to the rounding of f32 sums).
 
-A Mamba-1 model can stop each row of one forward at a step of its own
-(`MambaLM.states_at`): its pieces are not cut into powers of two but run whole, up to the
+A model that stops each row of one forward at a step of its own (`MambaLM.stops_rows`:
+Mamba-1 by `states_at`, Mamba-2 by a delta of 0 past the stop, which passes the state
+unchanged) has its pieces not cut into powers of two but run whole, up to the
 next block boundary (`span_lengths`), pieces of different lengths sharing a forward
 right-padded to a power of two (`span_bucket`), each row's state and logits taken at its
 own last token. A cached prefix's remainder is then one forward, however the lengths of
@@ -71,11 +72,11 @@ def span_bucket(n: int, block: int) -> int:
 
 def right_padded(pieces: list[list[int]], n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Host tensors of pieces of different lengths as rows of n tokens: ids [g, n] int64
-    (filler 0 after each piece) and each row's last step [g, 1] int64."""
+    (filler 0 after each piece) and each row's last step [g] int64."""
     ids = torch.zeros(len(pieces), n, dtype=torch.int64)
     for i, p in enumerate(pieces):
         ids[i, : len(p)] = torch.tensor(p, dtype=torch.int64)
-    last = torch.tensor([[len(p) - 1] for p in pieces], dtype=torch.int64)
+    last = torch.tensor([len(p) - 1 for p in pieces], dtype=torch.int64)
     return ids, last
 
 
@@ -259,8 +260,9 @@ class PrefillGraphs:
         self.enabled = True  # the pieces' graphs
         self.whole_enabled = True  # the whole prompts' (a failed capture turns off its kind)
         self.packed_enabled = True  # the packed rows' (`run_packed`)
-        # pieces of different lengths in one forward (`run_spans`): a Mamba-1 model's
-        self.spans_enabled = model.config.mixer == "mamba1"
+        # pieces of different lengths in one forward (`run_spans`): where the model stops
+        # each row at a step of its own (`MambaLM.stops_rows`)
+        self.spans_enabled = model.stops_rows()
         row = model.init_state(1)
         row_bytes = sum(t.numel() * t.element_size() for t in row._tensors())
         rows = 1  # buckets 1, 2, ... R hold 2 states of 2R - 1 rows in all
@@ -281,7 +283,7 @@ class PrefillGraphs:
         """The graph of a (rows, n) piece, its ids buffer and a third: from the state buffer
         (None), or (`whole`) from zeros with a `seq_idx` buffer marking each row's left
         filler, or (`spans`) from the state buffer, each row stopped at its step in a
-        buffer of last steps [rows, 1] (`MambaLM.states_at`)."""
+        buffer of last steps [rows] (`MambaLM._last_at`)."""
         from ..inference.cuda_graph import capture
 
         key = (rows, n, "spans" if spans else whole)
@@ -298,12 +300,11 @@ class PrefillGraphs:
         state_in, state_out, logits_out = self.buffers[rows]
         ids = torch.zeros(rows, n, dtype=torch.int64, device=device)
         seq = torch.zeros(rows, n, dtype=torch.int32, device=device) if whole else None
-        last = torch.zeros(rows, 1, dtype=torch.int64, device=device) if spans else None
+        last = torch.zeros(rows, dtype=torch.int64, device=device) if spans else None
 
         def fn():
             if spans:
-                logits, state = self.model._states_at(ids, last, state_in)
-                logits = logits[:, 0]
+                logits, state = self.model._last_at(ids, last, state_in)
             else:
                 logits, state = self.model.last_logits(ids, None if whole else state_in, seq)
             state_out.copy_(state)
