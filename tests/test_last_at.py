@@ -60,8 +60,10 @@ def test_last_at_is_last_logits_of_each_row_up_to_its_stop(mixer, backend, with_
     ref = copy.deepcopy(model).double()
     with torch.no_grad():
         for b, s in enumerate(STOPS):
-            row = None if state is None else type(state)(
-                *(t[:, b : b + 1].double() for t in state._tensors())
+            row = (
+                None
+                if state is None
+                else type(state)(*(t[:, b : b + 1].double() for t in state._tensors()))
             )
             want_logits, want = ref.last_logits(ids[b : b + 1, : s + 1], row)
             assert rel(logits[b], want_logits[0]) < 1e-5, ("logits", b)

@@ -104,9 +104,7 @@ class MambaBackbone(nn.Module):
         out, _ = self.norm_f(h, residual, cdt, backend=backend)
         return out, state
 
-    def _forward_layers(
-        self, x, state, seq_idx, last: bool = False, at=None, stop=None
-    ) -> tuple:
+    def _forward_layers(self, x, state, seq_idx, last: bool = False, at=None, stop=None) -> tuple:
         """`forward` up to norm_f: (the last block's output, the residual stream [B, T, M]
         f32, compute dtype, backend, final state). `last`: only the last step's output is
         read; the last block may give that step's alone ([B, 1, M], `MambaBlock.forward`).
