@@ -27,6 +27,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 PAGE = REPO / "docs" / "performance.md"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_roofline import GROUPS as KERNEL_GROUPS  # noqa: E402
+
 PRESETS = ["tiny", "130m", "370m", "790m", "1.4b", "2.8b", "tiny-mamba3", "130m-mamba3"]
 DASH = "—"
 
@@ -122,6 +125,17 @@ def layer_rows(row: dict, record: Record) -> Iterator[tuple[tuple, str]]:
     if match is None or "impl" not in row or "ms" not in row:
         return
     yield (record.device, match[1], match[3], match[2]), _impl(row)
+
+
+def kernel_rows(row: dict, record: Record) -> Iterator[tuple[tuple, str]]:
+    """kernel_roofline: one training step's kernels by group, against their roofline."""
+    if row.get("workload") != "training step by kernel":
+        return
+    order = [g for g, *_ in KERNEL_GROUPS] + ["the rest", "all"]
+    group = row["group"]
+    rank = order.index(group) if group in order else len(order)
+    yield (record.device, _preset(row, record), f"{row['batch']}x{row['seqlen']}", rank,
+           group), "mambakit"  # fmt: skip
 
 
 def rl_rows(row: dict, record: Record) -> Iterator[tuple[tuple, str]]:
@@ -273,6 +287,19 @@ def _times(row: dict, *keys: str) -> list[str]:
     return [DASH] * len(keys) + [""]
 
 
+def kernel_cells(key: tuple, c: Chosen) -> list[str]:
+    device, preset, shape, _, group = key
+    row = c.rows["mambakit"]
+    bound = DASH
+    if "bound_ms" in row:
+        bound = f"{row['bound_ms']:,.2f} ({row['bound']})"
+        if row["group"] == "all":
+            bound = f"{row['bound_ms']:,.2f} (every group at its bound)"
+    share = f"{100 * row['share']:.1f}%"
+    return [preset, shape, group, row.get("what", ""), str(row["calls"]), num(row["ms"]), share,
+            bound, percent(row.get("bound_ms"), row["ms"])]  # fmt: skip
+
+
 def rl_cells(key: tuple, c: Chosen) -> list[str]:
     device, mixer, workload, batch = key
     ours = c.rows.get("mambakit", {})
@@ -326,6 +353,19 @@ FAMILIES = [
            "bench_model.py", training_rows,
            "preset | batch x seqlen | mambakit path | ms / step | tokens/s | MFU | peak GiB | "
            "mamba_ssm ms / step | mamba_ssm peak GiB | speedup", training_cells),
+    Family("Training step by kernel", "One eager training step's GPU kernels (the "
+           "profiler's table of `bench_model.py --profile`, in `benchmarks/results/profiles/`) "
+           "grouped by what they do, against what that work must cost on the H200 "
+           "(`benchmarks/kernel_roofline.py`): bytes moved once at the copy rate, the scan's "
+           "exponentials at the exp2 rate, GEMM FLOPs at the bf16 matmul rate of the same "
+           "run, whichever is largest; \"of bound\" is that over the measured time. The "
+           "bytes are the kernels' inputs and outputs as the library lays them out (bf16 "
+           "activations, f32 delta, the scan's state saved every 4 steps, dB and dC "
+           "partials per 16 channels): a kernel's own design shows in them, so 100% is the "
+           "bound of this design, and a design that saves less sets a lower one.",
+           "kernel_roofline.py", kernel_rows,
+           "preset | batch x seqlen | group | what | calls | ms | share | bound ms | "
+           "of bound", kernel_cells, optional=True),
     Family("Decode", "Greedy generation after a short prompt (bf16, random weights): "
            "mambakit `generate` with and without CUDA graphs, `mamba_ssm` "
            "`generate(cg=True)`; us / step is the time per decode step after the prefill.",

@@ -66,12 +66,16 @@ if stage model; then
   echo "== bench_model" | tee -a "$LOG"
   timeout ${T_MODEL:-120} python benchmarks/bench_model.py --out "$OUT/bench_model.json" \
     --profile "$OUT/profile_train_step.txt" ${MODEL_ARGS:-} 2>&1 | tee -a "$LOG"
+  python benchmarks/kernel_roofline.py --profile "$OUT/profile_train_step.txt" \
+    --record "$OUT/bench_model.json" --out "$OUT/kernels.json" 2>&1 | tee -a "$LOG"
 fi
 if stage model14; then  # the 1.4b training step (4 x 2048) beside mamba_ssm, with its profile
   echo "== bench_model 1.4b" | tee -a "$LOG"
   timeout ${T_MODEL14:-240} python benchmarks/bench_model.py --preset 1.4b --batch 4 \
     --iters ${MODEL14_ITERS:-5} --out "$OUT/bench_model_1.4b.json" \
     --profile "$OUT/profile_train_step_1.4b.txt" 2>&1 | grep -v "^ \|^-\|^Name\|^Self" | tee -a "$LOG"
+  python benchmarks/kernel_roofline.py --profile "$OUT/profile_train_step_1.4b.txt" \
+    --record "$OUT/bench_model_1.4b.json" --out "$OUT/kernels_1.4b.json" 2>&1 | tee -a "$LOG"
 fi
 if stage tests; then
   echo "== pytest -m gpu" | tee -a "$LOG"

@@ -251,3 +251,47 @@ def test_a_file_that_is_not_a_record_is_refused(tmp_path):
 
 def test_the_committed_page_is_made_from_the_committed_records():
     assert table.main(["--check"]) == 0, "run: python benchmarks/table.py"
+
+
+def test_kernel_roofline_reads_the_profile_and_bounds_each_group():
+    """kernel_roofline on a profiler table in bench_model's format: every row read (the
+    header's step total beyond them as "the rest"), the kernels grouped by name (the scan's
+    `_bwd_kernel` apart from the other backward kernels), and a group's bound the closed
+    form of its bytes at the copy rate (RMSNorm forward: 12 bytes a token and channel)."""
+    kr = _load("kernel_roofline")
+    text = "\n".join([
+        "one eager step: 9 GPU kernels/copies, 2.500 ms of GPU time",
+        "-" * 40,
+        "Name    Self CPU %      Self CPU   CPU total %     CPU total  CPU time avg     "
+        "Self CUDA   Self CUDA %    CUDA total  CUDA time avg    # of Calls",
+        "-" * 40,
+        "_bwd_kernel  0.00%  0.000us  0.00%  0.000us  0.000us  1.200ms  48.00%  1.200ms  "
+        "600.000us  2",
+        "_conv_bwd_kernel  0.00%  0.000us  0.00%  0.000us  0.000us  300.000us  12.00%  "
+        "300.000us  150.000us  2",
+        "_rms_fwd_kernel  0.00%  0.000us  0.00%  0.000us  0.000us  200.000us  8.00%  "
+        "200.000us  66.667us  3",
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT  0.00%  0.000us  0.00%  0.000us  "
+        "0.000us  700.000us  28.00%  700.000us  700.000us  1",
+        "-" * 40,
+        "Self CPU time total: 1.000ms",
+        "Self CUDA time total: 2.400ms",
+    ])  # fmt: skip
+    rows, total, count = kr.parse_profile(text)
+    assert rows == [("_bwd_kernel", pytest.approx(1.2), 2),
+                    ("_conv_bwd_kernel", pytest.approx(0.3), 2),
+                    ("_rms_fwd_kernel", pytest.approx(0.2), 3),
+                    ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", pytest.approx(0.7),
+                     1)]  # fmt: skip
+    assert (total, count) == (2.5, 9)
+    cfg = kr.MambaConfig.preset("130m")
+    figs = {f["group"]: f for f in kr.kernel_figures(rows, cfg, 2, 64, 700.0, 10**8, "130m",
+                                                     total, count)}  # fmt: skip
+    assert [g for g in figs] == ["scan backward", "conv backward", "rmsnorm forward", "GEMM",
+                                 "the rest", "all"]  # fmt: skip
+    rms = figs["rmsnorm forward"]
+    want = 3 * 2 * 64 * 12 * cfg.d_model / kr.COPY * 1e3  # three calls
+    assert rms["calls"] == 3 and rms["bound_ms"] == pytest.approx(want)
+    assert rms["of_bound"] == pytest.approx(want / 0.2)
+    assert abs(figs["the rest"]["ms"] - 0.1) < 1e-9 and figs["the rest"]["calls"] == 1
+    assert figs["all"]["ms"] == 2.5 and figs["all"]["calls"] == 9
