@@ -297,6 +297,8 @@ def engine_for(model, clients: int, args, cache: bool) -> Engine:
                     prefill_tokens=args.prefill_tokens, max_queue=1 << 20,
                     cache_bytes=int(args.cache_gib * (1 << 30)) if cache else 0,
                     cuda_graph=graphs)  # fmt: skip
+    if args.prefills_in_flight is not None:
+        engine.prefills_in_flight = args.prefills_in_flight
     if args.prefill_hold:
         tokens, ms = args.prefill_hold.split(",")
         engine.prefill_hold = (int(tokens), float(ms) / 1e3)
@@ -334,6 +336,12 @@ def main() -> None:
     ap.add_argument("--prefill-hold", default=None, metavar="TOKENS,MS",
                     help="the engine's prefill_hold: launches wait for this many prompt "
                          "tokens, a prompt at most this long, while decode steps run")  # fmt: skip
+    ap.add_argument(
+        "--prefills-in-flight",
+        type=int,
+        default=None,
+        help="the engine's prefills_in_flight (prefill launches running at once)",
+    )
     ap.add_argument("--cache-gib", type=float, default=4.0)
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument("--seed", type=int, default=0)

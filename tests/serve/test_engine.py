@@ -322,7 +322,7 @@ def test_a_request_cancelled_while_its_prefill_runs_never_joins(model_dirs, load
     greedy = SamplingParams(max_tokens=4, temperature=0)
     gone = engine.submit(list(range(10, 40)), SamplingParams(max_tokens=4, n=2))
     engine.step()  # admitted, its prefill launched
-    assert engine._pending is not None and engine.reserved == 2 and not engine.rows
+    assert len(engine._pending) == 1 and engine.reserved == 2 and not engine.rows
     engine.cancel(gone)
     nxt = engine.submit(list(range(50, 60)), greedy)
     run_all(engine, [gone, nxt])
@@ -506,6 +506,47 @@ def test_prefill_pieces_share_forwards():
     assert [t for _, t in plan_targets([w, b], 100, 256)] == [700]
     assert [t for _, t in plan_targets([b, w, c], 600, 256)] == [50]
     assert [t for _, t in plan_targets([b, w, c], 800, 256)] == [50, 700, 10]
+
+
+def test_a_prompt_launches_behind_a_running_prefill(model_dirs, load, monkeypatch):
+    """With the prefill deferred (as on CUDA) and its events not done yet, a prompt that
+    arrives while one launch runs is launched behind it (`prefills_in_flight` 2), a third
+    waits for a free place; nothing to decode, the engine waits for the oldest launch.
+    Joined in launch order, every request gives what generate gives alone."""
+
+    class Event:  # a launch's event: done when the engine waits for it, or by hand
+        def __init__(self):
+            self.done = False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.done = True
+
+    model, oracle = load(model_dirs["tiny-mamba2"]), load(model_dirs["tiny-mamba2"])
+    engine = Engine(model, max_batch=4, block_size=16, cache_bytes=1 << 24)
+    engine.lookahead = engine.async_prefill = True
+    events = []
+    monkeypatch.setattr(engine, "_launch_event", lambda: events.append(Event()) or events[-1])
+    sp = SamplingParams(max_tokens=6, temperature=0)
+    a = engine.submit(list(range(10, 30)), sp)
+    engine.step()
+    assert [r for _, r in engine._pending] == [[a]] and a.launched
+    b = engine.submit(list(range(40, 75)), sp)
+    engine.step()  # a's launch runs: b's is launched behind it
+    assert [r for _, r in engine._pending] == [[a], [b]] and not engine.rows
+    c = engine.submit(list(range(80, 90)), sp)
+    engine.step()  # two in flight, nothing to decode: wait for a's, join it
+    assert events[0].done and not events[1].done and not c.launched
+    assert [s.request for s in engine.rows] == [a] and len(engine._pending) == 1
+    engine.step()  # a decodes; c launches behind b
+    assert [r for _, r in engine._pending] == [[b], [c]]
+    for ev in events:
+        ev.done = True
+    run_all(engine, [a, b, c])
+    for req in (a, b, c):
+        assert tokens(req) == alone(oracle, req.prompt, sp)
 
 
 def test_whole_prompts_group_where_the_filler_saved_pays_for_a_forward():

@@ -138,14 +138,18 @@ class Engine(Intake, Decoding):
         # on CUDA the prefill runs on a stream of its own, beside the decode steps (which
         # run on a stream of higher priority): a prefill delays no decode step but for
         # the share of the device it takes. A launched prefill is joined at the first
-        # iteration that finds its event done; the next one is launched then.
+        # iteration that finds its event done; up to `prefills_in_flight` run at once.
         self.async_prefill = self.device.type == "cuda"
         self.decode_stream = self.prefill_stream = None
         if self.device.type == "cuda":
             with self._on_device():
                 self.decode_stream = torch.cuda.Stream(self.device, priority=-1)
                 self.prefill_stream = torch.cuda.Stream(self.device)
-        self._pending = None  # (event, requests whose prompt completes) of a launched prefill
+        # (event, requests whose prompt it completes) of each prefill launched, not joined
+        self._pending: deque[tuple] = deque()
+        # launches in flight at most: a prompt that arrives while one runs is launched
+        # behind it on the prefill stream rather than an iteration after its join
+        self.prefills_in_flight = 2
         # prompts of at most `whole_max` tokens (and at most `prefill_tokens`) that start
         # from zeros are prefilled whole, many prompts to a forward (`_prefill_whole`),
         # rather than block by block; with the prefix cache on, only when their first
@@ -402,7 +406,7 @@ class Engine(Intake, Decoding):
                 self._decode()
             self._flush()
             self._admit()
-            if self.prefilling or self._pending is not None:
+            if self.prefilling or self._pending:
                 self._prefill()
             self._flush()
         except Exception as e:  # a bug in the bookkeeping: end what runs, keep the loop

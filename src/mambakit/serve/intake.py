@@ -82,62 +82,81 @@ class Intake:
         return not seen
 
     def _prefill(self) -> None:
-        """Join the prefill launched before when it is done; then launch the next: up to
-        `prefill_tokens` prompt tokens (prefill.py). Without `async_prefill` the prefill
-        launched is joined at once. Joining draws the first tokens of the prompts that
-        are complete."""
-        if self._pending is not None:
-            event, ready = self._pending
-            if event is not None:
-                if self.rows or self._inflight is not None:
-                    if not event.query():  # decode steps to run meanwhile
-                        return
-                else:
-                    event.synchronize()  # nothing else to do: wait without spinning
-            self._pending = None
+        """Join the prefill launches that are done (oldest first); launch the next while
+        fewer than `prefills_in_flight` run: up to `prefill_tokens` prompt tokens
+        (prefill.py) of the prompts not yet launched to their end. Without `async_prefill`
+        a launch is joined at once. Joining draws the first tokens of the prompts it
+        completes. With nothing to decode and nothing to launch, the engine waits for the
+        oldest launch."""
+        idle = not (self.rows or self._inflight is not None)
+        fresh = [r for r in self.prefilling if not r.launched]
+        launch = bool(fresh) and len(self._pending) < self.prefills_in_flight
+        launch = launch and not self._hold(fresh)
+        self._join_launches(wait=idle and not launch)
+        fresh = [r for r in self.prefilling if not r.launched]  # less the cancelled
+        if launch and fresh:
+            if self.prefill_stream is None:
+                ready = self._launch_prefill(fresh)
+            else:
+                self.prefill_stream.wait_stream(self.decode_stream)
+                with torch.cuda.stream(self.prefill_stream):
+                    ready = self._launch_prefill(fresh)
+            if not self.async_prefill:
+                if ready:
+                    if self.prefill_stream is not None:
+                        self.decode_stream.wait_stream(self.prefill_stream)
+                    self._join(ready)
+                return
+            event = self._launch_event()
+            for r in ready:
+                r.launched = True
+            self._pending.append((event, ready))
+
+    def _launch_event(self):
+        """An event recorded on the prefill stream after a launch (None off CUDA: done)."""
+        if self.prefill_stream is None:
+            return None
+        event = torch.cuda.Event(blocking=True)  # its synchronize() sleeps, not spins
+        event.record(self.prefill_stream)
+        return event
+
+    def _join_launches(self, wait: bool) -> None:
+        """Join the launched prefills that are done, oldest first (`wait`: the oldest in any
+        case, waiting for it)."""
+        while self._pending:
+            event, ready = self._pending[0]
+            if event is not None and not event.query():
+                if not wait:
+                    return
+                event.synchronize()
+            wait = False
+            self._pending.popleft()
             ready = [r for r in ready if r in self.prefilling]  # not cancelled meanwhile
             if ready:
                 self._join(ready)
-        if not self.prefilling or self._hold():
-            return
-        if self.prefill_stream is None:
-            ready = self._launch_prefill()
-        else:
-            self.prefill_stream.wait_stream(self.decode_stream)
-            with torch.cuda.stream(self.prefill_stream):
-                ready = self._launch_prefill()
-        if not self.async_prefill:
-            if ready:
-                if self.prefill_stream is not None:
-                    self.decode_stream.wait_stream(self.prefill_stream)
-                self._join(ready)
-            return
-        event = None
-        if self.prefill_stream is not None:
-            event = torch.cuda.Event(blocking=True)  # its synchronize() sleeps, not spins
-            event.record(self.prefill_stream)
-        self._pending = (event, ready)  # the next launch waits for this one's end
 
-    def _hold(self) -> bool:
-        """Whether to let the prompts wait for more to launch with (`prefill_hold`: the
-        least prompt tokens a launch should have, and the longest a prompt waits for that,
-        in seconds): while decode steps keep the device busy, larger launches run as larger
-        forwards, each token cheaper."""
+    def _hold(self, fresh: list[Request]) -> bool:
+        """Whether to let the prompts not launched yet (`fresh`) wait for more to launch
+        with (`prefill_hold`: the least prompt tokens a launch should have, and the longest
+        a prompt waits for that, in seconds): while decode steps keep the device busy,
+        larger launches run as larger forwards, each token cheaper."""
         if self.prefill_hold is None or not self.rows:
             return False
         least, wait = self.prefill_hold
-        if sum(len(r.prompt) - r.pos for r in self.prefilling) >= least:
+        if sum(len(r.prompt) - r.pos for r in fresh) >= least:
             return False
-        return time.monotonic() - self.prefilling[0].admitted < wait
+        return time.monotonic() - fresh[0].admitted < wait
 
-    def _launch_prefill(self) -> list[Request]:
-        """Enqueue the forwards of this iteration's prompt pieces, grouped by length, and
-        the cache's copies of the states they reach; the requests whose prompt they
-        complete. Nothing here waits for the device."""
+    def _launch_prefill(self, fresh: list[Request]) -> list[Request]:
+        """Enqueue the forwards of this iteration's prompt pieces of the requests `fresh`
+        (not launched to their prompt's end yet), grouped by length, and the cache's copies
+        of the states they reach; the requests whose prompt they complete. Nothing here
+        waits for the device: a later launch reads the states an earlier one writes in the
+        order of the prefill stream."""
         whole = []
         block = self.block_size
         cut = span_lengths if self.spans else piece_lengths
-        for req, target in plan_targets(self.prefilling, self.prefill_tokens, block):
+        for req, target in plan_targets(fresh, self.prefill_tokens, block):
             if req.whole:
                 whole.append(req)
             else:
@@ -167,7 +186,7 @@ class Intake:
             run = self._pieces_forward if min(lengths) == size else self._spans_forward
             self._forward_group(group, lambda f=run, g=group, p=pieces, n=size: f(g, p, n),
                                 [r.pos + n for r, n in zip(group, lengths)])  # fmt: skip
-        return [r for r in self.prefilling if r.pos == len(r.prompt)]
+        return [r for r in fresh if r.pos == len(r.prompt)]
 
     def _pieces_forward(self, group: list[Request], pieces: list[list[int]], n: int):
         """(logits, state) of pieces of one length n, from the states of `group`."""

@@ -107,6 +107,7 @@ class Request:
         self.blocks = False  # packed (Engine.packed): its block boundaries' states kept too
         self.cached = 0  # prompt tokens found in the prefix cache
         self.admitted = 0.0  # when it left the queue for the prefill (time.monotonic)
+        self.launched = False  # its prefill is launched to the prompt's end, not joined yet
         self.sampling = params.sampling  # the engine's one object for equal settings
 
     @property
