@@ -141,6 +141,8 @@ def run_engine(engine: Engine, load, clients: int) -> dict:
         "ttft_p50_ms": pct(ttft, 0.5) * 1e3, "ttft_p99_ms": pct(ttft, 0.99) * 1e3,
         "itl_p50_ms": pct(itl, 0.5) * 1e3, "itl_p99_ms": pct(itl, 0.99) * 1e3,
         "iterations": engine.metrics.iterations - it0,
+        "prefill_forward_tokens": None if engine.prefill_graphs is None
+        else engine.prefill_graphs.forward_tokens,
     }  # fmt: skip
 
 
@@ -293,12 +295,13 @@ def profile_engine(engine: Engine, load, clients: int, device) -> str:
 
 def engine_for(model, clients: int, args, cache: bool) -> Engine:
     graphs = not args.no_cuda_graph and model_device(model).type == "cuda"
+    more = (
+        {} if args.prefills_in_flight is None else {"prefills_in_flight": args.prefills_in_flight}
+    )
     engine = Engine(model, max_batch=clients, block_size=args.block_size,
-                    prefill_tokens=args.prefill_tokens, max_queue=1 << 20,
+                    prefill_tokens=args.prefill_tokens, max_queue=1 << 20, **more,
                     cache_bytes=int(args.cache_gib * (1 << 30)) if cache else 0,
                     cuda_graph=graphs)  # fmt: skip
-    if args.prefills_in_flight is not None:
-        engine.prefills_in_flight = args.prefills_in_flight
     if args.prefill_hold:
         tokens, ms = args.prefill_hold.split(",")
         engine.prefill_hold = (int(tokens), float(ms) / 1e3)

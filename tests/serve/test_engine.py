@@ -381,6 +381,8 @@ def test_limits_and_bad_input_name_the_field(model_dirs, load):
     assert engine.metrics.rejected["queue_full"] == 1
     with pytest.raises(ValueError, match="max_batch"):
         Engine(engine.model, max_batch=0)
+    with pytest.raises(ValueError, match="prefills_in_flight"):
+        Engine(engine.model, prefills_in_flight=0)
 
 
 def test_stops_end_a_choice(model_dirs, load):
@@ -537,11 +539,12 @@ def test_a_prompt_launches_behind_a_running_prefill(model_dirs, load, monkeypatc
     engine.step()  # a's launch runs: b's is launched behind it
     assert [r for _, r in engine._pending] == [[a], [b]] and not engine.rows
     c = engine.submit(list(range(80, 90)), sp)
-    engine.step()  # two in flight, nothing to decode: wait for a's, join it
-    assert events[0].done and not events[1].done and not c.launched
-    assert [s.request for s in engine.rows] == [a] and len(engine._pending) == 1
-    engine.step()  # a decodes; c launches behind b
+    engine.step()  # two in flight, nothing to decode: wait for a's, join it; c behind b
+    assert events[0].done and not events[1].done
+    assert [s.request for s in engine.rows] == [a]
     assert [r for _, r in engine._pending] == [[b], [c]]
+    engine.step()  # a decodes beside the two launches
+    assert len(engine._pending) == 2 and len(engine.rows) == 1
     for ev in events:
         ev.done = True
     run_all(engine, [a, b, c])
@@ -588,7 +591,7 @@ def test_prefill_hold_waits_for_tokens_or_time(model_dirs, load):
     import time
 
     model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
-    engine = Engine(model, max_batch=4, block_size=16, cache_bytes=0)
+    engine = Engine(model, max_batch=4, block_size=16, cache_bytes=1 << 24)
     engine.prefill_hold = (50, 3600.0)
     greedy = SamplingParams(max_tokens=40, temperature=0)
     first = engine.submit(list(range(10, 30)), greedy)
@@ -601,6 +604,9 @@ def test_prefill_hold_waits_for_tokens_or_time(model_dirs, load):
     more = engine.submit(list(range(70, 110)), SamplingParams(max_tokens=4, temperature=0))
     engine.step()  # 60 tokens waiting: both launch
     assert not engine.prefilling and short.pos == 20 and more.pos == 40
+    again = engine.submit(list(range(40, 60)), SamplingParams(max_tokens=2, temperature=0))
+    engine.step()  # nothing to prefill (its whole prompt is cached): not held
+    assert again.cached == 20 and not engine.prefilling
     late = engine.submit([5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
     engine.prefill_hold = (50, 0.01)
     engine.step()
@@ -608,8 +614,8 @@ def test_prefill_hold_waits_for_tokens_or_time(model_dirs, load):
     time.sleep(0.02)
     engine.step()  # waited long enough
     assert not engine.prefilling
-    run_all(engine, [first, short, more, late])
-    for req in (first, short, more, late):
+    run_all(engine, [first, short, more, again, late])
+    for req in (first, short, more, again, late):
         assert tokens(req) == alone(oracle, req.prompt, req.params)
 
 
@@ -709,15 +715,16 @@ def test_graph_paths_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, mo
     graphs.graphs = {k: v for k, v in graphs.graphs.items() if not k[2]}
     real_entry = graphs._entry
 
-    def entry(rows, n, device, whole=False):
+    def entry(rows, n, device, whole=False, spans=False):
         if whole:
             raise RuntimeError("out of memory")
-        return real_entry(rows, n, device, whole)
+        return real_entry(rows, n, device, whole, spans)
 
     monkeypatch.setattr(graphs, "_entry", entry)
     work = mixed_requests(5, 8)
     served_alone(engine, oracle, work)
     assert graphs.enabled and not graphs.whole_enabled
+    assert graphs.spans_enabled == spans  # the pieces of different lengths keep theirs
 
 
 @pytest.mark.gpu

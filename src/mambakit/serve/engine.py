@@ -83,6 +83,8 @@ class Engine(Intake, Decoding):
     max_prompt_tokens: longer prompts are refused (`PromptTooLong`).
     cuda_graph: "auto" (on CUDA), True or False: the decode step of each bucket of batch
         sizes captured once and replayed.
+    prefills_in_flight: prefill launches running at once (with `async_prefill`, on CUDA):
+        a prompt that arrives while one runs is launched behind it.
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class Engine(Intake, Decoding):
         max_queue: int = 1024,
         max_prompt_tokens: int = 32768,
         cuda_graph: bool | str = "auto",
+        prefills_in_flight: int = 2,
     ) -> None:
         if not hasattr(model, "last_logits") or not hasattr(model, "step"):
             raise TypeError(f"model must be a MambaLM, got {type(model).__name__}")
@@ -107,7 +110,8 @@ class Engine(Intake, Decoding):
             prefill_tokens = PREFILL_TOKENS_CUDA if cuda else PREFILL_TOKENS
         for name, v, lo in (("max_batch", max_batch, 1), ("block_size", block_size, 1),
                             ("prefill_tokens", prefill_tokens, 1), ("max_queue", max_queue, 1),
-                            ("max_prompt_tokens", max_prompt_tokens, 1)):  # fmt: skip
+                            ("max_prompt_tokens", max_prompt_tokens, 1),
+                            ("prefills_in_flight", prefills_in_flight, 1)):  # fmt: skip
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
         vocab = model.config.vocab_size
@@ -149,7 +153,7 @@ class Engine(Intake, Decoding):
         self._pending: deque[tuple] = deque()
         # launches in flight at most: a prompt that arrives while one runs is launched
         # behind it on the prefill stream rather than an iteration after its join
-        self.prefills_in_flight = 2
+        self.prefills_in_flight = prefills_in_flight
         # prompts of at most `whole_max` tokens (and at most `prefill_tokens`) that start
         # from zeros are prefilled whole, many prompts to a forward (`_prefill_whole`),
         # rather than block by block; with the prefix cache on, only when their first

@@ -82,19 +82,18 @@ class Intake:
         return not seen
 
     def _prefill(self) -> None:
-        """Join the prefill launches that are done (oldest first); launch the next while
-        fewer than `prefills_in_flight` run: up to `prefill_tokens` prompt tokens
-        (prefill.py) of the prompts not yet launched to their end. Without `async_prefill`
-        a launch is joined at once. Joining draws the first tokens of the prompts it
-        completes. With nothing to decode and nothing to launch, the engine waits for the
-        oldest launch."""
-        idle = not (self.rows or self._inflight is not None)
+        """Join the prefill launches that are done (oldest first; with nothing to decode
+        and no launch to make, wait for the oldest); then launch the next while fewer than
+        `prefills_in_flight` run: up to `prefill_tokens` prompt tokens (prefill.py) of the
+        prompts not yet launched to their end. Without `async_prefill` a launch is joined
+        at once. Joining draws the first tokens of the prompts it completes."""
+        self._join_launches(wait=False)
         fresh = [r for r in self.prefilling if not r.launched]
-        launch = bool(fresh) and len(self._pending) < self.prefills_in_flight
-        launch = launch and not self._hold(fresh)
-        self._join_launches(wait=idle and not launch)
-        fresh = [r for r in self.prefilling if not r.launched]  # less the cancelled
-        if launch and fresh:
+        full = len(self._pending) >= self.prefills_in_flight
+        if not (self.rows or self._inflight is not None) and (full or not fresh):
+            self._join_launches(wait=True)  # nothing else to do: wait for the oldest launch
+            fresh = [r for r in self.prefilling if not r.launched]
+        if fresh and len(self._pending) < self.prefills_in_flight and not self._hold(fresh):
             if self.prefill_stream is None:
                 ready = self._launch_prefill(fresh)
             else:
@@ -142,6 +141,8 @@ class Intake:
         larger launches run as larger forwards, each token cheaper."""
         if self.prefill_hold is None or not self.rows:
             return False
+        if any(r.pos == len(r.prompt) for r in fresh):  # found whole in the cache: join now
+            return False
         least, wait = self.prefill_hold
         if sum(len(r.prompt) - r.pos for r in fresh) >= least:
             return False
@@ -171,16 +172,21 @@ class Intake:
                 break
             # a round: one forward over every prompt whose next piece has the round's
             # length; with `spans`, whose piece pads to the round's bucket, and the shorter
-            # ones, longest first, while the filler they add costs less than a forward
+            # ones, longest first, while the filler (padding rows included) costs less
+            # than a forward and they need no forward of their own
             size = max(span_bucket(r.pieces[0], block) for r in active)
             group = [r for r in active if span_bucket(r.pieces[0], block) == size]
             if self.spans:
-                fill = sum(size - r.pieces[0] for r in group)
+                graphs = self.prefill_graphs
+                tokens = sum(r.pieces[0] for r in group)
                 for r in sorted((r for r in active if r not in group), key=lambda r: -r.pieces[0]):
-                    fill += size - r.pieces[0]
-                    if fill > self._forward_tokens():
+                    if graphs is not None and len(group) % graphs.max_rows == 0:
+                        break  # the next row would be a forward of its own
+                    filler = self._padded_rows(len(group) + 1) * size - tokens - r.pieces[0]
+                    if filler > self._forward_tokens():
                         break
                     group.append(r)
+                    tokens += r.pieces[0]
             lengths = [r.pieces.popleft() for r in group]
             pieces = [r.prompt[r.pos : r.pos + n] for r, n in zip(group, lengths)]
             run = self._pieces_forward if min(lengths) == size else self._spans_forward
@@ -242,6 +248,15 @@ class Intake:
                 return done
 
             self._forward_group(group, forward, [len(p) for p in prompts])
+
+    def _padded_rows(self, g: int) -> int:
+        """The rows g pieces run as: with graphs, in parts of up to `max_rows` rows, each
+        padded to a power of two (as `PrefillGraphs` captures them); else g."""
+        graphs = self.prefill_graphs
+        if graphs is None:
+            return g
+        full, rest = divmod(g, graphs.max_rows)
+        return full * graphs.max_rows + (1 << (rest - 1).bit_length() if rest else 0)
 
     def _forward_tokens(self) -> int:
         """A prefill forward's fixed cost in tokens' worth of its work (measured at warm-up

@@ -55,7 +55,7 @@ def piece_lengths(pos: int, end: int, block: int) -> deque[int]:
 
 def span_lengths(pos: int, end: int, block: int) -> deque[int]:
     """The pieces that take a prompt from `pos` to `end` when a forward stops each row at a
-    step of its own (`MambaLM.states_at`): up to each block boundary, then the rest."""
+    step of its own (`MambaLM.stops_rows`): up to each block boundary, then the rest."""
     out: deque[int] = deque()
     while pos < end:
         stop = min(end, (pos // block + 1) * block)
