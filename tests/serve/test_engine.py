@@ -527,7 +527,7 @@ def test_a_prompt_launches_behind_a_running_prefill(model_dirs, load, monkeypatc
             self.done = True
 
     model, oracle = load(model_dirs["tiny-mamba2"]), load(model_dirs["tiny-mamba2"])
-    engine = Engine(model, max_batch=4, block_size=16, cache_bytes=1 << 24)
+    engine = Engine(model, max_batch=4, block_size=16, cache_bytes=1 << 24, prefills_in_flight=2)
     engine.lookahead = engine.async_prefill = True
     events = []
     monkeypatch.setattr(engine, "_launch_event", lambda: events.append(Event()) or events[-1])

@@ -83,8 +83,10 @@ class Engine(Intake, Decoding):
     max_prompt_tokens: longer prompts are refused (`PromptTooLong`).
     cuda_graph: "auto" (on CUDA), True or False: the decode step of each bucket of batch
         sizes captured once and replayed.
-    prefills_in_flight: prefill launches running at once (with `async_prefill`, on CUDA):
-        a prompt that arrives while one runs is launched behind it.
+    prefills_in_flight: prefill launches running at once (with `async_prefill`, on CUDA).
+        1: the next launch waits for the last one's join. 2 or more: a prompt that arrives
+        while a launch runs is launched behind it on the prefill stream (less time to first
+        token for it, smaller launches; not yet measured on a GPU against 1).
     """
 
     def __init__(
@@ -100,7 +102,7 @@ class Engine(Intake, Decoding):
         max_queue: int = 1024,
         max_prompt_tokens: int = 32768,
         cuda_graph: bool | str = "auto",
-        prefills_in_flight: int = 2,
+        prefills_in_flight: int = 1,
     ) -> None:
         if not hasattr(model, "last_logits") or not hasattr(model, "step"):
             raise TypeError(f"model must be a MambaLM, got {type(model).__name__}")
