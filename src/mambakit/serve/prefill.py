@@ -408,16 +408,7 @@ class PrefillGraphs:
         `state` (None: zeros), or None when the graphs are off."""
         if not self.enabled:
             return None
-        parts = []
-        for i in range(0, len(ids), self.max_rows):
-            part = None
-            if state is not None:
-                part = type(state)(*(t[:, i : i + self.max_rows] for t in state._tensors()))
-            out = self._run(ids[i : i + self.max_rows], part, device)
-            if out is None:
-                return None
-            parts.append(out)
-        return join_parts(parts)
+        return self._in_parts(ids, state, lambda part, rows: self._run(part, rows, device))
 
     def run_spans(self, pieces: list[list[int]], state: ModelState | None, n: int, device):
         """(logits [g, V], state [L, g, ...]) of pieces of different lengths (g rows, at most
@@ -425,12 +416,19 @@ class PrefillGraphs:
         or None when these graphs are off."""
         if not self.spans_enabled:
             return None
+        return self._in_parts(
+            pieces, state, lambda part, rows: self._run_spans(part, rows, n, device)
+        )
+
+    def _in_parts(self, items: list, state: ModelState | None, run_part):
+        """`run_part(items, their state rows)` over parts of at most `max_rows` rows, the
+        results joined; None when a part gives None."""
         parts = []
-        for i in range(0, len(pieces), self.max_rows):
-            part = None
+        for i in range(0, len(items), self.max_rows):
+            rows = None
             if state is not None:
-                part = type(state)(*(t[:, i : i + self.max_rows] for t in state._tensors()))
-            out = self._run_spans(pieces[i : i + self.max_rows], part, n, device)
+                rows = type(state)(*(t[:, i : i + self.max_rows] for t in state._tensors()))
+            out = run_part(items[i : i + self.max_rows], rows)
             if out is None:
                 return None
             parts.append(out)
@@ -442,13 +440,7 @@ class PrefillGraphs:
         if not self.whole_enabled:
             return None
         n = whole_bucket(max(map(len, prompts)))
-        parts = []
-        for i in range(0, len(prompts), self.max_rows):
-            out = self._run_whole(prompts[i : i + self.max_rows], n, device)
-            if out is None:
-                return None
-            parts.append(out)
-        return join_parts(parts)
+        return self._in_parts(prompts, None, lambda part, _: self._run_whole(part, n, device))
 
     def _replay(self, rows: int, g: int, graph):
         from ..inference.plan import refresh
