@@ -110,8 +110,8 @@ class MambaBackbone(nn.Module):
         read; the last block may give that step's alone ([B, 1, M], `MambaBlock.forward`).
         `at` [B, k] int64 (Mamba-1 layers, checked by the caller): the state is instead the
         states after those steps, B * k rows (row b * k + j: after step at[b, j] of row b).
-        `stop` [B] int64 (Mamba-2 layers that `stops_rows()`): the state is each row's after
-        its step stop[b]; the steps past it are filler."""
+        `stop` [B] int64 (Mamba-2 and Mamba-3 layers that `stops_rows()`): the state is each
+        row's after its step stop[b]; the steps past it are filler."""
         want_dim = 2 if self.embeddings is not None else 3
         name = "input_ids" if self.embeddings is not None else "x"
         if not isinstance(x, torch.Tensor) or x.dim() != want_dim:

@@ -172,7 +172,8 @@ class MambaLM(nn.Module):
 
     def stops_rows(self) -> bool:
         """Whether `_last_at` can stop each row of a forward at a step of its own: Mamba-1
-        (`states_at`), and Mamba-2 whose layers can freeze their state (`stops_rows()`)."""
+        (`states_at`), and Mamba-2 and Mamba-3 whose layers can freeze their state past the
+        stop (`stops_rows()`)."""
         if self.config.mixer == "mamba1":
             return True
         mixers = [block.mixer for block in self.backbone.layers]

@@ -90,30 +90,34 @@ def mixed_requests(seed: int, count: int):
 
 
 @pytest.mark.parametrize(
-    "preset, lookahead, deferred, whole",
-    [("tiny", False, False, True), ("tiny-mamba2", False, False, True),
-     ("tiny-mamba3", False, False, True), ("tiny", True, False, True),
-     ("tiny-mamba2", True, True, True), ("tiny", False, False, False),
-     ("tiny-mamba2", False, False, False), ("tiny-mamba3", True, True, False)],
+    "preset, lookahead, deferred, whole, spans",
+    [("tiny", False, False, True, True), ("tiny-mamba2", False, False, True, True),
+     ("tiny-mamba3", False, False, True, True), ("tiny", True, False, True, True),
+     ("tiny-mamba2", True, True, True, True), ("tiny", False, False, False, True),
+     ("tiny-mamba2", False, False, False, True), ("tiny-mamba3", True, True, False, True),
+     ("tiny-mamba2", False, False, False, False), ("tiny-mamba3", True, True, False, False)],
     ids=["tiny", "tiny-mamba2", "tiny-mamba3", "tiny-lookahead", "tiny-mamba2-deferred",
-         "tiny-blocks", "tiny-mamba2-blocks", "tiny-mamba3-blocks-deferred"],
+         "tiny-blocks", "tiny-mamba2-blocks", "tiny-mamba3-blocks-deferred",
+         "tiny-mamba2-powers", "tiny-mamba3-powers-deferred"],
 )  # fmt: skip
 def test_every_choice_is_what_generate_gives_alone(model_dirs, preset, lookahead, deferred,
-                                                   whole, load):  # fmt: skip
+                                                   whole, spans, load):  # fmt: skip
     """14 requests of mixed lengths and settings through 5 rows: requests wait, join and
     leave the batch, long prompts are prefilled over several iterations. With `lookahead`
     (the CUDA default) the tokens of a step are read after the next is launched;
     `deferred` (`async_prefill`, the CUDA default) joins a prefill at the iteration after
     its launch, and launches the next one only then. `whole`: prompts up to 40 tokens
     are prefilled in one forward, left-padded (the rest block by block); else every
-    prompt runs in pieces from the state before (up to each block boundary, right-padded
-    where the model stops rows (Mamba-1, -2), else cut into powers of two)."""
+    prompt runs in pieces from the state before: `spans`, up to each block boundary, many
+    lengths to a forward (right-padded, each row stopped at its own last token); else cut
+    into powers of two, a forward per length."""
     model = load(model_dirs[preset])
     oracle = load(model_dirs[preset])
     engine = Engine(model, max_batch=5, block_size=16, prefill_tokens=40, cache_bytes=0)
     engine.lookahead = lookahead
     engine.async_prefill = deferred
     engine.whole_max = 40 if whole else 0
+    engine.spans = spans  # off: pieces cut into powers of two, a forward per length
     work = mixed_requests(0, 14)
     served_alone(engine, oracle, work)
     assert not engine.rows and not engine.prefilling and engine.idle
@@ -675,9 +679,10 @@ def test_packed_graphs_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, 
     assert not graphs.packed_enabled
 
 
-@pytest.mark.parametrize("preset", ["tiny-mamba3", "tiny"])
+@pytest.mark.parametrize("preset, spans", [("tiny-mamba3", False), ("tiny", True),
+                                           ("tiny-mamba3", True)])  # fmt: skip
 def test_graph_paths_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, monkeypatch,
-                                                            preset):  # fmt: skip
+                                                            preset, spans):  # fmt: skip
     """The CUDA-graph paths (decode per bucket of rows, prefill pieces per rows bucket,
     on Mamba-1 pieces of different lengths in one forward) with `capture` replaced by a
     stand-in whose replay reruns the call into the captured outputs, as a graph writes
@@ -697,13 +702,13 @@ def test_graph_paths_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, mo
         engine.pool = slots.SlotPool(model, 6, graphs=True)
         engine.prefill_graphs = PrefillGraphs(model, 16)
         engine.prefill_graphs.max_rows = 2  # groups of 3 and more run in parts
+    engine.spans = engine.prefill_graphs.spans_enabled = spans
     assert engine.pool.buckets == [1, 2, 4, 6]
     engine.lookahead = engine.async_prefill = True  # as on CUDA
     engine.whole_max = 40  # prompts up to 40 tokens whole, longer ones in pieces
     work = mixed_requests(2, 12)
     served_alone(engine, oracle, work)
     assert engine.prefill_graphs.graphs  # the pieces ran from the stand-in graphs
-    spans = preset == "tiny"
     assert any(k[2] == "spans" for k in engine.prefill_graphs.graphs) == spans
     # rows 1, 2; pieces 1 ... 16 (and on Mamba-1 pieces of different lengths up to 2 ...
     # 16), and whole prompts of 16 ... 64 tokens

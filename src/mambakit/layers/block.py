@@ -140,8 +140,8 @@ class MambaBlock(nn.Module):
         """(the mixer's output, the residual [B, T, M] f32, the layer's final state). With
         `last`, a mixer may give its output at the last step alone ([B, 1, M]). With `at`
         (a Mamba-1 mixer), the layer's states after those steps come fourth. With `stop`
-        (a Mamba-2 mixer, `stops_rows()`), the state is the one after step stop[b] of each
-        row b, the steps past it filler."""
+        (a Mamba-2 or Mamba-3 mixer, `stops_rows()`), the state is the one after step
+        stop[b] of each row b, the steps past it filler."""
         normed, residual = self.norm(hidden, residual, compute_dtype, backend=backend)
         if at is not None:
             out, new, states = self.mixer.sequence(normed, state, seq_idx, backend, derived, at=at)

@@ -43,13 +43,10 @@ from ..ops.mamba2 import (
 from ..ops.mamba2.stack import stack_weights
 from ..state import Mamba2State
 from .init import no_weight_decay
-from .mixer import _p, conv_silu, conv_silu_step
+from .mixer import FREEZE_DT, _p, conv_silu, conv_silu_step
 from .plain import plain
 
 _NO_LIMIT = (0.0, float("inf"))
-# in_proj's dt rows past a row's stop (`Mamba2.sequence`): softplus(dt + dt_bias) is 0
-# there in f32 and bf16, so the state passes those steps unchanged
-FREEZE_DT = -1e4
 
 
 class Mamba2(nn.Module):

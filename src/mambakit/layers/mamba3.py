@@ -45,11 +45,11 @@ from ..ops.mamba3 import (
     mamba3_step_raw,
     mamba3_step_reference,
 )
-from ..ops.mamba3.reference import layer_compiles, mamba3_layer_compiled
+from ..ops.mamba3.reference import layer_compiles, mamba3_layer_compiled, rotate_pairs
 from ..ops.mamba3.stack import stack_weights
 from ..state import Mamba3State
 from .init import no_weight_decay
-from .mixer import _p
+from .mixer import FREEZE_DT, _p
 from .plain import plain
 
 
@@ -252,7 +252,22 @@ class Mamba3(nn.Module):
             self._check_state(state, u.shape[0], u.device)
         if seq_idx is not None:
             check_seq_idx(seq_idx, u.shape[0], u.shape[1], u.device)
+        out, final = self._run(u, state, seq_idx, backend)
+        return (out, final) if return_state else out
+
+    def _run(self, u, state, seq_idx, backend, stop=None) -> tuple[torch.Tensor, Mamba3State]:
+        """The forward's body: (out, the final state). `stop` [B] int64: the steps past
+        stop[b] of row b are filler, and the state is the one after step stop[b]: their
+        delta is made 0 (in_proj's dd_dt rows at `FREEZE_DT`), so the scan's state and the
+        angles pass them unchanged (e^0 = 1, the trapezoid's weights 0), and the last key
+        and value are taken at the stop (`_state_at`)."""
         zx = self.in_proj(u)
+        if stop is not None:
+            E, N, G, H = self.d_inner, self.d_state, self.ngroups, self.nheads
+            cols = torch.zeros(zx.shape[-1], dtype=torch.bool, device=zx.device)
+            cols[2 * E + 2 * G * N : 2 * E + 2 * G * N + H] = True  # dd_dt
+            after = torch.arange(u.shape[1], device=u.device) > stop[:, None]
+            zx = zx.masked_fill(after[..., None] & cols, FREEZE_DT)
         compiled = self._compiled(zx, state, backend) if seq_idx is None else None
         if compiled:
             w_B, w_C, dt_bias, C_bias, B_bias, D = compiled
@@ -265,8 +280,21 @@ class Mamba3(nn.Module):
             args = (x, q, k, delta, A, trap, theta, self.C_bias[:, 0], self.B_bias[:, 0],
                     self.D, z)  # fmt: skip
             y, final = _mamba3_scan(*args, state, seq_idx, self.chunk_size, backend)
-        out = self.out_proj(y.flatten(-2).to(self.out_proj.weight.dtype))
-        return (out, final) if return_state else out
+        if stop is not None:
+            final = self._state_at(zx, final, stop)
+        return self.out_proj(y.flatten(-2).to(self.out_proj.weight.dtype)), final
+
+    def _state_at(self, zx: torch.Tensor, final: Mamba3State, stop: torch.Tensor) -> Mamba3State:
+        """`final` with the last key and value of step stop[b] of each row instead of the
+        filler's: that step's normed B row plus its bias, turned by the angles (which the
+        filler left as they were at the stop), and its x, as the scan keeps them."""
+        _, x, B, *_ = _split(zx, self._sizes())
+        rows = torch.arange(zx.shape[0], device=zx.device)
+        f = final.ssm.dtype
+        k = self.B_norm(B[rows, stop]).to(f)  # [B, G, N]
+        k = k.repeat_interleave(self.nheads // self.ngroups, dim=1) + self.B_bias[:, 0].to(f)
+        return Mamba3State(final.angle, final.ssm, rotate_pairs(k, final.angle),
+                           x[rows, stop].to(f))  # fmt: skip
 
     def _compiled(self, zx: torch.Tensor, state: Mamba3State | None, backend: str):
         """The tensors the forward's compiled CPU core reads (B and C norms' weights, dt_bias,
@@ -316,10 +344,19 @@ class Mamba3(nn.Module):
             )  # fmt: skip
         return self.out_proj(y.flatten(-2).to(self.out_proj.weight.dtype)), state
 
-    def sequence(self, x, state, seq_idx, backend, derived=None, last=False):
+    def sequence(self, x, state, seq_idx, backend, derived=None, last=False, stop=None):
         """What a block runs over a sequence (every mixer has it): (out, the final state).
-        Nothing is derived ahead for Mamba-3 and every step's output is given."""
-        return self(x, state, seq_idx, return_state=True, backend=backend)
+        Nothing is derived ahead for Mamba-3 and every step's output is given. `stop` [B]
+        int64: the state after step stop[b] of each row instead, the steps past it filler
+        (their outputs are not the model's)."""
+        if stop is None:
+            return self(x, state, seq_idx, return_state=True, backend=backend)
+        return self._run(x, state, None, backend, stop)
+
+    def stops_rows(self) -> bool:
+        """Whether `sequence` can stop each row at a step of its own: always (a delta of 0
+        passes the state and the angles unchanged)."""
+        return True
 
     def decode(self, x: torch.Tensor, state: Mamba3State, backend: str) -> torch.Tensor:
         """What a block runs for one decode step (every mixer has it): x [B, M] -> [B, M],

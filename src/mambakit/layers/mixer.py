@@ -28,6 +28,11 @@ from . import mamba_ssm_cache
 from .init import init_A_log, init_dt_proj, no_weight_decay
 from .plain import plain
 
+# in_proj's dt rows past a row's stop (Mamba-2's and Mamba-3's `sequence(..., stop=)`):
+# softplus(dt + dt_bias) is exactly 0 there in f32, bf16 and f16, so a step with it passes
+# the state unchanged (a decay of e^0 = 1, no input)
+FREEZE_DT = -1e4
+
 
 class Mamba(nn.Module):
     """Selective SSM mixer: [B, T, M] -> [B, T, M], with its recurrent state in and out.

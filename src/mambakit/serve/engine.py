@@ -163,9 +163,10 @@ class Engine(Intake, Decoding):
         # first block was seen before
         self.whole_max = WHOLE_MAX
         # the other prompts run in pieces up to each block boundary; a model that stops each
-        # row of a forward at a step of its own (`MambaLM.stops_rows`: Mamba-1 and -2) runs
-        # pieces of different lengths in one forward, right-padded (a cached prefix's
-        # remainder is one forward); Mamba-3 cuts pieces into powers of two, a forward each
+        # row of a forward at a step of its own (`MambaLM.stops_rows`: every mixer unless a
+        # Mamba-2 dt_limit keeps delta above 0) runs pieces of different lengths in one
+        # forward, right-padded (a cached prefix's remainder is one forward); otherwise
+        # pieces are cut into powers of two, a forward per length
         self.spans = model.stops_rows()
         # (least prompt tokens, longest wait in seconds) a prefill launch waits for while
         # decode steps run (`Intake._hold`); None: every iteration launches what is there

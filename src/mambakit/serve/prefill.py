@@ -12,8 +12,8 @@ states stacked as its initial state. A forward over a piece from a state gives t
 same state and last logits as the prompt run whole (up to the rounding of f32 sums).
 
 A model that stops each row of one forward at a step of its own (`MambaLM.stops_rows`:
-Mamba-1 by `states_at`, Mamba-2 by a delta of 0 past the stop, which passes the state
-unchanged) has its pieces not cut into powers of two but run whole, up to the
+Mamba-1 by `states_at`, Mamba-2 and Mamba-3 by a delta of 0 past the stop, which passes
+the state unchanged) has its pieces not cut into powers of two but run whole, up to the
 next block boundary (`span_lengths`), pieces of different lengths sharing a forward
 right-padded to a power of two (`span_bucket`), each row's state and logits taken at its
 own last token. A cached prefix's remainder is then one forward, however the lengths of
