@@ -8,7 +8,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile"}
-# opt-in stages: model14 residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof servehold serveprobe packprobe rl rlprof gemmprobe
+# opt-in stages: model14 residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof servehold serveflight serveprobe packprobe rl rlprof gemmprobe
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -145,6 +145,14 @@ if stage servehold; then  # the mixed load at 256 clients with the prefill held 
     timeout ${T_SERVEHOLD:-150} python benchmarks/bench_serve.py --preset ${SERVEPROF_PRESET:-130m} \
       --device cuda --clients 256 --no-prefix --prefill-hold $hold ${SERVEHOLD_ARGS:-} \
       --out "$OUT/bench_serve_hold${hold%%,*}.json" 2>&1 | grep -v "^ \|^-\|USDT" | tail -8 | tee -a "$LOG"
+  done
+fi
+if stage serveflight; then  # prefill launches in flight: 1 (the default) against 2, same loads
+  for k in ${SERVE_FLIGHTS:-1 2}; do
+    echo "== bench_serve 130m, prefills_in_flight $k" | tee -a "$LOG"
+    timeout ${T_SERVEFLIGHT:-200} python benchmarks/bench_serve.py --preset ${SERVEPROF_PRESET:-130m} \
+      --device cuda --prefills-in-flight $k ${SERVEFLIGHT_ARGS:-} \
+      --out "$OUT/bench_serve_flight$k.json" 2>&1 | grep -v "^ \|^-\|USDT" | tail -12 | tee -a "$LOG"
   done
 fi
 if stage serveprobe; then  # prefill forwards by (rows, piece length) and the decode step by batch

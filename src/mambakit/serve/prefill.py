@@ -3,21 +3,22 @@ many prompts share one forward.
 
 P = block size. A prompt is prefilled from its start (or from the end of a cached
 prefix) in pieces that never cross a multiple of P, so the state at every block
-boundary exists and goes into the prefix cache. A piece shorter than P is cut into
-powers of two, largest first (a piece of 100 tokens runs as 64, 32 and 4), so that
-however the prompts' lengths differ, each round of the prefill is one forward over
-every prompt whose next piece has that round's length: at most log2(P) + 1 forwards
-plus one per whole block, whatever the number of prompts, each with the prompts'
-states stacked as its initial state. A forward over a piece from a state gives the
-same state and last logits as the prompt run whole (up to the rounding of f32 sums).
+boundary exists and goes into the prefix cache. Each round of the prefill is one forward
+over the next pieces of many prompts, with the prompts' states stacked as its initial
+state. A forward over a piece from a state gives the same state and last logits as the
+prompt run whole (up to the rounding of f32 sums).
 
 A model that stops each row of one forward at a step of its own (`MambaLM.stops_rows`:
 Mamba-1 by `states_at`, Mamba-2 and Mamba-3 by a delta of 0 past the stop, which passes
-the state unchanged) has its pieces not cut into powers of two but run whole, up to the
-next block boundary (`span_lengths`), pieces of different lengths sharing a forward
-right-padded to a power of two (`span_bucket`), each row's state and logits taken at its
-own last token. A cached prefix's remainder is then one forward, however the lengths of
-the prompts of a launch differ.
+the state unchanged; every model but a Mamba-2 whose `dt_limit` keeps delta above 0) runs
+its pieces whole, up to the next block boundary (`span_lengths`), pieces of different
+lengths sharing a forward right-padded to a power of two (`span_bucket`), each row's
+state and logits taken at its own last token. A cached prefix's remainder is then one
+forward, however the lengths of the prompts of a launch differ. Otherwise a piece
+shorter than P is cut into powers of two, largest first (a piece of 100 tokens runs as
+64, 32 and 4), and each round is one forward over every prompt whose next piece has
+that round's length: at most log2(P) + 1 forwards plus one per whole block, whatever
+the number of prompts.
 
 A prompt that starts from zeros (no cached prefix) needs no state before it, so it can
 run whole instead: one forward for many prompts, each left-padded to a common bucket
