@@ -15,7 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from mambakit import MambaConfig, MambaLM  # noqa: E402
 from mambakit.ops import selective_scan  # noqa: E402
-from mambakit.serve.prefill import PrefillGraphs, packed_row  # noqa: E402
+from mambakit.serve.prefill import packed_row  # noqa: E402
+from mambakit.serve.prefill_graphs import PrefillGraphs  # noqa: E402
 
 
 def timed(fn, reps: int = 20) -> float:

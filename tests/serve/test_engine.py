@@ -647,7 +647,8 @@ def test_packed_graphs_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, 
     import mambakit.inference.cuda_graph as cg
     from mambakit.inference.cuda_graph import static_mode
     from mambakit.serve import slots
-    from mambakit.serve.prefill import PrefillGraphs, buckets, pack_bucket
+    from mambakit.serve.prefill import buckets, pack_bucket
+    from mambakit.serve.prefill_graphs import PrefillGraphs
 
     monkeypatch.setattr(cg, "capture", stand_in)
     monkeypatch.setattr(slots, "capture", stand_in)
@@ -691,7 +692,7 @@ def test_graph_paths_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, mo
     import mambakit.inference.cuda_graph as cg
     from mambakit.inference.cuda_graph import static_mode
     from mambakit.serve import slots
-    from mambakit.serve.prefill import PrefillGraphs
+    from mambakit.serve.prefill_graphs import PrefillGraphs
 
     monkeypatch.setattr(cg, "capture", stand_in)
     monkeypatch.setattr(slots, "capture", stand_in)

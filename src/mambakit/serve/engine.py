@@ -54,10 +54,8 @@ from .decode import Decoding
 from .intake import Intake
 from .metrics import Metrics
 from .params import EngineStopped, Event, QueueFull, SamplingParams
-from .prefill import (
-    WHOLE_MAX,
-    PrefillGraphs,
-)
+from .prefill import WHOLE_MAX
+from .prefill_graphs import PrefillGraphs
 from .request import Completion, PromptTooLong, Request, Sequence
 from .slots import SlotPool
 
