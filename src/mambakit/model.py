@@ -126,10 +126,7 @@ class MambaLM(nn.Module):
         bb = self.backbone
         h, residual, cdt, backend, state = bb._forward_layers(input_ids, state, seq_idx, True)
         h, residual = h[:, -1], residual[:, -1]
-        grads = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (h, residual, self.lm_head.weight, bb._param)
-        )
-        return self._head(h, residual, cdt, backend, fuse=not grads), state
+        return self._rows_head(h, residual, cdt, backend), state
 
     def states_at(
         self,
@@ -159,16 +156,7 @@ class MambaLM(nn.Module):
         captured forward, whose steps it builds itself."""
         bb = self.backbone
         h, residual, cdt, backend, out = bb._forward_layers(input_ids, state, seq_idx, at=positions)
-        Bsz, k = positions.shape
-        M = h.shape[-1]
-        index = positions[..., None].expand(Bsz, k, M)
-        h = torch.gather(h, 1, index).flatten(0, 1)
-        residual = torch.gather(residual, 1, index).flatten(0, 1)
-        grads = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (h, residual, self.lm_head.weight, bb._param)
-        )
-        logits = self._head(h, residual, cdt, backend, fuse=not grads)
-        return logits.view(Bsz, k, logits.shape[-1]), out
+        return self._logits_at(h, residual, positions, cdt, backend), out
 
     def stops_rows(self) -> bool:
         """Whether `_last_at` can stop each row of a forward at a step of its own: Mamba-1
@@ -190,13 +178,17 @@ class MambaLM(nn.Module):
             return logits[:, 0], out
         bb = self.backbone
         h, residual, cdt, backend, out = bb._forward_layers(input_ids, state, None, stop=stop)
-        index = stop[:, None, None].expand(-1, 1, h.shape[-1])
-        h = torch.gather(h, 1, index)[:, 0]
-        residual = torch.gather(residual, 1, index)[:, 0]
-        grads = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (h, residual, self.lm_head.weight, bb._param)
-        )
-        return self._head(h, residual, cdt, backend, fuse=not grads), out
+        return self._logits_at(h, residual, stop[:, None], cdt, backend)[:, 0], out
+
+    def _logits_at(self, h, residual, positions, cdt, backend) -> torch.Tensor:
+        """Logits [B, k, V] at the steps `positions` [B, k] of a forward's last block output
+        h and residual [B, T, M]."""
+        Bsz, k = positions.shape
+        index = positions[..., None].expand(Bsz, k, h.shape[-1])
+        h = torch.gather(h, 1, index).flatten(0, 1)
+        residual = torch.gather(residual, 1, index).flatten(0, 1)
+        logits = self._rows_head(h, residual, cdt, backend)
+        return logits.view(Bsz, k, logits.shape[-1])
 
     def step(
         self, input_ids: torch.Tensor, state: ModelState, *, cuda_graph: bool | str = "auto"
@@ -223,6 +215,15 @@ class MambaLM(nn.Module):
         """The no-grad step's logits [B, V], the state advanced in place."""
         h, residual, cdt, backend = self.backbone._decode_layers(input_ids, state)
         return self._head(h, residual, cdt, backend, fuse=True)
+
+    def _rows_head(self, h, residual, cdt, backend) -> torch.Tensor:
+        """`_head` of rows taken out of a forward (a prompt's last position, given steps),
+        fused where no gradient is needed."""
+        bb = self.backbone
+        grads = torch.is_grad_enabled() and any(
+            t.requires_grad for t in (h, residual, self.lm_head.weight, bb._param)
+        )
+        return self._head(h, residual, cdt, backend, fuse=not grads)
 
     def _head(self, h, residual, cdt, backend, fuse: bool) -> torch.Tensor:
         """Logits [B, V] of rows h [B, M] (+ residual): norm_f, then the LM head. With `fuse`
