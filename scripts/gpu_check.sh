@@ -8,7 +8,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile"}
-# opt-in stages: model14 residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof servehold serveflight serveprobe packprobe rl rlprof gemmprobe
+# opt-in stages: savetiles model14 residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof servehold serveflight serveprobe packprobe rl rlprof gemmprobe
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -121,6 +121,12 @@ if stage m2; then  # Mamba-2: the layer, the 130m-mamba2 training step, prefill 
   echo "== bench_mamba2" | tee -a "$LOG"
   timeout ${T_M2:-400} python benchmarks/bench_mamba2.py --out "$OUT/bench_mamba2.json" \
     --profile "$OUT/m2_profile.txt" ${M2_ARGS:-} 2>&1 | grep -v "^ \|^-\|^Name\|^Self" | tail -60 | tee -a "$LOG"
+fi
+if stage savetiles; then  # the scan's saved-state interval: kernels, then the training steps' time and peak
+  echo "== save_tiles_probe" | tee -a "$LOG"
+  timeout ${T_SAVETILES:-420} python scripts/save_tiles_probe.py --tiles ${SAVE_TILES:-1,2,4,8,16} \
+    --models ${SAVE_TILES_MODELS:-130m:8,1.4b:4} --model-tiles ${SAVE_TILES_M:-1,8} --peer --out "$OUT/save_tiles_probe.json" \
+    2>&1 | grep -v "^ \|^-" | tee -a "$LOG"
 fi
 if stage serve; then  # the serving engine: mixed and shared-prefix loads beside static generate
   for preset in ${SERVE_PRESETS:-130m}; do

@@ -41,6 +41,8 @@ CONSTS = {  # representative values of the kernels' constexpr parameters
 }  # fmt: skip
 # where a kernel's products need other values (tl.dot takes blocks of 16 or more)
 OVERRIDES = {"_ssd_y_kernel": {"BLOCK_M": 16}, "_ssd_state_kernel": {"BLOCK_K": 16}}
+# kernels compiled once more with other values: the code paths those values select
+VARIANTS = {"_bwd_kernel": [{"KS": 16}]}  # the scan backward replaying saved states
 
 
 def _signature(fn) -> tuple[dict, dict]:
@@ -76,13 +78,16 @@ def compile_all() -> list[str]:
             if not (name.endswith("_kernel") and hasattr(fn, "params")):
                 continue
             sig, consts = _signature(fn)
-            try:
-                src = ASTSource(fn=fn, signature=sig, constexprs=consts)
-                k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-                assert k.asm["cubin"]
-                n += 1
-            except Exception as e:  # report every kernel, not just the first
-                failures.append(f"{mod}.{name}: {type(e).__name__}: {str(e)[-400:]}")
+            for extra in [{}, *VARIANTS.get(name, [])]:
+                try:
+                    src = ASTSource(fn=fn, signature=sig, constexprs={**consts, **extra})
+                    k = triton.compile(
+                        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}
+                    )
+                    assert k.asm["cubin"]
+                    n += 1
+                except Exception as e:  # report every kernel, not just the first
+                    failures.append(f"{mod}.{name} {extra}: {type(e).__name__}: {str(e)[-400:]}")
     if n == 0:
         failures.append("no kernel found to compile")
     return failures

@@ -199,6 +199,9 @@ def test_sum_loss(c: Case, seed):
         ({"bwd_block_d": 2, "bwd_tile": 8}, False),  # 16 lanes for 4 states: tl.sum
         ({"bwd_block_d": 16, "bwd_tile": 8}, True),
         ({"bwd_block_d": 32, "bwd_tile": 8}, True),
+        ({"bwd_save_tiles": 1}, None),
+        ({"bwd_save_tiles": 3, "seg_tiles": 2}, None),
+        ({"bwd_save_tiles": 4, "bwd_tile": 2, "seg_tiles": 1 << 20}, None),
     ],
     ids=[
         "seg1",
@@ -207,13 +210,17 @@ def test_sum_loss(c: Case, seed):
         "channel-sums-by-tl.sum",
         "reduce-scatter-16-channels",
         "reduce-scatter-32-channels",
+        "a-state-per-tile",
+        "a-state-per-3-tiles-segments-rounded-up",
+        "a-state-per-4-tiles-one-segment",
     ],
 )
 @pytest.mark.slow
 def test_tilings_and_segments_agree(over: dict, reduce_scatter: bool | None, seed):
-    """Other time tiles and channel blocks, and time cut into segments (with carries between
-    them), give the results of one segment per row. reduce_scatter: whether the backward's
-    channel sums take the warp reduce-scatter (N = 3 is one block of 4 states)."""
+    """Other time tiles and channel blocks, time cut into segments (with carries between
+    them), and states saved every tile or every few tiles (the backward replaying the rest),
+    give the results of one segment per row. reduce_scatter: whether the backward's channel
+    sums take the warp reduce-scatter (N = 3 is one block of 4 states)."""
     from mambakit.ops.selective_scan import launch as K
     from mambakit.ops.selective_scan.launch import reduce_scatter_fits
 
@@ -231,7 +238,7 @@ def test_tilings_and_segments_agree(over: dict, reduce_scatter: bool | None, see
     outs = []
     for run_cfg in (cfg, dataclasses.replace(base, seg_tiles=1 << 20)):  # the latter: one segment
         y, hT, states = K.scan_fwd(*args, True, h0, seq, True, cfg=run_cfg)
-        assert states.shape == (c.Bsz, -(-c.T // run_cfg.bwd_tile), c.Dn, c.N)
+        assert states.shape == (c.Bsz, -(-c.T // K.save_interval(run_cfg)), c.Dn, c.N)
         grads = K.scan_bwd(gy, gT, *args, True, h0, seq, states, cfg=run_cfg)
         outs.append((y, hT, *grads))
     for a, b in zip(*outs):

@@ -201,8 +201,7 @@ def test_snapshot_is_on_the_host_and_restores_weights_and_optimizer_state():
     trainer.train_step()  # optimizer state exists
     before = {n: v.clone() for n, v in weights_of(trainer.model).items()}
     state_before = {
-        id(p): {k: v.clone() for k, v in trainer.optimizer.state[p].items()}
-        for p in trainer.params
+        id(p): {k: v.clone() for k, v in trainer.optimizer.state[p].items()} for p in trainer.params
     }
     snap = trainer._snapshot()
     params, opt, skipped, streak = snap

@@ -9,7 +9,7 @@ B batch, T time, D = d_inner, N = d_state, K = d_conv, R = dt_rank.
     y          = scan(u, delta, A, B, C, D, z)      [B, T, D], gated by silu(z)
 
 On the Triton backend one autograd node covers all of it and chooses what the
-backward keeps: xz, x_dbl and the scan's state every TC steps. dt_proj is a kernel
+backward keeps: xz, x_dbl and the scan's state every KS TC steps. dt_proj is a kernel
 of ours (kernels.py) that also adds the bias and applies softplus, once, for both
 of the scan's passes. The backward recomputes u (one conv launch) and raw delta
 (the same kernel, the same bits) instead of storing two [B, T, D] activations, as
@@ -153,7 +153,8 @@ class _FusedInner(torch.autograd.Function):
     """One autograd node over conv, x_proj, dt_proj and the scan (Triton custom ops).
 
     Saved per token: xz (2D), x_dbl (R + 2N) in the compute dtype and the scan's
-    state every TC steps (4 D N / TC bytes, `state_chunk`); u and delta are recomputed."""
+    state every KS TC steps (4 D N / (KS TC) bytes, `state_chunk`); u and delta are
+    recomputed."""
 
     @staticmethod
     def forward(

@@ -32,7 +32,7 @@ _STEP_SCHEMA = (
 
 
 def _ntiles(T: int, is_cuda: bool) -> int:
-    """How many tile-start states the forward saves (the backward recomputes inside a tile)."""
+    """How many states the forward saves (one every KS TC steps: `state_chunk`)."""
     from .launch import state_chunk
 
     return -(-T // state_chunk(is_cuda))

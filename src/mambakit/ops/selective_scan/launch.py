@@ -17,13 +17,15 @@ summaries before its segment) or its end carry (backward: a small scan over segm
 Forward (one launch; two with segments):
   [`_fwd_kernel` LOCAL: each segment but the last from a zero state: end state, decay product]
   `_fwd_kernel`: its segment's start from the summaries before it, then y_t = sum_n h_t C_t
-  (+ D u_t, * silu(z_t)); the state every TC steps is stored for the backward: 4 D N / TC
-  bytes per token.
+  (+ D u_t, * silu(z_t)); the state every KS TC steps is stored for the backward:
+  4 D N / (KS TC) bytes per token.
 Backward (one launch; three with segments):
   [`_bwd_local_kernel`: each segment but the first, reverse recurrence from a zero carry;
    `_carry_bwd_kernel`: the carry into each segment's end]
-  `_bwd_kernel`: per tile, the states are recomputed from the saved tile-start state
-  (forward scan) and the adjoints by a reverse scan; a_t h_{t-1} is h_t - b_t, so nothing
+  `_bwd_kernel`: per tile, the states are recomputed from the tile-start state (forward
+  scan) and the adjoints by a reverse scan; with KS > 1, entering an interval of KS tiles
+  it first replays the interval's tile-start states from the saved one into a per-program
+  scratch; a_t h_{t-1} is h_t - b_t, so nothing
   divides by a decay. dB, dC (over channel blocks), dA, dD, d delta_bias (over rows and
   segments) are per-program partials summed afterwards in a fixed order: no atomics,
   bit-identical reruns.
@@ -61,7 +63,9 @@ class ScanConfig:
 
     fwd_tile: int  # FWD_TC: time steps per forward tile
     fwd_local_tiles: int  # forward tiles per tile of the segment summaries' (LOCAL) pass
-    bwd_tile: int  # TC: time steps per backward tile; the forward saves the state every TC steps
+    bwd_tile: int  # TC: time steps per backward tile
+    bwd_save_tiles: int  # KS: the forward saves the state every KS TC steps; KS > 1: the backward
+    # replays each interval's tile-start states from it into a per-program scratch
     fwd_block_d: int  # channels per forward program
     bwd_block_d: int  # channels per backward program
     fwd_warps: int  # warps per forward program
@@ -81,7 +85,7 @@ def config(Dn: int, interpret: bool) -> ScanConfig:
     p2 = next_power_of_2(Dn)
     if interpret:  # small tiles, and segments of two tiles so the carries run in every test
         return ScanConfig(
-            fwd_tile=4, fwd_local_tiles=2, bwd_tile=8,
+            fwd_tile=4, fwd_local_tiles=2, bwd_tile=8, bwd_save_tiles=2,
             fwd_block_d=min(8, p2), bwd_block_d=min(8, p2),
             fwd_warps=1, bwd_warps=1, carry_block=64, carry_rows=8,
             seg_tiles=2, seg_below_per_sm=2, seg_target_per_sm=8, fwd_seg_target_per_sm=8,
@@ -101,15 +105,21 @@ def config(Dn: int, interpret: bool) -> ScanConfig:
     # at D 4096, against 79.5 and 190.0 in tiles of 8 and 84.6 and 210.5 in tiles of 32
     # (with their decay product as one exp2 of the summed delta).
     return ScanConfig(
-        fwd_tile=8, fwd_local_tiles=2, bwd_tile=4, fwd_block_d=min(32, p2), bwd_block_d=min(16, p2),
+        fwd_tile=8, fwd_local_tiles=2, bwd_tile=4, bwd_save_tiles=1,
+        fwd_block_d=min(32, p2), bwd_block_d=min(16, p2),
         fwd_warps=1, bwd_warps=1, carry_block=256, carry_rows=16,
         seg_tiles=0, seg_below_per_sm=2, seg_target_per_sm=16, fwd_seg_target_per_sm=8,
     )  # fmt: skip
 
 
 def state_chunk(is_cuda: bool) -> int:
-    """Timesteps between the states the forward saves (the backward's time tile)."""
-    return config(1, not is_cuda).bwd_tile
+    """Timesteps between the states the forward saves for the backward."""
+    return save_interval(config(1, not is_cuda))
+
+
+def save_interval(cfg: ScanConfig) -> int:
+    """Timesteps between the states the forward saves: KS backward tiles of TC steps."""
+    return cfg.bwd_tile * cfg.bwd_save_tiles
 
 
 def _new(shape, dtype, device) -> torch.Tensor:
@@ -210,8 +220,8 @@ def scan_fwd(
     cfg: ScanConfig | None = None,
     at: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
-    """(y [B, T, D] in u.dtype, final state [B, D, N] f32, the states at every TC-th step
-    [B, T/TC, D, N] or an empty tensor). cfg: launch parameters other than the library's
+    """(y [B, T, D] in u.dtype, final state [B, D, N] f32, the states at every (KS TC)-th
+    step [B, T/(KS TC), D, N] or an empty tensor). cfg: launch parameters other than the library's
     (`config`), for scripts/scan_sweep.py and the tests. `at`: (slot int32 [B, T], out f32
     [B, k, D, N]): the state after each step t with slot[b, t] >= 0 is written to
     out[b, slot[b, t]] (`states_at`)."""
@@ -225,7 +235,7 @@ def scan_fwd(
         return u.new_empty(Bsz, T, Dn), hT, _new((Bsz, 0, Dn, N) if save_states else (0,), f32, dev)
     cfg = cfg if cfg is not None else config(Dn, not u.is_cuda)
     B, C = _f32_bc(B, C)
-    tc, ts, bd, bn = cfg.fwd_tile, cfg.bwd_tile, cfg.fwd_block_d, _block_n(N)
+    tc, ts, bd, bn = cfg.fwd_tile, save_interval(cfg), cfg.fwd_block_d, _block_n(N)
     nb, nc, ndb = cdiv(N, bn), cdiv(T, tc), cdiv(Dn, bd)
     ns = cdiv(T, ts)
     nseg, per = _segments(nc, Bsz * ndb * nb, cfg.fwd_seg_target_per_sm, cfg, dev)
@@ -375,14 +385,18 @@ def scan_bwd(
             z32.clone() if delta_bias is not None else None, dh0,
         )  # fmt: skip
     cfg = cfg if cfg is not None else config(Dn, not u.is_cuda)
-    tc, bd, bn = cfg.bwd_tile, cfg.bwd_block_d, _block_n(N)
+    tc, bd, bn, ks = cfg.bwd_tile, cfg.bwd_block_d, _block_n(N), cfg.bwd_save_tiles
     nb, nc, ndb = cdiv(N, bn), cdiv(T, tc), cdiv(Dn, bd)
-    if tuple(states.shape) != (Bsz, nc, Dn, N):
+    ns = cdiv(T, tc * ks)
+    if tuple(states.shape) != (Bsz, ns, Dn, N):
         raise ValueError(
-            f"states: expected the forward's tile-start states of shape {(Bsz, nc, Dn, N)} "
-            f"(time tile {tc}), got {tuple(states.shape)}"
+            f"states: expected the forward's saved states of shape {(Bsz, ns, Dn, N)} "
+            f"(one every {tc * ks} steps), got {tuple(states.shape)}"
         )
     nseg, per = _segments(nc, Bsz * ndb * nb, cfg.seg_target_per_sm, cfg, dev)
+    if nseg > 1 and per % ks:  # segments of whole intervals: each replays its own
+        per = cdiv(per, ks) * ks
+        nseg = cdiv(nc, per)
     f32 = torch.float32
     A = A.contiguous()
     DN = Dn * N
@@ -434,14 +448,16 @@ def scan_bwd(
     dDp = _new((Bsz, nseg, Dn), f32, dev) if D is not None else None
     dbp = _new((nb, Bsz, nseg, Dn), f32, dev)
     dh0 = _new((Bsz, Dn, N), f32, dev) if initial_state is not None else None
+    # KS > 1: each program's KS tile-start states, replayed from the saved one per interval
+    scr = _new((ndb * nseg * Bsz * nb, ks, bn, bd), f32, dev) if ks > 1 else A
     launch(_bwd_kernel, grid,
         u, delta, A, B, C, opt(D, A), opt(z, u), opt(delta_bias, A), opt(seq_idx, A), gy,
-        states, opt(gin, A), du, ddt, opt(dz, du), opt(ys, du), dBp, dCp, dAp,
+        states, scr, opt(gin, A), du, ddt, opt(dz, du), opt(ys, du), dBp, dCp, dAp,
         opt(dDp, A), dbp, opt(dh0, A),
-        T, Dn, N, Bsz, nc, nseg, per, *s_in, *s_dy,
+        T, Dn, N, Bsz, ns, nseg, per, *s_in, *s_dy,
         *strides(dz, 2),
         HAS_D=D is not None, HAS_G=gin is not None, HAS_H0=dh0 is not None, SPLIT_N=nb > 1,
-        RS=reduce_scatter_fits(tc, bd, bn, cfg.bwd_warps),
+        KS=ks, RS=reduce_scatter_fits(tc, bd, bn, cfg.bwd_warps),
         RS_ASM=u.is_cuda, **common,
     )  # fmt: skip
     if nb > 1:
