@@ -1,0 +1,110 @@
+"""A Triton kernel's sm_90 SASS without a GPU: registers, spills, and each loop's instructions.
+
+PYTHONPATH=src python scripts/sass_loops.py mambakit.ops.selective_scan.backward:_bwd_kernel \\
+    --warps 1 TC=4 BLOCK_D=16 BLOCK_N=16 KS=1 HAS_Z=1 HAS_D=1 EVEN=1 RS=1 RS_ASM=1
+
+Constexprs not given are 0 (flags off); pointer arguments are f32 unless `--bf16 p_u,p_z`
+names them. Prints the cubin's REG / STACK / LOCAL usage, then for every loop (a backward
+branch) its static instruction count and mix: a loop body without branches runs each of
+them once an iteration. The SASS depends on the Triton version: the device runs 3.6
+(`pip install --target DIR triton==3.6.0`, then PYTHONPATH=DIR:src). Counts are a proxy,
+not a timing: what an instruction costs depends on the stalls around it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import os
+import re
+import subprocess
+import tempfile
+
+
+def _signature(fn, bf16: set[str]) -> dict:
+    sig = {}
+    for p in fn.params:
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+        elif p.name.startswith("p_"):
+            sig[p.name] = "*i32" if "seq" in p.name else "*bf16" if p.name in bf16 else "*fp32"
+        elif p.name in ("eps", "lo", "hi"):
+            sig[p.name] = "fp32"
+        else:
+            sig[p.name] = "i32"
+    return sig
+
+
+def _tool(name: str) -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def loops(sass: str) -> list[tuple[int, int, collections.Counter]]:
+    """(start, end, opcode counts) of every loop: a branch back to an earlier label."""
+    ins, labels, pending = [], {}, None
+    for line in sass.splitlines():
+        m = re.match(r"\s*\.(L_x_\d+):", line)
+        if m:
+            pending = m.group(1)
+            continue
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            addr = int(m.group(1), 16)
+            ins.append((addr, m.group(2)))
+            if pending:
+                labels[pending], pending = addr, None
+    found = []
+    for addr, text in ins:
+        m = re.search(r"BRA.*?`\(\.(L_x_\d+)\)", text)
+        if m and labels.get(m.group(1), addr) < addr:
+            lo = labels[m.group(1)]
+            ops = collections.Counter(
+                re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for a, t in ins if lo <= a <= addr
+            )
+            found.append((lo, addr, ops))
+    return found
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("kernel", help="module:function, e.g. mambakit.ops.rms_norm.kernels:_fwd")
+    ap.add_argument("consts", nargs="*", help="NAME=int constexprs")
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--bf16", default="", help="pointer arguments that are bf16, comma-separated")
+    ap.add_argument("--sass", help="write the whole SASS here")
+    args = ap.parse_intermixed_args()
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    mod, name = args.kernel.split(":")
+    fn = getattr(importlib.import_module(mod), name)
+    consts = {p.name: 0 for p in fn.params if p.is_constexpr}
+    for kv in args.consts:
+        k, v = kv.split("=")
+        consts[k] = int(v)
+    src = ASTSource(fn=fn, signature=_signature(fn, set(args.bf16.split(","))), constexprs=consts)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": args.warps})
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(k.asm["cubin"])
+        sass = subprocess.run([_tool("nvdisasm"), "-c", path], capture_output=True, text=True)
+        res = subprocess.run(
+            [_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True
+        )
+    usage = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", res.stdout)
+    print(f"triton {triton.__version__}, {name}:", usage.group(0) if usage else res.stdout.strip())
+    if args.sass:
+        with open(args.sass, "w") as f:
+            f.write(sass.stdout)
+    for lo, hi, ops in loops(sass.stdout):
+        top = ", ".join(f"{op} {n}" for op, n in ops.most_common(14))
+        print(f"loop {lo:#x}-{hi:#x}: {sum(ops.values())} instructions: {top}")
+
+
+if __name__ == "__main__":
+    main()
