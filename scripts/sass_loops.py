@@ -4,9 +4,12 @@ PYTHONPATH=src python scripts/sass_loops.py mambakit.ops.selective_scan.backward
     --warps 1 TC=4 BLOCK_D=16 BLOCK_N=16 KS=1 HAS_Z=1 HAS_D=1 EVEN=1 RS=1 RS_ASM=1
 
 Constexprs not given are 0 (flags off); pointer arguments are f32 unless `--bf16 p_u,p_z`
-names them. Prints the cubin's REG / STACK / LOCAL usage, then for every loop (a backward
-branch) its static instruction count and mix: a loop body without branches runs each of
-them once an iteration. The SASS depends on the Triton version: the device runs 3.6
+names them. As the JIT specializes them, `--div16` marks every pointer and integer argument
+divisible by 16 (allocations are; sizes and strides at the shapes of interest mostly are:
+it is what lets masked loads vectorize) and NAME=1 on an integer argument makes it the
+constant 1 (a unit stride). Prints the cubin's REG / STACK / LOCAL usage, then for every
+loop (a backward branch) its static instruction count and mix: a loop body without branches
+runs each of them once an iteration. The SASS depends on the Triton version: the device runs 3.6
 (`pip install --target DIR triton==3.6.0`, then PYTHONPATH=DIR:src). Counts are a proxy,
 not a timing: what an instruction costs depends on the stalls around it.
 """
@@ -74,6 +77,7 @@ def main() -> None:
     ap.add_argument("consts", nargs="*", help="NAME=int constexprs")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--bf16", default="", help="pointer arguments that are bf16, comma-separated")
+    ap.add_argument("--div16", action="store_true", help="pointers and integers divisible by 16")
     ap.add_argument("--sass", help="write the whole SASS here")
     args = ap.parse_intermixed_args()
     import triton
@@ -86,7 +90,17 @@ def main() -> None:
     for kv in args.consts:
         k, v = kv.split("=")
         consts[k] = int(v)
-    src = ASTSource(fn=fn, signature=_signature(fn, set(args.bf16.split(","))), constexprs=consts)
+    sig = _signature(fn, set(args.bf16.split(",")))
+    for k in consts:
+        sig[k] = "constexpr"
+    attrs = {}
+    if args.div16:
+        attrs = {
+            (i,): [["tt.divisibility", 16]]
+            for i, p in enumerate(fn.params)
+            if sig[p.name] != "constexpr" and not sig[p.name].startswith("fp")
+        }
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": args.warps})
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")

@@ -120,9 +120,7 @@ def _tile_start(c, b, d, n, mdn, Dn, N, ns, p_states, p_scr, off_scr,
     """The state at the start of tile c: the forward's saved one (KS = 1: one per tile), or
     the one `_replay` put in this program's scratch (slot c % KS; the last tile of an
     interval gets its start from `_replay` itself, so that slot is never written)."""
-    if KS == 1:  # [B, ns, D, N]: a scalar int64 base and the tile's int32 offsets (as
-        # ((b ns + c) D + d) N + n in int64 per element, the addresses took 9 instructions
-        # an element: a tenth of the tile's)
+    if KS == 1:  # [B, ns, D, N]: a scalar int64 base and the tile's int32 offsets
         base = p_states + (b * ns + c) * Dn * N
         h0 = tl.load(base + (d[None, :] * N + n[:, None]), mask=_in_range(mdn, c, ns), other=0.0)
     else:
