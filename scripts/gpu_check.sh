@@ -79,7 +79,12 @@ if stage model14; then  # the 1.4b training step (4 x 2048) beside mamba_ssm, wi
 fi
 if stage tests; then
   echo "== pytest -m gpu" | tee -a "$LOG"
-  timeout ${T_TESTS:-150} python -m pytest -m gpu -q --no-header -p no:cacheprovider ${TEST_PATHS:-tests} 2>&1 | tail -40 | tee -a "$LOG"
+  # the live-server tests import the openai client (a test extra the device lacks); they hold
+  # no GPU test, so without the client they are left out rather than failing collection
+  skip_server=""
+  python -c "import openai" 2>/dev/null || skip_server="--ignore=tests/serve/test_server.py"
+  timeout ${T_TESTS:-150} python -m pytest -m gpu -q --no-header -p no:cacheprovider $skip_server \
+    ${TEST_PATHS:-tests} 2>&1 | tail -40 | tee -a "$LOG"
 fi
 if stage train; then
   echo "== gpu_train_check" | tee -a "$LOG"
