@@ -385,31 +385,3 @@ def test_evaluation_after_fused_optimizer_steps_sees_the_new_weights():
     expected = float(expected) / int(count_targets(val[0]))
     assert expected != pytest.approx(before, rel=1e-3)  # training moved the weights
     assert trainer.evaluate() == pytest.approx(expected, rel=1e-6)
-
-
-def test_clip_factor_as_the_fused_adamw_grad_scale_equals_clipping():
-    """The CUDA path's clipping (training/step.py: the factor passed to the fused AdamW as
-    its grad_scale, the gradients left as they are), run here on the CPU's fused AdamW:
-    the same weights as clip_grad_norm_ and the same step, and the norm before clipping."""
-
-    def run(fold: bool):
-        trainer = Trainer(
-            tiny_lm(), tcfg(lr=1e-2, grad_clip=1e-3, steps=10**6), ListData([random_batch()])
-        )
-        keep = ("params", "lr", "betas", "eps", "weight_decay")
-        groups = [{k: g[k] for k in keep} for g in trainer.optimizer.param_groups]
-        trainer.optimizer = torch.optim.AdamW(groups, fused=True)
-        if fold:
-            trainer._found_inf = torch.zeros(())
-            trainer._skipped_dev = torch.zeros((), dtype=torch.int64)
-            trainer._streak_dev = torch.zeros((), dtype=torch.int64)
-            trainer._grad_scale = torch.ones(())
-            trainer.optimizer.found_inf = trainer._found_inf
-            trainer.optimizer.grad_scale = trainer._grad_scale
-        norms = [float(trainer.train_step()[1]) for _ in range(3)]
-        return norms, weights_of(trainer.model)
-
-    folded, clipped = run(True), run(False)
-    assert min(clipped[0]) > 1e-1  # clipping is active
-    assert folded[0] == pytest.approx(clipped[0], rel=1e-5)
-    assert max_rel_diff(folded[1], clipped[1]) < 1e-5

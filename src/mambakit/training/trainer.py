@@ -145,12 +145,6 @@ class Trainer(StepMixin, CheckpointMixin, ProcessMixin):
             self._skipped_dev = torch.zeros((), dtype=torch.int64, device=self.device)
             self._streak_dev = torch.zeros((), dtype=torch.int64, device=self.device)
             self.optimizer.found_inf = self._found_inf
-        # the clip's factor as the fused AdamW's grad_scale (FSDP2 keeps clip_grad_norm_ on
-        # its sharded gradients)
-        self._grad_scale = None
-        if self._found_inf is not None and self.dist.mode != "fsdp":
-            self._grad_scale = torch.ones((), device=self.device)
-            self.optimizer.grad_scale = self._grad_scale
         self.step = 0
         self._skipped_host = 0
         self._streak_host = 0
