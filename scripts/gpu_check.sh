@@ -129,7 +129,7 @@ if stage m2; then  # Mamba-2: the layer, the 130m-mamba2 training step, prefill 
 fi
 if stage savetiles; then  # the scan's saved-state interval: kernels, then the training steps' time and peak
   echo "== save_tiles_probe" | tee -a "$LOG"
-  timeout ${T_SAVETILES:-420} python scripts/save_tiles_probe.py --tiles ${SAVE_TILES:-1,2,4,8,16} \
+  timeout ${T_SAVETILES:-560} python scripts/save_tiles_probe.py --tiles ${SAVE_TILES:-1,4,8,16} \
     --models ${SAVE_TILES_MODELS:-130m:8,1.4b:4} --model-tiles ${SAVE_TILES_M:-1,8} --peer --out "$OUT/save_tiles_probe.json" \
     2>&1 | grep -v "^ \|^-" | tee -a "$LOG"
 fi

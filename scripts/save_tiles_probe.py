@@ -36,6 +36,14 @@ from bench_model import measure_peer, measure_trainer  # noqa: E402
 from scan_sweep import shape_inputs, timed  # noqa: E402
 
 LIBRARY_CONFIG = K.config
+OUT: Path | None = None  # where the rows so far are written after each one (a timeout keeps them)
+
+
+def keep(rows: list, row: dict) -> None:
+    rows.append(row)
+    print(row, flush=True)
+    if OUT is not None:
+        OUT.write_text(json.dumps(rows, indent=1))
 
 
 def use_save_tiles(ks: int) -> None:
@@ -47,14 +55,14 @@ def use_save_tiles(ks: int) -> None:
 
 def kernels(tiles: list[int], rows: list) -> None:
     for Bsz, T, Dn in [(8, 2048, 1536), (4, 2048, 4096), (1, 65536, 1536)]:
-        rows += shape_rows(Bsz, T, Dn, tiles)
+        shape_rows(Bsz, T, Dn, tiles, rows)
 
 
-def shape_rows(Bsz: int, T: int, Dn: int, tiles: list[int]) -> list[dict]:
+def shape_rows(Bsz: int, T: int, Dn: int, tiles: list[int], rows: list) -> None:
     """The scan at one shape for each interval: times, saved bytes, gradients against the
     first interval's."""
     a, gy = shape_inputs(Bsz, T, Dn, 16)
-    rows, first = [], None
+    first = None
     for ks in tiles:
         c = dataclasses.replace(LIBRARY_CONFIG(Dn, False), bwd_save_tiles=ks)
         _, _, states = K.scan_fwd(*a, True, None, None, True, cfg=c)
@@ -64,13 +72,11 @@ def shape_rows(Bsz: int, T: int, Dn: int, tiles: list[int]) -> list[dict]:
         grads = [g.float() for g in grads if g is not None]
         first = first if first is not None else grads
         err = max(((g - f).norm() / f.norm()).item() for g, f in zip(grads, first))
-        rows.append({
+        keep(rows, {
             "kind": "kernels", "shape": f"{Bsz}x{T}x{Dn}x16", "bwd_save_tiles": ks,
             "fwd_ms": fwd, "bwd_ms": bwd, "fwd_bwd_ms": fwd + bwd,
             "states_mib": states.numel() * 4 / 2**20, "rel_err_vs_first": err,
         })  # fmt: skip
-        print(rows[-1], flush=True)
-    return rows
 
 
 def models(specs: list[str], tiles: list[int], peer: bool, iters: int, rows: list) -> None:
@@ -80,14 +86,12 @@ def models(specs: list[str], tiles: list[int], peer: bool, iters: int, rows: lis
         for ks in tiles:
             use_save_tiles(ks)
             rec = measure_trainer(f"mambakit KS={ks}", cfg, int(batch), 2048, "auto", iters)
-            rows.append({"kind": "model", "preset": preset, "bwd_save_tiles": ks, **rec})
-            print(rows[-1], flush=True)
+            keep(rows, {"kind": "model", "preset": preset, "bwd_save_tiles": ks, **rec})
         K.config = LIBRARY_CONFIG
         if peer:
             rec = measure_peer(cfg, int(batch), 2048, iters)
             if rec is not None:
-                rows.append({"kind": "model", "preset": preset, **rec})
-                print(rows[-1], flush=True)
+                keep(rows, {"kind": "model", "preset": preset, **rec})
         torch.cuda.empty_cache()
 
 
@@ -102,14 +106,14 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     tiles = [int(k) for k in args.tiles.split(",")]
+    global OUT
+    OUT = Path(args.out) if args.out else None
     rows: list = []
     if not args.no_kernels:
         kernels(tiles, rows)
     if args.models:
         model_tiles = [int(k) for k in (args.model_tiles or args.tiles).split(",")]
         models(args.models.split(","), model_tiles, args.peer, args.iters, rows)
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

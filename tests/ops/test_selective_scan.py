@@ -720,6 +720,41 @@ class TestGPU:
         for a, b in zip(*runs):
             assert torch.equal(a, b)
 
+    @pytest.mark.parametrize(
+        "c, over",
+        [
+            (Case(Bsz=2, T=1000, Dn=256, N=16, dtype=BF16), {"bwd_save_tiles": 2}),
+            (Case(Bsz=2, T=1000, Dn=256, N=16, dtype=BF16), {"bwd_save_tiles": 16}),
+            (Case(Bsz=1, T=300, Dn=64, N=40, dtype=F32), {"bwd_save_tiles": 4}),
+            (Case(Bsz=2, T=777, Dn=96, N=16, dtype=F32), {"bwd_save_tiles": 4, "bwd_warps": 4}),
+            # one long row: time in segments of whole intervals
+            (Case(Bsz=1, T=20000, Dn=128, N=16, dtype=BF16, seq=False), {"bwd_save_tiles": 8}),
+        ],
+        ids=lambda x: x.id if isinstance(x, Case) else "-".join(f"{k}{v}" for k, v in x.items()),
+    )
+    def test_replayed_tile_states_equal_saved_ones(self, c: Case, over: dict, seed):
+        """States saved every few tiles, the backward replaying the rest into its scratch
+        (barriers, one or four warps, N over two blocks, segments): every output and
+        gradient as with a state saved every tile, and two runs bit-identical."""
+        from mambakit.ops.selective_scan import launch as K
+
+        inp = make_inputs(c)
+        args = [inp[k] for k in ARGS]
+        h0, seq = inp["initial_state"], inp["seq_idx"]
+        gy = torch.randn(c.Bsz, c.T, c.Dn, device=DEVICE, dtype=c.dtype)
+        gT = torch.randn(c.Bsz, c.Dn, c.N, device=DEVICE)
+        base = K.config(c.Dn, False)
+        outs = []
+        for cfg in (base, dataclasses.replace(base, **over), dataclasses.replace(base, **over)):
+            y, hT, states = K.scan_fwd(*args, True, h0, seq, True, cfg=cfg)
+            assert states.shape[1] == -(-c.T // K.save_interval(cfg))
+            grads = K.scan_bwd(gy, gT, *args, True, h0, seq, states, cfg=cfg)
+            outs.append([t for t in (y, hT, *grads) if t is not None])
+        for a, b in zip(outs[1], outs[2]):
+            assert torch.equal(a, b)
+        for a, b in zip(outs[0], outs[1]):
+            assert rel(b, a) < TOL[c.dtype], rel(b, a)  # du, d delta in u.dtype
+
     def test_state_update_cuda_graph(self, seed):
         """The decode step captures in a CUDA graph and replays in place."""
         from mambakit.ops.selective_scan.reference import selective_state_update_reference
@@ -771,3 +806,17 @@ def test_unused_final_state_sends_no_gradient(seed, monkeypatch):
     for k, leaf in leaves.items():
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
             assert rel(leaf.grad, oleaves[k].grad) < TOL[c.dtype], k
+
+
+def test_save_interval_must_fit_the_forward_tile():
+    """The forward stores states at its tiles' starts or at rows inside them: a save interval
+    that neither is a multiple of its tile nor divides it (GPU tiles 8 forward, 4 backward:
+    an odd bwd_save_tiles above 1) would leave saved states unwritten, so it is refused."""
+    from mambakit.ops.selective_scan import launch as K
+
+    gpu = K.config(1536, interpret=False)
+    for ks in (1, 2, 4, 16):
+        assert K.save_interval(dataclasses.replace(gpu, bwd_save_tiles=ks)) == 4 * ks
+    for ks in (0, 3, 5):
+        with pytest.raises(ValueError, match="bwd_save_tiles"):
+            dataclasses.replace(gpu, bwd_save_tiles=ks)

@@ -1,10 +1,12 @@
 """The scan's backward kernels: every gradient, tile by tile from the last.
 
-B batch, T time, D = d_inner, N = d_state, TC the time tile (= the interval of the states
-the forward saved). g_t = dL/dh_t satisfies g_t = C_t gy_t + a_{t+1} g_{t+1}; inside a tile
-it is a loop over the tile's rows from the last (`_reverse_scan`: the rows lie within a
-thread, so no shuffles; `tl.associative_scan(reverse=True)` also reverses the lanes).
-`_bwd_kernel` recomputes each tile's states from the saved tile-start state and writes du,
+B batch, T time, D = d_inner, N = d_state, TC the time tile; the forward saved the state
+every KS tiles (KS = 1: every tile). g_t = dL/dh_t satisfies
+g_t = C_t gy_t + a_{t+1} g_{t+1}; inside a tile it is a loop over the tile's rows from the
+last (`_reverse_scan`: the rows lie within a thread, so no shuffles;
+`tl.associative_scan(reverse=True)` also reverses the lanes).
+`_bwd_kernel` recomputes each tile's states from its start state (saved, or with KS > 1
+replayed from the interval's saved one into a per-program scratch) and writes du,
 d delta, dz and the per-program partials of dB, dC, dA, dD and d delta_bias;
 `_bwd_local_kernel` is the first pass over segments (each segment's reverse recurrence from
 a zero carry) when time is cut into segments.

@@ -103,7 +103,7 @@ def _fwd_kernel(
                     if s_r >= 0:
                         off_r = (b * n_at + s_r).to(tl.int64) * Dn * N
                         tl.store(p_at + off_r + off_dn, _row(hs, rows, r), mask=mdn)
-        if SAVE:  # the state every TS steps (the backward's tile), [B, ns, D, N]
+        if SAVE:  # the state every TS steps (KS backward tiles), [B, ns, D, N]
             if TC <= TS:
                 c_s = (c * TC) // TS
                 off_c = (b * ns + c_s) * Dn * N + off_dn

@@ -77,6 +77,16 @@ class ScanConfig:
     seg_target_per_sm: int  # into enough segments for this many programs per SM (backward)
     fwd_seg_target_per_sm: int  # the same for the forward
 
+    def __post_init__(self) -> None:
+        # the forward stores a state at a tile's start or at rows inside its tile: the save
+        # interval must be a multiple of its tile or divide it (fwd 8, bwd 4: KS 1, 2, 4, ...)
+        ts = self.bwd_tile * self.bwd_save_tiles
+        if self.bwd_save_tiles < 1 or (ts % self.fwd_tile and self.fwd_tile % ts):
+            raise ValueError(
+                f"ScanConfig: bwd_save_tiles * bwd_tile = {self.bwd_save_tiles} * "
+                f"{self.bwd_tile} must be a multiple or a divisor of fwd_tile {self.fwd_tile}"
+            )
+
 
 @functools.cache
 def config(Dn: int, interpret: bool) -> ScanConfig:
@@ -366,8 +376,9 @@ def scan_bwd(
     dz_out: torch.Tensor | None = None,
 ):
     """(du, ddelta, dA, dB, dC, dD, dz, d delta_bias, d initial_state); absent ones None.
-    cfg: as for `scan_fwd`, with the bwd_tile the states were saved at. dz_out: a [B, T, D]
-    tensor (any row strides, stride 1 in D) that receives dz, returned as dz."""
+    cfg: as for `scan_fwd`, with the bwd_tile and bwd_save_tiles the states were saved at.
+    dz_out: a [B, T, D] tensor (any row strides, stride 1 in D) that receives dz, returned
+    as dz."""
     Bsz, T, Dn = u.shape
     N = A.shape[1]
     dev = u.device
