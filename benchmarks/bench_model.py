@@ -105,6 +105,14 @@ def measure_trainer(name, cfg, batch, seqlen, cuda_graph, iters) -> dict:
     return rec
 
 
+# --mixer: a released size's width and depth with another mixer, at the state and head sizes
+# of the released mamba2 checkpoints and of the 130m-mamba3 preset
+MIXER_SIZES = {
+    "mamba2": dict(mixer="mamba2", d_state=128, headdim=64, chunk_size=256),
+    "mamba3": dict(mixer="mamba3", d_state=128, headdim=64),
+}
+
+
 def peer_ssm_cfg(cfg) -> dict:
     """mamba_ssm's `ssm_cfg` for a mambakit config: its mixer with the preset's sizes."""
     if cfg.mixer == "mamba3":  # upstream's SISO Mamba3
@@ -256,6 +264,11 @@ def host_profile(trainer) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--preset", default="130m")
+    ap.add_argument(
+        "--mixer", choices=sorted(MIXER_SIZES), help="the preset's sizes with this mixer instead "
+        "(its state and head sizes as in the released mamba2 / mamba3 presets), e.g. 1.4b's "
+        "width and depth with Mamba-3; rows are labelled preset-mixer",
+    )  # fmt: skip
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=10)
@@ -265,7 +278,8 @@ def main() -> None:
     args = ap.parse_args()
     mm = matmul_tflops()
     print(f"bf16 matmul rate (8192^3, random): {mm:.0f} TFLOP/s")
-    cfg = MambaConfig.preset(args.preset)
+    cfg = MambaConfig.preset(args.preset, **MIXER_SIZES.get(args.mixer, {}))
+    label = f"{args.preset}-{args.mixer}" if args.mixer else args.preset
     b, t = args.batch, args.seqlen
     records = [
         measure_trainer("mambakit Trainer (default)", cfg, b, t, "auto", args.iters),
@@ -280,7 +294,7 @@ def main() -> None:
     if peer is not None:
         records.append(peer)
     for r in records:
-        r["preset"] = args.preset
+        r["preset"] = label
         r["mfu"] = r["tokens_per_s"] * 6 * n_params / (mm * 1e12)
         if peer is not None:
             r["x_peer"] = peer["step_ms"] / r["step_ms"]
@@ -289,7 +303,7 @@ def main() -> None:
     print_table(records, ["workload", "prefill_eager_ms", "prefill_graph_ms"])
     if args.profile:
         profile_step(cfg, b, t, args.profile)
-    context = {"preset": args.preset, "matmul_tflops": mm, "params": n_params}
+    context = {"preset": label, "matmul_tflops": mm, "params": n_params}
     write_record(args.out, "bench_model", records, context=context)
 
 

@@ -8,7 +8,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile"}
-# opt-in stages: savetiles model14 residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof servehold serveflight serveprobe packprobe rl rlprof gemmprobe
+# opt-in stages: savetiles model14 model14m3 residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof servehold serveflight serveprobe packprobe rl rlprof gemmprobe
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -76,6 +76,12 @@ if stage model14; then  # the 1.4b training step (4 x 2048) beside mamba_ssm, wi
     --profile "$OUT/profile_train_step_1.4b.txt" 2>&1 | grep -v "^ \|^-\|^Name\|^Self" | tee -a "$LOG"
   python benchmarks/kernel_roofline.py --profile "$OUT/profile_train_step_1.4b.txt" \
     --record "$OUT/bench_model_1.4b.json" --out "$OUT/kernels_1.4b.json" 2>&1 | tee -a "$LOG"
+fi
+if stage model14m3; then  # the 1.4b width and depth with Mamba-3 (4 x 2048) beside mamba_ssm's Mamba3
+  echo "== bench_model 1.4b mamba3" | tee -a "$LOG"
+  timeout ${T_MODEL14M3:-300} python benchmarks/bench_model.py --preset 1.4b --mixer mamba3 \
+    --batch 4 --iters ${MODEL14_ITERS:-5} --out "$OUT/bench_model_1.4b-mamba3.json" \
+    2>&1 | grep -v "^ \|^-\|^Name\|^Self" | tee -a "$LOG"
 fi
 if stage tests; then
   echo "== pytest -m gpu" | tee -a "$LOG"
