@@ -77,9 +77,9 @@ if stage model14; then  # the 1.4b training step (4 x 2048) beside mamba_ssm, wi
   python benchmarks/kernel_roofline.py --profile "$OUT/profile_train_step_1.4b.txt" \
     --record "$OUT/bench_model_1.4b.json" --out "$OUT/kernels_1.4b.json" 2>&1 | tee -a "$LOG"
 fi
-if stage model14m3; then  # the 1.4b width and depth with Mamba-3 (4 x 2048) beside mamba_ssm's Mamba3
+if stage model14m3; then  # the 1.4b width and depth with Mamba-3 (4 x 2048) beside mamba_ssm's Mamba3 (its full autotune: minutes)
   echo "== bench_model 1.4b mamba3" | tee -a "$LOG"
-  timeout ${T_MODEL14M3:-300} python benchmarks/bench_model.py --preset 1.4b --mixer mamba3 \
+  timeout ${T_MODEL14M3:-560} python benchmarks/bench_model.py --preset 1.4b --mixer mamba3 \
     --batch 4 --iters ${MODEL14_ITERS:-5} --out "$OUT/bench_model_1.4b-mamba3.json" \
     2>&1 | grep -v "^ \|^-\|^Name\|^Self" | tee -a "$LOG"
 fi
