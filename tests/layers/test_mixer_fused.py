@@ -197,6 +197,34 @@ def test_fused_saves_no_u_or_delta(seed, randomize, triton_backend, monkeypatch)
     assert per_row(unfused, Bsz, T) - per_row(fused, Bsz, T) == 2 * Bsz * T * D * BF16.itemsize
 
 
+@pytest.mark.parametrize("ks", [1, 2, 4])
+def test_fused_saves_what_the_memory_model_counts(ks, seed, randomize, triton_backend, monkeypatch):
+    """docs/scaling.md's bytes per token and layer, exactly: in_proj's bf16 input (2 M),
+    xz (4 D), x_dbl (2 (R + 2N)), y (2 D) and the scan's f32 state every KS TC steps, plus
+    the initial conv and ssm states, for states saved every 1, 2 or 4 backward tiles."""
+    import dataclasses
+
+    from mambakit.ops.selective_scan import launch
+
+    library = launch.config
+    monkeypatch.setattr(
+        launch, "config",
+        lambda Dn, interpret: dataclasses.replace(library(Dn, interpret), bwd_save_tiles=ks),
+    )  # fmt: skip
+    m = make(randomize)
+    Bsz, T, M, D, N, R = 2, 45, m.d_model, m.d_inner, m.d_state, m.dt_rank
+    x = torch.randn(Bsz, T, M, device=DEVICE, requires_grad=True)
+    conv0 = torch.randn(Bsz, m.d_conv - 1, D, device=DEVICE, requires_grad=True)
+    ssm0 = torch.randn(Bsz, D, N, device=DEVICE, requires_grad=True)
+    seen, _ = saved_by_autograd(m, x, conv0, ssm0)
+    every = launch.state_chunk(DEVICE == "cuda")
+    assert every == launch.save_interval(launch.config(D, DEVICE != "cuda"))
+    states = Bsz * math.ceil(T / every) * D * N * 4
+    initial = (conv0.numel() + ssm0.numel()) * 4
+    expected = Bsz * T * (2 * M + 6 * D + 2 * (R + 2 * N)) + states + initial
+    assert per_row(seen, Bsz, T) == expected
+
+
 def test_fused_compiles_fullgraph(seed, randomize, triton_backend):
     """torch.compile traces the fused node (the trainer's compile=True) without breaks."""
     m = make(randomize, d_model=8, d_state=3, d_conv=3)
