@@ -27,7 +27,7 @@ from mambakit.ops.causal_conv1d import launch as K
 TILE_ONLY = dataclasses.replace(K.CONFIG, quad_block_g=0)  # the general tile kernel alone
 
 FWD = [(32, 128, 4), (64, 128, 4), (64, 256, 4), (128, 128, 8), (32, 256, 4), (64, 64, 2)]
-BWD = [16, 32]  # bytes of channels per thread
+BWD = [(16, 1), (32, 1), (16, 2), (16, 3)]  # bytes of channels per thread, pipeline stages
 BYTES = 3 * 8 * 2048 * 1536 * 2  # read x and dout, write dx (bf16); the forward: 2 / 3 of it
 
 
@@ -122,8 +122,8 @@ def main() -> None:
         print(rows[-1], flush=True)
     base = None
     dxz = torch.empty_like(xz)  # dx into a strided half, as in the fused mixer
-    for vb in BWD:
-        c = dataclasses.replace(K.CONFIG, bwd_vec_bytes=vb)
+    for vb, stages in BWD:
+        c = dataclasses.replace(K.CONFIG, bwd_vec_bytes=vb, bwd_stages=stages)
         for name, out_t in (("contiguous dx", None), ("dx into half of d xz", dxz[..., :D])):
 
             def bwd(o=out_t, c=c):
@@ -133,8 +133,8 @@ def main() -> None:
             out = bwd()
             base = base if base is not None else [t.clone() for t in out[:3]]
             err = max((a.float() - b.float()).abs().max().item() for a, b in zip(out[:3], base))
-            rows.append(dict(kernel="bwd", vec_bytes=vb, dx=name, ms=ms, tb_s=BYTES / ms / 1e9,
-                             max_diff=err))  # fmt: skip
+            rows.append(dict(kernel="bwd", vec_bytes=vb, stages=stages, dx=name, ms=ms,
+                             tb_s=BYTES / ms / 1e9, max_diff=err))  # fmt: skip
             print(rows[-1], flush=True)
     try:
         from causal_conv1d import causal_conv1d_fn

@@ -289,6 +289,41 @@ def test_conv_reference_gradcheck():
     assert torch.autograd.gradcheck(f, args)
 
 
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        pytest.param((2, 100, 16), id="tiny"),
+        pytest.param(
+            (8, 2048, 1536), id="130m", marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
+)  # fmt: skip
+def test_pipelined_backward_gives_the_same_bits(shape, stages):
+    """`ConvConfig.bwd_stages` only moves when the tiles' loads are issued (async copies on
+    the GPU): dx, d weight, d bias and d initial_state are bit for bit those of one stage,
+    with documents and an initial state."""
+    import dataclasses
+
+    from mambakit.ops.causal_conv1d import launch as K
+
+    Bsz, T, D = shape
+    inp = make_inputs(Bsz, T, D, 4, torch.bfloat16, n_docs=3)
+    x, w, b, init = (inp[k].detach() for k in ("x", "weight", "bias", "initial_state"))
+    dout = torch.randn(Bsz, T, D, device=DEVICE, dtype=torch.bfloat16)
+    dfinal = torch.randn(Bsz, 3, D, device=DEVICE)
+    runs = [
+        K.conv_bwd(dout, dfinal, x, w, b, init, inp["seq_idx"], True,
+                   cfg=dataclasses.replace(K.CONFIG, bwd_stages=s))
+        for s in (1, stages)
+    ]  # fmt: skip
+    for a, c in zip(*runs):
+        assert torch.equal(a, c)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 class TestCausalConv1dGPU:

@@ -61,7 +61,7 @@ def _conv_bwd_kernel(
     s_dx_b, s_dx_t,
     K: tl.constexpr, BLOCK_T: tl.constexpr, VEC: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_SEQ: tl.constexpr,
-    SILU: tl.constexpr, HAS_DFINAL: tl.constexpr,
+    SILU: tl.constexpr, HAS_DFINAL: tl.constexpr, STAGES: tl.constexpr,
 ):
     # One warp: a tile of BLOCK_T (32) times by VEC channels, one time per lane and VEC
     # channels per thread (a [BT, VEC] load with VEC contiguous gets this layout), so the
@@ -102,7 +102,7 @@ def _conv_bwd_kernel(
     # dweight and dbias terms summed elementwise over the program's tiles, over time at the end
     b_dw = tl.zeros([BLOCK_T, VEC, BLOCK_K], dtype=tl.float32)
     b_db = tl.zeros([BLOCK_T, VEC], dtype=tl.float32)
-    for i in range(N_TBLK):
+    for i in tl.range(N_TBLK, num_stages=STAGES):  # STAGES > 1: later tiles load meanwhile
         q0 = s_begin + (pid_c * N_TBLK + i) * (BLOCK_T - (K - 1))
         q = q0 + offs_r  # [BT]
         in_q = (q >= 0) & (q < T)

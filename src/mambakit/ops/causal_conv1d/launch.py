@@ -41,6 +41,11 @@ class ConvConfig:
     quad_block_d: int = 128  # channels per program of the groups kernel
     quad_warps: int = 4
     bwd_vec_bytes: int = 16  # channels per backward thread, in bytes of x
+    # pipeline stages of the backward's tile loop: above 1, Triton issues the next tiles'
+    # loads as async copies into shared memory while a tile computes (offline sm_90 SASS
+    # at 2: LDGSTS, 168 registers against 160); 1 (today's, untimed against 2 and 3) loads
+    # each tile when its iteration starts
+    bwd_stages: int = 1
 
 
 CONFIG = ConvConfig()
@@ -174,7 +179,7 @@ def conv_bwd(
         K=K, BLOCK_T=BLOCK_T, VEC=VEC, BLOCK_K=next_power_of_2(K),
         HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
         HAS_SEQ=seq_idx is not None, SILU=silu, HAS_DFINAL=dfinal is not None,
-        num_warps=1,
+        STAGES=(cfg or CONFIG).bwd_stages, num_warps=1,
     )  # fmt: skip
     # fixed-order reductions of the per-program partials (deterministic)
     dw = dw_part.sum(dim=(0, 1)).t().contiguous()  # [D, K]
