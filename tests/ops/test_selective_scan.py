@@ -184,6 +184,24 @@ def test_matches_oracle(c: Case, seed):
 
 
 @pytest.mark.parametrize(
+    "c",
+    [Case(), Case(Bsz=1, T=20, Dn=3, N=40, dtype=BF16), Case(T=32, Dn=8, N=4)],
+    ids=lambda c: c.id,
+)
+def test_a_state_per_tile_matches_oracle(c: Case, seed, monkeypatch):
+    """The GPU's default, a state saved every backward tile (KS = 1: no replay), against the
+    float64 recurrence; the interpreter's own config saves one every 2 tiles."""
+    from mambakit.ops.selective_scan import launch as K
+
+    library = K.config
+    monkeypatch.setattr(
+        K, "config",
+        lambda Dn, interpret: dataclasses.replace(library(Dn, interpret), bwd_save_tiles=1),
+    )  # fmt: skip
+    check_case(c)
+
+
+@pytest.mark.parametrize(
     "c", [Case(dtype=BF16), Case(Bsz=1, T=20, Dn=3, N=40, seq=False)], ids=lambda c: c.id
 )
 def test_sum_loss(c: Case, seed):
