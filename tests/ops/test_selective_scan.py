@@ -329,6 +329,30 @@ def test_saved_tile_states(seed):
         assert rel(states[:, k], h_t) < TOL[F32]
 
 
+def test_replayed_states_are_the_states_at_every_tile_start(seed, monkeypatch):
+    """With a state saved every KS = 4 backward tiles, the replay gives the true state at the
+    start of every tile (documents cut inside intervals, a last interval past T), in launches
+    of one interval each (as beyond the grid's 65535 a launch)."""
+    from mambakit.ops.selective_scan import launch as K
+
+    monkeypatch.setattr(K, "MAX_GRID_Y", 1)
+    c = Case(T=45)
+    inp = make_inputs(c)
+    args = [inp[k] for k in ARGS]
+    cfg = dataclasses.replace(K.config(c.Dn, DEVICE != "cuda"), bwd_save_tiles=4)
+    _, _, saved = K.scan_fwd(*args, True, inp["initial_state"], inp["seq_idx"], True, cfg=cfg)
+    tc = cfg.bwd_tile
+    assert saved.shape[1] == -(-c.T // (4 * tc))
+    u, delta, A, B, _C, _D, _z, bias = args
+    states = K.replay_states(u, delta, A.contiguous(), B, bias, True, inp["seq_idx"], saved, cfg)
+    assert states.shape == (c.Bsz, -(-c.T // tc), c.Dn, c.N)
+    torch.testing.assert_close(states[:, 0], inp["initial_state"])
+    for k in range(1, states.shape[1]):
+        first = [a[:, : k * tc] if a is not None and a.dim() == 3 else a for a in args]
+        _, h_t = oracle(*first, True, inp["initial_state"], inp["seq_idx"][:, : k * tc])
+        assert rel(states[:, k], h_t) < TOL[F32], k
+
+
 @pytest.mark.parametrize("N", [3, 40], ids=["N3", "N40-split"])
 @pytest.mark.slow
 def test_no_unwritten_elements(N: int, seed, monkeypatch):

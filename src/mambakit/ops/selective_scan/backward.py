@@ -1,12 +1,11 @@
 """The scan's backward kernels: every gradient, tile by tile from the last.
 
-B batch, T time, D = d_inner, N = d_state, TC the time tile; the forward saved the state
-every KS tiles (KS = 1: every tile). g_t = dL/dh_t satisfies
-g_t = C_t gy_t + a_{t+1} g_{t+1}; inside a tile it is a loop over the tile's rows from the
-last (`_reverse_scan`: the rows lie within a thread, so no shuffles;
+B batch, T time, D = d_inner, N = d_state, TC the time tile; the state at every tile's
+start is the forward's (KS = 1) or replayed from its sparser ones (`replay.py`).
+g_t = dL/dh_t satisfies g_t = C_t gy_t + a_{t+1} g_{t+1}; inside a tile it is a loop over
+the tile's rows from the last (`_reverse_scan`: the rows lie within a thread, so no shuffles;
 `tl.associative_scan(reverse=True)` also reverses the lanes).
-`_bwd_kernel` recomputes each tile's states from its start state (saved, or with KS > 1
-replayed from the interval's saved one into a per-program scratch) and writes du,
+`_bwd_kernel` recomputes each tile's states from its start state and writes du,
 d delta, dz and the per-program partials of dB, dC, dA, dD and d delta_bias;
 `_bwd_local_kernel` is the first pass over segments (each segment's reverse recurrence from
 a zero carry) when time is cut into segments.
@@ -27,7 +26,6 @@ from .tiles import (
     _mul,
     _program_block,
     _reverse_scan,
-    _row,
     _second,
     _st,
     _tile_decay,
@@ -117,70 +115,28 @@ def _bwd_loads(
 
 
 @triton.jit
-def _tile_start(c, b, d, n, mdn, Dn, N, ns, p_states, p_scr, off_scr,
-                KS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The state at the start of tile c: the forward's saved one (KS = 1: one per tile), or
-    the one `_replay` put in this program's scratch (slot c % KS; the last tile of an
-    interval gets its start from `_replay` itself, so that slot is never written)."""
-    if KS == 1:  # [B, ns, D, N]: a scalar int64 base and the tile's int32 offsets
-        base = p_states + (b * ns + c) * Dn * N
-        h0 = tl.load(base + (d[None, :] * N + n[:, None]), mask=_in_range(mdn, c, ns), other=0.0)
-    else:
-        h0 = tl.load(p_scr + (c % KS) * (BLOCK_N * BLOCK_D) + off_scr)
-    return h0
-
-
-@triton.jit
-def _replay(
-    c, rows, b, d, n, md, mn, mdn, T, Dn, N, ns, p_u, p_dt, p_B, p_seq, p_states, p_scr,
-    off_scr, A2, bias, s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_seq_b, s_seq_t,
-    HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_SEQ: tl.constexpr, KS: tl.constexpr,
-    TC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN: tl.constexpr,
-):
-    """The state at the start of tile c, from the forward's state at the start of c's
-    interval (one every KS tiles), by the forward recurrence over the interval's tiles before
-    c; their start states go to the program's scratch (slot j: the interval's tile j), where
-    the tiles after them in this backward walk read them (`_tile_start`)."""
-    k = c % KS
-    ck = c // KS
-    off_k = ((b * ns + ck) * Dn + d[None, :]) * N + n[:, None]  # [B, ns, D, N]
-    h = tl.load(p_states + off_k, mask=_in_range(mdn, ck, ns), other=0.0)
-    tl.debug_barrier()  # every lane has read the previous interval's slots
-    for j in tl.range(k, num_stages=1):
-        tl.store(p_scr + j * (BLOCK_N * BLOCK_D) + off_scr, h)
-        t0 = (c - k + j) * TC
-        mt = (t0 + rows) < T
-        m2, _raw, dt, a = _tile_decay(
-            t0, rows, mt, b, d, md, p_dt, s_dt_b, s_dt_t, p_seq, s_seq_b, s_seq_t, A2, bias,
-            HAS_BIAS, SOFTPLUS, HAS_SEQ, EVEN,
-        )
-        u = _tile_rows(p_u, s_u_b, s_u_t, b, t0, rows, d, m2, EVEN)
-        Bt = _tile_rows(p_B, s_B_b, s_B_t, b, t0, rows, n, mt[:, None] & mn[None, :], EVEN)
-        bx = (dt * u)[:, None, :] * Bt[:, :, None]  # as the backward's tiles compute it
-        bx = tl.where((rows == 0)[:, None, None], bx + a * h[None, :, :], bx)
-        _pa, hs = tl.associative_scan((a, bx), 0, _combine)
-        h = _row(hs, rows, TC - 1)
-    tl.debug_barrier()  # the slots are written before any lane reads them
-    return h
+def _tile_start(c, b, off_h, mdn, Dn, N, ns, p_states):
+    """The state at the start of tile c ([B, ns, D, N]: a scalar int64 base and the tile's
+    int32 offsets)."""
+    base = p_states + (b * ns + c) * Dn * N
+    return tl.load(base + off_h, mask=_in_range(mdn, c, ns), other=0.0)
 
 
 @triton.jit
 def _bwd_kernel(
-    p_u, p_dt, p_A, p_B, p_C, p_D, p_z, p_bias, p_seq, p_dy, p_states, p_scr,
+    p_u, p_dt, p_A, p_B, p_C, p_D, p_z, p_bias, p_seq, p_dy, p_states,
     p_gin, p_du, p_ddt, p_dz, p_ys, p_dB, p_dC, p_dA, p_dD, p_db, p_dh0,
     T, Dn, N, Bsz, ns, nseg, seg_chunks,
     s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b, s_z_t, s_seq_b, s_seq_t,
     s_dy_b, s_dy_t, s_dy_d, s_dz_b, s_dz_t,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_G: tl.constexpr, HAS_H0: tl.constexpr, SPLIT_N: tl.constexpr,
-    KS: tl.constexpr, TC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    TC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN: tl.constexpr, RS: tl.constexpr, RS_ASM: tl.constexpr,
 ):
     """Every gradient of one segment, tiles last to first: states by a forward scan from the
-    tile's start state, adjoints by a reverse scan from the carry G. The start states are
-    the forward's (KS = 1) or, with one saved state every KS tiles, replayed from it when the
-    walk enters an interval (`_replay`) into the program's scratch p_scr ([programs, KS,
-    BLOCK_N, BLOCK_D] f32: a few KB per program, read back from L2)."""
+    tile's start state (p_states: [B, ns, D, N], one per tile), adjoints by a reverse scan
+    from the carry G."""
     pid_d, s, b, pid_n, d, n, md, mn, mdn, A, bias = _program_block(
         p_A, p_bias, Dn, N, Bsz, HAS_BIAS, BLOCK_D, BLOCK_N
     )
@@ -201,10 +157,7 @@ def _bwd_kernel(
     part_base = (pid_d * Bsz + b) * T * N  # [n_dblocks, B, T, N]
     c0 = s * seg_chunks
     c_last = c0 + seg_chunks - 1
-    off_scr = tl.arange(0, BLOCK_N)[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
-    if KS > 1:  # this program's scratch: KS tile-start states
-        prog = (tl.program_id(2) * nseg + s) * tl.num_programs(0) + pid_d
-        p_scr += prog.to(tl.int64) * (KS * BLOCK_N * BLOCK_D)
+    off_h = d[None, :] * N + n[:, None]
     # a tile's loads are issued one iteration ahead, behind the previous tile's arithmetic:
     # few warps per SM are resident at this register count to hide them
     nx_raw, nx_u, nx_B, nx_C, nx_dy, nx_z = _bwd_loads(
@@ -212,28 +165,17 @@ def _bwd_kernel(
         s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b,
         s_z_t, s_dy_b, s_dy_t, s_dy_d, HAS_Z, TC, EVEN,
     )
-    nx_h0 = _tile_start(c_last, b, d, n, mdn, Dn, N, ns, p_states, p_scr, off_scr, KS,
-                        BLOCK_N, BLOCK_D)  # KS > 1: replaced by the first iteration's replay
+    nx_h0 = _tile_start(c_last, b, off_h, mdn, Dn, N, ns, p_states)
     for i in tl.range(seg_chunks, num_stages=1):  # loads run one tile ahead by hand (above)
         c = c_last - i
         raw, u, Bt, Ct, dy, z, h0 = nx_raw, nx_u, nx_B, nx_C, nx_dy, nx_z, nx_h0
-        if KS > 1:
-            if (c % KS == KS - 1) | (i == 0):  # the walk enters an interval: replay it
-                h0 = _replay(
-                    c, rows, b, d, n, md, mn, mdn, T, Dn, N, ns, p_u, p_dt, p_B, p_seq,
-                    p_states, p_scr, off_scr, A2, bias, s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b,
-                    s_B_t, s_seq_b, s_seq_t, HAS_BIAS, SOFTPLUS, HAS_SEQ, KS, TC, BLOCK_N,
-                    BLOCK_D, EVEN,
-                )
         c_nx = tl.maximum(c - 1, c0)  # the next tile (the first again on the last iteration)
         nx_raw, nx_u, nx_B, nx_C, nx_dy, nx_z = _bwd_loads(
             c_nx, rows, b, d, n, md, mn, T, p_u, p_dt, p_B, p_C, p_z, p_dy,
             s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b,
             s_z_t, s_dy_b, s_dy_t, s_dy_d, HAS_Z, TC, EVEN,
         )
-        # (KS > 1: when c starts its interval, the slot read is stale; the replay replaces it)
-        nx_h0 = _tile_start(c_nx, b, d, n, mdn, Dn, N, ns, p_states, p_scr, off_scr, KS,
-                            BLOCK_N, BLOCK_D)
+        nx_h0 = _tile_start(c_nx, b, off_h, mdn, Dn, N, ns, p_states)
         t0 = c * TC
         t = t0 + rows
         mt = t < T

@@ -19,23 +19,23 @@ Forward (one launch; two with segments):
   `_fwd_kernel`: its segment's start from the summaries before it, then y_t = sum_n h_t C_t
   (+ D u_t, * silu(z_t)); the state every KS TC steps is stored for the backward:
   4 D N / (KS TC) bytes per token.
-Backward (one launch; three with segments):
+Backward (one launch; three with segments; one more with KS > 1):
+  [`_replay_kernel` (KS > 1): every tile's start state from the saved ones, into a
+   transient buffer of one state per tile, the intervals in parallel]
   [`_bwd_local_kernel`: each segment but the first, reverse recurrence from a zero carry;
    `_carry_bwd_kernel`: the carry into each segment's end]
   `_bwd_kernel`: per tile, the states are recomputed from the tile-start state (forward
-  scan) and the adjoints by a reverse scan; with KS > 1, entering an interval of KS tiles
-  it first replays the interval's tile-start states from the saved one into a per-program
-  scratch; a_t h_{t-1} is h_t - b_t, so nothing
-  divides by a decay. dB, dC (over channel blocks), dA, dD, d delta_bias (over rows and
+  scan) and the adjoints by a reverse scan; a_t h_{t-1} is h_t - b_t, so nothing divides
+  by a decay. dB, dC (over channel blocks), dA, dD, d delta_bias (over rows and
   segments) are per-program partials summed afterwards in a fixed order: no atomics,
   bit-identical reruns.
 Exponentials use exp2 with log2(e) folded into A.
 
 The kernels live next to this file: forward.py (`_fwd_kernel`), backward.py (`_bwd_kernel`,
-`_bwd_local_kernel`), carry.py (the backward's scan over segments), channel_sum.py (the
-backward's warp reduce-scatter over channels), tiles.py (tile loads, decays, scan combines)
-and step.py (the decode step's state update). They are imported here, so this module names
-every kernel of the scan.
+`_bwd_local_kernel`), replay.py (the tile-start states from sparser saved ones), carry.py
+(the backward's scan over segments), channel_sum.py (the backward's warp reduce-scatter over
+channels), tiles.py (tile loads, decays, scan combines) and step.py (the decode step's state
+update). They are imported here, so this module names every kernel of the scan.
 """
 
 import torch
@@ -44,6 +44,7 @@ from .._triton import cdiv, launch, next_power_of_2, opt, sm_count, strides, sum
 from .backward import _bwd_kernel, _bwd_local_kernel
 from .carry import _carry_bwd_kernel
 from .forward import _fwd_kernel, _fwd_last_kernel
+from .replay import _replay_kernel
 from .scan_config import ScanConfig, config, save_interval
 from .step import _state_update_kernel
 
@@ -283,6 +284,32 @@ def scan_last(
     return y, hT
 
 
+MAX_GRID_Y = 65535  # programs along a grid's second dimension (CUDA's limit)
+
+
+def replay_states(u, delta, A, B, delta_bias, delta_softplus, seq_idx, saved, cfg):
+    """The state at the start of every backward tile, [B, ceil(T / TC), D, N] f32, from the
+    forward's `saved` one every KS tiles (`_replay_kernel`: one program per interval,
+    channel block and row). A: [D, N] contiguous."""
+    Bsz, T, Dn = u.shape
+    N = A.shape[1]
+    tc, ks, bn = cfg.bwd_tile, cfg.bwd_save_tiles, _block_n(N)
+    bd = min(cfg.fwd_block_d, next_power_of_2(Dn))
+    s_in = _input_strides(u, delta, B, B, None, seq_idx)
+    nc, n_saved = cdiv(T, tc), saved.shape[1]
+    states = _new((Bsz, nc, Dn, N), torch.float32, u.device)
+    even = T % (tc * ks) == 0 and Dn % bd == 0 and N % bn == 0
+    for k0 in range(0, n_saved, MAX_GRID_Y):
+        launch(_replay_kernel, (cdiv(Dn, bd), min(n_saved - k0, MAX_GRID_Y), Bsz * cdiv(N, bn)),
+            u, delta, A, B, opt(delta_bias, A), opt(seq_idx, A), saved, states,
+            T, Dn, N, Bsz, n_saved, nc, k0, *s_in[:6], *s_in[-2:],
+            HAS_BIAS=delta_bias is not None, SOFTPLUS=bool(delta_softplus),
+            HAS_SEQ=seq_idx is not None, KS=ks, TC=tc, BLOCK_D=bd, BLOCK_N=bn, EVEN=even,
+            num_warps=cfg.fwd_warps,
+        )  # fmt: skip
+    return states
+
+
 def scan_bwd(
     gy,
     g_final,
@@ -331,9 +358,6 @@ def scan_bwd(
             f"(one every {tc * ks} steps), got {tuple(states.shape)}"
         )
     nseg, per = _segments(nc, Bsz * ndb * nb, cfg.seg_target_per_sm, cfg, dev)
-    if nseg > 1 and per % ks:  # segments of whole intervals: each replays its own
-        per = cdiv(per, ks) * ks
-        nseg = cdiv(nc, per)
     f32 = torch.float32
     A = A.contiguous()
     DN = Dn * N
@@ -351,6 +375,8 @@ def scan_bwd(
     grid = (ndb, nseg, Bsz * nb)
     s_in = _input_strides(u, delta, B, C, z, seq_idx)
     s_dy = gy.stride()
+    if ks > 1:  # a state per tile again, for this backward only
+        states = replay_states(u, delta, A, B, delta_bias, delta_softplus, seq_idx, states, cfg)
     gin = g_final.contiguous() if g_final is not None else None
     if nseg > 1:  # each segment's summary, then the carry into every segment's end
         W = torch.empty(Bsz, nseg, Dn, N, dtype=f32, device=dev)
@@ -385,16 +411,14 @@ def scan_bwd(
     dDp = _new((Bsz, nseg, Dn), f32, dev) if D is not None else None
     dbp = _new((nb, Bsz, nseg, Dn), f32, dev)
     dh0 = _new((Bsz, Dn, N), f32, dev) if initial_state is not None else None
-    # KS > 1: each program's KS tile-start states, replayed from the saved one per interval
-    scr = _new((ndb * nseg * Bsz * nb, ks, bn, bd), f32, dev) if ks > 1 else A
     launch(_bwd_kernel, grid,
         u, delta, A, B, C, opt(D, A), opt(z, u), opt(delta_bias, A), opt(seq_idx, A), gy,
-        states, scr, opt(gin, A), du, ddt, opt(dz, du), opt(ys, du), dBp, dCp, dAp,
+        states, opt(gin, A), du, ddt, opt(dz, du), opt(ys, du), dBp, dCp, dAp,
         opt(dDp, A), dbp, opt(dh0, A),
-        T, Dn, N, Bsz, ns, nseg, per, *s_in, *s_dy,
+        T, Dn, N, Bsz, nc, nseg, per, *s_in, *s_dy,
         *strides(dz, 2),
         HAS_D=D is not None, HAS_G=gin is not None, HAS_H0=dh0 is not None, SPLIT_N=nb > 1,
-        KS=ks, RS=reduce_scatter_fits(tc, bd, bn, cfg.bwd_warps),
+        RS=reduce_scatter_fits(tc, bd, bn, cfg.bwd_warps),
         RS_ASM=u.is_cuda, **common,
     )  # fmt: skip
     if nb > 1:
