@@ -70,8 +70,15 @@ def config(Dn: int, interpret: bool) -> ScanConfig:
     # summaries (LOCAL) in tiles of 16 steps, two forward tiles: 78.2 us at D 1536 and 186.1
     # at D 4096, against 79.5 and 190.0 in tiles of 8 and 84.6 and 210.5 in tiles of 32
     # (with their decay product as one exp2 of the summed delta).
+    # The saved states, 4 D N / (KS TC) bytes a token and layer, are most of a wide model's
+    # training memory: at d_inner 4096 (1.4b, 4 x 2048, Trainer step, an H100) a state per
+    # tile peaks at 57.1 GiB against mamba_ssm's 37.5, one every 8 tiles at 36.3 for 5% of
+    # the step (237.9 ms against 226.7; `replay.py` rebuilds a layer's per-tile states before
+    # its backward: 0.35 ms at 4 x 2048 x 4096, the write of those states). At 130m (d_inner
+    # 1536) a state per tile already peaks below mamba_ssm (17.0 GiB against 18.0) and KS 8
+    # would cost 7% (76.5 ms against 71.3): narrower layers keep one per tile.
     return ScanConfig(
-        fwd_tile=8, fwd_local_tiles=2, bwd_tile=4, bwd_save_tiles=1,
+        fwd_tile=8, fwd_local_tiles=2, bwd_tile=4, bwd_save_tiles=8 if Dn >= 4096 else 1,
         fwd_block_d=min(32, p2), bwd_block_d=min(16, p2),
         fwd_warps=1, bwd_warps=1, carry_block=256, carry_rows=16,
         seg_tiles=0, seg_below_per_sm=2, seg_target_per_sm=16, fwd_seg_target_per_sm=8,
