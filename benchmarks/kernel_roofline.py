@@ -7,7 +7,9 @@ the H200's rates: bytes moved once at the copy rate, exponentials at the `exp2` 
 FLOPs at the bf16 matmul rate measured in that run; the bound is the largest, "of bound"
 that time over the measured one (100% = at the bound). The shapes are the preset's; the
 bytes are the kernels' inputs and outputs as the library lays them out (bf16 activations,
-f32 delta, scan states saved every 4 steps, dB/dC partials per 16 channels).
+f32 delta, the scan states the library saves (`selective_scan.scan_config`: every 4 steps, or
+32 at d_inner >= 4096, rebuilt per tile before each backward), dB/dC partials per 16
+channels).
 
     python benchmarks/kernel_roofline.py --profile profile_train_step.txt \\
         --record bench_model.json --out benchmarks/results/DATE-kernels-130m.json
@@ -26,16 +28,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from mambakit import MambaConfig  # noqa: E402
+from mambakit.ops.selective_scan.scan_config import config, save_interval  # noqa: E402
 
 COPY = 4.27e12  # B/s, device-to-device copy on the H200 (DESIGN.md section 7)
 EXP2 = 4.0e12  # exponentials/s, tl.math.exp2
-SAVE_EVERY = 4  # the scan forward saves its state every 4 steps (selective_scan README)
 BWD_BLOCK_D = 16  # channels per scan backward program: dB, dC partials per block
 
 # (group, what it does, name test), first match wins
 GROUPS = [
     ("scan backward", "selective scan backward (recomputes the states)", "^_bwd_kernel$"),
     ("scan forward", "selective scan forward, saving states", "^_fwd_kernel$"),
+    ("scan replay", "the scan's tile-start states rebuilt from the saved ones",
+     "^_replay_kernel$"),
     ("scan dB/dC sum", "sum of the backward's per-block dB, dC partials", "sum_blocks_kernel"),
     ("conv backward", "causal conv1d backward", "_conv_bwd"),
     ("conv forward", "causal conv1d + silu (forward and its recompute)", "_conv_fwd"),
@@ -100,14 +104,17 @@ def bounds(cfg: MambaConfig, batch: int, seqlen: int, tflops: float, params: int
         return (exp_ms, "exp2", True) if exp_ms > bytes_ms else (bytes_ms, "bytes", True)
 
     exp_ms = n * D * N / EXP2 * 1e3  # one exponential per (token, channel, state)
-    states = 4 * D * N / SAVE_EVERY
+    scan = config(D, False)  # the GPU's launch parameters at this width
+    saved = 4 * D * N / save_interval(scan)  # the forward's states, bytes a token
+    per_tile = 4 * D * N / scan.bwd_tile  # the backward's tile-start states
     partials = 2 * 4 * N * D / BWD_BLOCK_D
     inputs = 2 * D + 4 * D + 2 * D + 2 * 2 * N  # u, delta (f32), z, B, C
     per_layer = M * 2 * D + D * (R + 2 * N) + D * M  # in_proj, x_proj, out_proj
     gemm_flops = 6 * n * (L * per_layer + M * V) + 4 * n * L * R * D  # + dt_proj's gradients
     return {
-        "scan forward": larger(exp_ms, copy_ms(inputs + 2 * D + states)),
-        "scan backward": larger(exp_ms, copy_ms(inputs + 2 * D + states + 8 * D + partials)),
+        "scan forward": larger(exp_ms, copy_ms(inputs + 2 * D + saved)),
+        "scan backward": larger(exp_ms, copy_ms(inputs + 2 * D + per_tile + 8 * D + partials)),
+        "scan replay": (copy_ms(saved + 2 * D + 4 * D + 2 * N + per_tile), "bytes", True),
         "scan dB/dC sum": (copy_ms(partials + 2 * 4 * N), "bytes", True),
         "conv forward": (copy_ms(2 * D + 2 * D), "bytes", True),
         "conv backward": (copy_ms(3 * 2 * D), "bytes", True),

@@ -75,8 +75,12 @@ def _preset(row: dict, record: Record) -> str:
 
 
 def training_rows(row: dict, record: Record) -> Iterator[tuple[tuple, str]]:
-    """bench_model, bench_mamba2 and bench_mamba3: one optimizer step of a preset."""
+    """bench_model, bench_mamba2 and bench_mamba3: one optimizer step of a preset (a probe's
+    steps at launch parameters other than the library's, such as save_tiles_probe's, are
+    not the default path)."""
     if "step_ms" not in row or "seqlen" not in row:  # (bench_serve's decode rows have no seqlen)
+        return
+    if str(record.data.get("benchmark", "")).endswith("_probe"):
         return
     shape = f"{row['batch']}x{row['seqlen']}"
     base = (record.device, _preset(row, record), shape)
