@@ -140,6 +140,7 @@ if stage savetiles; then  # the scan's saved-state interval: kernels, then the t
     2>&1 | grep -v "^ \|^-" | tee -a "$LOG"
 fi
 if stage serve; then  # the serving engine: mixed and shared-prefix loads beside static generate
+  # (1.4b needs more than 330 s: give it a call of its own, SERVE_PRESETS=1.4b T_SERVE=560)
   for preset in ${SERVE_PRESETS:-130m}; do
     echo "== bench_serve $preset" | tee -a "$LOG"
     timeout ${T_SERVE:-300} python benchmarks/bench_serve.py --preset $preset --device cuda \

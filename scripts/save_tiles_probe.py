@@ -3,8 +3,9 @@
 PYTHONPATH=src python scripts/save_tiles_probe.py --tiles 1,4,8,16 --out probe.json
 
 The forward saves the state every `bwd_save_tiles` backward tiles (`ScanConfig`); with more
-than one, the backward replays the tile-start states of each interval from the saved one.
-Fewer saved states (4 D N / (TC KS) bytes a token and layer) against more backward work:
+than one, a replay kernel rebuilds every tile's start state from the saved ones before the
+backward (`replay.py`). Fewer saved states (4 D N / (TC KS) bytes a token and layer) against
+that replay's time:
 
 - kernels: the scan's forward (saving states) and backward at 8 x 2048 x 1536 (130m),
   4 x 2048 x 4096 (1.4b) and 1 x 65536 x 1536, with each config's gradients against KS = 1's;

@@ -229,14 +229,14 @@ def test_sum_loss(c: Case, seed):
         "reduce-scatter-16-channels",
         "reduce-scatter-32-channels",
         "a-state-per-tile",
-        "a-state-per-3-tiles-segments-rounded-up",
+        "a-state-per-3-tiles-segments",
         "a-state-per-4-tiles-one-segment",
     ],
 )
 @pytest.mark.slow
 def test_tilings_and_segments_agree(over: dict, reduce_scatter: bool | None, seed):
     """Other time tiles and channel blocks, time cut into segments (with carries between
-    them), and states saved every tile or every few tiles (the backward replaying the rest),
+    them), and states saved every tile or every few tiles (a replay rebuilding the rest),
     give the results of one segment per row. reduce_scatter: whether the backward's channel
     sums take the warp reduce-scatter (N = 3 is one block of 4 states)."""
     from mambakit.ops.selective_scan import launch as K
@@ -769,15 +769,15 @@ class TestGPU:
             (Case(Bsz=2, T=1000, Dn=256, N=16, dtype=BF16), {"bwd_save_tiles": 16}),
             (Case(Bsz=1, T=300, Dn=64, N=40, dtype=F32), {"bwd_save_tiles": 4}),
             (Case(Bsz=2, T=777, Dn=96, N=16, dtype=F32), {"bwd_save_tiles": 4, "bwd_warps": 4}),
-            # one long row: time in segments of whole intervals
+            # one long row: time in segments
             (Case(Bsz=1, T=20000, Dn=128, N=16, dtype=BF16, seq=False), {"bwd_save_tiles": 8}),
         ],
         ids=lambda x: x.id if isinstance(x, Case) else "-".join(f"{k}{v}" for k, v in x.items()),
     )
     def test_replayed_tile_states_equal_saved_ones(self, c: Case, over: dict, seed):
-        """States saved every few tiles, the backward replaying the rest into its scratch
-        (barriers, one or four warps, N over two blocks, segments): every output and
-        gradient as with a state saved every tile, and two runs bit-identical."""
+        """States saved every few tiles and the rest replayed before the backward (one or four
+        backward warps, N over two blocks, segments): every output and gradient as with a
+        state saved every tile, and two runs bit-identical."""
         from mambakit.ops.selective_scan import launch as K
 
         inp = make_inputs(c)

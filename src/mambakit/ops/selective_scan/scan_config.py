@@ -20,8 +20,8 @@ class ScanConfig:
     fwd_tile: int  # FWD_TC: time steps per forward tile
     fwd_local_tiles: int  # forward tiles per tile of the segment summaries' (LOCAL) pass
     bwd_tile: int  # TC: time steps per backward tile
-    bwd_save_tiles: int  # KS: the forward saves the state every KS TC steps; KS > 1: the backward
-    # replays each interval's tile-start states from it into a per-program scratch
+    bwd_save_tiles: int  # KS: the forward saves the state every KS TC steps; KS > 1: a replay
+    # kernel rebuilds every tile's start state from them before the backward (replay.py)
     fwd_block_d: int  # channels per forward program
     bwd_block_d: int  # channels per backward program
     fwd_warps: int  # warps per forward program
