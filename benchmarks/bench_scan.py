@@ -118,7 +118,7 @@ def time_ours(shape, dtype):
     ms = bench(fb, grad_to_none=leaves)
     from mambakit.ops.selective_scan.launch import state_chunk
 
-    saved = Dn * N * 4 / state_chunk(True)
+    saved = Dn * N * 4 / state_chunk(Dn, True)
     out.append(
         record(
             "forward+backward",

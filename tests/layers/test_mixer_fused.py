@@ -217,7 +217,7 @@ def test_fused_saves_what_the_memory_model_counts(ks, seed, randomize, triton_ba
     conv0 = torch.randn(Bsz, m.d_conv - 1, D, device=DEVICE, requires_grad=True)
     ssm0 = torch.randn(Bsz, D, N, device=DEVICE, requires_grad=True)
     seen, _ = saved_by_autograd(m, x, conv0, ssm0)
-    every = launch.state_chunk(DEVICE == "cuda")
+    every = launch.state_chunk(D, DEVICE == "cuda")
     assert every == launch.save_interval(launch.config(D, DEVICE != "cuda"))
     states = Bsz * math.ceil(T / every) * D * N * 4
     initial = (conv0.numel() + ssm0.numel()) * 4

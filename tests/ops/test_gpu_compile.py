@@ -18,6 +18,7 @@ import pytest
 MODULES = [
     "mambakit.ops.selective_scan.forward",
     "mambakit.ops.selective_scan.backward",
+    "mambakit.ops.selective_scan.replay",
     "mambakit.ops.selective_scan.carry",
     "mambakit.ops.selective_scan.step",
     "mambakit.ops._triton",
@@ -42,7 +43,7 @@ CONSTS = {  # representative values of the kernels' constexpr parameters
 # where a kernel's products need other values (tl.dot takes blocks of 16 or more)
 OVERRIDES = {"_ssd_y_kernel": {"BLOCK_M": 16}, "_ssd_state_kernel": {"BLOCK_K": 16}}
 # kernels compiled once more with other values: the code paths those values select
-VARIANTS = {"_bwd_kernel": [{"KS": 16}]}  # the scan backward replaying saved states
+VARIANTS = {"_replay_kernel": [{"KS": 8}, {"KS": 8, "EVEN": False}]}  # a replay, masked or not
 
 
 def _signature(fn) -> tuple[dict, dict]:

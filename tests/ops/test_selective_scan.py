@@ -317,7 +317,7 @@ def test_saved_tile_states(seed):
     c = Case(T=37)
     inp = make_inputs(c)
     args = [inp[k] for k in ARGS]
-    tc = K.state_chunk(DEVICE == "cuda")
+    tc = K.state_chunk(c.Dn, DEVICE == "cuda")
     y, hT, states = K.scan_fwd(*args, True, inp["initial_state"], inp["seq_idx"], True)
     yo, hTo = oracle(*args, True, inp["initial_state"], inp["seq_idx"])
     assert rel(y, yo) < TOL[F32] and rel(hT, hTo) < TOL[F32]
@@ -448,6 +448,32 @@ def test_torch_compile_fullgraph(seed):
     torch.compile(f, fullgraph=True, backend="aot_eager")(*comp).backward()
     for k, a, b in zip(names, eager, comp):
         assert torch.equal(a.grad, b.grad), k
+
+
+def test_fake_forward_saves_as_many_states_as_the_kernel(seed, monkeypatch):
+    """The forward op's fake implementation (what torch.compile traces) gives the saved
+    states the shape the kernel writes, where the save interval depends on the width (the
+    GPU's config saves fewer at d_inner >= 4096; here a stand-in rule at Dn >= 6)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mambakit.ops.selective_scan import launch as K
+
+    library = K.config
+    monkeypatch.setattr(
+        K, "config",
+        lambda Dn, interpret: dataclasses.replace(
+            library(Dn, interpret), bwd_save_tiles=3 if Dn >= 6 else 1
+        ),
+    )  # fmt: skip
+    for Dn in (5, 6):
+        inp = make_inputs(Case(T=70, Dn=Dn))
+        args = [inp[k] for k in ARGS] + [True, inp["initial_state"], inp["seq_idx"], True]
+        real = torch.ops.mambakit.selective_scan_fwd(*args)
+        with FakeTensorMode() as mode:
+            fakes = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+            fake = torch.ops.mambakit.selective_scan_fwd(*fakes)
+        assert [tuple(t.shape) for t in fake] == [tuple(t.shape) for t in real], Dn
+    assert real[2].shape[1] == -(-70 // (3 * K.config(6, DEVICE != "cuda").bwd_tile))
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])

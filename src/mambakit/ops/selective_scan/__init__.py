@@ -31,11 +31,11 @@ _STEP_SCHEMA = (
 )
 
 
-def _ntiles(T: int, is_cuda: bool) -> int:
+def _ntiles(T: int, Dn: int, is_cuda: bool) -> int:
     """How many states the forward saves (one every KS TC steps: `state_chunk`)."""
     from .launch import state_chunk
 
-    return -(-T // state_chunk(is_cuda))
+    return -(-T // state_chunk(Dn, is_cuda))
 
 
 @torch.library.custom_op("mambakit::selective_scan_fwd", mutates_args=(), schema=_FWD_SCHEMA)
@@ -57,7 +57,8 @@ def _(u, delta, A, B, C, D, z, delta_bias, delta_softplus, initial_state, seq_id
     f32 = torch.float32
     y = u.new_empty(Bsz, T, Dn)
     hT = u.new_empty(Bsz, Dn, N, dtype=f32)
-    states = u.new_empty((Bsz, _ntiles(T, u.is_cuda), Dn, N) if save_states else (0,), dtype=f32)
+    shape = (Bsz, _ntiles(T, Dn, u.is_cuda), Dn, N) if save_states else (0,)
+    states = u.new_empty(shape, dtype=f32)
     return y, hT, states
 
 

@@ -54,9 +54,10 @@ __all__ = ["ScanConfig", "config", "save_interval", "state_chunk", "scan_fwd", "
 MAX_BLOCK_N = 32  # states per program; larger N is split over programs
 
 
-def state_chunk(is_cuda: bool) -> int:
-    """Timesteps between the states the forward saves for the backward."""
-    return save_interval(config(1, not is_cuda))
+def state_chunk(Dn: int, is_cuda: bool) -> int:
+    """Timesteps between the states the forward saves for the backward at D = Dn channels
+    (the GPU saves fewer at wide layers: `config`)."""
+    return save_interval(config(Dn, not is_cuda))
 
 
 def _new(shape, dtype, device) -> torch.Tensor:
