@@ -1,7 +1,7 @@
 """A Triton kernel's sm_90 SASS without a GPU: registers, spills, and each loop's instructions.
 
 PYTHONPATH=src python scripts/sass_loops.py mambakit.ops.selective_scan.backward:_bwd_kernel \\
-    --warps 1 TC=4 BLOCK_D=16 BLOCK_N=16 KS=1 HAS_Z=1 HAS_D=1 EVEN=1 RS=1 RS_ASM=1
+    --warps 1 TC=4 BLOCK_D=16 BLOCK_N=16 HAS_Z=1 HAS_D=1 EVEN=1 RS=1 RS_ASM=1
 
 Constexprs not given are 0 (flags off); pointer arguments are f32 unless `--bf16 p_u,p_z`
 names them. As the JIT specializes them, `--div16` marks every pointer and integer argument
