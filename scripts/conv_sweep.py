@@ -3,7 +3,8 @@
 PYTHONPATH=src python scripts/conv_sweep.py --out conv_sweep.json [--with-prefill | --prefill]
 
 The K <= 4 forward (groups of 4 times) is timed over its settings against the general
-kernel first; then the general kernel's own settings (the groups kernel off).
+kernel first; then the general kernel's own settings (the groups kernel off); then the
+backward's tile kernel and the backward walking rows (`bwd_rows_chunk`) over theirs.
 
 x is the left half of an in_proj output [B, T, 2D] (a strided view, as in the mixer). Each
 candidate is a `ConvConfig` (causal_conv1d/launch.py) derived from the library's `CONFIG`
@@ -28,6 +29,9 @@ TILE_ONLY = dataclasses.replace(K.CONFIG, quad_block_g=0)  # the general tile ke
 
 FWD = [(32, 128, 4), (64, 128, 4), (64, 256, 4), (128, 128, 8), (32, 256, 4), (64, 64, 2)]
 BWD = [(16, 1), (32, 1), (16, 2), (16, 3)]  # bytes of channels per thread, pipeline stages
+# the backward walking rows: times per program, channels per program, warps, rows unrolled
+ROWS = [(64, 256, 1, 4), (64, 256, 1, 1), (32, 256, 1, 4), (128, 256, 1, 4), (64, 128, 1, 4),
+        (64, 512, 2, 4), (256, 256, 1, 4)]  # fmt: skip
 BYTES = 3 * 8 * 2048 * 1536 * 2  # read x and dout, write dx (bf16); the forward: 2 / 3 of it
 
 
@@ -136,6 +140,19 @@ def main() -> None:
             rows.append(dict(kernel="bwd", vec_bytes=vb, stages=stages, dx=name, ms=ms,
                              tb_s=BYTES / ms / 1e9, max_diff=err))  # fmt: skip
             print(rows[-1], flush=True)
+    for chunk, bd, nw, unroll in ROWS:  # dx into the half of d xz, as the mixer's backward
+        c = dataclasses.replace(K.CONFIG, bwd_rows_chunk=chunk, bwd_rows_block_d=bd,
+                                bwd_rows_warps=nw, bwd_rows_unroll=unroll)  # fmt: skip
+
+        def bwd(c=c):
+            return K.conv_bwd(dout, None, x, w, bias, None, None, True, dxz[..., :D], cfg=c)
+
+        ms = timed(bwd)
+        out = bwd()
+        err = max((a.float() - b.float()).abs().max().item() for a, b in zip(out[:3], base))
+        rows.append(dict(kernel="bwd rows", chunk=chunk, block_d=bd, warps=nw, unroll=unroll,
+                         ms=ms, tb_s=BYTES / ms / 1e9, max_diff=err))  # fmt: skip
+        print(rows[-1], flush=True)
     try:
         from causal_conv1d import causal_conv1d_fn
     except ImportError:

@@ -324,6 +324,58 @@ def test_pipelined_backward_gives_the_same_bits(shape, stages):
         assert torch.equal(a, c)
 
 
+@pytest.mark.parametrize(
+    "Bsz, T, D, K, bias, silu",
+    [
+        (2, 45, 16, 4, True, True),  # several chunks of 8, a tail of 5
+        (1, 8, 12, 4, False, True),  # one whole chunk
+        (3, 3, 5, 4, True, True),  # T < K - 1: only the rows before the chunk's end
+        (1, 30, 300, 3, True, False),  # K = 3 (a zero tap), two blocks of channels
+        (2, 17, 9, 2, False, True),  # K = 2
+        pytest.param(
+            8,
+            2048,
+            1536,
+            4,
+            True,
+            True,
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),  # the 130m layer's shape
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_backward_by_rows_matches_reference(Bsz, T, D, K, bias, silu, dtype):
+    """The backward walking rows (`ConvConfig.bwd_rows_chunk`: K <= 4, no documents, initial
+    state or final-state gradient): dx, d weight and d bias against the float64 autograd of
+    the reference, in chunks of 8 times (several programs along time and channels)."""
+    import dataclasses
+
+    from mambakit.ops.causal_conv1d import launch as L
+
+    inp = make_inputs(Bsz, T, D, K, dtype, bias=bias, init=False)
+    gen = torch.Generator().manual_seed(3)
+    dout = torch.randn(Bsz, T, D, generator=gen).to(DEVICE, dtype)
+    x, w, b = inp["x"].detach(), inp["weight"].detach(), inp["bias"]
+    chunk, block_d = (8, 128) if T < 1000 else (64, 256)
+    cfg = dataclasses.replace(L.CONFIG, bwd_rows_chunk=chunk, bwd_rows_block_d=block_d)
+    dx, dw, db, dinit = L.conv_bwd(dout, None, x, w, None if b is None else b.detach(), None,
+                                   None, silu, cfg=cfg)  # fmt: skip
+    assert dinit is None and dx.dtype == dtype
+    ref = as_f64(inp)
+    out = causal_conv1d_reference(**ref, activation="silu" if silu else None)
+    names = [n for n in ("x", "weight", "bias") if ref[n] is not None]
+    grads = torch.autograd.grad((out * dout.double()).sum(), [ref[n] for n in names])
+    got = {"x": dx, "weight": dw, "bias": db}
+    for n, g in zip(names, grads):
+        assert_close(f"d{n}", got[n], g)
+    # the tile kernel (the default) gives the same gradients to f32 rounding
+    tiles = L.conv_bwd(dout, None, x, w, None if b is None else b.detach(), None, None, silu)
+    assert_close("dweight vs tiles", dw, tiles[1].double())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 class TestCausalConv1dGPU:

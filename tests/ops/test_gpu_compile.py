@@ -43,7 +43,10 @@ CONSTS = {  # representative values of the kernels' constexpr parameters
 # where a kernel's products need other values (tl.dot takes blocks of 16 or more)
 OVERRIDES = {"_ssd_y_kernel": {"BLOCK_M": 16}, "_ssd_state_kernel": {"BLOCK_K": 16}}
 # kernels compiled once more with other values: the code paths those values select
-VARIANTS = {"_replay_kernel": [{"KS": 8}, {"KS": 8, "EVEN": False}]}  # a replay, masked or not
+VARIANTS = {  # a replay, masked or not; the conv backward's rows unrolled
+    "_replay_kernel": [{"KS": 8}, {"KS": 8, "EVEN": False}],
+    "_conv_bwd_rows_kernel": [{"ROWS": 4, "BLOCK_D": 256}],
+}
 
 
 def _signature(fn) -> tuple[dict, dict]:

@@ -175,4 +175,125 @@ def _conv_bwd_kernel(
     tl.store(p_db_part + part * D + offs_d, tl.sum(b_db, axis=0), mask=mask_d)
 
 
+@triton.jit
+def _load_row(ptr, r, offs, mask_d, T):
+    """Row r of a [T, D] tensor as f32 (ptr: the row's start, offs: its channels' offsets);
+    zeros outside 0 <= r < T (r a scalar, the mask built as a vector for the interpreter)."""
+    rr = r + tl.zeros_like(mask_d).to(tl.int32)
+    return tl.load(ptr + offs, mask=mask_d & (rr >= 0) & (rr < T), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _weight_tap(p_w, offs_d, mask_d, s_w_d, s_w_k, j: tl.constexpr, K: tl.constexpr):
+    """w'[j], the weight on x_{t-j} (tap K-1-j), or zeros for j >= K."""
+    if j < K:
+        return tl.load(p_w + offs_d * s_w_d + (K - 1 - j) * s_w_k, mask=mask_d, other=0.0).to(
+            tl.float32
+        )
+    else:
+        return tl.zeros_like(offs_d).to(tl.float32)
+
+
+@triton.jit
+def _dc_row(g, c, SILU: tl.constexpr):
+    """dL/dc from dL/dout at one row: dout silu'(c), or dout without the activation."""
+    if SILU:
+        sig = fast_sigmoid(c)
+        return g * sig * (1.0 + c * (1.0 - sig))
+    else:
+        return g
+
+
+@triton.jit
+def _conv_bwd_rows_kernel(
+    p_x, p_w, p_b, p_dout, p_dx, p_dw_part, p_db_part,
+    T, D, CHUNK_T,
+    s_x_b, s_x_t, s_w_d, s_w_k, s_dout_b, s_dout_t, s_dout_d, s_dx_b, s_dx_t,
+    K: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    """K <= 4, no seq_idx, no initial state or final-state gradient. With w'[j] the weight
+    on x_{t-j} (zero for j >= K), c_t = b + sum_j w'[j] x_{t-j}, so
+
+        dx_s = sum_j w'[j] dc_{s+j},    dw'[j] = sum_s dc_{s+j} x_s,    db = sum_s dc_s.
+
+    A program owns CHUNK_T times [t0, t1) of one row (a multiple of ROWS, the rows an
+    iteration) and BLOCK_D channels (along the lanes, 16 bytes a thread) and walks rows
+    r = t0 .. t1 + 2 one at a time, keeping x_{r-1..r-3} and dc_{r-1..r-3} in registers: at
+    row r it finishes s = r - 3. Each row of x and dout
+    is loaded once (the next one while a row computes) and c, dc computed once, but for the
+    3 rows before and after the chunk; no shuffles. dw', db: per-program partials
+    ([B, n_chunks, K, D], [B, n_chunks, D]) summed in a fixed order on the host."""
+    pid_c = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    pid_b = tl.program_id(2).to(tl.int64)
+    n_chunks = tl.num_programs(0)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    v0 = _weight_tap(p_w, offs_d, mask_d, s_w_d, s_w_k, 0, K)
+    v1 = _weight_tap(p_w, offs_d, mask_d, s_w_d, s_w_k, 1, K)
+    v2 = _weight_tap(p_w, offs_d, mask_d, s_w_d, s_w_k, 2, K)
+    v3 = _weight_tap(p_w, offs_d, mask_d, s_w_d, s_w_k, 3, K)
+    bias = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if HAS_BIAS:
+        bias += tl.load(p_b + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    p_x += pid_b * s_x_b
+    p_dout += pid_b * s_dout_b
+    p_dx += pid_b * s_dx_b
+    offs_g = offs_d * s_dout_d
+    t0 = pid_c * CHUNK_T
+    x3 = _load_row(p_x + (t0 - 3).to(tl.int64) * s_x_t, t0 - 3, offs_d, mask_d, T)
+    x2 = _load_row(p_x + (t0 - 2).to(tl.int64) * s_x_t, t0 - 2, offs_d, mask_d, T)
+    x1 = _load_row(p_x + (t0 - 1).to(tl.int64) * s_x_t, t0 - 1, offs_d, mask_d, T)
+    dc3 = tl.zeros([BLOCK_D], dtype=tl.float32)
+    dc2 = dc3
+    dc1 = dc3
+    for j in tl.static_range(3):  # rows t0 .. t0 + 2: their dc only
+        r = t0 + j
+        x0 = _load_row(p_x + r.to(tl.int64) * s_x_t, r, offs_d, mask_d, T)
+        g = _load_row(p_dout + r.to(tl.int64) * s_dout_t, r, offs_g, mask_d, T)
+        dc0 = _dc_row(g, bias + v0 * x0 + v1 * x1 + v2 * x2 + v3 * x3, SILU)
+        x3, x2, x1 = x2, x1, x0
+        dc3, dc2, dc1 = dc2, dc1, dc0
+    dw0 = tl.zeros([BLOCK_D], dtype=tl.float32)
+    dw1 = dw0
+    dw2 = dw0
+    dw3 = dw0
+    db = dw0
+    r = t0 + 3
+    nx_x = _load_row(p_x + r.to(tl.int64) * s_x_t, r, offs_d, mask_d, T)
+    nx_g = _load_row(p_dout + r.to(tl.int64) * s_dout_t, r, offs_g, mask_d, T)
+    # ROWS rows an iteration (CHUNK_T is a multiple): the registers' rotation is renaming
+    for i in tl.range(0, CHUNK_T, ROWS, num_stages=1):  # the next row's loads by hand, one ahead
+        for u in tl.static_range(ROWS):
+            r = t0 + 3 + i + u
+            x0 = nx_x
+            g = nx_g
+            nx_x = _load_row(p_x + (r + 1).to(tl.int64) * s_x_t, r + 1, offs_d, mask_d, T)
+            nx_g = _load_row(p_dout + (r + 1).to(tl.int64) * s_dout_t, r + 1, offs_g, mask_d, T)
+            dc0 = _dc_row(g, bias + v0 * x0 + v1 * x1 + v2 * x2 + v3 * x3, SILU)
+            s = r - 3  # x_s = x3; dc_{s+j}: dc3, dc2, dc1, dc0
+            dx = v0 * dc3 + v1 * dc2 + v2 * dc1 + v3 * dc0
+            m_s = mask_d & ((s + tl.zeros_like(mask_d).to(tl.int32)) < T)
+            tl.store(p_dx + s.to(tl.int64) * s_dx_t + offs_d, dx.to(p_dx.dtype.element_ty),
+                     mask=m_s)  # fmt: skip
+            dw0 += dc3 * x3
+            dw1 += dc2 * x3
+            dw2 += dc1 * x3
+            dw3 += dc0 * x3
+            db += dc3
+            x3, x2, x1 = x2, x1, x0
+            dc3, dc2, dc1 = dc2, dc1, dc0
+    part = pid_b * n_chunks + pid_c
+    p_pw = p_dw_part + part * K * D + offs_d  # tap k = K-1-j holds dw'[j]
+    tl.store(p_pw + (K - 1) * D, dw0, mask=mask_d)
+    if K >= 2:
+        tl.store(p_pw + (K - 2) * D, dw1, mask=mask_d)
+    if K >= 3:
+        tl.store(p_pw + (K - 3) * D, dw2, mask=mask_d)
+    if K >= 4:
+        tl.store(p_pw + (K - 4) * D, dw3, mask=mask_d)
+    tl.store(p_db_part + part * D + offs_d, db, mask=mask_d)
+
+
 # fmt: on

@@ -14,7 +14,7 @@ import dataclasses
 import torch
 
 from .._triton import cdiv, launch, next_power_of_2, opt, strides
-from .backward import _conv_bwd_kernel
+from .backward import _conv_bwd_kernel, _conv_bwd_rows_kernel
 from .forward import _conv_fwd_kernel, _conv_fwd_quad_kernel
 from .step import _conv_update_kernel
 
@@ -46,6 +46,15 @@ class ConvConfig:
     # at 2: LDGSTS, 168 registers against 160); 1 (today's, untimed against 2 and 3) loads
     # each tile when its iteration starts
     bwd_stages: int = 1
+    # the backward walking rows (K <= 4 without seq_idx, initial state or final-state
+    # gradient, as a language model's training step: `_conv_bwd_rows_kernel`): times per
+    # program; 0 (today's, untimed against the tile kernel) leaves every backward to the tiles
+    bwd_rows_chunk: int = 0
+    bwd_rows_block_d: int = 256  # channels per program of the rows kernel
+    bwd_rows_warps: int = 1
+    # rows an iteration of the rows kernel, unrolled (offline sm_90 SASS at 256 channels:
+    # 1 row 290 instructions, 168 registers; 4 rows 244 a row, 251 registers)
+    bwd_rows_unroll: int = 4
 
 
 CONFIG = ConvConfig()
@@ -152,11 +161,17 @@ def conv_bwd(
         return dx, dw, db, dinit
     if dout is None:
         dout = torch.zeros((), device=dev, dtype=x.dtype).expand(Bsz, T, D)
+    cfg = cfg or CONFIG
+    if (
+        cfg.bwd_rows_chunk > 0 and K <= 4 and seq_idx is None and initial_state is None
+        and dfinal is None
+    ):  # fmt: skip
+        return _conv_bwd_rows(dout, x, weight, bias, silu, dx, cfg)
     s_begin = -(K - 1) if initial_state is not None else 0  # dinit: dx at the state's times
     # a program: one warp, VEC channels (16-byte loads), tiles of up to 32 times (one per
     # lane; a tile owns all but its last K-1)
     BLOCK_T = min(32, next_power_of_2(T - s_begin + K - 1))
-    vec_bytes = (cfg or CONFIG).bwd_vec_bytes
+    vec_bytes = cfg.bwd_vec_bytes
     VEC = min(max(vec_bytes // x.element_size(), 1), next_power_of_2(D))
     n_tblk = cdiv(T - s_begin, BLOCK_T - (K - 1))
     n_chunks = cdiv(n_tblk, 16)  # programs along time: ~16 tiles each, evenly split
@@ -179,12 +194,36 @@ def conv_bwd(
         K=K, BLOCK_T=BLOCK_T, VEC=VEC, BLOCK_K=next_power_of_2(K),
         HAS_BIAS=bias is not None, HAS_INIT=initial_state is not None,
         HAS_SEQ=seq_idx is not None, SILU=silu, HAS_DFINAL=dfinal is not None,
-        STAGES=(cfg or CONFIG).bwd_stages, num_warps=1,
+        STAGES=cfg.bwd_stages, num_warps=1,
     )  # fmt: skip
     # fixed-order reductions of the per-program partials (deterministic)
     dw = dw_part.sum(dim=(0, 1)).t().contiguous()  # [D, K]
     db = db_part.sum(dim=(0, 1)) if bias is not None else None
     return dx, dw, db, dinit
+
+
+def _conv_bwd_rows(dout, x, weight, bias, silu, dx, cfg: ConvConfig):
+    """conv_bwd by `_conv_bwd_rows_kernel` (K <= 4, nothing but x, weight, bias and dout)."""
+    Bsz, T, D = x.shape
+    K = weight.shape[1]
+    dev = x.device
+    block_d = min(cfg.bwd_rows_block_d, next_power_of_2(D))
+    n_chunks = cdiv(T, cfg.bwd_rows_chunk)
+    rows = cfg.bwd_rows_unroll
+    chunk = cdiv(cdiv(T, n_chunks), rows) * rows  # evenly split, whole iterations
+    dw_part = torch.empty((Bsz, n_chunks, K, D), device=dev, dtype=torch.float32)
+    db_part = torch.empty((Bsz, n_chunks, D), device=dev, dtype=torch.float32)
+    launch(_conv_bwd_rows_kernel, (n_chunks, cdiv(D, block_d), Bsz),
+        x, weight, opt(bias, weight), dout, dx, dw_part, db_part,
+        T, D, chunk,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *dout.stride(),
+        dx.stride(0), dx.stride(1),
+        K=K, BLOCK_D=block_d, ROWS=rows, HAS_BIAS=bias is not None, SILU=silu,
+        num_warps=cfg.bwd_rows_warps,
+    )  # fmt: skip
+    dw = dw_part.sum(dim=(0, 1)).t().contiguous()  # [D, K]
+    db = db_part.sum(dim=(0, 1)) if bias is not None else None
+    return dx, dw, db, None
 
 
 def conv_update(
