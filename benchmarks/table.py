@@ -364,9 +364,11 @@ FAMILIES = [
            "exponentials at the exp2 rate, GEMM FLOPs at the bf16 matmul rate of the same "
            "run, whichever is largest; \"of bound\" is that over the measured time. The "
            "bytes are the kernels' inputs and outputs as the library lays them out (bf16 "
-           "activations, f32 delta, the scan's state saved every 4 steps, dB and dC "
+           "activations, f32 delta, the scan's state saved every 4 steps, or every 32 at "
+           "d_inner 4096 and up with a replay rebuilding the rest per layer, dB and dC "
            "partials per 16 channels): a kernel's own design shows in them, so 100% is the "
-           "bound of this design, and a design that saves less sets a lower one.",
+           "bound of this design, and a design that saves less sets a lower one. Records "
+           "from an H100 are held to the H200's rates, so their \"of bound\" reads low.",
            "kernel_roofline.py", kernel_rows,
            "preset | batch x seqlen | group | what | calls | ms | share | bound ms | "
            "of bound", kernel_cells, optional=True),
