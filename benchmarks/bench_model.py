@@ -219,8 +219,31 @@ def profile_step(cfg, batch, seqlen, path: str) -> None:
     head = f"one eager step: {n_kernels} GPU kernels/copies, {gpu_us / 1e3:.1f} ms of GPU time\n"
     table = events.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=70)
     print(head + table)
-    Path(path).write_text(head + table + "\n" + host_profile(trainer))
+    Path(path).write_text(
+        head + table + "\n" + host_profile(trainer) + "\n" + copies_by_shape(trainer)
+    )
     del trainer
+
+
+COPY_OPS = ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous", "aten::cat")
+
+
+def copies_by_shape(trainer) -> str:
+    """One eager step's copies and casts (the ops behind the profile's copy kernels) by their
+    input shapes, with their GPU time: which tensors are copied, and how often."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 record_shapes=True) as prof:  # fmt: skip
+        trainer.train_step()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in COPY_OPS]
+    rows.sort(key=lambda e: -e.device_time_total)
+    lines = ["copies and casts of one eager step by input shapes (GPU ms, calls):"]
+    for e in rows[:30]:
+        lines.append(f"{e.device_time_total / 1e3:9.3f} ms {e.count:6d}  {e.key}  {e.input_shapes}")
+    return "\n".join(lines) + "\n"
 
 
 def host_profile(trainer) -> str:
