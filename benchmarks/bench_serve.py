@@ -47,7 +47,7 @@ from mambakit.inference import generate
 from mambakit.serve import Engine, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import write_record  # noqa: E402
+from common import make_record, write_record  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 
@@ -321,7 +321,9 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="a checkpoint folder instead of --preset")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
-    ap.add_argument("--clients", default="64,256", help="closed-loop clients of the mixed load")
+    ap.add_argument(
+        "--clients", default="64,256", help="closed-loop clients of the mixed loads ('none': none)"
+    )
     ap.add_argument(
         "--requests-per-client",
         type=int,
@@ -362,7 +364,8 @@ def main() -> None:
     if args.smoke:
         args.device = "cpu" if args.device == "auto" else args.device
         args.preset = "tiny"
-        args.clients, args.requests_per_client = "4,8", 2
+        args.clients = "4,8" if args.clients == "64,256" else args.clients  # (the default)
+        args.requests_per_client = 2
         args.prompt_range, args.output_range = "8,96", "4,32"
         args.prefix, args.prefix_clients, args.prefix_requests = 64, 4, 8
         args.block_size, args.prefill_tokens = 16, 128
@@ -383,7 +386,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     prompt_range = tuple(int(x) for x in args.prompt_range.split(","))
     output_range = tuple(int(x) for x in args.output_range.split(","))
-    clients = [int(c) for c in args.clients.split(",")]
+    clients = [] if args.clients == "none" else [int(c) for c in args.clients.split(",")]
     figures: list[dict] = []
     base = {"model": name, "dtype": str(dtype).replace("torch.", ""), "device": str(device)}
 
@@ -391,13 +394,18 @@ def main() -> None:
         figures.append({**base, **kw})
         show = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in kw.items()}
         print("  ".join(f"{k}={v}" for k, v in show.items()), flush=True)
+        if args.out:  # the rows so far: a run cut short by a time limit keeps them
+            record = make_record("bench_serve", figures, device=device,
+                                 context={"args": vars(args), "partial": True})  # fmt: skip
+            Path(args.out).write_text(json.dumps(record, indent=1, default=str) + "\n")
 
     # the unit of the latency target and the rate of the throughput aim
     b1 = decode_rate(model, 1, 16, 256 if not args.smoke else 32, device, vocab)
     row(workload="generate decode, equal lengths", impl="generate", **b1)
-    big = max(clients)
-    bN = decode_rate(model, big, 16, 256 if not args.smoke else 32, device, vocab)
-    row(workload="generate decode, equal lengths", impl="generate", **bN)
+    big = max(clients, default=0)
+    if clients:
+        bN = decode_rate(model, big, 16, 256 if not args.smoke else 32, device, vocab)
+        row(workload="generate decode, equal lengths", impl="generate", **bN)
 
     for n in clients:
         load = make_load(n * args.requests_per_client, rng, prompt_range, output_range, vocab)
@@ -419,7 +427,7 @@ def main() -> None:
             throughput_vs_generate_equal=res["tokens_per_s"] / bN["tokens_per_s"]
             if n == big else None)  # fmt: skip
 
-    if args.profile:
+    if args.profile and clients:
         load = make_load(big * args.requests_per_client, random.Random(args.seed), prompt_range,
                          output_range, vocab)  # fmt: skip
         engine = engine_for(model, big, args, cache=True)
