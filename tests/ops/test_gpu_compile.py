@@ -33,6 +33,7 @@ MODULES = [
     "mambakit.ops.mamba2.step_kernels",
     "mambakit.ops.mamba2.ssd_kernels",
     "mambakit.ops.mamba3.chunk_kernels",
+    "mambakit.ops.mamba3.chunk_bwd_kernels",
     "mambakit.ops.mamba3.chunk_parallel_kernels",
 ]
 CONSTS = {  # representative values of the kernels' constexpr parameters

@@ -23,13 +23,13 @@ import torch
 
 from ...state import Mamba3State
 from .._triton import cdiv, launch, next_power_of_2, opt, sm_count
-from .chunk_kernels import (
-    _chunk_fwd_kernel,
+from .chunk_bwd_kernels import (
     _chunk_grad_kernel,
     _chunk_qk_grad_kernel,
     _dstate_scan_kernel,
     _dy_chunk_kernel,
 )
+from .chunk_kernels import _chunk_fwd_kernel
 from .chunk_parallel_kernels import _chunk_end_kernel, _chunk_y_kernel, _state_scan_kernel
 from .scan_config import (
     CONFIG,
