@@ -329,8 +329,10 @@ def test_pipelined_backward_gives_the_same_bits(shape, stages):
     [
         (2, 45, 16, 4, True, True),  # several chunks of 8, a tail of 5
         (1, 8, 12, 4, False, True),  # one whole chunk
-        (3, 3, 5, 4, True, True),  # T < K - 1: only the rows before the chunk's end
-        (1, 30, 300, 3, True, False),  # K = 3 (a zero tap), two blocks of channels
+        (3, 3, 5, 4, True, True),  # T = K - 1: every row's taps reach before 0
+        (2, 2, 5, 4, True, True),  # T < K - 1
+        (1, 1, 3, 1, True, True),  # T = 1, K = 1 (three zero taps)
+        (1, 30, 300, 3, True, False),  # K = 3 (a zero tap), three blocks of channels
         (2, 17, 9, 2, False, True),  # K = 2
         pytest.param(
             8,
@@ -347,33 +349,44 @@ def test_pipelined_backward_gives_the_same_bits(shape, stages):
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_backward_by_rows_matches_reference(Bsz, T, D, K, bias, silu, dtype):
+def test_backward_by_rows_matches_reference(Bsz, T, D, K, bias, silu, dtype, nan_empty):
     """The backward walking rows (`ConvConfig.bwd_rows_chunk`: K <= 4, no documents, initial
     state or final-state gradient): dx, d weight and d bias against the float64 autograd of
-    the reference, in chunks of 8 times (several programs along time and channels)."""
+    the reference, in chunks of 8 times (several programs along time and channels), 4 rows
+    an iteration and 1; dx written into the left half of a [B, T, 2D] tensor as the mixer
+    does (the right half untouched); a stride-0 dout (a `.sum()` loss's)."""
     import dataclasses
 
     from mambakit.ops.causal_conv1d import launch as L
 
     inp = make_inputs(Bsz, T, D, K, dtype, bias=bias, init=False)
     gen = torch.Generator().manual_seed(3)
-    dout = torch.randn(Bsz, T, D, generator=gen).to(DEVICE, dtype)
-    x, w, b = inp["x"].detach(), inp["weight"].detach(), inp["bias"]
-    chunk, block_d = (8, 128) if T < 1000 else (64, 256)
-    cfg = dataclasses.replace(L.CONFIG, bwd_rows_chunk=chunk, bwd_rows_block_d=block_d)
-    dx, dw, db, dinit = L.conv_bwd(dout, None, x, w, None if b is None else b.detach(), None,
-                                   None, silu, cfg=cfg)  # fmt: skip
-    assert dinit is None and dx.dtype == dtype
+    x, w = inp["x"].detach(), inp["weight"].detach()
+    b = None if inp["bias"] is None else inp["bias"].detach()
     ref = as_f64(inp)
     out = causal_conv1d_reference(**ref, activation="silu" if silu else None)
     names = [n for n in ("x", "weight", "bias") if ref[n] is not None]
-    grads = torch.autograd.grad((out * dout.double()).sum(), [ref[n] for n in names])
-    got = {"x": dx, "weight": dw, "bias": db}
-    for n, g in zip(names, grads):
-        assert_close(f"d{n}", got[n], g)
-    # the tile kernel (the default) gives the same gradients to f32 rounding
-    tiles = L.conv_bwd(dout, None, x, w, None if b is None else b.detach(), None, None, silu)
-    assert_close("dweight vs tiles", dw, tiles[1].double())
+    chunk, block_d = (8, 128) if T < 1000 else (64, 256)
+    douts = [
+        torch.randn(Bsz, T, D, generator=gen).to(DEVICE, dtype),
+        torch.randn(D, generator=gen).to(DEVICE, dtype).expand(Bsz, T, D),  # strides 0, 0, 1
+    ]
+    for dout, unroll in zip(douts, (4, 1)):
+        cfg = dataclasses.replace(L.CONFIG, bwd_rows_chunk=chunk, bwd_rows_block_d=block_d,
+                                  bwd_rows_unroll=unroll)  # fmt: skip
+        dxz = torch.full((Bsz, T, 2 * D), 7.0, device=DEVICE, dtype=dtype)
+        dx, dw, db, dinit = L.conv_bwd(dout, None, x, w, b, None, None, silu, dxz[..., :D],
+                                       cfg=cfg)  # fmt: skip
+        assert dinit is None and dx.dtype == dtype and dx.data_ptr() == dxz.data_ptr()
+        assert (dxz[..., D:] == 7.0).all()  # the other half untouched
+        grads = torch.autograd.grad((out * dout.double()).sum(), [ref[n] for n in names],
+                                    retain_graph=True)  # fmt: skip
+        got = {"x": dx, "weight": dw, "bias": db}
+        for n, g in zip(names, grads):
+            assert_close(f"d{n}", got[n], g)
+        # the tile kernel (the default) gives the same gradients to f32 rounding
+        tiles = L.conv_bwd(dout, None, x, w, b, None, None, silu)
+        assert_close("dweight vs tiles", dw, tiles[1].double())
 
 
 @pytest.mark.gpu

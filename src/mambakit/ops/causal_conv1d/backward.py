@@ -1,4 +1,4 @@
-"""The causal conv1d's backward kernel (channels-last); launched by `kernels.conv_bwd`.
+"""The causal conv1d's backward kernels (channels-last); launched by `launch.conv_bwd`.
 
 With c the pre-activation, dc = dout * silu'(c) and lag = K-1-k,
 
@@ -6,7 +6,7 @@ With c the pre-activation, dc = dout * silu'(c) and lag = K-1-k,
     dw[k]     = sum_{b,s} dc_{s+lag} * x_s * same(s, s+lag)
     dbias     = sum_{b,t} dc_t
 
-and d initial_state is dx at the negative times. One kernel: a program owns one
+and d initial_state is dx at the negative times. `_conv_bwd_kernel`, every case: a program owns one
 row, one D-block and a chunk of time, walked in tiles of 32 times (one per lane
 of a warp) whose last K-1 times only feed the others. Per tile it loads the K
 taps of x (cache hits but for the new rows) and dout, computes c and dc once per

@@ -2,9 +2,10 @@
 decode step's `conv_update`, with their launch parameters (`ConvConfig`).
 
 The kernels and their math are in `forward.py` (the general tile kernel, and groups of 4
-times for K <= 4 without seq_idx), `backward.py` (one kernel, dc moved between lanes
-by warp shuffles, deterministic per-program partials for dweight and dbias) and `step.py`
-(one decode timestep, in place on the state).
+times for K <= 4 without seq_idx), `backward.py` (the tile kernel, dc moved between lanes
+by warp shuffles, and for K <= 4 with nothing but x, weight, bias and dout a kernel walking
+rows; deterministic per-program partials for dweight and dbias) and `step.py` (one decode
+timestep, in place on the state).
 """
 
 from __future__ import annotations
@@ -211,6 +212,7 @@ def _conv_bwd_rows(dout, x, weight, bias, silu, dx, cfg: ConvConfig):
     n_chunks = cdiv(T, cfg.bwd_rows_chunk)
     rows = cfg.bwd_rows_unroll
     chunk = cdiv(cdiv(T, n_chunks), rows) * rows  # evenly split, whole iterations
+    n_chunks = cdiv(T, chunk)  # (rounding up may leave fewer programs with work)
     dw_part = torch.empty((Bsz, n_chunks, K, D), device=dev, dtype=torch.float32)
     db_part = torch.empty((Bsz, n_chunks, D), device=dev, dtype=torch.float32)
     launch(_conv_bwd_rows_kernel, (n_chunks, cdiv(D, block_d), Bsz),
