@@ -296,14 +296,14 @@ def replay_states(u, delta, A, B, delta_bias, delta_softplus, seq_idx, saved, cf
     N = A.shape[1]
     tc, ks, bn = cfg.bwd_tile, cfg.bwd_save_tiles, _block_n(N)
     bd = min(cfg.fwd_block_d, next_power_of_2(Dn))
-    s_in = _input_strides(u, delta, B, B, None, seq_idx)
     nc, n_saved = cdiv(T, tc), saved.shape[1]
     states = _new((Bsz, nc, Dn, N), torch.float32, u.device)
-    even = T % (tc * ks) == 0 and Dn % bd == 0 and N % bn == 0
+    even = _even(T, Dn, N, tc * ks, bd, bn, True)  # whole intervals
     for k0 in range(0, n_saved, MAX_GRID_Y):
         launch(_replay_kernel, (cdiv(Dn, bd), min(n_saved - k0, MAX_GRID_Y), Bsz * cdiv(N, bn)),
             u, delta, A, B, opt(delta_bias, A), opt(seq_idx, A), saved, states,
-            T, Dn, N, Bsz, n_saved, nc, k0, *s_in[:6], *s_in[-2:],
+            T, Dn, N, Bsz, n_saved, nc, k0, *u.stride()[:2], *delta.stride()[:2],
+            *B.stride()[:2], *strides(seq_idx, 2),
             HAS_BIAS=delta_bias is not None, SOFTPLUS=bool(delta_softplus),
             HAS_SEQ=seq_idx is not None, KS=ks, TC=tc, BLOCK_D=bd, BLOCK_N=bn, EVEN=even,
             num_warps=cfg.fwd_warps,
