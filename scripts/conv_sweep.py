@@ -170,9 +170,41 @@ def main() -> None:
         ms_fb = timed(fb)
         rows.append(dict(kernel="peer causal_conv1d", fwd_ms=ms_f, fwd_bwd_ms=ms_fb))
         print(rows[-1], flush=True)
+    wide_backward(rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def wide_backward(rows: list) -> None:
+    """The backward at the 1.4b mixer's shape (4 x 2048 x 4096, dx into half of d xz): the
+    tile kernel's default against the rows kernel's candidates."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    Bsz, T, D, Kw = 4, 2048, 4096, 4
+    xz = torch.randn(Bsz, T, 2 * D, device="cuda", generator=g).to(torch.bfloat16)
+    x = xz[..., :D]
+    w = torch.randn(D, Kw, device="cuda", generator=g) * 0.5
+    bias = torch.randn(D, device="cuda", generator=g) * 0.1
+    dout = torch.randn(Bsz, T, D, device="cuda", generator=g).to(torch.bfloat16)
+    dxz = torch.empty_like(xz)
+    nbytes = 3 * Bsz * T * D * 2
+    base = None
+    for chunk, bd, nw, unroll in [(0, 0, 0, 0)] + ROWS:
+        c = K.CONFIG if chunk == 0 else dataclasses.replace(
+            K.CONFIG, bwd_rows_chunk=chunk, bwd_rows_block_d=bd, bwd_rows_warps=nw,
+            bwd_rows_unroll=unroll)  # fmt: skip
+
+        def bwd(c=c):
+            return K.conv_bwd(dout, None, x, w, bias, None, None, True, dxz[..., :D], cfg=c)
+
+        ms = timed(bwd)
+        out = bwd()
+        base = base if base is not None else [t.clone() for t in out[:3]]
+        err = max((a.float() - b.float()).abs().max().item() for a, b in zip(out[:3], base))
+        kernel = "bwd tile 4x2048x4096" if chunk == 0 else "bwd rows 4x2048x4096"
+        rows.append(dict(kernel=kernel, chunk=chunk, block_d=bd, warps=nw, unroll=unroll,
+                         ms=ms, tb_s=nbytes / ms / 1e9, max_diff=err))  # fmt: skip
+        print(rows[-1], flush=True)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,31 @@ def test_model_loss_sum_equals_logits_path():
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("needs", ["both", "hidden", "weight"])
+def test_gradients_from_the_forward_scaled_by_the_backward(needs):
+    """The forward keeps the gradients of a unit upstream gradient: the backward scales them,
+    leaves them intact for a retained graph's second backward, and gives only those asked
+    for; without grad mode the loss has no graph."""
+    torch.manual_seed(4)
+    h = torch.randn(19, 6, dtype=torch.float64, requires_grad=needs != "weight")
+    W = torch.randn(23, 6, dtype=torch.float64, requires_grad=needs != "hidden")
+    t = torch.randint(0, 23, (19,))
+    t[5] = -100
+    inputs = [x for x in (h, W) if x.requires_grad]
+    loss = linear_cross_entropy(h, W, t, chunk=4)
+    first = torch.autograd.grad(loss * -0.3, inputs, retain_graph=True)
+    second = torch.autograd.grad(loss * 2.5, inputs)
+    want = _oracle(h, W, t)
+    want_first = torch.autograd.grad(want * -0.3, inputs, retain_graph=True)
+    want_second = torch.autograd.grad(want * 2.5, inputs)
+    for a, b in zip(first + second, want_first + want_second):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    with torch.no_grad():
+        quiet = linear_cross_entropy(h, W, t, chunk=4)
+    assert quiet.grad_fn is None
+    torch.testing.assert_close(quiet, want.detach(), rtol=1e-12, atol=1e-12)
+
+
 def test_bad_shapes_name_the_argument():
     h, W = torch.randn(3, 4), torch.randn(5, 4)
     with pytest.raises(ValueError, match="targets"):

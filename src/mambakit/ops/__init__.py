@@ -366,10 +366,12 @@ def linear_cross_entropy(
         raise ValueError(f"weight must be [V, {hidden.shape[-1]}], got {list(weight.shape)}")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return LinearCrossEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         weight,
         targets.reshape(-1).long(),
         chunk,
         resolve_backend(backend, hidden),
+        with_grad,
     )
