@@ -79,6 +79,7 @@ def main() -> None:
     ap.add_argument("--bf16", default="", help="pointer arguments that are bf16, comma-separated")
     ap.add_argument("--div16", action="store_true", help="pointers and integers divisible by 16")
     ap.add_argument("--sass", help="write the whole SASS here")
+    ap.add_argument("--maxnreg", type=int, help="cap the registers per thread (spills show)")
     args = ap.parse_intermixed_args()
     import triton
     from triton.backends.compiler import GPUTarget
@@ -101,7 +102,10 @@ def main() -> None:
             if sig[p.name] != "constexpr" and not sig[p.name].startswith("fp")
         }
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": args.warps})
+    options = {"num_warps": args.warps}
+    if args.maxnreg:
+        options["maxnreg"] = args.maxnreg
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:

@@ -374,6 +374,7 @@ def scan_bwd(
         num_warps=cfg.bwd_warps,
     )
     grid = (ndb, nseg, Bsz * nb)
+    cap = dict(maxnreg=cfg.bwd_maxnreg) if cfg.bwd_maxnreg else {}
     s_in = _input_strides(u, delta, B, C, z, seq_idx)
     s_dy = gy.stride()
     if ks > 1:  # a state per tile again, for this backward only
@@ -420,7 +421,7 @@ def scan_bwd(
         *strides(dz, 2),
         HAS_D=D is not None, HAS_G=gin is not None, HAS_H0=dh0 is not None, SPLIT_N=nb > 1,
         RS=reduce_scatter_fits(tc, bd, bn, cfg.bwd_warps),
-        RS_ASM=u.is_cuda, **common,
+        RS_ASM=u.is_cuda, **common, **cap,
     )  # fmt: skip
     if nb > 1:
         du = du.sum(0).to(u.dtype)

@@ -32,6 +32,7 @@ class ScanConfig:
     seg_below_per_sm: int  # (seg_tiles 0) cut time only below this many programs per SM,
     seg_target_per_sm: int  # into enough segments for this many programs per SM (backward)
     fwd_seg_target_per_sm: int  # the same for the forward
+    bwd_maxnreg: int = 0  # registers per thread the backward is capped at (0: the compiler's)
 
     def __post_init__(self) -> None:
         # the forward stores a state at a tile's start or at rows inside its tile: the save
