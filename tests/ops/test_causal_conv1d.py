@@ -346,15 +346,28 @@ def test_pipelined_backward_gives_the_same_bits(shape, stages):
                 pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
             ],
         ),  # the 130m layer's shape
+        pytest.param(
+            4,
+            2048,
+            4096,
+            4,
+            True,
+            True,
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),  # the 1.4b layer's shape (128 channels a program)
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_backward_by_rows_matches_reference(Bsz, T, D, K, bias, silu, dtype, nan_empty):
     """The backward walking rows (`ConvConfig.bwd_rows_chunk`: K <= 4, no documents, initial
     state or final-state gradient): dx, d weight and d bias against the float64 autograd of
-    the reference, in chunks of 8 times (several programs along time and channels), 4 rows
-    an iteration and 1; dx written into the left half of a [B, T, 2D] tensor as the mixer
-    does (the right half untouched); a stride-0 dout (a `.sum()` loss's)."""
+    the reference, in chunks of 8 times (several programs along time and channels; the real
+    shapes in the library's config), 4 rows an iteration and 1; dx written into the left half
+    of a [B, T, 2D] tensor as the mixer does (the right half untouched), and the same bits
+    again into a tensor of its own; a stride-0 dout (a `.sum()` loss's)."""
     import dataclasses
 
     from mambakit.ops.causal_conv1d import launch as L
@@ -366,17 +379,19 @@ def test_backward_by_rows_matches_reference(Bsz, T, D, K, bias, silu, dtype, nan
     ref = as_f64(inp)
     out = causal_conv1d_reference(**ref, activation="silu" if silu else None)
     names = [n for n in ("x", "weight", "bias") if ref[n] is not None]
-    chunk, block_d = (8, 128) if T < 1000 else (64, 256)
+    # small shapes: chunks of 8 times, 128 channels; the real ones: the library's config
+    small = dict(bwd_rows_chunk=8, bwd_rows_block_d=128) if T < 1000 else {}
     douts = [
         torch.randn(Bsz, T, D, generator=gen).to(DEVICE, dtype),
         torch.randn(D, generator=gen).to(DEVICE, dtype).expand(Bsz, T, D),  # strides 0, 0, 1
     ]
     for dout, unroll in zip(douts, (4, 1)):
-        cfg = dataclasses.replace(L.CONFIG, bwd_rows_chunk=chunk, bwd_rows_block_d=block_d,
-                                  bwd_rows_unroll=unroll)  # fmt: skip
+        cfg = dataclasses.replace(L.CONFIG, **small, bwd_rows_unroll=unroll)
         dxz = torch.full((Bsz, T, 2 * D), 7.0, device=DEVICE, dtype=dtype)
         dx, dw, db, dinit = L.conv_bwd(dout, None, x, w, b, None, None, silu, dxz[..., :D],
                                        cfg=cfg)  # fmt: skip
+        again = L.conv_bwd(dout, None, x, w, b, None, None, silu, cfg=cfg)
+        assert all(torch.equal(p, q) for p, q in zip((dx, dw, db), again[:3]) if p is not None)
         assert dinit is None and dx.dtype == dtype and dx.data_ptr() == dxz.data_ptr()
         assert (dxz[..., D:] == 7.0).all()  # the other half untouched
         grads = torch.autograd.grad((out * dout.double()).sum(), [ref[n] for n in names],
@@ -384,8 +399,9 @@ def test_backward_by_rows_matches_reference(Bsz, T, D, K, bias, silu, dtype, nan
         got = {"x": dx, "weight": dw, "bias": db}
         for n, g in zip(names, grads):
             assert_close(f"d{n}", got[n], g)
-        # the tile kernel (the default) gives the same gradients to f32 rounding
-        tiles = L.conv_bwd(dout, None, x, w, b, None, None, silu)
+        # the tile kernel gives the same gradients to f32 rounding
+        tiles = L.conv_bwd(dout, None, x, w, b, None, None, silu,
+                           cfg=dataclasses.replace(L.CONFIG, bwd_rows_chunk=0))  # fmt: skip
         assert_close("dweight vs tiles", dw, tiles[1].double())
 
 

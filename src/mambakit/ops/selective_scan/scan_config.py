@@ -78,9 +78,14 @@ def config(Dn: int, interpret: bool) -> ScanConfig:
     # its backward: 0.35 ms at 4 x 2048 x 4096, the write of those states). At 130m (d_inner
     # 1536) a state per tile already peaks below mamba_ssm (17.0 GiB against 18.0) and KS 8
     # would cost 7% (76.5 ms against 71.3): narrower layers keep one per tile.
+    # Backward programs of 8 channels below D 4096, 16 from it (H200, scripts/scan_sweep.py,
+    # one run): 8 x 2048 x 1536 0.866 ms against 0.958 (8 channels capped at 128 registers:
+    # 0.935; 16 capped at 168: 1.347, spilling); 4 x 2048 x 4096 with its replay 1.307 ms
+    # at 16 against 1.669 at 8 (1.503 capped at 128).
+    wide = Dn >= 4096
     return ScanConfig(
-        fwd_tile=8, fwd_local_tiles=2, bwd_tile=4, bwd_save_tiles=8 if Dn >= 4096 else 1,
-        fwd_block_d=min(32, p2), bwd_block_d=min(16, p2),
+        fwd_tile=8, fwd_local_tiles=2, bwd_tile=4, bwd_save_tiles=8 if wide else 1,
+        fwd_block_d=min(32, p2), bwd_block_d=min(16 if wide else 8, p2),
         fwd_warps=1, bwd_warps=1, carry_block=256, carry_rows=16,
         seg_tiles=0, seg_below_per_sm=2, seg_target_per_sm=16, fwd_seg_target_per_sm=8,
     )  # fmt: skip
