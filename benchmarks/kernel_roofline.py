@@ -32,7 +32,6 @@ from mambakit.ops.selective_scan.scan_config import config, save_interval  # noq
 
 COPY = 4.27e12  # B/s, device-to-device copy on the H200 (DESIGN.md section 7)
 EXP2 = 4.0e12  # exponentials/s, tl.math.exp2
-BWD_BLOCK_D = 16  # channels per scan backward program: dB, dC partials per block
 
 # (group, what it does, name test), first match wins
 GROUPS = [
@@ -107,7 +106,7 @@ def bounds(cfg: MambaConfig, batch: int, seqlen: int, tflops: float, params: int
     scan = config(D, False)  # the GPU's launch parameters at this width
     saved = 4 * D * N / save_interval(scan)  # the forward's states, bytes a token
     per_tile = 4 * D * N / scan.bwd_tile  # the backward's tile-start states
-    partials = 2 * 4 * N * D / BWD_BLOCK_D
+    partials = 2 * 4 * N * D / scan.bwd_block_d  # dB, dC partials per backward program
     inputs = 2 * D + 4 * D + 2 * D + 2 * 2 * N  # u, delta (f32), z, B, C
     per_layer = M * 2 * D + D * (R + 2 * N) + D * M  # in_proj, x_proj, out_proj
     gemm_flops = 6 * n * (L * per_layer + M * V) + 4 * n * L * R * D  # + dt_proj's gradients

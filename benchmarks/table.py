@@ -366,7 +366,8 @@ FAMILIES = [
            "bytes are the kernels' inputs and outputs as the library lays them out (bf16 "
            "activations, f32 delta, the scan's state saved every 4 steps, or every 32 at "
            "d_inner 4096 and up with a replay rebuilding the rest per layer, dB and dC "
-           "partials per 16 channels): a kernel's own design shows in them, so 100% is the "
+           "partials per backward program's channels, 8 or 16 from d_inner 4096): a "
+           "kernel's own design shows in them, so 100% is the "
            "bound of this design, and a design that saves less sets a lower one. Records "
            "from an H100 are held to the H200's rates, so their \"of bound\" reads low.",
            "kernel_roofline.py", kernel_rows,

@@ -26,6 +26,7 @@ import triton.testing
 from mambakit.ops.causal_conv1d import launch as K
 
 TILE_ONLY = dataclasses.replace(K.CONFIG, quad_block_g=0)  # the general tile kernel alone
+TILES = dataclasses.replace(K.CONFIG, bwd_rows_chunk=0)  # the backward's tile kernel alone
 
 FWD = [(32, 128, 4), (64, 128, 4), (64, 256, 4), (128, 128, 8), (32, 256, 4), (64, 64, 2)]
 BWD = [(16, 1), (32, 1), (16, 2), (16, 3)]  # bytes of channels per thread, pipeline stages
@@ -127,7 +128,7 @@ def main() -> None:
     base = None
     dxz = torch.empty_like(xz)  # dx into a strided half, as in the fused mixer
     for vb, stages in BWD:
-        c = dataclasses.replace(K.CONFIG, bwd_vec_bytes=vb, bwd_stages=stages)
+        c = dataclasses.replace(TILES, bwd_vec_bytes=vb, bwd_stages=stages)
         for name, out_t in (("contiguous dx", None), ("dx into half of d xz", dxz[..., :D])):
 
             def bwd(o=out_t, c=c):
@@ -190,8 +191,8 @@ def wide_backward(rows: list) -> None:
     nbytes = 3 * Bsz * T * D * 2
     base = None
     for chunk, bd, nw, unroll in [(0, 0, 0, 0)] + ROWS:
-        c = K.CONFIG if chunk == 0 else dataclasses.replace(
-            K.CONFIG, bwd_rows_chunk=chunk, bwd_rows_block_d=bd, bwd_rows_warps=nw,
+        c = TILES if chunk == 0 else dataclasses.replace(
+            K.CONFIG, bwd_rows_chunk=chunk, bwd_rows_block_d_wide=bd, bwd_rows_warps=nw,
             bwd_rows_unroll=unroll)  # fmt: skip
 
         def bwd(c=c):

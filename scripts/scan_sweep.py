@@ -30,8 +30,9 @@ FWD = [  # fwd_tile, fwd_block_d, fwd_warps (H200: 8 / 32 / 1: 0.363-0.372 ms; t
     # 16 channels: 0.400, both: 0.437)
     dict(fwd_tile=8, fwd_block_d=32, fwd_warps=1),
 ]
-BWD = [  # bwd_tile, bwd_block_d, bwd_warps (H200: 4 / 16 / 1: 1.49-1.53 ms; 8 channels
-    # 1.54-1.84; tile 2: 2.91; tile 8 x 8 channels: 1.69 (its forward 0.352 against 0.363);
+BWD = [  # bwd_tile, bwd_block_d, bwd_warps (H200, earlier designs: 4 / 16 / 1: 1.49-1.53 ms;
+    # 8 channels 1.54-1.84, now the faster below D 4096: scan_config.py; tile 2: 2.91;
+    # tile 8 x 8 channels: 1.69 (its forward 0.352 against 0.363);
     # the states in two halves one after the other: 1.61-1.93; the adjoint by a row loop with
     # dB's reduce-scatter in plain tensor ops (layout-independent): 3.76; the backward split in
     # two kernels, dB/dC with states on the lanes, 3.7-7.9 ms). fwd_ms: the forward saving
@@ -220,8 +221,8 @@ def main() -> None:
     print("best fwd", best_f, "best bwd", best_b, flush=True)
     fields = {f.name for f in dataclasses.fields(K.ScanConfig)}
     pick = dataclasses.replace(
-        base, **{k: best_f[k] for k in FWD[0]}, bwd_maxnreg=0,
-        **{k: v for k, v in best_b.items() if k in fields},
+        base, **{k: best_f[k] for k in FWD[0]},
+        **{"bwd_maxnreg": 0, **{k: v for k, v in best_b.items() if k in fields}},
     )  # fmt: skip
     if not args.no_segments:
         below, target = segments(pick, rows)

@@ -362,12 +362,14 @@ def test_pipelined_backward_gives_the_same_bits(shape, stages):
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_backward_by_rows_matches_reference(Bsz, T, D, K, bias, silu, dtype, nan_empty):
-    """The backward walking rows (`ConvConfig.bwd_rows_chunk`: K <= 4, no documents, initial
-    state or final-state gradient): dx, d weight and d bias against the float64 autograd of
-    the reference, in chunks of 8 times (several programs along time and channels; the real
-    shapes in the library's config), 4 rows an iteration and 1; dx written into the left half
-    of a [B, T, 2D] tensor as the mixer does (the right half untouched), and the same bits
-    again into a tensor of its own; a stride-0 dout (a `.sum()` loss's)."""
+    """The backward walking rows (`ConvConfig.bwd_rows_chunk`: K <= 4, no documents or
+    initial state): dx, d weight and d bias against the float64 autograd of the reference,
+    in chunks of 8 times (several programs along time and channels; the real shapes in the
+    library's config), 4 rows an iteration and 1; dx written into the left half of a
+    [B, T, 2D] tensor as the mixer does (the right half untouched), and the same bits again
+    into a tensor of its own; a stride-0 dout (a `.sum()` loss's); a final-state gradient
+    (strided), and one of zeros giving the bits of none (what a compiled graph passes for an
+    unused final state). The tile kernel, on the same cases, against the same oracle."""
     import dataclasses
 
     from mambakit.ops.causal_conv1d import launch as L
@@ -377,32 +379,41 @@ def test_backward_by_rows_matches_reference(Bsz, T, D, K, bias, silu, dtype, nan
     x, w = inp["x"].detach(), inp["weight"].detach()
     b = None if inp["bias"] is None else inp["bias"].detach()
     ref = as_f64(inp)
-    out = causal_conv1d_reference(**ref, activation="silu" if silu else None)
+    out, final = causal_conv1d_reference(
+        **ref, activation="silu" if silu else None, return_final_state=True
+    )
     names = [n for n in ("x", "weight", "bias") if ref[n] is not None]
     # small shapes: chunks of 8 times, 128 channels; the real ones: the library's config
     small = dict(bwd_rows_chunk=8, bwd_rows_block_d=128) if T < 1000 else {}
-    douts = [
-        torch.randn(Bsz, T, D, generator=gen).to(DEVICE, dtype),
-        torch.randn(D, generator=gen).to(DEVICE, dtype).expand(Bsz, T, D),  # strides 0, 0, 1
+    dfinal = torch.randn(Bsz, D, K - 1, generator=gen).to(DEVICE).transpose(1, 2)  # strided
+    cases = [  # dout, rows an iteration, final-state gradient
+        (torch.randn(Bsz, T, D, generator=gen).to(DEVICE, dtype), 4, None),
+        (torch.randn(D, generator=gen).to(DEVICE, dtype).expand(Bsz, T, D), 1, None),
+        (torch.randn(Bsz, T, D, generator=gen).to(DEVICE, dtype), 4, dfinal),
     ]
-    for dout, unroll in zip(douts, (4, 1)):
+    for dout, unroll, dfin in cases:
         cfg = dataclasses.replace(L.CONFIG, **small, bwd_rows_unroll=unroll)
         dxz = torch.full((Bsz, T, 2 * D), 7.0, device=DEVICE, dtype=dtype)
-        dx, dw, db, dinit = L.conv_bwd(dout, None, x, w, b, None, None, silu, dxz[..., :D],
+        dx, dw, db, dinit = L.conv_bwd(dout, dfin, x, w, b, None, None, silu, dxz[..., :D],
                                        cfg=cfg)  # fmt: skip
-        again = L.conv_bwd(dout, None, x, w, b, None, None, silu, cfg=cfg)
+        again = L.conv_bwd(dout, dfin, x, w, b, None, None, silu, cfg=cfg)
         assert all(torch.equal(p, q) for p, q in zip((dx, dw, db), again[:3]) if p is not None)
         assert dinit is None and dx.dtype == dtype and dx.data_ptr() == dxz.data_ptr()
         assert (dxz[..., D:] == 7.0).all()  # the other half untouched
-        grads = torch.autograd.grad((out * dout.double()).sum(), [ref[n] for n in names],
-                                    retain_graph=True)  # fmt: skip
-        got = {"x": dx, "weight": dw, "bias": db}
-        for n, g in zip(names, grads):
-            assert_close(f"d{n}", got[n], g)
-        # the tile kernel gives the same gradients to f32 rounding
-        tiles = L.conv_bwd(dout, None, x, w, b, None, None, silu,
+        if dfin is None:
+            zeros = torch.zeros(Bsz, K - 1, D, device=DEVICE)
+            same = L.conv_bwd(dout, zeros, x, w, b, None, None, silu, cfg=cfg)
+            assert all(torch.equal(p, q) for p, q in zip((dx, dw, db), same[:3]) if p is not None)
+        loss = (out * dout.double()).sum()
+        if dfin is not None:
+            loss = loss + (final * dfin.double()).sum()
+        want = torch.autograd.grad(loss, [ref[n] for n in names], retain_graph=True)
+        tiles = L.conv_bwd(dout, dfin, x, w, b, None, None, silu,
                            cfg=dataclasses.replace(L.CONFIG, bwd_rows_chunk=0))  # fmt: skip
-        assert_close("dweight vs tiles", dw, tiles[1].double())
+        for kernel, got in (("rows", (dx, dw, db)), ("tiles", tiles[:3])):
+            got = dict(zip(("x", "weight", "bias"), got))
+            for n, g in zip(names, want):
+                assert_close(f"d{n} ({kernel})", got[n], g)
 
 
 @pytest.mark.gpu

@@ -63,20 +63,21 @@ def audit(quick: bool) -> int:
     from mambakit.ops.selective_scan.backward import _bwd_kernel
     from mambakit.ops.selective_scan.launch import reduce_scatter_fits
 
-    cfg = K.config(1536, interpret=False)
-    # (TC, BLOCK_D, BLOCK_N): the GPU tile, then those of D < 16 and of d_state 8
-    tiles = [(cfg.bwd_tile, cfg.bwd_block_d, 16), (cfg.bwd_tile, 8, 16), (cfg.bwd_tile, 16, 8)]
+    narrow, wide = K.config(1536, interpret=False), K.config(4096, interpret=False)
+    # (TC, BLOCK_D, BLOCK_N): the GPU tiles below D 4096 and from it, then d_state 8
+    tiles = [(narrow.bwd_tile, narrow.bwd_block_d, 16), (wide.bwd_tile, wide.bwd_block_d, 16),
+             (narrow.bwd_tile, 16, 8)]  # fmt: skip
     combos = list(itertools.product([False, True], repeat=4))
     if quick:
         tiles, combos = tiles[:1], [(f, f, f, e) for f in (False, True) for e in (False, True)]
     bad = 0
     for (tc, bd, bn), flags in itertools.product(tiles, combos):
-        if not reduce_scatter_fits(tc, bd, bn, cfg.bwd_warps):
+        if not reduce_scatter_fits(tc, bd, bn, narrow.bwd_warps):
             continue
         consts = {p.name: True for p in _bwd_kernel.params if p.is_constexpr}
         consts.update(dict(zip(FLAGS, flags)), SPLIT_N=False, RS=True, RS_ASM=True)
         consts.update(TC=tc, BLOCK_D=bd, BLOCK_N=bn)
-        layouts = rs_layouts(consts, cfg.bwd_warps)
+        layouts = rs_layouts(consts, narrow.bwd_warps)
         default = f"threadsPerWarp = [1, {32 // bd}, {bd}]"
         ok = len(layouts) == 2 and all(
             lay.startswith("#ttg.blocked<{sizePerThread = [1, 1, 1], " + default)

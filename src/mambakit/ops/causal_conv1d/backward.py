@@ -206,16 +206,18 @@ def _dc_row(g, c, SILU: tl.constexpr):
 
 @triton.jit
 def _conv_bwd_rows_kernel(
-    p_x, p_w, p_b, p_dout, p_dx, p_dw_part, p_db_part,
+    p_x, p_w, p_b, p_dout, p_dfinal, p_dx, p_dw_part, p_db_part,
     T, D, CHUNK_T,
-    s_x_b, s_x_t, s_w_d, s_w_k, s_dout_b, s_dout_t, s_dout_d, s_dx_b, s_dx_t,
+    s_x_b, s_x_t, s_w_d, s_w_k, s_dout_b, s_dout_t, s_dout_d, s_final_b, s_final_t,
+    s_final_d, s_dx_b, s_dx_t,
     K: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SILU: tl.constexpr,
+    SILU: tl.constexpr, HAS_DFINAL: tl.constexpr,
 ):
-    """K <= 4, no seq_idx, no initial state or final-state gradient. With w'[j] the weight
-    on x_{t-j} (zero for j >= K), c_t = b + sum_j w'[j] x_{t-j}, so
+    """K <= 4, no seq_idx or initial state. With w'[j] the weight on x_{t-j} (zero for
+    j >= K), c_t = b + sum_j w'[j] x_{t-j}, so
 
-        dx_s = sum_j w'[j] dc_{s+j},    dw'[j] = sum_s dc_{s+j} x_s,    db = sum_s dc_s.
+        dx_s = sum_j w'[j] dc_{s+j} (+ dfinal[s - (T-K+1)] for s >= T-K+1),
+        dw'[j] = sum_s dc_{s+j} x_s,    db = sum_s dc_s.
 
     A program owns CHUNK_T times [t0, t1) of one row (a multiple of ROWS, the rows an
     iteration) and BLOCK_D channels (along the lanes, 16 bytes a thread) and walks rows
@@ -240,7 +242,9 @@ def _conv_bwd_rows_kernel(
     p_x += pid_b * s_x_b
     p_dout += pid_b * s_dout_b
     p_dx += pid_b * s_dx_b
+    p_dfinal += pid_b * s_final_b
     offs_g = offs_d * s_dout_d
+    offs_f = offs_d * s_final_d
     t0 = pid_c * CHUNK_T
     x3 = _load_row(p_x + (t0 - 3).to(tl.int64) * s_x_t, t0 - 3, offs_d, mask_d, T)
     x2 = _load_row(p_x + (t0 - 2).to(tl.int64) * s_x_t, t0 - 2, offs_d, mask_d, T)
@@ -274,6 +278,10 @@ def _conv_bwd_rows_kernel(
             dc0 = _dc_row(g, bias + v0 * x0 + v1 * x1 + v2 * x2 + v3 * x3, SILU)
             s = r - 3  # x_s = x3; dc_{s+j}: dc3, dc2, dc1, dc0
             dx = v0 * dc3 + v1 * dc2 + v2 * dc1 + v3 * dc0
+            if HAS_DFINAL:  # x_s is final-state row s - (T-K+1) (none before it or past T)
+                j_f = s - (T - K + 1)
+                dx += _load_row(p_dfinal + j_f.to(tl.int64) * s_final_t, j_f, offs_f, mask_d,
+                                K - 1)  # fmt: skip
             m_s = mask_d & ((s + tl.zeros_like(mask_d).to(tl.int32)) < T)
             tl.store(p_dx + s.to(tl.int64) * s_dx_t + offs_d, dx.to(p_dx.dtype.element_ty),
                      mask=m_s)  # fmt: skip

@@ -47,8 +47,8 @@ class ConvConfig:
     # at 2: LDGSTS, 168 registers against 160); 1 loads each tile when its iteration starts
     # (H100, 8x2048x1536: 0.157 ms, against 0.193 at 2 and 0.207 at 3)
     bwd_stages: int = 1
-    # the backward walking rows (K <= 4 without seq_idx, initial state or final-state
-    # gradient, as a language model's training step: `_conv_bwd_rows_kernel`): times per
+    # the backward walking rows (K <= 4 without seq_idx or initial state, as a language
+    # model's training step: `_conv_bwd_rows_kernel`): times per
     # program; 0 leaves every backward to the tiles. H200, dx into half of d xz: 8 x 2048 x
     # 1536 0.116 ms against the tiles' 0.152 (chunks of 32: 0.124, 128: 0.119, 256: 0.144);
     # 4 x 2048 x 4096 0.096 ms at 128 channels (256: 0.115) against 0.198
@@ -166,11 +166,8 @@ def conv_bwd(
     if dout is None:
         dout = torch.zeros((), device=dev, dtype=x.dtype).expand(Bsz, T, D)
     cfg = cfg or CONFIG
-    if (
-        cfg.bwd_rows_chunk > 0 and K <= 4 and seq_idx is None and initial_state is None
-        and dfinal is None
-    ):  # fmt: skip
-        return _conv_bwd_rows(dout, x, weight, bias, silu, dx, cfg)
+    if cfg.bwd_rows_chunk > 0 and K <= 4 and seq_idx is None and initial_state is None:
+        return _conv_bwd_rows(dout, dfinal, x, weight, bias, silu, dx, cfg)
     s_begin = -(K - 1) if initial_state is not None else 0  # dinit: dx at the state's times
     # a program: one warp, VEC channels (16-byte loads), tiles of up to 32 times (one per
     # lane; a tile owns all but its last K-1)
@@ -210,8 +207,8 @@ def _sum_partials(dw_part, db_part, bias) -> tuple[torch.Tensor, torch.Tensor | 
     return dw, db_part.sum(dim=(0, 1)) if bias is not None else None
 
 
-def _conv_bwd_rows(dout, x, weight, bias, silu, dx, cfg: ConvConfig):
-    """conv_bwd by `_conv_bwd_rows_kernel` (K <= 4, nothing but x, weight, bias and dout)."""
+def _conv_bwd_rows(dout, dfinal, x, weight, bias, silu, dx, cfg: ConvConfig):
+    """conv_bwd by `_conv_bwd_rows_kernel` (K <= 4, no seq_idx or initial state)."""
     Bsz, T, D = x.shape
     K = weight.shape[1]
     dev = x.device
@@ -224,12 +221,12 @@ def _conv_bwd_rows(dout, x, weight, bias, silu, dx, cfg: ConvConfig):
     dw_part = torch.empty((Bsz, n_chunks, K, D), device=dev, dtype=torch.float32)
     db_part = torch.empty((Bsz, n_chunks, D), device=dev, dtype=torch.float32)
     launch(_conv_bwd_rows_kernel, (n_chunks, cdiv(D, block_d), Bsz),
-        x, weight, opt(bias, weight), dout, dx, dw_part, db_part,
+        x, weight, opt(bias, weight), dout, opt(dfinal, x), dx, dw_part, db_part,
         T, D, chunk,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), *dout.stride(),
-        dx.stride(0), dx.stride(1),
+        *strides(dfinal, 3), dx.stride(0), dx.stride(1),
         K=K, BLOCK_D=block_d, ROWS=rows, HAS_BIAS=bias is not None, SILU=silu,
-        num_warps=cfg.bwd_rows_warps,
+        HAS_DFINAL=dfinal is not None, num_warps=cfg.bwd_rows_warps,
     )  # fmt: skip
     return dx, *_sum_partials(dw_part, db_part, bias), None
 

@@ -2,8 +2,8 @@
 
 c rows (tokens), V classes. These are the non-GEMM half of
 `mambakit.ops.linear_cross_entropy` (linear.py), which computes each chunk's logits,
-reduces them here, and in the backward computes them again and turns them into
-their gradient in place. Triton is imported inside the op bodies only, so CPU
+reduces them here and, when a backward will follow, turns them into their gradient in
+place at once. Triton is imported inside the op bodies only, so CPU
 users can import this package without it. No autograd is registered: the loss's
 own autograd.Function calls the forward and backward explicitly.
 
