@@ -93,6 +93,16 @@ def prefill(rows: list) -> None:
             print(rows[-1], flush=True)
 
 
+def mixer_inputs(Bsz: int, T: int, D: int, seed: int):
+    """(xz, x = its left half, weight [D, 4], bias, dout): bf16 activations as in the mixer."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    xz = torch.randn(Bsz, T, 2 * D, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randn(D, 4, device="cuda", generator=g) * 0.5
+    bias = torch.randn(D, device="cuda", generator=g) * 0.1
+    dout = torch.randn(Bsz, T, D, device="cuda", generator=g).to(torch.bfloat16)
+    return xz, xz[..., :D], w, bias, dout
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
@@ -106,13 +116,8 @@ def main() -> None:
             with open(args.out, "w") as f:
                 json.dump(rows, f, indent=1)
         return
-    g = torch.Generator(device="cuda").manual_seed(0)
-    Bsz, T, D, Kw = 8, 2048, 1536, 4
-    xz = torch.randn(Bsz, T, 2 * D, device="cuda", generator=g).to(torch.bfloat16)
-    x = xz[..., :D]
-    w = torch.randn(D, Kw, device="cuda", generator=g) * 0.5
-    bias = torch.randn(D, device="cuda", generator=g) * 0.1
-    dout = torch.randn(Bsz, T, D, device="cuda", generator=g).to(torch.bfloat16)
+    Bsz, T, D = 8, 2048, 1536
+    xz, x, w, bias, dout = mixer_inputs(Bsz, T, D, seed=0)
     rows = []
     if args.with_prefill:
         prefill(rows)
@@ -180,13 +185,8 @@ def main() -> None:
 def wide_backward(rows: list) -> None:
     """The backward at the 1.4b mixer's shape (4 x 2048 x 4096, dx into half of d xz): the
     tile kernel's default against the rows kernel's candidates."""
-    g = torch.Generator(device="cuda").manual_seed(1)
-    Bsz, T, D, Kw = 4, 2048, 4096, 4
-    xz = torch.randn(Bsz, T, 2 * D, device="cuda", generator=g).to(torch.bfloat16)
-    x = xz[..., :D]
-    w = torch.randn(D, Kw, device="cuda", generator=g) * 0.5
-    bias = torch.randn(D, device="cuda", generator=g) * 0.1
-    dout = torch.randn(Bsz, T, D, device="cuda", generator=g).to(torch.bfloat16)
+    Bsz, T, D = 4, 2048, 4096
+    xz, x, w, bias, dout = mixer_inputs(Bsz, T, D, seed=1)
     dxz = torch.empty_like(xz)
     nbytes = 3 * Bsz * T * D * 2
     base = None

@@ -31,6 +31,9 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOL = {torch.float32: 2e-5, torch.float16: 1.5e-3, torch.bfloat16: 1e-2}
 
 
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     assert got.shape == ref.shape, (got.shape, ref.shape)
     assert torch.isfinite(got).all(), "non-finite values (an unwritten element?)"
@@ -334,30 +337,8 @@ def test_pipelined_backward_gives_the_same_bits(shape, stages):
         (1, 1, 3, 1, True, True),  # T = 1, K = 1 (three zero taps)
         (1, 30, 300, 3, True, False),  # K = 3 (a zero tap), three blocks of channels
         (2, 17, 9, 2, False, True),  # K = 2
-        pytest.param(
-            8,
-            2048,
-            1536,
-            4,
-            True,
-            True,
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-            ],
-        ),  # the 130m layer's shape
-        pytest.param(
-            4,
-            2048,
-            4096,
-            4,
-            True,
-            True,
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-            ],
-        ),  # the 1.4b layer's shape (128 channels a program)
+        pytest.param(8, 2048, 1536, 4, True, True, marks=ON_GPU),  # the 130m layer's shape
+        pytest.param(4, 2048, 4096, 4, True, True, marks=ON_GPU),  # 1.4b's (128 channels)
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
