@@ -23,6 +23,7 @@ the backend.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .._checks import state_dtype
 from . import cross_entropy_bwd_triton, cross_entropy_fwd_triton
@@ -74,17 +75,13 @@ class LinearCrossEntropy(torch.autograd.Function):
                         g_weight = part if g_weight is None else g_weight.add_(part)
         if need_w and g_weight is None:  # no tokens
             g_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-        ctx.save_for_backward(g_hidden, g_weight)
-        ctx.with_grad = with_grad
+        ctx.save_for_backward(g_hidden, g_weight)  # (None where not asked for)
         ctx.dtypes = hidden.dtype, weight.dtype
         return total
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
-        if not ctx.with_grad:
-            raise RuntimeError(
-                "linear_cross_entropy: backward through a loss computed with grad mode off"
-            )
         g_hidden, g_weight = ctx.saved_tensors
         # new tensors, not in place: a retained graph may run this backward again
         dh = None if g_hidden is None else (g_hidden * g).to(ctx.dtypes[0])
