@@ -8,7 +8,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile"}
-# opt-in stages: savetiles model14 model14m3 residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof servehold serveflight serveprobe packprobe rl rlprof gemmprobe
+# opt-in stages: savetiles model14 model14m3 residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof servehold serveflight serveprobe packprobe rl rlprof gemmprobe prefillhost
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -196,5 +196,9 @@ fi
 if stage gemmprobe; then  # small-batch f32 GEMMs: cuBLAS's picks against other routes
   echo "== small_gemm_probe" | tee -a "$LOG"
   timeout ${T_GEMM:-120} python scripts/small_gemm_probe.py ${GEMM_ARGS:-} 2>&1 | tail -60 | tee -a "$LOG"
+fi
+if stage prefillhost; then  # an eager prefill's host time, ours and mamba_ssm's: enqueue, graph, CPU profile
+  echo "== prefill_host" | tee -a "$LOG"
+  timeout ${T_PHOST:-240} python scripts/prefill_host.py ${PHOST_ARGS:-} --out "$OUT/prefill_host.txt" 2>&1 | tail -${PHOST_LINES:-200} | tee -a "$LOG"
 fi
 echo "== done" | tee -a "$LOG"

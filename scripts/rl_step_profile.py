@@ -148,11 +148,12 @@ def host_split(model, x, state, n: int) -> None:
         print("no graph captured")
         return
     whole = per_call_us(lambda: model.step(x, state), n)
-    replay = per_call_us(entry.graph.replay, n)
+    graph = (entry.slots or [entry.spare])[0].graph
+    replay = per_call_us(graph.replay, n)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(n):
-        entry.graph.replay()
+        graph.replay()
     end.record()
     end.synchronize()
     gpu = start.elapsed_time(end) * 1e3 / n
@@ -170,15 +171,16 @@ def pieces(model, x, state, n: int) -> None:
     from mambakit.inference.plan import record
 
     entry = next(reversed(_tables(model).graphs.values()))
+    slot = (entry.slots or [entry.spare])[0]
     parts = {
         "step": lambda: model.step(x, state),
         "checks": lambda: model._check_step(x, state),
         "key": lambda: tuple(map(sg._data_ptr, state._tensors())),
         "stands": lambda: sg._stands(model, model, None, entry),
         "copy in": lambda: entry.x.copy_(x),
-        "replay": entry.graph.replay,
-        "clone out": entry.out.clone,
-        "copy, replay, clone": lambda: (entry.x.copy_(x), entry.graph.replay(), entry.out.clone()),
+        "replay": slot.graph.replay,
+        "clone out (the spare's)": slot.out.clone,
+        "copy, replay": lambda: (entry.x.copy_(x), slot.graph.replay()),
     }
     fast = record(model, "step") is entry.plan and entry.plan.fresh(model)
     with torch.no_grad():

@@ -9,6 +9,7 @@ eager); on the GPU the graphs are real."""
 from __future__ import annotations
 
 import importlib
+import weakref
 
 import pytest
 import torch
@@ -36,21 +37,39 @@ class _FakeGraph:
         self.replay = replay
 
 
+class _Captures(list):
+    """The keys' first captures (one per key captured); `graphs`: every graph captured (a
+    key's ring slots and spare too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.graphs = []
+
+
 @pytest.fixture
 def fake_graphs(monkeypatch):
     """CUDA graphs on the CPU: capture runs the warm-up, replay re-runs the function into
-    the static output buffer. Returns the list of captured functions."""
-    captures = []
+    the static output buffer. Returns the captures (`_Captures`)."""
+    captures = _Captures()
 
     def fake_capture(fn, warmup=2, pool=None, warm=None):
         for _ in range(warmup):
             (warm or fn)()
         buf = (warm or fn)().clone()  # the output's static buffer (warm: a scratch state)
-        captures.append(fn)
-        return _FakeGraph(lambda: buf.copy_(fn())), buf
+        captures.graphs.append(fn)
+        ref = weakref.ref(buf)  # as a real graph, the replay holds no reference to it
+        return _FakeGraph(lambda: ref().copy_(fn())), buf
+
+    first_capture = sg._capture
+
+    def counted_capture(*args):
+        entry = first_capture(*args)
+        captures.append(entry)
+        return entry
 
     caches = {}
     monkeypatch.setattr(sg, "capture", fake_capture)
+    monkeypatch.setattr(sg, "_capture", counted_capture)
     monkeypatch.setattr(sg, "use_cuda_graph", lambda flag, device: flag is not False)
     for name in ("mambakit.backbone", "mambakit.model"):
         monkeypatch.setattr(importlib.import_module(name), "use_cuda_graph",
@@ -61,7 +80,10 @@ def fake_graphs(monkeypatch):
 
 
 def run(model, xs, state, **kw):
-    with torch.no_grad():
+    """Steps without autograd (in inference mode where the state was made in it), each
+    output kept."""
+    inference = any(t.is_inference() for t in state._tensors())
+    with torch.inference_mode(inference), torch.no_grad():
         return [model.step(x, state, **kw)[0] for x in xs]
 
 
@@ -73,12 +95,73 @@ def test_replayed_steps_equal_eager_steps(fake_graphs, mixer):
     outs = run(m, xs, s_graph)
     want = run(m, xs, s_eager, cuda_graph=False)
     assert len(fake_graphs) == 1  # captured at the third call, replayed from then on
+    # every output kept (none may be overwritten): a slot per held output, then the spare
+    assert len(fake_graphs.graphs) == sg.RING + 1
     status = step_graph_status(m)
     assert status["replays"] == len(xs) - sg.WARM_CALLS and len(status["graphs"]) == 1
     for got, ref in zip(outs, want):  # each output kept as returned: none aliased
         assert torch.equal(got, ref)
     for a, b in zip(s_graph._tensors(), s_eager._tensors()):
         assert torch.equal(a, b)  # the state advanced once per call, the capture's included
+
+
+def test_an_output_nothing_holds_is_replayed_into_again_not_copied(fake_graphs):
+    """A loop that rebinds its output: the previous one is still bound while the next step
+    runs, so two graphs take turns, each step's output one of their tensors, never a copy."""
+    m = backbone("mamba1")
+    xs = torch.randn(10, 3, 12)
+    s_graph, s_eager = m.init_state(3), m.init_state(3)
+    want = run(m, xs, s_eager, cuda_graph=False)
+    ptrs = []
+    with torch.no_grad():
+        for i, x in enumerate(xs):
+            y, _ = m.step(x, s_graph)
+            assert torch.equal(y, want[i]), i
+            ptrs.append(y.data_ptr())
+    replayed = ptrs[sg.WARM_CALLS :]
+    assert len(set(replayed)) == sg.RING == 2 and len(fake_graphs.graphs) == sg.RING
+    assert all(a != b for a, b in zip(replayed, replayed[1:]))  # the two take turns
+    assert all(a == b for a, b in zip(replayed, replayed[2:]))
+
+
+@pytest.mark.parametrize("holder", ["view", "inference view", "storage", "dlpack", "list"])
+def test_an_output_still_referenced_is_never_replayed_into(fake_graphs, holder):
+    """Whatever still reaches an output's memory (a view of it, its storage, a DLPack
+    export, a container) keeps its values through later steps. An inference-mode view
+    records no base: only its storage's owners show it."""
+    m = backbone("mamba1")
+    xs = torch.randn(8, 2, 12)
+    inference = holder == "inference view"
+    with torch.inference_mode(inference):
+        state = m.init_state(2)
+    run(m, xs[:3], state)  # captured
+    with torch.inference_mode(inference), torch.no_grad():
+        y, _ = m.step(xs[3], state)
+    kept = y.clone()
+    if holder in ("view", "inference view"):
+        with torch.inference_mode(inference):
+            held = y[1:]
+        assert held._base is (None if inference else y)
+        expect = kept[1:]
+    elif holder == "storage":
+        held = y.untyped_storage()
+        expect = kept.untyped_storage()
+    elif holder == "dlpack":
+        held = torch.utils.dlpack.to_dlpack(y)
+        expect = None
+    else:
+        held = [y]
+        expect = [kept]
+    del y
+    run(m, xs[4:], state)
+    if holder == "dlpack":
+        assert torch.equal(torch.utils.dlpack.from_dlpack(held), kept)
+    elif holder == "storage":
+        assert held.tolist() == expect.tolist()
+    elif holder in ("view", "inference view"):
+        assert torch.equal(held, expect)
+    else:
+        assert torch.equal(held[0], expect[0])
 
 
 def test_parameters_updated_in_place_are_followed_and_replaced_ones_recaptured(fake_graphs):
@@ -231,6 +314,30 @@ def test_gpu_lm_graph_steps_equal_eager_steps():
     status = step_graph_status(lm)
     assert status["replays"] == len(ids) - sg.WARM_CALLS, status
     for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mixer", list(MIXERS))
+def test_gpu_graph_outputs_handed_out_equal_eager_steps(mixer):
+    """The real graphs' turn-taking: an output rebound each step (the ring's slots) and one
+    kept aside for a few steps (then a fresh slot or the spare's clone) equal eager steps."""
+    m = backbone(mixer, "cuda")
+    xs = torch.randn(12, 4, 12, device="cuda")
+    s_graph, s_eager = m.init_state(4), m.init_state(4)
+    want = run(m, xs, s_eager, cuda_graph=False)
+    aside = []
+    with torch.no_grad():
+        for i, x in enumerate(xs):
+            y, _ = m.step(x, s_graph)
+            torch.testing.assert_close(y, want[i], rtol=1e-6, atol=1e-6)
+            if i in (4, 5, 6):
+                aside.append((i, y))
+            if i == 9:
+                aside.clear()
+    status = step_graph_status(m)
+    assert status["replays"] == len(xs) - sg.WARM_CALLS, status
+    for a, b in zip(s_graph._tensors(), s_eager._tensors()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 

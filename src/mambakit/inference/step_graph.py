@@ -12,10 +12,14 @@ caller's state lives). A loop that carries one state, resetting rows with
 eagerly, since a capture costs as much as dozens of eager steps.
 
 Per replay: the input is copied into the graph's own, the decode plan is refreshed from the
-parameters (an optimizer step in between is followed: `inference.plan`), the graph
-replays and its output is cloned (the caller may keep it; the next replay overwrites the
-graph's). A graph is recaptured when the parameters move (`.to()`, a load that replaces
-them) or the decode plan had to be derived anew.
+parameters (an optimizer step in between is followed: `inference.plan`) and a graph
+replays. Its output is handed to the caller as it is, not copied, where nothing else holds
+it: a key keeps up to `RING` graphs, each writing its own output tensor, and a step replays
+one whose tensor (and storage: views, DLPack exports) no one but the table references any
+more. A loop that rebinds `y, state = model.step(x, state)` alternates between two; a
+caller that keeps every output is served by one more graph whose output is cloned, as a
+replay overwrites it. A graph is recaptured when the parameters move (`.to()`, a load that
+replaces them) or the decode plan had to be derived anew.
 
 The step stays eager, and `step_graph_status(model)["reason"]` says why, where replaying
 would not compute what the modules say or cannot work: a module that is not plain (a
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -39,18 +44,57 @@ from ..layers.plain import _GLOBAL_HOOKS, plain
 from .cuda_graph import capture, graph_cache, static_mode, use_cuda_graph
 from .plan import record
 
-__all__ = ["WARM_CALLS", "MAX_GRAPHS", "step_graph_status", "graphed_step"]
+__all__ = ["WARM_CALLS", "MAX_GRAPHS", "RING", "step_graph_status", "graphed_step"]
 
 WARM_CALLS = 2  # eager calls with one key before it is captured (the next call captures)
-MAX_GRAPHS = 8  # graphs kept per model, the least recently used dropped first
+MAX_GRAPHS = 8  # keys kept per model, the least recently used dropped first
+RING = 2  # graphs per key whose outputs are handed out as they are
 _MAX_SEEN = 64  # keys counted while warming up; the table is cleared beyond this
 
 
-class _Graph:
-    __slots__ = ("graph", "x", "out", "params", "plan", "addresses", "extra", "watch")
+class _Slot:
+    """One captured graph and the output tensor its replay writes."""
 
-    def __init__(self, graph, x, out, params, plan, extra, watch) -> None:
-        self.graph, self.x, self.out, self.params = graph, x, out, params
+    __slots__ = ("graph", "out")
+
+    def __init__(self, graph, out) -> None:
+        self.graph, self.out = graph, out
+
+
+def _refs(slot: _Slot) -> int:
+    return sys.getrefcount(slot.out)
+
+
+def _storage_refs(t: torch.Tensor) -> tuple[int, int]:
+    storage = t.untyped_storage()  # while held, the same Python object every time
+    return torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)
+
+
+# what an output held by its slot alone counts: Python references to the tensor (as _refs
+# sees them on this interpreter), owners of its storage and references to the storage's
+# Python object (tensors and the wrappers held: views, DLPack exports, `untyped_storage()`)
+_probe = _Slot(None, torch.empty(0))
+_FREE = (_refs(_probe), _storage_refs(_probe.out))
+del _probe
+
+
+def _unheld(slot: _Slot) -> bool:
+    """Whether nothing but `slot` references its output: no Python name, container or view
+    of the tensor, no other tensor or export of its storage. A replay may then overwrite it."""
+    return _refs(slot) == _FREE[0] and _storage_refs(slot.out) == _FREE[1]
+
+
+class _Graph:
+    """A key's graphs: `slots` (up to RING) hand their outputs out, `spare` (captured when
+    every slot's output is held) has its output cloned. All read the static input `x` and
+    the same parameters, plan and state."""
+
+    __slots__ = ("slots", "spare", "x", "params", "plan", "addresses", "extra", "watch")
+
+    def __init__(self, slot, x, params, plan, extra, watch) -> None:
+        # an output that something else held at its capture cannot be watched: spare only
+        self.slots, self.spare = ([slot], None) if _unheld(slot) else ([], slot)
+        self.x, self.params = x, params
         self.plan, self.addresses, self.extra, self.watch = plan, plan.addresses, extra, watch
 
 
@@ -139,9 +183,8 @@ def graphed_step(
         if _stands(model, backbone, head, entry):
             table.graphs.move_to_end(key)
             entry.x.copy_(x)
-            entry.graph.replay()
             table.replays += 1
-            return entry.out.clone()
+            return _replay(entry, body, state, graph_cache(model)["pool"])
         del table.graphs[
             key
         ]  # stale: captured on modules, parameters or plan tensors since replaced
@@ -170,9 +213,28 @@ def graphed_step(
     while len(table.graphs) > MAX_GRAPHS:
         table.graphs.popitem(last=False)
     entry.x.copy_(x)
-    entry.graph.replay()
     table.replays += 1
-    return entry.out.clone()
+    return _replay(entry, body, state, graph_cache(model)["pool"])
+
+
+def _replay(entry: _Graph, body, state, pool) -> torch.Tensor:
+    """Replay one of the key's graphs (input already in `entry.x`) and return its output:
+    a slot's tensor itself where nothing else holds it, capturing another slot while there
+    are fewer than RING; else a clone of the spare graph's, captured the first time every
+    slot's output is held."""
+    for slot in entry.slots:
+        if _unheld(slot):
+            slot.graph.replay()
+            return slot.out
+    if entry.spare is None:
+        slot = _capture_slot(body, entry.x, state, pool)
+        if len(entry.slots) < RING and _unheld(slot):
+            entry.slots.append(slot)
+            slot.graph.replay()
+            return slot.out
+        entry.spare = slot
+    entry.spare.graph.replay()
+    return entry.spare.out.clone()
 
 
 def _head_ptrs(head: nn.Module | None) -> tuple:
@@ -239,9 +301,9 @@ def _stands(model, backbone, head, entry: _Graph) -> bool:
     return True
 
 
-def _capture(model, backbone, body, x, state, pool, head) -> _Graph:
-    """Capture `body` on a static copy of x and the caller's state. The warm-up runs on a
-    copy of the state, so the caller's advances by the replay that follows alone.
+def _capture_slot(body, static_x, state, pool) -> _Slot:
+    """Capture `body` on the static input and the caller's state. The warm-up runs on a
+    copy of the state, so the caller's advances by replays alone.
 
     Outside inference mode unless the state was made in it (as generate's graphs: the
     graph's tensors are ordinary ones), and with autocast's cache of casts off (PyTorch's
@@ -256,14 +318,22 @@ def _capture(model, backbone, body, x, state, pool, head) -> _Graph:
         else contextlib.nullcontext()
     )
     with mode, uncached:
-        static_x = torch.empty_like(x, memory_format=torch.contiguous_format)
-        static_x.copy_(x)
         scratch = state.clone()
         graph, out = capture(
             lambda: body(static_x, state), warmup=1, pool=pool,
             warm=lambda: body(static_x, scratch),
         )  # fmt: skip
+    return _Slot(graph, out)
+
+
+def _capture(model, backbone, body, x, state, pool, head) -> _Graph:
+    """A key's first graph, on a static copy of x."""
+    inference = any(t.is_inference() for t in state._tensors())
+    with torch.inference_mode() if inference else static_mode():
+        static_x = torch.empty_like(x, memory_format=torch.contiguous_format)
+        static_x.copy_(x)
+    slot = _capture_slot(body, static_x, state, pool)
     backbone._decode_plan()
     watch = _watch([backbone] if head is None else [backbone, head])
-    return _Graph(graph, static_x, out, _params(model), record(backbone, "step"),
-                  _head_ptrs(head), watch)  # fmt: skip
+    return _Graph(slot, static_x, _params(model), record(backbone, "step"), _head_ptrs(head),
+                  watch)  # fmt: skip
