@@ -6,7 +6,8 @@
 # a slow spell of the shared host then falls on both. Records land under $OUT as
 # <stage>-<pass>.json (benchmarks/common.py's format); the log is $OUT/compare.log.
 #   STAGES: model (Trainer-default train step 130m 8x2048, prefill 1x4096),
-#           decode (130m at batch 1 and 64), m3 (the Mamba-3 layer fwd+bwd), tests (GPU tests)
+#           decode (130m at batch 1 and 64), m3 (the Mamba-3 layer fwd+bwd), rl (the small
+#           backbones' CUDA step, bench_rl.py --no-train; RL_ARGS adds), tests (GPU tests)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
@@ -46,6 +47,9 @@ if stage decode; then
 fi
 if stage m3; then
   bench m3 "" benchmarks/bench_mamba3.py --only layer --prune-peer
+fi
+if stage rl; then
+  bench rl "" benchmarks/bench_rl.py --device cuda --no-train ${RL_ARGS:-}
 fi
 if stage tests; then
   echo "== pytest -m gpu" | tee -a "$LOG"

@@ -9,6 +9,9 @@ time, the forward is host-bound), and profiled on the host (self CPU time per op
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -51,6 +54,21 @@ def host_table(fn, rows: int) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
+def python_table(fn, rows: int) -> str:
+    """cProfile of one call: the Python functions (launchers, wrappers) by their own time,
+    which the profiler's op table does not see."""
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(rows)
+    return buf.getvalue()
+
+
 def peer_model(cfg: MambaConfig):
     try:
         from mamba_ssm.models.config_mamba import MambaConfig as SSMConfig
@@ -61,16 +79,17 @@ def peer_model(cfg: MambaConfig):
     return MambaLMHeadModel(c, device="cuda")
 
 
-def report(name: str, model, ids, rows: int) -> list[str]:
+def report(name: str, model, ids, rows: int, python: bool = False) -> list[str]:
     fn = forward_fn(model, ids)
     eager = cuda_time_ms(fn, warmup=2, iters=5)
     host = enqueue_ms(fn)
     graph = graph_time_ms(fn)
     head = f"== {name}: eager {eager:.2f} ms, host enqueue {host:.2f} ms, graph {graph:.2f} ms"
     print(head, flush=True)
-    table = host_table(fn, rows)
-    print(table, flush=True)
-    return [head, table]
+    tables = [host_table(fn, rows)] + ([python_table(fn, rows)] if python else [])
+    for table in tables:
+        print(table, flush=True)
+    return [head, *tables]
 
 
 def main() -> None:
@@ -87,7 +106,7 @@ def main() -> None:
         torch.manual_seed(0)
         ids = torch.randint(0, cfg.vocab_size, (1, args.length), device="cuda")
         model = MambaLM(cfg, device="cuda")
-        out += report(f"{preset} mambakit 1x{args.length}", model, ids, args.rows)
+        out += report(f"{preset} mambakit 1x{args.length}", model, ids, args.rows, True)
         del model
         torch.cuda.empty_cache()
         peer = None if args.no_peer else peer_model(cfg)

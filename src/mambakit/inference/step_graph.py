@@ -13,12 +13,12 @@ eagerly, since a capture costs as much as dozens of eager steps.
 
 Per replay: the input is copied into the graph's own, the decode plan is refreshed from the
 parameters (an optimizer step in between is followed: `inference.plan`) and a graph
-replays. Its output is handed to the caller as it is, not copied, where nothing else holds
-it: a key keeps up to `RING` graphs, each writing its own output tensor, and a step replays
-one whose tensor (and storage: views, DLPack exports) no one but the table references any
-more. A loop that rebinds `y, state = model.step(x, state)` alternates between two; a
-caller that keeps every output is served by one more graph whose output is cloned, as a
-replay overwrites it. A graph is recaptured when the parameters move (`.to()`, a load that
+replays. Its output is not copied: a key keeps up to `RING` graphs, each in a memory pool of
+its own writing its own output, and a step replays one whose output no alias handed out
+before (nor a view, export or saved copy of one) still reaches, and returns a new alias of
+it. A loop that rebinds `y, state = model.step(x, state)` alternates between two; a caller
+that keeps every output is served by one more graph whose output is cloned, as a replay
+overwrites it. A graph is recaptured when the parameters move (`.to()`, a load that
 replaces them) or the decode plan had to be derived anew.
 
 The step stays eager, and `step_graph_status(model)["reason"]` says why, where replaying
@@ -61,8 +61,8 @@ class _Slot:
         self.graph, self.out = graph, out
 
 
-def _refs(slot: _Slot) -> int:
-    return sys.getrefcount(slot.out)
+def _refs(slot: _Slot) -> tuple[int, int]:
+    return sys.getrefcount(slot.out), slot.out._use_count()
 
 
 def _storage_refs(t: torch.Tensor) -> tuple[int, int]:
@@ -70,24 +70,34 @@ def _storage_refs(t: torch.Tensor) -> tuple[int, int]:
     return torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)
 
 
-# what an output held by its slot alone counts: Python references to the tensor (as _refs
-# sees them on this interpreter), owners of its storage and references to the storage's
-# Python object (tensors and the wrappers held: views, DLPack exports, `untyped_storage()`)
-_probe = _Slot(None, torch.empty(0))
-_FREE = (_refs(_probe), _storage_refs(_probe.out))
-del _probe
+# what an output held by its slot alone counts: references to the tensor (Python ones as
+# _refs sees them on this interpreter, C++ owners), owners of its storage (every alias a
+# step handed out, views, DLPack exports, autograd's saved tensors) and references to the
+# storage's Python object (`untyped_storage()` kept)
+def _free_counts() -> tuple | None:
+    """The counts of an output held by its slot alone; None where this torch lacks the
+    counters (every output is then cloned from a spare graph)."""
+    if not (hasattr(torch.Tensor, "_use_count") and hasattr(torch._C, "_storage_Use_Count")):
+        return None
+    probe = _Slot(None, torch.empty(0))
+    return _refs(probe), _storage_refs(probe.out)
+
+
+_FREE = _free_counts()
 
 
 def _unheld(slot: _Slot) -> bool:
-    """Whether nothing but `slot` references its output: no Python name, container or view
-    of the tensor, no other tensor or export of its storage. A replay may then overwrite it."""
-    return _refs(slot) == _FREE[0] and _storage_refs(slot.out) == _FREE[1]
+    """Whether nothing but `slot` references its output: no alias a step handed out is alive
+    (nor a view, export or saved copy of one), nothing holds its storage. A replay may then
+    overwrite it."""
+    return _FREE is not None and _refs(slot) == _FREE[0] and _storage_refs(slot.out) == _FREE[1]
 
 
 class _Graph:
     """A key's graphs: `slots` (up to RING) hand their outputs out, `spare` (captured when
-    every slot's output is held) has its output cloned. All read the static input `x` and
-    the same parameters, plan and state."""
+    every slot's output is held) has its output cloned; `spare` is False where its capture
+    failed (the step then runs eagerly while every slot's output is held). All read the
+    static input `x` and the same parameters, plan and state."""
 
     __slots__ = ("slots", "spare", "x", "params", "plan", "addresses", "extra", "watch")
 
@@ -183,8 +193,7 @@ def graphed_step(
         if _stands(model, backbone, head, entry):
             table.graphs.move_to_end(key)
             entry.x.copy_(x)
-            table.replays += 1
-            return _replay(entry, body, state, graph_cache(model)["pool"])
+            return _replay(table, entry, body, state)
         del table.graphs[
             key
         ]  # stale: captured on modules, parameters or plan tensors since replaced
@@ -204,7 +213,7 @@ def graphed_step(
         return None
     table.seen.pop(key, None)
     try:
-        entry = _capture(model, backbone, body, x, state, graph_cache(model)["pool"], head)
+        entry = _capture(model, backbone, body, x, state, head)
     except Exception as exc:  # noqa: BLE001 - the eager step is always there
         table.failed.add(key)
         table.reason = f"capture failed: {type(exc).__name__}: {exc}"
@@ -213,27 +222,41 @@ def graphed_step(
     while len(table.graphs) > MAX_GRAPHS:
         table.graphs.popitem(last=False)
     entry.x.copy_(x)
-    table.replays += 1
-    return _replay(entry, body, state, graph_cache(model)["pool"])
+    return _replay(table, entry, body, state)
 
 
-def _replay(entry: _Graph, body, state, pool) -> torch.Tensor:
+def _replay(table: _StepGraphs, entry: _Graph, body, state) -> torch.Tensor | None:
     """Replay one of the key's graphs (input already in `entry.x`) and return its output:
-    a slot's tensor itself where nothing else holds it, capturing another slot while there
-    are fewer than RING; else a clone of the spare graph's, captured the first time every
-    slot's output is held."""
+    an alias of a slot's tensor (a new tensor object on the same memory: what the caller
+    does to it in place, to its shape or flags, stays with it) where nothing else holds
+    it, capturing another slot while there are fewer than RING; else a clone of the spare
+    graph's, captured the first time every slot's output is held. None (the caller runs
+    the eager step) where that capture fails.
+
+    Readers of the output on another stream must be done before the next step on the
+    caller's: a slot's memory is not the allocator's, so `record_stream` does not keep it."""
     for slot in entry.slots:
         if _unheld(slot):
             slot.graph.replay()
-            return slot.out
+            table.replays += 1
+            return slot.out.detach()
     if entry.spare is None:
-        slot = _capture_slot(body, entry.x, state, pool)
+        try:
+            slot = _capture_slot(body, entry.x, state)
+        except Exception as exc:  # noqa: BLE001 - the eager step is always there
+            entry.spare = False
+            table.reason = f"capture failed: {type(exc).__name__}: {exc}"
+            return None
         if len(entry.slots) < RING and _unheld(slot):
             entry.slots.append(slot)
             slot.graph.replay()
-            return slot.out
+            table.replays += 1
+            return slot.out.detach()
         entry.spare = slot
+    if entry.spare is False:
+        return None
     entry.spare.graph.replay()
+    table.replays += 1
     return entry.spare.out.clone()
 
 
@@ -301,9 +324,13 @@ def _stands(model, backbone, head, entry: _Graph) -> bool:
     return True
 
 
-def _capture_slot(body, static_x, state, pool) -> _Slot:
+def _capture_slot(body, static_x, state) -> _Slot:
     """Capture `body` on the static input and the caller's state. The warm-up runs on a
     copy of the state, so the caller's advances by replays alone.
+
+    Into a memory pool of the graph's own: a graph sharing one would lay its output or its
+    temporaries over another's, and a replay of one would then write over an output that
+    the other handed out and its holder still reads.
 
     Outside inference mode unless the state was made in it (as generate's graphs: the
     graph's tensors are ordinary ones), and with autocast's cache of casts off (PyTorch's
@@ -320,19 +347,19 @@ def _capture_slot(body, static_x, state, pool) -> _Slot:
     with mode, uncached:
         scratch = state.clone()
         graph, out = capture(
-            lambda: body(static_x, state), warmup=1, pool=pool,
+            lambda: body(static_x, state), warmup=1, pool=None,
             warm=lambda: body(static_x, scratch),
         )  # fmt: skip
     return _Slot(graph, out)
 
 
-def _capture(model, backbone, body, x, state, pool, head) -> _Graph:
+def _capture(model, backbone, body, x, state, head) -> _Graph:
     """A key's first graph, on a static copy of x."""
     inference = any(t.is_inference() for t in state._tensors())
     with torch.inference_mode() if inference else static_mode():
         static_x = torch.empty_like(x, memory_format=torch.contiguous_format)
         static_x.copy_(x)
-    slot = _capture_slot(body, static_x, state, pool)
+    slot = _capture_slot(body, static_x, state)
     backbone._decode_plan()
     watch = _watch([backbone] if head is None else [backbone, head])
     return _Graph(slot, static_x, _params(model), record(backbone, "step"), _head_ptrs(head),

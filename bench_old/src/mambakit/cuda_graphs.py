@@ -1,0 +1,41 @@
+"""CUDA-graph capture that keeps the stream and the random generator usable when it fails:
+what the Trainer's captured step and the graph decode share."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+
+@contextlib.contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph, pool=None) -> Iterator[None]:
+    """`torch.cuda.graph(graph, pool=pool)`, except that a capture that fails does not leave
+    the caller's stream or the CUDA random generator unusable.
+
+    When the captured code raises (a host sync, say), torch.cuda.graph's exit can fail in
+    `capture_end` before two things it would have done: putting back the caller's stream
+    (its capture stream stays current) and ending the default CUDA generator's capture
+    (torch 2.11: the generator stays marked as capturing, so every later random op on the
+    device raises "Offset increment outside graph capture encountered unexpectedly").
+    Then the stream is restored and the generator gets a fresh state at its seed and
+    offset. Graphs captured before keep the generator's old state object, so their random
+    numbers no longer advance the default generator's offset."""
+    stream = torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    except BaseException:
+        if torch.cuda.current_stream() != stream:  # capture_end failed before its epilogue
+            torch.cuda.set_stream(stream)
+            _reset_generator(stream.device)
+        raise
+
+
+def _reset_generator(device: torch.device) -> None:
+    """The default generator of `device`, no longer capturing, at the seed and offset it had."""
+    gen = torch.cuda.default_generators[device.index]
+    fresh = torch.Generator(device=device)
+    fresh.set_state(gen.get_state())
+    gen.graphsafe_set_state(fresh)

@@ -1,0 +1,120 @@
+"""The no-grad CPU step of a float-input backbone compiled end to end: what an RL policy
+acting one observation at a time calls (`MambaBackbone.step`).
+
+At batch 1 on a CPU the step's arithmetic (a d_model 128, 3-layer backbone: about 0.3
+MFLOP) takes tens of microseconds compiled; the op-by-op path around it (the input
+projection, a freshness check of the decode plan, each block's plain-module checks, the
+per-layer state views, the final norm) took about as much again twice over. Here, where
+numba is there (`ops.cpu_jit`), three compiled calls make the step: input_proj into the
+residual stream, every block (the mixer's `Packed` body on the model state's stacked
+tensors), norm_f. The checks that remain are the ones that decide whether this computes
+what the modules say: every module plain and unchanged since last seen (one pass over a
+watch list, `step_graph._watch`), the decode plan fresh (`inference.plan`). Anything else
+(token ids, a hook or an adapter, autocast, other dtypes, more rows than the compiled
+stack takes: `cpu_jit.rows_max`) takes the general path.
+"""
+
+from __future__ import annotations
+
+import weakref
+from functools import cache
+
+import numpy as np
+import torch
+
+from ..layers.block import RMSNorm
+from ..layers.plain import plain
+from ..ops.cpu_jit import compiles
+from .step_graph import _not_plain, _unchanged, _watch
+
+
+class _Entry:
+    __slots__ = ("watch", "weights", "eps", "ends")
+
+    def __init__(self, watch) -> None:
+        self.watch, self.weights, self.eps, self.ends = watch, None, None, None
+
+
+_ENTRIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backbone -> _Entry
+
+
+def compiled_rows(backbone, x: torch.Tensor, state, stack) -> torch.Tensor | None:
+    """The step's hidden rows [B, M] (norm_f applied), the state advanced in place; or None
+    where the compiled step does not apply. `stack()`: the backbone's whole-stack decode
+    weights (its "stack" plan), whose `compiled` body runs the blocks."""
+    if (
+        backbone.embeddings is not None
+        or torch.is_autocast_enabled("cpu")
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    entry = _ENTRIES.get(backbone)
+    if entry is None or not _unchanged(entry.watch, [backbone]):
+        # the final norm runs as RMSNorm's math here: exactly that class, no subclass
+        if _not_plain(backbone) is not None or not plain(backbone.norm_f, RMSNorm):
+            _ENTRIES.pop(backbone, None)
+            return None
+        entry = _ENTRIES[backbone] = _Entry(_watch([backbone]))
+    weights = stack()
+    compiled = getattr(weights, "compiled", None)
+    if compiled is None or x.shape[0] > compiled.rows_max:
+        return None
+    eps = backbone._modules["norm_f"].eps  # the module is plain: no hook, no __getattr__
+    if weights is not entry.weights or eps != entry.eps:  # a parameter or eps changed
+        entry.ends = _ends(backbone, weights.pad)
+        entry.weights, entry.eps = weights, eps
+    if entry.ends is None:
+        return None
+    WT, b, w, consts, dtype = entry.ends
+    fields = state._tensors()
+    if x.shape[1] != (WT.shape[0] if WT is not None else w.shape[0]) or x.dtype != dtype:
+        return None
+    if not all(t.dtype == dtype for t in fields):
+        return None
+    B, M = x.shape[0], w.shape[0]
+    rows = np.empty((B, M + 1), consts.dtype)
+    xs = x.detach().numpy()
+    input_rows, norm_rows = _kernels()
+    if WT is not None:
+        input_rows(xs, WT, b, consts, rows)
+    else:
+        rows[:, :M] = xs
+        rows[:, M] = consts[0]
+    compiled.layers(rows, tuple(map(_array, fields)))
+    # written through numpy, unseen by autograd: a graph that saved the state must know
+    torch.autograd.graph.increment_version(fields)
+    out = torch.empty(B, M, dtype=dtype)  # torch's own storage: resizable, as elsewhere
+    norm_rows(rows, w, consts, out.numpy())
+    return out
+
+
+def _array(t: torch.Tensor) -> np.ndarray:
+    """t's numpy view (detached first only where it needs it: a microsecond a field)."""
+    return t.detach().numpy() if t.requires_grad else t.numpy()
+
+
+def _ends(backbone, pad: float):
+    """(input_proj's W^T [F, M] and bias [M] (None, None without one), norm_f's weight [M],
+    [pad, eps, 1 / M]) as numpy arrays, and their torch dtype; or None where the weights
+    do not compile."""
+    w = backbone.norm_f.weight.detach()
+    if not compiles(w):
+        return None
+    M = w.shape[0]
+    consts = np.array([pad, backbone.norm_f.eps, 1.0 / M], dtype=w.numpy().dtype)
+    proj = backbone.input_proj
+    if proj is None:
+        return None, None, w.numpy(), consts, w.dtype
+    if proj.weight.dtype != w.dtype:
+        return None
+    WT = proj.weight.detach().t().contiguous().numpy()
+    b = proj.bias.detach().numpy() if proj.bias is not None else np.zeros(M, WT.dtype)
+    return WT, b, w.numpy(), consts, w.dtype
+
+
+@cache
+def _kernels():
+    """The compiled ends (imported on first use: numba loads in about a second)."""
+    from ..ops.cpu_jit.common import input_rows, norm_rows
+
+    return input_rows, norm_rows

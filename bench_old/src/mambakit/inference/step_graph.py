@@ -1,0 +1,269 @@
+"""CUDA graphs behind `MambaBackbone.step` and `MambaLM.step`: the step a user calls.
+
+A small model's decode or RL step is a hundred-odd kernels of a few microseconds each:
+launched one by one from the host it costs about a millisecond (the H200, a 3-layer
+d_model 128 backbone), replayed from a CUDA graph under 20 us. So a no-grad step on a CUDA
+device is captured the third time it runs with the same inputs (`WARM_CALLS`: the first
+calls compile the Triton kernels and derive the decode plan eagerly), and replayed from
+then on. A graph is kept per key: the input's shape and dtype, the autocast dtype and the
+addresses of the state's tensors (the graph advances that state in place, where the
+caller's state lives). A loop that carries one state, resetting rows with
+`state.reset_(done)`, replays one graph; one that makes a new state every few steps runs
+eagerly, since a capture costs as much as dozens of eager steps.
+
+Per replay: the input is copied into the graph's own, the decode plan is refreshed from the
+parameters (an optimizer step in between is followed: `inference.plan`), the graph
+replays and its output is cloned (the caller may keep it; the next replay overwrites the
+graph's). A graph is recaptured when the parameters move (`.to()`, a load that replaces
+them) or the decode plan had to be derived anew.
+
+The step stays eager, and `step_graph_status(model)["reason"]` says why, where replaying
+would not compute what the modules say or cannot work: a module that is not plain (a
+hook, an adapter: their Python would not run on a replay), autograd recording the step,
+torch.compile tracing it, a CUDA graph being captured around it (generate's and
+`CUDAGraphStep`'s own captures), or a capture that failed. `step(..., cuda_graph=False)`
+asks for the eager step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..layers.plain import _GLOBAL_HOOKS, plain
+from .cuda_graph import capture, graph_cache, static_mode, use_cuda_graph
+from .plan import record
+
+__all__ = ["WARM_CALLS", "MAX_GRAPHS", "step_graph_status", "graphed_step"]
+
+WARM_CALLS = 2  # eager calls with one key before it is captured (the next call captures)
+MAX_GRAPHS = 8  # graphs kept per model, the least recently used dropped first
+_MAX_SEEN = 64  # keys counted while warming up; the table is cleared beyond this
+
+
+class _Graph:
+    __slots__ = ("graph", "x", "out", "params", "plan", "addresses", "extra", "watch")
+
+    def __init__(self, graph, x, out, params, plan, extra, watch) -> None:
+        self.graph, self.x, self.out, self.params = graph, x, out, params
+        self.plan, self.addresses, self.extra, self.watch = plan, plan.addresses, extra, watch
+
+
+class _StepGraphs:
+    """The graphs of one model's step (in `graph_cache(model)`, which dies with the model)."""
+
+    def __init__(self) -> None:
+        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.seen: dict[tuple, int] = {}
+        self.failed: set[tuple] = set()
+        self.reason: str | None = None
+        self.replays = 0
+
+
+def _tables(model: nn.Module) -> _StepGraphs:
+    cache = graph_cache(model)
+    table = cache.get("step")
+    if table is None:
+        table = cache["step"] = _StepGraphs()
+    return table
+
+
+def step_graph_status(model: nn.Module) -> dict:
+    """What `model.step` does on CUDA: {"graphs": the keys captured (batch, input dtype,
+    compute dtype), "replays": steps replayed so far, "reason": why the last step that
+    could not replay ran eagerly (None when every step could)}."""
+    cache = graph_cache(model, create=False)
+    table = None if cache is None else cache.get("step")
+    if table is None:
+        return {"graphs": [], "replays": 0, "reason": None}
+    return {
+        "graphs": [(k[0][0], k[1], k[2]) for k in table.graphs],  # (batch, dtype, autocast)
+        "replays": table.replays,
+        "reason": table.reason,
+    }
+
+
+def _not_plain(backbone: nn.Module) -> str | None:
+    """The first module a replay would skip the Python of, or None when all are plain."""
+    if backbone.embeddings is not None and not plain(backbone.embeddings, nn.Embedding):
+        return "embeddings"
+    if backbone.input_proj is not None and not plain(backbone.input_proj):
+        return "input_proj"
+    for i, block in enumerate(backbone._modules["layers"]):
+        if not block.fusable():
+            return f"layers.{i}"
+    if not plain(backbone.norm_f, type(backbone.norm_f)):
+        return "norm_f"
+    return None
+
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+def _params(model: nn.Module) -> tuple:
+    return tuple(map(_data_ptr, model.parameters()))
+
+
+def graphed_step(
+    model: nn.Module,
+    backbone: nn.Module,
+    body: Callable[[torch.Tensor, object], torch.Tensor],
+    x: torch.Tensor,
+    state,
+    cuda_graph: bool | str,
+    head: nn.Module | None = None,
+) -> torch.Tensor | None:
+    """`body(x, state)` (no autograd, the state advanced in place) replayed from a CUDA
+    graph of `model`'s, or None where the caller should run it eagerly (on a CPU, before a
+    key is warm, or where a graph cannot stand in for the modules: the reason is kept for
+    `step_graph_status`). `head`: a module after the backbone (an LM's head), plain too,
+    whose weights the graph reads where they are."""
+    if not use_cuda_graph(cuda_graph, x.device):
+        return None
+    table = _tables(model)
+    if torch.compiler.is_compiling():
+        table.reason = "torch.compile is tracing the step"
+        return None
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        table.reason = "a CUDA graph is being captured around the step"
+        return None
+    autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+    key = (x.shape, x.dtype, autocast, tuple(map(_data_ptr, state._tensors())))
+    entry = table.graphs.get(key)
+    if entry is not None:
+        if _stands(model, backbone, head, entry):
+            table.graphs.move_to_end(key)
+            entry.x.copy_(x)
+            entry.graph.replay()
+            table.replays += 1
+            return entry.out.clone()
+        del table.graphs[
+            key
+        ]  # stale: captured on modules, parameters or plan tensors since replaced
+    name = _not_plain(backbone) or (None if head is None or plain(head) else "lm_head")
+    if name is not None:
+        table.reason = (
+            f"{name} is not a plain module (a hook or an adapter would not run on a replay)"
+        )
+        return None
+    if key in table.failed:
+        return None
+    seen = table.seen.get(key, 0) + 1
+    if seen <= WARM_CALLS and cuda_graph == "auto":
+        if len(table.seen) >= _MAX_SEEN:
+            table.seen.clear()
+        table.seen[key] = seen
+        return None
+    table.seen.pop(key, None)
+    try:
+        entry = _capture(model, backbone, body, x, state, graph_cache(model)["pool"], head)
+    except Exception as exc:  # noqa: BLE001 - the eager step is always there
+        table.failed.add(key)
+        table.reason = f"capture failed: {type(exc).__name__}: {exc}"
+        return None
+    table.graphs[key] = entry
+    while len(table.graphs) > MAX_GRAPHS:
+        table.graphs.popitem(last=False)
+    entry.x.copy_(x)
+    entry.graph.replay()
+    table.replays += 1
+    return entry.out.clone()
+
+
+def _head_ptrs(head: nn.Module | None) -> tuple:
+    if head is None:
+        return ()
+    return tuple(p.data_ptr() for p in head._parameters.values() if p is not None)
+
+
+def _watch(roots: list[nn.Module]) -> tuple:
+    """What a replay assumes of `roots` and everything under them, in a form checked in a
+    few microseconds (`_unchanged`): their classes, their hooks (none), and which module is
+    each one's child (an adapter put in a projection's place changes one). The roots
+    themselves are not held (the caller passes them again), so a table that keeps this
+    beside a model does not keep the model alive."""
+    mods = [m for root in roots for m in root.modules()]
+    hooks = tuple(
+        d
+        for m in mods
+        for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
+                  m._backward_pre_hooks)
+    )  # fmt: skip
+    edges = [(m._modules, name, child) for m in mods for name, child in m._modules.items()]
+    inner = [m for m in mods if not any(m is r for r in roots)]
+    return (
+        tuple(inner),
+        tuple(map(type, inner)),
+        tuple(map(type, roots)),
+        hooks,
+        tuple(e[0] for e in edges),
+        tuple(e[1] for e in edges),
+        tuple(e[2] for e in edges),
+    )
+
+
+def _unchanged(watch: tuple, roots: list[nn.Module]) -> bool:
+    mods, types, root_types, hooks, parents, names, children = watch
+    return (
+        not any(_GLOBAL_HOOKS)
+        and not any(hooks)
+        and tuple(map(type, roots)) == root_types  # classes compare by identity
+        and tuple(map(type, mods)) == types
+        and all(map(operator.is_, map(dict.get, parents, names), children))
+    )
+
+
+def _stands(model, backbone, head, entry: _Graph) -> bool:
+    """Whether the graph still computes the step: the modules as they were (`_watch`), the
+    decode plan brought up to date with the parameters (a new derivation writes its values
+    into the plan's own tensors, which the graph reads) and every tensor the graph reads
+    where it was at the capture. While the plan is the same derivation, the backbone's
+    parameters are the ones it was derived from (`inference.plan`)."""
+    roots = [backbone] if head is None else [backbone, head]
+    if not _unchanged(entry.watch, roots) or _head_ptrs(head) != entry.extra:
+        return False
+    if record(backbone, "step") is entry.plan and entry.plan.fresh(backbone):
+        return True  # the derivation captured on, current and fresh: the common case
+    backbone._decode_plan()
+    now = record(backbone, "step")
+    if now is entry.plan:
+        return True
+    if now is None or now.addresses != entry.addresses or _params(model) != entry.params:
+        return False
+    entry.plan = now  # derived again (an optimizer step) into the same tensors
+    return True
+
+
+def _capture(model, backbone, body, x, state, pool, head) -> _Graph:
+    """Capture `body` on a static copy of x and the caller's state. The warm-up runs on a
+    copy of the state, so the caller's advances by the replay that follows alone.
+
+    Outside inference mode unless the state was made in it (as generate's graphs: the
+    graph's tensors are ordinary ones), and with autocast's cache of casts off (PyTorch's
+    rule for graphs: a cached cast is freed when the caller's autocast region ends, and
+    would not follow the weights; the graph casts them itself)."""
+    inference = any(t.is_inference() for t in state._tensors())
+    mode = torch.inference_mode() if inference else static_mode()
+    cast = torch.is_autocast_enabled("cuda")
+    uncached = (
+        torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
+        if cast
+        else contextlib.nullcontext()
+    )
+    with mode, uncached:
+        static_x = torch.empty_like(x, memory_format=torch.contiguous_format)
+        static_x.copy_(x)
+        scratch = state.clone()
+        graph, out = capture(
+            lambda: body(static_x, state), warmup=1, pool=pool,
+            warm=lambda: body(static_x, scratch),
+        )  # fmt: skip
+    backbone._decode_plan()
+    watch = _watch([backbone] if head is None else [backbone, head])
+    return _Graph(graph, static_x, out, _params(model), record(backbone, "step"),
+                  _head_ptrs(head), watch)  # fmt: skip

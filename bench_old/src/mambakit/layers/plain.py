@@ -1,0 +1,40 @@
+"""Whether a fused path may read a module's weights instead of calling the module.
+
+The fused paths (the mixer's inner node, the decode steps and their plans, the LM head's
+chunked loss and its matrix-vector kernel) read the weights of the projections around
+them and never call them. That computes what the model says only where calling the
+module would compute exactly `F.linear(x, weight, bias)` (or the depthwise conv): a
+module of exactly its class, with no hooks of its own and no global ones. Anything else
+(peft's LoRA, which puts its own module in the projection's place; a forward hook; a
+parametrization, which changes the module's class; a quantized layer) makes the path
+call the module instead.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.modules import module as _module
+
+_GLOBAL_HOOKS = tuple(
+    getattr(_module, name, {})
+    for name in (
+        "_global_forward_hooks",
+        "_global_forward_pre_hooks",
+        "_global_backward_hooks",
+        "_global_backward_pre_hooks",
+    )
+)
+
+
+def plain(module: nn.Module | None, kind: type = nn.Linear) -> bool:
+    """True when `module` is exactly a `kind` (not a subclass) that no hook watches."""
+    return (
+        type(module) is kind
+        and not (
+            module._forward_hooks
+            or module._forward_pre_hooks
+            or module._backward_hooks
+            or module._backward_pre_hooks
+        )
+        and not any(_GLOBAL_HOOKS)
+    )

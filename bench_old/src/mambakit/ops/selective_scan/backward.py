@@ -1,0 +1,242 @@
+"""The scan's backward kernels: every gradient, tile by tile from the last.
+
+B batch, T time, D = d_inner, N = d_state, TC the time tile; the state at every tile's
+start is the forward's (KS = 1) or replayed from its sparser ones (`replay.py`).
+g_t = dL/dh_t satisfies g_t = C_t gy_t + a_{t+1} g_{t+1}; inside a tile it is a loop over
+the tile's rows from the last (`_reverse_scan`: the rows lie within a thread, so no shuffles;
+`tl.associative_scan(reverse=True)` also reverses the lanes).
+`_bwd_kernel` recomputes each tile's states from its start state and writes du,
+d delta, dz and the per-program partials of dB, dC, dA, dD and d delta_bias;
+`_bwd_local_kernel` is the first pass over segments (each segment's reverse recurrence from
+a zero carry) when time is cut into segments.
+"""
+
+import triton
+import triton.language as tl
+
+from .._triton import fast_sigmoid
+from .channel_sum import _store_channel_sum
+from .tiles import (
+    LOG2E,
+    _combine,
+    _delta_of,
+    _doc_starts,
+    _in_range,
+    _ld,
+    _mul,
+    _program_block,
+    _reverse_scan,
+    _second,
+    _st,
+    _tile_decay,
+    _tile_ptrs,
+    _tile_rows,
+)
+
+# fmt: off
+
+
+@triton.jit
+def _tile_gate(p_dy, s_dy_b, s_dy_t, s_dy_d, p_z, s_z_b, s_z_t, b, t0, rows, d, m2,
+               HAS_Z: tl.constexpr, EVEN: tl.constexpr):
+    """dy, z, sigmoid(z), gy = dy * silu(z) (the gradient reaching y before the gate)."""
+    dy = _ld(_tile_ptrs(p_dy, s_dy_b, s_dy_t, b, t0, rows, d, s_dy_d), m2, EVEN)
+    if HAS_Z:
+        z = _tile_rows(p_z, s_z_b, s_z_t, b, t0, rows, d, m2, EVEN)
+        sz = fast_sigmoid(z)
+        gy = dy * z * sz
+    else:
+        z = dy
+        sz = dy
+        gy = dy
+    return dy, z, sz, gy
+
+
+@triton.jit
+def _bwd_local_kernel(
+    p_dt, p_A, p_C, p_z, p_bias, p_seq, p_dy, p_W, p_P,
+    T, Dn, N, Bsz, nseg, seg_chunks,
+    s_dt_b, s_dt_t, s_C_b, s_C_t, s_z_b, s_z_t, s_seq_b, s_seq_t, s_dy_b, s_dy_t, s_dy_d,
+    HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_SEQ: tl.constexpr,
+    TC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
+):
+    """A segment's reverse recurrence from a zero carry: W = a_first g_first, and the segment's
+    decay product P (the carry into its end reaches its start times P)."""
+    pid_d, s, b, pid_n, d, n, md, mn, mdn, A, bias = _program_block(
+        p_A, p_bias, Dn, N, Bsz, HAS_BIAS, BLOCK_D, BLOCK_N
+    )
+    s += 1  # segments 1.. (the first one's summary is never used)
+    A2 = A * LOG2E
+    rows = tl.arange(0, TC)
+    G = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    p = tl.full([BLOCK_N, BLOCK_D], 1.0, tl.float32)
+    c0 = s * seg_chunks
+    for i in tl.range(seg_chunks, num_stages=1):
+        c = c0 + seg_chunks - 1 - i
+        t0 = c * TC
+        t = t0 + rows
+        mt = t < T
+        m2, _raw, _dt, a = _tile_decay(
+            t0, rows, mt, b, d, md, p_dt, s_dt_b, s_dt_t, p_seq, s_seq_b, s_seq_t, A2, bias,
+            HAS_BIAS, SOFTPLUS, HAS_SEQ, EVEN,
+        )
+        _dy, _z, _sz, gy = _tile_gate(
+            p_dy, s_dy_b, s_dy_t, s_dy_d, p_z, s_z_b, s_z_t, b, t0, rows, d, m2, HAS_Z, EVEN
+        )
+        Ct = _tile_rows(p_C, s_C_b, s_C_t, b, t0, rows, n, mt[:, None] & mn[None, :], EVEN)
+        _g, G = _reverse_scan(Ct[:, :, None] * gy[:, None, :], a, G, rows, TC)
+        p = p * tl.reduce(a, 0, _mul)
+    off_seg = ((b * nseg + s) * Dn + d[None, :]) * N + n[:, None]
+    tl.store(p_W + off_seg, G, mask=mdn)
+    tl.store(p_P + off_seg, p, mask=mdn)
+
+
+@triton.jit
+def _bwd_loads(
+    c, rows, b, d, n, md, mn, T, p_u, p_dt, p_B, p_C, p_z, p_dy,
+    s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b, s_z_t, s_dy_b,
+    s_dy_t, s_dy_d, HAS_Z: tl.constexpr, TC: tl.constexpr, EVEN: tl.constexpr,
+):
+    """The inputs of backward tile c, as f32: raw delta, u, B, C, dy, z (dy without z)."""
+    t0 = c * TC
+    mt = (t0 + rows) < T
+    m2 = mt[:, None] & md[None, :]
+    mtn = mt[:, None] & mn[None, :]
+    raw = _ld(_tile_ptrs(p_dt, s_dt_b, s_dt_t, b, t0, rows, d, 1), m2, EVEN)
+    u = _tile_rows(p_u, s_u_b, s_u_t, b, t0, rows, d, m2, EVEN)
+    Bt = _tile_rows(p_B, s_B_b, s_B_t, b, t0, rows, n, mtn, EVEN)
+    Ct = _tile_rows(p_C, s_C_b, s_C_t, b, t0, rows, n, mtn, EVEN)
+    dy = _ld(_tile_ptrs(p_dy, s_dy_b, s_dy_t, b, t0, rows, d, s_dy_d), m2, EVEN)
+    if HAS_Z:
+        z = _tile_rows(p_z, s_z_b, s_z_t, b, t0, rows, d, m2, EVEN)
+    else:
+        z = dy
+    return raw, u, Bt, Ct, dy, z
+
+
+@triton.jit
+def _tile_start(c, b, off_h, mdn, Dn, N, ns, p_states):
+    """The state at the start of tile c ([B, ns, D, N]: a scalar int64 base and the tile's
+    int32 offsets)."""
+    base = p_states + (b * ns + c) * Dn * N
+    return tl.load(base + off_h, mask=_in_range(mdn, c, ns), other=0.0)
+
+
+@triton.jit
+def _bwd_kernel(
+    p_u, p_dt, p_A, p_B, p_C, p_D, p_z, p_bias, p_seq, p_dy, p_states,
+    p_gin, p_du, p_ddt, p_dz, p_ys, p_dB, p_dC, p_dA, p_dD, p_db, p_dh0,
+    T, Dn, N, Bsz, ns, nseg, seg_chunks,
+    s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b, s_z_t, s_seq_b, s_seq_t,
+    s_dy_b, s_dy_t, s_dy_d, s_dz_b, s_dz_t,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    HAS_SEQ: tl.constexpr, HAS_G: tl.constexpr, HAS_H0: tl.constexpr, SPLIT_N: tl.constexpr,
+    TC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN: tl.constexpr, RS: tl.constexpr, RS_ASM: tl.constexpr,
+):
+    """Every gradient of one segment, tiles last to first: states by a forward scan from the
+    tile's start state (p_states: [B, ns, D, N], one per tile), adjoints by a reverse scan
+    from the carry G."""
+    pid_d, s, b, pid_n, d, n, md, mn, mdn, A, bias = _program_block(
+        p_A, p_bias, Dn, N, Bsz, HAS_BIAS, BLOCK_D, BLOCK_N
+    )
+    A2 = A * LOG2E
+    rows = tl.arange(0, TC)
+    off_seg = ((b * nseg + s) * Dn + d[None, :]) * N + n[:, None]  # [B, nseg, D, N]
+    if HAS_G:
+        G = tl.load(p_gin + off_seg, mask=mdn, other=0.0)
+    else:
+        G = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    Dv = tl.zeros([BLOCK_D], tl.float32)
+    if HAS_D:
+        Dv = tl.load(p_D + d, mask=_in_range(md, pid_n, 1), other=0.0)
+    dA_acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dD_acc = tl.zeros([BLOCK_D], tl.float32)
+    db_acc = tl.zeros([BLOCK_D], tl.float32)
+    out_base = (pid_n * Bsz + b) * T * Dn  # [nb, B, T, D] (nb = 1: [B, T, D])
+    part_base = (pid_d * Bsz + b) * T * N  # [n_dblocks, B, T, N]
+    c0 = s * seg_chunks
+    c_last = c0 + seg_chunks - 1
+    off_h = d[None, :] * N + n[:, None]
+    # a tile's loads are issued one iteration ahead, behind the previous tile's arithmetic:
+    # few warps per SM are resident at this register count to hide them
+    nx_raw, nx_u, nx_B, nx_C, nx_dy, nx_z = _bwd_loads(
+        c_last, rows, b, d, n, md, mn, T, p_u, p_dt, p_B, p_C, p_z, p_dy,
+        s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b,
+        s_z_t, s_dy_b, s_dy_t, s_dy_d, HAS_Z, TC, EVEN,
+    )
+    nx_h0 = _tile_start(c_last, b, off_h, mdn, Dn, N, ns, p_states)
+    for i in tl.range(seg_chunks, num_stages=1):  # loads run one tile ahead by hand (above)
+        c = c_last - i
+        raw, u, Bt, Ct, dy, z, h0 = nx_raw, nx_u, nx_B, nx_C, nx_dy, nx_z, nx_h0
+        c_nx = tl.maximum(c - 1, c0)  # the next tile (the first again on the last iteration)
+        nx_raw, nx_u, nx_B, nx_C, nx_dy, nx_z = _bwd_loads(
+            c_nx, rows, b, d, n, md, mn, T, p_u, p_dt, p_B, p_C, p_z, p_dy,
+            s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b,
+            s_z_t, s_dy_b, s_dy_t, s_dy_d, HAS_Z, TC, EVEN,
+        )
+        nx_h0 = _tile_start(c_nx, b, off_h, mdn, Dn, N, ns, p_states)
+        t0 = c * TC
+        t = t0 + rows
+        mt = t < T
+        mtn = mt[:, None] & mn[None, :]
+        m2 = mt[:, None] & md[None, :]
+        raw, dt = _delta_of(raw, m2, bias, HAS_BIAS, SOFTPLUS, EVEN)
+        a = tl.exp2(dt[:, None, :] * A2[None, :, :])
+        if HAS_SEQ:
+            starts = _doc_starts(t, mt, b, p_seq, s_seq_b, s_seq_t)
+            a = tl.where(starts[:, None, None], 0.0, a)
+        if HAS_Z:
+            sz = fast_sigmoid(z)
+            gy = dy * z * sz
+        else:
+            sz = dy
+            gy = dy
+        dtu = dt * u
+        bx = dtu[:, None, :] * Bt[:, :, None]
+        # carries enter through the first (forward) and last (reverse) rows; the scans' decay
+        # products are then unused and compile away
+        hs_in = tl.where((rows == 0)[:, None, None], bx + a * h0[None, :, :], bx)
+        _pa, hs = tl.associative_scan((a, hs_in), 0, _combine)  # h_t
+        # dL/dh_t, and the carry into the previous tile; the identity scan pins x to the tile's
+        # default layout, which the channel sums of dB (inline-asm shuffles) assume: without
+        # it Triton 3.6 lays x out with states on the low lanes on masked tiles
+        x, G = _reverse_scan(Ct[:, :, None] * gy[:, None, :], a, G, rows, TC)
+        x = tl.associative_scan(x, 0, _second)
+        if HAS_Z:
+            ys = tl.sum(hs * Ct[:, :, None], axis=1)
+            if SPLIT_N:  # y needs every state block: dz is finished outside
+                _st(_tile_ptrs(p_ys + out_base, 0, Dn, b, t0, rows, d, 1), ys, m2, EVEN)
+            else:
+                if HAS_D:
+                    ys += Dv[None, :] * u
+                dz = dy * ys * sz * (1.0 + z * (1.0 - sz))
+                _st(_tile_ptrs(p_dz, s_dz_b, s_dz_t, b, t0, rows, d, 1), dz, m2, EVEN)
+        xhb = x * (hs - bx)  # g_t a_t h_{t-1}
+        xB = tl.sum(x * Bt[:, :, None], axis=1)
+        ddt = u * xB + tl.sum(xhb * A[None, :, :], axis=1)
+        du = dt * xB
+        if HAS_D:
+            du += Dv[None, :] * gy  # Dv is 0 outside the first state block
+            dD_acc += tl.sum(gy * u, axis=0)
+        if SOFTPLUS:
+            ddt = ddt * fast_sigmoid(raw)
+        if EVEN:
+            db_acc += tl.sum(ddt, axis=0)
+        else:
+            db_acc += tl.sum(tl.where(m2, ddt, 0.0), axis=0)
+        _st(_tile_ptrs(p_du + out_base, 0, Dn, b, t0, rows, d, 1), du, m2, EVEN)
+        _st(_tile_ptrs(p_ddt + out_base, 0, Dn, b, t0, rows, d, 1), ddt, m2, EVEN)
+        _store_channel_sum(p_dB + part_base, x * dtu[:, None, :], t0, rows, n, mtn, T, N,
+                           pid_n, TC, BLOCK_N, BLOCK_D, RS, RS_ASM, EVEN)
+        _store_channel_sum(p_dC + part_base, hs * gy[:, None, :], t0, rows, n, mtn, T, N,
+                           pid_n, TC, BLOCK_N, BLOCK_D, RS, RS_ASM, EVEN)
+        dA_acc += tl.sum(xhb * dt[:, None, :], axis=0)
+    tl.store(p_dA + off_seg, dA_acc, mask=mdn)  # [B, nseg, D, N] partials
+    off_part = (b * nseg + s) * Dn + d  # [B, nseg, D] partials
+    tl.store(p_db + pid_n * Bsz * nseg * Dn + off_part, db_acc, mask=md)
+    if HAS_D:
+        tl.store(p_dD + off_part, dD_acc, mask=_in_range(md, pid_n, 1))
+    if HAS_H0:  # after the first segment, G is dL/d initial_state
+        off_0 = (b * Dn + d[None, :]) * N + n[:, None]
+        tl.store(p_dh0 + off_0, G, mask=_in_range(mdn, s, 1))

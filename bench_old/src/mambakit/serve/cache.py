@@ -1,0 +1,142 @@
+"""The prefix-state cache: the model state after a prompt prefix, kept on the device and
+reused by a later prompt that starts with the same tokens.
+
+A Mamba model's whole context is its recurrent state (the conv history is part of it),
+so the state after prefix P is exactly what a prompt P + S needs to go on with S: the
+engine copies it and prefills S alone. An entry holds the state after its prefix and the
+logits of the prefix's last token (so a prompt that is exactly a cached prefix draws its
+first token without running the model). The engine stores one at every multiple of its
+block size inside a prompt and one at each prompt's end.
+
+Entries are keyed by the exact token prefix: a rolling hash of the tokens finds the
+candidates, and the tokens themselves are compared before an entry is used, so a hash
+collision can never hand a prompt another prefix's state. The least recently used
+entries are dropped first to keep the total bytes within the budget.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..state import ModelState
+
+_BASE = 1_000_003  # odd: invertible modulo 2**64
+_INV = pow(_BASE, -1, 1 << 64)
+_powers: tuple[np.ndarray, np.ndarray] | None = None  # BASE**j and BASE**-j mod 2**64
+
+
+def _power_tables(n: int) -> tuple[np.ndarray, np.ndarray]:
+    global _powers
+    if _powers is None or len(_powers[0]) < n:
+        size = max(n, 4096, 2 * len(_powers[0]) if _powers is not None else 0)
+        up = np.full(size, _BASE, dtype=np.uint64)
+        up[0] = 1
+        down = np.full(size, _INV, dtype=np.uint64)
+        down[0] = 1
+        _powers = (np.cumprod(up), np.cumprod(down))  # uint64 products wrap modulo 2**64
+    return _powers
+
+
+def prefix_hashes(tokens: list[int]) -> list[int]:
+    """h[i] = the hash of tokens[:i + 1], for every i: the polynomial
+    sum_j (tokens[j] + 1) * BASE**(i - j) modulo 2**64, as BASE**i times a prefix sum of
+    (tokens[j] + 1) * BASE**-j, so numpy computes every prefix at once. Only candidates are
+    found by it (the tokens are compared), so a collision costs a comparison, no more."""
+    n = len(tokens)
+    up, down = _power_tables(n)
+    t = np.asarray(tokens, dtype=np.uint64) + np.uint64(1)
+    return (np.cumsum(t * down[:n], dtype=np.uint64) * up[:n]).tolist()
+
+
+@dataclass
+class CacheEntry:
+    tokens: tuple[int, ...]  # the exact prefix
+    state: ModelState  # the state after it, one row, owned by the entry
+    logits: torch.Tensor  # [V] at its last token
+    nbytes: int
+
+
+class PrefixCache:
+    """Prefix -> (state, last logits), least recently used dropped first within
+    `max_bytes` (0 turns the cache off)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"max_bytes must be an int >= 0, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[tuple[int, int], CacheEntry] = OrderedDict()
+        self.nbytes = 0
+        self.lengths: dict[int, int] = {}  # prefix length -> entries of that length
+        self.sorted_lengths: list[int] = []  # the keys of `lengths`, ascending
+        self.hits = 0  # lookups that found a prefix
+        self.misses = 0
+        self.hit_tokens = 0  # prompt tokens not prefilled thanks to a hit
+        self.evictions = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def lookup(self, tokens: list[int], hashes: list[int]) -> CacheEntry | None:
+        """The entry of the longest cached prefix of `tokens` (the whole of it included),
+        marked as recently used; None when none is cached."""
+        if not self.enabled:
+            return None
+        top = bisect.bisect_right(self.sorted_lengths, len(tokens))
+        for n in reversed(self.sorted_lengths[:top]):  # the longest first
+            entry = self.entries.get((n, hashes[n - 1]))
+            if entry is not None and entry.tokens == tuple(tokens[:n]):
+                self.entries.move_to_end((n, hashes[n - 1]))
+                self.hits += 1
+                self.hit_tokens += n
+                return entry
+        self.misses += 1
+        return None
+
+    def insert(
+        self, tokens: list[int], hashes: list[int], state: ModelState, logits: torch.Tensor
+    ) -> None:
+        """Keep a copy of the state after `tokens` (one row) and of its last `logits` [V]."""
+        if not self.enabled or not tokens:
+            return
+        key = (len(tokens), hashes[len(tokens) - 1])
+        old = self.entries.get(key)
+        if old is not None and old.tokens == tuple(tokens):
+            self.entries.move_to_end(key)
+            return
+        state = state.clone()
+        logits = logits.clone()
+        nbytes = sum(t.numel() * t.element_size() for t in state._tensors())
+        nbytes += logits.numel() * logits.element_size()
+        if nbytes > self.max_bytes:
+            return
+        if old is not None:  # a colliding prefix: the newer one takes the key
+            self._drop(key)
+        self.entries[key] = CacheEntry(tuple(tokens), state, logits, nbytes)
+        self.nbytes += nbytes
+        n = len(tokens)
+        self.lengths[n] = self.lengths.get(n, 0) + 1
+        if self.lengths[n] == 1:
+            bisect.insort(self.sorted_lengths, n)
+        while self.nbytes > self.max_bytes:
+            self._drop(next(iter(self.entries)))
+            self.evictions += 1
+
+    def _drop(self, key) -> None:
+        self.nbytes -= self.entries.pop(key).nbytes
+        n = key[0]
+        self.lengths[n] -= 1
+        if not self.lengths[n]:
+            del self.lengths[n]
+            self.sorted_lengths.pop(bisect.bisect_left(self.sorted_lengths, n))
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.nbytes = 0
+        self.lengths.clear()
+        self.sorted_lengths.clear()

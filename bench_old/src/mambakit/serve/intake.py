@@ -1,0 +1,385 @@
+"""The serving engine's prompt side (`Engine`'s methods, as a base class): admitting
+waiting requests while rows are free (their prompt looked up in the prefix cache), the
+prefill launches of an iteration (whole prompts many to a forward, packed rows, or block by
+block: `prefill.py`), and joining the prompts whose prefill is complete to the decode batch,
+their first tokens drawn. The state these read and write is `Engine.__init__`'s."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .cache import prefix_hashes
+from .prefill import (
+    FORWARD_TOKENS,
+    PACK_SLOTS_EAGER,
+    left_padded,
+    pack_bucket,
+    pack_steps,
+    packed_row,
+    piece_lengths,
+    plan_groups,
+    plan_packs,
+    plan_targets,
+    right_padded,
+    span_bucket,
+    span_lengths,
+    stack_rows,
+    whole_bucket,
+)
+from .request import Request, Sequence
+from .slots import rows_view, sample_rows, to_device
+
+HEADS_KEPT = 1 << 16  # first blocks remembered (`Intake._new_head`)
+
+
+class Intake:
+    """Admission, prefill and joining: the engine's work on prompts (module docstring)."""
+
+    def _admit(self) -> None:
+        """Waiting requests into prefill while rows are free, first come first served."""
+        while self.waiting:
+            req = self.waiting[0]
+            if len(self.rows) + self.reserved + req.params.n > self.max_batch:
+                break
+            self.waiting.popleft()
+            with self._lock:
+                self._n_waiting -= 1
+            self.reserved += req.params.n
+            req.admitted = time.monotonic()
+            if self.cache.enabled:
+                req.hashes = prefix_hashes(req.prompt)
+                hit = self.cache.lookup(req.prompt, req.hashes)
+                if hit is not None:
+                    req.pos = req.cached = len(hit.tokens)
+                    req.state, req.logits = hit.state, hit.logits
+            if self.packed:  # packed, with the block states unless the head is new
+                rest = len(req.prompt) - req.pos  # 0: the whole prompt was cached
+                req.whole = 0 < rest <= self.prefill_tokens
+                seen = req.pos > 0 or not self._new_head(req)
+                req.blocks = req.whole and self.cache.enabled and seen
+                steps = pack_steps(req.pos, len(req.prompt), self.block_size, req.blocks)
+                if len(steps) > self._pack_slots():  # more boundaries than a row keeps
+                    req.blocks = False
+            else:
+                short = len(req.prompt) <= min(self.whole_max, self.prefill_tokens)
+                req.whole = req.pos == 0 and short and self._new_head(req)
+            self.prefilling.append(req)
+
+    def _new_head(self, req: Request) -> bool:
+        """Whether `req` (starting from zeros) may be prefilled whole: no cache, a prompt
+        shorter than a block, or a first block not seen before (noted now). The first
+        prompt with a new system prompt runs whole; the next one keeps its block states."""
+        if not self.cache.enabled or len(req.prompt) < self.block_size:
+            return True
+        head = req.hashes[self.block_size - 1]
+        seen = head in self._heads
+        self._heads[head] = None
+        self._heads.move_to_end(head)
+        if len(self._heads) > HEADS_KEPT:
+            self._heads.popitem(last=False)
+        return not seen
+
+    def _prefill(self) -> None:
+        """Join the prefill launches that are done (oldest first; with nothing to decode
+        and no launch to make, wait for the oldest); then launch the next while fewer than
+        `prefills_in_flight` run: up to `prefill_tokens` prompt tokens (prefill.py) of the
+        prompts not yet launched to their end. Without `async_prefill` a launch is joined
+        at once. Joining draws the first tokens of the prompts it completes."""
+        self._join_launches(wait=False)
+        fresh = [r for r in self.prefilling if not r.launched]
+        full = len(self._pending) >= self.prefills_in_flight
+        if not (self.rows or self._inflight is not None) and (full or not fresh):
+            self._join_launches(wait=True)  # nothing else to do: wait for the oldest launch
+            fresh = [r for r in self.prefilling if not r.launched]
+        if fresh and len(self._pending) < self.prefills_in_flight and not self._hold(fresh):
+            if self.prefill_stream is None:
+                ready = self._launch_prefill(fresh)
+            else:
+                self.prefill_stream.wait_stream(self.decode_stream)
+                with torch.cuda.stream(self.prefill_stream):
+                    ready = self._launch_prefill(fresh)
+            if not self.async_prefill:
+                if ready:
+                    if self.prefill_stream is not None:
+                        self.decode_stream.wait_stream(self.prefill_stream)
+                    self._join(ready)
+                return
+            event = self._launch_event()
+            for r in ready:
+                r.launched = True
+            self._pending.append((event, ready))
+
+    def _launch_event(self):
+        """An event recorded on the prefill stream after a launch (None off CUDA: done)."""
+        if self.prefill_stream is None:
+            return None
+        event = torch.cuda.Event(blocking=True)  # its synchronize() sleeps, not spins
+        event.record(self.prefill_stream)
+        return event
+
+    def _join_launches(self, wait: bool) -> None:
+        """Join the launched prefills that are done, oldest first (`wait`: the oldest in any
+        case, waiting for it)."""
+        while self._pending:
+            event, ready = self._pending[0]
+            if event is not None and not event.query():
+                if not wait:
+                    return
+                event.synchronize()
+            wait = False
+            self._pending.popleft()
+            ready = [r for r in ready if r in self.prefilling]  # not cancelled meanwhile
+            if ready:
+                self._join(ready)
+
+    def _hold(self, fresh: list[Request]) -> bool:
+        """Whether to let the prompts not launched yet (`fresh`) wait for more to launch
+        with (`prefill_hold`: the least prompt tokens a launch should have, and the longest
+        a prompt waits for that, in seconds): while decode steps keep the device busy,
+        larger launches run as larger forwards, each token cheaper."""
+        if self.prefill_hold is None or not self.rows:
+            return False
+        if any(r.pos == len(r.prompt) for r in fresh):  # found whole in the cache: join now
+            return False
+        least, wait = self.prefill_hold
+        if sum(len(r.prompt) - r.pos for r in fresh) >= least:
+            return False
+        return time.monotonic() - fresh[0].admitted < wait
+
+    def _launch_prefill(self, fresh: list[Request]) -> list[Request]:
+        """Enqueue the forwards of this iteration's prompt pieces of the requests `fresh`
+        (not launched to their prompt's end yet), grouped by length, and the cache's copies
+        of the states they reach; the requests whose prompt they complete. Nothing here
+        waits for the device: a later launch reads the states an earlier one writes in the
+        order of the prefill stream."""
+        whole = []
+        block = self.block_size
+        cut = span_lengths if self.spans else piece_lengths
+        for req, target in plan_targets(fresh, self.prefill_tokens, block):
+            if req.whole:
+                whole.append(req)
+            else:
+                req.pieces = cut(req.pos, target, block)
+        if whole and self.packed:
+            self._prefill_packed(whole)
+        elif whole:
+            self._prefill_whole(whole)
+        while True:
+            active = [r for r in self.prefilling if r.pieces]
+            if not active:
+                break
+            # a round: one forward over every prompt whose next piece has the round's
+            # length; with `spans`, whose piece pads to the round's bucket, and the shorter
+            # ones, longest first, while the filler (padding rows included) costs less
+            # than a forward and they need no forward of their own
+            size = max(span_bucket(r.pieces[0], block) for r in active)
+            group = [r for r in active if span_bucket(r.pieces[0], block) == size]
+            if self.spans:
+                graphs = self.prefill_graphs
+                tokens = sum(r.pieces[0] for r in group)
+                for r in sorted((r for r in active if r not in group), key=lambda r: -r.pieces[0]):
+                    if graphs is not None and len(group) % graphs.max_rows == 0:
+                        break  # the next row would be a forward of its own
+                    filler = self._padded_rows(len(group) + 1) * size - tokens - r.pieces[0]
+                    if filler > self._forward_tokens():
+                        break
+                    group.append(r)
+                    tokens += r.pieces[0]
+            lengths = [r.pieces.popleft() for r in group]
+            pieces = [r.prompt[r.pos : r.pos + n] for r, n in zip(group, lengths)]
+            run = self._pieces_forward if min(lengths) == size else self._spans_forward
+            self._forward_group(group, lambda f=run, g=group, p=pieces, n=size: f(g, p, n),
+                                [r.pos + n for r, n in zip(group, lengths)])  # fmt: skip
+        return [r for r in fresh if r.pos == len(r.prompt)]
+
+    def _pieces_forward(self, group: list[Request], pieces: list[list[int]], n: int):
+        """(logits, state) of pieces of one length n, from the states of `group`."""
+        state = stack_rows([r.state for r in group], self._zero)
+        done = None
+        if self.prefill_graphs is not None:
+            done = self.prefill_graphs.run(pieces, state, self.device)
+        if done is None:
+            ids = torch.tensor(pieces, dtype=torch.int64, device=self.device)
+            done = self.model.last_logits(ids, state)
+        return done
+
+    def _spans_forward(self, group: list[Request], pieces: list[list[int]], n: int):
+        """(logits, state) of pieces of different lengths (at most n tokens) from the states
+        of `group`, right-padded to n, each row's at its own last token (`_last_at`)."""
+        state = stack_rows([r.state for r in group], self._zero)
+        done = None
+        if self.prefill_graphs is not None:
+            done = self.prefill_graphs.run_spans(pieces, state, n, self.device)
+        if done is None:
+            ids, last = (t.to(self.device) for t in right_padded(pieces, n))
+            done = self.model._last_at(ids, last, state)
+        return done
+
+    def _prefill_whole(self, reqs: list[Request]) -> None:
+        """Prefill whole prompts from zeros. On CUDA in groups of up to the captured rows
+        (16) of similar lengths (the prompts sorted by length, cut where the filler saved
+        pays for another forward: `plan_groups`), each one forward padded to the bucket of
+        its longest (`PrefillGraphs.run_whole`): few large
+        forwards, the filler a fraction of each; elsewhere grouped by exact length."""
+        if self.device.type == "cuda" or self.prefill_graphs is not None:
+            size = self.prefill_graphs.max_rows if self.prefill_graphs is not None else 16
+            reqs = sorted(reqs, key=lambda r: len(r.prompt))
+            groups, i = {}, 0
+            for end in plan_groups([len(r.prompt) for r in reqs], size, self._forward_tokens()):
+                group = reqs[i:end]
+                groups[(i, whole_bucket(len(group[-1].prompt)))] = group
+                i = end
+        else:
+            groups: dict = {}
+            for r in reqs:
+                groups.setdefault((0, len(r.prompt)), []).append(r)
+        for (_, n), group in groups.items():
+            prompts = [r.prompt for r in group]
+
+            def forward(prompts=prompts, n=n):
+                done = None
+                if self.prefill_graphs is not None:
+                    done = self.prefill_graphs.run_whole(prompts, self.device)
+                if done is None:
+                    ids, seq_idx = left_padded(prompts, n, self.device)
+                    done = self.model.last_logits(ids, None, seq_idx)
+                return done
+
+            self._forward_group(group, forward, [len(p) for p in prompts])
+
+    def _padded_rows(self, g: int) -> int:
+        """The rows g pieces run as: with graphs, in parts of up to `max_rows` rows, each
+        padded to a power of two (as `PrefillGraphs` captures them); else g."""
+        graphs = self.prefill_graphs
+        if graphs is None:
+            return g
+        full, rest = divmod(g, graphs.max_rows)
+        return full * graphs.max_rows + (1 << (rest - 1).bit_length() if rest else 0)
+
+    def _forward_tokens(self) -> int:
+        """A prefill forward's fixed cost in tokens' worth of its work (measured at warm-up
+        on CUDA): what a shorter piece or a smaller group must save to get a forward of
+        its own."""
+        graphs = self.prefill_graphs
+        return graphs.forward_tokens if graphs is not None else FORWARD_TOKENS
+
+    def _pack_slots(self) -> int:
+        """The states one packed forward keeps at most."""
+        graphs = self.prefill_graphs
+        return graphs.slots if graphs is not None else PACK_SLOTS_EAGER
+
+    def _prefill_packed(self, reqs: list[Request]) -> None:
+        """Prefill the rest of prompts packed end to end into rows of up to `prefill_tokens`
+        tokens and `PrefillGraphs.slots` kept states (each prompt's end, and its block
+        boundaries when `blocks`), one forward a row (`MambaLM.states_at`). A prompt that
+        continues a cached prefix starts a row, from that prefix's state (the state a row
+        starts from enters its first prompt only); the others start from zeros. On CUDA
+        each row is padded to a `pack_bucket` and replayed from its graph."""
+        graphs = self.prefill_graphs
+        slots = self._pack_slots()
+        for group, steps, rows, marks in plan_packs(reqs, self.block_size, self.prefill_tokens,
+                                                    slots):  # fmt: skip
+            total = sum(len(r.prompt) - r.pos for r in group)
+            k = sum(map(len, steps))
+
+            def forward(group=group, steps=steps, total=total, k=k):
+                prompts = [r.prompt[r.pos :] for r in group]
+                start = group[0].state  # a cached prefix's (one row), or None
+                if graphs is not None:
+                    row = packed_row(prompts, steps, pack_bucket(total), slots)
+                    done = graphs.run_packed(*row, k, self.device, start)
+                    if done is not None:
+                        return done
+                ids, seq, pos = (t.to(self.device) for t in packed_row(prompts, steps, total, k))
+                logits, state = self.model._states_at(ids, pos, start, seq)
+                return logits[0], state
+
+            self._forward_group(group, forward, [len(r.prompt) for r in group], rows, marks)
+
+    def _forward_group(
+        self, group: list[Request], forward, ends: list[int], rows=None, marks=()
+    ) -> None:
+        """Run `forward` (-> logits [g, V], state [L, g, ...]) that takes the requests of
+        `group` to positions `ends`; keep each one's state row and last logits, and give
+        the cache those at a block boundary or a prompt's end. `rows`: the row of each
+        request's end (default: its index); `marks`: (request, tokens, row) of the states
+        at block boundaries inside the prompts (a packed forward's), for the cache. A
+        forward that fails ends the requests of the group with an error."""
+        try:
+            logits, out = forward()
+        except Exception as e:
+            msg = f"prefill failed: {type(e).__name__}: {e}"
+            for r in group:
+                self._end_request(r, "error", msg)
+            return
+        with self.metrics.lock:
+            self.metrics.prefill_tokens += sum(end - r.pos for r, end in zip(group, ends))
+        for r, n, j in marks:
+            self.cache.insert(r.prompt[:n], r.hashes, rows_view(out, j, j + 1), logits[j])
+        for i, (r, end) in enumerate(zip(group, ends)):
+            j = i if rows is None else rows[i]
+            r.pos = end
+            r.state, r.logits = rows_view(out, j, j + 1), logits[j]
+            if end % self.block_size == 0 or end == len(r.prompt):
+                self.cache.insert(r.prompt[:end], r.hashes, r.state, r.logits)
+
+    def _join(self, ready: list[Request]) -> None:
+        """Draw the first token of every choice of the prompts in `ready` and put the
+        choices into free rows. Nothing here waits for the device: with `lookahead` the
+        first tokens are read at the next iteration, after its step is launched (a choice
+        that ends on its first token is then stepped once more, that token dropped);
+        otherwise at once."""
+        seqs: list[Sequence] = []
+        if self.prefill_stream is not None:  # made on the prefill stream, read on this one
+            stream = torch.cuda.current_stream(self.device)
+            for req in ready:
+                for t in (*req.state._tensors(), req.logits):
+                    t.record_stream(stream)
+        for req in ready:
+            self.prefilling.remove(req)
+            self.reserved -= req.params.n
+            p = req.params
+            base = p.seed if p.seed is not None else self._rng.getrandbits(62)
+            req.seqs = [Sequence(req, i, base + i, self.tokenizer, self.eos_token_id)
+                        for i in range(p.n)]  # fmt: skip
+            seqs += req.seqs
+        try:
+            logits = torch.stack([s.request.logits for s in seqs])
+            cfgs = [s.request.sampling for s in seqs]
+            seeds = to_device([s.seed for s in seqs], self.device)
+            steps = torch.zeros_like(seeds)
+            seen = None
+            if any(c.repetition_penalty != 1 for c in cfgs):
+                seen = torch.zeros(len(seqs), self.vocab, dtype=torch.bool, device=self.device)
+                rows = [i for i, s in enumerate(seqs) for _ in s.request.prompt]
+                cols = [t for s in seqs for t in s.request.prompt]
+                seen[to_device(rows, self.device), to_device(cols, self.device)] = True
+            first = sample_rows(logits, cfgs, seeds, steps, seen)
+            if seen is not None:
+                seen[torch.arange(len(seqs), device=self.device), first] = True
+            self.pool.load(len(self.rows), [s.request.state for s in seqs], first, seeds, 1,
+                           seen)  # fmt: skip
+            host = first.to("cpu", non_blocking=True)  # pinned, on CUDA
+            event = None
+            if self.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+        except Exception as e:
+            msg = f"sampling failed: {type(e).__name__}: {e}"
+            for req in ready:
+                self._end_request(req, "error", msg)
+            return
+        finally:
+            for req in ready:
+                req.state = req.logits = None
+        self.rows += seqs
+        counts = self._row_settings
+        for s in seqs:
+            key = id(s.request.sampling)
+            counts[key] = counts.get(key, 0) + 1
+        if self.lookahead:
+            self._joined.append((seqs, host, event))
+        else:
+            self._collect((seqs, host, event))

@@ -1,0 +1,257 @@
+"""Chunked, batched prefill: prompts run through the model in pieces whose lengths let
+many prompts share one forward.
+
+P = block size. A prompt is prefilled from its start (or from the end of a cached
+prefix) in pieces that never cross a multiple of P, so the state at every block
+boundary exists and goes into the prefix cache. Each round of the prefill is one forward
+over the next pieces of many prompts, with the prompts' states stacked as its initial
+state. A forward over a piece from a state gives the same state and last logits as the
+prompt run whole (up to the rounding of f32 sums).
+
+A model that stops each row of one forward at a step of its own (`MambaLM.stops_rows`:
+Mamba-1 by `states_at`, Mamba-2 and Mamba-3 by a delta of 0 past the stop, which passes
+the state unchanged; every model but a Mamba-2 whose `dt_limit` keeps delta above 0) runs
+its pieces whole, up to the next block boundary (`span_lengths`), pieces of different
+lengths sharing a forward right-padded to a power of two (`span_bucket`), each row's
+state and logits taken at its own last token. A cached prefix's remainder is then one
+forward, however the lengths of the prompts of a launch differ. Otherwise a piece
+shorter than P is cut into powers of two, largest first (a piece of 100 tokens runs as
+64, 32 and 4), and each round is one forward over every prompt whose next piece has
+that round's length: at most log2(P) + 1 forwards plus one per whole block, whatever
+the number of prompts.
+
+A prompt that starts from zeros (no cached prefix) needs no state before it, so it can
+run whole instead: one forward for many prompts, each left-padded to a common bucket
+length with `seq_idx` marking the filler (as `generate` prefills ragged prompts). That
+keeps only the state at the prompt's end; the engine does it for prompts whose first
+block it has not seen before (`Engine._new_head`), and runs the others block by block
+so that the states at their boundaries go into the prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from ..state import ModelState
+from .slots import to_device
+
+
+def piece_lengths(pos: int, end: int, block: int) -> deque[int]:
+    """The lengths of the pieces that take a prompt from `pos` to `end`."""
+    out: deque[int] = deque()
+    while pos < end:
+        stop = min(end, (pos // block + 1) * block)
+        n = stop - pos
+        if n == block:
+            out.append(n)
+        else:
+            for bit in reversed(range(n.bit_length())):
+                if n >> bit & 1:
+                    out.append(1 << bit)
+        pos = stop
+    return out
+
+
+def span_lengths(pos: int, end: int, block: int) -> deque[int]:
+    """The pieces that take a prompt from `pos` to `end` when a forward stops each row at a
+    step of its own (`MambaLM.stops_rows`): up to each block boundary, then the rest."""
+    out: deque[int] = deque()
+    while pos < end:
+        stop = min(end, (pos // block + 1) * block)
+        out.append(stop - pos)
+        pos = stop
+    return out
+
+
+def span_bucket(n: int, block: int) -> int:
+    """The length a forward whose longest piece has n tokens (n <= block) is right-padded
+    to: the next power of two, or the block (the lengths `PrefillGraphs` captures)."""
+    return min(1 << (n - 1).bit_length(), block)
+
+
+def right_padded(pieces: list[list[int]], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host tensors of pieces of different lengths as rows of n tokens: ids [g, n] int64
+    (filler 0 after each piece) and each row's last step [g] int64."""
+    ids = torch.zeros(len(pieces), n, dtype=torch.int64)
+    for i, p in enumerate(pieces):
+        ids[i, : len(p)] = torch.tensor(p, dtype=torch.int64)
+    last = torch.tensor([len(p) - 1 for p in pieces], dtype=torch.int64)
+    return ids, last
+
+
+def stack_rows(states: list[ModelState | None], zero: ModelState) -> ModelState | None:
+    """One state of len(states) rows (a row of zeros for None); None when every one is."""
+    if all(s is None for s in states):
+        return None
+    fields = zip(*((s if s is not None else zero)._tensors() for s in states))
+    return type(zero)(*(torch.cat(ts, dim=1) for ts in fields))
+
+
+def whole_bucket(n: int) -> int:
+    """The length a prompt of n tokens prefilled whole is left-padded to (on CUDA): a
+    power of two from `WHOLE_MIN` up to `WHOLE_STEP`, then a multiple of `WHOLE_STEP`
+    (the filler is at most a fifth of a forward past 1,024 tokens)."""
+    if n > WHOLE_STEP:
+        return -(-n // WHOLE_STEP) * WHOLE_STEP
+    return max(WHOLE_MIN, 1 << (n - 1).bit_length())
+
+
+def plan_groups(lengths: list[int], most: int, fixed: int) -> list[int]:
+    """Cut whole prompts, sorted by length, into groups of at most `most`, each one forward
+    of its rows (padded to a power of two, as the graphs are captured) left-padded to the
+    bucket of its longest (`whole_bucket`), so that the tokens computed plus `fixed` a
+    forward (its fixed cost, in tokens) are fewest; the end of each group (dynamic
+    programming over the cut points: a few prompts to a few hundred)."""
+    k = len(lengths)
+    best = [0] + [float("inf")] * k
+    cut = [0] * (k + 1)
+    for j in range(1, k + 1):
+        n = whole_bucket(lengths[j - 1])  # the longest of any group ending at j
+        for i in range(max(0, j - most), j):
+            cost = best[i] + fixed + (1 << (j - i - 1).bit_length()) * n
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    ends, j = [], k
+    while j:
+        ends.append(j)
+        j = cut[j]
+    return ends[::-1]
+
+
+def buckets(bucket, most: int) -> list[int]:
+    """Every length `bucket` (`whole_bucket`, `pack_bucket`) maps 1 .. `most` tokens to."""
+    out, n = [], 1
+    while n <= most:
+        out.append(bucket(n))
+        n = out[-1] + 1
+    return out
+
+
+def plan_targets(prefilling: list, budget: int, block: int) -> list[tuple[object, int]]:
+    """(request, the position its prefill reaches in this iteration), first come first
+    served, within `budget` prompt tokens: a request stops at a block boundary unless it
+    finishes its prompt; the first one always advances by at least one piece. A request
+    prefilled whole (`whole`) goes all the way or waits for the next iteration."""
+    plan = []
+    for req in prefilling:
+        if budget <= 0:
+            break
+        end = len(req.prompt)
+        if req.whole:
+            if plan and end - req.pos > budget:
+                break
+            plan.append((req, end))
+            budget -= end - req.pos
+            continue
+        target = min(end, req.pos + budget)
+        if target < end:
+            aligned = (target // block) * block
+            if aligned <= req.pos:
+                if plan:
+                    break
+                aligned = min(end, (req.pos // block + 1) * block)
+            target = aligned
+        plan.append((req, target))
+        budget -= target - req.pos
+    return plan
+
+
+def pack_bucket(n: int) -> int:
+    """The length a packed row of n prompt tokens is padded to (on CUDA): 256 at least, then
+    four buckets per octave (320, 384, 448, 512, 640, ...): the filler is under a fifth."""
+    if n <= PACK_MIN:
+        return PACK_MIN
+    step = 1 << ((n - 1).bit_length() - 3)
+    return -(-n // step) * step
+
+
+def pack_steps(pos: int, end: int, block: int, blocks: bool) -> list[int]:
+    """The steps of a prompt's packed part (tokens pos .. end - 1, counted from pos) whose
+    states are kept: its last, and (`blocks`) the last of each block that ends inside it,
+    for the prefix cache."""
+    first = (pos // block + 1) * block  # the first boundary past pos
+    inner = range(first - 1 - pos, end - 1 - pos, block) if blocks else ()
+    return [*inner, end - 1 - pos]
+
+
+def plan_packs(reqs: list, block: int, budget: int, slots: int) -> list[tuple]:
+    """The rows of a packed prefill (`Engine._prefill_packed`): (requests, each one's kept
+    steps (`pack_steps`), the state row of each one's end, (request, tokens, state row) of
+    the block boundaries inside them) per row. A row holds up to `budget` tokens and
+    `slots` kept states; a request that continues a cached prefix starts a row (the state
+    a row starts from enters its first prompt only)."""
+
+    def steps_of(r):
+        return pack_steps(r.pos, len(r.prompt), block, r.blocks)
+
+    packs, cur, tokens, kept = [], [], 0, 0
+    for r in sorted(reqs, key=lambda r: r.pos == 0):  # the continued ones first
+        n, rest = len(steps_of(r)), len(r.prompt) - r.pos
+        full = tokens + rest > budget or kept + n > slots
+        if cur and (full or r.pos > 0):
+            packs.append(cur)
+            cur, tokens, kept = [], 0, 0
+        cur.append(r)
+        tokens += rest
+        kept += n
+    packs.append(cur)
+    out = []
+    for group in packs:
+        steps = [steps_of(r) for r in group]
+        rows, marks, j = [], [], 0
+        for r, st in zip(group, steps):
+            marks += [(r, r.pos + s + 1, j + i) for i, s in enumerate(st[:-1])]
+            j += len(st)
+            rows.append(j - 1)
+        out.append((group, steps, rows, marks))
+    return out
+
+
+def packed_row(prompts: list[list[int]], steps: list[list[int]], n: int, slots: int):
+    """The host tensors of one packed forward: ids [1, n] int64 (the prompts end to end,
+    then filler 0), seq_idx [1, n] int32 (prompt i is document i, the filler the next one)
+    and positions [1, slots] int64: the steps asked for (prompt i's `steps[i]`, offset to
+    where it starts), then distinct unused steps to fill the slots (their states are
+    written and never read)."""
+    ids = torch.zeros(1, n, dtype=torch.int64)
+    seq = torch.full((1, n), len(prompts), dtype=torch.int32)
+    pos: list[int] = []
+    at = 0
+    for i, (p, st) in enumerate(zip(prompts, steps)):
+        ids[0, at : at + len(p)] = torch.tensor(p, dtype=torch.int64)
+        seq[0, at : at + len(p)] = i
+        pos += [at + s for s in st]
+        at += len(p)
+    used = set(pos)
+    free = (t for t in range(n) if t not in used)
+    pos += [next(free) for _ in range(slots - len(pos))]
+    return ids, seq, torch.tensor([pos], dtype=torch.int64)
+
+
+PACK_MIN = 256  # the shortest packed row
+WHOLE_MIN = 16  # the shortest bucket of a prompt prefilled whole
+WHOLE_STEP = 256  # past this length, the buckets of whole prompts grow by this much
+WHOLE_MAX = 2048  # prompts prefilled whole have at most this many tokens
+PACK_SLOTS_EAGER = 256  # the states an eager packed forward keeps at most (its own outputs)
+# a forward's fixed cost in tokens' worth of its work, where it is not measured
+# (`PrefillGraphs.warmup` measures it): about a millisecond on the H200 at 130m
+FORWARD_TOKENS = 1024
+
+
+def left_padded(prompts: list[list[int]], n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as rows of n tokens, each at the end of its row after filler tokens (0):
+    ids [g, n] int64 and seq_idx [g, n] int32 (0 on the filler, 1 on the prompt). The
+    change of seq_idx zeroes the state where the prompt starts, so each row's final state
+    and last logits are its prompt's from a zero state (generate.py does the same)."""
+    host = torch.zeros(len(prompts), n, dtype=torch.int64)
+    for i, p in enumerate(prompts):
+        host[i, n - len(p) :] = torch.tensor(p, dtype=torch.int64)
+    if device.type == "cuda":
+        ids = host.pin_memory().to(device, non_blocking=True)
+    else:
+        ids = host
+    starts = to_device([n - len(p) for p in prompts], device)
+    seq_idx = torch.arange(n, device=device) >= starts[:, None]
+    return ids, seq_idx.to(torch.int32)

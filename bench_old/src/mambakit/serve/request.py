@@ -1,0 +1,125 @@
+"""A submitted request and its choices, as the engine tracks them.
+
+A `Request` is one prompt with its `SamplingParams`; each of its `n` choices is a
+`Sequence` with its own seed, tokens, text and, while it runs, a row of the slot pool.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..state import ModelState
+from ..text import TextStream
+from .detok import StopText
+from .params import Event, SamplingParams
+
+
+class PromptTooLong(ValueError):
+    """The prompt has more tokens than the engine's limit (HTTP 413)."""
+
+
+@dataclass
+class Completion:
+    """One finished choice, as `Engine.generate` returns it."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    error: str | None = None
+
+
+class Sequence:
+    """One choice of a request: its tokens, text and row in the pool while it runs."""
+
+    def __init__(
+        self, request: Request, index: int, seed: int, tokenizer, eos_token_id: int | None
+    ) -> None:
+        self.request = request
+        self.index = index
+        self.seed = seed
+        self.tokens: list[int] = []
+        p = request.params
+        # what push checks per token, worked out once: the ids that end the choice, and
+        # whether there is text at all (no tokenizer: none, and no stop strings)
+        stop_ids = set(p.stop_token_ids)
+        if eos_token_id is not None and not p.ignore_eos:
+            stop_ids.add(eos_token_id)
+        self.stop_ids = frozenset(stop_ids)
+        self.max_tokens = p.max_tokens
+        self.text = tokenizer is not None
+        self.detok = TextStream(tokenizer, request.prompt) if self.text else None
+        self.stop_text = StopText(p.stop)
+        self.finished: str | None = None
+        self.last_time = 0.0
+
+    def push(self, tok: int) -> tuple[str, str | None]:
+        """Append a new token: (the text that can be sent now, why the choice ends or None).
+        A stop token (or end of sequence) adds no text; a stop string cuts the text before
+        it; the end flushes what was held back."""
+        self.tokens.append(tok)
+        if not self.text:  # token ids only: the stop ids and the length end it
+            if tok in self.stop_ids:
+                return "", "stop"
+            return "", "length" if len(self.tokens) >= self.max_tokens else None
+        reason = None
+        if tok in self.stop_ids:
+            reason = "stop"
+            text = ""
+        else:
+            text = self.stop_text.add(self.detok.push(tok))
+            if self.stop_text.stopped:
+                reason = "stop"
+        if reason is None and len(self.tokens) >= self.max_tokens:
+            reason = "length"
+        if reason is not None and not self.stop_text.stopped:
+            text += self.stop_text.add(self.detok.flush()) + self.stop_text.flush()
+        return text, reason
+
+
+class Request:
+    """A submitted prompt and its choices; `events()` yields what the engine sends when no
+    `sink` was given."""
+
+    def __init__(self, prompt: list[int], params: SamplingParams, sink, request_id) -> None:
+        self.id = request_id or uuid.uuid4().hex
+        self.prompt = prompt
+        self.params = params
+        self.arrival = time.monotonic()
+        self._queue: queue.Queue | None = None if sink is not None else queue.Queue()
+        self.sink: Callable[[Event], None] = sink if sink is not None else self._queue.put
+        self.seqs: list[Sequence] = []
+        self.open = params.n  # choices not finished yet
+        # prefill
+        self.pos = 0
+        self.hashes: list[int] = []
+        self.state: ModelState | None = None  # after prompt[:pos], one row
+        self.logits: torch.Tensor | None = None  # [V] at prompt[pos - 1]
+        self.pieces: deque[int] = deque()
+        self.whole = False  # prefilled in one piece from zeros (Engine._admit)
+        self.blocks = False  # packed (Engine.packed): its block boundaries' states kept too
+        self.cached = 0  # prompt tokens found in the prefix cache
+        self.admitted = 0.0  # when it left the queue for the prefill (time.monotonic)
+        self.launched = False  # its prefill is launched to the prompt's end, not joined yet
+        self.sampling = params.sampling  # the engine's one object for equal settings
+
+    @property
+    def done(self) -> bool:
+        return self.open == 0
+
+    def events(self, timeout: float | None = None):
+        """The request's events, until every choice has ended (no `sink` given)."""
+        if self._queue is None:
+            raise RuntimeError("events(): this request sends its events to its sink")
+        left = self.params.n
+        while left:
+            ev = self._queue.get(timeout=timeout)
+            left -= ev.finish_reason is not None
+            yield ev

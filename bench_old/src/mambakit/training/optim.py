@@ -1,0 +1,57 @@
+"""AdamW with the usual Mamba parameter groups, and the warmup + cosine schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """No decay on norms, biases, A_log, D and the dt bias (`_no_weight_decay` or 1-d)."""
+    decay, no_decay, seen = [], [], set()
+    for p in model.parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        if getattr(p, "_no_weight_decay", False) or p.dim() < 2:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def make_optimizer(
+    model: nn.Module,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    capturable: bool = False,
+) -> torch.optim.AdamW:
+    device = next(model.parameters()).device
+    kwargs: dict = {"betas": betas, "eps": eps}
+    if device.type == "cuda":
+        kwargs["fused"] = True
+        if capturable:  # CUDA-graph replay: lr lives in a tensor the schedule fills in place
+            kwargs["capturable"] = True
+            lr = torch.tensor(lr, device=device)
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, **kwargs)
+
+
+class WarmupCosine:
+    """lr multiplier: linear warmup to 1, then cosine down to `min_ratio` at `total` steps."""
+
+    def __init__(self, warmup: int, total: int, min_ratio: float) -> None:
+        self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        span = max(1, self.total - self.warmup)
+        progress = min(1.0, (step - self.warmup) / span)
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

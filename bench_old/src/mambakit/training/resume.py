@@ -1,0 +1,261 @@
+"""The Trainer's side of checkpoints: what a checkpoint holds of a run, writing one, and
+continuing from one bit for bit.
+
+`trainer_state` is everything besides the weights: step, skipped steps, tokens seen, the
+optimizer's state with its parameters named (full tensors, so N ranks resume on M and any
+engine loads it), the lr schedule, the loss scaler, the run's RNG stream, the config and
+the data cursor. `save` refuses weights that are not finite and writes through
+`checkpoint.save_checkpoint` (rank 0 only); `resume` reads a named folder, or the one
+run_dir's `latest` names, falling back past unreadable ones (which it sets aside), checks
+that every tensor fits the model before it changes anything, and restores the rest. The
+files themselves (folders, `latest`, rotation, the run lock) are `checkpoint.py`'s.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..hf import CheckpointError, read_state_dict
+from . import distributed as dist_
+from .checkpoint import (
+    RunLock,
+    checkpoint_candidates,
+    checkpoint_step,
+    load_trainer_state,
+    point_latest,
+    save_checkpoint,
+    set_aside,
+)
+from .config import CheckpointUnreadable, TrainingDiverged
+from .process import in_process_state
+
+
+def _named(sd: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """An optimizer state dict with its parameters named (`names[i]` for number i)."""
+    return {
+        "state": {names[i]: v for i, v in sd["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]
+        ],
+    }
+
+
+class CheckpointMixin:
+    """`trainer_state`, `save` and `resume` of the Trainer."""
+
+    @in_process_state
+    def trainer_state(self) -> dict[str, Any]:
+        state = {
+            "step": self.step,
+            "skipped_steps": self.skipped_steps,
+            "tokens_seen": self.tokens_seen,
+            "optimizer": self._optimizer_state(),
+            "schedule": self.schedule.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            **self._rng_state(),  # the run's stream: the global one under _process_state
+            "train_config": {k: v for k, v in asdict(self.cfg).items() if k != "betas"},
+        }
+        if hasattr(self.train_data, "state_dict"):
+            state["data"] = self.train_data.state_dict()
+        return state
+
+    def weights_finite(self) -> bool:
+        """Whether every parameter is finite (one host sync; every rank's shards)."""
+        with torch.no_grad():
+            local = [getattr(p, "_local_tensor", p) for p in self.params]
+            ok = torch.stack([p.isfinite().all() for p in local]).all()
+        return not dist_.any_rank(not bool(ok), self.dist, self.device)
+
+    def save(self) -> Path:
+        """Write a checkpoint of this step and point `latest` at it. Refuses (with
+        `TrainingDiverged`) weights that are not finite: `latest` keeps naming the last
+        good checkpoint."""
+        if self.run_dir is None:
+            raise ValueError("TrainConfig.run_dir is not set: nowhere to save a checkpoint")
+        if not self.weights_finite():
+            latest = checkpoint_candidates(self.run_dir)
+            kept = f"; {latest[0]} is the newest checkpoint" if latest else ""
+            raise TrainingDiverged(
+                f"training diverged: the weights are not finite at step {self.step}, so no "
+                f"checkpoint was written{kept} (lower the learning rate, TrainConfig.lr "
+                f"{self.cfg.lr:g})"
+            )
+        weights = self._full_weights()  # FSDP2: gathered by every rank, written by rank 0
+        state = self.trainer_state()
+        path = self.run_dir / f"step_{self.step:07d}"
+        if self.dist.main:
+            path = save_checkpoint(
+                self.run_dir, self.step, self.model, state, self.cfg.keep_last, weights
+            )
+        dist_.barrier(self.dist)  # no rank goes on before the checkpoint is complete
+        self._saved_step = self.step
+        return path
+
+    def _full_weights(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's tensors under FSDP2 (None: `save_pretrained` reads the model)."""
+        if self.dist.mode != "fsdp":
+            return None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.model, options=opts)
+
+    def _param_names(self) -> list[str]:
+        """The model's name of each parameter, in the optimizer's order."""
+        name = {id(p): n for n, p in self.model.named_parameters()}
+        return [name[id(p)] for p in self.params]
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state dict with parameters named (not numbered) and full tensors,
+        so that it loads into any number of ranks and any engine."""
+        if self.dist.mode == "fsdp":
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_optimizer_state_dict,
+            )
+
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            return get_optimizer_state_dict(self.model, self.optimizer, options=opts)
+        return _named(self.optimizer.state_dict(), self._param_names())
+
+    def _load_optimizer_state(self, sd: dict[str, Any]) -> None:
+        """Load `_optimizer_state`'s format (or the numbered one of older checkpoints)."""
+        names = self._param_names()
+        index = {n: i for i, n in enumerate(names)}
+        named = all(isinstance(p, str) for g in sd["param_groups"] for p in g["params"])
+        if self.dist.mode == "fsdp":
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_optimizer_state_dict,
+            )
+
+            if not named:
+                sd = _named(sd, names)
+            opts = StateDictOptions(full_state_dict=True)
+            set_optimizer_state_dict(self.model, self.optimizer, sd, options=opts)
+            return
+        if named:  # numbered; load_state_dict pairs each group's parameters by position
+            numbered, start = [], 0  # self.params lists the groups' parameters in order
+            for g, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
+                own = names[start : start + len(g["params"])]
+                start += len(g["params"])
+                if set(own) != set(saved["params"]):
+                    raise ValueError(
+                        "resume: the checkpoint's optimizer state does not fit this model: "
+                        f"{sorted(set(own) ^ set(saved['params']))}"
+                    )
+                numbered.append({**saved, "params": [index[n] for n in own]})
+            sd = {"state": {index[n]: v for n, v in sd["state"].items()}, "param_groups": numbered}
+        self.optimizer.load_state_dict(sd)
+
+    def _read_checkpoint(self, path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(weights, trainer state) of a checkpoint folder; read errors propagate."""
+        if not path.is_dir():
+            raise FileNotFoundError(f"{path} does not exist")
+        for name in ("model.safetensors", "trainer_state.pt"):
+            if not (path / name).is_file():
+                raise FileNotFoundError(f"{path} is incomplete: {name} is missing")
+        try:
+            weights = read_state_dict(path)  # the one reader of model files (hf/io.py)
+        except CheckpointError as e:
+            raise CheckpointUnreadable(str(e)) from e
+        try:
+            st = load_trainer_state(path, self.device)
+        except (RuntimeError, EOFError, pickle.UnpicklingError, OSError) as e:
+            raise CheckpointUnreadable(f"{path / 'trainer_state.pt'}: {e}") from e
+        return weights, st
+
+    @in_process_state
+    def resume(self, path: str | Path | None = None) -> bool:
+        """Continue from a checkpoint folder, or else the one run_dir's `latest` names;
+        when that one cannot be read, from the newest readable `step_XXXXXXX` folder (each
+        skipped one is logged with the reason, then renamed to `step_XXXXXXX.corrupt` and
+        `latest` pointed at the one resumed from). False when run_dir holds none."""
+        skipped: list[tuple[Path, str]] = []  # run_dir's checkpoints that failed to load
+        if path is not None:
+            path = Path(path)
+            weights, st = self._read_checkpoint(path)
+        else:
+            if self.run_dir is None:
+                raise ValueError("resume: no path given and TrainConfig.run_dir is not set")
+            candidates = checkpoint_candidates(self.run_dir)
+            if not candidates:
+                return False
+            for path in candidates:
+                try:
+                    weights, st = self._read_checkpoint(path)
+                    break
+                except (FileNotFoundError, CheckpointUnreadable) as e:
+                    skipped.append((path, str(e).splitlines()[0]))
+                    self.log(f"resume: skipped checkpoint {path.name}: {skipped[-1][1]}")
+            else:  # nothing set aside: the run folder stays as the user may want to repair it
+                raise CheckpointUnreadable(
+                    f"resume: no readable checkpoint in {self.run_dir}: "
+                    + "; ".join(why for _, why in skipped)
+                )
+            if skipped:
+                self.log(f"resume: continuing from {path}")
+        own = self.model.state_dict()
+        tied = getattr(getattr(self.model, "config", None), "tie_embeddings", False)
+        expected = {k for k in own if not (tied and k == "lm_head.weight")}
+        extra, missing = sorted(set(weights) - set(own)), sorted(expected - set(weights))
+        if extra or missing:
+            raise ValueError(
+                f"resume: checkpoint {path} does not fit the model: tensors not in the model "
+                f"{extra}, model tensors missing from it {missing}"
+            )
+        for k, v in weights.items():
+            if tuple(v.shape) != tuple(own[k].shape):
+                raise ValueError(
+                    f"resume: tensor {k!r} has shape {list(v.shape)} in {path}, "
+                    f"the model has {list(own[k].shape)}"
+                )
+        if skipped and self.dist.main:  # the rank that writes checkpoints tidies run_dir
+            # out of the fallback and rotation's count for good: a later save must not keep
+            # an unreadable checkpoint in place of the one this run resumed from
+            with RunLock(self.run_dir):
+                for bad, why in skipped:
+                    if bad.is_dir() and checkpoint_step(bad) is not None:
+                        aside = set_aside(bad)
+                        self.log(f"resume: renamed unreadable {bad.name} to {aside.name} ({why})")
+                point_latest(self.run_dir, path.name)
+        if self.dist.mode == "fsdp":  # every rank holds the full tensors and keeps its shards
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+            )
+
+            full = dict(weights)
+            if tied and "lm_head.weight" not in full:  # written once, as the embedding
+                full["lm_head.weight"] = full["backbone.embeddings.weight"]
+            set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True))
+        else:
+            with torch.no_grad():
+                for k, v in weights.items():
+                    own[k].copy_(v)
+        # the groups' lr as make_optimizer sets it (a tensor for graphs), then the schedule of
+        # this run's config at the step (a resumed run may extend steps or change lr)
+        lr_tensor = isinstance(self.optimizer.param_groups[0]["lr"], torch.Tensor)
+        self._load_optimizer_state(st["optimizer"])
+        for g in self.optimizer.param_groups:
+            g["lr"] = torch.tensor(self.cfg.lr, device=self.device) if lr_tensor else self.cfg.lr
+            g.pop("initial_lr", None)
+        self.schedule = self._lr_schedule(int(st["step"]))
+        self.scaler.load_state_dict(st["scaler"])
+        self._load_rng_state(st)
+        if "data" in st and hasattr(self.train_data, "load_state_dict"):
+            self.train_data.load_state_dict(st["data"])
+        self.step = int(st["step"])
+        self.skipped_steps = int(st["skipped_steps"])  # zeroes the on-device count too
+        self._streak_host = 0
+        if self._streak_dev is not None:
+            self._streak_dev.zero_()
+        self.tokens_seen = int(st["tokens_seen"])
+        self._saved_step = self.step
+        self._graph = None
+        return True
