@@ -179,7 +179,7 @@ def pieces(model, x, state, n: int) -> None:
         "stands": lambda: sg._stands(model, model, None, entry),
         "copy in": lambda: entry.x.copy_(x),
         "replay": slot.graph.replay,
-        "clone out (the spare's)": slot.out.clone,
+        "clone out (as the spare's)": slot.out.clone,
         "copy, replay": lambda: (entry.x.copy_(x), slot.graph.replay()),
     }
     fast = record(model, "step") is entry.plan and entry.plan.fresh(model)

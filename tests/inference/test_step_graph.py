@@ -58,7 +58,15 @@ def fake_graphs(monkeypatch):
         buf = (warm or fn)().clone()  # the output's static buffer (warm: a scratch state)
         captures.graphs.append(fn)
         ref = weakref.ref(buf)  # as a real graph, the replay holds no reference to it
-        return _FakeGraph(lambda: ref().copy_(fn())), buf
+        where = (buf.data_ptr(), buf.untyped_storage().nbytes())
+
+        def replay():  # a real graph writes where the buffer was at its capture, any mode
+            out = ref()
+            assert (out.data_ptr(), out.untyped_storage().nbytes()) == where, "buffer moved"
+            with torch.inference_mode(out.is_inference()):
+                out.copy_(fn())
+
+        return _FakeGraph(replay), buf
 
     first_capture = sg._capture
 
@@ -97,6 +105,7 @@ def test_replayed_steps_equal_eager_steps(fake_graphs, mixer):
     assert len(fake_graphs) == 1  # captured at the third call, replayed from then on
     # every output kept (none may be overwritten): a slot per held output, then the spare
     assert len(fake_graphs.graphs) == sg.RING + 1
+    assert step_graph_status(m)["cloned"] == len(xs) - sg.WARM_CALLS - sg.RING
     status = step_graph_status(m)
     assert status["replays"] == len(xs) - sg.WARM_CALLS and len(status["graphs"]) == 1
     for got, ref in zip(outs, want):  # each output kept as returned: none aliased
@@ -120,6 +129,7 @@ def test_an_output_nothing_holds_is_replayed_into_again_not_copied(fake_graphs):
             ptrs.append(y.data_ptr())
     replayed = ptrs[sg.WARM_CALLS :]
     assert len(set(replayed)) == sg.RING == 2 and len(fake_graphs.graphs) == sg.RING
+    assert step_graph_status(m)["cloned"] == 0
     assert all(a != b for a, b in zip(replayed, replayed[1:]))  # the two take turns
     assert all(a == b for a, b in zip(replayed, replayed[2:]))
 
@@ -227,6 +237,44 @@ def test_a_failed_later_capture_falls_back_to_the_eager_step(fake_graphs, monkey
     status = step_graph_status(m)
     assert "capture failed: RuntimeError: out of memory" in status["reason"]
     assert status["replays"] == 2  # the slots' first replays; eager from then on
+
+
+@pytest.mark.parametrize("how", ["freed", "grown"])
+def test_an_output_resized_through_its_alias_retires_its_graph(fake_graphs, how):
+    """A caller freeing the output's memory early (`untyped_storage().resize_(0)`) or growing
+    it (`resize_`) moves the storage the graph writes: that graph is never replayed again
+    (a new one takes its place) and later steps stay right."""
+    m = backbone("mamba1")
+    xs = torch.randn(9, 3, 12)
+    s_graph, s_eager = m.init_state(3), m.init_state(3)
+    want = run(m, xs, s_eager, cuda_graph=False)
+    with torch.no_grad():
+        for i, x in enumerate(xs):
+            y, _ = m.step(x, s_graph)
+            assert torch.equal(y, want[i]), i
+            if i == 4:
+                if how == "freed":
+                    y.untyped_storage().resize_(0)
+                else:
+                    y.resize_(6, 32)
+            del y  # each output dropped: one slot serves every step
+    # the first graph, and the one that took its place after the resize
+    assert len(fake_graphs) == 1 and len(fake_graphs.graphs) == 2
+    assert step_graph_status(m)["cloned"] == 0
+
+
+def test_a_state_made_in_inference_mode_steps_under_no_grad(fake_graphs):
+    """The graphs of a state made in inference mode are inference tensors (their input too);
+    a caller stepping it under no_grad alone still replays them."""
+    m = backbone("mamba1")
+    xs = torch.randn(6, 2, 12)
+    with torch.inference_mode():
+        s_graph, s_eager = m.init_state(2), m.init_state(2)
+    with torch.no_grad():
+        got = [m.step(x, s_graph)[0].clone() for x in xs]
+    want = run(m, xs, s_eager, cuda_graph=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert step_graph_status(m)["replays"] == len(xs) - sg.WARM_CALLS
 
 
 def test_parameters_updated_in_place_are_followed_and_replaced_ones_recaptured(fake_graphs):
@@ -380,6 +428,22 @@ def test_gpu_lm_graph_steps_equal_eager_steps():
     assert status["replays"] == len(ids) - sg.WARM_CALLS, status
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_gpu_rebinding_loop_hands_outputs_out_without_clones():
+    """On real graphs too, `y, state = model.step(x, state)` takes the two slots in turn:
+    no step's output is cloned (the counts of a free output match the probe's on CUDA)."""
+    m = backbone("mamba1", "cuda")
+    xs = torch.randn(10, 4, 12, device="cuda")
+    s_graph, s_eager = m.init_state(4), m.init_state(4)
+    want = run(m, xs, s_eager, cuda_graph=False)
+    with torch.no_grad():
+        for i, x in enumerate(xs):
+            y, _ = m.step(x, s_graph)
+            torch.testing.assert_close(y, want[i], rtol=1e-6, atol=1e-6)
+    status = step_graph_status(m)
+    assert status["replays"] == len(xs) - sg.WARM_CALLS and status["cloned"] == 0, status
 
 
 @pytest.mark.gpu

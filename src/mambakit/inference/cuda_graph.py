@@ -76,8 +76,9 @@ _CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def graph_cache(model: torch.nn.Module, create: bool = True) -> dict | None:
-    """The per-model dict of captured decode graphs (with the memory pool they share);
-    None where there is none and `create` is False."""
+    """The per-model dict of captured decode graphs (with the memory pool generate's graphs
+    share; the step graphs of `inference.step_graph` each have a pool of their own); None
+    where there is none and `create` is False."""
     cache = _CACHE.get(model)
     if cache is None and create:
         cache = {"pool": torch.cuda.graph_pool_handle()}

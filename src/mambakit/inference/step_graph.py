@@ -53,44 +53,49 @@ _MAX_SEEN = 64  # keys counted while warming up; the table is cleared beyond thi
 
 
 class _Slot:
-    """One captured graph and the output tensor its replay writes."""
+    """One captured graph, the output tensor its replay writes and where that memory is
+    (a caller may resize the storage through an alias: the graph would write where it was)."""
 
-    __slots__ = ("graph", "out")
+    __slots__ = ("graph", "out", "memory")
 
     def __init__(self, graph, out) -> None:
         self.graph, self.out = graph, out
+        self.memory = _memory(out)
 
 
-def _refs(slot: _Slot) -> tuple[int, int]:
-    return sys.getrefcount(slot.out), slot.out._use_count()
+def _memory(t: torch.Tensor) -> tuple[int, int]:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
 
 
-def _storage_refs(t: torch.Tensor) -> tuple[int, int]:
-    storage = t.untyped_storage()  # while held, the same Python object every time
-    return torch._C._storage_Use_Count(storage._cdata), sys.getrefcount(storage)
+def _counts(slot: _Slot) -> tuple[int, int, int, int]:
+    """References to the slot's output: Python ones to the tensor (as this interpreter
+    counts them), its C++ owners, owners of its storage (every alias a step handed out,
+    views, DLPack exports, autograd's saved tensors) and references to the storage's
+    Python object (`untyped_storage()` kept)."""
+    storage = slot.out.untyped_storage()  # while held, the same Python object every time
+    return (
+        sys.getrefcount(slot.out),
+        slot.out._use_count(),
+        torch._C._storage_Use_Count(storage._cdata),
+        sys.getrefcount(storage),
+    )
 
 
-# what an output held by its slot alone counts: references to the tensor (Python ones as
-# _refs sees them on this interpreter, C++ owners), owners of its storage (every alias a
-# step handed out, views, DLPack exports, autograd's saved tensors) and references to the
-# storage's Python object (`untyped_storage()` kept)
-def _free_counts() -> tuple | None:
-    """The counts of an output held by its slot alone; None where this torch lacks the
-    counters (every output is then cloned from a spare graph)."""
-    if not (hasattr(torch.Tensor, "_use_count") and hasattr(torch._C, "_storage_Use_Count")):
-        return None
-    probe = _Slot(None, torch.empty(0))
-    return _refs(probe), _storage_refs(probe.out)
-
-
-_FREE = _free_counts()
+# a slot that nothing else references, counted the same way in the same call: what a free
+# output counts (None where this torch lacks the counters: every output is then cloned)
+_PROBE = (
+    _Slot(None, torch.empty(1))
+    if hasattr(torch.Tensor, "_use_count") and hasattr(torch._C, "_storage_Use_Count")
+    else None
+)
 
 
 def _unheld(slot: _Slot) -> bool:
     """Whether nothing but `slot` references its output: no alias a step handed out is alive
     (nor a view, export or saved copy of one), nothing holds its storage. A replay may then
-    overwrite it."""
-    return _FREE is not None and _refs(slot) == _FREE[0] and _storage_refs(slot.out) == _FREE[1]
+    overwrite it. Counts that differ from the probe's in any way read as held."""
+    return _PROBE is not None and _counts(slot) == _counts(_PROBE)
 
 
 class _Graph:
@@ -99,12 +104,13 @@ class _Graph:
     failed (the step then runs eagerly while every slot's output is held). All read the
     static input `x` and the same parameters, plan and state."""
 
-    __slots__ = ("slots", "spare", "x", "params", "plan", "addresses", "extra", "watch")
+    __slots__ = ("slots", "spare", "x", "inference", "params", "plan", "addresses", "extra",
+                 "watch")  # fmt: skip
 
     def __init__(self, slot, x, params, plan, extra, watch) -> None:
         # an output that something else held at its capture cannot be watched: spare only
         self.slots, self.spare = ([slot], None) if _unheld(slot) else ([], slot)
-        self.x, self.params = x, params
+        self.x, self.inference, self.params = x, x.is_inference(), params
         self.plan, self.addresses, self.extra, self.watch = plan, plan.addresses, extra, watch
 
 
@@ -117,6 +123,7 @@ class _StepGraphs:
         self.failed: set[tuple] = set()
         self.reason: str | None = None
         self.replays = 0
+        self.cloned = 0
 
 
 def _tables(model: nn.Module) -> _StepGraphs:
@@ -129,15 +136,17 @@ def _tables(model: nn.Module) -> _StepGraphs:
 
 def step_graph_status(model: nn.Module) -> dict:
     """What `model.step` does on CUDA: {"graphs": the keys captured (batch, input dtype,
-    compute dtype), "replays": steps replayed so far, "reason": why the last step that
+    compute dtype), "replays": steps replayed so far, "cloned": how many of those returned
+    a clone (every slot's output still held, `RING`), "reason": why the last step that
     could not replay ran eagerly (None when every step could)}."""
     cache = graph_cache(model, create=False)
     table = None if cache is None else cache.get("step")
     if table is None:
-        return {"graphs": [], "replays": 0, "reason": None}
+        return {"graphs": [], "replays": 0, "cloned": 0, "reason": None}
     return {
         "graphs": [(k[0][0], k[1], k[2]) for k in table.graphs],  # (batch, dtype, autocast)
         "replays": table.replays,
+        "cloned": table.cloned,
         "reason": table.reason,
     }
 
@@ -192,7 +201,7 @@ def graphed_step(
     if entry is not None:
         if _stands(model, backbone, head, entry):
             table.graphs.move_to_end(key)
-            entry.x.copy_(x)
+            _load(entry, x)
             return _replay(table, entry, body, state)
         del table.graphs[
             key
@@ -221,8 +230,18 @@ def graphed_step(
     table.graphs[key] = entry
     while len(table.graphs) > MAX_GRAPHS:
         table.graphs.popitem(last=False)
-    entry.x.copy_(x)
+    _load(entry, x)
     return _replay(table, entry, body, state)
+
+
+def _load(entry: _Graph, x: torch.Tensor) -> None:
+    """x into the graphs' static input (made in inference mode where the state was: then
+    written in it, whatever mode the caller steps in)."""
+    if entry.inference:
+        with torch.inference_mode():
+            entry.x.copy_(x)
+    else:
+        entry.x.copy_(x)
 
 
 def _replay(table: _StepGraphs, entry: _Graph, body, state) -> torch.Tensor | None:
@@ -237,6 +256,9 @@ def _replay(table: _StepGraphs, entry: _Graph, body, state) -> torch.Tensor | No
     caller's: a slot's memory is not the allocator's, so `record_stream` does not keep it."""
     for slot in entry.slots:
         if _unheld(slot):
+            if _memory(slot.out) != slot.memory:  # resized through an alias: never again
+                entry.slots.remove(slot)
+                return _replay(table, entry, body, state)
             slot.graph.replay()
             table.replays += 1
             return slot.out.detach()
@@ -257,6 +279,7 @@ def _replay(table: _StepGraphs, entry: _Graph, body, state) -> torch.Tensor | No
         return None
     entry.spare.graph.replay()
     table.replays += 1
+    table.cloned += 1
     return entry.spare.out.clone()
 
 
