@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from common import cuda_time_ms, graph_time_ms  # noqa: E402
+from decode_profile import peer_model  # noqa: E402 (scripts/, this file's folder)
 
 from mambakit import MambaConfig, MambaLM  # noqa: E402
 
@@ -69,16 +70,6 @@ def python_table(fn, rows: int) -> str:
     return buf.getvalue()
 
 
-def peer_model(cfg: MambaConfig):
-    try:
-        from mamba_ssm.models.config_mamba import MambaConfig as SSMConfig
-        from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
-    except ImportError:
-        return None
-    c = SSMConfig(d_model=cfg.d_model, n_layer=cfg.n_layers, vocab_size=cfg.vocab_size, ssm_cfg={})
-    return MambaLMHeadModel(c, device="cuda")
-
-
 def report(name: str, model, ids, rows: int, python: bool = False) -> list[str]:
     fn = forward_fn(model, ids)
     eager = cuda_time_ms(fn, warmup=2, iters=5)
@@ -109,7 +100,7 @@ def main() -> None:
         out += report(f"{preset} mambakit 1x{args.length}", model, ids, args.rows, True)
         del model
         torch.cuda.empty_cache()
-        peer = None if args.no_peer else peer_model(cfg)
+        peer = None if args.no_peer else peer_model(cfg, torch.float32)
         if peer is not None:
             out += report(f"{preset} mamba_ssm 1x{args.length}", peer, ids, args.rows)
             del peer
