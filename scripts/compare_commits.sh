@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Speed of this tree beside an older commit's, in one device call, mamba_ssm beside both:
-#   git archive OLD src | tar -x -C bench_old      (untracked: it travels with the tree)
-#   run(command="bash scripts/compare_commits.sh", carry=[".peers"], timeout_s=600)
+#   mkdir bench_old && git archive OLD src | tar -x -C bench_old   (git ignores it: carry it)
+#   run(command="bash scripts/compare_commits.sh", carry=[".peers", "bench_old"], timeout_s=600)
 # For each stage the two trees take turns (new, old, new again with PASSES="new old new"):
 # a slow spell of the shared host then falls on both. Records land under $OUT as
 # <stage>-<pass>.json (benchmarks/common.py's format); the log is $OUT/compare.log.
