@@ -299,6 +299,11 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--no-peer", action="store_true", help="skip mamba_ssm")
+    ap.add_argument(
+        "--prune-peer", action="store_true", help="with --mixer mamba3: mamba_ssm's Mamba-3 "
+        "autotune cut to one configuration per kernel (its full autotune takes minutes; the "
+        "peer's figure is then a quick check, not its best speed)",
+    )  # fmt: skip
     ap.add_argument("--profile", help="write a per-kernel profile of one eager step here")
     ap.add_argument("--out", help="write the results record (JSON) here")
     args = ap.parse_args()
@@ -316,8 +321,17 @@ def main() -> None:
     n_params = model.num_parameters()
     records[0].update(measure_prefill(model, cfg.vocab_size))
     del model
+    pruned = args.prune_peer and cfg.mixer == "mamba3" and not args.no_peer
+    if pruned:
+        from bench_mamba3 import _upstream_module, prune_upstream_autotune
+
+        pruned = _upstream_module() is not None
+        if pruned:
+            prune_upstream_autotune()
     peer = None if args.no_peer else measure_peer(cfg, b, t, args.iters)
     if peer is not None:
+        if pruned:
+            peer["peer_autotune"] = "one configuration per kernel (--prune-peer)"
         records.append(peer)
     for r in records:
         r["preset"] = label

@@ -238,8 +238,9 @@ def training_cells(key: tuple, c: Chosen) -> list[str]:
     _, preset, shape, path = key
     ours, peer = c.rows.get("mambakit", {}), c.rows.get("mamba_ssm", {})
     ms, peer_ms = ours.get("step_ms"), peer.get("step_ms")
+    pruned = " (autotune pruned)" if peer.get("peer_autotune") and peer_ms is not None else ""
     return [preset, shape, ours.get("path") or path, num(ms), num(ours.get("tokens_per_s"), 0),
-            percent(ours.get("mfu"), 1), num(ours.get("peak_gib")), num(peer_ms),
+            percent(ours.get("mfu"), 1), num(ours.get("peak_gib")), num(peer_ms) + pruned,
             num(peer.get("peak_gib")), ratio(peer_ms, ms)]  # fmt: skip
 
 
