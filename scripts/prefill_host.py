@@ -20,18 +20,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from bench_model import forward_fn  # noqa: E402 (the forward bench_model times)
 from common import cuda_time_ms, graph_time_ms  # noqa: E402
 from decode_profile import peer_model  # noqa: E402 (scripts/, this file's folder)
 
 from mambakit import MambaConfig, MambaLM  # noqa: E402
-
-
-def forward_fn(model, ids):
-    def fwd():
-        with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
-            model(ids)
-
-    return fwd
 
 
 def enqueue_ms(fn, iters: int = 5) -> float:

@@ -91,11 +91,17 @@ _PROBE = (
 )
 
 
-def _unheld(slot: _Slot) -> bool:
-    """Whether nothing but `slot` references its output: no alias a step handed out is alive
-    (nor a view, export or saved copy of one), nothing holds its storage. A replay may then
-    overwrite it. Counts that differ from the probe's in any way read as held."""
-    return _PROBE is not None and _counts(slot) == _counts(_PROBE)
+def _free_counts() -> tuple | None:
+    """What a free output counts now (None without the counters)."""
+    return None if _PROBE is None else _counts(_PROBE)
+
+
+def _unheld(slot: _Slot, free: tuple | None) -> bool:
+    """Whether nothing but `slot` references its output (`free`: `_free_counts()`, taken
+    in the same call): no alias a step handed out is alive (nor a view, export or saved
+    copy of one), nothing holds its storage. A replay may then overwrite it. Counts that
+    differ from the probe's in any way read as held."""
+    return free is not None and _counts(slot) == free
 
 
 class _Graph:
@@ -109,7 +115,7 @@ class _Graph:
 
     def __init__(self, slot, x, params, plan, extra, watch) -> None:
         # an output that something else held at its capture cannot be watched: spare only
-        self.slots, self.spare = ([slot], None) if _unheld(slot) else ([], slot)
+        self.slots, self.spare = ([slot], None) if _unheld(slot, _free_counts()) else ([], slot)
         self.x, self.inference, self.params = x, x.is_inference(), params
         self.plan, self.addresses, self.extra, self.watch = plan, plan.addresses, extra, watch
 
@@ -254,8 +260,9 @@ def _replay(table: _StepGraphs, entry: _Graph, body, state) -> torch.Tensor | No
 
     Readers of the output on another stream must be done before the next step on the
     caller's: a slot's memory is not the allocator's, so `record_stream` does not keep it."""
+    free = _free_counts()  # once for every slot
     for slot in entry.slots:
-        if _unheld(slot):
+        if _unheld(slot, free):
             if _memory(slot.out) != slot.memory:  # resized through an alias: never again
                 entry.slots.remove(slot)
                 return _replay(table, entry, body, state)
@@ -269,7 +276,7 @@ def _replay(table: _StepGraphs, entry: _Graph, body, state) -> torch.Tensor | No
             entry.spare = False
             table.reason = f"capture failed: {type(exc).__name__}: {exc}"
             return None
-        if len(entry.slots) < RING and _unheld(slot):
+        if len(entry.slots) < RING and _unheld(slot, free):
             entry.slots.append(slot)
             slot.graph.replay()
             table.replays += 1
