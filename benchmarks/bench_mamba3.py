@@ -69,9 +69,7 @@ def layer_rows(batch: int, seqlen: int, d_model: int, iters: int) -> list[dict]:
     torch.manual_seed(0)
     layers = {}
     if mod is not None:
-        up = mod.Mamba3(d_model, d_state=128, expand=2, headdim=64, ngroups=1, rope_fraction=0.5,
-                        A_floor=1e-4, is_outproj_norm=False, is_mimo=False, chunk_size=64,
-                        layer_idx=0, device="cuda", dtype=dtype)  # fmt: skip
+        up = _upstream_layer(mod, d_model, dtype)
         layers["mamba_ssm"] = up
         ours = Mamba3.from_upstream_state_dict(up.state_dict(), device="cuda", dtype=dtype)
     else:
@@ -82,11 +80,29 @@ def layer_rows(batch: int, seqlen: int, d_model: int, iters: int) -> list[dict]:
 
 
 def profile_layer(batch: int, seqlen: int, d_model: int, path: str) -> None:
-    """Per-kernel GPU time of one mambakit Mamba3 layer forward + backward (bf16)."""
+    """Per-kernel GPU time of one mambakit Mamba3 layer forward + backward (bf16), and of
+    upstream's with the same weights (to path with "-peer" before its suffix) when it is
+    there."""
+    mod = _upstream_module()
     torch.manual_seed(0)
-    layer = Mamba3(d_model, d_state=128, headdim=64, device="cuda", dtype=torch.bfloat16)
-    u = torch.randn(batch, seqlen, d_model, device="cuda", dtype=torch.bfloat16)
-    profile_fwd_bwd(layer, u, path)
+    dtype = torch.bfloat16
+    u = torch.randn(batch, seqlen, d_model, device="cuda", dtype=dtype)
+    if mod is None:
+        profile_fwd_bwd(Mamba3(d_model, d_state=128, headdim=64, device="cuda", dtype=dtype),
+                        u, path)  # fmt: skip
+        return
+    up = _upstream_layer(mod, d_model, dtype)
+    profile_fwd_bwd(Mamba3.from_upstream_state_dict(up.state_dict(), device="cuda", dtype=dtype),
+                    u, path)  # fmt: skip
+    stem = Path(path)
+    profile_fwd_bwd(up, u, str(stem.with_name(f"{stem.stem}-peer{stem.suffix}")))
+
+
+def _upstream_layer(mod, d_model: int, dtype):
+    """Upstream's Mamba3 at the 130m-mamba3 layer's settings (SISO)."""
+    return mod.Mamba3(d_model, d_state=128, expand=2, headdim=64, ngroups=1, rope_fraction=0.5,
+                      A_floor=1e-4, is_outproj_norm=False, is_mimo=False, chunk_size=64,
+                      layer_idx=0, device="cuda", dtype=dtype)  # fmt: skip
 
 
 def model_rows(batch: int, seqlen: int, iters: int, peer: bool) -> list[dict]:

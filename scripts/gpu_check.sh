@@ -8,7 +8,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile"}
-# opt-in stages: savetiles model14 model3 model14m3 residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof servehold serveflight serveprobe packprobe rl rlprof gemmprobe prefillhost
+# opt-in stages: savetiles model14 model3 model14m3 m3layer residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof servehold serveflight serveprobe packprobe rl rlprof gemmprobe prefillhost
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -81,12 +81,21 @@ if stage model3; then  # the 130m width and depth with Mamba-3 (8 x 2048) beside
   echo "== bench_model 130m mamba3" | tee -a "$LOG"
   timeout ${T_MODEL3:-560} python benchmarks/bench_model.py --preset 130m --mixer mamba3 \
     --batch 8 --iters ${MODEL3_ITERS:-5} ${M3_PEER---prune-peer} --out "$OUT/bench_model_130m-mamba3.json" \
+    --profile "$OUT/profile_train_step_130m-mamba3.txt" \
     2>&1 | grep -v "^ \|^-\|^Name\|^Self" | tee -a "$LOG"
+fi
+if stage m3layer; then  # the Mamba-3 layer beside upstream's at one width (M3_D, M3_SHAPE; upstream's autotune pruned), with both per-kernel profiles
+  d=${M3_D:-2048}
+  echo "== bench_mamba3 layer d_model $d" | tee -a "$LOG"
+  timeout ${T_M3LAYER:-300} python benchmarks/bench_mamba3.py --only layer --d-model $d \
+    --shape ${M3_SHAPE:-4x2048} --prune-peer --profile "$OUT/profile_m3_layer_d$d.txt" \
+    --out "$OUT/bench_mamba3_layer_d$d.json" 2>&1 | grep -v "^ \|^-\|^Name\|^Self" | tee -a "$LOG"
 fi
 if stage model14m3; then  # the 1.4b width and depth with Mamba-3 (4 x 2048) beside mamba_ssm's Mamba3, its autotune pruned (M3_PEER="" for the full one)
   echo "== bench_model 1.4b mamba3" | tee -a "$LOG"
   timeout ${T_MODEL14M3:-560} python benchmarks/bench_model.py --preset 1.4b --mixer mamba3 \
     --batch 4 --iters ${MODEL14_ITERS:-5} ${M3_PEER---prune-peer} --out "$OUT/bench_model_1.4b-mamba3.json" \
+    --profile "$OUT/profile_train_step_1.4b-mamba3.txt" \
     2>&1 | grep -v "^ \|^-\|^Name\|^Self" | tee -a "$LOG"
 fi
 if stage tests; then

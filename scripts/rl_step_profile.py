@@ -98,6 +98,40 @@ def per_call_us(fn, n: int) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
+HOST_CALLS = 32  # few enough that the launches never wait for the device
+
+
+def host_us(fn, reps: int = 41) -> float:
+    """The host's time per call of fn alone: HOST_CALLS calls timed after a sync, without
+    one at the end (their kernels queue behind each other), the median of reps."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(HOST_CALLS):
+            fn()
+        times.append((time.perf_counter() - t0) / HOST_CALLS * 1e6)
+    torch.cuda.synchronize()
+    return sorted(times)[reps // 2]
+
+
+def _cudart_memcpy():
+    """cudaMemcpyAsync of the CUDA runtime torch loaded, through ctypes (None where it is
+    not found): what a copy costs the host without torch's dispatch."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            path = next(line.split()[-1] for line in f if "libcudart.so" in line)
+        fn = ctypes.CDLL(path).cudaMemcpyAsync
+    except (OSError, StopIteration, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                   ctypes.c_void_p]  # fmt: skip
+    fn.restype = ctypes.c_int
+    return fn
+
+
 class _StandIn:
     def replay(self) -> None:
         pass
@@ -188,6 +222,16 @@ def pieces(model, x, state, n: int) -> None:
     print(f"pieces (us/call): {times}; the plan's fast path {fast}")
     if not torch.cuda.is_available():  # (the stand-in)
         return
+    memcpy = _cudart_memcpy()
+    if memcpy is not None:
+        dst, src, nbytes = entry.x.data_ptr(), x.data_ptr(), x.numel() * x.element_size()
+        index = x.device.index
+        parts["memcpy (cudart, ctypes)"] = lambda: memcpy(
+            dst, src, nbytes, 3, torch._C._cuda_getCurrentRawStream(index)
+        )
+    with torch.no_grad():
+        times = ", ".join(f"{k} {host_us(f):.1f}" for k, f in parts.items())
+    print(f"host time alone (us/call, {HOST_CALLS} calls between syncs, median): {times}")
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.no_grad():
