@@ -220,7 +220,7 @@ class MambaBackbone(nn.Module):
         parameters once and kept until one changes (`inference.plan`): what decode steps
         read, and CUDA graphs captured on them. (No-grad forwards read a plan of their own,
         `_forward_plan`.)"""
-        return derived_plan(self, "step", _step_plan, _norm_eps)
+        return derived_plan(self, "step", _step_plan, _norm_eps, in_place=True)
 
     def _stack_weights(self):
         """The reference bodies' whole-stack decode weights (`_stack_plan`), kept until a

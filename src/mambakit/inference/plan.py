@@ -7,7 +7,9 @@ every token. `derived(module, name, build)` runs `build(module)` once (without a
 and returns its result again while every parameter of `module` keeps its identity,
 storage and version, and `key(module)` (non-parameter inputs of the build, such as the
 norms' eps) is unchanged. An optimizer step, a load or a `.to()` moves one of those, and
-the next call derives the plan again.
+the next call derives the plan again. A plan whose build takes some parameters only as
+they are (`in_place`: views such as the GEMM weights) sees their new values through those
+views, so only the other parameters' versions are watched: fewer reads per step.
 
 The plan is also what CUDA graphs captured on the module read: a graph replays the
 addresses it saw at capture. So a new derivation writes its values into the tensors of the
@@ -53,8 +55,8 @@ class _Plan:
     """One derived value and what it was derived from."""
 
     __slots__ = (
-        "build", "key", "slots", "params", "versions", "ptrs", "extra", "value", "owned",
-        "addresses",
+        "build", "key", "in_place", "slots", "params", "watched", "versions", "ptrs", "extra",
+        "value", "owned", "addresses",
     )  # fmt: skip
 
     def fresh(self, module: nn.Module) -> bool:
@@ -62,7 +64,7 @@ class _Plan:
         params = self.params
         return (
             all(map(operator.is_, map(dict.get, *self.slots), params))
-            and tuple(map(_version, params)) == self.versions
+            and tuple(map(_version, self.watched)) == self.versions
             and tuple(map(_data_ptr, params)) == self.ptrs
             and (self.key is None or self.key(module) == self.extra)
         )
@@ -73,10 +75,18 @@ def derived(
     name: str,
     build: Callable[[nn.Module], Any],
     key: Callable[[nn.Module], Any] | None = None,
+    in_place: bool = False,
 ) -> Any:
     """`build(module)`, derived without autograd and kept until a parameter of `module`
     (or `key(module)`) changes; the module's plans are told apart by `name`. `build` and
-    `key` must be plain functions of the module (the table holds them, not the module)."""
+    `key` must be plain functions of the module (the table holds them, not the module).
+
+    `in_place`: a parameter whose storage a tensor of the value shares (a view of it) is
+    all the build takes from it: no other tensor of the value, and nothing the value holds
+    outside its tensors, tuples and lists, is computed from that parameter. A change of
+    its values is then seen through the view, and only the versions of the parameters the
+    value holds no view of are watched (its identity and storage always are). One name is
+    always derived with the same `in_place`."""
     plans = _PLANS.get(id(module))
     if plans is None:
         plans = _PLANS[id(module)] = {}
@@ -94,8 +104,10 @@ def derived(
     if plan is not None:
         value = _refresh_into(plan.value, value, plan.owned)
     new = _Plan()
-    new.build, new.key, new.slots, new.params = build, key, slots, params
-    new.versions = tuple(map(_version, params))
+    new.build, new.key, new.in_place, new.slots, new.params = build, key, in_place, slots, params
+    viewed = {t.untyped_storage().data_ptr() for t in _tensors(value)} if in_place else ()
+    new.watched = tuple(p for p in params if p.untyped_storage().data_ptr() not in viewed)
+    new.versions = tuple(map(_version, new.watched))
     new.ptrs = tuple(map(_data_ptr, params))
     new.extra = None if key is None else key(module)
     # the plan's own tensors: those sharing no storage with a parameter when derived
@@ -128,7 +140,7 @@ def refresh(model: nn.Module) -> None:
         m = ref()
         if m is not None:
             for name, plan in list(_PLANS[id(m)].items()):
-                derived(m, name, plan.build, plan.key)
+                derived(m, name, plan.build, plan.key, plan.in_place)
 
 
 def drop(model: nn.Module) -> None:
