@@ -232,18 +232,25 @@ STEP_MIXERS = {"mamba1": {}, "mamba2": dict(headdim=8), "mamba3": dict(headdim=8
 def test_the_step_plan_follows_each_parameter_alone():
     """The step plan holds most weights as views of the parameters (`derived(in_place=True)`):
     an update of one of those is read through the view, the plan kept; an update of one it
-    derives from (A_log, or D in bf16) derives it again. The oracle: after an in-place update
-    of any one parameter, the plan equals one built from scratch, and a step (the compiled
-    CPU body on its own plan, and the per-layer bodies on this one) equals a fresh copy's."""
+    derives from (A_log, or D in bf16) derives it again, also where all parameters share one
+    storage. The oracle: after an in-place update of any one parameter, the plan equals one
+    built from scratch, and a step (the compiled CPU body on its own plan, and the per-layer
+    bodies on this one) equals a fresh copy's."""
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
     from mambakit.backbone import _step_plan
     from mambakit.inference.plan import record
 
     for mixer, extra in STEP_MIXERS.items():
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype, flat in ((torch.float32, False), (torch.bfloat16, False),
+                            (torch.float64, False), (torch.float32, True)):  # fmt: skip
             torch.manual_seed(0)
             cfg = MambaConfig(d_model=16, n_layers=2, d_state=4, input_dim=5, mixer=mixer,
                               **extra)  # fmt: skip
             bb = MambaBackbone(cfg).to(dtype)
+            if flat:  # every parameter a piece of one storage
+                flat_params = parameters_to_vector(bb.parameters()).detach().clone()
+                vector_to_parameters(flat_params, bb.parameters())
             x = torch.randn(2, 5, dtype=dtype)
             kept = rederived = 0
             with torch.no_grad():

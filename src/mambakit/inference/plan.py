@@ -81,7 +81,7 @@ def derived(
     (or `key(module)`) changes; the module's plans are told apart by `name`. `build` and
     `key` must be plain functions of the module (the table holds them, not the module).
 
-    `in_place`: a parameter whose storage a tensor of the value shares (a view of it) is
+    `in_place`: a parameter whose bytes a tensor of the value reads (a view of it) is
     all the build takes from it: no other tensor of the value, and nothing the value holds
     outside its tensors, tuples and lists, is computed from that parameter. A change of
     its values is then seen through the view, and only the versions of the parameters the
@@ -105,8 +105,8 @@ def derived(
         value = _refresh_into(plan.value, value, plan.owned)
     new = _Plan()
     new.build, new.key, new.in_place, new.slots, new.params = build, key, in_place, slots, params
-    viewed = {t.untyped_storage().data_ptr() for t in _tensors(value)} if in_place else ()
-    new.watched = tuple(p for p in params if p.untyped_storage().data_ptr() not in viewed)
+    spans = [s for s in map(_span, _tensors(value)) if s is not None] if in_place else []
+    new.watched = tuple(p for p in params if not _viewed(p, spans))
     new.versions = tuple(map(_version, new.watched))
     new.ptrs = tuple(map(_data_ptr, params))
     new.extra = None if key is None else key(module)
@@ -170,6 +170,23 @@ def _slots(module: nn.Module) -> list[tuple[dict, str]]:
         for name, p in m._parameters.items()
         if p is not None
     ]
+
+
+def _span(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes a tensor reads, [first, end), or None when it has no elements."""
+    if t.numel() == 0:
+        return None
+    first = t.data_ptr()
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return first, first + (last + 1) * t.element_size()
+
+
+def _viewed(p: torch.Tensor, spans: list[tuple[int, int]]) -> bool:
+    """Whether a tensor of the value reads only bytes of `p` itself (a view of it; parameters
+    that share one storage, as after `vector_to_parameters` on a flat buffer, are told apart
+    by their bytes)."""
+    own = _span(p)
+    return own is not None and any(own[0] <= a and b <= own[1] for a, b in spans)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
