@@ -105,15 +105,16 @@ def derived(
         value = _refresh_into(plan.value, value, plan.owned)
     new = _Plan()
     new.build, new.key, new.in_place, new.slots, new.params = build, key, in_place, slots, params
-    spans = [s for s in map(_span, _tensors(value)) if s is not None] if in_place else []
+    tensors = _tensors(value)
+    spans = [s for s in map(_span, tensors) if s is not None] if in_place else []
     new.watched = tuple(p for p in params if not _viewed(p, spans))
     new.versions = tuple(map(_version, new.watched))
     new.ptrs = tuple(map(_data_ptr, params))
     new.extra = None if key is None else key(module)
     # the plan's own tensors: those sharing no storage with a parameter when derived
-    new.owned = {id(t) for t in _tensors(value) if t.untyped_storage().data_ptr() not in storages}
+    new.owned = {id(t) for t in tensors if t.untyped_storage().data_ptr() not in storages}
     new.value = value
-    new.addresses = tuple(t.data_ptr() for t in _tensors(value))
+    new.addresses = tuple(t.data_ptr() for t in tensors)
     plans[name] = new
     return value
 
