@@ -31,7 +31,9 @@ def kernel_sequence(prof, first: int, count: int) -> list[str]:
     ]
 
 
-def kernel_table(fn, title: str, rows: int = 25, sequence: tuple[int, int] | None = None) -> str:
+def kernel_table(
+    fn, title: str, rows: int = 25, sequence: tuple[int, int] | None = None, first: int = 0
+) -> str:
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -47,6 +49,9 @@ def kernel_table(fn, title: str, rows: int = 25, sequence: tuple[int, int] | Non
             f"{e.key[:72]:<72} {e.count:>6} {e.self_device_time_total:>9.1f} "
             f"{e.self_device_time_total / e.count:>8.2f}"
         )
+    if first:
+        lines.append(f"-- kernels 0.. ({first}) in launch order")
+        lines += kernel_sequence(prof, 0, first)
     if sequence is not None:
         lines.append(f"-- kernels {sequence[0]}.. ({sequence[1]}) in launch order")
         lines += kernel_sequence(prof, *sequence)
@@ -71,6 +76,7 @@ def main() -> None:
     ap.add_argument("--presets", nargs="+", default=["130m", "1.4b"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--prefill", type=int, default=4096, help="0: no prefill profile")
+    ap.add_argument("--first", type=int, default=0, help="the step's first kernels in order")
     ap.add_argument("--out")
     args = ap.parse_args()
     out = []
@@ -90,7 +96,8 @@ def main() -> None:
                     model.step(tok, state)
 
             # the last kernels: out_proj of the last block, then the LM head
-            out.append(kernel_table(step, f"{name} eager step, batch {B}", sequence=(-3, 3)))
+            title = f"{name} eager step, batch {B}"
+            out.append(kernel_table(step, title, sequence=(-3, 3), first=args.first))
             print(out[-1], flush=True)
         if not args.prefill:
             del model

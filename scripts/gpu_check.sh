@@ -8,7 +8,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile"}
-# opt-in stages: savetiles model14 model3 model14m3 m3layer residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof servehold serveflight serveprobe packprobe rl rlprof gemmprobe prefillhost
+# opt-in stages: savetiles model14 model3 model14m3 m3layer residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof servehold serveflight serveprobe packprobe rl rlprof gemmprobe prefillhost stepsweep
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -211,6 +211,15 @@ fi
 if stage gemmprobe; then  # small-batch f32 GEMMs: cuBLAS's picks against other routes
   echo "== small_gemm_probe" | tee -a "$LOG"
   timeout ${T_GEMM:-120} python scripts/small_gemm_probe.py ${GEMM_ARGS:-} 2>&1 | tail -60 | tee -a "$LOG"
+fi
+if stage stepsweep; then  # the Mamba-1 decode step's launch settings (STEP_ARGS), then whole model steps of each mixer (STEP_MODELS)
+  echo "== step_sweep" | tee -a "$LOG"
+  timeout ${T_STEP:-240} python scripts/step_sweep.py ${STEP_ARGS:---presets 130m 1.4b --batch 1 2 3 4 --tiles 16384 --rows-max 1 2 4} \
+    2>&1 | grep -v Warn | tee -a "$LOG"
+  if [ -n "${STEP_MODELS-130m 130m-mamba2 130m-mamba3 1.4b}" ]; then
+    timeout ${T_STEPM:-240} python scripts/step_sweep.py --models ${STEP_MODELS-130m 130m-mamba2 130m-mamba3 1.4b} \
+      --batch ${STEP_MODEL_BATCH:-2 3 4} --rows-max ${STEP_MODEL_ROWS:-1 2 4} 2>&1 | grep -v Warn | tee -a "$LOG"
+  fi
 fi
 if stage prefillhost; then  # an eager prefill's host time, ours and mamba_ssm's: enqueue, graph, CPU profile
   echo "== prefill_host" | tee -a "$LOG"

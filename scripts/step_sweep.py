@@ -14,6 +14,7 @@ step replayed from a CUDA graph (us), and each kernel's mean GPU time in an eage
     PYTHONPATH=src python scripts/step_sweep.py --presets 130m 1.4b --tiles 4096 8192 16384
     PYTHONPATH=src python scripts/step_sweep.py --batch 64 --ssm-rows 1 2 4 8
     PYTHONPATH=src python scripts/step_sweep.py --batch 1 2 4 8 --rows-max 1 2 4 8  # crossover
+    PYTHONPATH=src python scripts/step_sweep.py --models 130m-mamba2 --batch 2 3 --rows-max 1 2
     PYTHONPATH=src python scripts/step_sweep.py --dry   # CPU, interpreter, tiny preset, untimed
 """
 
@@ -133,6 +134,34 @@ def sweep(name: str, args, dev: str, dtype: torch.dtype) -> None:
                 print(f"{label}: graph step {us:.1f} us; {kernel_means(step)}", flush=True)
 
 
+def model_sweep(name: str, args) -> None:
+    """`MambaLM.step` of a preset (any mixer: Mamba-2 and Mamba-3 blocks run their
+    projections through `linear`) captured whole, per batch and `rows_max_batch`."""
+    from mambakit import MambaLM
+
+    torch.manual_seed(0)
+    model = MambaLM(MambaConfig.preset(name), device="cuda").to(torch.bfloat16).eval()
+    lib = launch._GPU
+    for batch in args.batch:
+        state = model.init_state(batch)
+        tok = torch.randint(0, model.config.vocab_size, (batch,), device="cuda")
+
+        def step(state=state, tok=tok):
+            with torch.no_grad():
+                return model.step(tok, state, cuda_graph=False)[0]
+
+        for rows_max in args.rows_max:
+            launch._GPU = dataclasses.replace(lib, rows_max_batch=rows_max)
+            label = f"{name} model step batch {batch} rows_max {rows_max}"
+            try:
+                us = graph_us(step)
+                print(f"{label}: graph step {us:.1f} us; {kernel_means(step)}", flush=True)
+            except Exception as exc:  # noqa: BLE001 - report it and go on with the next
+                print(f"{label}: {exc!r}", flush=True)
+            finally:
+                launch._GPU = lib
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--presets", nargs="+", default=["130m", "1.4b"])
@@ -141,9 +170,20 @@ def main() -> None:
     ap.add_argument("--tiles", type=int, nargs="+", default=[4096, 8192, 16384])
     ap.add_argument("--ssm-rows", type=int, nargs="+", default=[lib.ssm_rows])
     ap.add_argument("--rows-max", type=int, nargs="+", default=[lib.rows_max_batch])
+    ap.add_argument(
+        "--models",
+        nargs="*",
+        default=[],
+        help="presets whose whole MambaLM.step is timed instead (any mixer)",
+    )
     ap.add_argument("--dry", action="store_true", help="CPU interpreter, tiny preset, untimed")
     args = ap.parse_args()
     dev, dtype = ("cpu", torch.float32) if args.dry else ("cuda", torch.bfloat16)
+    if args.models:
+        for name in args.models:
+            model_sweep(name, args)
+            torch.cuda.empty_cache()
+        return
     for name in ["tiny"] if args.dry else args.presets:
         sweep(name, args, dev, dtype)
         if not args.dry:

@@ -2,7 +2,7 @@
 linear (ops.norm_linear) against the float64 op chain.
 
 On the CPU the kernels run under the Triton interpreter at tiny shapes; on the
-device (`-m gpu`) at the 130m model's shapes and batch sizes 1, 8 and 64 (the
+device (`-m gpu`) at the 130m model's shapes and batch sizes 1, 2, 8 and 64 (the
 three code paths: the norm fused into the first kernel, a norm launch before
 the row-loop kernels, cuBLAS projections around the fused conv and SSM kernels).
 """
@@ -237,7 +237,7 @@ def test_layer_step_rejects_bad_input():
 class TestGPU:
     """The 130m block (M 768, D 1536, N 16, R 48) and LM head at decode batch sizes."""
 
-    @pytest.mark.parametrize("B", [1, 8, 64])
+    @pytest.mark.parametrize("B", [1, 2, 8, 64])
     @pytest.mark.parametrize("dtype", DTYPES, ids=str)
     def test_130m_block(self, nan_empty, B, dtype):
         check_step(M=768, Dn=1536, N=16, R=48, K=4, B=B, dtype=dtype, bias=False, first=False)
@@ -264,15 +264,15 @@ class TestGPU:
 
 
 def test_projections_stream_by_batch_dtype_and_weight_size():
-    """Where the step's projections stream through its kernels rather than cuBLAS: 16-bit
-    weights at batch 1; float32 weights up to 16 rows while the weight is at most 1 MiB (the
-    small RL models), else at batch 1 alone."""
+    """Where the step's projections stream through its kernels rather than cuBLAS: up to 2
+    rows; float32 weights up to 16 rows while the weight is at most 1 MiB (the small RL
+    models)."""
     from mambakit.ops.mamba_step import launch
 
     cfg = launch.config(False)
     small, large = torch.empty(512, 128), torch.empty(3072, 768)  # 256 KiB, 9 MiB of f32
     half = torch.empty(512, 128, dtype=torch.bfloat16)
     assert [launch._streams(b, small, 128, cfg) for b in (1, 16, 17)] == [True, True, False]
-    assert [launch._streams(b, large, 1024, cfg) for b in (1, 2)] == [True, False]
-    assert [launch._streams(b, half, 128, cfg) for b in (1, 2)] == [True, False]
+    assert [launch._streams(b, large, 1024, cfg) for b in (1, 2, 3)] == [True, True, False]
+    assert [launch._streams(b, half, 128, cfg) for b in (1, 2, 3)] == [True, True, False]
     assert not launch._streams(1, small, 2 * cfg.tile, cfg)  # rows wider than a slab
