@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mambakit import MambaBackbone, MambaConfig, MambaLM
-from mambakit.inference import step_graph_status
+from mambakit.inference import plan, step_graph_status
 
 sg = importlib.import_module("mambakit.inference.step_graph")
 
@@ -49,13 +49,18 @@ class _Captures(list):
 @pytest.fixture
 def fake_graphs(monkeypatch):
     """CUDA graphs on the CPU: capture runs the warm-up, replay re-runs the function into
-    the static output buffer. Returns the captures (`_Captures`)."""
+    the static output buffer. Returns the captures (`_Captures`). A real replay runs no
+    Python, so it reads every plan as the step left it: each replay first checks that the
+    plans the capture read are current (a stand-in that re-runs the function would bring
+    them up to date itself)."""
     captures = _Captures()
 
     def fake_capture(fn, warmup=2, pool=None, warm=None):
-        for _ in range(warmup):
-            (warm or fn)()
-        buf = (warm or fn)().clone()  # the output's static buffer (warm: a scratch state)
+        with plan.reads() as read:
+            for _ in range(warmup):
+                (warm or fn)()
+            buf = (warm or fn)().clone()  # the output's static buffer (warm: a scratch state)
+        read = [(weakref.ref(m), name) for m, name in read]
         captures.graphs.append(fn)
         ref = weakref.ref(buf)  # as a real graph, the replay holds no reference to it
         where = (buf.data_ptr(), buf.untyped_storage().nbytes())
@@ -63,6 +68,9 @@ def fake_graphs(monkeypatch):
         def replay():  # a real graph writes where the buffer was at its capture, any mode
             out = ref()
             assert (out.data_ptr(), out.untyped_storage().nbytes()) == where, "buffer moved"
+            for module, name in read:
+                module = module()
+                assert module is None or plan.record(module, name).fresh(module), name
             with torch.inference_mode(out.is_inference()):
                 out.copy_(fn())
 
@@ -369,6 +377,35 @@ def test_lm_step_replays_equal_eager(fake_graphs, tie):
     status = step_graph_status(lm)
     assert status["replays"] == len(ids) - sg.WARM_CALLS and status["reason"] is None, status
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("mixer", list(MIXERS))
+def test_an_optimizer_step_reaches_every_plan_a_replay_reads(fake_graphs, mixer):
+    """The CPU's step runs the whole-stack body on weights of its own (the "stack" plan,
+    copies stacked over the layers), as the reference bodies do on a GPU (float64, or
+    MAMBAKIT_BACKEND=reference): after an optimizer step, replays read those copies
+    brought up to date, not only the step plan (the stand-in checks before each replay)."""
+    m = backbone(mixer)
+    xs = torch.randn(10, 2, 12)
+    s_graph, s_eager = m.init_state(2), m.init_state(2)
+    got = run(m, xs[:5], s_graph)
+    want = run(m, xs[:5], s_eager, cuda_graph=False)
+    assert plan.record(m, "stack") is not None  # the body read the stacked copies
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    for _ in range(2):  # the first moves every weight; the second, all but A_log and D
+        out, _ = m(xs.transpose(0, 1)[:, :4])
+        out.square().mean().backward()
+        if _:
+            for name, p in m.named_parameters():
+                if name.endswith(("A_log", "D", "dt_bias")):
+                    p.grad = None
+        opt.step()
+        opt.zero_grad()
+        got += run(m, xs[5:], s_graph)
+        want += run(m, xs[5:], s_eager, cuda_graph=False)
+    assert len(fake_graphs) == 1  # the same graph replayed throughout
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("flag", ["yes", 1, None])

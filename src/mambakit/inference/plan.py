@@ -29,6 +29,7 @@ module dies), so they are never pickled, saved or deep-copied with it.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import weakref
 from collections.abc import Callable
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["derived", "drop", "record", "refresh"]
+__all__ = ["derived", "drop", "reads", "record", "refresh"]
 
 # id(module) -> {name: _Plan}, removed when the module dies (a plain dict: a weak-keyed
 # one makes a weak reference on every lookup, which a decode step would pay per token)
@@ -46,6 +47,7 @@ _PLANS: dict[int, dict[str, _Plan]] = {}
 # root that have plans): `refresh` walks a model's modules once, not per replay
 _ROOTS: dict[int, tuple[int, list]] = {}
 _generation = 0  # moves whenever a module gains its first plan or one with plans dies
+_read: list | None = None  # inside `reads`: (module, name) of every plan asked for
 
 _version = operator.attrgetter("_version")
 _data_ptr = torch.Tensor.data_ptr
@@ -87,6 +89,8 @@ def derived(
     its values is then seen through the view, and only the versions of the parameters the
     value holds no view of are watched (its identity and storage always are). One name is
     always derived with the same `in_place`."""
+    if _read is not None:
+        _read.append((module, name))
     plans = _PLANS.get(id(module))
     if plans is None:
         plans = _PLANS[id(module)] = {}
@@ -117,6 +121,22 @@ def derived(
     new.addresses = tuple(t.data_ptr() for t in tensors)
     plans[name] = new
     return value
+
+
+@contextlib.contextmanager
+def reads():
+    """Collects (module, name) of every plan `derived` is asked for inside (what a CUDA graph
+    captured there reads: `inference.step_graph` keeps each of them current); an enclosing
+    `reads` collects them too."""
+    global _read
+    outer, _read = _read, []
+    inner = _read
+    try:
+        yield inner
+    finally:
+        _read = outer
+        if outer is not None:
+            outer.extend(inner)
 
 
 def record(module: nn.Module, name: str) -> _Plan | None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import sys
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -42,7 +43,7 @@ from torch import nn
 
 from ..layers.plain import _GLOBAL_HOOKS, plain
 from .cuda_graph import capture, graph_cache, static_mode, use_cuda_graph
-from .plan import record
+from .plan import derived, reads, record
 
 __all__ = ["WARM_CALLS", "MAX_GRAPHS", "RING", "step_graph_status", "graphed_step"]
 
@@ -108,16 +109,19 @@ class _Graph:
     """A key's graphs: `slots` (up to RING) hand their outputs out, `spare` (captured when
     every slot's output is held) has its output cloned; `spare` is False where its capture
     failed (the step then runs eagerly while every slot's output is held). All read the
-    static input `x` and the same parameters, plan and state."""
+    static input `x` and the same parameters, plan and state. `others`: (weak reference to
+    the module, name, derivation) of each plan besides the backbone's step plan that the
+    capture read (the reference bodies' whole-stack weights)."""
 
     __slots__ = ("slots", "spare", "x", "inference", "params", "plan", "addresses", "extra",
-                 "watch")  # fmt: skip
+                 "watch", "others")  # fmt: skip
 
-    def __init__(self, slot, x, params, plan, extra, watch) -> None:
+    def __init__(self, slot, x, params, plan, extra, watch, others=()) -> None:
         # an output that something else held at its capture cannot be watched: spare only
         self.slots, self.spare = ([slot], None) if _unheld(slot, _free_counts()) else ([], slot)
         self.x, self.inference, self.params = x, x.is_inference(), params
         self.plan, self.addresses, self.extra, self.watch = plan, plan.addresses, extra, watch
+        self.others = others
 
 
 class _StepGraphs:
@@ -342,15 +346,39 @@ def _stands(model, backbone, head, entry: _Graph) -> bool:
     roots = [backbone] if head is None else [backbone, head]
     if not _unchanged(entry.watch, roots) or _head_ptrs(head) != entry.extra:
         return False
-    if record(backbone, "step") is entry.plan and entry.plan.fresh(backbone):
-        return True  # the derivation captured on, current and fresh: the common case
+    if (record(backbone, "step") is entry.plan and entry.plan.fresh(backbone)
+            and (not entry.others or all(map(_fresh, entry.others)))):  # fmt: skip
+        return True  # the derivations captured on, current and fresh: the common case
     backbone._decode_plan()
     now = record(backbone, "step")
-    if now is entry.plan:
-        return True
-    if now is None or now.addresses != entry.addresses or _params(model) != entry.params:
-        return False
-    entry.plan = now  # derived again (an optimizer step) into the same tensors
+    if now is not entry.plan:
+        if now is None or now.addresses != entry.addresses or _params(model) != entry.params:
+            return False
+        entry.plan = now  # derived again (an optimizer step) into the same tensors
+    return _others_current(entry)
+
+
+def _fresh(other: tuple) -> bool:
+    ref, name, plan = other
+    module = ref()
+    return module is not None and record(module, name) is plan and plan.fresh(module)
+
+
+def _others_current(entry: _Graph) -> bool:
+    """The other plans the graph reads brought up to date (derived again into the tensors
+    the graph reads); False where one is gone or was derived into other tensors."""
+    others = []
+    for ref, name, old in entry.others:
+        module = ref()
+        plan = None if module is None else record(module, name)
+        if plan is None:
+            return False
+        derived(module, name, plan.build, plan.key, plan.in_place)
+        now = record(module, name)
+        if now.addresses != old.addresses:
+            return False
+        others.append((ref, name, now))
+    entry.others = tuple(others)
     return True
 
 
@@ -389,8 +417,14 @@ def _capture(model, backbone, body, x, state, head) -> _Graph:
     with torch.inference_mode() if inference else static_mode():
         static_x = torch.empty_like(x, memory_format=torch.contiguous_format)
         static_x.copy_(x)
-    slot = _capture_slot(body, static_x, state)
+    with reads() as read:
+        slot = _capture_slot(body, static_x, state)
     backbone._decode_plan()
     watch = _watch([backbone] if head is None else [backbone, head])
+    others, seen = [], {(id(backbone), "step")}
+    for module, name in read:
+        if (id(module), name) not in seen:
+            seen.add((id(module), name))
+            others.append((weakref.ref(module), name, record(module, name)))
     return _Graph(slot, static_x, _params(model), record(backbone, "step"), _head_ptrs(head),
-                  watch)  # fmt: skip
+                  watch, tuple(others))  # fmt: skip
