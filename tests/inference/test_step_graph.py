@@ -423,10 +423,13 @@ def test_cuda_graph_true_needs_a_cuda_device():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mixer", list(MIXERS))
-@pytest.mark.parametrize("autocast", [False, True], ids=["f32", "bf16"])
+@pytest.mark.parametrize("autocast", [False, True, "f64"], ids=["f32", "bf16", "f64"])
 def test_gpu_graph_steps_equal_eager_steps(mixer, autocast):
-    m = backbone(mixer, "cuda")
-    xs = torch.randn(10, 4, 12, device="cuda")
+    # float64: the reference bodies' whole-stack step on its stacked weight copies
+    dtype = torch.float64 if autocast == "f64" else torch.float32
+    autocast = autocast is True
+    m = backbone(mixer, "cuda").to(dtype)
+    xs = torch.randn(10, 4, 12, device="cuda", dtype=dtype)
     s_graph, s_eager = m.init_state(4), m.init_state(4)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     acting = torch.autocast("cuda", torch.bfloat16, enabled=autocast)
