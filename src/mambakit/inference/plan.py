@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -47,7 +48,7 @@ _PLANS: dict[int, dict[str, _Plan]] = {}
 # root that have plans): `refresh` walks a model's modules once, not per replay
 _ROOTS: dict[int, tuple[int, list]] = {}
 _generation = 0  # moves whenever a module gains its first plan or one with plans dies
-_read: list | None = None  # inside `reads`: (module, name) of every plan asked for
+_local = threading.local()  # .read inside `reads`: (module, name) of every plan asked for
 
 _version = operator.attrgetter("_version")
 _data_ptr = torch.Tensor.data_ptr
@@ -89,8 +90,9 @@ def derived(
     its values is then seen through the view, and only the versions of the parameters the
     value holds no view of are watched (its identity and storage always are). One name is
     always derived with the same `in_place`."""
-    if _read is not None:
-        _read.append((module, name))
+    read = getattr(_local, "read", None)
+    if read is not None:  # a capture on this thread collects what it reads
+        read.append((module, name))
     plans = _PLANS.get(id(module))
     if plans is None:
         plans = _PLANS[id(module)] = {}
@@ -125,16 +127,15 @@ def derived(
 
 @contextlib.contextmanager
 def reads():
-    """Collects (module, name) of every plan `derived` is asked for inside (what a CUDA graph
-    captured there reads: `inference.step_graph` keeps each of them current); an enclosing
-    `reads` collects them too."""
-    global _read
-    outer, _read = _read, []
-    inner = _read
+    """Collects (module, name) of every plan `derived` is asked for inside, on this thread
+    (what a CUDA graph captured there reads: `inference.step_graph` keeps each of them
+    current); an enclosing `reads` collects them too."""
+    outer = getattr(_local, "read", None)
+    inner = _local.read = []
     try:
         yield inner
     finally:
-        _read = outer
+        _local.read = outer
         if outer is not None:
             outer.extend(inner)
 
