@@ -392,10 +392,10 @@ def test_an_optimizer_step_reaches_every_plan_a_replay_reads(fake_graphs, mixer)
     want = run(m, xs[:5], s_eager, cuda_graph=False)
     assert plan.record(m, "stack") is not None  # the body read the stacked copies
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
-    for _ in range(2):  # the first moves every weight; the second, all but A_log and D
-        out, _ = m(xs.transpose(0, 1)[:, :4])
-        out.square().mean().backward()
-        if _:
+    for second in (False, True):  # the first moves every weight; the second all but A_log,
+        out, _ = m(xs.transpose(0, 1)[:, :4])  # D and the dt bias (the step plan's own
+        out.square().mean().backward()  # copies stay fresh, the stacked ones do not)
+        if second:
             for name, p in m.named_parameters():
                 if name.endswith(("A_log", "D", "dt_bias")):
                     p.grad = None
@@ -423,11 +423,11 @@ def test_cuda_graph_true_needs_a_cuda_device():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mixer", list(MIXERS))
-@pytest.mark.parametrize("autocast", [False, True, "f64"], ids=["f32", "bf16", "f64"])
-def test_gpu_graph_steps_equal_eager_steps(mixer, autocast):
+@pytest.mark.parametrize("mode", ["f32", "bf16", "f64"])
+def test_gpu_graph_steps_equal_eager_steps(mixer, mode):
     # float64: the reference bodies' whole-stack step on its stacked weight copies
-    dtype = torch.float64 if autocast == "f64" else torch.float32
-    autocast = autocast is True
+    dtype = torch.float64 if mode == "f64" else torch.float32
+    autocast = mode == "bf16"
     m = backbone(mixer, "cuda").to(dtype)
     xs = torch.randn(10, 4, 12, device="cuda", dtype=dtype)
     s_graph, s_eager = m.init_state(4), m.init_state(4)

@@ -242,7 +242,7 @@ class TestGPU:
     def test_130m_block(self, nan_empty, B, dtype):
         check_step(M=768, Dn=1536, N=16, R=48, K=4, B=B, dtype=dtype, bias=False, first=False)
 
-    @pytest.mark.parametrize("B", [1, 8, 64])
+    @pytest.mark.parametrize("B", [1, 2, 8, 64])
     @pytest.mark.parametrize("dtype", DTYPES, ids=str)
     def test_lm_head(self, nan_empty, B, dtype):
         gen = torch.Generator().manual_seed(2)

@@ -48,7 +48,13 @@ _PLANS: dict[int, dict[str, _Plan]] = {}
 # root that have plans): `refresh` walks a model's modules once, not per replay
 _ROOTS: dict[int, tuple[int, list]] = {}
 _generation = 0  # moves whenever a module gains its first plan or one with plans dies
-_local = threading.local()  # .read inside `reads`: (module, name) of every plan asked for
+
+
+class _Local(threading.local):
+    read: list | None = None  # inside `reads`: (module, name) of every plan asked for
+
+
+_local = _Local()
 
 _version = operator.attrgetter("_version")
 _data_ptr = torch.Tensor.data_ptr
@@ -90,7 +96,7 @@ def derived(
     its values is then seen through the view, and only the versions of the parameters the
     value holds no view of are watched (its identity and storage always are). One name is
     always derived with the same `in_place`."""
-    read = getattr(_local, "read", None)
+    read = _local.read
     if read is not None:  # a capture on this thread collects what it reads
         read.append((module, name))
     plans = _PLANS.get(id(module))
@@ -130,7 +136,7 @@ def reads():
     """Collects (module, name) of every plan `derived` is asked for inside, on this thread
     (what a CUDA graph captured there reads: `inference.step_graph` keeps each of them
     current); an enclosing `reads` collects them too."""
-    outer = getattr(_local, "read", None)
+    outer = _local.read
     inner = _local.read = []
     try:
         yield inner
