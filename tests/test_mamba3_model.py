@@ -169,8 +169,8 @@ def test_save_and_load_round_trip(tmp_path):
 @pytest.mark.parametrize("batch", [1, 3])
 def test_triton_decode_blocks_equal_reference(monkeypatch, batch):
     """A decode step's Triton path (interpreter on the CPU): the add, the norm and in_proj
-    as one streaming kernel that also stores the residual (batch 1; at 3 rows, the norm then
-    a GEMM), the step kernel, out_proj. Logits and every state field over 5 tokens equal the
+    as one streaming kernel that also stores the residual (batch 1; above, a norm launch
+    first), the step kernel, out_proj. Logits and every state field over 5 tokens equal the
     reference backend's, and the kernel path ran once a layer and token."""
     from mambakit.ops.mamba_step import launch
 

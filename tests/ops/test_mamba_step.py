@@ -264,15 +264,31 @@ class TestGPU:
 
 
 def test_projections_stream_by_batch_dtype_and_weight_size():
-    """Where the step's projections stream through its kernels rather than cuBLAS: up to 2
-    rows; float32 weights up to 16 rows while the weight is at most 1 MiB (the small RL
-    models)."""
+    """Where the step's projections stream through its kernels rather than cuBLAS: at batch
+    1; 16-bit weights up to 2 rows while their rows are at most 1,024 long, or 2,048 and the
+    weight at most 8 MiB (the 130m models); float32 weights up to 16 rows while the weight
+    is at most 1 MiB (the small RL models)."""
     from mambakit.ops.mamba_step import launch
 
     cfg = launch.config(False)
     small, large = torch.empty(512, 128), torch.empty(3072, 768)  # 256 KiB, 9 MiB of f32
     half = torch.empty(512, 128, dtype=torch.bfloat16)
     assert [launch._streams(b, small, 128, cfg) for b in (1, 16, 17)] == [True, True, False]
-    assert [launch._streams(b, large, 1024, cfg) for b in (1, 2, 3)] == [True, True, False]
+    assert [launch._streams(b, large, 1024, cfg) for b in (1, 2)] == [True, False]
     assert [launch._streams(b, half, 128, cfg) for b in (1, 2, 3)] == [True, True, False]
+
+    def bf16(rows, k):
+        return torch.empty(rows, k, dtype=torch.bfloat16)
+
+    # 130m: in_proj, x_proj, out_proj, LM head; 790m's in_proj (9 MiB of rows of 1,536),
+    # 1.4b's x_proj (rows of 4,096)
+    at_2 = [
+        (bf16(3072, 768), 1024),
+        (bf16(80, 1536), 2048),
+        (bf16(768, 1536), 2048),
+        (bf16(50280, 768), 1024),
+        (bf16(3072, 1536), 2048),
+        (bf16(160, 4096), 4096),
+    ]
+    assert [launch._streams(2, w, k, cfg) for w, k in at_2] == [True] * 4 + [False] * 2
     assert not launch._streams(1, small, 2 * cfg.tile, cfg)  # rows wider than a slab

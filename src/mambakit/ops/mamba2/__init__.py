@@ -255,8 +255,8 @@ def mamba2_stack_step(
 
     Triton, with the projections in the compute dtype and f32 states: per block the add,
     the norm and in_proj (at batch 1, one kernel streaming the weight, which also stores
-    the residual; up to 2 rows, or 16 of small float32 weights, a norm launch then that
-    kernel; `mamba_step.launch.linear` picks), the two step kernels, out_proj.
+    the residual; at 2 rows of short rows, or up to 16 of small float32 weights, a norm
+    launch then that kernel; `mamba_step.launch.linear` picks), the two step kernels, out_proj.
     Otherwise the add and norm, F.linear, the step and F.linear, each on the backend's
     body. Reference, with the input, the weights and the states in one dtype: the whole
     stack in as few PyTorch calls as it takes (`mamba2/stack.py`, on the weights `stack()`

@@ -229,9 +229,9 @@ def mamba3_stack_step(
     Triton, with the projections in the compute dtype and f32 states: per block, at batch 1
     three kernels chained by programmatic dependent launch (the add, the norm and in_proj
     streaming its weight, which also stores the residual; the step kernel; out_proj
-    streamed), at 2 rows the same with a norm launch first, above (up to 16 rows of small
-    float32 weights: the RL models, streamed still) a norm launch, cuBLAS, the step
-    kernel, cuBLAS (`mamba_step.launch.linear` picks). Otherwise the add and norm,
+    streamed), at 2 rows of short rows the same with a norm launch first, above (up to 16
+    rows of small float32 weights: the RL models, streamed still) a norm launch, cuBLAS,
+    the step kernel, cuBLAS (`mamba_step.launch.linear` picks). Otherwise the add and norm,
     F.linear, the step and F.linear, each on the backend's body. Reference, with the input,
     the weights and the states in one dtype: the whole stack in as few PyTorch calls as it
     takes (`mamba3/stack.py`, on the weights `stack()` derives once per plan)."""

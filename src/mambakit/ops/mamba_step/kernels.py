@@ -10,8 +10,9 @@ program one slab of the weight, [BLOCK_N rows, all K columns] (`StepConfig.tile`
 32 KB in bf16), loaded before anything else so that every program's weights
 are in flight at once (one memory round trip, not one per K block), and loops
 over its batch rows with the slab in registers. At batch <= `rows_max_batch`
-(2: a loop over rows serialises their memory round trips, since a row's loads
-cannot move above the previous row's stores; with float32 weights of at most
+(1: a loop over rows serialises their memory round trips, since a row's loads
+cannot move above the previous row's stores; 2 with 16-bit weights of short rows,
+`rows_max_batch_narrow`; with float32 weights of at most
 `f32_stream_bytes` `rows_max_batch_f32`, 16, where cuBLAS is slower still) a block is
 four launches:
 

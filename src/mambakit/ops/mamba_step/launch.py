@@ -3,8 +3,9 @@ their launch parameters `StepConfig`.
 
 B batch, M = d_model, D = d_inner, N = d_state, R = dt_rank, K = d_conv.
 
-Up to `rows_max_batch` rows (`rows_max_batch_f32` with small float32 weights) a block is
-the four streaming launches of kernels.py. Above, the projections go to cuBLAS (`F.linear`)
+Up to `rows_max_batch` rows (`rows_max_batch_narrow` with 16-bit weights of short rows,
+`rows_max_batch_f32` with small float32 weights) a block is the four streaming launches of
+kernels.py. Above, the projections go to cuBLAS (`F.linear`)
 and the small work between them stays fused: the norm, the conv update, then dt_proj
 (while row blocks x its weight <= `dt_proj_fused_bytes`) + state update + gate in
 `_layer_ssm_kernel`, `ssm_rows` rows per program.
@@ -31,14 +32,20 @@ class StepConfig:
     tile: H200, batch-1 graph step: 1.4b 1124 us at 8192, 1068 at 16384 (32768: 1068, 4096:
     1096); 130m 213-218 us at any of them. ssm_rows: H200, graph step at batch 64: 130m 675.5
     us at 2 (1: 699.2; 4: 852.9, 8: 718.1, registers spilled by the [rows, channels, R]
-    dt_proj product); 1.4b 2652.7 at 2 (1: 2712.2). rows_max_batch: H100, MambaLM.step from
-    a CUDA graph (scripts/step_sweep.py --models), streamed against cuBLAS: batch 2 130m
-    408.4 against 561.6 us, 130m-mamba2 407.4 / 521.7, 130m-mamba3 379.1 / 467.7, 1.4b
-    1989.1 / 2009.1; batch 3 130m 497.0 / 570.2 but 1.4b 2413.8 / 2020.2 (the row loop's
-    serial round trips), batch 4 130m 562.2 / 572.2, 1.4b 2805.1 / 2039.6."""
+    dt_proj product); 1.4b 2652.7 at 2 (1: 2712.2). rows_max_batch_narrow: H100,
+    MambaLM.step from a CUDA graph (scripts/step_sweep.py --models), every weight streamed
+    against cuBLAS: batch 2 130m 408.4 against 561.6 us, 130m-mamba2 407.4 / 521.7,
+    130m-mamba3 379.1 / 467.7, but 790m 1505.3 / 1473.9, 1.4b 1989.1 / 2009.1, 2.8b 4357.4 /
+    3379.8 (the row loop's serial round trips grow with the rows' length); batch 3 130m
+    497.0 / 570.2, 1.4b 2413.8 / 2020.2; batch 4 130m 562.2 / 572.2."""
 
     tile: int = 16384  # elements of a program's weight slab (32 KB in bf16)
-    rows_max_batch: int = 2  # up to this batch the weights stream through here; above, cuBLAS
+    rows_max_batch: int = 1  # up to this batch the weights stream through here; above, cuBLAS
+    # the same for 16-bit weights whose rows are at most `narrow_k` long, or twice that with
+    # at most `narrow_bytes` of weight (the 130m models' projections and LM head)
+    rows_max_batch_narrow: int = 2
+    narrow_k: int = 1024
+    narrow_bytes: int = 8 << 20
     # the same for float32 weights of at most `f32_stream_bytes` (the small RL models): H200,
     # d_model 128 x 3 graph step at batch 16, M1 / M3 / M2 98.7 / 62.9 / 68.1 us streamed
     # against 272.8 / 255.6 / 259.3 with cuBLAS, whose f32 kernels at 16 rows take 22-50 us
@@ -77,6 +84,12 @@ def _streams(batch: int, weight: torch.Tensor, k_pad: int, cfg: StepConfig) -> b
     """Whether the projections stream through this module's kernels (else cuBLAS), by the
     batch and the largest weight they read."""
     rows = cfg.rows_max_batch
+    if weight.element_size() == 2 and (
+        k_pad <= cfg.narrow_k
+        or k_pad <= 2 * cfg.narrow_k
+        and weight.numel() * 2 <= cfg.narrow_bytes
+    ):
+        rows = max(rows, cfg.rows_max_batch_narrow)
     if weight.dtype == torch.float32 and weight.numel() * 4 <= cfg.f32_stream_bytes:
         rows = max(rows, cfg.rows_max_batch_f32)
     return batch <= rows and k_pad <= cfg.tile
