@@ -157,12 +157,18 @@ def stand_in_split(args) -> None:
 
 def stand_in() -> None:
     """The step's graphs on the CPU as stand-ins: captured by running the step once, their
-    replay doing nothing (the state does not advance; the Python around it is all there)."""
+    replay doing nothing (the state does not advance; the Python around it is all there).
+    The CPU's body reads the whole-stack plan, which the Triton bodies on a GPU do not: the
+    stand-in's capture hides that read, so a replay checks the step plan alone, as there."""
     sg = importlib.import_module("mambakit.inference.step_graph")
+    plan = importlib.import_module("mambakit.inference.plan")
     caches: dict = {}
 
     def capture(fn, warmup=1, pool=None, warm=None):
-        return _StandIn(), (warm or fn)().clone()
+        with plan.reads() as read:
+            out = (warm or fn)().clone()
+            read.clear()
+        return _StandIn(), out
 
     def cache(model, create=True):
         if create or id(model) in caches:
