@@ -275,7 +275,9 @@ def _replay(table: _StepGraphs, entry: _Graph, body, state) -> torch.Tensor | No
             return slot.out.detach()
     if entry.spare is None:
         try:
-            slot = _capture_slot(body, entry.x, state)
+            with reads() as read:
+                slot = _capture_slot(body, entry.x, state)
+            entry.others = _with_reads(entry, read)
         except Exception as exc:  # noqa: BLE001 - the eager step is always there
             entry.spare = False
             table.reason = f"capture failed: {type(exc).__name__}: {exc}"
@@ -421,10 +423,20 @@ def _capture(model, backbone, body, x, state, head) -> _Graph:
         slot = _capture_slot(body, static_x, state)
     backbone._decode_plan()
     watch = _watch([backbone] if head is None else [backbone, head])
-    others, seen = [], {(id(backbone), "step")}
+    entry = _Graph(slot, static_x, _params(model), record(backbone, "step"), _head_ptrs(head),
+                   watch)  # fmt: skip
+    entry.others = _with_reads(entry, read)
+    return entry
+
+
+def _with_reads(entry: _Graph, read: list) -> tuple:
+    """`entry.others` and the plans in `read` (what a capture asked for) it lacks, the
+    step plan aside."""
+    others = list(entry.others)
+    seen = {(id(ref()), name) for ref, name, _ in others}
     for module, name in read:
-        if (id(module), name) not in seen:
+        plan = record(module, name)
+        if plan is not None and plan is not entry.plan and (id(module), name) not in seen:
             seen.add((id(module), name))
-            others.append((weakref.ref(module), name, record(module, name)))
-    return _Graph(slot, static_x, _params(model), record(backbone, "step"), _head_ptrs(head),
-                  watch, tuple(others))  # fmt: skip
+            others.append((weakref.ref(module), name, plan))
+    return tuple(others)
