@@ -84,10 +84,9 @@ def _streams(batch: int, weight: torch.Tensor, k_pad: int, cfg: StepConfig) -> b
     """Whether the projections stream through this module's kernels (else cuBLAS), by the
     batch and the largest weight they read."""
     rows = cfg.rows_max_batch
+    short = k_pad <= cfg.narrow_k
     if weight.element_size() == 2 and (
-        k_pad <= cfg.narrow_k
-        or k_pad <= 2 * cfg.narrow_k
-        and weight.numel() * 2 <= cfg.narrow_bytes
+        short or (k_pad <= 2 * cfg.narrow_k and weight.numel() * 2 <= cfg.narrow_bytes)
     ):
         rows = max(rows, cfg.rows_max_batch_narrow)
     if weight.dtype == torch.float32 and weight.numel() * 4 <= cfg.f32_stream_bytes:
