@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["derived", "drop", "reads", "record", "refresh"]
+__all__ = ["derived", "drop", "reads", "record", "refresh", "rederive"]
 
 # id(module) -> {name: _Plan}, removed when the module dies (a plain dict: a weak-keyed
 # one makes a weak reference on every lookup, which a decode step would pay per token)
@@ -154,6 +154,16 @@ def record(module: nn.Module, name: str) -> _Plan | None:
     return None if plans is None else plans.get(name)
 
 
+def rederive(module: nn.Module, name: str) -> _Plan | None:
+    """`module`'s plan `name` brought up to date from its own build (derived again where a
+    parameter moved): its current derivation, or None where it has none."""
+    plan = record(module, name)
+    if plan is None:
+        return None
+    derived(module, name, plan.build, plan.key, plan.in_place)
+    return record(module, name)
+
+
 def refresh(model: nn.Module) -> None:
     """Bring every plan of `model` and its submodules up to date with their parameters
     (before a graph replay: the graph reads the plans' tensors). About 10 us for a
@@ -167,8 +177,8 @@ def refresh(model: nn.Module) -> None:
     for ref in found[1]:
         m = ref()
         if m is not None:
-            for name, plan in list(_PLANS[id(m)].items()):
-                derived(m, name, plan.build, plan.key, plan.in_place)
+            for name in list(_PLANS[id(m)]):
+                rederive(m, name)
 
 
 def drop(model: nn.Module) -> None:

@@ -43,7 +43,7 @@ from torch import nn
 
 from ..layers.plain import _GLOBAL_HOOKS, plain
 from .cuda_graph import capture, graph_cache, static_mode, use_cuda_graph
-from .plan import derived, reads, record
+from .plan import reads, record, rederive
 
 __all__ = ["WARM_CALLS", "MAX_GRAPHS", "RING", "step_graph_status", "graphed_step"]
 
@@ -116,12 +116,12 @@ class _Graph:
     __slots__ = ("slots", "spare", "x", "inference", "params", "plan", "addresses", "extra",
                  "watch", "others")  # fmt: skip
 
-    def __init__(self, slot, x, params, plan, extra, watch, others=()) -> None:
+    def __init__(self, slot, x, params, plan, extra, watch) -> None:
         # an output that something else held at its capture cannot be watched: spare only
         self.slots, self.spare = ([slot], None) if _unheld(slot, _free_counts()) else ([], slot)
         self.x, self.inference, self.params = x, x.is_inference(), params
         self.plan, self.addresses, self.extra, self.watch = plan, plan.addresses, extra, watch
-        self.others = others
+        self.others: tuple = ()  # filled from the capture's reads (`_with_reads`)
 
 
 class _StepGraphs:
@@ -372,12 +372,8 @@ def _others_current(entry: _Graph) -> bool:
     others = []
     for ref, name, old in entry.others:
         module = ref()
-        plan = None if module is None else record(module, name)
-        if plan is None:
-            return False
-        derived(module, name, plan.build, plan.key, plan.in_place)
-        now = record(module, name)
-        if now.addresses != old.addresses:
+        now = None if module is None else rederive(module, name)
+        if now is None or now.addresses != old.addresses:
             return False
         others.append((ref, name, now))
     entry.others = tuple(others)
