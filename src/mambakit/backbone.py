@@ -220,12 +220,12 @@ class MambaBackbone(nn.Module):
         parameters once and kept until one changes (`inference.plan`): what decode steps
         read, and CUDA graphs captured on them. (No-grad forwards read a plan of their own,
         `_forward_plan`.)"""
-        return derived_plan(self, "step", _step_plan, _norm_eps, in_place=True)
+        return derived_plan(self, "step", _step_plan, _plan_key, in_place=True)
 
     def _stack_weights(self):
         """The reference bodies' whole-stack decode weights (`_stack_plan`), kept until a
         parameter changes."""
-        return derived_plan(self, "stack", _stack_plan, _norm_eps)
+        return derived_plan(self, "stack", _stack_plan, _plan_key)
 
     def _decode_layers(
         self, x: torch.Tensor, state: ModelState
@@ -280,9 +280,9 @@ def _forward_plan(backbone: MambaBackbone) -> list:
     return [getattr(block.mixer, "_ssm_params", tuple)() for block in backbone.layers]
 
 
-def _norm_eps(backbone: MambaBackbone) -> list:
-    """What the decode plans read besides the parameters: each block's norm eps, and a
-    mixer's own norm's (Mamba-2's gated norm), so a plan is rebuilt when one changes."""
-    return [(block._modules["norm"].eps, getattr(block._modules["mixer"]._modules.get("norm"),
-                                                 "eps", None))
+def _plan_key(backbone: MambaBackbone) -> list:
+    """What the decode plans read besides the parameters: each block's norm eps and its
+    mixer's `plan_constants()` (its own norms' eps, Mamba-2's dt_limit, Mamba-3's
+    A_floor), so a plan is derived again when one changes."""
+    return [(block._modules["norm"].eps, block._modules["mixer"].plan_constants())
             for block in backbone._modules["layers"]._modules.values()]  # fmt: skip

@@ -8,6 +8,7 @@ eager); on the GPU the graphs are real."""
 
 from __future__ import annotations
 
+import copy
 import importlib
 import weakref
 
@@ -52,7 +53,8 @@ def fake_graphs(monkeypatch):
     the static output buffer. Returns the captures (`_Captures`). A real replay runs no
     Python, so it reads every plan as the step left it: each replay first checks that the
     plans the capture read are current (a stand-in that re-runs the function would bring
-    them up to date itself)."""
+    them up to date itself) and hold the constants the capture passed to its kernels (a
+    real replay passes them again, whatever the plan holds now)."""
     captures = _Captures()
 
     def fake_capture(fn, warmup=2, pool=None, warm=None):
@@ -60,7 +62,7 @@ def fake_graphs(monkeypatch):
             for _ in range(warmup):
                 (warm or fn)()
             buf = (warm or fn)().clone()  # the output's static buffer (warm: a scratch state)
-        read = [(weakref.ref(m), name) for m, name in read]
+        read = [(weakref.ref(m), name, plan.record(m, name).constants) for m, name in read]
         captures.graphs.append(fn)
         ref = weakref.ref(buf)  # as a real graph, the replay holds no reference to it
         where = (buf.data_ptr(), buf.untyped_storage().nbytes())
@@ -68,9 +70,11 @@ def fake_graphs(monkeypatch):
         def replay():  # a real graph writes where the buffer was at its capture, any mode
             out = ref()
             assert (out.data_ptr(), out.untyped_storage().nbytes()) == where, "buffer moved"
-            for module, name in read:
+            for module, name, constants in read:
                 module = module()
-                assert module is None or plan.record(module, name).fresh(module), name
+                if module is not None:
+                    now = plan.record(module, name)
+                    assert now.fresh(module) and now.constants == constants, name
             with torch.inference_mode(out.is_inference()):
                 out.copy_(fn())
 
@@ -406,6 +410,41 @@ def test_an_optimizer_step_reaches_every_plan_a_replay_reads(fake_graphs, mixer)
     assert len(fake_graphs) == 1  # the same graph replayed throughout
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# what the decode plans pass to their kernels besides tensors, changed after a capture:
+# (module path, attribute, new value); Mamba-3's B norm eps alone leaves its layer unfusable
+CONSTANTS = {
+    "mamba1": [("layers.1.norm", "eps", 0.5)],
+    "mamba2": [("layers.0.mixer", "dt_limit", (0.0, 0.02)), ("layers.1.mixer.norm", "eps", 0.5)],
+    "mamba3": [("layers.0.mixer", "A_floor", 2.0), ("layers.1.mixer.B_norm", "eps", 0.5),
+               ("layers.1.mixer.C_norm", "eps", 0.5), ("layers.0.mixer.B_norm", "eps", 0.5)],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("mixer", list(MIXERS))
+def test_a_constant_changed_after_the_capture_is_followed(fake_graphs, mixer):
+    """A norm's eps, Mamba-2's dt_limit or Mamba-3's A_floor set after the graph was
+    captured (each passed to the step's kernels as a number): every later step, replayed
+    or eager, equals a fresh copy of the changed model (which derives its plans anew)
+    stepped from the same state, and differs from the model as it was."""
+    m = backbone(mixer)
+    xs = torch.randn(12, 2, 12)
+    state = m.init_state(2)
+    run(m, xs[:4], state)  # captured at the third call, replayed at the fourth
+    assert len(fake_graphs) == 1
+    for i, (path, attr, value) in enumerate(CONSTANTS[mixer]):
+        before = copy.deepcopy(m)
+        setattr(m.get_submodule(path), attr, value)
+        fresh, s_fresh, s_before = copy.deepcopy(m), state.clone(), state.clone()
+        steps = xs[4 + 2 * i : 6 + 2 * i]
+        got = run(m, steps, state)
+        want = run(fresh, steps, s_fresh, cuda_graph=False)
+        old = run(before, steps, s_before, cuda_graph=False)
+        for a, b, c in zip(got, want, old):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            assert (a - c).abs().max() > 1e-4, (path, attr)  # the change matters
+        torch.testing.assert_close(state.ssm, s_fresh.ssm, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("flag", ["yes", 1, None])

@@ -61,6 +61,9 @@ def compiled_rows(backbone, x: torch.Tensor, state, stack) -> torch.Tensor | Non
         return None
     eps = backbone._modules["norm_f"].eps  # the module is plain: no hook, no __getattr__
     if weights is not entry.weights or eps != entry.eps:  # a parameter or eps changed
+        if _not_plain(backbone) is not None:  # a constant of the plans' key (a norm's eps)
+            _ENTRIES.pop(backbone, None)  # may leave a block unfusable
+            return None
         entry.ends = _ends(backbone, weights.pad)
         entry.weights, entry.eps = weights, eps
     if entry.ends is None:

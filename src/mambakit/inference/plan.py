@@ -65,7 +65,7 @@ class _Plan:
 
     __slots__ = (
         "build", "key", "in_place", "slots", "params", "watched", "versions", "ptrs", "extra",
-        "value", "owned", "addresses",
+        "value", "owned", "addresses", "constants",
     )  # fmt: skip
 
     def fresh(self, module: nn.Module) -> bool:
@@ -127,6 +127,7 @@ def derived(
     new.owned = {id(t) for t in tensors if t.untyped_storage().data_ptr() not in storages}
     new.value = value
     new.addresses = tuple(t.data_ptr() for t in tensors)
+    new.constants = _constants(value)
     plans[name] = new
     return value
 
@@ -148,8 +149,10 @@ def reads():
 
 def record(module: nn.Module, name: str) -> _Plan | None:
     """The current derivation of `module`'s plan `name` (a new object whenever the plan is
-    derived again), or None. Its `addresses` are those of the plan's tensors: a CUDA graph
-    captured on the plan reads them, so it stands while they are unchanged."""
+    derived again), or None. Its `addresses` are those of the plan's tensors and its
+    `constants` the numbers, flags and strings beside them (norm eps, sizes): a CUDA graph
+    captured on the plan reads those tensors and passes those constants to its kernels,
+    so it stands while both are unchanged."""
     plans = _PLANS.get(id(module))
     return None if plans is None else plans.get(name)
 
@@ -233,6 +236,20 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, (tuple, list)):
         return [t for v in value for t in _tensors(v)]
     return []
+
+
+_SCALARS = (int, float, bool, str, type(None))
+
+
+def _constants(value: Any) -> tuple:
+    """The scalars of a plan's value (inside its tuples and lists), in order: what a
+    kernel launched on it takes as arguments besides the tensors (other objects are
+    left out)."""
+    if isinstance(value, _SCALARS):
+        return (value,)
+    if isinstance(value, (tuple, list)):
+        return tuple(c for v in value for c in _constants(v))
+    return ()
 
 
 def _refresh_into(old: Any, new: Any, owned: set[int]) -> Any:

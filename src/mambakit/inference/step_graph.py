@@ -113,14 +113,14 @@ class _Graph:
     the module, name, derivation) of each plan besides the backbone's step plan that the
     capture read (the reference bodies' whole-stack weights)."""
 
-    __slots__ = ("slots", "spare", "x", "inference", "params", "plan", "addresses", "extra",
-                 "watch", "others")  # fmt: skip
+    __slots__ = ("slots", "spare", "x", "inference", "params", "plan", "extra", "watch",
+                 "others")  # fmt: skip
 
     def __init__(self, slot, x, params, plan, extra, watch) -> None:
         # an output that something else held at its capture cannot be watched: spare only
         self.slots, self.spare = ([slot], None) if _unheld(slot, _free_counts()) else ([], slot)
         self.x, self.inference, self.params = x, x.is_inference(), params
-        self.plan, self.addresses, self.extra, self.watch = plan, plan.addresses, extra, watch
+        self.plan, self.extra, self.watch = plan, extra, watch
         self.others: tuple = ()  # filled from the capture's reads (`_with_reads`)
 
 
@@ -354,10 +354,18 @@ def _stands(model, backbone, head, entry: _Graph) -> bool:
     backbone._decode_plan()
     now = record(backbone, "step")
     if now is not entry.plan:
-        if now is None or now.addresses != entry.addresses or _params(model) != entry.params:
+        if not _same_layout(now, entry.plan) or _params(model) != entry.params:
             return False
+        if _not_plain(backbone) is not None:  # a constant the plan's key reads (an eps)
+            return False  # may leave a block unfusable
         entry.plan = now  # derived again (an optimizer step) into the same tensors
     return _others_current(entry)
+
+
+def _same_layout(now, old) -> bool:
+    """Whether a graph captured on derivation `old` of a plan runs `now`: the same tensors
+    (new values written into them) and the same constants passed to its kernels."""
+    return now is not None and now.addresses == old.addresses and now.constants == old.constants
 
 
 def _fresh(other: tuple) -> bool:
@@ -373,7 +381,7 @@ def _others_current(entry: _Graph) -> bool:
     for ref, name, old in entry.others:
         module = ref()
         now = None if module is None else rederive(module, name)
-        if now is None or now.addresses != old.addresses:
+        if not _same_layout(now, old):
             return False
         others.append((ref, name, now))
     entry.others = tuple(others)

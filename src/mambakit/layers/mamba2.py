@@ -277,6 +277,13 @@ class Mamba2(nn.Module):
         mods = self._modules
         return plain(mods["in_proj"]) and plain(mods["out_proj"]) and self._inner_plain()
 
+    def plan_constants(self) -> tuple:
+        """What `decode_weights` reads besides the parameters and the block's norm: the
+        gated norm's eps, dt_limit and norm_before_gate (the decode plans' key,
+        `MambaBackbone._plan_key`)."""
+        gnorm = self._modules.get("norm")
+        return (None if gnorm is None else gnorm.eps, self.dt_limit, self.norm_before_gate)
+
     def decode_weights(
         self, norm: nn.Module | None = None, projections: bool = True
     ) -> Mamba2StepWeights:

@@ -363,6 +363,12 @@ class Mamba3(nn.Module):
         `state` advanced in place (no gradient is recorded)."""
         return self.step(x, state, backend)[0]
 
+    def plan_constants(self) -> tuple:
+        """What `decode_weights` reads besides the parameters and the block's norm: A_floor
+        and the B and C norms' eps (the decode plans' key, `MambaBackbone._plan_key`)."""
+        mods = self._modules
+        return (self.A_floor, mods["B_norm"].eps, mods["C_norm"].eps)
+
     def decode_weights(self, norm: nn.Module | None = None) -> Mamba3StepWeights:
         """The tensors a decode step reads (views of the parameters), with the block's
         `norm` (its RMSNorm) when given; only for a `fusable()` layer."""
@@ -385,6 +391,7 @@ class Mamba3(nn.Module):
             and plain(self.out_proj)
             and plain(self.B_norm, _RMSNormN)
             and plain(self.C_norm, _RMSNormN)
+            and self.B_norm.eps == self.C_norm.eps  # the step kernels take one eps for both
         )
 
     def _check_state(self, state: Mamba3State, batch: int, device) -> None:

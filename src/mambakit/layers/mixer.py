@@ -273,6 +273,11 @@ class Mamba(nn.Module):
         )
         return self.out_proj(y)
 
+    def plan_constants(self) -> tuple:
+        """What `decode_weights` reads besides the parameters and the block's norm: nothing
+        (the decode plans' key, `MambaBackbone._plan_key`)."""
+        return ()
+
     def decode_weights(self, norm: nn.Module | None = None) -> StepWeights:
         """The tensors a decode step reads (views of the parameters; A, D and the dt bias in
         f32), with the block's `norm` (its RMSNorm) when given; only for a `fusable()` layer.
