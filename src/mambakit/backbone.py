@@ -222,6 +222,13 @@ class MambaBackbone(nn.Module):
         `_forward_plan`.)"""
         return derived_plan(self, "step", _step_plan, _plan_key, in_place=True)
 
+    def kernel_constants(self) -> tuple:
+        """The numbers the step's and the forward's kernels take from the modules rather
+        than from parameters: the decode plans' key (the blocks' norm eps, each mixer's
+        `plan_constants`) and norm_f's eps. A CUDA graph replays the ones it was captured
+        with (`inference.cuda_graph.params_signature`)."""
+        return tuple(_plan_key(self)), self._modules["norm_f"].eps
+
     def _stack_weights(self):
         """The reference bodies' whole-stack decode weights (`_stack_plan`), kept until a
         parameter changes."""

@@ -75,7 +75,8 @@ def fake_graphs(monkeypatch):
                 if module is not None:
                     now = plan.record(module, name)
                     assert now.fresh(module) and now.constants == constants, name
-            with torch.inference_mode(out.is_inference()):
+            # no autograd, as a real replay (inference_mode(False) alone turns grad mode on)
+            with torch.inference_mode(out.is_inference()), torch.no_grad():
                 out.copy_(fn())
 
         return _FakeGraph(replay), buf
@@ -415,7 +416,7 @@ def test_an_optimizer_step_reaches_every_plan_a_replay_reads(fake_graphs, mixer)
 # what the decode plans pass to their kernels besides tensors, changed after a capture:
 # (module path, attribute, new value); Mamba-3's B norm eps alone leaves its layer unfusable
 CONSTANTS = {
-    "mamba1": [("layers.1.norm", "eps", 0.5)],
+    "mamba1": [("layers.1.norm", "eps", 0.5), ("norm_f", "eps", 0.5)],
     "mamba2": [("layers.0.mixer", "dt_limit", (0.0, 0.02)), ("layers.1.mixer.norm", "eps", 0.5)],
     "mamba3": [("layers.0.mixer", "A_floor", 2.0), ("layers.1.mixer.B_norm", "eps", 0.5),
                ("layers.1.mixer.C_norm", "eps", 0.5), ("layers.0.mixer.B_norm", "eps", 0.5)],
@@ -445,6 +446,24 @@ def test_a_constant_changed_after_the_capture_is_followed(fake_graphs, mixer):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
             assert (a - c).abs().max() > 1e-4, (path, attr)  # the change matters
         torch.testing.assert_close(state.ssm, s_fresh.ssm, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mixer", list(MIXERS))
+def test_generate_graphs_are_stale_after_a_constant_changes(mixer):
+    """generate's cached graphs are kept while `params_signature` is unchanged: it must move
+    with every constant the step's and forward's kernels take from the modules."""
+    from mambakit.inference.cuda_graph import params_signature
+
+    torch.manual_seed(0)
+    cfg = MambaConfig(d_model=32, n_layers=2, vocab_size=40, mixer=mixer, **MIXERS[mixer])
+    lm = MambaLM(cfg)
+    sig = params_signature(lm)
+    assert params_signature(lm) == sig
+    for path, attr, value in CONSTANTS[mixer] + [("norm_f", "eps", 0.25)]:
+        setattr(lm.backbone.get_submodule(path), attr, value)
+        now = params_signature(lm)
+        assert now != sig, (path, attr)
+        sig = now
 
 
 @pytest.mark.parametrize("flag", ["yes", 1, None])

@@ -94,14 +94,17 @@ def clear_cuda_graphs(model: torch.nn.Module) -> None:
 
 
 def params_signature(model: torch.nn.Module) -> tuple:
-    """Addresses and dtypes of the parameters, the modules' classes and their hooks: a graph
-    captured on other ones is stale (after `model.to(...)`, an adapter put in a
-    projection's place, a hook registered or removed)."""
+    """Addresses and dtypes of the parameters, the modules' classes and their hooks, and
+    the numbers the kernels take from the modules (a backbone's `kernel_constants`: norm
+    eps, a mixer's A_floor or dt_limit): a graph captured on other ones is stale (after
+    `model.to(...)`, an adapter put in a projection's place, a hook registered or removed,
+    an eps set)."""
     params = tuple((p.data_ptr(), p.dtype) for p in model.parameters())
     modules = tuple(
         (type(m), tuple(m._forward_hooks), tuple(m._forward_pre_hooks)) for m in model.modules()
     )
-    return params, modules
+    constants = getattr(getattr(model, "backbone", model), "kernel_constants", tuple)()
+    return params, modules, constants
 
 
 class CUDAGraphStep:
@@ -118,7 +121,8 @@ class CUDAGraphStep:
     cuts the per-op dispatch cost that bounds a small model's step; the first
     call compiles, for tens of seconds). The graph reads the parameters where they
     live, so in-place updates between calls (an optimizer step between rollouts) are
-    followed; replacing a parameter or moving the module needs a new CUDAGraphStep.
+    followed; replacing a parameter, moving the module or setting a number its kernels
+    take (a norm's eps, `MambaBackbone.kernel_constants`) needs a new CUDAGraphStep.
 
         actor = CUDAGraphStep(backbone, batch_size=64)
         for t in range(T):

@@ -296,10 +296,13 @@ def _replay(table: _StepGraphs, entry: _Graph, body, state) -> torch.Tensor | No
     return entry.spare.out.clone()
 
 
-def _head_ptrs(head: nn.Module | None) -> tuple:
+def _extra(backbone: nn.Module, head: nn.Module | None) -> tuple:
+    """What a graph reads outside the decode plans and that their freshness does not
+    cover: norm_f's eps (passed to its kernel) and where the head's weights are."""
+    eps = backbone._modules["norm_f"].eps
     if head is None:
-        return ()
-    return tuple(p.data_ptr() for p in head._parameters.values() if p is not None)
+        return (eps,)
+    return (eps, *(p.data_ptr() for p in head._parameters.values() if p is not None))
 
 
 def _watch(roots: list[nn.Module]) -> tuple:
@@ -346,7 +349,7 @@ def _stands(model, backbone, head, entry: _Graph) -> bool:
     where it was at the capture. While the plan is the same derivation, the backbone's
     parameters are the ones it was derived from (`inference.plan`)."""
     roots = [backbone] if head is None else [backbone, head]
-    if not _unchanged(entry.watch, roots) or _head_ptrs(head) != entry.extra:
+    if not _unchanged(entry.watch, roots) or _extra(backbone, head) != entry.extra:
         return False
     if (record(backbone, "step") is entry.plan and entry.plan.fresh(backbone)
             and (not entry.others or all(map(_fresh, entry.others)))):  # fmt: skip
@@ -427,8 +430,8 @@ def _capture(model, backbone, body, x, state, head) -> _Graph:
         slot = _capture_slot(body, static_x, state)
     backbone._decode_plan()
     watch = _watch([backbone] if head is None else [backbone, head])
-    entry = _Graph(slot, static_x, _params(model), record(backbone, "step"), _head_ptrs(head),
-                   watch)  # fmt: skip
+    entry = _Graph(slot, static_x, _params(model), record(backbone, "step"),
+                   _extra(backbone, head), watch)  # fmt: skip
     entry.others = _with_reads(entry, read)
     return entry
 
