@@ -91,6 +91,19 @@ def test_trainer_keeps_a_count_set_on_torch(monkeypatch):
     assert torch.get_num_threads() == 3
 
 
+def test_a_count_set_on_torch_is_kept_at_every_later_call(monkeypatch):
+    """The user's torch.set_num_threads(1) on 2 idle cores: the first call keeps it, and so
+    does every later one (it is not taken for the policy's own count, so nothing measures
+    the load and sets 2)."""
+    measured = two_cores(monkeypatch, load=0.0)
+    torch.set_num_threads(1)
+    model = tiny_lm()
+    for _ in range(3):
+        model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, seed=0)
+        assert torch.get_num_threads() == 1
+    assert measured == []
+
+
 def test_an_environment_value_that_is_not_a_whole_number_is_named(monkeypatch):
     for bad in ("x", "0", "\u00b2", "-1"):
         monkeypatch.setenv(threads.THREADS_ENV, bad)

@@ -28,6 +28,7 @@ THREADS_ENV = "MAMBAKIT_NUM_THREADS"
 
 _applied: int | None = None  # the count apply_threads set last
 _auto: tuple[int, str] | None = None  # the automatic choice, made once per process
+_TORCH = "torch.set_num_threads"  # the source of a count someone set on torch
 
 
 def physical_cores(cpus: set[int]) -> int:
@@ -110,7 +111,7 @@ def choose_threads(threads: int | None = None, name: str = "threads") -> tuple[i
     current = torch.get_num_threads()
     ours = _applied if _applied is not None else physical_cores(_cpus())
     if current != ours:
-        return current, "torch.set_num_threads"
+        return current, _TORCH
     if _auto is None:
         _auto = _measure()
     return _auto
@@ -122,5 +123,6 @@ def apply_threads(threads: int | None = None, name: str = "threads") -> str:
     n, source = choose_threads(threads, name)
     if torch.get_num_threads() != n:
         torch.set_num_threads(n)
-    _applied = n
+    if source != _TORCH:  # a count set on torch stays the user's: not recorded as ours
+        _applied = n
     return f"threads: {n} ({source})"
