@@ -16,6 +16,7 @@ from torch import nn
 
 from .backbone import MambaBackbone
 from .config import MambaConfig
+from .inference.cpu_step import compiled_rows, head_rows
 from .inference.cuda_graph import use_cuda_graph
 from .inference.step_graph import graphed_step
 from .layers.block import RMSNorm
@@ -212,8 +213,14 @@ class MambaLM(nn.Module):
         return out, state
 
     def _step_logits(self, input_ids: torch.Tensor, state: ModelState) -> torch.Tensor:
-        """The no-grad step's logits [B, V], the state advanced in place."""
-        h, residual, cdt, backend = self.backbone._decode_layers(input_ids, state)
+        """The no-grad step's logits [B, V], the state advanced in place: on the CPU the
+        rows under the head compiled end to end where they can be (`inference.cpu_step`)."""
+        bb = self.backbone
+        if input_ids.device.type == "cpu":
+            rows = compiled_rows(bb, input_ids, state, bb._stack_weights)
+            if rows is not None:
+                return head_rows(self.lm_head, rows)
+        h, residual, cdt, backend = bb._decode_layers(input_ids, state)
         return self._head(h, residual, cdt, backend, fuse=True)
 
     def _rows_head(self, h, residual, cdt, backend) -> torch.Tensor:

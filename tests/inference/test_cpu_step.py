@@ -4,7 +4,8 @@ off (the PyTorch bodies, themselves checked against the op-by-op reference and f
 elsewhere): outputs and every state field over a run of steps, for every mixer with a
 compiled body; and the general path wherever the compiled one would not compute what
 the modules say (a hook, an adapter, autocast, more rows than it takes), with weights
-changed in place by an optimizer followed."""
+changed in place by an optimizer followed. `MambaLM.step` on token ids too: the same
+against numba off, each row's logits independent of the batch, bad ids refused."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import importlib
 import pytest
 import torch
 
-from mambakit import MambaBackbone, MambaConfig
+from mambakit import MambaBackbone, MambaConfig, MambaLM
 from mambakit.inference import cpu_step
 from mambakit.inference.plan import drop
 from mambakit.ops import cpu_jit
@@ -331,3 +332,81 @@ def test_numba_that_cannot_work_turns_the_compiled_steps_off(monkeypatch):
     finally:
         monkeypatch.undo()
         cpu_jit.available.cache_clear()
+
+
+def lm(name: str, dtype=torch.float32, tie: bool = True) -> MambaLM:
+    torch.manual_seed(0)
+    cfg = MambaConfig(d_model=128, n_layers=3, vocab_size=97, pad_vocab_size_multiple=1,
+                      tie_embeddings=tie, **MIXERS[name])  # fmt: skip
+    model = MambaLM(cfg).to(dtype).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+@pytest.fixture
+def lm_compiled_calls(monkeypatch):
+    """The number of compiled calls under `MambaLM.step` (rows returned or not)."""
+    calls = []
+    run = cpu_step.compiled_rows
+
+    def counted(*args):
+        out = run(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(importlib.import_module("mambakit.model"), "compiled_rows", counted)
+    return calls
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("batch, tie", [(1, True), (3, False)], ids=["B1-tied", "B3-untied"])
+def test_lm_step_compiled_equals_the_torch_step(name, dtype, batch, tie, numba_on,
+                                                lm_compiled_calls):  # fmt: skip
+    """`MambaLM.step` on token ids: the embedding rows, the compiled blocks and norm_f, the
+    head row by row, against the same steps with numba off (the PyTorch bodies): logits
+    and every state field over 6 tokens."""
+    model = lm(name, dtype, tie)
+    ids = torch.randint(0, 97, (6, batch))
+    runs = []
+    for on in (True, False):
+        numba_on(on)
+        drop(model)
+        state = model.init_state(batch)
+        with torch.no_grad():
+            runs.append(([model.step(t, state)[0] for t in ids], state))
+    assert lm_compiled_calls[: len(ids)] == [True] * len(ids)
+    assert not any(lm_compiled_calls[len(ids) :])
+    assert_close(runs[0], runs[1], 1e-12 if dtype == torch.float64 else 1e-5)
+
+
+@pytest.mark.parametrize("name", list(MIXERS))
+def test_lm_step_logits_of_a_row_do_not_depend_on_the_batch(name, numba_on, lm_compiled_calls):
+    """Four rows stepped together give, bit for bit, what each gives stepped alone (as the
+    server needs: a request's tokens must not depend on the requests beside it)."""
+    model = lm(name)
+    numba_on(True)
+    ids = torch.randint(0, 97, (5, 4))
+    with torch.no_grad():
+        state = model.init_state(4)
+        together = [model.step(t, state)[0] for t in ids]
+        for row in range(4):
+            alone = model.init_state(1)
+            for t, want in zip(ids, together):
+                assert torch.equal(model.step(t[row : row + 1], alone)[0][0], want[row])
+    assert all(lm_compiled_calls)
+
+
+def test_lm_step_ids_outside_the_vocabulary_raise_and_leave_the_state(numba_on):
+    model = lm("mamba1")
+    numba_on(True)
+    state = model.init_state(2)
+    with torch.no_grad():
+        model.step(torch.tensor([3, 4]), state)
+        before = state.clone()
+        for bad in ([3, 97], [-1, 4]):
+            with pytest.raises(ValueError, match="input_ids must lie in"):
+                model.step(torch.tensor(bad), state)
+            assert all(torch.equal(a, b) for a, b in zip(state._tensors(), before._tensors()))

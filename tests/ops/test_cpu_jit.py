@@ -4,8 +4,8 @@ norm, F.linear, the reference step and F.linear per block), the oracle: the resi
 stream and every state field over several steps, in float64 and float32, at batch 1 and
 3, each row from a different state. Also: the compiled body only where it applies (numba
 there and on, float32/float64 on the CPU, few rows), and the PyTorch body it replaces
-still equal to the oracle with numba off. The model's step on it:
-tests/inference/test_cpu_step.py."""
+still equal to the oracle with numba off; and the sampler's compiled noise against the
+tensor hash it replaces. The model's step on it: tests/inference/test_cpu_step.py."""
 
 from __future__ import annotations
 
@@ -98,3 +98,31 @@ def test_large_stacks_keep_the_torch_body(numba_on, monkeypatch):
     weights = m1_stack.stack_weights(bb._decode_plan())
     assert weights.compiled is None
     steps_against_oracle(bb, state, torch.float32, 1, weights)
+
+
+@pytest.mark.parametrize("ids_shape", ["vocabulary [C]", "candidates [B, C]"])
+def test_compiled_sampling_noise_is_the_tensor_hash_bit_for_bit(ids_shape, numba_on, monkeypatch):
+    """The sampler's Gumbel noise on the CPU (`sampling._noise`: the integer hash compiled,
+    `ops/cpu_jit/noise.py`) against the tensor ops it replaces, `gumbel_noise(row_keys(...))`:
+    every bit equal, for seeds of either sign, early and late token numbers (one for the
+    batch, or each row's own), the whole vocabulary or each row's own top-k candidates."""
+    from mambakit.inference.sampling import _noise, gumbel_noise, row_keys
+    from mambakit.ops.cpu_jit import noise
+
+    numba_on(True)
+    calls = []
+    compiled = noise.uniforms
+    monkeypatch.setattr(noise, "uniforms", lambda *a: calls.append(1) or compiled(*a))
+    g = torch.Generator().manual_seed(0)
+    seeds = torch.cat([torch.tensor([0, -1, 2**63 - 1]), torch.randint(-2**62, 2**62, (5,),
+                                                                         generator=g)])  # fmt: skip
+    C, V = 37, 50257
+    ids = (torch.randint(0, V, (C,), generator=g) if ids_shape.startswith("vocabulary")
+           else torch.randint(0, V, (len(seeds), C), generator=g))  # fmt: skip
+    steps = torch.randint(0, 5000, (len(seeds),), generator=g)  # each row its own (the server)
+    for step in (torch.tensor([0]), torch.tensor([1]), torch.tensor([2**40]), steps):
+        got = _noise(seeds, step, ids)
+        want = gumbel_noise(row_keys(seeds, step), ids)
+        assert got.shape == want.shape == (len(seeds), C)
+        assert torch.equal(got, want), step
+    assert len(calls) == 4  # the compiled hash ran each time

@@ -1,21 +1,25 @@
-"""The no-grad CPU step of a float-input backbone compiled end to end: what an RL policy
-acting one observation at a time calls (`MambaBackbone.step`).
+"""The no-grad CPU step of a backbone compiled end to end: what an RL policy acting one
+observation at a time calls (`MambaBackbone.step`), and the rows under a language model's
+head at each generated token (`MambaLM.step`).
 
 At batch 1 on a CPU the step's arithmetic (a d_model 128, 3-layer backbone: about 0.3
 MFLOP) takes tens of microseconds compiled; the op-by-op path around it (the input
 projection, a freshness check of the decode plan, each block's plain-module checks, the
 per-layer state views, the final norm) took about as much again twice over. Here, where
-numba is there (`ops.cpu_jit`), three compiled calls make the step: input_proj into the
-residual stream, every block (the mixer's `Packed` body on the model state's stacked
-tensors), norm_f. The checks that remain are the ones that decide whether this computes
-what the modules say: every module plain and unchanged since last seen (one pass over a
-watch list, `step_graph._watch`), the decode plan fresh (`inference.plan`). Anything else
-(token ids, a hook or an adapter, autocast, other dtypes, more rows than the compiled
-stack takes: `cpu_jit.rows_max`) takes the general path.
+numba is there (`ops.cpu_jit`), three compiled calls make the step: input_proj (or the
+embedding rows of token ids) into the residual stream, every block (the mixer's `Packed`
+body on the model state's stacked tensors), norm_f. The checks that remain are the ones
+that decide whether this computes what the modules say: every module plain and unchanged
+since last seen (one pass over a watch list, `step_graph._watch`), the decode plan fresh
+(`inference.plan`). Anything else (a hook or an adapter, autocast, other dtypes, an
+embedding with max_norm, more rows than the compiled stack takes: `cpu_jit.rows_max`,
+MAMBAKIT_BACKEND=triton) takes the general path, as do ids outside the vocabulary (it
+raises).
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 from functools import cache
 
@@ -35,6 +39,7 @@ class _Entry:
         self.watch, self.weights, self.eps, self.ends = watch, None, None, None
 
 
+_IDS = (torch.int64, torch.int32)
 _ENTRIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # backbone -> _Entry
 
 
@@ -43,9 +48,9 @@ def compiled_rows(backbone, x: torch.Tensor, state, stack) -> torch.Tensor | Non
     where the compiled step does not apply. `stack()`: the backbone's whole-stack decode
     weights (its "stack" plan), whose `compiled` body runs the blocks."""
     if (
-        backbone.embeddings is not None
-        or torch.is_autocast_enabled("cpu")
+        torch.is_autocast_enabled("cpu")
         or torch.compiler.is_compiling()
+        or os.environ.get("MAMBAKIT_BACKEND") == "triton"  # the kernels asked for (interpreted)
     ):
         return None
     entry = _ENTRIES.get(backbone)
@@ -68,17 +73,23 @@ def compiled_rows(backbone, x: torch.Tensor, state, stack) -> torch.Tensor | Non
         entry.weights, entry.eps = weights, eps
     if entry.ends is None:
         return None
-    WT, b, w, consts, dtype = entry.ends
+    WT, b, E, w, consts, dtype = entry.ends
     fields = state._tensors()
-    if x.shape[1] != (WT.shape[0] if WT is not None else w.shape[0]) or x.dtype != dtype:
+    if E is not None:  # token ids [B] (`_check_step` saw one dimension)
+        if x.dtype not in _IDS or backbone._modules["embeddings"].max_norm is not None:
+            return None
+    elif x.shape[1] != (WT.shape[0] if WT is not None else w.shape[0]) or x.dtype != dtype:
         return None
     if not all(t.dtype == dtype for t in fields):
         return None
     B, M = x.shape[0], w.shape[0]
     rows = np.empty((B, M + 1), consts.dtype)
     xs = x.detach().numpy()
-    input_rows, norm_rows = _kernels()
-    if WT is not None:
+    input_rows, embed_rows, norm_rows = _kernels()
+    if E is not None:
+        if not embed_rows(xs, E, consts, rows):
+            return None  # an id outside the vocabulary: the general path says so
+    elif WT is not None:
         input_rows(xs, WT, b, consts, rows)
     else:
         rows[:, :M] = xs
@@ -91,33 +102,59 @@ def compiled_rows(backbone, x: torch.Tensor, state, stack) -> torch.Tensor | Non
     return out
 
 
+def head_rows(head: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """An LM head on `compiled_rows`' rows [B, M]: a plain nn.Linear of their dtype row by
+    row, compiled (each row's logits the same whatever the batch, as the GPU's head
+    kernel gives them: a BLAS product's sums depend on the batch, which would let a
+    request's tokens depend on the others served beside it); any other head called."""
+    if not plain(head) or head.weight.dtype != rows.dtype:
+        return head(rows)
+    W = head.weight.detach()
+    b = head.bias.detach() if head.bias is not None else W.new_empty(0)
+    out = torch.empty(rows.shape[0], W.shape[0], dtype=rows.dtype)
+    run_rows, linear_rows, parallel = _linear()
+    run_rows(linear_rows, parallel, rows.numpy(), W.numpy(), b.numpy(), out.numpy())
+    return out
+
+
 def _array(t: torch.Tensor) -> np.ndarray:
     """t's numpy view (detached first only where it needs it: a microsecond a field)."""
     return t.detach().numpy() if t.requires_grad else t.numpy()
 
 
 def _ends(backbone, pad: float):
-    """(input_proj's W^T [F, M] and bias [M] (None, None without one), norm_f's weight [M],
-    [pad, eps, 1 / M]) as numpy arrays, and their torch dtype; or None where the weights
-    do not compile."""
+    """(input_proj's W^T [F, M] and bias [M] (None, None without one), the embedding table
+    [V, M] (None without one), norm_f's weight [M], [pad, eps, 1 / M]) as numpy arrays, and
+    their torch dtype; or None where the weights do not compile."""
     w = backbone.norm_f.weight.detach()
     if not compiles(w):
         return None
     M = w.shape[0]
     consts = np.array([pad, backbone.norm_f.eps, 1.0 / M], dtype=w.numpy().dtype)
-    proj = backbone.input_proj
+    emb, proj = backbone.embeddings, backbone.input_proj
+    if emb is not None:
+        E = emb.weight.detach()
+        return None if E.dtype != w.dtype else (None, None, E.numpy(), w.numpy(), consts, w.dtype)
     if proj is None:
-        return None, None, w.numpy(), consts, w.dtype
+        return None, None, None, w.numpy(), consts, w.dtype
     if proj.weight.dtype != w.dtype:
         return None
     WT = proj.weight.detach().t().contiguous().numpy()
     b = proj.bias.detach().numpy() if proj.bias is not None else np.zeros(M, WT.dtype)
-    return WT, b, w.numpy(), consts, w.dtype
+    return WT, b, None, w.numpy(), consts, w.dtype
+
+
+@cache
+def _linear():
+    """The compiled head (imported on first use, as `_kernels`)."""
+    from ..ops.cpu_jit.common import linear_rows, linear_rows_parallel, run_rows
+
+    return run_rows, linear_rows, linear_rows_parallel
 
 
 @cache
 def _kernels():
     """The compiled ends (imported on first use: numba loads in about a second)."""
-    from ..ops.cpu_jit.common import input_rows, norm_rows
+    from ..ops.cpu_jit.common import embed_rows, input_rows, norm_rows
 
-    return input_rows, norm_rows
+    return input_rows, embed_rows, norm_rows

@@ -20,8 +20,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from ..ops import cpu_jit
 from ..ops.argmax import argmax_rows
 
 _M32 = 0xFFFFFFFF
@@ -32,6 +34,8 @@ _MUL2 = 0x735A2D97
 _STEP_SALT = 0x5BD1E995
 _VOCAB_SALT = 0x1B873593
 _HI_SALT = 0x68E31DA4
+# the same constants for the compiled CPU hash (`ops.cpu_jit.noise`)
+_CONSTANTS = np.array([_M32, _MUL1, _MUL2, _STEP_SALT, _VOCAB_SALT, _HI_SALT], dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,19 @@ def gumbel_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
+def _noise(seeds: torch.Tensor, step: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """`gumbel_noise(row_keys(seeds, step), token_ids)`: on the CPU with numba its integer
+    hash as one compiled loop (the same bits), the logarithms as torch computes them."""
+    if seeds.device.type != "cpu" or torch.compiler.is_compiling() or not cpu_jit.available():
+        return gumbel_noise(row_keys(seeds, step), token_ids)
+    from ..ops.cpu_jit.noise import uniforms
+
+    ids = token_ids.detach()
+    u = torch.empty(seeds.shape[0], ids.shape[-1], dtype=torch.float32)
+    uniforms(seeds.detach().numpy(), step.detach().numpy(), ids.numpy(), _CONSTANTS, u.numpy())
+    return -torch.log(-torch.log(u))
+
+
 def sample(
     logits: torch.Tensor,  # [B, V]
     cfg: SamplingConfig,
@@ -173,7 +190,7 @@ def sample(
     if ids is not None:
         scores = filter_sorted(scores, cfg.top_p, cfg.min_p)
     token_ids = ids if ids is not None else torch.arange(V, device=scores.device)
-    choice = (scores + gumbel_noise(row_keys(seeds, step), token_ids)).argmax(dim=-1)
+    choice = (scores + _noise(seeds, step, token_ids)).argmax(dim=-1)
     if ids is None:
         return choice
     return ids.gather(-1, choice[:, None])[:, 0]

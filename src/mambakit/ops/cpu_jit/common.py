@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import numba
 import numpy as np
 import torch
-from numba import njit, types
+from numba import njit, prange, types
 from numba.extending import overload
 
 # reassociation lets sums vectorise; contraction makes a * b + c one fused multiply-add.
@@ -266,6 +266,43 @@ def input_rows(x, WT, b, c, r):
         for j in range(M):
             ri[j] += b[j]
         ri[M] = c[0]
+
+
+@njit(**JIT)
+def linear_rows(x, W, b, out, lo, hi):
+    """out[i] = W x[i] (+ b) for the rows lo..hi-1: x [B, K], W [N, K], b [N] or [0] (no
+    bias), out [B, N]. A row's sums run in the same order whatever the batch (a BLAS
+    product's do not): a row's logits do not depend on the rows beside it."""
+    N, K = W.shape
+    for i in range(lo, hi):
+        xi, oi = x[i], out[i]
+        for n in range(N):
+            wn = W[n]
+            s = zero(oi[0])
+            for k in range(K):
+                s += wn[k] * xi[k]
+            oi[n] = s + b[n] if b.shape[0] else s
+
+
+@njit(parallel=True, **JIT)
+def linear_rows_parallel(x, W, b, out):
+    """`linear_rows` with the rows on numba's threads."""
+    for i in prange(x.shape[0]):
+        linear_rows(x, W, b, out, i, i + 1)
+
+
+@njit(**JIT)
+def embed_rows(ids, E, c, r) -> bool:
+    """The residual stream's first rows from token ids: r[i, :M] = E[ids[i]], r[i, M] = c[0]
+    (ids [B] integers, E [V, M]); False, writing nothing, where an id lies outside [0, V)."""
+    V, M = E.shape
+    for i in range(ids.shape[0]):
+        if ids[i] < 0 or ids[i] >= V:
+            return False
+    for i in range(ids.shape[0]):
+        r[i, :M] = E[ids[i]]
+        r[i, M] = c[0]
+    return True
 
 
 @njit(**JIT)
