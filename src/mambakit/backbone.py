@@ -183,6 +183,16 @@ class MambaBackbone(nn.Module):
             out = self._step_rows(x, state)
         return out, state
 
+    def _hooked_step(self, x: torch.Tensor, state: ModelState) -> torch.Tensor | None:
+        """Where a hook watches a block or a mixer (`MambaBlock.hooked`), the no-grad step as
+        the forward over one token, which calls them, the state overwritten in place: the
+        hidden rows [B, M]; else None."""
+        if not any(b.hooked() for b in self._modules["layers"]):
+            return None
+        out, new = self.forward(x.unsqueeze(1), state)
+        state.copy_(new)
+        return out[:, 0]
+
     def _step_rows(self, x: torch.Tensor, state: ModelState) -> torch.Tensor:
         """The no-grad step's hidden rows [B, M], the state advanced in place: on the CPU
         compiled end to end where it can be (`inference.cpu_step`)."""
@@ -190,6 +200,9 @@ class MambaBackbone(nn.Module):
             rows = compiled_rows(self, x, state, self._stack_weights)
             if rows is not None:
                 return rows
+        rows = self._hooked_step(x, state)
+        if rows is not None:
+            return rows
         h, residual, cdt, backend = self._decode_layers(x, state)
         return self.norm_f.rows(h, residual, cdt, backend)[0]
 

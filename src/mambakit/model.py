@@ -220,6 +220,9 @@ class MambaLM(nn.Module):
             rows = compiled_rows(bb, input_ids, state, bb._stack_weights)
             if rows is not None:
                 return head_rows(self.lm_head, rows)
+        rows = bb._hooked_step(input_ids, state)
+        if rows is not None:
+            return self.lm_head(rows)
         h, residual, cdt, backend = bb._decode_layers(input_ids, state)
         return self._head(h, residual, cdt, backend, fuse=True)
 

@@ -593,3 +593,40 @@ def test_a_superseded_plan_is_not_replayed_on(fake_graphs):
     got = _tensors(entry.plan.value)
     assert len(got) == len(want) > 0
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def _doubled(mod, args, out):
+    """A forward hook that doubles a module's output (the first item of a tuple)."""
+    return (2 * out[0], *out[1:]) if isinstance(out, tuple) else 2 * out
+
+
+@pytest.mark.parametrize("where", ["layers.1", "layers.0.mixer"])
+@pytest.mark.parametrize("mixer", list(MIXERS))
+def test_a_hook_on_a_block_or_mixer_runs_in_every_step(fake_graphs, mixer, where):
+    """A forward hook on a block or on its mixer (which `step` would not call: it runs
+    their decode methods): every step, graph-eligible or not, equals the forward over the
+    whole sequence, which calls them, and the hook ran once a step; the LM's steps and its
+    last-position logits likewise."""
+    m = backbone(mixer)
+    calls = []
+    m.get_submodule(where).register_forward_hook(
+        lambda *a: calls.append(1) or _doubled(*a))  # fmt: skip
+    xs = torch.randn(2, 6, 12)
+    with torch.no_grad():
+        want = m(xs)[0]
+        state = m.init_state(2)
+        got = torch.stack(run(m, xs.transpose(0, 1), state), 1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert len(calls) == 1 + xs.shape[1] and not fake_graphs
+    assert where.split(".mixer")[0] in step_graph_status(m)["reason"]
+    torch.manual_seed(0)
+    cfg = MambaConfig(d_model=32, n_layers=2, vocab_size=40, mixer=mixer, **MIXERS[mixer])
+    lm = MambaLM(cfg)
+    lm.backbone.get_submodule(where).register_forward_hook(_doubled)
+    ids = torch.randint(0, 40, (2, 6))
+    with torch.no_grad():
+        want = lm(ids).logits
+        state = lm.init_state(2)
+        got = torch.stack([lm.step(t, state)[0] for t in ids.T], 1)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lm.last_logits(ids)[0], want[:, -1], rtol=1e-5, atol=1e-5)

@@ -15,7 +15,7 @@ from .init import no_weight_decay
 from .mamba2 import Mamba2
 from .mamba3 import Mamba3
 from .mixer import Mamba
-from .plain import plain
+from .plain import hooked, plain
 
 
 class RMSNorm(nn.Module):
@@ -168,8 +168,20 @@ class MambaBlock(nn.Module):
 
     def fusable(self) -> bool:
         """Whether a decode step may read the norm's and the mixer's weights (fused kernels,
-        the model's decode plans); otherwise it calls the modules (layers/plain.py)."""
-        return plain(self._modules["norm"], RMSNorm) and self._modules["mixer"].fusable()
+        the model's decode plans); otherwise it calls the modules (layers/plain.py). Never
+        where the block or its mixer is `hooked`."""
+        mixer = self._modules["mixer"]
+        return (
+            plain(self._modules["norm"], RMSNorm)
+            and mixer.fusable()
+            and not hooked(self)
+            and not hooked(mixer)
+        )
+
+    def hooked(self) -> bool:
+        """Whether a hook watches the block or its mixer: a step then runs as the forward
+        over one token (`MambaBackbone.step`), which calls both; `step` here does not."""
+        return hooked(self) or hooked(self._modules["mixer"])
 
     def decode_weights(self):
         """The tensors of the fused decode step of this block (its mixer's, with the norm)."""

@@ -26,7 +26,7 @@ from ..ops.causal_conv1d.reference import conv_states_at
 from ..ops.decode import _mamba_mixer_step
 from . import mamba_ssm_cache
 from .init import init_A_log, init_dt_proj, no_weight_decay
-from .plain import plain
+from .plain import hooked, plain
 
 # in_proj's dt rows past a row's stop (Mamba-2's and Mamba-3's `sequence(..., stop=)`):
 # softplus(dt + dt_bias) is exactly 0 there in f32, bf16 and f16, so a step with it passes
@@ -213,6 +213,7 @@ class Mamba(nn.Module):
         if (
             last
             and self.fusable()
+            and not hooked(self)  # its hooks run where it is called, below
             and not torch.is_grad_enabled()
             and not torch.compiler.is_compiling()
         ):

@@ -26,6 +26,17 @@ _GLOBAL_HOOKS = tuple(
 )
 
 
+def hooked(module: nn.Module) -> bool:
+    """Whether a hook watches `module` (one of its own, or a global one)."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+        or any(_GLOBAL_HOOKS)
+    )
+
+
 def plain(module: nn.Module | None, kind: type = nn.Linear) -> bool:
     """True when `module` is exactly a `kind` (not a subclass) that no hook watches."""
     return (
