@@ -169,6 +169,30 @@ def test_hf_relatives_and_mislabelled_configs_refused(tmp_path, randomize, model
         MambaLM.from_pretrained(tmp_path)
 
 
+def test_a_mamba1_activation_other_than_silu_refused(tmp_path, randomize):
+    """transformers' MambaForCausalLM with hidden_act gelu computes gelu where mambakit's
+    layer computes silu: its weights would load and give other logits."""
+    hf_model(randomize, hidden_act="gelu").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"hidden_act 'gelu'"):
+        MambaLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("layer_norm_epsilon", None), ("layer_norm_epsilon", "1e-5"), ("time_step_min", None)],
+)
+def test_a_config_value_of_the_wrong_type_is_a_checkpoint_error(tmp_path, randomize, field,
+                                                                value):  # fmt: skip
+    from mambakit.hf.errors import CheckpointError
+
+    hf_model(randomize).save_pretrained(tmp_path)
+    meta = json.loads((tmp_path / "config.json").read_text())
+    meta[field] = value
+    (tmp_path / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"config\.json"):
+        MambaLM.from_pretrained(tmp_path)
+
+
 # ---------------------------------------------------------------- corrupt checkpoints
 
 

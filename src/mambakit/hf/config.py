@@ -108,6 +108,10 @@ def config_from_json(cfg: dict[str, Any]) -> tuple[MambaConfig, str]:
             raise CheckpointError(f"config.json: {e}") from e
         return out, "mambakit-mamba3"
     if "hidden_size" in cfg:
+        if cfg.get("hidden_act", "silu") != "silu":  # mambakit's Mamba-1 gates with silu
+            raise CheckpointError(
+                f"config.json: hidden_act {cfg['hidden_act']!r} is not supported (silu only)"
+            )
         d_model = _require(cfg, "hidden_size")
         expand = cfg.get("expand", 2)
         inter = cfg.get("intermediate_size")
@@ -116,7 +120,8 @@ def config_from_json(cfg: dict[str, Any]) -> tuple[MambaConfig, str]:
                 f"config.json: intermediate_size {inter} != expand {expand} * hidden_size {d_model}"
             )
         rank = cfg.get("time_step_rank", "auto")
-        out = MambaConfig(
+        out = _build(
+            MambaConfig,
             d_model=d_model,
             n_layers=_require(cfg, "num_hidden_layers"),
             vocab_size=_require(cfg, "vocab_size"),
@@ -143,7 +148,8 @@ def config_from_json(cfg: dict[str, Any]) -> tuple[MambaConfig, str]:
         ssm = cfg.get("ssm_cfg") or {}
         vocab = _require(cfg, "vocab_size")
         mult = cfg.get("pad_vocab_size_multiple", 8)
-        out = MambaConfig(
+        out = _build(
+            MambaConfig,
             d_model=cfg["d_model"],
             n_layers=_require(cfg, "n_layer"),
             vocab_size=vocab,
@@ -167,6 +173,15 @@ def config_from_json(cfg: dict[str, Any]) -> tuple[MambaConfig, str]:
         "config.json: neither a Hugging Face Mamba config (hidden_size, ...) nor a "
         "state-spaces one (d_model, n_layer, ...)"
     )
+
+
+def _build(cls, **fields) -> MambaConfig:
+    """`cls(**fields)`, a value MambaConfig refuses (or cannot compare: a null, a string
+    where a number goes) raised as a CheckpointError that says it came from config.json."""
+    try:
+        return cls(**fields)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"config.json: {e}") from e
 
 
 def checkpoint_json(cfg: MambaConfig) -> tuple[dict[str, Any], str]:
