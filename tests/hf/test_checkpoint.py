@@ -375,3 +375,21 @@ def test_save_pretrained_creates_directory_and_replaces(tmp_path):
         warnings.simplefilter("ignore")
         hf = MambaForCausalLM.from_pretrained(target, dtype=torch.float32)
     assert hf.config.use_bias is True
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o077])
+def test_saved_files_get_the_modes_the_umask_gives(tmp_path, mask):
+    """save_pretrained writes through temporary files (mkstemp's mode is 0600): the files in
+    place have the modes any new file gets under the process umask."""
+    import os
+
+    old = os.umask(mask)
+    try:
+        save_ours(tmp_path / "out")
+        (tmp_path / "plain").write_text("")
+    finally:
+        os.umask(old)
+    want = (tmp_path / "plain").stat().st_mode & 0o777
+    assert want == 0o666 & ~mask
+    for name in ("config.json", "model.safetensors"):
+        assert (tmp_path / "out" / name).stat().st_mode & 0o777 == want, name

@@ -86,16 +86,26 @@ def read_pretrained(path) -> tuple[MambaConfig, dict[str, torch.Tensor]]:
     return cfg, read_state_dict(path)
 
 
+def umask() -> int:
+    """The process's umask (read by setting it and setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _atomic_write(files: dict[Path, Callable[[str], None]]) -> None:
-    """Write every file through `write(tmp_path)` to a temporary name beside it; only when
-    all are complete, rename them into place (a failed write leaves the old files)."""
+    """Write every file through `write(tmp_path)` to a temporary name beside it, with the
+    modes a plain new file gets (mkstemp's are 0600); only when all are complete, rename
+    them into place (a failed write leaves the old files)."""
     tmps: dict[Path, str] = {}
+    mode = 0o666 & ~umask()
     try:
         for target, write in files.items():
             fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
             os.close(fd)
             tmps[target] = tmp
             write(tmp)
+            os.chmod(tmp, mode)  # after the write: a writer may make the file anew
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
     except BaseException:

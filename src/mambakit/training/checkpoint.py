@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from ..hf.io import umask
+
 LATEST = "latest"
 LOCK = ".lock"
 CHECKPOINT_NAME = re.compile(r"step_(\d+)")  # the whole name; `step_7.corrupt` is not one
@@ -54,15 +56,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def _open_up(path: Path) -> None:
     """Give `path` (a folder: everything in it too) the modes a plain new file gets."""
-    mask = _umask()
+    mask = umask()
     if path.is_dir():
         for sub, _, files in os.walk(path):
             os.chmod(sub, 0o777 & ~mask)
