@@ -285,6 +285,8 @@ class MambaLM(nn.Module):
         if extra:
             raise CheckpointError(f"checkpoint {path} has unexpected tensors: {extra}")
         for k, shape in expected.items():
+            if not isinstance(sd[k], torch.Tensor):
+                raise CheckpointError(f"{k!r} is a {type(sd[k]).__name__}, not a tensor")
             if tuple(sd[k].shape) != shape:
                 raise CheckpointError(
                     f"tensor {k!r} has shape {list(sd[k].shape)}, expected {list(shape)}"
@@ -292,7 +294,7 @@ class MambaLM(nn.Module):
             if not sd[k].is_floating_point():
                 raise CheckpointError(f"tensor {k!r} has non-float dtype {sd[k].dtype}")
         dtype = dtype or torch.float32
-        model = model.to_empty(device=device or "cpu")
+        model = model.to(dtype=dtype).to_empty(device=device or "cpu")  # no pass through f32
         with torch.no_grad():
             for k, p in model.state_dict(keep_vars=True).items():
                 if k in sd:

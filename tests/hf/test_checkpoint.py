@@ -393,3 +393,17 @@ def test_saved_files_get_the_modes_the_umask_gives(tmp_path, mask):
     assert want == 0o666 & ~mask
     for name in ("config.json", "model.safetensors"):
         assert (tmp_path / "out" / name).stat().st_mode & 0o777 == want, name
+
+
+def test_a_float64_checkpoint_loads_as_float64_exactly(tmp_path):
+    """A float64 model saved and read back with dtype=float64: every weight bit for bit (not
+    rounded through float32 on the way)."""
+    torch.manual_seed(0)
+    model = MambaLM(MambaConfig(d_model=16, n_layers=2, vocab_size=32, d_state=4)).double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    model.save_pretrained(tmp_path)
+    again = MambaLM.from_pretrained(tmp_path, dtype=torch.float64)
+    for (k, a), b in zip(model.state_dict().items(), again.state_dict().values()):
+        assert b.dtype == torch.float64 and torch.equal(a, b), k
