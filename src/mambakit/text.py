@@ -15,8 +15,8 @@ class ByteTokenizer:
     vocab_size = 256
     name = "byte"
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))  # bytes have no special tokens
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
@@ -46,8 +46,10 @@ class HFTokenizer:
             ) from e
         self.vocab_size = self._tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens=False` leaves out what the tokenizer's
+        post-processor adds (a BOS): a rendered chat template writes its own."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])

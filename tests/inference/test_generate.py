@@ -149,6 +149,16 @@ def test_top_k_1_equals_greedy(lm):
     assert torch.equal(generate(lm, ids, 10, top_k=1, temperature=2.5, seed=1), greedy)
 
 
+def test_a_vanishing_temperature_draws_greedily(lm):
+    """Temperatures toward 0 tend to argmax: 1e-3 with a seed already gives it here, and
+    ones so small that the logits divided by them overflow float32 (1e-50, 1e-300) give it
+    too, not the first token that overflowed."""
+    ids = torch.randint(0, V, (3, 5), generator=torch.Generator().manual_seed(2))
+    greedy = generate(lm, ids, max_new_tokens=10, temperature=0)
+    for t in (1e-3, 1e-50, 1e-300):
+        assert torch.equal(generate(lm, ids, 10, temperature=t, seed=4), greedy), t
+
+
 def test_stream_yields_what_generate_returns(lm):
     ids = torch.randint(0, V, (2, 3), generator=torch.Generator().manual_seed(4))
     kw = dict(max_new_tokens=9, top_k=8, top_p=0.9, min_p=0.05, repetition_penalty=1.2, seed=3)

@@ -177,6 +177,52 @@ def test_api_key_and_open_routes(server):
         assert f"mambakit_{name}" in text, name  # fmt: skip
 
 
+class _BosTokenizer(ByteTokenizer):
+    """Bytes, with a BOS (id 1) put first unless add_special_tokens=False: as an HF
+    tokenizer whose post-processor adds one."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [1] * add_special_tokens + super().encode(text)
+
+
+def test_a_chat_prompt_gets_no_bos_from_the_tokenizer(model_dirs, load, running):
+    """A chat template writes the special tokens it wants (a Llama-style one starts with
+    {{ bos_token }}): its text is encoded without the tokenizer's own, as transformers'
+    apply_chat_template does; a completion's prompt keeps them."""
+    tok = _BosTokenizer()
+    engine = Engine(load(model_dirs["tiny"]), tokenizer=tok, max_batch=2)
+    app = create_app(engine, model_name="tiny", tokenizer=tok,
+                     chat_template=ChatTemplate(TEMPLATE))  # fmt: skip
+    msgs = [{"role": "user", "content": "Hi"}]
+    with running(app) as url:
+        chat = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                          json={"messages": msgs, "max_tokens": 1}).json()  # fmt: skip
+        text = httpx.post(f"{url}/v1/completions", timeout=60,
+                          json={"prompt": "Hi", "max_tokens": 1}).json()  # fmt: skip
+    assert chat["usage"]["prompt_tokens"] == len(b"<user>Hi</user><assistant>")
+    assert text["usage"]["prompt_tokens"] == 1 + len(b"Hi")
+
+
+def test_an_hf_tokenizer_leaves_out_its_special_tokens_when_asked(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    from mambakit.text import HFTokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=280, special_tokens=["<s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator(["hello world"] * 10, trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos)]
+    )
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = HFTokenizer(tmp_path)
+    plain = hf.encode("hello", add_special_tokens=False)
+    assert hf.encode("hello") == [bos, *plain] and bos not in plain
+
+
 @pytest.mark.parametrize(
     "body, status, param",
     [
@@ -208,7 +254,8 @@ def test_bad_requests_get_their_codes(server, body, status, param):
 
 def test_body_limits_json_and_a_full_queue(server):
     url, engine, _ = server
-    for content in (b"{not json", b"[1, 2]", b'{"prompt": "a", "temperature": NaN}'):
+    deep = b"[" * 20_000  # nested past the parser's recursion limit, under the body limit
+    for content in (b"{not json", b"[1, 2]", b'{"prompt": "a", "temperature": NaN}', deep):
         r = httpx.post(f"{url}/v1/completions", content=content, headers=AUTH)
         assert r.status_code == 400, content
         assert r.json()["error"]["param"] == ("temperature" if b"NaN" in content else "body")

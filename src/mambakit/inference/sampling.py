@@ -38,6 +38,11 @@ _HI_SALT = 0x68E31DA4
 _CONSTANTS = np.array([_M32, _MUL1, _MUL2, _STEP_SALT, _VOCAB_SALT, _HI_SALT], dtype=np.int64)
 
 
+# temperatures below this draw greedily: logits of up to ~1e4 divided by one would leave
+# float32's range (3.4e38), and their order is then all a draw could follow anyway
+GREEDY_BELOW = 1e-30
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """What `generate` does to the logits of each step; validated at construction."""
@@ -71,7 +76,9 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """0, or a temperature so small that the logits divided by it would overflow
+        float32 (`GREEDY_BELOW`): the limit of sampling as the temperature falls, argmax."""
+        return self.temperature < GREEDY_BELOW
 
 
 def apply_repetition_penalty(

@@ -122,7 +122,7 @@ def create_app(
             chunks.append(chunk)
         try:
             body = json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:  # (nested too deep)
             raise bad("body", f"the request body is not valid JSON ({e})") from None
         if not isinstance(body, dict):
             raise bad("body", "the request body must be a JSON object")
@@ -134,9 +134,11 @@ def create_app(
             raise APIError(404, f"model {name!r} does not exist; this server has {model_name!r}",
                            param="model", code="model_not_found")  # fmt: skip
 
-    async def encode(prompt, field: str) -> list[int]:
+    async def encode(prompt, field: str, special: bool = True) -> list[int]:
         """Token ids of a prompt; text is encoded off the event loop (the running streams
-        are not held up), after a bound on its length in characters."""
+        are not held up), after a bound on its length in characters. `special=False`: none
+        of the special tokens the tokenizer would add (a chat template writes its own BOS,
+        as transformers' apply_chat_template encodes)."""
         if isinstance(prompt, list):
             return prompt
         if tokenizer is None:
@@ -146,7 +148,7 @@ def create_app(
             raise APIError(413, f"{field}: over {limit} characters", param=field,
                            code="prompt_too_long")  # fmt: skip
         try:
-            ids = await asyncio.to_thread(tokenizer.encode, prompt)
+            ids = await asyncio.to_thread(tokenizer.encode, prompt, special)
         except (ValueError, UnicodeError) as e:  # e.g. a lone surrogate
             raise bad(field, f"the text cannot be encoded: {e}") from None
         if not ids:
@@ -195,7 +197,7 @@ def create_app(
                 text = chat_template.render(parse_messages(body))
             except ValueError as e:
                 raise bad("messages", str(e)) from None
-            prompts = [await encode(text, "messages")]
+            prompts = [await encode(text, "messages", special=False)]
         else:
             prompts = [await encode(p, "prompt") for p in parse_prompts(body)]
         reqs, events = submit_all(prompts, params)
