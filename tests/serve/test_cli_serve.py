@@ -11,14 +11,23 @@ import sys
 import time
 
 import httpx
+import pytest
 
 
-def test_sigterm_drains_the_running_stream_and_exits_0(model_dirs, free_port):
+@pytest.mark.parametrize(
+    "flags, max_tokens, want",
+    [([], 300, "length"), (["--drain-timeout", "1", "--max-tokens", "1000000"], 10**6, "abort")],
+    ids=["finishes", "aborted-at-the-drain-timeout"],
+)
+def test_sigterm_drains_the_running_stream_and_exits_0(model_dirs, free_port, flags,
+                                                       max_tokens, want):  # fmt: skip
+    """SIGTERM while a stream runs: it runs to its end within the drain timeout; past it,
+    it ends with finish_reason "abort" and [DONE] (not cut off); the process exits 0."""
     port = free_port()
     env = {**os.environ, "MAMBAKIT_API_KEY": "k"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "mambakit", "serve", "--model", str(model_dirs["tiny"]),
-         "--port", str(port), "--device", "cpu", "--max-batch", "4"],
+         "--port", str(port), "--device", "cpu", "--max-batch", "4", *flags],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -34,7 +43,7 @@ def test_sigterm_drains_the_running_stream_and_exits_0(model_dirs, free_port):
             assert time.monotonic() < deadline, "the server did not come up"
             time.sleep(0.1)
         assert httpx.get(f"{url}/v1/models").status_code == 401  # the key from the environment
-        body = {"prompt": "def ", "max_tokens": 300, "temperature": 0, "stream": True,
+        body = {"prompt": "def ", "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "return_token_ids": True}  # fmt: skip
         headers = {"Authorization": "Bearer k"}
         n, reason, done, sent = 0, None, False, False
@@ -52,7 +61,8 @@ def test_sigterm_drains_the_running_stream_and_exits_0(model_dirs, free_port):
                 if n >= 5 and not sent:
                     proc.send_signal(signal.SIGTERM)
                     sent = True
-        assert done and reason == "length" and n == 300  # the stream ran to its end
+        assert done and reason == want
+        assert (n == max_tokens) == (want == "length")  # ran to its end, or was cut short
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:

@@ -28,6 +28,7 @@ import functools
 import hmac
 import json
 import signal
+import threading
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -342,10 +343,19 @@ def _put(events: asyncio.Queue, k: int, ev: Event) -> None:
     events.put_nowait((k, ev))
 
 
+# seconds uvicorn waits past the drain for the streams to send their last events and close
+CLOSE_GRACE = 5.0
+
+
 def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000,
           drain_timeout: float = 30.0, log_level: str = "info") -> None:  # fmt: skip
     """Run `app` with uvicorn until SIGTERM or SIGINT: both stop new connections, let the
-    running requests finish for up to `drain_timeout` seconds, then return (exit 0)."""
+    running requests finish for up to `drain_timeout` seconds, end the rest with
+    finish_reason "abort" (sent on their streams), then return (exit 0).
+
+    The engine's drain starts at the signal, on a thread of its own: uvicorn's graceful
+    shutdown only waits for the connections (and cancels them when it gives up), so the
+    requests must end first, within its timeout (the drain's, plus `CLOSE_GRACE`)."""
     import uvicorn
 
     engine: Engine = app.state.engine
@@ -355,9 +365,11 @@ def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000,
             engine.begin_drain()
             if sig in (signal.SIGTERM, signal.SIGINT) and not self.should_exit:
                 self.should_exit = True  # a drain, not a signal to re-raise after it
+                threading.Thread(target=engine.shutdown, args=(drain_timeout,),
+                                 name="mambakit-drain", daemon=True).start()  # fmt: skip
                 return
             super().handle_exit(sig, frame)  # a second one: stop without waiting
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=drain_timeout)  # fmt: skip
+                            timeout_graceful_shutdown=drain_timeout + CLOSE_GRACE)  # fmt: skip
     Server(config).run()
