@@ -203,6 +203,29 @@ def test_a_chat_prompt_gets_no_bos_from_the_tokenizer(model_dirs, load, running)
     assert text["usage"]["prompt_tokens"] == 1 + len(b"Hi")
 
 
+def test_chat_templates_render_as_transformers_renders_them():
+    """Templates in the forms checkpoints ship (loop controls, tojson of tool schemas with
+    non-ASCII and markup, the date from strftime_now, a bos_token first) give the text
+    transformers' own renderer gives; one Jinja cannot parse is a ValueError."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    msgs = [{"role": "system", "content": "skip me"},
+            {"role": "user", "content": "a<b> & 'c' é"}]  # fmt: skip
+    templates = [
+        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}"
+        "{% endif %}<{{ m['role'] }}>{{ m['content'] | tojson }}{% break %}{% endfor %}",
+        "{{ strftime_now('%Y') }}{{ messages | tojson(indent=2) }}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}",
+    ]
+    for source in templates:
+        got = ChatTemplate(source, bos_token="<s>").render(msgs)
+        want = render_jinja_template([msgs], chat_template=source, add_generation_prompt=True,
+                                     bos_token="<s>")[0][0]  # fmt: skip
+        assert got == want, source
+    with pytest.raises(ValueError, match="does not parse"):
+        ChatTemplate("{% for m in messages %}")
+
+
 def test_an_hf_tokenizer_leaves_out_its_special_tokens_when_asked(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 

@@ -113,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
         chat = ChatTemplate.from_folder(ckpt)
     except ImportError:
         chat = None
+    except ValueError as e:  # a template Jinja cannot parse: completions still serve
+        chat = None
+        print(f"mambakit serve: no chat endpoint: {e}", file=sys.stderr)
     engine = Engine(
         model,
         tokenizer=tokenizer,

@@ -3,13 +3,17 @@
 The template comes from the checkpoint folder, as Hugging Face stores it: the
 `chat_template` of `tokenizer_config.json` (a string, or a list of named templates whose
 "default" is used) or a `chat_template.jinja` file. It is rendered in Jinja's sandbox, with
-the variables transformers gives it (`messages`, `add_generation_prompt`, `bos_token`,
-`eos_token`, `raise_exception`). Nothing is downloaded.
+the environment transformers renders it in: `trim_blocks` and `lstrip_blocks`, the loop
+controls (`{% break %}`, `{% continue %}`), a `tojson` filter that keeps non-ASCII text and
+`<`, `>`, `&` and quotes as they are, the variables `messages`, `add_generation_prompt`,
+`bos_token`, `eos_token` and the functions `raise_exception` and `strftime_now`. Nothing is
+downloaded.
 """
 
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
 
@@ -30,9 +34,23 @@ class ChatTemplate:
         def raise_exception(message):
             raise TemplateError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            # Jinja's own escapes <, >, & and ' for HTML: a prompt wants the text as it is
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                              separators=separators, sort_keys=sort_keys)  # fmt: skip
+
+        def strftime_now(format: str) -> str:
+            return datetime.now().strftime(format)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])  # fmt: skip
+        env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
-        self.template = env.from_string(source)
+        env.globals["strftime_now"] = strftime_now
+        try:
+            self.template = env.from_string(source)
+        except TemplateError as e:
+            raise ValueError(f"the chat template does not parse: {e}") from None
         self.bos_token = bos_token
         self.eos_token = eos_token
 
