@@ -80,18 +80,37 @@ class TrainConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"TrainConfig.{name} must be an int >= 0, got {v!r}")
         if self.tbptt_len is not None and (
-            not isinstance(self.tbptt_len, int) or self.tbptt_len <= 0
+            isinstance(self.tbptt_len, bool)
+            or not isinstance(self.tbptt_len, int)
+            or self.tbptt_len <= 0
         ):
             raise ValueError(
                 f"TrainConfig.tbptt_len must be a positive int or None, got {self.tbptt_len!r}"
             )
-        if not (self.lr > 0 and math.isfinite(self.lr)):
+        if not (_number(self.lr) and self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"TrainConfig.lr must be a positive number, got {self.lr!r}")
-        if not 0 <= self.min_lr_ratio <= 1:
+        b = self.betas
+        if not (isinstance(b, (tuple, list)) and len(b) == 2
+                and all(_number(x) and 0 <= x < 1 for x in b)):  # fmt: skip
+            raise ValueError(f"TrainConfig.betas must be two numbers in [0, 1), got {b!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"TrainConfig.seed must be an int, got {self.seed!r}")
+        for name in ("compile", "deterministic"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"TrainConfig.{name} must be True or False, "
+                                 f"got {getattr(self, name)!r}")  # fmt: skip
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(
+                    f"TrainConfig.device: {self.device!r} is not a device ({e})"
+                ) from None
+        if not (_number(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1):
             raise ValueError(f"TrainConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         for name in ("weight_decay", "grad_clip", "eps"):
             v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            if not (_number(v) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"TrainConfig.{name} must be a finite number >= 0, got {v!r}")
         if self.precision not in ("auto", *PRECISIONS):
             raise ValueError(
@@ -101,10 +120,11 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig.cuda_graph must be 'auto', True or False, got {self.cuda_graph!r}"
             )
-        if self.max_seconds is not None and self.max_seconds <= 0:
-            raise ValueError(f"TrainConfig.max_seconds must be > 0, got {self.max_seconds}")
+        v = self.max_seconds
+        if v is not None and not (_number(v) and math.isfinite(v) and v > 0):
+            raise ValueError(f"TrainConfig.max_seconds must be a finite number > 0, got {v!r}")
         v = self.ckpt_every_minutes
-        if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+        if not (_number(v) and math.isfinite(v) and v >= 0):
             raise ValueError(f"TrainConfig.ckpt_every_minutes must be a number >= 0, got {v!r}")
         if self.distributed not in dist_.MODES:
             raise ValueError(
@@ -118,6 +138,11 @@ class TrainConfig:
             )
         if self.distributed != "none" and self.compile:
             raise ValueError("TrainConfig.compile is not supported with distributed training")
+
+
+def _number(v) -> bool:
+    """An int or float, not a bool (True would read as 1)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def resolve_device(spec: str) -> torch.device:
