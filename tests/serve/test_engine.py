@@ -807,3 +807,22 @@ def test_prefix_hashes_are_the_polynomial_of_every_prefix():
         want.append(h)
     assert prefix_hashes(toks) == want
     assert prefix_hashes(toks[:3]) == want[:3]
+
+
+def test_text_held_back_for_a_stop_string_is_sent_when_the_choice_is_aborted(model_dirs, load):
+    """A stop string no output reaches: its choice's text is held back token by token while
+    it might start one; an abort (shutdown's drain timeout) sends it with the end, so the
+    text received is that of the token ids received."""
+    engine = Engine(load(model_dirs["tiny"]), tokenizer=ByteTokenizer(), max_batch=2)
+    req = engine.submit(list(b"hello"), SamplingParams(max_tokens=50, temperature=0,
+                                                       stop=["\x00" * 60]))  # fmt: skip
+    for _ in range(12):
+        engine.step()
+    engine.shutdown(timeout=0)
+    ids, text, reason = [], "", None
+    for ev in req.events(timeout=5):
+        ids += ev.token_ids
+        text += ev.text
+        reason = ev.finish_reason or reason
+    assert reason == "abort" and ids
+    assert text == ByteTokenizer().decode(ids)

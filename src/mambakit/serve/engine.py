@@ -464,7 +464,7 @@ class Engine(Intake, Decoding):
         started = {s.index for s in req.seqs}
         for seq in req.seqs:
             if seq.finished is None:
-                self._outbox.append((req, Event(seq.index, [], "", reason, error)))
+                self._outbox.append((req, Event(seq.index, [], seq.held(), reason, error)))
                 self._finish(seq, reason)
         for i in range(req.params.n):
             if i not in started:

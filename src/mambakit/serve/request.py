@@ -84,6 +84,14 @@ class Sequence:
         return text, reason
 
 
+    def held(self) -> str:
+        """The text held back so far (it might have started a stop string), as the choice
+        ends some other way (an abort, an error): the tokens sent have their text."""
+        if not self.text or self.stop_text.stopped:
+            return ""
+        return self.stop_text.add(self.detok.flush()) + self.stop_text.flush()
+
+
 class Request:
     """A submitted prompt and its choices; `events()` yields what the engine sends when no
     `sink` was given."""
