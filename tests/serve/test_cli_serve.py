@@ -74,7 +74,10 @@ def test_sigterm_drains_the_running_stream_and_exits_0(model_dirs, free_port, fl
 def test_flag_errors_are_one_line(model_dirs):
     for args, msg in [
         (["--max-batch", "0"], "--max-batch must be at least 1"),
-        (["--cache-gib", "-1"], "--cache-gib must be >= 0"),
+        (["--cache-gib", "-1"], "--cache-gib must be a finite number >= 0"),
+        (["--cache-gib", "inf"], "--cache-gib must be a finite number >= 0"),
+        (["--eos-token-id", "256"], "--eos-token-id must lie in [0, 256)"),
+        (["--eos-token-id", "-7"], "--eos-token-id must lie in [0, 256)"),
     ]:
         got = subprocess.run(
             [sys.executable, "-m", "mambakit", "serve", "--model", str(model_dirs["tiny"]), *args],

@@ -132,6 +132,12 @@ def end_token(args: argparse.Namespace, model: MambaLM) -> int | None:
     """--eos-token-id, else the checkpoint's (the first of a list); None outside the
     vocabulary."""
     eos = args.eos_token_id
+    vocab = model.config.vocab_size
+    if eos is not None and not -1 <= eos < vocab:  # what the user asked for, not a default
+        raise UsageError(
+            f"--eos-token-id must lie in [0, {vocab}) (the vocabulary), or be -1 for never, "
+            f"got {eos}"
+        )
     if eos is None:
         eos = model.config.extra.get("eos_token_id")
         if isinstance(eos, list):

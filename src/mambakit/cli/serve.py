@@ -12,6 +12,7 @@ Needs the serve extra: pip install -e ".[serve]".
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -80,8 +81,8 @@ def _check_args(args) -> None:
             raise UsageError(f"{flag} must be at least {lo}, got {v}")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must lie in [0, 65535], got {args.port}")
-    if not args.cache_gib >= 0:
-        raise UsageError(f"--cache-gib must be >= 0, got {args.cache_gib}")
+    if not (args.cache_gib >= 0 and math.isfinite(args.cache_gib)):
+        raise UsageError(f"--cache-gib must be a finite number >= 0, got {args.cache_gib}")
     if args.drain_timeout < 0:
         raise UsageError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
 

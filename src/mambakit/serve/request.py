@@ -83,7 +83,6 @@ class Sequence:
             text += self.stop_text.add(self.detok.flush()) + self.stop_text.flush()
         return text, reason
 
-
     def held(self) -> str:
         """The text held back so far (it might have started a stop string), as the choice
         ends some other way (an abort, an error): the tokens sent have their text."""
