@@ -31,7 +31,7 @@ import signal
 import threading
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from .engine import Engine
 from .params import EngineStopped, Event, QueueFull
@@ -217,7 +217,7 @@ def create_app(
                     "logprobs": None, "finish_reason": reason}  # fmt: skip
         return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
 
-    async def collect(request, reqs, events, params, opts, rid, chat) -> JSONResponse:
+    async def collect(request, reqs, events, params, opts, rid, chat) -> Response:
         n = params.n
         texts = [""] * (n * len(reqs))
         ids: list[list[int]] = [[] for _ in texts]
@@ -228,8 +228,8 @@ def create_app(
         try:
             while left:
                 if loop.time() > next_check:  # a client that left cancels its request
-                    if await request.is_disconnected():
-                        raise asyncio.CancelledError
+                    if await request.is_disconnected():  # (499: nginx's "client closed
+                        return Response(status_code=499)  # request"; nothing reads it)
                     next_check = loop.time() + DISCONNECT_CHECK
                 try:
                     k, ev = await asyncio.wait_for(events.get(), timeout=DISCONNECT_CHECK)
