@@ -74,8 +74,11 @@ def test_16_concurrent_streams_are_generate_alone(server):
             model="tiny", prompt=prompt, max_tokens=max_tokens, stream=True,
             extra_body={"return_token_ids": True}, **kw,
         )  # fmt: skip
-        toks, reason = [], None
+        toks, reason, chunks = [], None, 0
         async for chunk in stream:
+            # the first chunk says the prompt's ids, as the response does unstreamed
+            assert (getattr(chunk, "prompt_token_ids", None) == [prompt]) == (chunks == 0)
+            chunks += 1
             for c in chunk.choices:
                 toks += c.token_ids
                 reason = c.finish_reason or reason

@@ -288,10 +288,13 @@ def create_app(
                     if not text and not ids and reason is None:
                         continue
                     out = envelope(rid, model_name, chat, chunk=True)
-                    c = choice(i, text, reason, chat, True, first=i not in started)
+                    first = i not in started
+                    c = choice(i, text, reason, chat, True, first=first)
                     started.add(i)
                     if opts.return_token_ids:
                         c["token_ids"] = ids
+                        if len(started) == 1 and first:  # the stream's first chunk
+                            out["prompt_token_ids"] = [r.prompt for r in reqs]
                     out["choices"] = [c]
                     yield f"data: {json.dumps(out)}\n\n"
             if failed is not None:
