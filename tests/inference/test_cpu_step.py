@@ -30,9 +30,8 @@ for _name, _kw in (("mamba2", dict(mixer="mamba2", headdim=32)),):
         MIXERS[_name] = _kw
 
 
-@pytest.fixture
-def compiled_calls(monkeypatch):
-    """The number of compiled whole-step calls (`cpu_step.compiled_rows` returning rows)."""
+def _counted_compiled_rows(monkeypatch, module: str) -> list[bool]:
+    """Each call of `cpu_step.compiled_rows` from `module`: whether it returned rows."""
     calls = []
     run = cpu_step.compiled_rows
 
@@ -41,8 +40,14 @@ def compiled_calls(monkeypatch):
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(importlib.import_module("mambakit.backbone"), "compiled_rows", counted)
+    monkeypatch.setattr(importlib.import_module(module), "compiled_rows", counted)
     return calls
+
+
+@pytest.fixture
+def compiled_calls(monkeypatch):
+    """The backbone's compiled whole-step calls (`cpu_step.compiled_rows` returning rows)."""
+    return _counted_compiled_rows(monkeypatch, "mambakit.backbone")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -347,17 +352,8 @@ def lm(name: str, dtype=torch.float32, tie: bool = True) -> MambaLM:
 
 @pytest.fixture
 def lm_compiled_calls(monkeypatch):
-    """The number of compiled calls under `MambaLM.step` (rows returned or not)."""
-    calls = []
-    run = cpu_step.compiled_rows
-
-    def counted(*args):
-        out = run(*args)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(importlib.import_module("mambakit.model"), "compiled_rows", counted)
-    return calls
+    """The compiled calls under `MambaLM.step` (rows returned or not)."""
+    return _counted_compiled_rows(monkeypatch, "mambakit.model")
 
 
 @pytest.mark.parametrize("name", list(MIXERS))
