@@ -826,3 +826,38 @@ def test_text_held_back_for_a_stop_string_is_sent_when_the_choice_is_aborted(mod
         reason = ev.finish_reason or reason
     assert reason == "abort" and ids
     assert text == ByteTokenizer().decode(ids)
+
+
+class _FailingTokenizer:
+    """Bytes (not a ByteTokenizer: text streams decode it as any tokenizer) whose decode
+    fails from its eleventh call on."""
+
+    vocab_size = 256
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids) -> str:
+        self.calls += 1
+        if self.calls > 10:
+            raise RuntimeError("decode failed")
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+def test_a_tokenizer_that_fails_ends_the_request_with_an_error(model_dirs, load):
+    """A decode that raises while a choice's text is made: the request ends with an error
+    event naming it (its held-back text is not decoded again on the way out), and the
+    engine serves the next request."""
+    engine = Engine(load(model_dirs["tiny"]), tokenizer=_FailingTokenizer(), max_batch=2)
+    req = engine.submit(list(b"hello"), SamplingParams(max_tokens=20, temperature=0,
+                                                       stop=["\x00" * 8]))  # fmt: skip
+    run_all(engine, [req])
+    last = list(req.events(timeout=5))[-1]
+    assert last.finish_reason == "error" and "decode failed" in last.error
+    engine.tokenizer = ByteTokenizer()
+    again = engine.submit(list(b"hi"), SamplingParams(max_tokens=3, temperature=0))
+    run_all(engine, [again])
+    assert list(again.events(timeout=5))[-1].finish_reason == "length"

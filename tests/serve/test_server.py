@@ -206,6 +206,28 @@ def test_a_chat_prompt_gets_no_bos_from_the_tokenizer(model_dirs, load, running)
     assert text["usage"]["prompt_tokens"] == 1 + len(b"Hi")
 
 
+class _TextOnlyTokenizer(ByteTokenizer):
+    """A tokenizer written to the older interface: encode(text), no keywords."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
+def test_a_tokenizer_whose_encode_takes_the_text_alone_serves(model_dirs, load, running):
+    tok = _TextOnlyTokenizer()
+    engine = Engine(load(model_dirs["tiny"]), tokenizer=tok, max_batch=2)
+    app = create_app(engine, model_name="tiny", tokenizer=tok,
+                     chat_template=ChatTemplate(TEMPLATE))  # fmt: skip
+    with running(app) as url:
+        text = httpx.post(f"{url}/v1/completions", timeout=60,
+                          json={"prompt": "Hi", "max_tokens": 1})  # fmt: skip
+        chat = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": "Hi"}],
+                                "max_tokens": 1})  # fmt: skip
+    assert text.status_code == chat.status_code == 200, (text.text, chat.text)
+    assert chat.json()["usage"]["prompt_tokens"] == len(b"<user>Hi</user><assistant>")
+
+
 def test_chat_templates_render_as_transformers_renders_them():
     """Templates in the forms checkpoints ship (loop controls, tojson of tool schemas with
     non-ASCII and markup, the date from strftime_now, a bos_token first) give the text

@@ -87,7 +87,16 @@ def read_pretrained(path) -> tuple[MambaConfig, dict[str, torch.Tensor]]:
 
 
 def umask() -> int:
-    """The process's umask (read by setting it and setting it back)."""
+    """The process's umask: from /proc/self/status where Linux gives it (reading it by
+    setting it and setting it back would give another thread's new files 0o022's modes
+    for that moment), else that way."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

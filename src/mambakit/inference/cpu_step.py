@@ -19,7 +19,6 @@ raises).
 
 from __future__ import annotations
 
-import os
 import weakref
 from functools import cache
 
@@ -28,6 +27,7 @@ import torch
 
 from ..layers.block import RMSNorm
 from ..layers.plain import plain
+from ..ops._backend import forced_backend
 from ..ops.cpu_jit import compiles
 from .step_graph import _not_plain, _unchanged, _watch
 
@@ -50,7 +50,7 @@ def compiled_rows(backbone, x: torch.Tensor, state, stack) -> torch.Tensor | Non
     if (
         torch.is_autocast_enabled("cpu")
         or torch.compiler.is_compiling()
-        or os.environ.get("MAMBAKIT_BACKEND") == "triton"  # the kernels asked for (interpreted)
+        or forced_backend() == "triton"  # the kernels asked for (interpreted)
     ):
         return None
     entry = _ENTRIES.get(backbone)
@@ -103,14 +103,25 @@ def compiled_rows(backbone, x: torch.Tensor, state, stack) -> torch.Tensor | Non
 
 
 def head_rows(head: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
-    """An LM head on `compiled_rows`' rows [B, M]: a plain nn.Linear of their dtype row by
-    row, compiled (each row's logits the same whatever the batch, as the GPU's head
-    kernel gives them: a BLAS product's sums depend on the batch, which would let a
-    request's tokens depend on the others served beside it); any other head called."""
-    if not plain(head) or head.weight.dtype != rows.dtype:
+    """An LM head on `compiled_rows`' rows [B, M]: a plain nn.Linear of their dtype and
+    width row by row, compiled (each row's logits the same whatever the batch up to the
+    compiled stack's `rows_max`, as the GPU's head kernel gives them: a BLAS product's
+    sums depend on the batch, which would let a request's tokens depend on the others
+    served beside it); any other head, or one whose gradient autograd records, called."""
+    W, bias = head.weight, head.bias
+    if (
+        not plain(head)
+        or W.dtype != rows.dtype
+        or W.dim() != 2
+        or W.shape[1] != rows.shape[1]
+        or (bias is not None and (bias.shape != W.shape[:1] or bias.dtype != W.dtype))
+        or (
+            torch.is_grad_enabled() and (W.requires_grad or bias is not None and bias.requires_grad)
+        )
+    ):  # the module says what is wrong, or records the head's gradient
         return head(rows)
-    W = head.weight.detach()
-    b = head.bias.detach() if head.bias is not None else W.new_empty(0)
+    W = W.detach()
+    b = bias.detach() if bias is not None else W.new_empty(0)
     out = torch.empty(rows.shape[0], W.shape[0], dtype=rows.dtype)
     run_rows, linear_rows, parallel = _linear()
     run_rows(linear_rows, parallel, rows.numpy(), W.numpy(), b.numpy(), out.numpy())

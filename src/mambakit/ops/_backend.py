@@ -30,6 +30,14 @@ def triton_available() -> bool:
     return _TRITON[0]
 
 
+def forced_backend() -> str:
+    """MAMBAKIT_BACKEND as "reference", "triton" or "" (unset); any other value raises."""
+    env = os.environ.get("MAMBAKIT_BACKEND", "").strip().lower()
+    if env and env not in ("reference", "triton"):
+        raise ValueError(f"MAMBAKIT_BACKEND must be 'reference' or 'triton', got {env!r}")
+    return env
+
+
 def resolve_backend(backend: str, x: torch.Tensor, *others: torch.Tensor | None) -> str:
     """The backend an op on `x` runs with: "reference" or "triton". The one place the
     choice is made (a model resolves it once per call and hands it to its layers' ops).
@@ -40,9 +48,7 @@ def resolve_backend(backend: str, x: torch.Tensor, *others: torch.Tensor | None)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        env = os.environ.get("MAMBAKIT_BACKEND", "").strip().lower()
-        if env and env not in ("reference", "triton"):
-            raise ValueError(f"MAMBAKIT_BACKEND must be 'reference' or 'triton', got {env!r}")
+        env = forced_backend()
         if env:
             backend = env
         elif x.is_cuda and triton_available() and x.dtype in _TRITON_DTYPES:

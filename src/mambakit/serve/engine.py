@@ -197,6 +197,7 @@ class Engine(Intake, Decoding):
         self._ttft: list[float] = []
         self._itl: list[float] = []
         self._lock = threading.Lock()
+        self._shutting = threading.Lock()  # one shutdown at a time
         self._wake = threading.Condition(self._lock)
         self._inbox: list[Request] = []
         self._cancels: list[Request] = []
@@ -308,6 +309,10 @@ class Engine(Intake, Decoding):
     def shutdown(self, timeout: float = 30.0) -> bool:
         """Take no new requests, let the running ones finish for up to `timeout` seconds,
         end the rest ("abort") and stop the loop. True when everything finished in time."""
+        with self._shutting:  # SIGTERM's drain thread and the app's own shutdown: one at a time
+            return self._shutdown(timeout)
+
+    def _shutdown(self, timeout: float) -> bool:
         self.begin_drain()
         deadline = time.monotonic() + timeout
         while not self.idle and time.monotonic() < deadline:
@@ -464,7 +469,8 @@ class Engine(Intake, Decoding):
         started = {s.index for s in req.seqs}
         for seq in req.seqs:
             if seq.finished is None:
-                self._outbox.append((req, Event(seq.index, [], seq.held(), reason, error)))
+                text = seq.held() if reason == "abort" else ""  # ("error": its text goes)
+                self._outbox.append((req, Event(seq.index, [], text, reason, error)))
                 self._finish(seq, reason)
         for i in range(req.params.n):
             if i not in started:

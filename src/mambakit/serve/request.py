@@ -85,10 +85,14 @@ class Sequence:
 
     def held(self) -> str:
         """The text held back so far (it might have started a stop string), as the choice
-        ends some other way (an abort, an error): the tokens sent have their text."""
+        is aborted: the tokens sent have their text. "" where the tokenizer fails on it
+        (the choice is ending either way)."""
         if not self.text or self.stop_text.stopped:
             return ""
-        return self.stop_text.add(self.detok.flush()) + self.stop_text.flush()
+        try:
+            return self.stop_text.add(self.detok.flush()) + self.stop_text.flush()
+        except Exception:  # noqa: BLE001 - a failing tokenizer must not keep it open
+            return ""
 
 
 class Request:

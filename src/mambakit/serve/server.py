@@ -149,7 +149,14 @@ def create_app(
             raise APIError(413, f"{field}: over {limit} characters", param=field,
                            code="prompt_too_long")  # fmt: skip
         try:
-            ids = await asyncio.to_thread(tokenizer.encode, prompt, special)
+            if special:
+                ids = await asyncio.to_thread(tokenizer.encode, prompt)
+            else:
+                try:
+                    ids = await asyncio.to_thread(tokenizer.encode, prompt,
+                                                  add_special_tokens=False)  # fmt: skip
+                except TypeError:  # a tokenizer whose encode takes the text alone
+                    ids = await asyncio.to_thread(tokenizer.encode, prompt)
         except (ValueError, UnicodeError) as e:  # e.g. a lone surrogate
             raise bad(field, f"the text cannot be encoded: {e}") from None
         if not ids:

@@ -5,8 +5,10 @@ errors that stop a run (`TrainingDiverged`, `CheckpointUnreadable`)."""
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import distributed as dist_
@@ -90,10 +92,10 @@ class TrainConfig:
         if not (_number(self.lr) and self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"TrainConfig.lr must be a positive number, got {self.lr!r}")
         b = self.betas
-        if not (isinstance(b, (tuple, list)) and len(b) == 2
+        if not (isinstance(b, (tuple, list, np.ndarray)) and len(b) == 2
                 and all(_number(x) and 0 <= x < 1 for x in b)):  # fmt: skip
             raise ValueError(f"TrainConfig.betas must be two numbers in [0, 1), got {b!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
             raise ValueError(f"TrainConfig.seed must be an int, got {self.seed!r}")
         for name in ("compile", "deterministic"):
             if not isinstance(getattr(self, name), bool):
@@ -121,8 +123,8 @@ class TrainConfig:
                 f"TrainConfig.cuda_graph must be 'auto', True or False, got {self.cuda_graph!r}"
             )
         v = self.max_seconds
-        if v is not None and not (_number(v) and math.isfinite(v) and v > 0):
-            raise ValueError(f"TrainConfig.max_seconds must be a finite number > 0, got {v!r}")
+        if v is not None and not (_number(v) and v > 0):  # (inf: no limit, as None; NaN: no)
+            raise ValueError(f"TrainConfig.max_seconds must be a number > 0, got {v!r}")
         v = self.ckpt_every_minutes
         if not (_number(v) and math.isfinite(v) and v >= 0):
             raise ValueError(f"TrainConfig.ckpt_every_minutes must be a number >= 0, got {v!r}")
@@ -141,8 +143,8 @@ class TrainConfig:
 
 
 def _number(v) -> bool:
-    """An int or float, not a bool (True would read as 1)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    """A real number (numpy's too), not a bool (True would read as 1)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
 
 
 def resolve_device(spec: str) -> torch.device:
