@@ -97,9 +97,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_mamba1_stack_step_body(backend, calls, monkeypatch):
+def test_mamba1_stack_step_body(backend, calls, monkeypatch, numba_on):
     """Reference: the whole-stack body (`stack.decode_layers`), no layer kernel. Triton: the
-    three-kernel layer step per block, no whole-stack body. Both equal the module path."""
+    three-kernel layer step per block, no whole-stack body. Both equal the module path.
+    (numba off: on a CPU the LM's step would run compiled end to end instead,
+    tests/inference/test_cpu_step.py.)"""
+    numba_on(False)
     monkeypatch.setenv("MAMBAKIT_BACKEND", backend)
     calls.watch(decode_ops, "decode_layers")
     calls.watch(step_pkg, "mamba_layer_step_triton")
@@ -132,10 +135,11 @@ def test_mamba1_stack_step_chain_when_weights_differ_from_compute_dtype(
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_mamba3_stack_step_body(backend, calls, monkeypatch):
+def test_mamba3_stack_step_body(backend, calls, monkeypatch, numba_on):
     """Triton: per block the streaming linear kernels around the raw step kernel.
     Reference: the whole-stack body (`mamba3/stack.py`), no per-block reference step. Both
-    equal the module path."""
+    equal the module path. (numba off, as for Mamba-1.)"""
+    numba_on(False)
     monkeypatch.setenv("MAMBAKIT_BACKEND", backend)
     calls.watch(step_launch, "linear")
     calls.watch(m3_step, "state_update_raw")
