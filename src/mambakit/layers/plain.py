@@ -39,13 +39,4 @@ def hooked(module: nn.Module) -> bool:
 
 def plain(module: nn.Module | None, kind: type = nn.Linear) -> bool:
     """True when `module` is exactly a `kind` (not a subclass) that no hook watches."""
-    return (
-        type(module) is kind
-        and not (
-            module._forward_hooks
-            or module._forward_pre_hooks
-            or module._backward_hooks
-            or module._backward_pre_hooks
-        )
-        and not any(_GLOBAL_HOOKS)
-    )
+    return type(module) is kind and not hooked(module)
