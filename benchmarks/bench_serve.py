@@ -293,6 +293,52 @@ def profile_engine(engine: Engine, load, clients: int, device) -> str:
     return "\n".join(lines)
 
 
+def timeline_summary(engine: Engine, res: dict) -> dict:
+    """Where the device's time went in a run with `engine.timeline` on: the decode steps'
+    and prefill launches' spans on their streams (union, overlap, the time neither ran),
+    the mean rows and time of a step, the prefill's tokens (prompt, computed with the
+    padding) and rate over its busy time, and the time the loop waited on steps' tokens."""
+    tl = engine.timeline
+    timed = [e for e in tl if e[0] != "wait"]
+    if not timed:
+        return {}
+    base = timed[0][2]
+    spans: dict[str, list[tuple[float, float]]] = {"decode": [], "prefill": []}
+    for kind, _, start, end in timed:
+        spans[kind].append((base.elapsed_time(start), base.elapsed_time(end)))
+
+    def union(iv):
+        total, cur_s, cur_e = 0.0, None, None
+        for s, e in sorted(iv):
+            if cur_e is None or s > cur_e:
+                total += 0.0 if cur_e is None else cur_e - cur_s
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        return total + (0.0 if cur_e is None else cur_e - cur_s)
+
+    dec, pre = union(spans["decode"]), union(spans["prefill"])
+    both = union(spans["decode"] + spans["prefill"])
+    allv = spans["decode"] + spans["prefill"]
+    span = max(e for _, e in allv) - min(s for s, _ in allv)
+    rows = [e[1] for e in timed if e[0] == "decode"]
+    counts = [e[1] for e in timed if e[0] == "prefill"]
+    tokens = sum(c[0] for c in counts)
+    computed = sum(c[2] for c in counts)
+    step_ms = [e - s for s, e in spans["decode"]]
+    return {
+        "span_ms": span, "decode_busy_ms": dec, "prefill_busy_ms": pre,
+        "overlap_ms": dec + pre - both, "idle_ms": span - both,
+        "decode_steps": len(rows), "mean_rows": sum(rows) / max(len(rows), 1),
+        "mean_step_ms": sum(step_ms) / max(len(step_ms), 1),
+        "prefill_launches": len(counts), "prefill_tokens": tokens,
+        "prefill_forwards": sum(c[1] for c in counts), "prefill_computed_tokens": computed,
+        "prefill_tok_per_s_busy": tokens / max(pre, 1e-9) * 1e3,
+        "host_wait_ms": sum(e[1] for e in tl if e[0] == "wait") * 1e3,
+        "wall_ms": res["wall_s"] * 1e3,
+    }  # fmt: skip
+
+
 def engine_for(model, clients: int, args, cache: bool) -> Engine:
     graphs = not args.no_cuda_graph and model_device(model).type == "cuda"
     more = (
@@ -302,6 +348,8 @@ def engine_for(model, clients: int, args, cache: bool) -> Engine:
                     prefill_tokens=args.prefill_tokens, max_queue=1 << 20, **more,
                     cache_bytes=int(args.cache_gib * (1 << 30)) if cache else 0,
                     cuda_graph=graphs)  # fmt: skip
+    if args.sync_prefill:
+        engine.async_prefill = False
     if args.prefill_hold:
         tokens, ms = args.prefill_hold.split(",")
         engine.prefill_hold = (int(tokens), float(ms) / 1e3)
@@ -356,9 +404,18 @@ def main() -> None:
     ap.add_argument("--http-procs", type=int, default=4)
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, small loads")
     ap.add_argument("--no-prefix", action="store_true", help="skip the shared-prefix load")
+    ap.add_argument("--no-static", action="store_true",
+                    help="skip the static batches through generate (engine settings compared "
+                         "in one run)")  # fmt: skip
     ap.add_argument("--profile", default=None,
                     help="write here where the engine's time goes at the largest client count "
                          "(the load again under the profiler)")  # fmt: skip
+    ap.add_argument("--timeline", action="store_true",
+                    help="the largest mixed load once more with the engine timeline on: "
+                         "where the device time went (decode, prefill, overlap, idle)")  # fmt: skip
+    ap.add_argument("--sync-prefill", action="store_true",
+                    help="on CUDA, each iteration's prefill joined at once (serial with the "
+                         "decode steps) instead of beside them")  # fmt: skip
     ap.add_argument("--out", default=None, help="write the results record (JSON) here")
     args = ap.parse_args()
     if args.smoke:
@@ -418,6 +475,8 @@ def main() -> None:
             engine = engine_for(model, n, args, cache=True)
             hres = run_http(engine, load, n, args.http_procs)
             row(workload=f"mixed, {n} clients", impl="HTTP server", clients=n, **hres)
+        if args.no_static:
+            continue
         run_static(model, load, n, device)  # warm-up: every padded length compiled once
         st = run_static(model, load, n, device)
         row(workload=f"mixed, {n} clients", impl="generate static batches", clients=n, **st)
@@ -427,6 +486,16 @@ def main() -> None:
             throughput_vs_generate_equal=res["tokens_per_s"] / bN["tokens_per_s"]
             if n == big else None)  # fmt: skip
 
+    if args.timeline and clients and device.type == "cuda":
+        load = make_load(big * args.requests_per_client, random.Random(args.seed), prompt_range,
+                         output_range, vocab)  # fmt: skip
+        engine = engine_for(model, big, args, cache=True).start()
+        run_engine(engine, make_load(big, rng, (1, 64), (2, 8), vocab), big)  # warm-up
+        engine.timeline = []
+        res = run_engine(engine, load, big)
+        engine.shutdown(timeout=60)
+        row(workload=f"mixed, {big} clients", impl="engine timeline", clients=big,
+            tokens_per_s=res["tokens_per_s"], **timeline_summary(engine, res))  # fmt: skip
     if args.profile and clients:
         load = make_load(big * args.requests_per_client, random.Random(args.seed), prompt_range,
                          output_range, vocab)  # fmt: skip

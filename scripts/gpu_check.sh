@@ -8,7 +8,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile"}
-# opt-in stages: savetiles model14 model3 model14m3 m3layer residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof servehold serveflight serveprobe packprobe rl rlprof gemmprobe prefillhost stepsweep
+# opt-in stages: savetiles model14 model3 model14m3 m3layer residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof servetl servehold serveflight serveprobe packprobe rl rlprof gemmprobe prefillhost stepsweep
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -173,6 +173,21 @@ if stage serveprof; then  # where the engine's time goes at 256 clients; the pre
       --device cuda --clients 256 --no-prefix --prefill-tokens $pt $prof ${SERVEPROF_ARGS:-} \
       --out "$OUT/bench_serve_prefill$pt.json" 2>&1 | grep -v "^ \|^-\|USDT" | tail -12 | tee -a "$LOG"
   done
+fi
+if stage servetl; then  # the mixed load at 256 clients with the engine's timeline, per engine setting
+  # (SERVETL_VARIANTS: one bench_serve argument set a line; the first also runs the static batches)
+  first=1
+  while IFS= read -r v; do
+    [ -z "$v" ] && continue
+    tag=$(echo "$v" | sed 's/--//g; s/ /_/g' | tr -cd 'a-z0-9_-' | cut -c1-48); [ -z "$tag" ] && tag=default
+    static="--no-static"; [ $first = 1 ] && static=""; first=0
+    echo "== bench_serve 130m, 256 clients, timeline: ${v:-default}" | tee -a "$LOG"
+    timeout ${T_SERVETL:-200} python benchmarks/bench_serve.py --preset ${SERVEPROF_PRESET:-130m} \
+      --device cuda --clients 256 --no-prefix --timeline $static ${v#default} \
+      --out "$OUT/bench_serve_tl_$tag.json" 2>&1 | grep -v "^ \|^-\|USDT" | tail -8 | tee -a "$LOG"
+  done <<< "${SERVETL_VARIANTS:-default
+--sync-prefill --prefill-tokens 4096
+--sync-prefill --prefill-tokens 16384}"
 fi
 if stage servehold; then  # the mixed load at 256 clients with the prefill held for larger launches
   for hold in ${SERVE_HOLDS:-"8192,30" "16384,60"}; do

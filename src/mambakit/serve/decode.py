@@ -42,6 +42,7 @@ class Decoding:
         copied to, the event that marks the copy done), or None when the step failed."""
         pool, n = self.pool, len(self.rows)
         rows = list(self.rows)
+        start = _timed_event(self.timeline)
         try:
             logits = pool.step(n)
             if len(self._row_settings) == 1:  # one setting: no list of them per row
@@ -61,6 +62,8 @@ class Decoding:
             if pool.device.type == "cuda":
                 event = torch.cuda.Event()
                 event.record()
+            if start is not None:
+                self.timeline.append(("decode", n, start, _timed_event(self.timeline)))
         except Exception as e:  # the batch's step failed: every running choice ends
             msg = f"decode step failed: {type(e).__name__}: {e}"
             for req in {s.request for s in rows}:
@@ -73,7 +76,12 @@ class Decoding:
         then per choice its stop checks, text and event; a failure ends that request."""
         rows, host, event = launched
         if event is not None:
-            event.synchronize()
+            if self.timeline is None:
+                event.synchronize()
+            else:
+                t0 = time.perf_counter()
+                event.synchronize()
+                self.timeline.append(("wait", time.perf_counter() - t0))
         tokens = host[: len(rows)].tolist()
         now = time.monotonic()
         hook, outbox, itl, ttft = self.on_token, self._outbox, self._itl, self._ttft
@@ -99,3 +107,13 @@ class Decoding:
                 self._end_request(req, "error", f"{type(e).__name__}: {e}")
         self._n_out += n_out
         self._free_rows()
+
+
+def _timed_event(timeline: list | None):
+    """A timing CUDA event recorded on the current stream where the engine's `timeline` is
+    on (CUDA only), else None."""
+    if timeline is None:
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event

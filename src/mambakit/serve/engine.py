@@ -207,6 +207,11 @@ class Engine(Intake, Decoding):
         self._stop = False
         self._thread: threading.Thread | None = None
         self._rng = random.Random()
+        # on CUDA, a list to record into (None: off): ("decode", rows, start, end) for each
+        # decode step and ("prefill", (prompt tokens, forwards, tokens computed), start, end)
+        # for each prefill launch, CUDA events timed on their streams, and ("wait", seconds)
+        # for each time the loop waited on a step's tokens (bench_serve --timeline)
+        self.timeline: list | None = None
         self._settings: dict = {}  # SamplingConfig -> its one instance (sample_rows groups by id)
 
     # ---- the other threads' side ----------------------------------------------------

@@ -11,6 +11,7 @@ import time
 import torch
 
 from .cache import prefix_hashes
+from .decode import _timed_event
 from .prefill import (
     FORWARD_TOKENS,
     PACK_SLOTS_EAGER,
@@ -99,7 +100,12 @@ class Intake:
             else:
                 self.prefill_stream.wait_stream(self.decode_stream)
                 with torch.cuda.stream(self.prefill_stream):
+                    start = _timed_event(self.timeline)
+                    before = self._prefill_counts()
                     ready = self._launch_prefill(fresh)
+                    if start is not None:
+                        done = tuple(b - a for a, b in zip(before, self._prefill_counts()))
+                        self.timeline.append(("prefill", done, start, _timed_event(self.timeline)))
             if not self.async_prefill:
                 if ready:
                     if self.prefill_stream is not None:
@@ -110,6 +116,13 @@ class Intake:
             for r in ready:
                 r.launched = True
             self._pending.append((event, ready))
+
+    def _prefill_counts(self) -> tuple[int, int, int]:
+        """Prompt tokens prefilled, captured forwards replayed and the tokens they computed
+        (padding included), so far."""
+        graphs = self.prefill_graphs
+        replays = (graphs.replays, graphs.replayed_tokens) if graphs is not None else (0, 0)
+        return (self.metrics.prefill_tokens, *replays)
 
     def _launch_event(self):
         """An event recorded on the prefill stream after a launch (None off CUDA: done)."""

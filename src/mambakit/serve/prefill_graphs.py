@@ -62,6 +62,8 @@ class PrefillGraphs:
         self.lengths = [1 << i for i in range(block_size.bit_length()) if 1 << i < block_size]
         self.lengths.append(block_size)
         self.forward_tokens = FORWARD_TOKENS  # measured by `warmup` once it has the graphs
+        self.replays = 0  # forwards replayed, and the tokens they computed (rows x length)
+        self.replayed_tokens = 0
 
     def _entry(self, rows: int, n: int, device, whole: bool = False, spans: bool = False):
         """The graph of a (rows, n) piece, its ids buffer and a third: from the state buffer
@@ -147,7 +149,7 @@ class PrefillGraphs:
             buf.copy_(host.pin_memory() if device.type == "cuda" else host, non_blocking=True)
         if state is not None:
             state_in.copy_(state)
-        return self._replay(-self.slots, k, graph)
+        return self._replay(-self.slots, k, graph, ids.shape[1])
 
     def warmup(self, device, whole_max: int = 0, pack_max: int = 0) -> None:
         """Capture every graph now (a capture mid-service would stall an iteration): the
@@ -226,11 +228,14 @@ class PrefillGraphs:
         n = whole_bucket(max(map(len, prompts)))
         return self._in_parts(prompts, None, lambda part, _: self._run_whole(part, n, device))
 
-    def _replay(self, rows: int, g: int, graph):
+    def _replay(self, rows: int, g: int, graph, tokens: int):
+        """Replay `graph` (`tokens` computed: rows x length), the first g rows of its results."""
         from ..inference.plan import refresh
 
         refresh(self.model)
         graph.replay()
+        self.replays += 1
+        self.replayed_tokens += tokens
         _, state_out, logits_out = self.buffers[rows]
         rows_out = (t[:, :g].clone() for t in state_out._tensors())
         return logits_out[:g].clone(), type(state_out)(*rows_out)
@@ -248,7 +253,7 @@ class PrefillGraphs:
         buf[g:].zero_()
         seq[:g].copy_(seq_idx)
         seq[g:].zero_()
-        return self._replay(rows, g, graph)
+        return self._replay(rows, g, graph, rows * n)
 
     def _run_spans(self, pieces, state, n, device):
         g = len(pieces)
@@ -265,7 +270,7 @@ class PrefillGraphs:
         last_buf[:g].copy_(last.pin_memory() if pin else last, non_blocking=True)
         last_buf[g:].zero_()
         self._load_state(rows, g, state)
-        return self._replay(rows, g, graph)
+        return self._replay(rows, g, graph, rows * n)
 
     def _run(self, ids, state, device):
         g, n = len(ids), len(ids[0])
@@ -278,7 +283,7 @@ class PrefillGraphs:
         buf[:g].copy_(to_device(ids, device))
         buf[g:].zero_()
         self._load_state(rows, g, state)
-        return self._replay(rows, g, graph)
+        return self._replay(rows, g, graph, rows * n)
 
     def _load_state(self, rows: int, g: int, state: ModelState | None) -> None:
         """The first g rows of the rows bucket's state buffer from `state` (None: zeros),
