@@ -44,7 +44,7 @@ import torch
 
 from mambakit import MambaConfig, MambaLM
 from mambakit.inference import generate
-from mambakit.serve import Engine, SamplingParams
+from mambakit.serve import Engine, SamplingParams, prefill_graphs
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import make_record, write_record  # noqa: E402
@@ -340,6 +340,8 @@ def timeline_summary(engine: Engine, res: dict) -> dict:
 
 
 def engine_for(model, clients: int, args, cache: bool) -> Engine:
+    if args.prefill_rows:
+        prefill_graphs.GRAPH_MAX_ROWS = args.prefill_rows
     graphs = not args.no_cuda_graph and model_device(model).type == "cuda"
     more = (
         {} if args.prefills_in_flight is None else {"prefills_in_flight": args.prefills_in_flight}
@@ -413,6 +415,9 @@ def main() -> None:
     ap.add_argument("--timeline", action="store_true",
                     help="the largest mixed load once more with the engine timeline on: "
                          "where the device time went (decode, prefill, overlap, idle)")  # fmt: skip
+    ap.add_argument("--prefill-rows", type=int, default=None,
+                    help="rows of a captured prefill forward at most (prefill_graphs."
+                         "GRAPH_MAX_ROWS)")  # fmt: skip
     ap.add_argument("--sync-prefill", action="store_true",
                     help="on CUDA, each iteration's prefill joined at once (serial with the "
                          "decode steps) instead of beside them")  # fmt: skip

@@ -180,7 +180,7 @@ if stage servetl; then  # the mixed load at 256 clients with the engine's timeli
   while IFS= read -r v; do
     [ -z "$v" ] && continue
     tag=$(echo "$v" | sed 's/--//g; s/ /_/g' | tr -cd 'a-z0-9_-' | cut -c1-48); [ -z "$tag" ] && tag=default
-    static="--no-static"; [ $first = 1 ] && static=""; first=0
+    static="--no-static"; [ $first = 1 ] && [ "${SERVETL_STATIC:-1}" = 1 ] && static=""; first=0
     echo "== bench_serve 130m, 256 clients, timeline: ${v:-default}" | tee -a "$LOG"
     timeout ${T_SERVETL:-200} python benchmarks/bench_serve.py --preset ${SERVEPROF_PRESET:-130m} \
       --device cuda --clients 256 --no-prefix --timeline $static ${v#default} \
