@@ -33,6 +33,7 @@ from .request import Request, Sequence
 from .slots import rows_view, sample_rows, to_device
 
 HEADS_KEPT = 1 << 16  # first blocks remembered (`Intake._new_head`)
+HOLD_MAX = 0.1  # seconds a prompt waits at most for others to launch with ("auto" hold)
 
 
 class Intake:
@@ -149,17 +150,39 @@ class Intake:
 
     def _hold(self, fresh: list[Request]) -> bool:
         """Whether to let the prompts not launched yet (`fresh`) wait for more to launch
-        with (`prefill_hold`: the least prompt tokens a launch should have, and the longest
-        a prompt waits for that, in seconds): while decode steps keep the device busy,
-        larger launches run as larger forwards, each token cheaper."""
-        if self.prefill_hold is None or not self.rows:
+        with, while decode steps keep the device busy: larger launches run as fewer, larger
+        forwards, each token cheaper. `prefill_hold` (least prompt tokens, longest wait in
+        seconds): until the prompts waiting have that many tokens, or the first has waited
+        that long. "auto": until the rows the waiting prompts keep empty, times how long
+        each has waited, reach the running rows times a forward's fixed cost (`HOLD_MAX`
+        at most, and never past a full launch): the time the empty rows cost the decode
+        steps then equals the time a launch of its own would cost (the rule of the
+        economic order quantity)."""
+        hold = self.prefill_hold
+        if hold is None or not self.rows:
             return False
         if any(r.pos == len(r.prompt) for r in fresh):  # found whole in the cache: join now
             return False
-        least, wait = self.prefill_hold
-        if sum(len(r.prompt) - r.pos for r in fresh) >= least:
+        tokens = sum(len(r.prompt) - r.pos for r in fresh)
+        now = time.monotonic()
+        if hold == "auto":
+            cost = self._forward_seconds()
+            if cost is None or tokens >= self.prefill_tokens:
+                return False
+            if now - fresh[0].admitted >= HOLD_MAX:
+                return False
+            empty = sum(r.params.n * (now - r.admitted) for r in fresh)
+            return empty < len(self.rows) * cost
+        least, wait = hold
+        if tokens >= least:
             return False
-        return time.monotonic() - fresh[0].admitted < wait
+        return now - fresh[0].admitted < wait
+
+    def _forward_seconds(self) -> float | None:
+        """A prefill forward's fixed cost in seconds (the smallest captured forward's time,
+        measured at warm-up on CUDA), or None where it is not measured."""
+        graphs = self.prefill_graphs
+        return None if graphs is None else graphs.forward_seconds
 
     def _launch_prefill(self, fresh: list[Request]) -> list[Request]:
         """Enqueue the forwards of this iteration's prompt pieces of the requests `fresh`

@@ -62,6 +62,7 @@ class PrefillGraphs:
         self.lengths = [1 << i for i in range(block_size.bit_length()) if 1 << i < block_size]
         self.lengths.append(block_size)
         self.forward_tokens = FORWARD_TOKENS  # measured by `warmup` once it has the graphs
+        self.forward_seconds: float | None = None  # the smallest forward's time (`warmup`)
         self.replays = 0  # forwards replayed, and the tokens they computed (rows x length)
         self.replayed_tokens = 0
 
@@ -185,6 +186,7 @@ class PrefillGraphs:
         rows, n = max(whole, key=lambda k: k[0] * k[1])
         t_small = _replay_ms(self.graphs[(1, WHOLE_MIN, True)][0])
         t_big = _replay_ms(self.graphs[(rows, n, True)][0])
+        self.forward_seconds = t_small / 1e3
         per_token = (t_big - t_small) / (rows * n - WHOLE_MIN)
         if per_token > 0:
             self.forward_tokens = max(0, round(t_small / per_token) - WHOLE_MIN)
