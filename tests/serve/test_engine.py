@@ -623,6 +623,35 @@ def test_prefill_hold_waits_for_tokens_or_time(model_dirs, load):
         assert tokens(req) == alone(oracle, req.prompt, req.params)
 
 
+def test_auto_prefill_hold_weighs_empty_rows_against_a_forward(model_dirs, load):
+    """prefill_hold "auto": a prompt waits while the rows it keeps empty, times its wait,
+    cost less than a forward's fixed cost at the running rows; never with nothing to
+    decode, a full launch waiting, or where the fixed cost is not measured. The tokens are
+    generate's."""
+    import time
+
+    model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
+    engine = Engine(model, max_batch=4, block_size=16, cache_bytes=0, prefill_tokens=64)
+    engine.prefill_hold = "auto"
+    long = SamplingParams(max_tokens=60, temperature=0)
+    first = engine.submit(list(range(10, 30)), long)
+    engine.step()  # the fixed cost is not measured (no captured forwards): no hold
+    assert engine.rows and not engine.prefilling
+    engine._forward_seconds = lambda: 0.05
+    second = engine.submit(list(range(40, 60)), long)
+    engine.step()  # 1 running row x 0.05 s against 1 empty row x ~0 s: waits
+    assert engine.prefilling == [second] and second.pos == 0
+    time.sleep(0.06)
+    engine.step()  # the empty row has cost more than a forward
+    assert not engine.prefilling and len(engine.rows) == 2
+    big = engine.submit(list(range(70, 140)), SamplingParams(max_tokens=4, temperature=0))
+    engine.step()  # 70 tokens >= prefill_tokens: launched at once (its first 64)
+    assert big.pos == 64
+    run_all(engine, [first, second, big])
+    for req in (first, second, big):
+        assert tokens(req) == alone(oracle, req.prompt, req.params)
+
+
 def stand_in(fn, warmup=2, pool=None):
     """`capture` on the CPU: a graph whose replay reruns the call into the captured
     outputs, as a graph writes its static outputs."""
