@@ -77,6 +77,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--prefill", type=int, default=4096, help="0: no prefill profile")
     ap.add_argument("--first", type=int, default=0, help="the step's first kernels in order")
+    ap.add_argument("--last-logits", nargs="*", default=[], metavar="RxN",
+                    help="also the serving engine's prefill forward (`last_logits`: the state "
+                         "and the last position's logits) of R rows of N tokens")  # fmt: skip
     ap.add_argument("--out")
     args = ap.parse_args()
     out = []
@@ -98,6 +101,17 @@ def main() -> None:
             # the last kernels: out_proj of the last block, then the LM head
             title = f"{name} eager step, batch {B}"
             out.append(kernel_table(step, title, sequence=(-3, 3), first=args.first))
+            print(out[-1], flush=True)
+        for shape in args.last_logits:
+            r, n = map(int, shape.split("x"))
+            ids = torch.randint(0, cfg.vocab_size, (r, n), device="cuda")
+
+            def last(m=model, ids=ids):
+                with torch.inference_mode():
+                    m.last_logits(ids)
+
+            title = f"{name} last_logits {r}x{n} (the engine's prefill forward, eager)"
+            out.append(kernel_table(last, title, sequence=(0, 24)))
             print(out[-1], flush=True)
         if not args.prefill:
             del model
