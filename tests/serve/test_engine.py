@@ -650,6 +650,21 @@ def test_auto_prefill_hold_weighs_empty_rows_against_a_forward(model_dirs, load)
     run_all(engine, [first, second, big])
     for req in (first, second, big):
         assert tokens(req) == alone(oracle, req.prompt, req.params)
+    # with the cache on, a prompt that continues a cached prefix is not held
+    engine = Engine(model, max_batch=4, block_size=16, cache_bytes=1 << 24)
+    engine.prefill_hold = "auto"
+    engine._forward_seconds = lambda: 3600.0
+    first = engine.submit(list(range(10, 42)), long)
+    engine.step()
+    held = engine.submit(list(range(50, 70)), long)
+    engine.step()
+    assert engine.prefilling == [held]
+    hit = engine.submit(list(range(10, 42)) + [90, 91], long)
+    engine.step()  # the first prompt is cached: launched at once, the held one with it
+    assert hit.cached == 32 and not engine.prefilling and len(engine.rows) == 3
+    run_all(engine, [first, held, hit])
+    for req in (first, held, hit):
+        assert tokens(req) == alone(oracle, req.prompt, req.params)
 
 
 def stand_in(fn, warmup=2, pool=None):

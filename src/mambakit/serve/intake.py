@@ -157,7 +157,8 @@ class Intake:
         each has waited, reach the running rows times a forward's fixed cost (`HOLD_MAX`
         at most, and never past a full launch): the time the empty rows cost the decode
         steps then equals the time a launch of its own would cost (the rule of the
-        economic order quantity)."""
+        economic order quantity). A prompt that continues a cached prefix launches at
+        once, with the others: its time to first token is what the cache is for."""
         hold = self.prefill_hold
         if hold is None or not self.rows:
             return False
@@ -167,7 +168,7 @@ class Intake:
         now = time.monotonic()
         if hold == "auto":
             cost = self._forward_seconds()
-            if cost is None or tokens >= self.prefill_tokens:
+            if cost is None or tokens >= self.prefill_tokens or any(r.cached for r in fresh):
                 return False
             if now - fresh[0].admitted >= HOLD_MAX:
                 return False
