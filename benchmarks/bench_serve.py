@@ -352,8 +352,8 @@ def engine_for(model, clients: int, args, cache: bool) -> Engine:
                     cuda_graph=graphs)  # fmt: skip
     if args.sync_prefill:
         engine.async_prefill = False
-    if args.prefill_hold == "auto":
-        engine.prefill_hold = "auto"
+    if args.prefill_hold in ("auto", "none"):
+        engine.prefill_hold = None if args.prefill_hold == "none" else "auto"
     elif args.prefill_hold:
         tokens, ms = args.prefill_hold.split(",")
         engine.prefill_hold = (int(tokens), float(ms) / 1e3)
@@ -391,8 +391,9 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=256)
     ap.add_argument("--prefill-tokens", type=int, default=16384)
     ap.add_argument("--prefill-hold", default=None, metavar="TOKENS,MS",
-                    help="the engine's prefill_hold: 'auto', or launches wait for TOKENS "
-                         "prompt tokens, a prompt MS at most, while decode steps run")  # fmt: skip
+                    help="the engine's prefill_hold: 'auto' (its default), 'none', or "
+                         "launches wait for TOKENS prompt tokens, a prompt MS at most, while "
+                         "decode steps run")  # fmt: skip
     ap.add_argument(
         "--prefills-in-flight",
         type=int,

@@ -166,11 +166,11 @@ class Engine(Intake, Decoding):
         # forward, right-padded (a cached prefix's remainder is one forward); otherwise
         # pieces are cut into powers of two, a forward per length
         self.spans = model.stops_rows()
-        # what a prefill launch waits for while decode steps run (`Intake._hold`): (least
-        # prompt tokens, longest wait in seconds), "auto" (by the cost of the rows kept
-        # empty against a forward's fixed cost, measured at warm-up) or None (every
-        # iteration launches what is there)
-        self.prefill_hold: tuple[int, float] | str | None = None
+        # what a prefill launch waits for while decode steps run (`Intake._hold`): "auto"
+        # (by the cost of the rows kept empty against a forward's fixed cost, measured by
+        # `warmup` on CUDA; without that measure, no wait), (least prompt tokens, longest
+        # wait in seconds) or None (every iteration launches what is there)
+        self.prefill_hold: tuple[int, float] | str | None = "auto"
         # packed (a Mamba-1 model; off by default): prompts are packed end to end into
         # rows instead, one forward giving the state at each prompt's end and at its block
         # boundaries (`MambaLM.states_at`, `_prefill_packed`). Measured on the H200 at 130m
