@@ -294,16 +294,19 @@ def profile_engine(engine: Engine, load, clients: int, device) -> str:
 
 
 def timeline_summary(engine: Engine, res: dict) -> dict:
-    """Where the device's time went in a run with `engine.timeline` on: the decode steps'
-    and prefill launches' spans on their streams (union, overlap, the time neither ran),
-    the mean rows and time of a step, the prefill's tokens (prompt, computed with the
-    padding) and rate over its busy time, and the time the loop waited on steps' tokens."""
+    """Where the device's time went in a run with `engine.timeline` on: the decode steps',
+    joins' and prefill launches' spans on their streams (union, overlap, the time none ran;
+    a span starts when its stream reaches its start event, so a prefill span also holds
+    the time its stream waited for the host to enqueue it: compare its host seconds), the
+    mean rows and time of a step, the prefill's tokens (prompt, computed with the padding)
+    and rate over its busy time, and the time the loop waited on steps' tokens."""
+    torch.cuda.synchronize()  # every event recorded has completed
     tl = engine.timeline
     timed = [e for e in tl if e[0] != "wait"]
     if not timed:
         return {}
     base = timed[0][2]
-    spans: dict[str, list[tuple[float, float]]] = {"decode": [], "prefill": []}
+    spans: dict[str, list[tuple[float, float]]] = {"decode": [], "prefill": [], "join": []}
     for kind, _, start, end in timed:
         spans[kind].append((base.elapsed_time(start), base.elapsed_time(end)))
 
@@ -317,9 +320,10 @@ def timeline_summary(engine: Engine, res: dict) -> dict:
                 cur_e = max(cur_e, e)
         return total + (0.0 if cur_e is None else cur_e - cur_s)
 
-    dec, pre = union(spans["decode"]), union(spans["prefill"])
-    both = union(spans["decode"] + spans["prefill"])
-    allv = spans["decode"] + spans["prefill"]
+    dec = union(spans["decode"] + spans["join"])  # the decode stream's work
+    pre = union(spans["prefill"])
+    allv = spans["decode"] + spans["join"] + spans["prefill"]
+    both = union(allv)
     span = max(e for _, e in allv) - min(s for s, _ in allv)
     rows = [e[1] for e in timed if e[0] == "decode"]
     counts = [e[1] for e in timed if e[0] == "prefill"]
@@ -327,11 +331,13 @@ def timeline_summary(engine: Engine, res: dict) -> dict:
     computed = sum(c[2] for c in counts)
     step_ms = [e - s for s, e in spans["decode"]]
     return {
-        "span_ms": span, "decode_busy_ms": dec, "prefill_busy_ms": pre,
+        "span_ms": span, "decode_busy_ms": dec, "join_ms": union(spans["join"]),
+        "prefill_busy_ms": pre,
         "overlap_ms": dec + pre - both, "idle_ms": span - both,
         "decode_steps": len(rows), "mean_rows": sum(rows) / max(len(rows), 1),
         "mean_step_ms": sum(step_ms) / max(len(step_ms), 1),
         "prefill_launches": len(counts), "prefill_tokens": tokens,
+        "prefill_host_ms": sum(c[3] for c in counts) * 1e3,
         "prefill_forwards": sum(c[1] for c in counts), "prefill_computed_tokens": computed,
         "prefill_tok_per_s_busy": tokens / max(pre, 1e-9) * 1e3,
         "host_wait_ms": sum(e[1] for e in tl if e[0] == "wait") * 1e3,
@@ -340,7 +346,7 @@ def timeline_summary(engine: Engine, res: dict) -> dict:
 
 
 def engine_for(model, clients: int, args, cache: bool) -> Engine:
-    if args.prefill_rows:
+    if args.prefill_rows:  # (rounded to a power of two, within the graphs' memory bound)
         prefill_graphs.GRAPH_MAX_ROWS = args.prefill_rows
     graphs = not args.no_cuda_graph and model_device(model).type == "cuda"
     more = (
@@ -502,8 +508,10 @@ def main() -> None:
         engine.timeline = []
         res = run_engine(engine, load, big)
         engine.shutdown(timeout=60)
+        rows = engine.prefill_graphs.max_rows if engine.prefill_graphs is not None else None
         row(workload=f"mixed, {big} clients", impl="engine timeline", clients=big,
-            tokens_per_s=res["tokens_per_s"], **timeline_summary(engine, res))  # fmt: skip
+            tokens_per_s=res["tokens_per_s"], prefill_rows=rows,
+            prefill_hold=engine.prefill_hold, **timeline_summary(engine, res))  # fmt: skip
     if args.profile and clients:
         load = make_load(big * args.requests_per_client, random.Random(args.seed), prompt_range,
                          output_range, vocab)  # fmt: skip

@@ -623,36 +623,51 @@ def test_prefill_hold_waits_for_tokens_or_time(model_dirs, load):
         assert tokens(req) == alone(oracle, req.prompt, req.params)
 
 
-def test_auto_prefill_hold_weighs_empty_rows_against_a_forward(model_dirs, load):
-    """prefill_hold "auto": a prompt waits while the rows it keeps empty, times its wait,
-    cost less than a forward's fixed cost at the running rows; never with nothing to
-    decode, a full launch waiting, or where the fixed cost is not measured. The tokens are
-    generate's."""
-    import time
+def test_auto_prefill_hold_weighs_empty_rows_against_a_forward(model_dirs, load, monkeypatch):
+    """prefill_hold "auto": a prompt waits while the rows it keeps empty (its choices),
+    times its wait, cost less than a forward's fixed cost times the running rows; never
+    where the fixed cost is not measured, past HOLD_MAX, with a full launch waiting, or
+    for a prompt past its start (a cached prefix). The tokens are generate's."""
+    from mambakit.serve import intake
 
     model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
-    engine = Engine(model, max_batch=4, block_size=16, cache_bytes=0, prefill_tokens=64)
-    engine.prefill_hold = "auto"
-    long = SamplingParams(max_tokens=60, temperature=0)
+    engine = Engine(model, max_batch=8, block_size=16, cache_bytes=0, prefill_tokens=64)
+    assert engine.prefill_hold == "auto"  # the default
+    long = SamplingParams(max_tokens=80, temperature=0)
     first = engine.submit(list(range(10, 30)), long)
-    engine.step()  # the fixed cost is not measured (no captured forwards): no hold
-    assert engine.rows and not engine.prefilling
-    engine._forward_seconds = lambda: 0.05
+    engine.step()  # nothing decodes: launched at once
     second = engine.submit(list(range(40, 60)), long)
-    engine.step()  # 1 running row x 0.05 s against 1 empty row x ~0 s: waits
-    assert engine.prefilling == [second] and second.pos == 0
-    time.sleep(0.06)
-    engine.step()  # the empty row has cost more than a forward
+    engine.step()  # a row decodes, but the fixed cost is not measured (no graphs): no hold
     assert not engine.prefilling and len(engine.rows) == 2
-    big = engine.submit(list(range(70, 140)), SamplingParams(max_tokens=4, temperature=0))
+    monkeypatch.setattr(intake, "HOLD_MAX", 1e9)
+    engine._forward_seconds = lambda: 5.0  # 2 running rows: 10 s x rows
+    pair = engine.submit(list(range(70, 90)), SamplingParams(max_tokens=8, temperature=0, n=2))
+    engine.step()
+    assert engine.prefilling == [pair]
+    pair.admitted -= 3.0  # its 2 empty rows x 3 s = 6 < 10: held
+    engine.step()
+    assert engine.prefilling == [pair]
+    pair.admitted -= 3.0  # 2 x 6 s = 12 >= 10: launched
+    engine.step()
+    assert not engine.prefilling and len(engine.rows) == 4
+    big = engine.submit(list(range(100, 170)), SamplingParams(max_tokens=4, temperature=0))
     engine.step()  # 70 tokens >= prefill_tokens: launched at once (its first 64)
     assert big.pos == 64
-    run_all(engine, [first, second, big])
-    for req in (first, second, big):
-        assert tokens(req) == alone(oracle, req.prompt, req.params)
+    engine.step()  # past its start: its last 6 tokens go on at once
+    assert big.pos == 70
+    monkeypatch.setattr(intake, "HOLD_MAX", 0.5)
+    late = engine.submit([5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
+    engine.step()
+    assert engine.prefilling == [late]
+    late.admitted -= 0.5  # waited HOLD_MAX: launched
+    engine.step()
+    assert not engine.prefilling
+    run_all(engine, [first, second, pair, big, late])
+    for req in (first, second, pair, big, late):
+        assert tokens(req) == alone(oracle, req.prompt, req.params, req.params.n)
     # with the cache on, a prompt that continues a cached prefix is not held
+    monkeypatch.setattr(intake, "HOLD_MAX", 1e9)
     engine = Engine(model, max_batch=4, block_size=16, cache_bytes=1 << 24)
-    engine.prefill_hold = "auto"
     engine._forward_seconds = lambda: 3600.0
     first = engine.submit(list(range(10, 42)), long)
     engine.step()
@@ -665,6 +680,27 @@ def test_auto_prefill_hold_weighs_empty_rows_against_a_forward(model_dirs, load)
     run_all(engine, [first, held, hit])
     for req in (first, held, hit):
         assert tokens(req) == alone(oracle, req.prompt, req.params)
+
+
+def test_prefill_hold_is_validated(model_dirs, load):
+    engine = Engine(load(model_dirs["tiny"]), max_batch=2)
+    for bad in ("none", "Auto", (1, 2, 3), (-1, 0.1), (10, -1.0), 5):
+        with pytest.raises(ValueError, match="prefill_hold"):
+            engine.prefill_hold = bad
+    engine.prefill_hold = None
+    engine.prefill_hold = (100, 0.5)
+    assert engine.prefill_hold == (100, 0.5)
+
+
+def test_timeline_is_ignored_off_cuda(model_dirs, load):
+    """A timeline switched on for an engine on the CPU records nothing and breaks nothing."""
+    model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
+    engine = Engine(model, max_batch=2)
+    engine.timeline = []
+    greedy = SamplingParams(max_tokens=5, temperature=0)
+    (out,) = engine.generate([1, 2, 3], greedy)
+    assert out.error is None and [out.token_ids] == alone(oracle, [1, 2, 3], greedy)
+    assert engine.timeline == []
 
 
 def stand_in(fn, warmup=2, pool=None):

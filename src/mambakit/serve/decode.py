@@ -42,7 +42,8 @@ class Decoding:
         copied to, the event that marks the copy done), or None when the step failed."""
         pool, n = self.pool, len(self.rows)
         rows = list(self.rows)
-        start = _timed_event(self.timeline)
+        timeline = self._timeline()
+        start = _timed_event(timeline)
         try:
             logits = pool.step(n)
             if len(self._row_settings) == 1:  # one setting: no list of them per row
@@ -63,7 +64,7 @@ class Decoding:
                 event = torch.cuda.Event()
                 event.record()
             if start is not None:
-                self.timeline.append(("decode", n, start, _timed_event(self.timeline)))
+                timeline.append(("decode", n, start, _timed_event(timeline)))
         except Exception as e:  # the batch's step failed: every running choice ends
             msg = f"decode step failed: {type(e).__name__}: {e}"
             for req in {s.request for s in rows}:
@@ -76,12 +77,11 @@ class Decoding:
         then per choice its stop checks, text and event; a failure ends that request."""
         rows, host, event = launched
         if event is not None:
-            if self.timeline is None:
-                event.synchronize()
-            else:
-                t0 = time.perf_counter()
-                event.synchronize()
-                self.timeline.append(("wait", time.perf_counter() - t0))
+            timeline = self._timeline()
+            t0 = time.perf_counter()
+            event.synchronize()
+            if timeline is not None:
+                timeline.append(("wait", time.perf_counter() - t0))
         tokens = host[: len(rows)].tolist()
         now = time.monotonic()
         hook, outbox, itl, ttft = self.on_token, self._outbox, self._itl, self._ttft
@@ -110,8 +110,8 @@ class Decoding:
 
 
 def _timed_event(timeline: list | None):
-    """A timing CUDA event recorded on the current stream where the engine's `timeline` is
-    on (CUDA only), else None."""
+    """A timing CUDA event recorded on the current stream where the engine's timeline is
+    on (`Engine._timeline`: CUDA only), else None."""
     if timeline is None:
         return None
     event = torch.cuda.Event(enable_timing=True)

@@ -101,12 +101,14 @@ class Intake:
             else:
                 self.prefill_stream.wait_stream(self.decode_stream)
                 with torch.cuda.stream(self.prefill_stream):
-                    start = _timed_event(self.timeline)
-                    before = self._prefill_counts()
+                    timeline = self._timeline()
+                    start = _timed_event(timeline)
+                    before, t0 = self._prefill_counts(), time.perf_counter()
                     ready = self._launch_prefill(fresh)
                     if start is not None:
                         done = tuple(b - a for a, b in zip(before, self._prefill_counts()))
-                        self.timeline.append(("prefill", done, start, _timed_event(self.timeline)))
+                        host = time.perf_counter() - t0
+                        timeline.append(("prefill", (*done, host), start, _timed_event(timeline)))
             if not self.async_prefill:
                 if ready:
                     if self.prefill_stream is not None:
@@ -157,8 +159,9 @@ class Intake:
         each has waited, reach the running rows times a forward's fixed cost (`HOLD_MAX`
         at most, and never past a full launch): the time the empty rows cost the decode
         steps then equals the time a launch of its own would cost (the rule of the
-        economic order quantity). A prompt that continues a cached prefix launches at
-        once, with the others: its time to first token is what the cache is for."""
+        economic order quantity). A prompt that continues a cached prefix (its time to
+        first token is what the cache is for) or a launch of its own launches at once,
+        with the others."""
         hold = self.prefill_hold
         if hold is None or not self.rows:
             return False
@@ -168,7 +171,8 @@ class Intake:
         now = time.monotonic()
         if hold == "auto":
             cost = self._forward_seconds()
-            if cost is None or tokens >= self.prefill_tokens or any(r.cached for r in fresh):
+            # a prompt past its start (a cached prefix, or a long one's first launch) goes on
+            if cost is None or tokens >= self.prefill_tokens or any(r.pos for r in fresh):
                 return False
             if now - fresh[0].admitted >= HOLD_MAX:
                 return False
@@ -363,6 +367,14 @@ class Intake:
                 self.cache.insert(r.prompt[:end], r.hashes, r.state, r.logits)
 
     def _join(self, ready: list[Request]) -> None:
+        """`_join_rows`, in the timeline where it is on."""
+        timeline = self._timeline()
+        start = _timed_event(timeline)
+        self._join_rows(ready)
+        if start is not None:
+            timeline.append(("join", len(ready), start, _timed_event(timeline)))
+
+    def _join_rows(self, ready: list[Request]) -> None:
         """Draw the first token of every choice of the prompts in `ready` and put the
         choices into free rows. Nothing here waits for the device: with `lookahead` the
         first tokens are read at the next iteration, after its step is launched (a choice
