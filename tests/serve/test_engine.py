@@ -632,7 +632,7 @@ def test_auto_prefill_hold_weighs_empty_rows_against_a_forward(model_dirs, load,
 
     model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
     engine = Engine(model, max_batch=8, block_size=16, cache_bytes=0, prefill_tokens=64)
-    assert engine.prefill_hold == "auto"  # the default
+    engine.prefill_hold = "auto"
     long = SamplingParams(max_tokens=80, temperature=0)
     first = engine.submit(list(range(10, 30)), long)
     engine.step()  # nothing decodes: launched at once
@@ -668,6 +668,7 @@ def test_auto_prefill_hold_weighs_empty_rows_against_a_forward(model_dirs, load,
     # with the cache on, a prompt that continues a cached prefix is not held
     monkeypatch.setattr(intake, "HOLD_MAX", 1e9)
     engine = Engine(model, max_batch=4, block_size=16, cache_bytes=1 << 24)
+    engine.prefill_hold = "auto"
     engine._forward_seconds = lambda: 3600.0
     first = engine.submit(list(range(10, 42)), long)
     engine.step()

@@ -166,7 +166,7 @@ class Engine(Intake, Decoding):
         # forward, right-padded (a cached prefix's remainder is one forward); otherwise
         # pieces are cut into powers of two, a forward per length
         self.spans = model.stops_rows()
-        self.prefill_hold = "auto"  # (the property below)
+        self.prefill_hold = None  # (the property below)
         # packed (a Mamba-1 model; off by default): prompts are packed end to end into
         # rows instead, one forward giving the state at each prompt's end and at its block
         # boundaries (`MambaLM.states_at`, `_prefill_packed`). Measured on the H200 at 130m
@@ -291,10 +291,11 @@ class Engine(Intake, Decoding):
 
     @property
     def prefill_hold(self) -> tuple[int, float] | str | None:
-        """What a prefill launch waits for while decode steps run (`Intake._hold`): "auto"
-        (the default: by the cost of the rows kept empty against a forward's fixed cost,
-        measured by `warmup` on CUDA; without that measure, no wait), (least prompt tokens,
-        longest wait in seconds) or None (every iteration launches what is there)."""
+        """What a prefill launch waits for while decode steps run (`Intake._hold`): None
+        (the default: every iteration launches what is there), "auto" (by the cost of the
+        rows kept empty against a forward's fixed cost, measured by `warmup` on CUDA;
+        without that measure, no wait; tested on the CPU, not yet measured on a GPU) or
+        (least prompt tokens, longest wait in seconds)."""
         return self._prefill_hold
 
     @prefill_hold.setter
