@@ -143,6 +143,9 @@ def run_engine(engine: Engine, load, clients: int) -> dict:
         "iterations": engine.metrics.iterations - it0,
         "prefill_forward_tokens": None if engine.prefill_graphs is None
         else engine.prefill_graphs.forward_tokens,
+        "prefill_forward_ms": None if engine.prefill_graphs is None
+        or engine.prefill_graphs.forward_seconds is None
+        else engine.prefill_graphs.forward_seconds * 1e3,
     }  # fmt: skip
 
 
@@ -346,8 +349,6 @@ def timeline_summary(engine: Engine, res: dict) -> dict:
 
 
 def engine_for(model, clients: int, args, cache: bool) -> Engine:
-    if args.prefill_rows:  # (rounded to a power of two, within the graphs' memory bound)
-        prefill_graphs.GRAPH_MAX_ROWS = args.prefill_rows
     graphs = not args.no_cuda_graph and model_device(model).type == "cuda"
     more = (
         {} if args.prefills_in_flight is None else {"prefills_in_flight": args.prefills_in_flight}
@@ -432,6 +433,11 @@ def main() -> None:
                          "decode steps) instead of beside them")  # fmt: skip
     ap.add_argument("--out", default=None, help="write the results record (JSON) here")
     args = ap.parse_args()
+    if args.prefill_rows is not None:
+        if args.prefill_rows < 1:
+            ap.error(f"--prefill-rows must be >= 1, got {args.prefill_rows}")
+        # (rounded up to a power of two, within the graphs' memory bound): every engine here
+        prefill_graphs.GRAPH_MAX_ROWS = args.prefill_rows
     if args.smoke:
         args.device = "cpu" if args.device == "auto" else args.device
         args.preset = "tiny"
@@ -478,8 +484,10 @@ def main() -> None:
         bN = decode_rate(model, big, 16, 256 if not args.smoke else 32, device, vocab)
         row(workload="generate decode, equal lengths", impl="generate", **bN)
 
+    loads = {}  # the mixed load of each client count (the timeline and profile rerun the largest)
     for n in clients:
         load = make_load(n * args.requests_per_client, rng, prompt_range, output_range, vocab)
+        loads[n] = load
         engine = engine_for(model, n, args, cache=True).start()
         run_engine(engine, make_load(n, rng, (1, 64), (2, 8), vocab), n)  # warm-up
         res = run_engine(engine, load, n)
@@ -501,8 +509,7 @@ def main() -> None:
             if n == big else None)  # fmt: skip
 
     if args.timeline and clients and device.type == "cuda":
-        load = make_load(big * args.requests_per_client, random.Random(args.seed), prompt_range,
-                         output_range, vocab)  # fmt: skip
+        load = loads[big]
         engine = engine_for(model, big, args, cache=True).start()
         run_engine(engine, make_load(big, rng, (1, 64), (2, 8), vocab), big)  # warm-up
         engine.timeline = []
@@ -513,8 +520,7 @@ def main() -> None:
             tokens_per_s=res["tokens_per_s"], prefill_rows=rows,
             prefill_hold=engine.prefill_hold, **timeline_summary(engine, res))  # fmt: skip
     if args.profile and clients:
-        load = make_load(big * args.requests_per_client, random.Random(args.seed), prompt_range,
-                         output_range, vocab)  # fmt: skip
+        load = loads[big]
         engine = engine_for(model, big, args, cache=True)
         run_engine(engine, make_load(big, rng, (1, 64), (2, 8), vocab), big)  # warm-up
         Path(args.profile).write_text(profile_engine(engine, load, big, device))

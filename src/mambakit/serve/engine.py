@@ -210,7 +210,8 @@ class Engine(Intake, Decoding):
         # prefilled prompts and ("prefill", (prompt tokens, forwards, tokens computed, host
         # seconds), start, end) for each prefill launch, start and end CUDA events timed on
         # their streams (a span starts when its stream reaches the start), and ("wait",
-        # seconds) for each time the loop waited on a step's tokens (bench_serve --timeline)
+        # seconds) for each time the loop waited on a step's or a join's tokens
+        # (bench_serve --timeline)
         self.timeline: list | None = None
         self._settings: dict = {}  # SamplingConfig -> its one instance (sample_rows groups by id)
 

@@ -160,8 +160,8 @@ class Intake:
         at most, and never past a full launch): the time the empty rows cost the decode
         steps then equals the time a launch of its own would cost (the rule of the
         economic order quantity). A prompt that continues a cached prefix (its time to
-        first token is what the cache is for) or a launch of its own launches at once,
-        with the others."""
+        first token is what the cache is for) or the rest of a prompt already partly
+        launched launches at once, with the others."""
         hold = self.prefill_hold
         if hold is None or not self.rows:
             return False
