@@ -16,6 +16,16 @@ from .slots import sample_rows
 class Decoding:
     """The engine's decode steps and the reading of their tokens (module docstring)."""
 
+    def _timeline(self) -> list | None:
+        """`Engine.timeline` where it is recorded (on CUDA; None: off), else None. Entries:
+        ("decode", rows, start, end) for each decode step, ("join", requests, start, end)
+        for each join of prefilled prompts, ("prefill", (prompt tokens, forwards, tokens
+        computed, host seconds), start, end) for each prefill launch, with start and end
+        CUDA events timed on their streams (a span starts when its stream reaches the
+        start), and ("wait", seconds) for each time the loop waited on a step's or a join's
+        tokens (bench_serve --timeline)."""
+        return self.timeline if self.decode_stream is not None else None
+
     def _decode(self) -> None:
         """Launch the decode step of the running rows; take the tokens of a step launched
         before. With `lookahead` (on CUDA) the tokens taken are those of the previous

@@ -166,7 +166,7 @@ class Engine(Intake, Decoding):
         # forward, right-padded (a cached prefix's remainder is one forward); otherwise
         # pieces are cut into powers of two, a forward per length
         self.spans = model.stops_rows()
-        self.prefill_hold = None  # (the property below)
+        self.prefill_hold = None  # (`Intake.prefill_hold`, validated)
         # packed (a Mamba-1 model; off by default): prompts are packed end to end into
         # rows instead, one forward giving the state at each prompt's end and at its block
         # boundaries (`MambaLM.states_at`, `_prefill_packed`). Measured on the H200 at 130m
@@ -205,14 +205,7 @@ class Engine(Intake, Decoding):
         self._stop = False
         self._thread: threading.Thread | None = None
         self._rng = random.Random()
-        # on CUDA, a list to record into (None: off; ignored elsewhere): ("decode", rows,
-        # start, end) for each decode step, ("join", requests, start, end) for each join of
-        # prefilled prompts and ("prefill", (prompt tokens, forwards, tokens computed, host
-        # seconds), start, end) for each prefill launch, start and end CUDA events timed on
-        # their streams (a span starts when its stream reaches the start), and ("wait",
-        # seconds) for each time the loop waited on a step's or a join's tokens
-        # (bench_serve --timeline)
-        self.timeline: list | None = None
+        self.timeline: list | None = None  # a list to record into on CUDA (`_timeline`)
         self._settings: dict = {}  # SamplingConfig -> its one instance (sample_rows groups by id)
 
     # ---- the other threads' side ----------------------------------------------------
@@ -289,32 +282,6 @@ class Engine(Intake, Decoding):
                     self.prefill_graphs.warmup(self.device, pack_max=self.prefill_tokens)
                 else:
                     self.prefill_graphs.warmup(self.device, self.whole_max)
-
-    @property
-    def prefill_hold(self) -> tuple[int, float] | str | None:
-        """What a prefill launch waits for while decode steps run (`Intake._hold`): None
-        (the default: every iteration launches what is there), "auto" (by the cost of the
-        rows kept empty against a forward's fixed cost, measured by `warmup` on CUDA;
-        without that measure, no wait; tested on the CPU, not yet measured on a GPU) or
-        (least prompt tokens, longest wait in seconds)."""
-        return self._prefill_hold
-
-    @prefill_hold.setter
-    def prefill_hold(self, hold) -> None:
-        ok = hold is None or hold == "auto"
-        if isinstance(hold, tuple) and len(hold) == 2:
-            tokens, wait = hold
-            ok = (isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0
-                  and isinstance(wait, int | float) and wait >= 0)  # fmt: skip
-        if not ok:
-            raise ValueError(
-                f'prefill_hold must be "auto", None or (tokens >= 0, seconds >= 0), got {hold!r}'
-            )
-        self._prefill_hold = hold
-
-    def _timeline(self) -> list | None:
-        """`timeline` where it is recorded (CUDA), else None."""
-        return self.timeline if self.decode_stream is not None else None
 
     @property
     def packed(self) -> bool:

@@ -39,6 +39,28 @@ HOLD_MAX = 0.1  # seconds a prompt waits at most for others to launch with ("aut
 class Intake:
     """Admission, prefill and joining: the engine's work on prompts (module docstring)."""
 
+    @property
+    def prefill_hold(self) -> tuple[int, float] | str | None:
+        """What a prefill launch waits for while decode steps run (`Intake._hold`): None
+        (the default: every iteration launches what is there), "auto" (by the cost of the
+        rows kept empty against a forward's fixed cost, measured by `warmup` on CUDA;
+        without that measure, no wait; tested on the CPU, not yet measured on a GPU) or
+        (least prompt tokens, longest wait in seconds)."""
+        return self._prefill_hold
+
+    @prefill_hold.setter
+    def prefill_hold(self, hold) -> None:
+        ok = hold is None or hold == "auto"
+        if isinstance(hold, tuple) and len(hold) == 2:
+            tokens, wait = hold
+            ok = (isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0
+                  and isinstance(wait, int | float) and wait >= 0)  # fmt: skip
+        if not ok:
+            raise ValueError(
+                f'prefill_hold must be "auto", None or (tokens >= 0, seconds >= 0), got {hold!r}'
+            )
+        self._prefill_hold = hold
+
     def _admit(self) -> None:
         """Waiting requests into prefill while rows are free, first come first served."""
         while self.waiting:
