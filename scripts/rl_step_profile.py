@@ -45,6 +45,8 @@ def main() -> None:
     ap.add_argument("--pieces", action="store_true",
                     help="also each piece of a replayed step timed alone, and whether a step "
                          "synchronises with the device")  # fmt: skip
+    ap.add_argument("--host-profile", type=int, default=0, metavar="CALLS",
+                    help="also cProfile this many replayed steps: the host's time by function")  # fmt: skip
     ap.add_argument("--stand-in", action="store_true",
                     help="no CUDA: the replayed step's Python, with a stand-in graph")  # fmt: skip
     args = ap.parse_args()
@@ -86,6 +88,8 @@ def main() -> None:
                     host_split(model, x, state, args.calls)
                     if args.pieces:
                         pieces(model, x, state, args.calls)
+                if args.host_profile:
+                    host_profile(model, x, state, args.host_profile)
 
 
 def per_call_us(fn, n: int) -> float:
@@ -153,6 +157,8 @@ def stand_in_split(args) -> None:
             print(f"{mixer} batch {B}: replayed step's Python {best:.1f} us/call (best of 7)")
             if args.pieces:
                 pieces(model, x, state, args.calls)
+            if args.host_profile:
+                host_profile(model, x, state, args.host_profile)
 
 
 def stand_in() -> None:
@@ -201,6 +207,26 @@ def host_split(model, x, state, n: int) -> None:
         f"host split: step {whole:.1f} us/call, replay loop {replay:.1f} us/call "
         f"(events {gpu:.1f}), so about {whole - replay:.1f} us of Python and copies"
     )
+
+
+def host_profile(model, x, state, n: int, lines: int = 28) -> None:
+    """cProfile over n replayed steps (the device synchronised every HOST_CALLS calls, so
+    the launches never wait for it): where the host's time goes, by function."""
+    import cProfile
+    import pstats
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    prof = cProfile.Profile()
+    with torch.no_grad():
+        for i in range(n):
+            if i % HOST_CALLS == 0:
+                sync()
+            prof.enable()
+            model.step(x, state)
+            prof.disable()
+    sync()
+    print(f"host profile of {n} replayed steps (cProfile; its own cost inflates every line):")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(lines)
 
 
 def pieces(model, x, state, n: int) -> None:
