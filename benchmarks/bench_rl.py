@@ -181,14 +181,15 @@ def bench_step(model, mixer: str, B: int, device: torch.device, args) -> dict:
     with torch.no_grad():
         for _ in range(args.warmup):
             call()
-        before = graph_status(model)["replays"]
+        before = graph_status(model)
         seconds, calls = timed_rounds(call, device, args, probe=STEP_PROBE, lo=10, hi=20000)
         status = graph_status(model)
         row.update(rounds=args.rounds, calls_per_round=calls, **spread(seconds, "us"))
         if device.type == "cpu":
             row["aten_ops_per_step"] = count_aten_ops(call)
         else:
-            row["graph_replays"] = status["replays"] - before  # of the timed_calls
+            row["graph_replays"] = status["replays"] - before["replays"]  # of the timed_calls
+            row["graph_cloned"] = status.get("cloned", 0) - before.get("cloned", 0)
             row["timed_calls"] = STEP_PROBE + calls * args.rounds
             row["graph_reason"] = status["reason"]
             row["kernels_per_eager_step"] = _eager_kernels(model, x, state, device)

@@ -398,7 +398,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=256)
     ap.add_argument("--prefill-tokens", type=int, default=16384)
     ap.add_argument("--prefill-hold", default=None, metavar="TOKENS,MS",
-                    help="the engine's prefill_hold: 'none' (its default), 'auto', or "
+                    help="the engine's prefill_hold: 'auto' (its default), 'none', or "
                          "launches wait for TOKENS prompt tokens, a prompt MS at most, while "
                          "decode steps run")  # fmt: skip
     ap.add_argument(

@@ -685,6 +685,7 @@ def test_auto_prefill_hold_weighs_empty_rows_against_a_forward(model_dirs, load,
 
 def test_prefill_hold_is_validated(model_dirs, load):
     engine = Engine(load(model_dirs["tiny"]), max_batch=2)
+    assert engine.prefill_hold == "auto"  # the default (holds only with a measured cost)
     for bad in ("none", "Auto", (1, 2, 3), (-1, 0.1), (10, -1.0), 5):
         with pytest.raises(ValueError, match="prefill_hold"):
             engine.prefill_hold = bad

@@ -166,7 +166,7 @@ class Engine(Intake, Decoding):
         # forward, right-padded (a cached prefix's remainder is one forward); otherwise
         # pieces are cut into powers of two, a forward per length
         self.spans = model.stops_rows()
-        self.prefill_hold = None  # (`Intake.prefill_hold`, validated)
+        self.prefill_hold = "auto"  # (`Intake.prefill_hold`, validated)
         # packed (a Mamba-1 model; off by default): prompts are packed end to end into
         # rows instead, one forward giving the state at each prompt's end and at its block
         # boundaries (`MambaLM.states_at`, `_prefill_packed`). Measured on the H200 at 130m

@@ -41,11 +41,10 @@ class Intake:
 
     @property
     def prefill_hold(self) -> tuple[int, float] | str | None:
-        """What a prefill launch waits for while decode steps run (`Intake._hold`): None
-        (the default: every iteration launches what is there), "auto" (by the cost of the
-        rows kept empty against a forward's fixed cost, measured by `warmup` on CUDA;
-        without that measure, no wait; tested on the CPU, not yet measured on a GPU) or
-        (least prompt tokens, longest wait in seconds)."""
+        """What a prefill launch waits for while decode steps run (`Intake._hold`): "auto"
+        (the default: by the cost of the rows kept empty against a forward's fixed cost,
+        measured by `warmup` on CUDA; without that measure, no wait), None (every iteration
+        launches what is there) or (least prompt tokens, longest wait in seconds)."""
         return self._prefill_hold
 
     @prefill_hold.setter
