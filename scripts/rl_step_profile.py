@@ -46,7 +46,7 @@ def main() -> None:
                     help="also each piece of a replayed step timed alone, and whether a step "
                          "synchronises with the device")  # fmt: skip
     ap.add_argument("--host-profile", type=int, default=0, metavar="CALLS",
-                    help="also cProfile this many replayed steps: the host's time by function")  # fmt: skip
+                    help="cProfile this many replayed steps: host time by function")  # fmt: skip
     ap.add_argument("--stand-in", action="store_true",
                     help="no CUDA: the replayed step's Python, with a stand-in graph")  # fmt: skip
     args = ap.parse_args()
