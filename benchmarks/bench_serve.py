@@ -492,7 +492,8 @@ def main() -> None:
         run_engine(engine, make_load(n, rng, (1, 64), (2, 8), vocab), n)  # warm-up
         res = run_engine(engine, load, n)
         engine.shutdown(timeout=60)
-        row(workload=f"mixed, {n} clients", impl="engine", clients=n, **res)
+        row(workload=f"mixed, {n} clients", impl="engine", clients=n,
+            prefill_hold=engine.prefill_hold, **res)  # fmt: skip
         if args.http:
             engine = engine_for(model, n, args, cache=True)
             hres = run_http(engine, load, n, args.http_procs)
@@ -545,7 +546,8 @@ def main() -> None:
         engine.shutdown(timeout=60)
         ttft[cache] = res["ttft_p50_ms"]
         row(workload=f"shared {args.prefix}-token prefix, {args.prefix_clients} clients",
-            impl="engine, cache " + ("on" if cache else "off"), cache_hits=hits, **res)  # fmt: skip
+            impl="engine, cache " + ("on" if cache else "off"), cache_hits=hits,
+            prefill_hold=engine.prefill_hold, **res)  # fmt: skip
     row(workload=f"shared {args.prefix}-token prefix", impl="ratios",
         ttft_p50_without_over_with_cache=ttft[False] / ttft[True])  # fmt: skip
     write_record(args.out, "bench_serve", figures, device=device,

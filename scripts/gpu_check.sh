@@ -176,20 +176,20 @@ if stage serveprof; then  # where the engine's time goes at 256 clients; the pre
 fi
 if stage servetl; then  # the mixed load at 256 clients with the engine's timeline, per engine setting
   # (SERVETL_VARIANTS: one bench_serve argument set a line, about 65 s each on the H100; the
-  # first also runs the static batches unless SERVETL_STATIC=0)
+  # first, the baseline without the hold, also runs the static batches (about 150 s in all)
+  # unless SERVETL_STATIC=0)
   first=1
   while IFS= read -r v; do
     [ -z "$v" ] && continue
     tag=$(echo "$v" | sed 's/--//g; s/ /_/g' | tr -cd 'a-z0-9_-' | cut -c1-48); [ -z "$tag" ] && tag=default
     static="--no-static"; [ $first = 1 ] && [ "${SERVETL_STATIC:-1}" = 1 ] && static=""; first=0
     echo "== bench_serve 130m, 256 clients, timeline: ${v:-default}" | tee -a "$LOG"
-    timeout ${T_SERVETL:-110} python benchmarks/bench_serve.py --preset ${SERVEPROF_PRESET:-130m} \
+    timeout ${T_SERVETL:-200} python benchmarks/bench_serve.py --preset ${SERVEPROF_PRESET:-130m} \
       --device cuda --clients 256 --no-prefix --timeline $static ${v#default} \
       --out "$OUT/bench_serve_tl_$tag.json" 2>&1 | grep -v "^ \|^-\|USDT" | tail -8 | tee -a "$LOG"
-  done <<< "${SERVETL_VARIANTS:-default
---prefill-hold auto
---sync-prefill --prefill-hold auto
---prefill-tokens 32768 --prefill-rows 32 --prefill-hold auto}"
+  done <<< "${SERVETL_VARIANTS:---prefill-hold none
+default
+--prefill-tokens 32768 --prefill-rows 32}"
 fi
 if stage servehold; then  # the mixed load at 256 clients with the prefill held for larger launches
   for hold in ${SERVE_HOLDS:-"8192,30" "16384,60"}; do

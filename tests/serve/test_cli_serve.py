@@ -78,9 +78,20 @@ def test_flag_errors_are_one_line(model_dirs):
         (["--cache-gib", "inf"], "--cache-gib must be a finite number >= 0"),
         (["--eos-token-id", "256"], "--eos-token-id must lie in [0, 256)"),
         (["--eos-token-id", "-7"], "--eos-token-id must lie in [0, 256)"),
+        (["--prefill-hold", "soon"], "--prefill-hold must be auto, none or TOKENS,MS"),
+        (["--prefill-hold", "100,-1"], "--prefill-hold must be auto, none or TOKENS,MS"),
+        (["--prefill-hold=-1,5"], "--prefill-hold must be auto, none or TOKENS,MS"),
     ]:
         got = subprocess.run(
             [sys.executable, "-m", "mambakit", "serve", "--model", str(model_dirs["tiny"]), *args],
             capture_output=True, text=True,
         )  # fmt: skip
         assert got.returncode == 2 and msg in got.stderr, got.stderr
+
+
+def test_prefill_hold_flag_reads_as_the_engine_takes_it():
+    from mambakit.cli.serve import prefill_hold
+
+    assert prefill_hold("auto") == "auto"
+    assert prefill_hold("none") is None
+    assert prefill_hold("8192,30") == (8192, 0.03)

@@ -4,6 +4,7 @@ for that request alone (the oracle), the prefix cache, cancellation, limits, fau
 from __future__ import annotations
 
 import random
+import types
 
 import pytest
 import torch
@@ -686,6 +687,12 @@ def test_auto_prefill_hold_weighs_empty_rows_against_a_forward(model_dirs, load,
 def test_prefill_hold_is_validated(model_dirs, load):
     engine = Engine(load(model_dirs["tiny"]), max_batch=2)
     assert engine.prefill_hold == "auto"  # the default (holds only with a measured cost)
+    assert engine._forward_seconds() is None  # the CPU: no prefill graphs, no cost
+    engine.prefill_graphs = types.SimpleNamespace(forward_seconds=0.5)
+    assert engine._forward_seconds() == 0.5
+    engine.packed = True  # packed forwards are not what the cost was measured on
+    assert engine._forward_seconds() is None
+    engine.packed, engine.prefill_graphs = False, None
     for bad in ("none", "Auto", (1, 2, 3), (-1, 0.1), (10, -1.0), 5):
         with pytest.raises(ValueError, match="prefill_hold"):
             engine.prefill_hold = bad

@@ -49,6 +49,14 @@ def add_parser(sub) -> None:
         default=None,
         help="prompt tokens in one prefill launch (default: 16384 on CUDA, 2048 elsewhere)",
     )
+    p.add_argument(
+        "--prefill-hold",
+        default="auto",
+        metavar="auto|none|TOKENS,MS",
+        help="while decode steps run, a prefill launch waits for more prompts: 'auto' (by a "
+        "forward's measured fixed cost, at most 100 ms), 'none' (launch every iteration), or "
+        "until TOKENS prompt tokens wait or the first has waited MS milliseconds",
+    )
     p.add_argument("--max-prompt-tokens", type=int, default=32768, help="longer prompts: 413")
     p.add_argument("--max-tokens", type=int, default=4096, help="the largest max_tokens allowed")
     p.add_argument("--api-key", default=None, help=f"require this key (default: ${API_KEY_ENV})")
@@ -85,6 +93,23 @@ def _check_args(args) -> None:
         raise UsageError(f"--cache-gib must be a finite number >= 0, got {args.cache_gib}")
     if args.drain_timeout < 0:
         raise UsageError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    args.prefill_hold = prefill_hold(args.prefill_hold)
+
+
+def prefill_hold(text: str) -> tuple[int, float] | str | None:
+    """`--prefill-hold` as `Engine.prefill_hold` takes it: "auto", None or (tokens, s)."""
+    if text in ("auto", "none"):
+        return None if text == "none" else "auto"
+    tokens, _, ms = text.partition(",")
+    try:
+        hold = (int(tokens), float(ms) / 1e3)
+    except ValueError:
+        hold = None
+    if hold is None or hold[0] < 0 or not (hold[1] >= 0 and math.isfinite(hold[1])):
+        raise UsageError(
+            f"--prefill-hold must be auto, none or TOKENS,MS (both >= 0), got {text!r}"
+        )
+    return hold
 
 
 def run(args: argparse.Namespace) -> int:
@@ -129,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         cuda_graph=False if args.no_cuda_graph else "auto",
     )
+    engine.prefill_hold = args.prefill_hold
     engine.warmup()  # on CUDA: the prefill graphs, captured before the first request
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     name = args.served_model_name or ckpt.resolve().name

@@ -206,9 +206,10 @@ class Intake:
 
     def _forward_seconds(self) -> float | None:
         """A prefill forward's fixed cost in seconds (the smallest captured forward's time,
-        measured at warm-up on CUDA), or None where it is not measured."""
+        measured at warm-up on CUDA), or None where it is not measured or the prefill is
+        packed (whose forwards it does not time)."""
         graphs = self.prefill_graphs
-        return None if graphs is None else graphs.forward_seconds
+        return None if graphs is None or self.packed else graphs.forward_seconds
 
     def _launch_prefill(self, fresh: list[Request]) -> list[Request]:
         """Enqueue the forwards of this iteration's prompt pieces of the requests `fresh`
