@@ -5,13 +5,17 @@ CUDA graph) and of its eager step, by batch: what bounds benchmarks/bench_rl.py'
 CUDA calls: the graph is a stand-in whose replay does nothing, so `step` per call is the
 key, the checks, the input copy and the output clone (on the CPU) alone. `--pieces` times
 each piece of a replayed step alone and (on CUDA) checks that a step never synchronises
-with the device."""
+with the device. On CUDA each batch also runs bench_rl's step loop (wall against host
+time, the slots or the spare's clones); `--built both` builds each model both ways (moved
+to the device, or on it as bench_rl does), to tell apart what differs between the two
+scripts' figures."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import importlib
+import statistics
 import time
 from functools import partial
 
@@ -19,6 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from mambakit import MambaBackbone, MambaConfig
+from mambakit.inference import step_graph_status
 from mambakit.inference.step_graph import _tables
 from mambakit.ops import _triton
 from mambakit.ops.mamba_step import launch
@@ -47,6 +52,9 @@ def main() -> None:
                          "synchronises with the device")  # fmt: skip
     ap.add_argument("--host-profile", type=int, default=0, metavar="CALLS",
                     help="cProfile this many replayed steps: host time by function")  # fmt: skip
+    ap.add_argument("--built", choices=["to", "on", "both"], default="to",
+                    help="the model built on the CPU and moved (.to), built on the device as "
+                         "bench_rl builds it (device=, seed 0), or each in turn")  # fmt: skip
     ap.add_argument("--stand-in", action="store_true",
                     help="no CUDA: the replayed step's Python, with a stand-in graph")  # fmt: skip
     args = ap.parse_args()
@@ -64,9 +72,15 @@ def main() -> None:
         f"== pdl {_triton.USE_PDL}, rows_max_batch {g.rows_max_batch}, {g.rows_max_batch_f32} f32"
     )
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    for mixer in args.mixers:
+    builds = ["to", "on"] if args.built == "both" else [args.built]
+    for mixer, built in ((m, b) for m in args.mixers for b in builds):
         cfg = MambaConfig(d_model=128, n_layers=3, input_dim=64, mixer=mixer, **MIXERS[mixer])
-        model = MambaBackbone(cfg).to(dev)
+        if built == "on":
+            torch.manual_seed(0)
+            model = MambaBackbone(cfg, device=dev)
+        else:
+            model = MambaBackbone(cfg).to(dev)
+        print(f"== {mixer}, built {'on the device' if built == 'on' else 'and moved'}")
         for B in args.batches:
             state, x = model.init_state(B), torch.randn(B, 64, device=dev)
             with torch.no_grad():
@@ -206,6 +220,46 @@ def host_split(model, x, state, n: int) -> None:
     print(
         f"host split: step {whole:.1f} us/call, replay loop {replay:.1f} us/call "
         f"(events {gpu:.1f}), so about {whole - replay:.1f} us of Python and copies"
+    )
+    loop_split(model, x, state, entry)
+
+
+def loop_split(model, x, state, entry, rounds: int = 7, calls: int = 4000) -> None:
+    """bench_rl's step loop (`y, _ = model.step(x, state)`, synchronised at each round's
+    end): its wall time per call against the host's alone (the round's calls issued, before
+    the sync), the GPU time of a copy and a replay back to back, and whether the steps
+    handed out the slots' outputs or cloned the spare's."""
+
+    def call():
+        y, _ = model.step(x, state)
+
+    walls, hosts = [], []
+    before = step_graph_status(model)
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) / calls * 1e6)
+        hosts.append((t1 - t0) / calls * 1e6)
+    after = step_graph_status(model)
+    graph = (entry.slots or [entry.spare])[0].graph
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        entry.x.copy_(x)
+        graph.replay()
+    end.record()
+    end.synchronize()
+    gpu = start.elapsed_time(end) * 1e3 / calls
+    print(
+        f"bench_rl's loop: wall {statistics.median(walls):.1f} us/call, host "
+        f"{statistics.median(hosts):.1f}; copy + replay on the GPU {gpu:.1f}; "
+        f"{len(entry.slots)} slots, spare {entry.spare is not None}, "
+        f"{after['replays'] - before['replays']} replays, "
+        f"{after['cloned'] - before['cloned']} cloned"
     )
 
 
