@@ -23,6 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from mambakit import MambaBackbone, MambaConfig
+from mambakit.inference import step_graph as sg
 from mambakit.inference import step_graph_status
 from mambakit.inference.step_graph import _tables
 from mambakit.ops import _triton
@@ -75,8 +76,8 @@ def main() -> None:
     builds = ["to", "on"] if args.built == "both" else [args.built]
     for mixer, built in ((m, b) for m in args.mixers for b in builds):
         cfg = MambaConfig(d_model=128, n_layers=3, input_dim=64, mixer=mixer, **MIXERS[mixer])
+        torch.manual_seed(0)  # the same weights either way
         if built == "on":
-            torch.manual_seed(0)
             model = MambaBackbone(cfg, device=dev)
         else:
             model = MambaBackbone(cfg).to(dev)
@@ -245,11 +246,15 @@ def loop_split(model, x, state, entry, rounds: int = 7, calls: int = 4000) -> No
         walls.append((time.perf_counter() - t0) / calls * 1e6)
         hosts.append((t1 - t0) / calls * 1e6)
     after = step_graph_status(model)
-    graph = (entry.slots or [entry.spare])[0].graph
+    slot = entry.slots[0] if entry.slots else entry.spare
+    if not slot:
+        print("bench_rl's loop: no slot or spare to replay")
+        return
+    graph = slot.graph
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(calls):
-        entry.x.copy_(x)
+        sg._load(entry, x)
         graph.replay()
     end.record()
     end.synchronize()
@@ -257,7 +262,7 @@ def loop_split(model, x, state, entry, rounds: int = 7, calls: int = 4000) -> No
     print(
         f"bench_rl's loop: wall {statistics.median(walls):.1f} us/call, host "
         f"{statistics.median(hosts):.1f}; copy + replay on the GPU {gpu:.1f}; "
-        f"{len(entry.slots)} slots, spare {entry.spare is not None}, "
+        f"{len(entry.slots)} slots, spare {'captured' if entry.spare else 'none'}, "
         f"{after['replays'] - before['replays']} replays, "
         f"{after['cloned'] - before['cloned']} cloned"
     )

@@ -90,8 +90,13 @@ def test_flag_errors_are_one_line(model_dirs):
 
 
 def test_prefill_hold_flag_reads_as_the_engine_takes_it():
+    from mambakit.cli._common import UsageError
     from mambakit.cli.serve import prefill_hold
 
     assert prefill_hold("auto") == "auto"
     assert prefill_hold("none") is None
     assert prefill_hold("8192,30") == (8192, 0.03)
+    assert prefill_hold(" None ") is None
+    for bad in ("8192", ",30", "nan", "100,inf", "100,nan", "1e3,5", "8192,30,4"):
+        with pytest.raises(UsageError, match="--prefill-hold must be"):
+            prefill_hold(bad)

@@ -93,11 +93,13 @@ def _check_args(args) -> None:
         raise UsageError(f"--cache-gib must be a finite number >= 0, got {args.cache_gib}")
     if args.drain_timeout < 0:
         raise UsageError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
-    args.prefill_hold = prefill_hold(args.prefill_hold)
+    if isinstance(args.prefill_hold, str):
+        args.prefill_hold = prefill_hold(args.prefill_hold)
 
 
 def prefill_hold(text: str) -> tuple[int, float] | str | None:
     """`--prefill-hold` as `Engine.prefill_hold` takes it: "auto", None or (tokens, s)."""
+    text = text.strip().lower()
     if text in ("auto", "none"):
         return None if text == "none" else "auto"
     tokens, _, ms = text.partition(",")
@@ -107,7 +109,8 @@ def prefill_hold(text: str) -> tuple[int, float] | str | None:
         hold = None
     if hold is None or hold[0] < 0 or not (hold[1] >= 0 and math.isfinite(hold[1])):
         raise UsageError(
-            f"--prefill-hold must be auto, none or TOKENS,MS (both >= 0), got {text!r}"
+            "--prefill-hold must be auto, none or TOKENS,MS (TOKENS an integer >= 0, MS a "
+            f"finite number >= 0), got {text!r}"
         )
     return hold
 
