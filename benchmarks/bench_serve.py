@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from mambakit import MambaConfig, MambaLM
+from mambakit.cli.serve import prefill_hold
 from mambakit.inference import generate
 from mambakit.serve import Engine, SamplingParams, prefill_graphs
 
@@ -359,11 +360,8 @@ def engine_for(model, clients: int, args, cache: bool) -> Engine:
                     cuda_graph=graphs)  # fmt: skip
     if args.sync_prefill:
         engine.async_prefill = False
-    if args.prefill_hold in ("auto", "none"):
-        engine.prefill_hold = None if args.prefill_hold == "none" else "auto"
-    elif args.prefill_hold:
-        tokens, ms = args.prefill_hold.split(",")
-        engine.prefill_hold = (int(tokens), float(ms) / 1e3)
+    if args.prefill_hold is not None:
+        engine.prefill_hold = prefill_hold(args.prefill_hold)
     engine.warmup()
     if engine.prefill_graphs is not None:
         print(f"prefill forward's fixed cost: {engine.prefill_graphs.forward_tokens} tokens' worth")
@@ -433,6 +431,11 @@ def main() -> None:
                          "decode steps) instead of beside them")  # fmt: skip
     ap.add_argument("--out", default=None, help="write the results record (JSON) here")
     args = ap.parse_args()
+    if args.prefill_hold is not None:
+        try:
+            prefill_hold(args.prefill_hold)
+        except ValueError as e:
+            ap.error(str(e))
     if args.prefill_rows is not None:
         if args.prefill_rows < 1:
             ap.error(f"--prefill-rows must be >= 1, got {args.prefill_rows}")

@@ -211,21 +211,26 @@ def host_split(model, x, state, n: int) -> None:
     whole = per_call_us(lambda: model.step(x, state), n)
     graph = (entry.slots or [entry.spare])[0].graph
     replay = per_call_us(graph.replay, n)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    gpu = start.elapsed_time(end) * 1e3 / n
+    gpu = events_us(graph.replay, n)
     print(
         f"host split: step {whole:.1f} us/call, replay loop {replay:.1f} us/call "
         f"(events {gpu:.1f}), so about {whole - replay:.1f} us of Python and copies"
     )
-    loop_split(model, x, state, entry)
+    loop_split(model, x, state, entry, graph)
 
 
-def loop_split(model, x, state, entry, rounds: int = 7, calls: int = 4000) -> None:
+def events_us(fn, n: int) -> float:
+    """us per call of n calls of fn back to back, timed by CUDA events on the stream."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / n
+
+
+def loop_split(model, x, state, entry, graph, rounds: int = 7, calls: int = 4000) -> None:
     """bench_rl's step loop (`y, _ = model.step(x, state)`, synchronised at each round's
     end): its wall time per call against the host's alone (the round's calls issued, before
     the sync), the GPU time of a copy and a replay back to back, and whether the steps
@@ -246,19 +251,7 @@ def loop_split(model, x, state, entry, rounds: int = 7, calls: int = 4000) -> No
         walls.append((time.perf_counter() - t0) / calls * 1e6)
         hosts.append((t1 - t0) / calls * 1e6)
     after = step_graph_status(model)
-    slot = entry.slots[0] if entry.slots else entry.spare
-    if not slot:
-        print("bench_rl's loop: no slot or spare to replay")
-        return
-    graph = slot.graph
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        sg._load(entry, x)
-        graph.replay()
-    end.record()
-    end.synchronize()
-    gpu = start.elapsed_time(end) * 1e3 / calls
+    gpu = events_us(lambda: (sg._load(entry, x), graph.replay()), calls)
     print(
         f"bench_rl's loop: wall {statistics.median(walls):.1f} us/call, host "
         f"{statistics.median(hosts):.1f}; copy + replay on the GPU {gpu:.1f}; "
