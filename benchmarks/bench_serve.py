@@ -362,6 +362,13 @@ def engine_for(model, clients: int, args, cache: bool) -> Engine:
         engine.async_prefill = False
     if args.prefill_hold is not None:
         engine.prefill_hold = prefill_hold(args.prefill_hold)
+    if args.prefill_priority != "low" and engine.prefill_stream is not None:
+        # the engine's streams made again: the prefill's above the decode steps' or beside
+        high, low = (torch.cuda.Stream(engine.device, priority=p) for p in (-1, 0))
+        engine.prefill_stream = high if args.prefill_priority == "high" else low
+        engine.decode_stream = (
+            low if args.prefill_priority == "high" else torch.cuda.Stream(engine.device, priority=0)
+        )
     engine.warmup()
     if engine.prefill_graphs is not None:
         print(f"prefill forward's fixed cost: {engine.prefill_graphs.forward_tokens} tokens' worth")
@@ -429,6 +436,9 @@ def main() -> None:
     ap.add_argument("--sync-prefill", action="store_true",
                     help="on CUDA, each iteration's prefill joined at once (serial with the "
                          "decode steps) instead of beside them")  # fmt: skip
+    ap.add_argument("--prefill-priority", default="low", choices=["low", "same", "high"],
+                    help="the prefill stream's priority against the decode steps' (the "
+                         "engine's: low); with high, rows fill sooner and steps wait")  # fmt: skip
     ap.add_argument("--out", default=None, help="write the results record (JSON) here")
     args = ap.parse_args()
     if args.prefill_hold is not None:
@@ -496,7 +506,8 @@ def main() -> None:
         res = run_engine(engine, load, n)
         engine.shutdown(timeout=60)
         row(workload=f"mixed, {n} clients", impl="engine", clients=n,
-            prefill_hold=engine.prefill_hold, **res)  # fmt: skip
+            prefill_hold=engine.prefill_hold,
+            prefill_priority=args.prefill_priority, **res)  # fmt: skip
         if args.http:
             engine = engine_for(model, n, args, cache=True)
             hres = run_http(engine, load, n, args.http_procs)
@@ -522,7 +533,8 @@ def main() -> None:
         rows = engine.prefill_graphs.max_rows if engine.prefill_graphs is not None else None
         row(workload=f"mixed, {big} clients", impl="engine timeline", clients=big,
             tokens_per_s=res["tokens_per_s"], prefill_rows=rows,
-            prefill_hold=engine.prefill_hold, **timeline_summary(engine, res))  # fmt: skip
+            prefill_hold=engine.prefill_hold,
+            prefill_priority=args.prefill_priority, **timeline_summary(engine, res))  # fmt: skip
     if args.profile and clients:
         load = loads[big]
         engine = engine_for(model, big, args, cache=True)
@@ -550,7 +562,8 @@ def main() -> None:
         ttft[cache] = res["ttft_p50_ms"]
         row(workload=f"shared {args.prefix}-token prefix, {args.prefix_clients} clients",
             impl="engine, cache " + ("on" if cache else "off"), cache_hits=hits,
-            prefill_hold=engine.prefill_hold, **res)  # fmt: skip
+            prefill_hold=engine.prefill_hold,
+            prefill_priority=args.prefill_priority, **res)  # fmt: skip
     row(workload=f"shared {args.prefix}-token prefix", impl="ratios",
         ttft_p50_without_over_with_cache=ttft[False] / ttft[True])  # fmt: skip
     write_record(args.out, "bench_serve", figures, device=device,
