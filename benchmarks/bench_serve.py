@@ -438,7 +438,8 @@ def main() -> None:
                          "decode steps) instead of beside them")  # fmt: skip
     ap.add_argument("--prefill-priority", default="low", choices=["low", "same", "high"],
                     help="the prefill stream's priority against the decode steps' (the "
-                         "engine's: low); with high, rows fill sooner and steps wait")  # fmt: skip
+                         "engine's: low, the decode stream above it); same and high "
+                         "make the decode stream's priority the default one")  # fmt: skip
     ap.add_argument("--out", default=None, help="write the results record (JSON) here")
     args = ap.parse_args()
     if args.prefill_hold is not None:

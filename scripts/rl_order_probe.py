@@ -1,9 +1,10 @@
 """Does what ran before a model's step move its time? benchmarks/bench_rl.py times the
 Mamba-2 and Mamba-3 steps after the Mamba-1 model's training windows (eager, then captured
-whole by `WindowStep`); scripts/rl_step_profile.py times them in a fresh process, about
-10 us faster on the same GPU. Here, in one process: a step timed fresh, then after another
-model's training windows, then with Python's garbage collector off, with the collector's
-counts and the number of objects it tracks at each point.
+whole by `WindowStep`); scripts/rl_step_profile.py times them in a fresh process. Here, in
+one process, each point a new model timed as bench_rl times its step (the earlier models
+still alive): fresh, again, after another model's training windows (at one batch), after
+`gc.collect()` and with Python's garbage collector off, with the collector's counts and
+the number of objects it tracks at each point.
 
     python scripts/rl_order_probe.py --mixer mamba3 --before mamba1
 """
