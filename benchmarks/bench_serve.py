@@ -364,11 +364,9 @@ def engine_for(model, clients: int, args, cache: bool) -> Engine:
         engine.prefill_hold = prefill_hold(args.prefill_hold)
     if args.prefill_priority != "low" and engine.prefill_stream is not None:
         # the engine's streams made again: the prefill's above the decode steps' or beside
-        high, low = (torch.cuda.Stream(engine.device, priority=p) for p in (-1, 0))
-        engine.prefill_stream = high if args.prefill_priority == "high" else low
-        engine.decode_stream = (
-            low if args.prefill_priority == "high" else torch.cuda.Stream(engine.device, priority=0)
-        )
+        prefill, decode = {"same": (0, 0), "high": (-1, 0)}[args.prefill_priority]
+        engine.prefill_stream = torch.cuda.Stream(engine.device, priority=prefill)
+        engine.decode_stream = torch.cuda.Stream(engine.device, priority=decode)
     engine.warmup()
     if engine.prefill_graphs is not None:
         print(f"prefill forward's fixed cost: {engine.prefill_graphs.forward_tokens} tokens' worth")
