@@ -360,6 +360,8 @@ def engine_for(model, clients: int, args, cache: bool) -> Engine:
                     cuda_graph=graphs)  # fmt: skip
     if args.sync_prefill:
         engine.async_prefill = False
+    if args.packed != "auto":
+        engine.packed = args.packed == "on"
     if args.prefill_hold is not None:
         engine.prefill_hold = prefill_hold(args.prefill_hold)
     if args.prefill_priority != "low" and engine.prefill_stream is not None:
@@ -410,6 +412,9 @@ def main() -> None:
         default=None,
         help="the engine's prefills_in_flight (prefill launches running at once)",
     )
+    ap.add_argument("--packed", default="auto", choices=["auto", "on", "off"],
+                    help="the engine's packed prefill (Engine.packed: Mamba-1 models); auto: "
+                         "the engine's default")  # fmt: skip
     ap.add_argument("--cache-gib", type=float, default=4.0)
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
@@ -505,7 +510,7 @@ def main() -> None:
         res = run_engine(engine, load, n)
         engine.shutdown(timeout=60)
         row(workload=f"mixed, {n} clients", impl="engine", clients=n,
-            prefill_hold=engine.prefill_hold,
+            prefill_hold=engine.prefill_hold, packed=engine.packed,
             prefill_priority=args.prefill_priority, **res)  # fmt: skip
         if args.http:
             engine = engine_for(model, n, args, cache=True)
@@ -532,7 +537,7 @@ def main() -> None:
         rows = engine.prefill_graphs.max_rows if engine.prefill_graphs is not None else None
         row(workload=f"mixed, {big} clients", impl="engine timeline", clients=big,
             tokens_per_s=res["tokens_per_s"], prefill_rows=rows,
-            prefill_hold=engine.prefill_hold,
+            prefill_hold=engine.prefill_hold, packed=engine.packed,
             prefill_priority=args.prefill_priority, **timeline_summary(engine, res))  # fmt: skip
     if args.profile and clients:
         load = loads[big]
@@ -561,7 +566,7 @@ def main() -> None:
         ttft[cache] = res["ttft_p50_ms"]
         row(workload=f"shared {args.prefix}-token prefix, {args.prefix_clients} clients",
             impl="engine, cache " + ("on" if cache else "off"), cache_hits=hits,
-            prefill_hold=engine.prefill_hold,
+            prefill_hold=engine.prefill_hold, packed=engine.packed,
             prefill_priority=args.prefill_priority, **res)  # fmt: skip
     row(workload=f"shared {args.prefix}-token prefix", impl="ratios",
         ttft_p50_without_over_with_cache=ttft[False] / ttft[True])  # fmt: skip

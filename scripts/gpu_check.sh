@@ -8,7 +8,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile"}
-# opt-in stages: savetiles model14 model3 model14m3 m3layer residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve serveprof servetl servehold serveflight serveprobe packprobe rl rlprof gemmprobe prefillhost stepsweep
+# opt-in stages: savetiles model14 model3 model14m3 m3layer residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve servepack serveprof servetl servehold serveflight serveprobe packprobe rl rlprof gemmprobe prefillhost stepsweep
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -164,6 +164,17 @@ if stage serve; then  # the serving engine: mixed and shared-prefix loads beside
       --out "$OUT/bench_serve_$preset.json" ${SERVE_ARGS:-} 2>&1 | tail -40 | tee -a "$LOG"
   done
 fi
+if stage servepack; then  # Mamba-1's packed prefill against the padded groups: the same loads in one call
+  # (SERVEPACK_VARIANTS: one bench_serve argument set a line, about 150 s each at 130m on the H100)
+  SERVEPACK_VARIANTS=${SERVEPACK_VARIANTS:-"--packed off
+--packed on"}
+  while IFS= read -r v; do
+    tag=$(echo "$v" | tr -d ' -' | cut -c1-40)
+    echo "== bench_serve 130m: $v" | tee -a "$LOG"
+    timeout ${T_SERVEPACK:-220} python benchmarks/bench_serve.py --preset 130m --device cuda $v \
+      --out "$OUT/bench_serve_$tag.json" 2>&1 | grep -v "^ \|^-\|USDT" | tail -14 | tee -a "$LOG"
+  done <<< "$SERVEPACK_VARIANTS"
+fi
 if stage serveprof; then  # where the engine's time goes at 256 clients; the prefill budget swept
   SERVE_PREFILL=${SERVE_PREFILL:-2048 8192 32768}
   for pt in $SERVE_PREFILL; do
@@ -212,7 +223,7 @@ if stage serveprobe; then  # prefill forwards by (rows, piece length) and the de
   timeout ${T_SERVEPROBE:-200} python scripts/serve_probe.py --presets ${SERVEPROBE_PRESETS:-130m} \
     --out "$OUT/serve_probe.json" 2>&1 | tee -a "$LOG"
 fi
-if stage packprobe; then  # a packed prefill row against whole prompts in padded rows
+if stage packprobe; then  # packed prefill forwards against whole prompts in padded rows
   echo "== pack_probe" | tee -a "$LOG"
   timeout ${T_PACKPROBE:-200} python scripts/pack_probe.py --out "$OUT/pack_probe.json" 2>&1 | tee -a "$LOG"
 fi

@@ -1,6 +1,7 @@
 # ruff: noqa: B023 (each lambda is timed inside its own iteration)
-"""A packed prefill row against whole prompts padded into rows, on the device: the forward
-(captured), the scan alone with and without `states_at`, at 130m. Prints milliseconds."""
+"""Packed prefill forwards (rows of prompts end to end) against whole prompts padded into
+rows, on the device: the forwards (captured), the scan alone with and without
+`states_at`, at 130m. Prints milliseconds."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from mambakit import MambaConfig, MambaLM  # noqa: E402
 from mambakit.ops import selective_scan  # noqa: E402
-from mambakit.serve.prefill import packed_row  # noqa: E402
 from mambakit.serve.prefill_graphs import PrefillGraphs  # noqa: E402
 
 
@@ -47,17 +47,25 @@ def main() -> None:
         for rows, n in ((8, 2048), (2, 2048), (16, 256), (1, 1024)):
             prompts = [[1] * n] * rows
             res[f"whole {rows}x{n}"] = timed(lambda: graphs.run_whole(prompts, dev))
-            row = packed_row(prompts, [[n - 1]] * rows, rows * n, graphs.slots)
-            res[f"packed 1x{rows * n} ({rows}x{n})"] = timed(
-                lambda: graphs.run_packed(*row, rows, dev)
+            packed = [[p] for p in prompts]  # a prompt a row: the same tokens, packed
+            steps = [[[n - 1]]] * rows
+            keep = [(b, 0) for b in range(rows)]
+            graphs.pack_tokens = max(graphs.pack_tokens, rows * n)
+            res[f"packed {rows}x{n}"] = timed(
+                lambda: graphs.run_packed(packed, steps, [None] * rows, keep, dev)
             )
-            ids, seq, pos = (t.to(dev) for t in row)
-            res[f"eager states_at 1x{rows * n} ({rows}x{n})"] = timed(
+            half = [[[1] * (n // 2)] * 2] * rows  # two prompts a row
+            steps2 = [[[n // 2 - 1]] * 2] * rows
+            res[f"packed {rows}x{n}, 2 prompts a row"] = timed(
+                lambda: graphs.run_packed(half, steps2, [None] * rows, keep, dev)
+            )
+            ids = torch.ones(rows, n, dtype=torch.int64, device=dev)
+            seq = torch.zeros(rows, n, dtype=torch.int32, device=dev)
+            pos = torch.arange(graphs.slots, device=dev).expand(rows, -1).contiguous()
+            res[f"eager states_at {rows}x{n}"] = timed(
                 lambda: model._states_at(ids, pos, None, seq)
             )
-            res[f"eager last_logits 1x{rows * n} ({rows}x{n})"] = timed(
-                lambda: model.last_logits(ids, None, seq)
-            )
+            res[f"eager last_logits {rows}x{n}"] = timed(lambda: model.last_logits(ids, None, seq))
         D, N = 1536, 16
         for Bsz, T in ((8, 2048), (1, 16384)):
             u = torch.randn(Bsz, T, D, device=dev, dtype=torch.bfloat16)

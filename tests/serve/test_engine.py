@@ -127,8 +127,8 @@ def test_every_choice_is_what_generate_gives_alone(model_dirs, preset, lookahead
 @pytest.mark.parametrize("cache, deferred", [(False, False), (True, True)],
                          ids=["no-cache", "cache-deferred"])  # fmt: skip
 def test_packed_prefill_gives_generate_alone(model_dirs, load, cache, deferred):
-    """Mamba-1's packed prefill (the CUDA default, `Engine.packed`): prompts run end to end
-    in rows, their states taken at their ends (and, with the cache, at the block
+    """Mamba-1's packed prefill (`Engine.packed`): prompts run end to end in rows, several
+    rows to a forward, their states taken at their ends (and, with the cache, at the block
     boundaries of prompts whose first block was seen) by `states_at`. Requests whose first
     block repeats hit the cache those states filled, and continue from it at the start of
     a row."""
@@ -137,12 +137,21 @@ def test_packed_prefill_gives_generate_alone(model_dirs, load, cache, deferred):
                     cache_bytes=(1 << 26) if cache else 0)  # fmt: skip
     engine.packed = True
     engine.lookahead = engine.async_prefill = deferred
+    engine._pack_slots = lambda: 2  # few states a row: several rows to a forward
+    rows = []
+    states_at = model._states_at
+
+    def spy(ids, positions, state=None, seq_idx=None):
+        rows.append(ids.shape[0])
+        return states_at(ids, positions, state, seq_idx)
+
+    model._states_at = spy
     work = mixed_requests(3, 12)
     head = [7] * 20  # a shared first block: the later ones keep their block states
     work += [(head + p[:40], sp) for p, sp in mixed_requests(4, 6)]
     reqs = served_alone(engine, oracle, work)
     # every prompt was packed: from zeros, or (starting a row) from its cached prefix
-    assert all(r.whole for r in reqs)
+    assert all(r.whole for r in reqs) and max(rows) >= 2
     skipped = sum(r.cached for r in reqs)
     assert engine.metrics.prefill_tokens == sum(len(p) for p, _ in work) - skipped
     if cache:
@@ -589,6 +598,84 @@ def test_whole_prompts_group_where_the_filler_saved_pays_for_a_forward():
     assert plan_groups([20, 30, 600, 700], 16, 10**6) == [4]
 
 
+def test_packed_rows_fill_and_cut_at_the_least_cost():
+    """`plan_packs`: every prompt in one row, a continued one (a cached prefix) first in a
+    row of its own start, each row within its forward's width and the states a row keeps;
+    the rows cut into forwards of a power of two rows at the least tokens computed plus
+    the fixed cost of each (`_cut_rows` against every way of cutting the rows, brute
+    force); and the host tensors of a forward (`packed_rows`)."""
+    import itertools
+
+    from mambakit.serve.prefill import _cut_rows, pack_steps, pack_width, packed_rows, plan_packs
+
+    def req(n, pos=0, blocks=False):
+        return types.SimpleNamespace(prompt=[1] * n, pos=pos, blocks=blocks)
+
+    def rest(r):
+        return len(r.prompt) - r.pos
+
+    rng = random.Random(4)
+    for _ in range(60):
+        reqs = [req(rng.randint(1, 3000), rng.choice([0, 0, 0, 256]), rng.random() < 0.3)
+                for _ in range(rng.randint(1, 24))]  # fmt: skip
+        reqs = [r for r in reqs if rest(r) > 0] or [req(5)]
+        slots, most_rows = rng.choice([2, 4, 16]), rng.choice([1, 4, 16])
+        fixed = rng.choice([0, 500, 4000])
+        plan = plan_packs(reqs, 256, slots, most_rows, 32768, fixed)
+        placed = [r for rows, _, _ in plan for row in rows for r in row]
+        assert sorted(map(id, placed)) == sorted(map(id, reqs))
+        for rows, n, width in plan:
+            assert n == 1 << (n.bit_length() - 1) and len(rows) <= n <= most_rows
+            assert n == 1 or n * width <= 32768
+            for row in rows:
+                assert sum(map(rest, row)) <= width
+                assert all(r.pos == 0 for r in row[1:])  # a continued prompt starts its row
+                kept = sum(len(pack_steps(r.pos, len(r.prompt), 256, r.blocks)) for r in row)
+                assert kept <= slots or len(row) == 1
+
+    def cost(tokens, cuts, fixed):
+        return sum(fixed + n * pack_width(tokens[i]) for i, _, n, _ in cuts)
+
+    for _ in range(40):
+        tokens = sorted((rng.randint(1, 4096) for _ in range(rng.randint(1, 7))), reverse=True)
+        most_rows, fixed = rng.choice([1, 2, 4, 8]), rng.choice([0, 300, 2000, 20000])
+        best, cuts = _cut_rows(tokens, most_rows, 1 << 20, fixed)
+        assert [(i, j) for i, j, _, _ in cuts] == list(
+            zip([0, *[j for _, j, _, _ in cuts[:-1]]], [j for _, j, _, _ in cuts])
+        )
+        assert best == cost(tokens, cuts, fixed)
+        k = len(tokens)
+
+        def runs(ends, tokens=tokens):
+            i, out = 0, []
+            for end in ends:
+                n = 1 << (end - i - 1).bit_length()
+                out.append((i, end, n, pack_width(tokens[i])))
+                i = end
+            return out
+
+        brute = min(
+            cost(tokens, runs([*c, k]), fixed)
+            for r in range(k)
+            for c in itertools.combinations(range(1, k), r)
+            if all(b - a <= most_rows for a, b in zip([0, *c], [*c, k]))
+        )
+        assert best == brute, (tokens, most_rows, fixed)
+    # five rows of 2,000 tokens: 4 + 1 rows without a fixed cost, 8 rows with a large one
+    five = [req(2000) for _ in range(5)]
+    assert [(n, w) for _, n, w in plan_packs(five, 256, 16, 16, 32768, 0)] == [(4, 2048), (1, 2048)]
+    assert [(n, w) for _, n, w in plan_packs(five, 256, 16, 16, 32768, 10**5)] == [(8, 2048)]
+    # two prompts of 3,000 and one of 1,000: two rows of 4,096 (the second holds both)
+    three = [req(3000), req(1000), req(3000)]
+    ((rows, n, width),) = plan_packs(three, 256, 16, 16, 32768, 0)
+    assert (n, width) == (2, 4096) and sorted(map(len, rows)) == [1, 2]
+    ids, seq, pos = packed_rows([[[5, 6, 7], [8, 9]], [[4]]], [[[2], [0, 1]], [[0]]], 6, 4, 3)
+    assert ids.tolist()[:2] == [[5, 6, 7, 8, 9, 0], [4, 0, 0, 0, 0, 0]] and not ids[2:].any()
+    assert seq.tolist()[:2] == [[0, 0, 0, 1, 1, 2], [0, 1, 1, 1, 1, 1]]
+    assert pos[0].tolist() == [2, 3, 4] and pos[1].tolist()[0] == 0
+    assert all(len(set(row)) == 3 for row in pos.tolist())  # distinct steps fill the slots
+
+
 def test_prefill_hold_waits_for_tokens_or_time(model_dirs, load):
     """With `prefill_hold`, a prompt admitted while others decode waits until the prompts
     waiting reach the tokens asked or it has waited the time; with nothing decoding it
@@ -690,8 +777,8 @@ def test_prefill_hold_is_validated(model_dirs, load):
     assert engine._forward_seconds() is None  # the CPU: no prefill graphs, no cost
     engine.prefill_graphs = types.SimpleNamespace(forward_seconds=0.5)
     assert engine._forward_seconds() == 0.5
-    engine.packed = True  # packed forwards are not what the cost was measured on
-    assert engine._forward_seconds() is None
+    engine.packed = True  # the packed forwards' cost, where those graphs were measured
+    assert engine._forward_seconds() == 0.5
     engine.packed, engine.prefill_graphs = False, None
     for bad in ("none", "Auto", (1, 2, 3), (-1, 0.1), (10, -1.0), 5):
         with pytest.raises(ValueError, match="prefill_hold"):
@@ -729,37 +816,54 @@ def stand_in(fn, warmup=2, pool=None):
 
 
 def test_packed_graphs_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, monkeypatch):
-    """The packed rows' graphs (`PrefillGraphs.run_packed`): rows padded to a bucket, the
-    unused slots filled with other steps, the results copied through the shared buffers,
-    give what generate gives alone; a capture that fails turns them off, and the packed
-    rows run eagerly."""
+    """The packed forwards' graphs (`PrefillGraphs.run_packed`): several rows a forward,
+    padded to a power of two rows and a `pack_width`, rows that continue a cached prefix
+    beside rows from zeros, the unused slots filled with other steps, the kept states
+    gathered from the shared buffers, give what generate gives alone; a capture that
+    fails turns them off, and the packed forwards run eagerly."""
     import mambakit.inference.cuda_graph as cg
     from mambakit.inference.cuda_graph import static_mode
     from mambakit.serve import slots
-    from mambakit.serve.prefill import buckets, pack_bucket
     from mambakit.serve.prefill_graphs import PrefillGraphs
 
     monkeypatch.setattr(cg, "capture", stand_in)
     monkeypatch.setattr(slots, "capture", stand_in)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
-    engine = Engine(model, max_batch=6, block_size=16, prefill_tokens=300, cache_bytes=1 << 24)
+    engine = Engine(model, max_batch=12, block_size=16, prefill_tokens=300, cache_bytes=1 << 24)
     engine.packed = True
     with static_mode():
-        engine.pool = slots.SlotPool(model, 6, graphs=True)
+        engine.pool = slots.SlotPool(model, 12, graphs=True)
         engine.prefill_graphs = PrefillGraphs(model, 16)
     graphs = engine.prefill_graphs
-    graphs.slots = 16  # few slots: a launch of many prompts runs as several rows
+    graphs.slots = 4  # few states a row: a launch of many prompts runs as several rows
     engine.lookahead = engine.async_prefill = True
     engine.warmup()
-    packed = [k for k in graphs.graphs if k[2] == "packed"]
-    assert sorted(k[1] for k in packed) == buckets(pack_bucket, 300) == [256, 320]
-    head = [9] * 18
-    work = mixed_requests(6, 10) + [(head + p, sp) for p, sp in mixed_requests(7, 6)]
-    reqs = served_alone(engine, oracle, work)
-    assert graphs.packed_enabled and any(r.blocks for r in reqs)
+    # widths 256 and 512 (that of 300 tokens), rows while rows x width <= 1024 (twice it)
+    packed = sorted(k[:2] for k in graphs.graphs if k[2] == "packed")
+    assert packed == [(1, 256), (1, 512), (2, 256), (2, 512), (4, 256)]
+    runs = []
+    run_packed = graphs.run_packed
 
-    def broken(n, device, from_state=False):
+    def spy(prompts, steps, starts, keep, device):
+        out = run_packed(prompts, steps, starts, keep, device)
+        continued = [len(p) for p, s in zip(prompts, starts) if s is not None]
+        runs.append((len(prompts), continued, out is not None))
+        return out
+
+    monkeypatch.setattr(graphs, "run_packed", spy)
+    head = [9] * 18
+    work = [(head + [1], SamplingParams(max_tokens=3, temperature=0))] * 2  # the head seen
+    served_alone(engine, oracle, work)
+    work = [(head + p, sp) for p, sp in mixed_requests(7, 6)] + mixed_requests(6, 10)
+    reqs = served_alone(engine, oracle, work)
+    assert graphs.packed_enabled and any(r.blocks for r in reqs) and any(r.cached for r in reqs)
+    assert all(done for *_, done in runs)
+    assert max(n for n, *_ in runs) >= 3  # several rows in one forward
+    # rows that continue a cached prefix, fresh prompts packed after it in its row
+    assert any(max(k, default=0) >= 2 for _, k, _ in runs)
+
+    def broken(rows, width, device):
         raise RuntimeError("out of memory")
 
     graphs.graphs = {}
@@ -823,21 +927,29 @@ def test_graph_paths_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, mo
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["tiny", "tiny-mamba2", "tiny-mamba3"])
-def test_engine_on_cuda_gives_generate_alone(model_dirs, preset):
+@pytest.mark.parametrize("preset, packed", [("tiny", False), ("tiny-mamba2", False),
+                                            ("tiny-mamba3", False), ("tiny", True)])  # fmt: skip
+def test_engine_on_cuda_gives_generate_alone(model_dirs, preset, packed):
     """On the GPU, with the decode and prefill graphs (f32, so that batching changes no
-    greedy token)."""
+    greedy token); `packed`: Mamba-1's packed forwards, several rows each, some rows
+    continuing a cached prefix."""
     from mambakit import MambaLM
 
     model = MambaLM.from_pretrained(model_dirs[preset], device="cuda").eval()
     oracle = MambaLM.from_pretrained(model_dirs[preset], device="cuda").eval()
-    engine = Engine(model, max_batch=5, block_size=16, prefill_tokens=40, cache_bytes=1 << 26)
+    engine = Engine(model, max_batch=8, block_size=16, prefill_tokens=40, cache_bytes=1 << 26)
     assert engine.graphs and engine.prefill_graphs is not None
+    engine.packed = packed
+    graphs = engine.prefill_graphs
+    graphs.slots = 2  # few states a row: several rows to a packed forward
     engine.warmup()
-    work = mixed_requests(0, 14)
+    head = [3] * 20
+    work = mixed_requests(0, 14) + [(head + p[:30], sp) for p, sp in mixed_requests(1, 6)]
     reqs = [engine.submit(p, sp) for p, sp in work]
     run_all(engine, reqs)
-    assert engine.prefill_graphs.enabled
+    assert graphs.enabled and graphs.packed_enabled
+    if packed:
+        assert graphs.replays and all(r.whole for r in reqs) and any(r.cached for r in reqs)
     for (prompt, sp), req in zip(work, reqs):
         assert tokens(req) == alone(oracle, prompt, sp), (len(prompt), sp)
 

@@ -14,11 +14,12 @@ from .cache import prefix_hashes
 from .decode import _timed_event
 from .prefill import (
     FORWARD_TOKENS,
-    PACK_SLOTS_EAGER,
+    PACK_ROWS,
+    PACK_SLOTS,
     left_padded,
-    pack_bucket,
     pack_steps,
-    packed_row,
+    pack_width,
+    packed_rows,
     piece_lengths,
     plan_groups,
     plan_packs,
@@ -83,7 +84,7 @@ class Intake:
                 seen = req.pos > 0 or not self._new_head(req)
                 req.blocks = req.whole and self.cache.enabled and seen
                 steps = pack_steps(req.pos, len(req.prompt), self.block_size, req.blocks)
-                if len(steps) > self._pack_slots():  # more boundaries than a row keeps
+                if len(steps) > self._pack_slots():  # more states than a row keeps
                     req.blocks = False
             else:
                 short = len(req.prompt) <= min(self.whole_max, self.prefill_tokens)
@@ -206,10 +207,9 @@ class Intake:
 
     def _forward_seconds(self) -> float | None:
         """A prefill forward's fixed cost in seconds (the smallest captured forward's time,
-        measured at warm-up on CUDA), or None where it is not measured or the prefill is
-        packed (whose forwards it does not time)."""
+        measured at warm-up on CUDA), or None where it is not measured."""
         graphs = self.prefill_graphs
-        return None if graphs is None or self.packed else graphs.forward_seconds
+        return None if graphs is None else graphs.forward_seconds
 
     def _launch_prefill(self, fresh: list[Request]) -> list[Request]:
         """Enqueue the forwards of this iteration's prompt pieces of the requests `fresh`
@@ -329,37 +329,58 @@ class Intake:
         return graphs.forward_tokens if graphs is not None else FORWARD_TOKENS
 
     def _pack_slots(self) -> int:
-        """The states one packed forward keeps at most."""
+        """The states a packed row keeps at most."""
         graphs = self.prefill_graphs
-        return graphs.slots if graphs is not None else PACK_SLOTS_EAGER
+        return graphs.slots if graphs is not None else PACK_SLOTS
 
     def _prefill_packed(self, reqs: list[Request]) -> None:
-        """Prefill the rest of prompts packed end to end into rows of up to `prefill_tokens`
-        tokens and `PrefillGraphs.slots` kept states (each prompt's end, and its block
-        boundaries when `blocks`), one forward a row (`MambaLM.states_at`). A prompt that
+        """Prefill the rest of prompts packed end to end into rows (`plan_packs`), each row
+        keeping `_pack_slots()` states at most (each prompt's end, and its block boundaries
+        when `blocks`), many rows to a forward (`MambaLM.states_at`). A prompt that
         continues a cached prefix starts a row, from that prefix's state (the state a row
-        starts from enters its first prompt only); the others start from zeros. On CUDA
-        each row is padded to a `pack_bucket` and replayed from its graph."""
+        starts from enters its first prompt only); the other rows start from zeros. On
+        CUDA a forward is padded to a power of two rows and a `pack_width` and replayed
+        from its graph."""
         graphs = self.prefill_graphs
         slots = self._pack_slots()
-        for group, steps, rows, marks in plan_packs(reqs, self.block_size, self.prefill_tokens,
-                                                    slots):  # fmt: skip
-            total = sum(len(r.prompt) - r.pos for r in group)
-            k = sum(map(len, steps))
+        most_rows, most_tokens = PACK_ROWS, 2 * pack_width(self.prefill_tokens)
+        if graphs is not None:
+            most_rows, most_tokens = graphs.pack_rows, graphs.pack_tokens
+        for rows, _, _ in plan_packs(reqs, self.block_size, slots, most_rows, most_tokens,
+                                     self._forward_tokens()):  # fmt: skip
+            steps = [[pack_steps(r.pos, len(r.prompt), self.block_size, r.blocks) for r in row]
+                     for row in rows]  # fmt: skip
+            keep, ends, marks = [], [], []  # kept steps (row, j); each request's end in keep
+            for b, (row, row_steps) in enumerate(zip(rows, steps)):
+                j = 0
+                for r, st in zip(row, row_steps):
+                    for s in st[:-1]:
+                        marks.append((r, r.pos + s + 1, len(keep)))
+                        keep.append((b, j))
+                        j += 1
+                    ends.append(len(keep))
+                    keep.append((b, j))
+                    j += 1
 
-            def forward(group=group, steps=steps, total=total, k=k):
-                prompts = [r.prompt[r.pos :] for r in group]
-                start = group[0].state  # a cached prefix's (one row), or None
+            def forward(rows=rows, steps=steps, keep=keep):
+                prompts = [[r.prompt[r.pos :] for r in row] for row in rows]
+                starts = [row[0].state for row in rows]  # a cached prefix's (one row), or None
                 if graphs is not None:
-                    row = packed_row(prompts, steps, pack_bucket(total), slots)
-                    done = graphs.run_packed(*row, k, self.device, start)
+                    done = graphs.run_packed(prompts, steps, starts, keep, self.device)
                     if done is not None:
                         return done
-                ids, seq, pos = (t.to(self.device) for t in packed_row(prompts, steps, total, k))
-                logits, state = self.model._states_at(ids, pos, start, seq)
-                return logits[0], state
+                width = max(sum(map(len, p)) for p in prompts)
+                k = max(sum(map(len, st)) for st in steps)
+                host = packed_rows(prompts, steps, width, len(rows), k)
+                ids, seq, pos = (t.to(self.device) for t in host)
+                logits, state = self.model._states_at(ids, pos, stack_rows(starts, self._zero),
+                                                      seq)  # fmt: skip
+                idx = to_device([b * k + j for b, j in keep], self.device)
+                kept = type(state)(*(t.index_select(1, idx) for t in state._tensors()))
+                return logits.flatten(0, 1).index_select(0, idx), kept
 
-            self._forward_group(group, forward, [len(r.prompt) for r in group], rows, marks)
+            group = [r for row in rows for r in row]
+            self._forward_group(group, forward, [len(r.prompt) for r in group], ends, marks)
 
     def _forward_group(
         self, group: list[Request], forward, ends: list[int], rows=None, marks=()

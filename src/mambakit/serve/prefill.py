@@ -158,13 +158,10 @@ def plan_targets(prefilling: list, budget: int, block: int) -> list[tuple[object
     return plan
 
 
-def pack_bucket(n: int) -> int:
-    """The length a packed row of n prompt tokens is padded to (on CUDA): 256 at least, then
-    four buckets per octave (320, 384, 448, 512, 640, ...): the filler is under a fifth."""
-    if n <= PACK_MIN:
-        return PACK_MIN
-    step = 1 << ((n - 1).bit_length() - 3)
-    return -(-n // step) * step
+def pack_width(n: int) -> int:
+    """The width a packed forward whose longest row has n tokens is padded to (on CUDA): a
+    power of two, `PACK_MIN` at least."""
+    return max(PACK_MIN, 1 << (n - 1).bit_length())
 
 
 def pack_steps(pos: int, end: int, block: int, blocks: bool) -> list[int]:
@@ -176,65 +173,119 @@ def pack_steps(pos: int, end: int, block: int, blocks: bool) -> list[int]:
     return [*inner, end - 1 - pos]
 
 
-def plan_packs(reqs: list, block: int, budget: int, slots: int) -> list[tuple]:
-    """The rows of a packed prefill (`Engine._prefill_packed`): (requests, each one's kept
-    steps (`pack_steps`), the state row of each one's end, (request, tokens, state row) of
-    the block boundaries inside them) per row. A row holds up to `budget` tokens and
-    `slots` kept states; a request that continues a cached prefix starts a row (the state
-    a row starts from enters its first prompt only)."""
+def plan_packs(reqs: list, block: int, slots: int, most_rows: int, most_tokens: int,
+               fixed: int) -> list[tuple[list[list], int, int]]:  # fmt: skip
+    """The forwards of a packed prefill (`Engine._prefill_packed`): (rows, the rows it runs,
+    its width) each, a row being the requests packed end to end in it. A request that
+    continues a cached prefix starts a row (the state a row starts from enters its first
+    prompt only); the others go first fit, longest first, into rows of one width (a
+    `pack_width`, at most half of `most_tokens`), each row keeping `slots` states at most
+    (`pack_steps`). The rows,
+    longest first, are cut into forwards of a power of two rows (`most_rows` at most, and
+    `most_tokens` tokens with the padding) padded to the width of their longest: the row
+    width and the cuts are those of the fewest tokens computed plus `fixed` a forward."""
 
-    def steps_of(r):
-        return pack_steps(r.pos, len(r.prompt), block, r.blocks)
+    def rest(r):
+        return len(r.prompt) - r.pos
 
-    packs, cur, tokens, kept = [], [], 0, 0
-    for r in sorted(reqs, key=lambda r: r.pos == 0):  # the continued ones first
-        n, rest = len(steps_of(r)), len(r.prompt) - r.pos
-        full = tokens + rest > budget or kept + n > slots
-        if cur and (full or r.pos > 0):
-            packs.append(cur)
-            cur, tokens, kept = [], 0, 0
-        cur.append(r)
-        tokens += rest
-        kept += n
-    packs.append(cur)
-    out = []
-    for group in packs:
-        steps = [steps_of(r) for r in group]
-        rows, marks, j = [], [], 0
-        for r, st in zip(group, steps):
-            marks += [(r, r.pos + s + 1, j + i) for i, s in enumerate(st[:-1])]
-            j += len(st)
-            rows.append(j - 1)
-        out.append((group, steps, rows, marks))
-    return out
+    def kept(r):
+        return len(pack_steps(r.pos, len(r.prompt), block, r.blocks))
 
-
-def packed_row(prompts: list[list[int]], steps: list[list[int]], n: int, slots: int):
-    """The host tensors of one packed forward: ids [1, n] int64 (the prompts end to end,
-    then filler 0), seq_idx [1, n] int32 (prompt i is document i, the filler the next one)
-    and positions [1, slots] int64: the steps asked for (prompt i's `steps[i]`, offset to
-    where it starts), then distinct unused steps to fill the slots (their states are
-    written and never read)."""
-    ids = torch.zeros(1, n, dtype=torch.int64)
-    seq = torch.full((1, n), len(prompts), dtype=torch.int32)
-    pos: list[int] = []
-    at = 0
-    for i, (p, st) in enumerate(zip(prompts, steps)):
-        ids[0, at : at + len(p)] = torch.tensor(p, dtype=torch.int64)
-        seq[0, at : at + len(p)] = i
-        pos += [at + s for s in st]
-        at += len(p)
-    used = set(pos)
-    free = (t for t in range(n) if t not in used)
-    pos += [next(free) for _ in range(slots - len(pos))]
-    return ids, seq, torch.tensor([pos], dtype=torch.int64)
+    best = None
+    width = pack_width(max(map(rest, reqs)))
+    while True:
+        rows = _first_fit(reqs, width, slots, rest, kept)
+        rows.sort(key=lambda row: -sum(map(rest, row)))
+        cost, cuts = _cut_rows([sum(map(rest, row)) for row in rows], most_rows, most_tokens,
+                               fixed)  # fmt: skip
+        if best is None or cost < best[0]:
+            best = (cost, rows, cuts)
+        if len(rows) == 1 or 4 * width > most_tokens:  # rows at most half of it wide
+            break
+        width *= 2
+    _, rows, cuts = best
+    return [(rows[i:j], n, w) for i, j, n, w in cuts]
 
 
-PACK_MIN = 256  # the shortest packed row
+def _first_fit(reqs: list, width: int, slots: int, rest, kept) -> list[list]:
+    """Requests into rows of `width` tokens and `slots` kept states: each continued one
+    (pos > 0) at the start of a row of its own, then the others first fit, longest first."""
+    rows = [[r] for r in reqs if r.pos > 0]
+    room = [width - rest(r) for r in reqs if r.pos > 0]
+    left = [slots - kept(r) for r in reqs if r.pos > 0]
+    for r in sorted((r for r in reqs if r.pos == 0), key=rest, reverse=True):
+        n, k = rest(r), kept(r)
+        for i in range(len(rows)):
+            if room[i] >= n and left[i] >= k:
+                rows[i].append(r)
+                room[i] -= n
+                left[i] -= k
+                break
+        else:
+            rows.append([r])
+            room.append(width - n)
+            left.append(slots - k)
+    return rows
+
+
+def _cut_rows(tokens: list[int], most_rows: int, most_tokens: int, fixed: int):
+    """(cost, cuts): rows of `tokens` tokens each (longest first) cut into forwards of a
+    power of two rows, each padded to the `pack_width` of its first row, at the least
+    tokens computed plus `fixed` a forward (on a tie, the fewer forwards); cuts (first
+    row, end, rows run, width)."""
+    n = len(tokens)
+    best = [0.0] * (n + 1)
+    pick = [(0, 0, 0)] * n
+    for i in reversed(range(n)):
+        width = pack_width(tokens[i])
+        best[i] = float("inf")
+        rows = 1
+        while rows <= most_rows and (rows == 1 or rows * width <= most_tokens):
+            cost = fixed + rows * width + best[min(n, i + rows)]
+            if cost <= best[i]:  # (on a tie, fewer forwards)
+                best[i], pick[i] = cost, (min(n, i + rows), rows, width)
+            rows *= 2
+    cuts, i = [], 0
+    while i < n:
+        j, rows, width = pick[i]
+        cuts.append((i, j, rows, width))
+        i = j
+    return best[0], cuts
+
+
+def packed_rows(prompts: list[list[list[int]]], steps: list[list[list[int]]], width: int,
+                rows: int, slots: int):  # fmt: skip
+    """The host tensors of a packed forward of `rows` rows of `width` tokens: ids [rows,
+    width] int64 (each row's prompts end to end, then filler 0), seq_idx [rows, width]
+    int32 (prompt i of a row is its document i, the filler the next one) and positions
+    [rows, slots] int64: the steps asked for (prompt i's `steps[b][i]`, offset to where it
+    starts in row b), then distinct unused steps of the row to fill its slots (their
+    states are written and never read). Rows past the prompts' are filler."""
+    ids = torch.zeros(rows, width, dtype=torch.int64)
+    seq = torch.zeros(rows, width, dtype=torch.int32)
+    pos = torch.zeros(rows, slots, dtype=torch.int64)
+    for b in range(rows):
+        row = prompts[b] if b < len(prompts) else []
+        at, kept = 0, []
+        for i, (p, st) in enumerate(zip(row, steps[b] if row else [])):
+            ids[b, at : at + len(p)] = torch.tensor(p, dtype=torch.int64)
+            seq[b, at : at + len(p)] = i
+            kept += [at + s for s in st]
+            at += len(p)
+        seq[b, at:] = len(row)
+        used = set(kept)
+        free = (t for t in range(width) if t not in used)
+        kept += [next(free) for _ in range(slots - len(kept))]
+        pos[b] = torch.tensor(kept, dtype=torch.int64)
+    return ids, seq, pos
+
+
+PACK_MIN = 256  # the narrowest packed forward
 WHOLE_MIN = 16  # the shortest bucket of a prompt prefilled whole
 WHOLE_STEP = 256  # past this length, the buckets of whole prompts grow by this much
 WHOLE_MAX = 2048  # prompts prefilled whole have at most this many tokens
-PACK_SLOTS_EAGER = 256  # the states an eager packed forward keeps at most (its own outputs)
+PACK_SLOTS = 16  # the states a packed row keeps at most (its prompts' ends, block boundaries)
+PACK_ROWS = 16  # rows of a packed forward at most
 # a forward's fixed cost in tokens' worth of its work, where it is not measured
 # (`PrefillGraphs.warmup` measures it): about a millisecond on the H200 at 130m
 FORWARD_TOKENS = 1024

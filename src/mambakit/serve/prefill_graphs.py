@@ -1,8 +1,8 @@
 """The prefill's forwards captured as CUDA graphs (`PrefillGraphs`): one per (rows bucket,
 piece length) and kind (pieces of one length from a state, pieces of different lengths
-each stopped at its own last token, whole prompts from zeros left-padded, packed rows),
-replayed with the prompts copied into their static buffers. prefill.py plans what these
-run."""
+each stopped at its own last token, whole prompts from zeros left-padded, rows of packed
+prompts), replayed with the prompts copied into their static buffers. prefill.py plans
+what these run."""
 
 from __future__ import annotations
 
@@ -11,11 +11,14 @@ import torch
 from ..state import ModelState
 from .prefill import (
     FORWARD_TOKENS,
+    PACK_MIN,
+    PACK_ROWS,
+    PACK_SLOTS,
     WHOLE_MIN,
     buckets,
     left_padded,
-    pack_bucket,
-    packed_row,
+    pack_width,
+    packed_rows,
     right_padded,
     whole_bucket,
 )
@@ -23,7 +26,6 @@ from .slots import to_device
 
 GRAPH_STATE_BYTES = 2 << 30  # the static state buffers of the prefill graphs, at most
 GRAPH_MAX_ROWS = 16  # rows of a captured prefill at most (a larger group runs in parts)
-PACK_SLOTS = 128  # the states one packed forward keeps at most
 
 
 class PrefillGraphs:
@@ -43,7 +45,7 @@ class PrefillGraphs:
         self.buffers: dict[int, tuple] = {}  # rows -> (state in, state out, logits)
         self.enabled = True  # the pieces' graphs
         self.whole_enabled = True  # the whole prompts' (a failed capture turns off its kind)
-        self.packed_enabled = True  # the packed rows' (`run_packed`)
+        self.packed_enabled = True  # the packed forwards' (`run_packed`)
         # pieces of different lengths in one forward (`run_spans`): where the model stops
         # each row at a step of its own (`MambaLM.stops_rows`)
         self.spans_enabled = model.stops_rows()
@@ -53,12 +55,17 @@ class PrefillGraphs:
         while rows < GRAPH_MAX_ROWS and 2 * (4 * rows - 1) * row_bytes <= GRAPH_STATE_BYTES:
             rows *= 2
         self.max_rows = rows
-        # the states a packed forward keeps at most (a step's state of every layer each):
-        # its output buffer holds that many rows, within the same bound
-        slots = 16
-        while slots < PACK_SLOTS and 2 * slots * row_bytes <= GRAPH_STATE_BYTES:
-            slots *= 2
-        self.slots = slots
+        # packed forwards (`run_packed`): `slots` states kept a row, `pack_rows` rows at most,
+        # whose kept states (the graphs' shared output buffer and the forward's own) stay
+        # within the same bound
+        self.slots = PACK_SLOTS
+        rows = 1
+        while rows < PACK_ROWS and 2 * 2 * rows * self.slots * row_bytes <= GRAPH_STATE_BYTES:
+            rows *= 2
+        self.pack_rows = rows
+        self.pack_tokens = 2 * PACK_MIN  # tokens of a packed forward at most (`warmup`)
+        self.packed_in: dict[int, ModelState] = {}  # rows -> the rows' initial state buffer
+        self.packed_out: tuple | None = None  # (state, logits) of pack_rows * slots rows
         self.lengths = [1 << i for i in range(block_size.bit_length()) if 1 << i < block_size]
         self.lengths.append(block_size)
         self.forward_tokens = FORWARD_TOKENS  # measured by `warmup` once it has the graphs
@@ -101,63 +108,90 @@ class PrefillGraphs:
         self.graphs[key] = (graph, ids, last if spans else seq)
         return self.graphs[key]
 
-    def _packed_entry(self, n: int, device, from_state: bool = False):
-        """The graph of a packed row of n tokens and its buffers: (graph, ids [1, n],
-        seq_idx [1, n], positions [1, slots], the initial state of its first prompt or
-        None); its results go to the shared buffers of `slots` rows (`buffers[-slots]`)."""
+    def _packed_entry(self, rows: int, width: int, device):
+        """The graph of a packed forward of `rows` rows of `width` tokens and its buffers:
+        (graph, ids [rows, width], seq_idx [rows, width], positions [rows, slots]); it
+        reads the rows' initial state from `packed_in[rows]` and writes the states and
+        logits at the positions (row b's j-th at b * slots + j) into `packed_out`."""
         from ..inference.cuda_graph import capture
 
-        key = (1, n, "packed-from" if from_state else "packed")
+        key = (rows, width, "packed")
         if key in self.graphs:
             return self.graphs[key]
-        if -self.slots not in self.buffers:
+        if self.packed_out is None:
             param = next(self.model.parameters())
-            vocab = self.model.config.vocab_size
-            self.buffers[-self.slots] = (
-                None,
-                self.model.init_state(self.slots),
-                torch.zeros(self.slots, vocab, dtype=param.dtype, device=device),
+            n = self.pack_rows * self.slots
+            self.packed_out = (
+                self.model.init_state(n),
+                torch.zeros(n, self.model.config.vocab_size, dtype=param.dtype, device=device),
             )
-        _, state_out, logits_out = self.buffers[-self.slots]
-        ids = torch.zeros(1, n, dtype=torch.int64, device=device)
-        seq = torch.zeros(1, n, dtype=torch.int32, device=device)
-        pos = torch.arange(self.slots, dtype=torch.int64, device=device)[None]
-        state_in = self.model.init_state(1) if from_state else None
+        if rows not in self.packed_in:
+            self.packed_in[rows] = self.model.init_state(rows)
+        state_out, logits_out = self.packed_out
+        state_in = self.packed_in[rows]
+        n = rows * self.slots
+        ids = torch.zeros(rows, width, dtype=torch.int64, device=device)
+        seq = torch.zeros(rows, width, dtype=torch.int32, device=device)
+        pos = torch.arange(self.slots, dtype=torch.int64, device=device).expand(rows, -1)
+        pos = pos.contiguous()
 
         def fn():
             logits, state = self.model._states_at(ids, pos, state_in, seq)
-            state_out.copy_(state)
-            logits_out.copy_(logits[0])
+            for dst, src in zip(state_out._tensors(), state._tensors()):
+                dst[:, :n].copy_(src)
+            logits_out[:n].copy_(logits.flatten(0, 1))
 
         graph, _ = capture(fn, warmup=2, pool=self.pool)
-        self.graphs[key] = (graph, ids, seq, pos, state_in)
+        self.graphs[key] = (graph, ids, seq, pos)
         return self.graphs[key]
 
-    def run_packed(self, ids, seq, pos, k: int, device, state: ModelState | None = None):
-        """(logits [k, V], state [L, k, ...]) of the first k steps of a packed row (host
-        tensors from `packed_row`, its length a `pack_bucket`, `slots` steps) whose first
-        prompt starts from `state` (one row; None: zeros), or None when the graphs are
-        off."""
-        if not self.packed_enabled or pos.shape[1] != self.slots:
+    def run_packed(self, prompts, steps, starts, keep, device):
+        """(logits [len(keep), V], state [L, len(keep), ...]) of a packed forward: rows of
+        prompts end to end (`prompts[b]`, their kept steps `steps[b]`, as `packed_rows`
+        takes them; row b starts from `starts[b]`, one row, or zeros for None), padded to
+        a power of two rows and a `pack_width`; the results at the kept steps `keep`, (row,
+        its j-th kept step) each. None when the graphs are off or the forward is larger
+        than those captured."""
+        tokens = max(sum(map(len, p)) for p in prompts)
+        width = pack_width(tokens)
+        rows = 1 << (len(prompts) - 1).bit_length()
+        if not self.packed_enabled or rows > self.pack_rows or rows * width > self.pack_tokens:
+            return None
+        if max(sum(map(len, st)) for st in steps) > self.slots:
             return None
         try:
-            entry = self._packed_entry(ids.shape[1], device, state is not None)
-        except Exception:  # a capture that fails: packed rows run eagerly from now on
+            graph, ids_buf, seq_buf, pos_buf = self._packed_entry(rows, width, device)
+        except Exception:  # a capture that fails: packed forwards run eagerly from now on
             self.packed_enabled = False
             return None
-        graph, ids_buf, seq_buf, pos_buf, state_in = entry
-        for buf, host in ((ids_buf, ids), (seq_buf, seq), (pos_buf, pos)):
-            buf.copy_(host.pin_memory() if device.type == "cuda" else host, non_blocking=True)
-        if state is not None:
-            state_in.copy_(state)
-        return self._replay(-self.slots, k, graph, ids.shape[1])
+        pin = device.type == "cuda"
+        for buf, host in zip((ids_buf, seq_buf, pos_buf),
+                             packed_rows(prompts, steps, width, rows, self.slots)):  # fmt: skip
+            buf.copy_(host.pin_memory() if pin else host, non_blocking=True)
+        state_in = self.packed_in[rows]
+        state_in.zero_()
+        for b, start in enumerate(starts):
+            if start is not None:
+                for dst, src in zip(state_in._tensors(), start._tensors()):
+                    dst[:, b].copy_(src[:, 0])
+        from ..inference.plan import refresh
+
+        refresh(self.model)
+        graph.replay()
+        self.replays += 1
+        self.replayed_tokens += rows * width
+        idx = to_device([b * self.slots + j for b, j in keep], device)
+        state_out, logits_out = self.packed_out
+        state = type(state_out)(*(t.index_select(1, idx) for t in state_out._tensors()))
+        return logits_out.index_select(0, idx), state
 
     def warmup(self, device, whole_max: int = 0, pack_max: int = 0) -> None:
         """Capture every graph now (a capture mid-service would stall an iteration): the
         pieces' (one length a forward, and different lengths with `spans_enabled`), then
         the whole prompts' up to `whole_max` tokens (the largest ones, which
-        a capture is likeliest to fail on for want of memory, last), or the packed rows' up
-        to `pack_max` tokens."""
+        a capture is likeliest to fail on for want of memory, last), or the packed
+        forwards' of up to `pack_max` prompt tokens (every power of two rows and
+        `pack_width` up to that of `pack_max` tokens, twice that in all at most)."""
         row_buckets = [1 << i for i in range(self.max_rows.bit_length())]
         for rows in row_buckets:
             for n in self.lengths:
@@ -166,11 +200,18 @@ class PrefillGraphs:
             for n in self.lengths[1:]:
                 if self.spans_enabled:
                     self._run_spans([[0] * n] + [[0]] * (rows - 1), None, n, device)
-        for n in buckets(pack_bucket, pack_max):
-            for start in (None, self.model.init_state(1)):
-                if self.packed_enabled:
-                    row = packed_row([[0] * n], [[n - 1]], n, self.slots)
-                    self.run_packed(*row, 1, device, start)
+        if pack_max:
+            self.pack_tokens = 2 * pack_width(pack_max)
+            width = PACK_MIN
+            while width <= self.pack_tokens // 2:
+                rows = 1
+                while rows <= self.pack_rows and (rows == 1 or rows * width <= self.pack_tokens):
+                    if self.packed_enabled:
+                        prompts = [[[0] * width]] * rows
+                        self.run_packed(prompts, [[[width - 1]]] * rows, [None] * rows,
+                                        [(0, 0)], device)  # fmt: skip
+                    rows *= 2
+                width *= 2
         for n in buckets(whole_bucket, whole_max):
             for rows in row_buckets:
                 if self.whole_enabled:
@@ -178,18 +219,24 @@ class PrefillGraphs:
         self._measure(device)
 
     def _measure(self, device) -> None:
-        """`forward_tokens` from two captured forwards of whole prompts, the smallest and
-        the largest: the smallest's time in tokens at the rate the largest adds per token."""
-        whole = [(r, n) for r, n, kind in self.graphs if kind is True]
-        if device.type != "cuda" or (1, WHOLE_MIN) not in whole or len(whole) < 2:
+        """`forward_tokens` and `forward_seconds` from two captured forwards of one kind
+        (whole prompts, else packed rows), the smallest and the largest: the smallest's
+        time, and that time in tokens at the rate the largest adds per token."""
+        if device.type != "cuda":
             return
-        rows, n = max(whole, key=lambda k: k[0] * k[1])
-        t_small = _replay_ms(self.graphs[(1, WHOLE_MIN, True)][0])
-        t_big = _replay_ms(self.graphs[(rows, n, True)][0])
+        for kind, small in ((True, (1, WHOLE_MIN)), ("packed", (1, PACK_MIN))):
+            sizes = [(r, n) for r, n, k in self.graphs if k == kind]
+            if small in sizes and len(sizes) >= 2:
+                break
+        else:
+            return
+        rows, n = max(sizes, key=lambda k: k[0] * k[1])
+        t_small = _replay_ms(self.graphs[(*small, kind)][0])
+        t_big = _replay_ms(self.graphs[(rows, n, kind)][0])
         self.forward_seconds = t_small / 1e3
-        per_token = (t_big - t_small) / (rows * n - WHOLE_MIN)
+        per_token = (t_big - t_small) / (rows * n - small[1])
         if per_token > 0:
-            self.forward_tokens = max(0, round(t_small / per_token) - WHOLE_MIN)
+            self.forward_tokens = max(0, round(t_small / per_token) - small[1])
 
     def run(self, ids: list[list[int]], state: ModelState | None, device):
         """(logits [g, V], state [L, g, ...]) of the pieces `ids` (g rows of one length) from
