@@ -839,9 +839,11 @@ def test_packed_graphs_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, 
     graphs.slots = 4  # few states a row: a launch of many prompts runs as several rows
     engine.lookahead = engine.async_prefill = True
     engine.warmup()
-    # widths 256 and 512 (that of 300 tokens), rows while rows x width <= 1024 (twice it)
+    # widths 32 .. 512 (that of 300 tokens), rows while rows x width <= 1024 (twice it)
     packed = sorted(k[:2] for k in graphs.graphs if k[2] == "packed")
-    assert packed == [(1, 256), (1, 512), (2, 256), (2, 512), (4, 256)]
+    assert packed == sorted((r, 32 << i) for i in range(5) for r in (1, 2, 4, 8, 16)
+                            if r == 1 or r * (32 << i) <= 1024)  # fmt: skip
+    assert (16, 64) in packed and (1, 512) in packed and (2, 512) in packed
     runs = []
     run_packed = graphs.run_packed
 

@@ -167,13 +167,12 @@ class Engine(Intake, Decoding):
         # pieces are cut into powers of two, a forward per length
         self.spans = model.stops_rows()
         self.prefill_hold = "auto"  # (`Intake.prefill_hold`, validated)
-        # packed (a Mamba-1 model; off by default): prompts are packed end to end into
-        # rows instead, one forward giving the state at each prompt's end and at its block
-        # boundaries (`MambaLM.states_at`, `_prefill_packed`). Measured on the H200 at 130m
-        # it is not faster yet than the padded groups (a packed row costs what the same
-        # tokens padded into rows cost, and a row per cached prefix serialises the hits of
-        # a launch): docs/serving.md
-        self._packed = False
+        # packed (on CUDA, a Mamba-1 model's default): the prompts that run whole are packed
+        # end to end into rows instead, many rows to a forward, which gives the state at
+        # each prompt's end and at its block boundaries (`MambaLM.states_at`,
+        # `_prefill_packed`): less padding and fewer forwards than the left-padded groups
+        # (docs/serving.md)
+        self._packed = self.device.type == "cuda" and model.config.mixer == "mamba1"
         self._heads: OrderedDict[int, None] = OrderedDict()  # first blocks seen (hashes)
         self.rows: list[Sequence] = []  # the choice in each leading row of the pool
         # decode: the step launched and not yet read (lookahead), two host buffers of tokens

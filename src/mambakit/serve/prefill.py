@@ -280,7 +280,7 @@ def packed_rows(prompts: list[list[list[int]]], steps: list[list[list[int]]], wi
     return ids, seq, pos
 
 
-PACK_MIN = 256  # the narrowest packed forward
+PACK_MIN = 32  # the narrowest packed forward
 WHOLE_MIN = 16  # the shortest bucket of a prompt prefilled whole
 WHOLE_STEP = 256  # past this length, the buckets of whole prompts grow by this much
 WHOLE_MAX = 2048  # prompts prefilled whole have at most this many tokens
