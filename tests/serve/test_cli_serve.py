@@ -87,6 +87,13 @@ def test_flag_errors_are_one_line(model_dirs):
             capture_output=True, text=True,
         )  # fmt: skip
         assert got.returncode == 2 and msg in got.stderr, got.stderr
+    got = subprocess.run(
+        [sys.executable, "-m", "mambakit", "serve", "--model", str(model_dirs["tiny-mamba2"]),
+         "--packed-prefill", "on"], capture_output=True, text=True,
+    )  # fmt: skip
+    assert got.returncode == 2 and "--packed-prefill on: packed prefill needs a Mamba-1" in (
+        got.stderr
+    ), got.stderr
 
 
 def test_prefill_hold_flag_reads_as_the_engine_takes_it():

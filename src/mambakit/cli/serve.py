@@ -57,6 +57,13 @@ def add_parser(sub) -> None:
         "forward's measured fixed cost, at most 100 ms), 'none' (launch every iteration), or "
         "until TOKENS prompt tokens wait or the first has waited MS milliseconds",
     )
+    p.add_argument(
+        "--packed-prefill",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="Mamba-1: prompts packed end to end into rows, many rows to a prefill forward "
+        "(auto: on CUDA), or left-padded into groups (off)",
+    )
     p.add_argument("--max-prompt-tokens", type=int, default=32768, help="longer prompts: 413")
     p.add_argument("--max-tokens", type=int, default=4096, help="the largest max_tokens allowed")
     p.add_argument("--api-key", default=None, help=f"require this key (default: ${API_KEY_ENV})")
@@ -158,6 +165,11 @@ def run(args: argparse.Namespace) -> int:
         cuda_graph=False if args.no_cuda_graph else "auto",
     )
     engine.prefill_hold = args.prefill_hold
+    if args.packed_prefill != "auto":
+        try:
+            engine.packed = args.packed_prefill == "on"
+        except ValueError as e:
+            raise UsageError(f"--packed-prefill on: {e}") from None
     engine.warmup()  # on CUDA: the prefill graphs, captured before the first request
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     name = args.served_model_name or ckpt.resolve().name

@@ -15,12 +15,12 @@ One thread (the engine loop) does all the model work. Each iteration:
    before the prefill work starts;
 3. admits waiting requests while rows are free (a request of n choices needs n), looks
    their prompt up in the prefix cache, and prefills up to `prefill_tokens` prompt
-   tokens over the admitted prompts (`prefill.py`: whole prompts many to a forward, or
-   block by block). On CUDA that prefill runs on a stream of its own, beside the next
-   decode steps, and is joined at the first iteration that finds it done; elsewhere at
-   once (then the budget bounds the time a prompt adds to an iteration). A prompt
-   whose prefill completes draws its first token from the prompt's last logits and
-   joins the decode batch.
+   tokens over the admitted prompts (`prefill.py`: packed end to end into rows, many
+   rows to a forward, or whole prompts many to a forward, or block by block). On CUDA
+   that prefill runs on a stream of its own, beside the next decode steps, and is
+   joined at the first iteration that finds it done; elsewhere at once (then the budget
+   bounds the time a prompt adds to an iteration). A prompt whose prefill completes
+   draws its first token from the prompt's last logits and joins the decode batch.
 
 Step 2 is `decode.py`'s (`Decoding`), step 3 `intake.py`'s (`Intake`): the engine's two
 sides, methods of `Engine` on the state its constructor sets up.
