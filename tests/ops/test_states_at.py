@@ -335,6 +335,32 @@ def test_conv_states_equal_the_conv_run_to_each_step(Kc, dtype, with_h0, with_se
         assert torch.equal(got[1, 1, -1], x[1, 5]) and not got[1, 1, :-1].any()
 
 
+@pytest.mark.parametrize("Kc", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(
+    "with_h0, with_seq",
+    [(True, True), (True, False), (False, True), (False, False)],
+    ids=["h0+seq", "h0", "seq", "plain"],
+)
+def test_conv_states_kernel_equals_the_gathers(Kc, dtype, with_h0, with_seq, seed):
+    """The Triton gather of the conv states (`conv_states_at_triton`, one launch) gives
+    exactly what the torch gathers give, which the test above checks against the conv run
+    to each step: x a view of half of in_proj's output (strided rows), more channels than
+    one program holds, the initial state's tail, documents."""
+    from mambakit.ops.causal_conv1d.states_at import BLOCK_D, conv_states_at_triton
+
+    Bsz, Dn = 2, BLOCK_D + 6
+    xz = torch.randn(Bsz, T, 2 * Dn, device=DEVICE).to(dtype)
+    x = xz[..., :Dn]
+    h0 = torch.randn(Bsz, Kc - 1, Dn, device=DEVICE).to(dtype) if with_h0 else None
+    seq = seq_from_starts(STARTS, T) if with_seq else None
+    pos = positions([[1, 9, 10, 11, 0, 36, 21], [4, 5, 6, 7, 2, 30, 1]])
+    got = conv_states_at_triton(x, pos, Kc, h0, seq)
+    want = conv_states_at(x, pos, Kc, h0, seq)
+    assert got.dtype == want.dtype == F32
+    assert torch.equal(got, want)
+
+
 # ----------------------------------------------------------------------------------------
 # the mixer's inner op (conv and scan states together)
 

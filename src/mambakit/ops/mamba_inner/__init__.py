@@ -110,8 +110,8 @@ def mamba_inner_at_triton(
     """(y, final conv state, final ssm state, conv states [B, k, K-1, D] and ssm states
     [B, k, D, N] after the steps `positions` [B, k]), without autograd: `_inner_forward`
     whose scan also stores the states asked for (one masked store in its pass), and the
-    conv states gathered from x_in."""
-    from ..causal_conv1d.reference import conv_states_at
+    conv states gathered from x_in (one launch)."""
+    from ..causal_conv1d.states_at import conv_states_at_triton
     from ..selective_scan import states_at_buffers
     from ..selective_scan.launch import scan_fwd
 
@@ -125,7 +125,7 @@ def mamba_inner_at_triton(
         u, delta, A, bc[..., :N], bc[..., N:], D, z, None, False, ssm_state, seq_idx, False,
         at=at,
     )  # fmt: skip
-    conv_at = conv_states_at(x_in, positions, conv_weight.shape[1], conv_state, seq_idx)
+    conv_at = conv_states_at_triton(x_in, positions, conv_weight.shape[1], conv_state, seq_idx)
     return y, conv_out, ssm_out, conv_at, at[1]
 
 
