@@ -62,7 +62,7 @@ def add_parser(sub) -> None:
         default="auto",
         choices=["auto", "on", "off"],
         help="Mamba-1: prompts packed end to end into rows, many rows to a prefill forward "
-        "(auto: on CUDA), or left-padded into groups (off)",
+        "(on), or left-padded into groups (auto, off: the default)",
     )
     p.add_argument("--max-prompt-tokens", type=int, default=32768, help="longer prompts: 413")
     p.add_argument("--max-tokens", type=int, default=4096, help="the largest max_tokens allowed")

@@ -167,12 +167,14 @@ class Engine(Intake, Decoding):
         # pieces are cut into powers of two, a forward per length
         self.spans = model.stops_rows()
         self.prefill_hold = "auto"  # (`Intake.prefill_hold`, validated)
-        # packed (on CUDA, a Mamba-1 model's default): the prompts that run whole are packed
-        # end to end into rows instead, many rows to a forward, which gives the state at
-        # each prompt's end and at its block boundaries (`MambaLM.states_at`,
-        # `_prefill_packed`): less padding and fewer forwards than the left-padded groups
+        # packed (a Mamba-1 model; off by default): the prompts that run whole are packed end
+        # to end into rows instead, many rows to a forward, which gives the state at each
+        # prompt's end and at its block boundaries (`MambaLM.states_at`,
+        # `_prefill_packed`): less padding and fewer forwards than the left-padded groups,
+        # but each packed forward costs more than a padded one of the same tokens; in three
+        # H100 runs it was not reliably faster, and its time to first token was longer
         # (docs/serving.md)
-        self._packed = self.device.type == "cuda" and model.config.mixer == "mamba1"
+        self._packed = False
         self._heads: OrderedDict[int, None] = OrderedDict()  # first blocks seen (hashes)
         self.rows: list[Sequence] = []  # the choice in each leading row of the pool
         # decode: the step launched and not yet read (lookahead), two host buffers of tokens

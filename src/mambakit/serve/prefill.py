@@ -27,8 +27,8 @@ keeps only the state at the prompt's end; the engine does it for prompts whose f
 block it has not seen before (`Engine._new_head`), and runs the others block by block
 so that the states at their boundaries go into the prefix cache.
 
-A Mamba-1 model can instead pack prompts end to end into rows (`Engine.packed`, the
-CUDA default), `seq_idx` numbering the prompts of a row, and keep the state after any
+A Mamba-1 model can instead pack prompts end to end into rows (`Engine.packed`, off by
+default), `seq_idx` numbering the prompts of a row, and keep the state after any
 step of each row (`MambaLM.states_at`: each prompt's end, and its block boundaries):
 `plan_packs` fills rows first fit and cuts them into forwards of many rows, a prompt
 that continues a cached prefix starting a row from that prefix's state; `packed_rows`
