@@ -80,6 +80,10 @@ def main() -> None:
     ap.add_argument("--last-logits", nargs="*", default=[], metavar="RxN",
                     help="also the serving engine's prefill forward (`last_logits`: the state "
                          "and the last position's logits) of R rows of N tokens")  # fmt: skip
+    ap.add_argument("--states-at", nargs="*", default=[], metavar="RxN",
+                    help="also the packed prefill forward (`_states_at`: two prompts a row, 16 "
+                         "kept steps a row) of R rows of N tokens, and `last_logits` of the "
+                         "same rows with seq_idx, to set beside it")  # fmt: skip
     ap.add_argument("--out")
     args = ap.parse_args()
     out = []
@@ -113,6 +117,26 @@ def main() -> None:
             title = f"{name} last_logits {r}x{n} (the engine's prefill forward, eager)"
             out.append(kernel_table(last, title, sequence=(0, 24)))
             print(out[-1], flush=True)
+        for shape in args.states_at:
+            r, n = map(int, shape.split("x"))
+            ids = torch.randint(0, cfg.vocab_size, (r, n), device="cuda")
+            seq = (torch.arange(n, device="cuda") >= n // 2).to(torch.int32).expand(r, n)
+            seq = seq.contiguous()
+            pos = torch.arange(n - 16, n, device="cuda").expand(r, 16).contiguous()
+            pos[:, 0] = n // 2 - 1  # the first prompt's end
+
+            def packed(m=model, ids=ids, pos=pos, seq=seq):
+                with torch.inference_mode():
+                    m._states_at(ids, pos, None, seq)
+
+            def whole(m=model, ids=ids, seq=seq):
+                with torch.inference_mode():
+                    m.last_logits(ids, None, seq)
+
+            for fn, what in ((whole, "last_logits"), (packed, "_states_at")):
+                title = f"{name} {what} {r}x{n} with seq_idx (eager)"
+                out.append(kernel_table(fn, title, rows=40))
+                print(out[-1], flush=True)
         if not args.prefill:
             del model
             continue
