@@ -165,13 +165,14 @@ if stage serve; then  # the serving engine: mixed and shared-prefix loads beside
   done
 fi
 if stage servepack; then  # Mamba-1's packed prefill against the padded groups: the same loads in one call
-  # (SERVEPACK_VARIANTS: one bench_serve argument set a line, about 150 s each at 130m on the H100)
+  # (SERVEPACK_VARIANTS: one bench_serve argument set a line, 150-250 s each at 130m on the H100:
+  # the whole benchmark with --timeline about 250)
   SERVEPACK_VARIANTS=${SERVEPACK_VARIANTS:-"--packed off
 --packed on"}
   while IFS= read -r v; do
     tag=$(echo "$v" | tr -d ' -' | cut -c1-40)
     echo "== bench_serve 130m: $v" | tee -a "$LOG"
-    timeout ${T_SERVEPACK:-220} python benchmarks/bench_serve.py --preset 130m --device cuda $v \
+    timeout ${T_SERVEPACK:-280} python benchmarks/bench_serve.py --preset 130m --device cuda $v \
       --out "$OUT/bench_serve_$tag.json" 2>&1 | grep -v "^ \|^-\|USDT" | tail -14 | tee -a "$LOG"
   done <<< "$SERVEPACK_VARIANTS"
 fi

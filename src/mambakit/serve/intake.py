@@ -344,7 +344,8 @@ class Intake:
         graphs = self.prefill_graphs
         slots = self._pack_slots()
         most_rows, most_tokens = PACK_ROWS, 2 * pack_width(self.prefill_tokens)
-        if graphs is not None:
+        if graphs is not None:  # (without a warm-up, the graphs are captured as first met)
+            graphs.pack_tokens = max(graphs.pack_tokens, most_tokens)
             most_rows, most_tokens = graphs.pack_rows, graphs.pack_tokens
         for rows, _, _ in plan_packs(reqs, self.block_size, slots, most_rows, most_tokens,
                                      self._forward_tokens()):  # fmt: skip

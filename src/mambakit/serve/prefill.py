@@ -128,7 +128,7 @@ def plan_groups(lengths: list[int], most: int, fixed: int) -> list[int]:
 
 
 def buckets(bucket, most: int) -> list[int]:
-    """Every length `bucket` (`whole_bucket`, `pack_bucket`) maps 1 .. `most` tokens to."""
+    """Every length `bucket` (`whole_bucket`) maps 1 .. `most` tokens to."""
     out, n = [], 1
     while n <= most:
         out.append(bucket(n))

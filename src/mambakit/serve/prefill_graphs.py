@@ -56,14 +56,16 @@ class PrefillGraphs:
             rows *= 2
         self.max_rows = rows
         # packed forwards (`run_packed`): `slots` states kept a row, `pack_rows` rows at most,
-        # whose kept states (the graphs' shared output buffer and the forward's own) stay
-        # within the same bound
+        # whose kept states (the scan's per-layer outputs, their stack and the graphs' shared
+        # output buffer: three copies, counted as four) stay within the same bound
         self.slots = PACK_SLOTS
         rows = 1
         while rows < PACK_ROWS and 2 * 2 * rows * self.slots * row_bytes <= GRAPH_STATE_BYTES:
             rows *= 2
         self.pack_rows = rows
-        self.pack_tokens = 2 * PACK_MIN  # tokens of a packed forward at most (`warmup`)
+        # tokens of a packed forward at most: twice the widest row (`warmup`, or the engine's
+        # prefill budget, `Intake._prefill_packed`)
+        self.pack_tokens = 2 * PACK_MIN
         self.packed_in: dict[int, ModelState] = {}  # rows -> the rows' initial state buffer
         self.packed_out: tuple | None = None  # (state, logits) of pack_rows * slots rows
         self.lengths = [1 << i for i in range(block_size.bit_length()) if 1 << i < block_size]
