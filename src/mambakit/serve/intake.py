@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from .cache import prefix_hashes
@@ -264,7 +265,7 @@ class Intake:
         if self.prefill_graphs is not None:
             done = self.prefill_graphs.run(pieces, state, self.device)
         if done is None:
-            ids = torch.tensor(pieces, dtype=torch.int64, device=self.device)
+            ids = torch.from_numpy(np.array(pieces, dtype=np.int64)).to(self.device)
             done = self.model.last_logits(ids, state)
         return done
 
