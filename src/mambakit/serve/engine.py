@@ -49,7 +49,7 @@ import torch
 
 from ..inference.cuda_graph import static_mode, use_cuda_graph
 from ..threads import apply_threads
-from .cache import PrefixCache, prefix_hashes
+from .cache import PrefixCache
 from .decode import Decoding
 from .intake import Intake
 from .metrics import Metrics
@@ -242,8 +242,6 @@ class Engine(Intake, Decoding):
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
         req = Request(list(prompt), params, sink, request_id)
-        if self.cache.enabled:  # on the caller's thread: the engine's loop has the device's work
-            req.hashes = prefix_hashes(req.prompt)
         with self._lock:
             if len(self._settings) > 4096:  # many distinct settings: only grouping suffers
                 self._settings.clear()

@@ -74,8 +74,7 @@ class Intake:
             self.reserved += req.params.n
             req.admitted = time.monotonic()
             if self.cache.enabled:
-                if not req.hashes:  # (`submit` computes them, off the engine's loop)
-                    req.hashes = prefix_hashes(req.prompt)
+                req.hashes = prefix_hashes(req.prompt)
                 hit = self.cache.lookup(req.prompt, req.hashes)
                 if hit is not None:
                     req.pos = req.cached = len(hit.tokens)
