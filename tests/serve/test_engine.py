@@ -974,7 +974,7 @@ def test_engine_on_cuda_gives_generate_alone(model_dirs, preset, packed):
     run_all(engine, reqs)
     assert graphs.enabled and graphs.packed_enabled
     if packed:  # replayed packed forwards, several rows in some; a cached prefix continued
-        assert all(done for _, done in runs) and max(n for n, _ in runs) >= 2
+        assert runs and all(done for _, done in runs) and max(n for n, _ in runs) >= 2
         assert any(r.whole and r.cached for r in reqs)
     else:
         assert not runs
