@@ -32,7 +32,7 @@ from .prefill import (
     whole_bucket,
 )
 from .request import Request, Sequence
-from .slots import rows_view, sample_rows, to_device
+from .slots import rows_at, rows_view, sample_rows, to_device
 
 HEADS_KEPT = 1 << 16  # first blocks remembered (`Intake._new_head`)
 HOLD_MAX = 0.1  # seconds a prompt waits at most for others to launch with ("auto" hold)
@@ -378,8 +378,7 @@ class Intake:
                 logits, state = self.model._states_at(ids, pos, stack_rows(starts, self._zero),
                                                       seq)  # fmt: skip
                 idx = to_device([b * k + j for b, j in keep], self.device)
-                kept = type(state)(*(t.index_select(1, idx) for t in state._tensors()))
-                return logits.flatten(0, 1).index_select(0, idx), kept
+                return logits.flatten(0, 1).index_select(0, idx), rows_at(state, idx)
 
             group = [r for row in rows for r in row]
             self._forward_group(group, forward, [len(r.prompt) for r in group], ends, marks)

@@ -196,16 +196,18 @@ def plan_packs(reqs: list, block: int, slots: int, most_rows: int, most_tokens: 
     continues a cached prefix starts a row (the state a row starts from enters its first
     prompt only); the others go first fit, longest first, into rows of one width (a
     `pack_width`, at most half of `most_tokens`), each row keeping `slots` states at most
-    (`pack_steps`). The rows,
-    longest first, are cut into forwards of a power of two rows (`most_rows` at most, and
-    `most_tokens` tokens with the padding) padded to the width of their longest: the row
-    width and the cuts are those of the fewest tokens computed plus `fixed` a forward."""
+    (`pack_steps`). The rows, longest first, are cut into forwards of a power of two rows
+    (`most_rows` at most, and `most_tokens` tokens with the padding) padded to the width of
+    their longest: the row width and the cuts are those of the fewest tokens computed plus
+    `fixed` a forward."""
+    # each request's states, once for every width tried
+    states = {id(r): len(pack_steps(r.pos, len(r.prompt), block, r.blocks)) for r in reqs}
 
     def rest(r):
         return len(r.prompt) - r.pos
 
     def kept(r):
-        return len(pack_steps(r.pos, len(r.prompt), block, r.blocks))
+        return states[id(r)]
 
     best = None
     width = pack_width(max(map(rest, reqs)))

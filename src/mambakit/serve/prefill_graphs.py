@@ -23,7 +23,7 @@ from .prefill import (
     right_padded,
     whole_bucket,
 )
-from .slots import to_device
+from .slots import rows_at, to_device
 
 GRAPH_STATE_BYTES = 2 << 30  # the static state buffers of the prefill graphs, at most
 GRAPH_MAX_ROWS = 16  # rows of a captured prefill at most (a larger group runs in parts)
@@ -177,16 +177,10 @@ class PrefillGraphs:
             if start is not None:
                 for dst, src in zip(state_in._tensors(), start._tensors()):
                     dst[:, b].copy_(src[:, 0])
-        from ..inference.plan import refresh
-
-        refresh(self.model)
-        graph.replay()
-        self.replays += 1
-        self.replayed_tokens += rows * width
+        self._replay_graph(graph, rows * width)
         idx = to_device([b * self.slots + j for b, j in keep], device)
         state_out, logits_out = self.packed_out
-        state = type(state_out)(*(t.index_select(1, idx) for t in state_out._tensors()))
-        return logits_out.index_select(0, idx), state
+        return logits_out.index_select(0, idx), rows_at(state_out, idx)
 
     def warmup(self, device, whole_max: int = 0, pack_max: int = 0) -> None:
         """Capture every graph now (a capture mid-service would stall an iteration): the
@@ -280,14 +274,18 @@ class PrefillGraphs:
         n = whole_bucket(max(map(len, prompts)))
         return self._in_parts(prompts, None, lambda part, _: self._run_whole(part, n, device))
 
-    def _replay(self, rows: int, g: int, graph, tokens: int):
-        """Replay `graph` (`tokens` computed: rows x length), the first g rows of its results."""
+    def _replay_graph(self, graph, tokens: int) -> None:
+        """Replay `graph` (`tokens` computed: rows x length) on the plans' current weights."""
         from ..inference.plan import refresh
 
         refresh(self.model)
         graph.replay()
         self.replays += 1
         self.replayed_tokens += tokens
+
+    def _replay(self, rows: int, g: int, graph, tokens: int):
+        """Replay `graph` (`tokens` computed: rows x length), the first g rows of its results."""
+        self._replay_graph(graph, tokens)
         _, state_out, logits_out = self.buffers[rows]
         rows_out = (t[:, :g].clone() for t in state_out._tensors())
         return logits_out[:g].clone(), type(state_out)(*rows_out)

@@ -31,6 +31,11 @@ def rows_view(state: ModelState, start: int, stop: int) -> ModelState:
     return type(state)(*(t[:, start:stop] for t in state._tensors()))
 
 
+def rows_at(state: ModelState, index: torch.Tensor) -> ModelState:
+    """The rows `index` (int64 [k], on the state's device) of every field, copied out."""
+    return type(state)(*(t.index_select(1, index) for t in state._tensors()))
+
+
 def to_device(values: list, device: torch.device) -> torch.Tensor:
     """An int64 tensor of `values` (ints, or lists of ints of one length) on `device`
     without waiting for the device: on CUDA through pinned memory and an asynchronous
