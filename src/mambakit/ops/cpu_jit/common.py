@@ -22,9 +22,12 @@ from numba.extending import overload
 
 # reassociation lets sums vectorise; contraction makes a * b + c one fused multiply-add.
 # No flag that assumes finite values: the steps pass infinities and NaNs through as the
-# PyTorch bodies do.
+# PyTorch bodies do. numpy's error model: a float division is IEEE's (x / 0 is inf or
+# NaN, as in torch), not Python's, whose zero check before every division keeps a loop
+# that divides from vectorising (a SiLU over 768 floats: 3.6 us against 0.4).
 FAST = {"reassoc", "contract"}
-JIT = dict(fastmath=FAST, cache=True, nogil=True)
+JIT = dict(fastmath=FAST, cache=True, nogil=True, error_model="numpy")
+_OVERLOAD = {"fastmath": FAST, "error_model": "numpy"}
 LOG2E = 1.4426950408889634
 LN2_HI = 0.693145751953125  # ln 2 in two parts: k ln 2 subtracted without rounding error
 LN2_LO = 1.428606765330187e-06
@@ -120,7 +123,7 @@ def _by_width(impl32, impl64):
     return pick
 
 
-overload(exp, jit_options={"fastmath": FAST})(_by_width(_exp32, _exp64))
+overload(exp, jit_options=_OVERLOAD)(_by_width(_exp32, _exp64))
 
 
 def sincos(x):
@@ -166,7 +169,7 @@ def _sincos64(x):
     return math.sin(x), math.cos(x)
 
 
-overload(sincos, jit_options={"fastmath": FAST})(_by_width(_sincos32, _sincos64))
+overload(sincos, jit_options=_OVERLOAD)(_by_width(_sincos32, _sincos64))
 
 
 def one(x):
@@ -205,12 +208,40 @@ def silu(x):
     return x / (one(x) + exp(-x))
 
 
-@njit(inline="always", **JIT)
 def softplus(x):
-    """log(1 + e^x), as PyTorch's softplus (beta 1, threshold 20: x itself above it)."""
+    """log(1 + e^x), as PyTorch's softplus (beta 1, threshold 20: x itself above it), in
+    numba code: float32 as max(x, 0) + log1p(e^-|x|) through a polynomial the loops
+    vectorise (within 4e-7 relative, as exp; libm's log1p is a call per element, 24 ns), float64 as
+    libm's log1p(e^x)."""
+    raise NotImplementedError("softplus runs in numba code only")
+
+
+def _softplus32(x):
+    # log1p(t) for t = e^-|x| in (0, 1]: 2 atanh(s), s = t / (2 + t) <= 1/3, as
+    # 2 s (1 + s^2/3 + s^4/5 + ... + s^12/13) (the rest below 2e-8 relative), exact
+    # in relative terms however small t is
+    if x > np.float32(20.0):
+        return x
+    t = exp(-abs(x))
+    s = t / (np.float32(2.0) + t)
+    q = s * s
+    p = np.float32(1.0 / 13)
+    p = p * q + np.float32(1.0 / 11)
+    p = p * q + np.float32(1.0 / 9)
+    p = p * q + np.float32(1.0 / 7)
+    p = p * q + np.float32(1.0 / 5)
+    p = p * q + np.float32(1.0 / 3)
+    p = p * q + np.float32(1.0)
+    return max(x, np.float32(0.0)) + np.float32(2.0) * s * p
+
+
+def _softplus64(x):
     if x > 20:
         return x
-    return math.log1p(exp(x))
+    return math.log1p(math.exp(x))
+
+
+overload(softplus, jit_options=_OVERLOAD)(_by_width(_softplus32, _softplus64))
 
 
 @njit(inline="never", **JIT)
