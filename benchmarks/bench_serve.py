@@ -553,6 +553,11 @@ def main() -> None:
     prefix = [rng.randrange(vocab) for _ in range(args.prefix)]
     load = make_load(args.prefix_requests, rng, (16, 64), (32, 32), vocab, prefix)
     ttft = {}
+    # with --timeline each setting runs once more with the engine's timeline on (its events
+    # cost the host a little: the ratio is the timed runs'), on another load of the same
+    # shape (the first one's prompts are cached whole by then)
+    timelines = (False, True) if args.timeline and device.type == "cuda" else (False,)
+    again = make_load(args.prefix_requests, rng, (16, 64), (32, 32), vocab, prefix)
     for cache in (False, True):
         engine = engine_for(model, args.prefix_clients, args, cache=cache).start()
         run_engine(engine, make_load(args.prefix_clients, rng, (1, 64), (2, 4), vocab), 4)
@@ -560,14 +565,20 @@ def main() -> None:
             # runs whole (a first block never seen), the second keeps its block states
             run_engine(engine, [(prefix + [1], 1)], 1)
             run_engine(engine, [(prefix + [2], 1)], 1)
-        res = run_engine(engine, load, args.prefix_clients)
-        hits = engine.cache.hits
+        for timed in timelines:
+            if timed:
+                engine.timeline = []
+            res = run_engine(engine, again if timed else load, args.prefix_clients)
+            hits = engine.cache.hits
+            more = timeline_summary(engine, res) if timed else {}
+            if not timed:
+                ttft[cache] = res["ttft_p50_ms"]
+            row(workload=f"shared {args.prefix}-token prefix, {args.prefix_clients} clients",
+                impl="engine, cache " + ("on" if cache else "off")
+                + (", timeline" if timed else ""), cache_hits=hits,
+                prefill_hold=engine.prefill_hold, packed=engine.packed,
+                prefill_priority=args.prefill_priority, **res, **more)  # fmt: skip
         engine.shutdown(timeout=60)
-        ttft[cache] = res["ttft_p50_ms"]
-        row(workload=f"shared {args.prefix}-token prefix, {args.prefix_clients} clients",
-            impl="engine, cache " + ("on" if cache else "off"), cache_hits=hits,
-            prefill_hold=engine.prefill_hold, packed=engine.packed,
-            prefill_priority=args.prefill_priority, **res)  # fmt: skip
     row(workload=f"shared {args.prefix}-token prefix", impl="ratios",
         ttft_p50_without_over_with_cache=ttft[False] / ttft[True])  # fmt: skip
     write_record(args.out, "bench_serve", figures, device=device,
