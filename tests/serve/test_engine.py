@@ -297,6 +297,39 @@ def test_prefix_cache_lru_budget_and_exact_keys():
     assert cache.lookup([5], forged) is None
 
 
+def test_prefix_cache_insert_many_copies_and_keys():
+    """A batch of inserts (`insert_many`, what a prefill launch gives the cache) keeps
+    copies, not views, of its rows; a prefix twice in a batch is kept once; of two
+    prefixes under one key (a hash collision) the later is kept, as inserted one by one."""
+    rows = torch.arange(12.0).view(1, 3, 4)  # a launch's state field [L, rows, ...]
+    logits = torch.arange(6.0).view(3, 2)
+
+    class S:
+        def __init__(self, t):
+            self.t = t
+
+        def _tensors(self):
+            return (self.t,)
+
+    cache = PrefixCache(max_bytes=1 << 20)
+    a, b, c = [1, 2], [3, 4], [5, 6]
+    forged = prefix_hashes(b)  # c filed under b's key
+    cache.insert_many([
+        (a, prefix_hashes(a), S(rows[:, 0:1]), logits[0]),
+        (a, prefix_hashes(a), S(rows[:, 0:1]), logits[0]),
+        (b, prefix_hashes(b), S(rows[:, 1:2]), logits[1]),
+        (c, forged, S(rows[:, 2:3]), logits[2]),
+    ])  # fmt: skip
+    rows.zero_()
+    logits.zero_()
+    assert len(cache.entries) == 2 and cache.nbytes == 2 * (4 * 4 + 2 * 4)
+    got = cache.lookup(a + [9], prefix_hashes(a + [9]))
+    assert got.tokens == (1, 2) and got.state.t.flatten().tolist() == [0, 1, 2, 3]
+    assert got.logits.tolist() == [0, 1]
+    assert cache.lookup(b, prefix_hashes(b)) is None  # its key went to c
+    assert cache.lookup(c, forged).state.t.flatten().tolist() == [8, 9, 10, 11]
+
+
 @pytest.mark.parametrize("lookahead", [False, True], ids=["read-at-once", "lookahead"])
 def test_cancel_frees_the_row_at_once(model_dirs, lookahead, load):
     engine = Engine(load(model_dirs["tiny"]), max_batch=2, block_size=16)

@@ -102,22 +102,50 @@ class PrefixCache:
         self, tokens: list[int], hashes: list[int], state: ModelState, logits: torch.Tensor
     ) -> None:
         """Keep a copy of the state after `tokens` (one row) and of its last `logits` [V]."""
-        if not self.enabled or not tokens:
+        self.insert_many([(tokens, hashes, state, logits)])
+
+    def insert_many(self, items: list[tuple]) -> None:
+        """`insert` of each (tokens, hashes, state, logits) in turn, their copies made
+        together by one multi-tensor copy (`torch._foreach_copy_`: one launch per dtype on
+        CUDA where the rows are dense blocks, else a copy each from C++) rather than a clone
+        from Python of each tensor, which a launch of 16 cached prompts paid 48 times."""
+        if not self.enabled:
             return
-        key = (len(tokens), hashes[len(tokens) - 1])
-        old = self.entries.get(key)
-        if old is not None and old.tokens == tuple(tokens):
-            self.entries.move_to_end(key)
+        new: dict[tuple[int, int], tuple] = {}  # key -> (tokens, state, logits, nbytes)
+        for tokens, hashes, state, logits in items:
+            if not tokens:
+                continue
+            key = (len(tokens), hashes[len(tokens) - 1])
+            tokens = tuple(tokens)
+            if key in new:
+                if new[key][0] == tokens:
+                    continue
+            else:
+                entry = self.entries.get(key)
+                if entry is not None and entry.tokens == tokens:
+                    self.entries.move_to_end(key)
+                    continue
+            nbytes = sum(t.numel() * t.element_size() for t in state._tensors())
+            nbytes += logits.numel() * logits.element_size()
+            if nbytes > self.max_bytes:
+                continue
+            new.pop(key, None)  # a colliding prefix earlier in the batch: the later one
+            new[key] = (tokens, state, logits, nbytes)
+        if not new:
             return
-        state = state.clone()
-        logits = logits.clone()
-        nbytes = sum(t.numel() * t.element_size() for t in state._tensors())
-        nbytes += logits.numel() * logits.element_size()
-        if nbytes > self.max_bytes:
-            return
-        if old is not None:  # a colliding prefix: the newer one takes the key
+        src = [t for _, state, logits, _ in new.values() for t in (*state._tensors(), logits)]
+        dst = [torch.empty_like(t) for t in src]
+        torch._foreach_copy_(dst, src)
+        k = len(src) // len(new)  # tensors an entry holds: the state's fields and the logits
+        for i, (key, (tokens, state, _, nbytes)) in enumerate(new.items()):
+            copies = dst[i * k : (i + 1) * k]
+            self._add(key, tokens, type(state)(*copies[:-1]), copies[-1], nbytes)
+
+    def _add(self, key, tokens: tuple, state: ModelState, logits: torch.Tensor, nbytes: int
+             ) -> None:  # fmt: skip
+        if key in self.entries:  # a colliding prefix: the newer one takes the key
             self._drop(key)
-        self.entries[key] = CacheEntry(tuple(tokens), state, logits, nbytes)
+        self.entries[key] = CacheEntry(tokens, state, logits, nbytes)
         self.nbytes += nbytes
         n = len(tokens)
         self.lengths[n] = self.lengths.get(n, 0) + 1

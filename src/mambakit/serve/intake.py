@@ -401,14 +401,16 @@ class Intake:
             return
         with self.metrics.lock:
             self.metrics.prefill_tokens += sum(end - r.pos for r, end in zip(group, ends))
-        for r, n, j in marks:
-            self.cache.insert(r.prompt[:n], r.hashes, rows_view(out, j, j + 1), logits[j])
+        keep = [(r.prompt[:n], r.hashes, rows_view(out, j, j + 1), logits[j])
+                for r, n, j in marks]  # fmt: skip
         for i, (r, end) in enumerate(zip(group, ends)):
             j = i if rows is None else rows[i]
             r.pos = end
             r.state, r.logits = rows_view(out, j, j + 1), logits[j]
             if end % self.block_size == 0 or end == len(r.prompt):
-                self.cache.insert(r.prompt[:end], r.hashes, r.state, r.logits)
+                keep.append((r.prompt[:end], r.hashes, r.state, r.logits))
+        if keep and self.cache.enabled:
+            self.cache.insert_many(keep)  # their copies together: a launch or two
 
     def _join(self, ready: list[Request]) -> None:
         """`_join_rows`, in the timeline where it is on."""
