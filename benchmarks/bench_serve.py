@@ -364,9 +364,6 @@ def engine_for(model, clients: int, args, cache: bool) -> Engine:
         engine.packed = args.packed == "on"
     if args.prefill_hold is not None:
         engine.prefill_hold = prefill_hold(args.prefill_hold)
-    if args.switch_interval is not None:
-        engine.switch_interval = (None if args.switch_interval == "none"
-                                  else float(args.switch_interval))  # fmt: skip
     if args.prefill_priority != "low" and engine.prefill_stream is not None:
         # the engine's streams made again: the prefill's above the decode steps' or beside
         prefill, decode = {"same": (0, 0), "high": (-1, 0)}[args.prefill_priority]
@@ -433,9 +430,6 @@ def main() -> None:
     ap.add_argument("--profile", default=None,
                     help="write here where the engine's time goes at the largest client count "
                          "(the load again under the profiler)")  # fmt: skip
-    ap.add_argument("--switch-interval", default=None, metavar="S|none",
-                    help="the engine's switch_interval (the GIL's, while it runs): seconds, "
-                         "or 'none' for the interpreter's own; default the engine's")  # fmt: skip
     ap.add_argument("--timeline", action="store_true",
                     help="the largest mixed load once more with the engine timeline on: "
                          "where the device time went (decode, prefill, overlap, idle)")  # fmt: skip

@@ -1123,32 +1123,3 @@ def test_a_tokenizer_that_fails_ends_the_request_with_an_error(model_dirs, load)
     again = engine.submit(list(b"hi"), SamplingParams(max_tokens=3, temperature=0))
     run_all(engine, [again])
     assert list(again.events(timeout=5))[-1].finish_reason == "length"
-
-
-def test_running_engine_lowers_the_gil_switch_interval(model_dirs, load):
-    """While an engine's loop runs on its thread the GIL's switch interval is at most its
-    `switch_interval`; the interval before comes back when the last engine stops; None
-    leaves the interpreter's alone; a bad value is refused before the loop starts."""
-    import sys
-
-    before = sys.getswitchinterval()
-    model = load(model_dirs["tiny"])
-    a, b = Engine(model, max_batch=2), Engine(model, max_batch=2)
-    a.start()
-    assert sys.getswitchinterval() == pytest.approx(a.switch_interval)
-    assert a.switch_interval < before
-    b.start()
-    a.shutdown(timeout=5)
-    assert sys.getswitchinterval() == pytest.approx(b.switch_interval)  # b still runs
-    b.shutdown(timeout=5)
-    assert sys.getswitchinterval() == pytest.approx(before)
-    c = Engine(model, max_batch=2)
-    c.switch_interval = None
-    c.start()
-    assert sys.getswitchinterval() == pytest.approx(before)
-    c.shutdown(timeout=5)
-    d = Engine(model, max_batch=2)
-    d.switch_interval = 0.0
-    with pytest.raises(ValueError, match="switch_interval"):
-        d.start()
-    assert d._thread is None and sys.getswitchinterval() == pytest.approx(before)

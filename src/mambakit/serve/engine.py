@@ -38,7 +38,6 @@ state and logits agree up to the rounding of f32 sums in a batch of another size
 from __future__ import annotations
 
 import random
-import sys
 import threading
 import time
 import traceback
@@ -62,15 +61,6 @@ from .slots import SlotPool
 
 PREFILL_TOKENS_CUDA = 16384  # the default prefill launch on CUDA (beside the decode steps)
 PREFILL_TOKENS = 2048  # elsewhere, where it adds to an iteration's time
-# While an engine's loop runs on its thread, a thread waiting for the GIL (the loop, or the
-# server's event loop handing it requests and taking its tokens) gets it after at most
-# this long (`sys.setswitchinterval`; Python's default is 5 ms, several decode steps): on
-# an H100 (130m, the shared-prefix load of bench_serve) the cached prompts' time to first
-# token p50 fell from 8.1 to 6.2 ms with 0.5 ms. The interval in force before is put back
-# when the last engine started stops.
-SWITCH_INTERVAL = 0.0005
-_switch_lock = threading.Lock()
-_switch: list = [0, None]  # engines running that lowered it, the interval before the first
 
 
 class Engine(Intake, Decoding):
@@ -177,8 +167,6 @@ class Engine(Intake, Decoding):
         # pieces are cut into powers of two, a forward per length
         self.spans = model.stops_rows()
         self.prefill_hold = "auto"  # (`Intake.prefill_hold`, validated)
-        self.switch_interval: float | None = SWITCH_INTERVAL  # None: the interpreter's own
-        self._switched = False
         # packed (a Mamba-1 model; off by default): the prompts that run whole are packed end
         # to end into rows instead, many rows to a forward, which gives the state at each
         # prompt's end and at its block boundaries (`MambaLM.states_at`,
@@ -280,9 +268,6 @@ class Engine(Intake, Decoding):
     def start(self) -> Engine:
         """Run the loop on a thread of its own."""
         if self._thread is None:
-            if self.switch_interval is not None:
-                _lower_switch_interval(self.switch_interval)
-                self._switched = True
             self._thread = threading.Thread(target=self._run, name="mambakit-engine", daemon=True)
             self._thread.start()
         return self
@@ -344,9 +329,6 @@ class Engine(Intake, Decoding):
             self._thread.join(timeout=10)
         else:
             self.step()
-        if self._switched:
-            self._switched = False
-            _restore_switch_interval()
         return drained
 
     @property
@@ -512,24 +494,3 @@ class Engine(Intake, Decoding):
                     self.pool.move(last, i)
                     rows[i] = rows[last]
                 rows.pop()
-
-
-def _lower_switch_interval(seconds: float) -> None:
-    """`SWITCH_INTERVAL`'s rule as an engine starts: the GIL's switch interval at most
-    `seconds` while it runs."""
-    if not seconds > 0:
-        raise ValueError(f"switch_interval must be > 0 seconds or None, got {seconds!r}")
-    with _switch_lock:
-        if _switch[0] == 0:
-            _switch[1] = sys.getswitchinterval()
-        _switch[0] += 1
-        if sys.getswitchinterval() > seconds:
-            sys.setswitchinterval(seconds)
-
-
-def _restore_switch_interval() -> None:
-    """As an engine that lowered it stops: the interval before, once none runs."""
-    with _switch_lock:
-        _switch[0] -= 1
-        if _switch[0] == 0:
-            sys.setswitchinterval(_switch[1])
