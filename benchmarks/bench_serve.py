@@ -557,7 +557,9 @@ def main() -> None:
     # cost the host a little: the ratio is the timed runs'), on another load of the same
     # shape (the first one's prompts are cached whole by then)
     timelines = (False, True) if args.timeline and device.type == "cuda" else (False,)
-    again = make_load(args.prefix_requests, rng, (16, 64), (32, 32), vocab, prefix)
+    again = None
+    if len(timelines) > 1:
+        again = make_load(args.prefix_requests, rng, (16, 64), (32, 32), vocab, prefix)
     for cache in (False, True):
         engine = engine_for(model, args.prefix_clients, args, cache=cache).start()
         run_engine(engine, make_load(args.prefix_clients, rng, (1, 64), (2, 4), vocab), 4)
@@ -568,14 +570,16 @@ def main() -> None:
         for timed in timelines:
             if timed:
                 engine.timeline = []
+            before = engine.cache.hits
             res = run_engine(engine, again if timed else load, args.prefix_clients)
-            hits = engine.cache.hits
+            hits = engine.cache.hits  # (since the engine started, its warm-up's included)
             more = timeline_summary(engine, res) if timed else {}
             if not timed:
                 ttft[cache] = res["ttft_p50_ms"]
             row(workload=f"shared {args.prefix}-token prefix, {args.prefix_clients} clients",
                 impl="engine, cache " + ("on" if cache else "off")
                 + (", timeline" if timed else ""), cache_hits=hits,
+                cache_hits_in_run=hits - before,
                 prefill_hold=engine.prefill_hold, packed=engine.packed,
                 prefill_priority=args.prefill_priority, **res, **more)  # fmt: skip
         engine.shutdown(timeout=60)

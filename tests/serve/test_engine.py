@@ -330,6 +330,64 @@ def test_prefix_cache_insert_many_copies_and_keys():
     assert cache.lookup(c, forged).state.t.flatten().tolist() == [8, 9, 10, 11]
 
 
+def test_prefix_cache_insert_many_as_inserts_in_turn():
+    """`insert_many` keeps what inserting its items one at a time keeps, in the same order
+    of use, with the same evictions and bytes: against a plain model of the cache's rules
+    (an exact prefix per key, the later of two colliding prefixes, an entry over the
+    budget skipped, least recently used dropped first), on random batches with repeats,
+    forged hash collisions and oversized states."""
+    import random
+    from collections import OrderedDict
+
+    class S:
+        def __init__(self, t):
+            self.t = t
+
+        def _tensors(self):
+            return (self.t,)
+
+    def model_insert(model, cap, tokens, hashes, t):
+        key = (len(tokens), hashes[len(tokens) - 1])
+        if key in model and model[key][0] == tuple(tokens):
+            model.move_to_end(key)
+            return 0
+        size = t.numel() * 4 + 2 * 4
+        if size > cap:
+            return 0
+        model.pop(key, None)
+        model[key] = (tuple(tokens), t.clone(), size)
+        evicted = 0
+        while sum(v[2] for v in model.values()) > cap:
+            model.popitem(last=False)
+            evicted += 1
+        return evicted
+
+    rng = random.Random(0)
+    for trial in range(200):
+        cap = rng.choice([1, 2, 3, 5]) * 24 + rng.choice([0, 1])
+        cache, model, evictions = PrefixCache(max_bytes=cap), OrderedDict(), 0
+        for _ in range(4):
+            items = []
+            for i in range(rng.randint(1, 6)):
+                toks = [rng.randint(1, 4) for _ in range(rng.randint(1, 2))]
+                hashes = (
+                    prefix_hashes([9] * len(toks)) if rng.random() < 0.2 else prefix_hashes(toks)
+                )
+                t = torch.full((1, 1, 400 if rng.random() < 0.1 else 4), float(trial * 10 + i))
+                items.append((toks, hashes, S(t), torch.zeros(2)))
+            for toks, hashes, st, _ in items:
+                evictions += model_insert(model, cap, toks, hashes, st.t)
+            cache.insert_many(items)
+            assert list(cache.entries) == list(model), trial
+            assert cache.evictions == evictions and cache.nbytes == sum(
+                v[2] for v in model.values()
+            )
+            for key, (toks, t, _) in model.items():
+                assert cache.entries[key].tokens == toks and torch.equal(
+                    cache.entries[key].state.t, t
+                )
+
+
 @pytest.mark.parametrize("lookahead", [False, True], ids=["read-at-once", "lookahead"])
 def test_cancel_frees_the_row_at_once(model_dirs, lookahead, load):
     engine = Engine(load(model_dirs["tiny"]), max_batch=2, block_size=16)

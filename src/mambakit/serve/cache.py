@@ -105,41 +105,53 @@ class PrefixCache:
         self.insert_many([(tokens, hashes, state, logits)])
 
     def insert_many(self, items: list[tuple]) -> None:
-        """`insert` of each (tokens, hashes, state, logits) in turn, their copies made
-        together by one multi-tensor copy (`torch._foreach_copy_`: one launch per dtype on
-        CUDA where the rows are dense blocks, else a copy each from C++) rather than a clone
-        from Python of each tensor, which a launch of 16 cached prompts paid 48 times."""
+        """`insert` of each (tokens, hashes, state, logits) in turn (the same entries, order
+        of use and evictions), the copies of the new ones made together first: one
+        multi-tensor copy (`torch._foreach_copy_`) rather than a clone from Python of each
+        tensor (a launch of 16 cached prompts made 48). It saves host time only: on CUDA a
+        state row of several layers is not one dense block, so each tensor is still a copy
+        of its own, launched from C++. (The copies exist before the evictions they cause:
+        the device holds up to one batch over the budget for that moment.)"""
         if not self.enabled:
             return
-        new: dict[tuple[int, int], tuple] = {}  # key -> (tokens, state, logits, nbytes)
+        ops: list[tuple] = []  # ("use", key, item) or ("add", key, tokens, state, logits, nbytes)
+        pending: dict[tuple[int, int], tuple[int, ...]] = {}  # the tokens each key will hold
         for tokens, hashes, state, logits in items:
             if not tokens:
                 continue
             key = (len(tokens), hashes[len(tokens) - 1])
             tokens = tuple(tokens)
-            if key in new:
-                if new[key][0] == tokens:
-                    continue
-            else:
-                entry = self.entries.get(key)
-                if entry is not None and entry.tokens == tokens:
-                    self.entries.move_to_end(key)
-                    continue
+            held = (
+                pending[key] if key in pending else getattr(self.entries.get(key), "tokens", None)
+            )
+            if held == tokens:
+                ops.append(("use", key, (tokens, hashes, state, logits)))
+                continue
             nbytes = sum(t.numel() * t.element_size() for t in state._tensors())
             nbytes += logits.numel() * logits.element_size()
             if nbytes > self.max_bytes:
                 continue
-            new.pop(key, None)  # a colliding prefix earlier in the batch: the later one
-            new[key] = (tokens, state, logits, nbytes)
-        if not new:
-            return
-        src = [t for _, state, logits, _ in new.values() for t in (*state._tensors(), logits)]
+            pending[key] = tokens
+            ops.append(("add", key, tokens, state, logits, nbytes))
+        adds = [op for op in ops if op[0] == "add"]
+        src = [t for *_, state, logits, _ in adds for t in (*state._tensors(), logits)]
         dst = [torch.empty_like(t) for t in src]
-        torch._foreach_copy_(dst, src)
-        k = len(src) // len(new)  # tensors an entry holds: the state's fields and the logits
-        for i, (key, (tokens, state, _, nbytes)) in enumerate(new.items()):
-            copies = dst[i * k : (i + 1) * k]
-            self._add(key, tokens, type(state)(*copies[:-1]), copies[-1], nbytes)
+        if src:
+            torch._foreach_copy_(dst, src)
+        k = len(src) // max(len(adds), 1)  # tensors an entry holds: its state's, its logits
+        copies = iter(range(0, len(src), k or 1))
+        for op in ops:
+            key = op[1]
+            if op[0] == "use":
+                if key in self.entries:
+                    self.entries.move_to_end(key)
+                else:  # evicted by an entry earlier in the batch: kept again, as in turn
+                    self.insert_many([op[2]])
+                continue
+            _, _, tokens, state, _, nbytes = op
+            i = next(copies)
+            mine = dst[i : i + k]
+            self._add(key, tokens, type(state)(*mine[:-1]), mine[-1], nbytes)
 
     def _add(self, key, tokens: tuple, state: ModelState, logits: torch.Tensor, nbytes: int
              ) -> None:  # fmt: skip

@@ -218,8 +218,9 @@ def softplus(x):
 
 def _softplus32(x):
     # log1p(t) for t = e^-|x| in (0, 1]: 2 atanh(s), s = t / (2 + t) <= 1/3, as
-    # 2 s (1 + s^2/3 + s^4/5 + ... + s^12/13) (the rest below 2e-8 relative), exact
-    # in relative terms however small t is
+    # 2 s (1 + s^2/3 + s^4/5 + ... + s^12/13) (the rest below 2e-8 relative), good in
+    # relative terms however small t is (below x = -87, where `exp` stops at e^-87, the
+    # result stays 1.6e-38, as libm's log1p of that exp gave: torch gives 0 at -inf)
     if x > np.float32(20.0):
         return x
     t = exp(-abs(x))

@@ -245,9 +245,9 @@ class _Scan(torch.autograd.Function):
             from ..cpu_jit import scan
 
             gy = gy.to(f).contiguous() if gy is not None else dt.new_zeros(Bsz, T, D)
-            h = h_bounds[0]  # h0, or every state [B, T + 1, D, N] where the forward kept them
-            g_hT = (g_hT.to(f).contiguous() if g_hT is not None
-                    else h.new_zeros(Bsz, *h.shape[-2:]))  # fmt: skip
+            # h0 [B, D, N], or every state [B, T + 1, N, D] where the forward kept them
+            h = h_bounds[0]
+            g_hT = g_hT.to(f).contiguous() if g_hT is not None else dt.new_zeros(Bsz, *A.shape)
             g_dt, g_x, g_A, g_B, g_C, g_h0 = scan.backward(dt, x, A, Bm, C, keep, h, gy, g_hT)
             return g_dt, g_x, g_A, g_B, g_C, None, g_h0, None
         gy = gy.to(f) if gy is not None else dt.new_zeros(Bsz, T, D)
