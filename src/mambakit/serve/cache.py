@@ -114,8 +114,10 @@ class PrefixCache:
         the device holds up to one batch over the budget for that moment.)"""
         if not self.enabled:
             return
-        ops: list[tuple] = []  # ("use", key, item) or ("add", key, tokens, state, logits, nbytes)
+        ops: list[tuple] = []  # ("use", key, item) or ("add", key, tokens, state, copies, nbytes)
         pending: dict[tuple[int, int], tuple[int, ...]] = {}  # the tokens each key will hold
+        src: list[torch.Tensor] = []
+        dst: list[torch.Tensor] = []
         for tokens, hashes, state, logits in items:
             if not tokens:
                 continue
@@ -127,19 +129,17 @@ class PrefixCache:
             if held == tokens:
                 ops.append(("use", key, (tokens, hashes, state, logits)))
                 continue
-            nbytes = sum(t.numel() * t.element_size() for t in state._tensors())
-            nbytes += logits.numel() * logits.element_size()
+            tensors = (*state._tensors(), logits)
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
             if nbytes > self.max_bytes:
                 continue
             pending[key] = tokens
-            ops.append(("add", key, tokens, state, logits, nbytes))
-        adds = [op for op in ops if op[0] == "add"]
-        src = [t for *_, state, logits, _ in adds for t in (*state._tensors(), logits)]
-        dst = [torch.empty_like(t) for t in src]
+            copies = [torch.empty_like(t) for t in tensors]  # filled below, all at once
+            src += tensors
+            dst += copies
+            ops.append(("add", key, tokens, state, copies, nbytes))
         if src:
             torch._foreach_copy_(dst, src)
-        k = len(src) // max(len(adds), 1)  # tensors an entry holds: its state's, its logits
-        copies = iter(range(0, len(src), k or 1))
         for op in ops:
             key = op[1]
             if op[0] == "use":
@@ -148,10 +148,8 @@ class PrefixCache:
                 else:  # evicted by an entry earlier in the batch: kept again, as in turn
                     self.insert_many([op[2]])
                 continue
-            _, _, tokens, state, _, nbytes = op
-            i = next(copies)
-            mine = dst[i : i + k]
-            self._add(key, tokens, type(state)(*mine[:-1]), mine[-1], nbytes)
+            _, _, tokens, state, copies, nbytes = op
+            self._add(key, tokens, type(state)(*copies[:-1]), copies[-1], nbytes)
 
     def _add(self, key, tokens: tuple, state: ModelState, logits: torch.Tensor, nbytes: int
              ) -> None:  # fmt: skip
