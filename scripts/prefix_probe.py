@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--cache", choices=["on", "off"], default="on")
     ap.add_argument("--stand-in", action="store_true", help="no CUDA: stand-in graphs")
     ap.add_argument("--lines", type=int, default=30)
+    ap.add_argument("--sort", default="tottime", help="cProfile order: tottime or cumtime")
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.stand_in:
@@ -120,7 +121,7 @@ def main() -> None:
     eng._launch_prefill = profiled
     bs.run_engine(eng, load(), 16)
     text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.lines)
+    pstats.Stats(prof, stream=text).sort_stats(args.sort).print_stats(args.lines)
     print("the launches' host time by function (cProfile):\n" + text.getvalue())
 
     if torch.cuda.is_available() and not args.stand_in:

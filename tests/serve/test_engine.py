@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -639,15 +640,15 @@ def test_a_prompt_launches_behind_a_running_prefill(model_dirs, load, monkeypatc
     sp = SamplingParams(max_tokens=6, temperature=0)
     a = engine.submit(list(range(10, 30)), sp)
     engine.step()
-    assert [r for _, r in engine._pending] == [[a]] and a.launched
+    assert [r for _, r, _ in engine._pending] == [[a]] and a.launched
     b = engine.submit(list(range(40, 75)), sp)
     engine.step()  # a's launch runs: b's is launched behind it
-    assert [r for _, r in engine._pending] == [[a], [b]] and not engine.rows
+    assert [r for _, r, _ in engine._pending] == [[a], [b]] and not engine.rows
     c = engine.submit(list(range(80, 90)), sp)
     engine.step()  # two in flight, nothing to decode: wait for a's, join it; c behind b
     assert events[0].done and not events[1].done
     assert [s.request for s in engine.rows] == [a]
-    assert [r for _, r in engine._pending] == [[b], [c]]
+    assert [r for _, r, _ in engine._pending] == [[b], [c]]
     engine.step()  # a decodes beside the two launches
     assert len(engine._pending) == 2 and len(engine.rows) == 1
     for ev in events:
@@ -655,6 +656,60 @@ def test_a_prompt_launches_behind_a_running_prefill(model_dirs, load, monkeypatc
     run_all(engine, [a, b, c])
     for req in (a, b, c):
         assert tokens(req) == alone(oracle, req.prompt, sp)
+
+
+def test_the_cache_copies_of_a_launch_wait_for_its_join(model_dirs, load, monkeypatch):
+    """With the prefill beside the decode steps (as on CUDA), the states a launch reaches go
+    into the cache once it is joined, after the next iteration has handed out its tokens:
+    not while it runs, and not at the join itself; then they are found, and a prompt that
+    continues one gives what generate gives alone."""
+
+    class Event:  # a launch's event: done by hand
+        done = False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.done = True
+
+    model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
+    engine = Engine(model, max_batch=4, block_size=16, cache_bytes=1 << 24)
+    engine.lookahead = engine.async_prefill = True
+    events = []
+    monkeypatch.setattr(engine, "_launch_event", lambda: events.append(Event()) or events[-1])
+    sp = SamplingParams(max_tokens=5, temperature=0)
+    long = SamplingParams(max_tokens=40, temperature=0)
+    running = engine.submit(list(range(100, 110)), long)  # keeps the engine decoding
+    while not engine.rows:
+        engine.step()
+        for ev in events:
+            ev.done = True
+    prompt = list(range(10, 50))  # a new head: prefilled whole, its end state kept
+    a = engine.submit(prompt, sp)
+    engine.step()  # a's launch: nothing cached while it runs
+    assert a.launched and len(engine._pending) == 1
+    before = len(engine.cache.entries)
+    engine.step()
+    assert len(engine.cache.entries) == before and engine._pending
+    events[-1].done = True
+    engine.step()  # joined: a's first token drawn, its states not copied yet
+    assert not engine._pending and a.seqs and len(engine.cache.entries) == before
+    assert engine._to_cache
+    engine.step()  # the next iteration hands a's first token out, then copies them
+    assert not engine._to_cache
+    assert 40 in {len(e.tokens) for e in engine.cache.entries.values()}
+    b = engine.submit(prompt + [7, 8, 9], sp)
+    hits = engine.cache.hits
+    for _ in range(100):
+        if b.done and a.done and running.done:
+            break
+        for ev in events:
+            ev.done = True
+        engine.step()
+    assert engine.cache.hits == hits + 1 and b.cached == 40
+    for req in (a, b, running):
+        assert tokens(req) == alone(oracle, req.prompt, req.params)
 
 
 def test_whole_prompts_group_where_the_filler_saved_pays_for_a_forward():
@@ -1125,8 +1180,12 @@ def test_prefix_hashes_are_the_polynomial_of_every_prefix():
     for t in toks:
         h = (h * 1_000_003 + t + 1) % (1 << 64)
         want.append(h)
-    assert prefix_hashes(toks) == want
-    assert prefix_hashes(toks[:3]) == want[:3]
+    assert prefix_hashes(toks).tolist() == want
+    assert prefix_hashes(np.asarray(toks, dtype=np.int64)).tolist() == want  # a request's ids
+    assert prefix_hashes(toks[:3]).tolist() == want[:3]
+    # the items key the cache's dict as the ints they equal (keys are made with either)
+    got = prefix_hashes(toks)
+    assert all(hash(got[i]) == hash(want[i]) and got[i] == want[i] for i in range(0, 5000, 7))
 
 
 def test_text_held_back_for_a_stop_string_is_sent_when_the_choice_is_aborted(model_dirs, load):

@@ -42,15 +42,18 @@ def _power_tables(n: int) -> tuple[np.ndarray, np.ndarray]:
     return _powers
 
 
-def prefix_hashes(tokens: list[int]) -> list[int]:
-    """h[i] = the hash of tokens[:i + 1], for every i: the polynomial
-    sum_j (tokens[j] + 1) * BASE**(i - j) modulo 2**64, as BASE**i times a prefix sum of
-    (tokens[j] + 1) * BASE**-j, so numpy computes every prefix at once. Only candidates are
-    found by it (the tokens are compared), so a collision costs a comparison, no more."""
+def prefix_hashes(tokens) -> np.ndarray:
+    """h[i] = the hash of tokens[:i + 1], for every i (uint64; its items hash and compare
+    as the Python ints they equal): the polynomial sum_j (tokens[j] + 1) * BASE**(i - j)
+    modulo 2**64, as BASE**i times a prefix sum of (tokens[j] + 1) * BASE**-j, so numpy
+    computes every prefix at once. `tokens`: token ids, best an int64 array (a request's
+    `ids`, made as it was submitted: a list of 1,000 Python ints takes numpy longer to read
+    than the hashing). Only candidates are found by it (the tokens are compared), so a
+    collision costs a comparison, no more."""
     n = len(tokens)
     up, down = _power_tables(n)
-    t = np.asarray(tokens, dtype=np.uint64) + np.uint64(1)
-    return (np.cumsum(t * down[:n], dtype=np.uint64) * up[:n]).tolist()
+    t = np.asarray(tokens, dtype=np.int64).view(np.uint64) + np.uint64(1)
+    return np.cumsum(t * down[:n], dtype=np.uint64) * up[:n]
 
 
 @dataclass
@@ -82,25 +85,24 @@ class PrefixCache:
     def enabled(self) -> bool:
         return self.max_bytes > 0
 
-    def lookup(self, tokens: list[int], hashes: list[int]) -> CacheEntry | None:
+    def lookup(self, tokens: list[int], hashes) -> CacheEntry | None:
         """The entry of the longest cached prefix of `tokens` (the whole of it included),
         marked as recently used; None when none is cached."""
         if not self.enabled:
             return None
         top = bisect.bisect_right(self.sorted_lengths, len(tokens))
         for n in reversed(self.sorted_lengths[:top]):  # the longest first
-            entry = self.entries.get((n, hashes[n - 1]))
+            key = (n, int(hashes[n - 1]))
+            entry = self.entries.get(key)
             if entry is not None and entry.tokens == tuple(tokens[:n]):
-                self.entries.move_to_end((n, hashes[n - 1]))
+                self.entries.move_to_end(key)
                 self.hits += 1
                 self.hit_tokens += n
                 return entry
         self.misses += 1
         return None
 
-    def insert(
-        self, tokens: list[int], hashes: list[int], state: ModelState, logits: torch.Tensor
-    ) -> None:
+    def insert(self, tokens: list[int], hashes, state: ModelState, logits: torch.Tensor) -> None:
         """Keep a copy of the state after `tokens` (one row) and of its last `logits` [V]."""
         self.insert_many([(tokens, hashes, state, logits)])
 
@@ -121,7 +123,7 @@ class PrefixCache:
         for tokens, hashes, state, logits in items:
             if not tokens:
                 continue
-            key = (len(tokens), hashes[len(tokens) - 1])
+            key = (len(tokens), int(hashes[len(tokens) - 1]))
             tokens = tuple(tokens)
             held = (
                 pending[key] if key in pending else getattr(self.entries.get(key), "tokens", None)

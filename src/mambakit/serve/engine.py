@@ -45,6 +45,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 
 from ..inference.cuda_graph import static_mode, use_cuda_graph
@@ -151,6 +152,10 @@ class Engine(Intake, Decoding):
                 self.prefill_stream = torch.cuda.Stream(self.device)
         # (event, requests whose prompt it completes) of each prefill launched, not joined
         self._pending: deque[tuple] = deque()
+        # the cache's items (tokens, hashes, state, logits) of the launch being made, and of
+        # the launches joined, not yet copied into the cache (`Intake._cache_joined`)
+        self._keeps: list[tuple] = []
+        self._to_cache: list[tuple] = []
         # launches in flight at most: a prompt that arrives while one runs is launched
         # behind it on the prefill stream rather than an iteration after its join
         self.prefills_in_flight = prefills_in_flight
@@ -230,7 +235,11 @@ class Engine(Intake, Decoding):
         if types != {int} and not all(isinstance(t, int) and not isinstance(t, bool)
                                       for t in prompt):  # fmt: skip
             raise ValueError("prompt must hold token ids (ints)")
-        lo, hi = min(prompt), max(prompt)
+        try:  # read once, here, for the engine's loop too (`Request.ids`)
+            ids = np.asarray(prompt, dtype=np.int64)
+            lo, hi = int(ids.min()), int(ids.max())
+        except OverflowError:  # past int64: outside the vocabulary either way
+            lo, hi = min(prompt), max(prompt)
         if lo < 0 or hi >= self.vocab:
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab}), got [{lo}, {hi}]")
         if len(prompt) > self.max_prompt_tokens:
@@ -241,7 +250,7 @@ class Engine(Intake, Decoding):
             raise ValueError(f"n must be at most max_batch {self.max_batch}, got {params.n}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
-        req = Request(list(prompt), params, sink, request_id)
+        req = Request(list(prompt), params, sink, request_id, ids)
         with self._lock:
             if len(self._settings) > 4096:  # many distinct settings: only grouping suffers
                 self._settings.clear()
@@ -415,10 +424,14 @@ class Engine(Intake, Decoding):
             if self.rows or self._inflight is not None or self._joined:
                 self._decode()
             self._flush()
+            if self._to_cache:
+                self._cache_joined()
             self._admit()
             if self.prefilling or self._pending:
                 self._prefill()
             self._flush()
+            if self._to_cache and not (self.rows or self.prefilling or self._joined):
+                self._cache_joined()  # going idle: nothing to hand out first
         except Exception as e:  # a bug in the bookkeeping: end what runs, keep the loop
             msg = f"internal error: {type(e).__name__}: {e}"
             traceback.print_exc()

@@ -74,7 +74,7 @@ class Intake:
             self.reserved += req.params.n
             req.admitted = time.monotonic()
             if self.cache.enabled:
-                req.hashes = prefix_hashes(req.prompt)
+                req.hashes = prefix_hashes(req.ids)
                 hit = self.cache.lookup(req.prompt, req.hashes)
                 if hit is not None:
                     req.pos = req.cached = len(hit.tokens)
@@ -98,7 +98,7 @@ class Intake:
         prompt with a new system prompt runs whole; the next one keeps its block states."""
         if not self.cache.enabled or len(req.prompt) < self.block_size:
             return True
-        head = req.hashes[self.block_size - 1]
+        head = int(req.hashes[self.block_size - 1])
         seen = head in self._heads
         self._heads[head] = None
         self._heads.move_to_end(head)
@@ -141,7 +141,8 @@ class Intake:
             event = self._launch_event()
             for r in ready:
                 r.launched = True
-            self._pending.append((event, ready))
+            keeps, self._keeps = self._keeps, []
+            self._pending.append((event, ready, keeps))
 
     def _prefill_counts(self) -> tuple[int, int, int]:
         """Prompt tokens prefilled, captured forwards replayed and the tokens they computed
@@ -162,13 +163,14 @@ class Intake:
         """Join the launched prefills that are done, oldest first (`wait`: the oldest in any
         case, waiting for it)."""
         while self._pending:
-            event, ready = self._pending[0]
+            event, ready, keeps = self._pending[0]
             if event is not None and not event.query():
                 if not wait:
                     return
                 event.synchronize()
             wait = False
             self._pending.popleft()
+            self._to_cache += keeps
             ready = [r for r in ready if r in self.prefilling]  # not cancelled meanwhile
             if ready:
                 self._join(ready)
@@ -252,7 +254,7 @@ class Intake:
                     group.append(r)
                     tokens += r.pieces[0]
             lengths = [r.pieces.popleft() for r in group]
-            pieces = [r.prompt[r.pos : r.pos + n] for r, n in zip(group, lengths)]
+            pieces = [r.ids[r.pos : r.pos + n] for r, n in zip(group, lengths)]
             run = self._pieces_forward if min(lengths) == size else self._spans_forward
             self._forward_group(group, lambda f=run, g=group, p=pieces, n=size: f(g, p, n),
                                 [r.pos + n for r, n in zip(group, lengths)])  # fmt: skip
@@ -300,7 +302,7 @@ class Intake:
             for r in reqs:
                 groups.setdefault((0, len(r.prompt)), []).append(r)
         for (_, n), group in groups.items():
-            prompts = [r.prompt for r in group]
+            prompts = [r.ids for r in group]
 
             def forward(prompts=prompts, n=n):
                 done = None
@@ -365,7 +367,7 @@ class Intake:
                     j += 1
 
             def forward(rows=rows, steps=steps, keep=keep):
-                prompts = [[r.prompt[r.pos :] for r in row] for row in rows]
+                prompts = [[r.ids[r.pos :] for r in row] for row in rows]
                 starts = [row[0].state for row in rows]  # a cached prefix's (one row), or None
                 if graphs is not None:
                     done = graphs.run_packed(prompts, steps, starts, keep, self.device)
@@ -410,7 +412,30 @@ class Intake:
             if end % self.block_size == 0 or end == len(r.prompt):
                 keep.append((r.prompt[:end], r.hashes, r.state, r.logits))
         if keep and self.cache.enabled:
-            self.cache.insert_many(keep)  # their copies together: a launch or two
+            if self.async_prefill:  # copied into the cache once the launch is joined
+                self._keeps += keep
+            else:
+                self.cache.insert_many(keep)  # their copies together: a launch or two
+
+    def _cache_joined(self) -> None:
+        """Give the cache the states that joined launches reached (`_forward_group`). With
+        the prefill beside the decode steps, their copies wait for the launch's join and are
+        made after the next iteration has handed out its tokens: the first tokens of the
+        prompts the launch completed, drawn at the join, are not delayed by them (a launch of
+        16 cached prompts makes 48 copies). Made on this stream: each tensor copied from is
+        marked as used by it, so that its memory, made on the prefill stream, is not handed
+        to another launch before the copies have run."""
+        items, self._to_cache = self._to_cache, []
+        if self.prefill_stream is not None:
+            stream = torch.cuda.current_stream(self.device)
+            seen = set()
+            for _, _, state, logits in items:
+                for t in (*state._tensors(), logits):
+                    ptr = t.untyped_storage().data_ptr()
+                    if ptr not in seen:
+                        seen.add(ptr)
+                        t.record_stream(stream)
+        self.cache.insert_many(items)
 
     def _join(self, ready: list[Request]) -> None:
         """`_join_rows`, in the timeline where it is on."""

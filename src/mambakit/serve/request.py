@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..state import ModelState
@@ -99,9 +100,19 @@ class Request:
     """A submitted prompt and its choices; `events()` yields what the engine sends when no
     `sink` was given."""
 
-    def __init__(self, prompt: list[int], params: SamplingParams, sink, request_id) -> None:
+    def __init__(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        sink,
+        request_id,
+        ids: np.ndarray | None = None,
+    ) -> None:
         self.id = request_id or uuid.uuid4().hex
         self.prompt = prompt
+        # the prompt as an int64 array, made by the submitting thread: what the engine's
+        # loop hashes (`cache.prefix_hashes`) without reading a list of ints
+        self.ids = np.asarray(prompt, dtype=np.int64) if ids is None else ids
         self.params = params
         self.arrival = time.monotonic()
         self._queue: queue.Queue | None = None if sink is not None else queue.Queue()
@@ -110,7 +121,7 @@ class Request:
         self.open = params.n  # choices not finished yet
         # prefill
         self.pos = 0
-        self.hashes: list[int] = []
+        self.hashes: np.ndarray | None = None  # `cache.prefix_hashes(ids)`, with the cache on
         self.state: ModelState | None = None  # after prompt[:pos], one row
         self.logits: torch.Tensor | None = None  # [V] at prompt[pos - 1]
         self.pieces: deque[int] = deque()

@@ -146,11 +146,13 @@ class SlotPool:
         step: int,  # the number of the next token they draw
         seen: torch.Tensor | None,  # [R, V]
     ) -> None:
-        """Put R choices in rows start .. start+R-1; nothing here waits for the device."""
+        """Put R choices in rows start .. start+R-1; nothing here waits for the device.
+        Each field in one copy (the rows stacked first where there are several): a launch
+        per field, not per field and row."""
         stop = start + len(states)
-        for i, state in enumerate(states):
-            for dst, src in zip(self.state._tensors(), state._tensors()):
-                dst[:, start + i].copy_(src[:, 0])
+        fields = zip(*(state._tensors() for state in states))
+        for dst, srcs in zip(self.state._tensors(), fields):
+            dst[:, start:stop].copy_(srcs[0] if len(srcs) == 1 else torch.cat(srcs, dim=1))
         self.tok[start:stop].copy_(tokens)
         self.seeds[start:stop].copy_(seeds)
         self.steps[start:stop] = step
