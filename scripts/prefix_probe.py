@@ -62,6 +62,7 @@ def engine(model, cache: bool, graphs: bool) -> Engine:
         with static_mode():
             eng.pool = slots.SlotPool(model, 16, graphs=True)
             eng.prefill_graphs = PrefillGraphs(model, 256)
+        eng.pool.refresh_plans = eng.prefill_graphs.refresh_plans = eng._refresh_plans
         eng.lookahead = eng.async_prefill = True
     eng.warmup()
     return eng

@@ -984,6 +984,7 @@ def test_packed_graphs_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, 
     with static_mode():
         engine.pool = slots.SlotPool(model, 12, graphs=True)
         engine.prefill_graphs = PrefillGraphs(model, 16)
+    engine.pool.refresh_plans = engine.prefill_graphs.refresh_plans = engine._refresh_plans
     graphs = engine.prefill_graphs
     graphs.slots = 4  # few states a row: a launch of many prompts runs as several rows
     engine.lookahead = engine.async_prefill = True
@@ -1058,6 +1059,7 @@ def test_graph_paths_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, mo
         engine.pool = slots.SlotPool(model, 6, graphs=True)
         engine.prefill_graphs = PrefillGraphs(model, 16)
         engine.prefill_graphs.max_rows = 2  # groups of 3 and more run in parts
+    engine.pool.refresh_plans = engine.prefill_graphs.refresh_plans = engine._refresh_plans
     engine.spans = engine.prefill_graphs.spans_enabled = spans
     assert engine.pool.buckets == [1, 2, 4, 6]
     engine.lookahead = engine.async_prefill = True  # as on CUDA

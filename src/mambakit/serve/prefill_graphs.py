@@ -6,9 +6,12 @@ what these run."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
 
+from ..inference.plan import refresh
 from ..state import ModelState
 from .prefill import (
     FORWARD_TOKENS,
@@ -41,6 +44,9 @@ class PrefillGraphs:
 
     def __init__(self, model, block_size: int) -> None:
         self.model = model
+        # brings the plans the graphs read up to date before a replay (the engine's: once
+        # an iteration, `Engine._refresh_plans`)
+        self.refresh_plans = partial(refresh, model)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], tuple] = {}  # (rows, n) -> (graph, ids buffer)
         self.buffers: dict[int, tuple] = {}  # rows -> (state in, state out, logits)
@@ -276,9 +282,7 @@ class PrefillGraphs:
 
     def _replay_graph(self, graph, tokens: int) -> None:
         """Replay `graph` (`tokens` computed: rows x length) on the plans' current weights."""
-        from ..inference.plan import refresh
-
-        refresh(self.model)
+        self.refresh_plans()
         graph.replay()
         self.replays += 1
         self.replayed_tokens += tokens

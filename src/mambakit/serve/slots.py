@@ -18,6 +18,8 @@ alone.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from ..inference.cuda_graph import capture
@@ -105,6 +107,9 @@ class SlotPool:
         self.seen: torch.Tensor | None = None  # [B, V] bool, once a request needs it
         self.vocab = model.config.vocab_size
         self.buckets = decode_buckets(max_batch)
+        # brings the plans the graphs read up to date before a replay (the engine's: once
+        # an iteration, `Engine._refresh_plans`)
+        self.refresh_plans = partial(refresh, model)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if graphs:
             pool = torch.cuda.graph_pool_handle()
@@ -124,7 +129,7 @@ class SlotPool:
     def step(self, n: int) -> torch.Tensor:
         """Advance rows 0 .. n-1 by their tokens `tok`: their logits [n, V]."""
         if self.graphs:
-            refresh(self.model)  # the graphs read the decode plans derived from the weights
+            self.refresh_plans()  # the graphs read the decode plans derived from the weights
             graph, logits = self.graphs[self.bucket(n)]
             graph.replay()
             return logits[:n]
