@@ -7,9 +7,12 @@ run with CUDA's sync debug mode on (a launch that waits for the device shows whe
     python scripts/prefix_probe.py --cache off           # the same without the cache
     python scripts/prefix_probe.py --stand-in            # no CUDA: a cut-down model, graphs
                                                          # whose replay does nothing
+    python scripts/prefix_probe.py --thread              # the loop on its own thread
 
 On the H100 a cached launch (16 prompts) took 3.3 ms of host time, as long as its forward
-took on the device, against 1.5 ms for an uncached one (bench_serve --timeline, 3d919f4).
+took on the device, against 1.5 ms for an uncached one (bench_serve --timeline, 3d919f4);
+0.9-1.6 ms at 2448f08, where the probe's cached TTFT was 5.2 ms and bench_serve's, with the
+loop on its thread, 7.4.
 """
 
 from __future__ import annotations
@@ -75,6 +78,9 @@ def main() -> None:
     ap.add_argument("--stand-in", action="store_true", help="no CUDA: stand-in graphs")
     ap.add_argument("--lines", type=int, default=30)
     ap.add_argument("--sort", default="tottime", help="cProfile order: tottime or cumtime")
+    ap.add_argument("--thread", action="store_true",
+                    help="the engine's loop on a thread of its own, as bench_serve runs it "
+                         "(the clients on this one)")  # fmt: skip
     args = ap.parse_args()
     torch.manual_seed(0)
     if args.stand_in:
@@ -88,6 +94,8 @@ def main() -> None:
     rng = random.Random(0)
     prefix = [rng.randrange(vocab) for _ in range(1024)]
     eng = engine(model, args.cache == "on", graphs=not args.stand_in)
+    if args.thread:
+        eng.start()
     bs.run_engine(eng, bs.make_load(16, rng, (1, 64), (2, 4), vocab), 4)
     if eng.cache.enabled:  # as bench_serve: the first request runs whole, the second keeps
         bs.run_engine(eng, [(prefix + [1], 1)], 1)  # its block states
