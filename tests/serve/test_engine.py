@@ -687,18 +687,20 @@ def test_the_cache_copies_of_a_launch_wait_for_its_join(model_dirs, load, monkey
             ev.done = True
     prompt = list(range(10, 50))  # a new head: prefilled whole, its end state kept
     a = engine.submit(prompt, sp)
+
+    def cached_lengths():
+        return {len(e.tokens) for e in engine.cache.entries.values()}
+
     engine.step()  # a's launch: nothing cached while it runs
-    assert a.launched and len(engine._pending) == 1
-    before = len(engine.cache.entries)
+    assert a.launched and len(engine._pending) == 1 and 40 not in cached_lengths()
     engine.step()
-    assert len(engine.cache.entries) == before and engine._pending
+    assert engine._pending and 40 not in cached_lengths()
     events[-1].done = True
     engine.step()  # joined: a's first token drawn, its states not copied yet
-    assert not engine._pending and a.seqs and len(engine.cache.entries) == before
+    assert not engine._pending and a.seqs and 40 not in cached_lengths()
     assert engine._to_cache
     engine.step()  # the next iteration hands a's first token out, then copies them
-    assert not engine._to_cache
-    assert 40 in {len(e.tokens) for e in engine.cache.entries.values()}
+    assert not engine._to_cache and 40 in cached_lengths()
     b = engine.submit(prompt + [7, 8, 9], sp)
     hits = engine.cache.hits
     for _ in range(100):
@@ -708,6 +710,52 @@ def test_the_cache_copies_of_a_launch_wait_for_its_join(model_dirs, load, monkey
             ev.done = True
         engine.step()
     assert engine.cache.hits == hits + 1 and b.cached == 40
+    for req in (a, b, running):
+        assert tokens(req) == alone(oracle, req.prompt, req.params)
+
+
+def test_a_prompt_admitted_while_its_prefix_runs_finds_it_at_its_launch(model_dirs, load,
+                                                                         monkeypatch):  # fmt: skip
+    """A prompt admitted while a launch that reaches its prefix is in flight (one launch
+    at a time: it waits) looks the cache up again before its own launch, once that launch
+    is joined and its states copied: it continues the prefix rather than starting from
+    zeros, counted as one hit, and gives what generate gives alone."""
+
+    class Event:
+        done = False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.done = True
+
+    model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
+    engine = Engine(model, max_batch=4, block_size=16, cache_bytes=1 << 24)
+    engine.lookahead = engine.async_prefill = True
+    events = []
+    monkeypatch.setattr(engine, "_launch_event", lambda: events.append(Event()) or events[-1])
+    sp = SamplingParams(max_tokens=5, temperature=0)
+    running = engine.submit(list(range(100, 110)), SamplingParams(max_tokens=40, temperature=0))
+    while not engine.rows:
+        engine.step()
+        for ev in events:
+            ev.done = True
+    prompt = list(range(10, 50))
+    a = engine.submit(prompt, sp)
+    engine.step()  # a's launch
+    assert a.launched
+    b = engine.submit(prompt + [7, 8, 9], sp)
+    engine.step()  # b admitted: a miss (a's states are not in the cache yet); it waits
+    assert b in engine.prefilling and not b.launched and b.cached == 0
+    hits, misses = engine.cache.hits, engine.cache.misses
+    for _ in range(100):
+        if a.done and b.done and running.done:
+            break
+        for ev in events:
+            ev.done = True
+        engine.step()
+    assert b.cached == 40 and engine.cache.hits == hits + 1 and engine.cache.misses == misses - 1
     for req in (a, b, running):
         assert tokens(req) == alone(oracle, req.prompt, req.params)
 

@@ -80,14 +80,16 @@ class PrefixCache:
         self.misses = 0
         self.hit_tokens = 0  # prompt tokens not prefilled thanks to a hit
         self.evictions = 0
+        self.added = 0  # entries added so far (a prompt looked up before may look again)
 
     @property
     def enabled(self) -> bool:
         return self.max_bytes > 0
 
-    def lookup(self, tokens: list[int], hashes) -> CacheEntry | None:
+    def lookup(self, tokens: list[int], hashes, count: bool = True) -> CacheEntry | None:
         """The entry of the longest cached prefix of `tokens` (the whole of it included),
-        marked as recently used; None when none is cached."""
+        marked as recently used; None when none is cached. `count`: in the hits, misses
+        and hit tokens (a lookup made again for a prompt counts itself)."""
         if not self.enabled:
             return None
         top = bisect.bisect_right(self.sorted_lengths, len(tokens))
@@ -96,10 +98,12 @@ class PrefixCache:
             entry = self.entries.get(key)
             if entry is not None and entry.tokens == tuple(tokens[:n]):
                 self.entries.move_to_end(key)
-                self.hits += 1
-                self.hit_tokens += n
+                if count:
+                    self.hits += 1
+                    self.hit_tokens += n
                 return entry
-        self.misses += 1
+        if count:
+            self.misses += 1
         return None
 
     def insert(self, tokens: list[int], hashes, state: ModelState, logits: torch.Tensor) -> None:
@@ -158,6 +162,7 @@ class PrefixCache:
         if key in self.entries:  # a colliding prefix: the newer one takes the key
             self._drop(key)
         self.entries[key] = CacheEntry(tokens, state, logits, nbytes)
+        self.added += 1
         self.nbytes += nbytes
         n = len(tokens)
         self.lengths[n] = self.lengths.get(n, 0) + 1

@@ -393,7 +393,8 @@ class Engine(Intake, Decoding):
                 if self._stop and not self._abort:
                     break
                 if not (self._inbox or self._cancels or self.rows or self.prefilling
-                        or self.waiting or self._abort):  # fmt: skip
+                        or self.waiting or self._abort or self._pending
+                        or self._to_cache):  # fmt: skip
                     self._wake.wait(timeout=0.5)
                     continue
             try:
@@ -461,6 +462,7 @@ class Engine(Intake, Decoding):
         self._n_out = 0
         self._ttft = []
         self._itl = []
+        self._plans_fresh = False  # (true only inside an iteration)
 
     def _deliver(self, outbox: list[tuple[Request, Event]]) -> None:
         for req, ev in outbox:

@@ -7,6 +7,8 @@ their first tokens drawn. The state these read and write is `Engine.__init__`'s.
 from __future__ import annotations
 
 import time
+import traceback
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -75,22 +77,51 @@ class Intake:
             req.admitted = time.monotonic()
             if self.cache.enabled:
                 req.hashes = prefix_hashes(req.ids)
+                req.looked = self.cache.added
                 hit = self.cache.lookup(req.prompt, req.hashes)
                 if hit is not None:
                     req.pos = req.cached = len(hit.tokens)
                     req.state, req.logits = hit.state, hit.logits
             if self.packed:  # packed, with the block states unless the head is new
-                rest = len(req.prompt) - req.pos  # 0: the whole prompt was cached
-                req.whole = 0 < rest <= self.prefill_tokens
-                seen = req.pos > 0 or not self._new_head(req)
-                req.blocks = req.whole and self.cache.enabled and seen
-                steps = pack_steps(req.pos, len(req.prompt), self.block_size, req.blocks)
-                if len(steps) > self._pack_slots():  # more states than a row keeps
-                    req.blocks = False
+                self._plan_packed(req, seen=req.pos > 0 or not self._new_head(req))
             else:
                 short = len(req.prompt) <= min(self.whole_max, self.prefill_tokens)
                 req.whole = req.pos == 0 and short and self._new_head(req)
             self.prefilling.append(req)
+
+    def _plan_packed(self, req: Request, seen: bool) -> None:
+        """Whether `req` is packed (the rest of its prompt fits a launch) and keeps its block
+        states (`seen`: its first block was seen before, or it continues a cached prefix)."""
+        rest = len(req.prompt) - req.pos  # 0: the whole prompt was cached
+        req.whole = 0 < rest <= self.prefill_tokens
+        req.blocks = req.whole and self.cache.enabled and seen
+        steps = pack_steps(req.pos, len(req.prompt), self.block_size, req.blocks)
+        if len(steps) > self._pack_slots():  # more states than a row keeps
+            req.blocks = False
+
+    def _look_again(self, fresh: list[Request]) -> None:
+        """Prompts not started yet, looked up again where the cache has gained entries since
+        their last lookup: the states a launch in flight at their admission reaches go into
+        the cache once it is joined (`_cache_joined`), and a prompt that continues one of
+        them finds it before its own launch (as one admitted later would)."""
+        cache = self.cache
+        for r in fresh:
+            if r.looked == cache.added or r.pos != r.cached or r.pos == len(r.prompt):
+                continue
+            r.looked = cache.added
+            hit = cache.lookup(r.prompt, r.hashes, count=False)
+            if hit is None or len(hit.tokens) <= r.pos:
+                continue
+            if r.cached == 0:  # its admission's lookup was a miss: now a hit
+                cache.misses -= 1
+                cache.hits += 1
+            cache.hit_tokens += len(hit.tokens) - r.cached
+            r.pos = r.cached = len(hit.tokens)
+            r.state, r.logits = hit.state, hit.logits
+            if self.packed:
+                self._plan_packed(r, seen=True)
+            else:
+                r.whole = False
 
     def _new_head(self, req: Request) -> bool:
         """Whether `req` (starting from zeros) may be prefilled whole: no cache, a prompt
@@ -118,20 +149,29 @@ class Intake:
         if not (self.rows or self._inflight is not None) and (full or not fresh):
             self._join_launches(wait=True)  # nothing else to do: wait for the oldest launch
             fresh = [r for r in self.prefilling if not r.launched]
+        if fresh and self._to_cache:  # a joined launch's states, for the prompts to launch
+            self._cache_joined()
+        if fresh and self.cache.enabled:
+            self._look_again(fresh)
         if fresh and len(self._pending) < self.prefills_in_flight and not self._hold(fresh):
-            if self.prefill_stream is None:
-                ready = self._launch_prefill(fresh)
-            else:
-                self.prefill_stream.wait_stream(self.decode_stream)
-                with torch.cuda.stream(self.prefill_stream):
-                    timeline = self._timeline()
-                    start = _timed_event(timeline)
-                    before, t0 = self._prefill_counts(), time.perf_counter()
+            try:
+                if self.prefill_stream is None:
                     ready = self._launch_prefill(fresh)
-                    if start is not None:
-                        done = tuple(b - a for a, b in zip(before, self._prefill_counts()))
-                        host = time.perf_counter() - t0
-                        timeline.append(("prefill", (*done, host), start, _timed_event(timeline)))
+                else:
+                    self.prefill_stream.wait_stream(self.decode_stream)
+                    with torch.cuda.stream(self.prefill_stream):
+                        timeline = self._timeline()
+                        start = _timed_event(timeline)
+                        before, t0 = self._prefill_counts(), time.perf_counter()
+                        ready = self._launch_prefill(fresh)
+                        if start is not None:
+                            done = tuple(b - a for a, b in zip(before, self._prefill_counts()))
+                            host = time.perf_counter() - t0
+                            span = ("prefill", (*done, host), start, _timed_event(timeline))
+                            timeline.append(span)
+            except BaseException:
+                self._keeps = []  # a launch that failed: its states are not kept
+                raise
             if not self.async_prefill:
                 if ready:
                     if self.prefill_stream is not None:
@@ -420,22 +460,20 @@ class Intake:
     def _cache_joined(self) -> None:
         """Give the cache the states that joined launches reached (`_forward_group`). With
         the prefill beside the decode steps, their copies wait for the launch's join and are
-        made after the next iteration has handed out its tokens: the first tokens of the
-        prompts the launch completed, drawn at the join, are not delayed by them (a launch of
-        16 cached prompts makes 48 copies). Made on this stream: each tensor copied from is
-        marked as used by it, so that its memory, made on the prefill stream, is not handed
-        to another launch before the copies have run."""
+        made after the next iteration has handed out its tokens (or before a launch that
+        might continue one of them): the first tokens of the prompts a launch completes,
+        drawn at the join, are not delayed by them (a launch of 16 cached prompts makes 48
+        copies). They are made on the prefill stream, where the launch made what they copy
+        and where later launches read the cache's states: in that stream's order, and the
+        entries' memory is the prefill stream's, as when they were made inside the launch.
+        A copy that fails (out of memory) drops the batch: the cache only misses them."""
         items, self._to_cache = self._to_cache, []
-        if self.prefill_stream is not None:
-            stream = torch.cuda.current_stream(self.device)
-            seen = set()
-            for _, _, state, logits in items:
-                for t in (*state._tensors(), logits):
-                    ptr = t.untyped_storage().data_ptr()
-                    if ptr not in seen:
-                        seen.add(ptr)
-                        t.record_stream(stream)
-        self.cache.insert_many(items)
+        stream = torch.cuda.stream(self.prefill_stream) if self.prefill_stream is not None else None
+        try:
+            with stream if stream is not None else nullcontext():
+                self.cache.insert_many(items)
+        except Exception:  # noqa: BLE001 - the cache is an optimisation: go on without them
+            traceback.print_exc()
 
     def _join(self, ready: list[Request]) -> None:
         """`_join_rows`, in the timeline where it is on."""

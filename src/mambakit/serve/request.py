@@ -128,6 +128,7 @@ class Request:
         self.whole = False  # prefilled in one piece from zeros (Engine._admit)
         self.blocks = False  # packed (Engine.packed): its block boundaries' states kept too
         self.cached = 0  # prompt tokens found in the prefix cache
+        self.looked = -1  # `PrefixCache.added` at its last lookup
         self.admitted = 0.0  # when it left the queue for the prefill (time.monotonic)
         self.launched = False  # its prefill is launched to the prompt's end, not joined yet
         self.sampling = params.sampling  # the engine's one object for equal settings
