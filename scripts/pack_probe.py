@@ -1,7 +1,7 @@
 # ruff: noqa: B023 (each lambda is timed inside its own iteration)
 """Packed prefill forwards (rows of prompts end to end) against whole prompts padded into
 rows, on the device: the forwards (captured; timed as a caller sees them, and the device's
-own time, `device_timed`), the scan alone with and without `states_at`, at 130m. Prints
+own time, `timed(device=True)`), the scan alone with and without `states_at`, at 130m. Prints
 milliseconds."""
 
 from __future__ import annotations
@@ -20,33 +20,20 @@ from mambakit.ops import selective_scan  # noqa: E402
 from mambakit.serve.prefill_graphs import PrefillGraphs  # noqa: E402
 
 
-def timed(fn, reps: int = 20) -> float:
+def timed(fn, reps: int = 20, device: bool = False) -> float:
+    """Median ms of `fn` between CUDA events. `device`: the device's own time of its
+    work: the stream first held by a sleep kernel long enough for the host to enqueue all
+    of `fn` behind it, so the events' span is the kernels back to back, none of the host's
+    time (without it the span includes the host's work before the first kernel, a packed
+    forward's rows built on the host among it)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
-
-def device_timed(fn, reps: int = 10) -> float:
-    """The device's own time of `fn`'s work (median ms): the stream first held by a sleep
-    kernel long enough for the host to enqueue all of `fn` behind it, so the events' span
-    is the kernels back to back, none of the host's time (`timed` includes the host's work
-    before the first kernel, a packed forward's rows built on the host among it)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(50_000_000)  # tens of ms at the clock rates of an H100 or H200
+        if device:
+            torch.cuda._sleep(50_000_000)  # tens of ms at the clock rates of an H100 or H200
         a.record()
         fn()
         b.record()
@@ -68,7 +55,9 @@ def main() -> None:
         for rows, n in ((8, 2048), (2, 2048), (16, 256), (1, 1024)):
             prompts = [[1] * n] * rows
             res[f"whole {rows}x{n}"] = timed(lambda: graphs.run_whole(prompts, dev))
-            res[f"whole {rows}x{n}, device"] = device_timed(lambda: graphs.run_whole(prompts, dev))
+            res[f"whole {rows}x{n}, device"] = timed(
+                lambda: graphs.run_whole(prompts, dev), device=True
+            )
             packed = [[p] for p in prompts]  # a prompt a row: the same tokens, packed
             steps = [[[n - 1]]] * rows
             keep = [(b, 0) for b in range(rows)]
@@ -76,8 +65,8 @@ def main() -> None:
             res[f"packed {rows}x{n}"] = timed(
                 lambda: graphs.run_packed(packed, steps, [None] * rows, keep, dev)
             )
-            res[f"packed {rows}x{n}, device"] = device_timed(
-                lambda: graphs.run_packed(packed, steps, [None] * rows, keep, dev)
+            res[f"packed {rows}x{n}, device"] = timed(
+                lambda: graphs.run_packed(packed, steps, [None] * rows, keep, dev), device=True
             )
             half = [[[1] * (n // 2)] * 2] * rows  # two prompts a row
             steps2 = [[[n // 2 - 1]] * 2] * rows

@@ -616,27 +616,58 @@ def test_prefill_pieces_share_forwards():
     assert [t for _, t in plan_targets([b, w, c], 800, 256)] == [50, 700, 10]
 
 
+class LaunchEvent:
+    """A prefill launch's event in a test: done when the engine waits for it, or by hand."""
+
+    def __init__(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+
+def deferred(engine: Engine, monkeypatch) -> list[LaunchEvent]:
+    """`engine` made to prefill as on CUDA (launches joined at an iteration that finds
+    them done, tokens read an iteration late), each launch's event one of the list."""
+    engine.lookahead = engine.async_prefill = True
+    events: list[LaunchEvent] = []
+    monkeypatch.setattr(engine, "_launch_event", lambda: events.append(LaunchEvent()) or events[-1])
+    return events
+
+
+def finish(engine: Engine, events: list[LaunchEvent], reqs) -> None:
+    """Step `engine`, every launch done as it comes, until `reqs` have ended."""
+    for _ in range(1000):
+        if all(r.done for r in reqs):
+            return
+        for ev in events:
+            ev.done = True
+        engine.step()
+    raise AssertionError("the engine did not finish its requests")
+
+
+def decoding(engine: Engine, events: list[LaunchEvent]):
+    """A request that keeps `engine` decoding for 40 tokens, once it has joined."""
+    running = engine.submit(list(range(100, 110)), SamplingParams(max_tokens=40, temperature=0))
+    while not engine.rows:
+        engine.step()
+        for ev in events:
+            ev.done = True
+    return running
+
+
 def test_a_prompt_launches_behind_a_running_prefill(model_dirs, load, monkeypatch):
     """With the prefill deferred (as on CUDA) and its events not done yet, a prompt that
     arrives while one launch runs is launched behind it (`prefills_in_flight` 2), a third
     waits for a free place; nothing to decode, the engine waits for the oldest launch.
     Joined in launch order, every request gives what generate gives alone."""
 
-    class Event:  # a launch's event: done when the engine waits for it, or by hand
-        def __init__(self):
-            self.done = False
-
-        def query(self):
-            return self.done
-
-        def synchronize(self):
-            self.done = True
-
     model, oracle = load(model_dirs["tiny-mamba2"]), load(model_dirs["tiny-mamba2"])
     engine = Engine(model, max_batch=4, block_size=16, cache_bytes=1 << 24, prefills_in_flight=2)
-    engine.lookahead = engine.async_prefill = True
-    events = []
-    monkeypatch.setattr(engine, "_launch_event", lambda: events.append(Event()) or events[-1])
+    events = deferred(engine, monkeypatch)
     sp = SamplingParams(max_tokens=6, temperature=0)
     a = engine.submit(list(range(10, 30)), sp)
     engine.step()
@@ -664,27 +695,11 @@ def test_the_cache_copies_of_a_launch_wait_for_its_join(model_dirs, load, monkey
     not while it runs, and not at the join itself; then they are found, and a prompt that
     continues one gives what generate gives alone."""
 
-    class Event:  # a launch's event: done by hand
-        done = False
-
-        def query(self):
-            return self.done
-
-        def synchronize(self):
-            self.done = True
-
     model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
     engine = Engine(model, max_batch=4, block_size=16, cache_bytes=1 << 24)
-    engine.lookahead = engine.async_prefill = True
-    events = []
-    monkeypatch.setattr(engine, "_launch_event", lambda: events.append(Event()) or events[-1])
+    events = deferred(engine, monkeypatch)
     sp = SamplingParams(max_tokens=5, temperature=0)
-    long = SamplingParams(max_tokens=40, temperature=0)
-    running = engine.submit(list(range(100, 110)), long)  # keeps the engine decoding
-    while not engine.rows:
-        engine.step()
-        for ev in events:
-            ev.done = True
+    running = decoding(engine, events)
     prompt = list(range(10, 50))  # a new head: prefilled whole, its end state kept
     a = engine.submit(prompt, sp)
 
@@ -703,12 +718,7 @@ def test_the_cache_copies_of_a_launch_wait_for_its_join(model_dirs, load, monkey
     assert not engine._to_cache and 40 in cached_lengths()
     b = engine.submit(prompt + [7, 8, 9], sp)
     hits = engine.cache.hits
-    for _ in range(100):
-        if b.done and a.done and running.done:
-            break
-        for ev in events:
-            ev.done = True
-        engine.step()
+    finish(engine, events, [a, b, running])
     assert engine.cache.hits == hits + 1 and b.cached == 40
     for req in (a, b, running):
         assert tokens(req) == alone(oracle, req.prompt, req.params)
@@ -720,27 +730,11 @@ def test_a_prompt_admitted_while_its_prefix_runs_finds_it_at_its_launch(model_di
     at a time: it waits) looks the cache up again before its own launch, once that launch
     is joined and its states copied: it continues the prefix rather than starting from
     zeros, counted as one hit, and gives what generate gives alone."""
-
-    class Event:
-        done = False
-
-        def query(self):
-            return self.done
-
-        def synchronize(self):
-            self.done = True
-
     model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
     engine = Engine(model, max_batch=4, block_size=16, cache_bytes=1 << 24)
-    engine.lookahead = engine.async_prefill = True
-    events = []
-    monkeypatch.setattr(engine, "_launch_event", lambda: events.append(Event()) or events[-1])
+    events = deferred(engine, monkeypatch)
     sp = SamplingParams(max_tokens=5, temperature=0)
-    running = engine.submit(list(range(100, 110)), SamplingParams(max_tokens=40, temperature=0))
-    while not engine.rows:
-        engine.step()
-        for ev in events:
-            ev.done = True
+    running = decoding(engine, events)
     prompt = list(range(10, 50))
     a = engine.submit(prompt, sp)
     engine.step()  # a's launch
@@ -749,12 +743,7 @@ def test_a_prompt_admitted_while_its_prefix_runs_finds_it_at_its_launch(model_di
     engine.step()  # b admitted: a miss (a's states are not in the cache yet); it waits
     assert b in engine.prefilling and not b.launched and b.cached == 0
     hits, misses = engine.cache.hits, engine.cache.misses
-    for _ in range(100):
-        if a.done and b.done and running.done:
-            break
-        for ev in events:
-            ev.done = True
-        engine.step()
+    finish(engine, events, [a, b, running])
     assert b.cached == 40 and engine.cache.hits == hits + 1 and engine.cache.misses == misses - 1
     for req in (a, b, running):
         assert tokens(req) == alone(oracle, req.prompt, req.params)
