@@ -298,6 +298,41 @@ def test_prefix_cache_lru_budget_and_exact_keys():
     assert cache.lookup([5], forged) is None
 
 
+def test_prefix_cache_lookup_finds_the_longest_cached_prefix():
+    """`lookup` against a search of every entry: the longest cached prefix of the tokens
+    (longer than `longer_than`), from hashes as an array or a list, counted as a hit or a
+    miss only when asked; prompts drawn from a few stems, so prefixes are shared."""
+
+    class S:
+        def __init__(self, t):
+            self.t = t
+
+        def _tensors(self):
+            return (self.t,)
+
+    rng = random.Random(5)
+    stems = [[rng.randrange(7) for _ in range(40)] for _ in range(3)]
+    cache = PrefixCache(max_bytes=1 << 20)
+    kept = []
+    for _ in range(60):
+        toks = rng.choice(stems)[: rng.randint(1, 40)] + [rng.randrange(7)] * rng.randint(0, 3)
+        cache.insert(toks, prefix_hashes(toks), S(torch.zeros(1, 1, 1)), torch.zeros(1))
+        kept.append(tuple(toks))
+    for _ in range(200):
+        q = rng.choice(stems)[: rng.randint(1, 40)] + [rng.randrange(7)] * rng.randint(0, 3)
+        above = rng.choice([0, 0, rng.randint(0, len(q))])
+        want = max((k for k in set(kept) if len(k) > above and tuple(q[: len(k)]) == k),
+                   key=len, default=None)  # fmt: skip
+        hashes = prefix_hashes(q)
+        hits, misses = cache.hits, cache.misses
+        got = cache.lookup(q, hashes if rng.random() < 0.5 else hashes.tolist(),
+                           count=False, longer_than=above)  # fmt: skip
+        assert (got.tokens if got is not None else None) == want
+        assert (cache.hits, cache.misses) == (hits, misses)
+        got = cache.lookup(q, hashes, longer_than=above)
+        assert (cache.hits, cache.misses) == (hits + (want is not None), misses + (want is None))
+
+
 def test_prefix_cache_insert_many_copies_and_keys():
     """A batch of inserts (`insert_many`, what a prefill launch gives the cache) keeps
     copies, not views, of its rows; a prefix twice in a batch is kept once; of two
@@ -729,7 +764,8 @@ def test_a_prompt_admitted_while_its_prefix_runs_finds_it_at_its_launch(model_di
     """A prompt admitted while a launch that reaches its prefix is in flight (one launch
     at a time: it waits) looks the cache up again before its own launch, once that launch
     is joined and its states copied: it continues the prefix rather than starting from
-    zeros, counted as one hit, and gives what generate gives alone."""
+    zeros, counted as a hit (its miss at admission stays counted: counters never fall),
+    and gives what generate gives alone."""
     model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
     engine = Engine(model, max_batch=4, block_size=16, cache_bytes=1 << 24)
     events = deferred(engine, monkeypatch)
@@ -744,7 +780,7 @@ def test_a_prompt_admitted_while_its_prefix_runs_finds_it_at_its_launch(model_di
     assert b in engine.prefilling and not b.launched and b.cached == 0
     hits, misses = engine.cache.hits, engine.cache.misses
     finish(engine, events, [a, b, running])
-    assert b.cached == 40 and engine.cache.hits == hits + 1 and engine.cache.misses == misses - 1
+    assert b.cached == 40 and engine.cache.hits == hits + 1 and engine.cache.misses == misses
     for req in (a, b, running):
         assert tokens(req) == alone(oracle, req.prompt, req.params)
 

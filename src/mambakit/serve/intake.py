@@ -109,11 +109,10 @@ class Intake:
             if r.looked == cache.added or r.pos != r.cached or r.pos == len(r.prompt):
                 continue
             r.looked = cache.added
-            hit = cache.lookup(r.prompt, r.hashes, count=False)
-            if hit is None or len(hit.tokens) <= r.pos:
+            hit = cache.lookup(r.prompt, r.hashes, count=False, longer_than=r.pos)
+            if hit is None:
                 continue
-            if r.cached == 0:  # its admission's lookup was a miss: now a hit
-                cache.misses -= 1
+            if r.cached == 0:  # a miss at its admission (still counted: counters never fall)
                 cache.hits += 1
             cache.hit_tokens += len(hit.tokens) - r.cached
             r.pos = r.cached = len(hit.tokens)
@@ -178,10 +177,10 @@ class Intake:
                         self.decode_stream.wait_stream(self.prefill_stream)
                     self._join(ready)
                 return
+            keeps, self._keeps = self._keeps, []  # (an event that fails keeps none either)
             event = self._launch_event()
             for r in ready:
                 r.launched = True
-            keeps, self._keeps = self._keeps, []
             self._pending.append((event, ready, keeps))
 
     def _prefill_counts(self) -> tuple[int, int, int]:
