@@ -158,7 +158,8 @@ class Engine(Intake, Decoding):
             with self._on_device():
                 self.decode_stream = torch.cuda.Stream(self.device, priority=-1)
                 self.prefill_stream = torch.cuda.Stream(self.device)
-        # (event, requests whose prompt it completes) of each prefill launched, not joined
+        # (event, requests whose prompt it completes, its cache items) of each prefill
+        # launched, not joined
         self._pending: deque[tuple] = deque()
         # the cache's items (tokens, hashes, state, logits) of the launch being made, and of
         # the launches joined, not yet copied into the cache (`Intake._cache_joined`)
