@@ -1,7 +1,8 @@
 """The serving engine's decode side (`Engine`'s methods, as a base class): one batched
 step over the running rows, each row sampled with its own settings, and the reading of a
 step's tokens (with lookahead, an iteration after its launch): stop checks, text and
-events per choice. The state these read and write is `Engine.__init__`'s."""
+events per choice, and the rows of the choices that end freed. The state these read and
+write is `Engine.__init__`'s."""
 
 from __future__ import annotations
 
@@ -117,6 +118,27 @@ class Decoding:
                 self._end_request(req, "error", f"{type(e).__name__}: {e}")
         self._n_out += n_out
         self._free_rows()
+
+    def _finish(self, seq, reason: str) -> None:
+        seq.finished = reason
+        seq.request.open -= 1
+        with self.metrics.lock:
+            self.metrics.finished[reason] += 1
+
+    def _free_rows(self) -> None:
+        """Drop finished choices from the pool, moving the last rows into the holes."""
+        rows, counts = self.rows, self._row_settings
+        for i in reversed(range(len(rows))):
+            if rows[i].finished is not None:
+                key = id(rows[i].request.sampling)
+                counts[key] -= 1
+                if not counts[key]:
+                    del counts[key]
+                last = len(rows) - 1
+                if i != last:
+                    self.pool.move(last, i)
+                    rows[i] = rows[last]
+                rows.pop()
 
 
 def _timed_event(timeline: list | None):

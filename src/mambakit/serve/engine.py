@@ -22,8 +22,9 @@ One thread (the engine loop) does all the model work. Each iteration:
    bounds the time a prompt adds to an iteration). A prompt whose prefill completes
    draws its first token from the prompt's last logits and joins the decode batch.
 
-Step 2 is `decode.py`'s (`Decoding`), step 3 `intake.py`'s (`Intake`): the engine's two
-sides, methods of `Engine` on the state its constructor sets up.
+Step 2 is `decode.py`'s (`Decoding`), step 3 `intake.py`'s (`Intake`, with the forwards of
+a launch in `forwards.py`'s `Forwards`): the engine's two sides, methods of `Engine` on the
+state its constructor sets up.
 
 Requests beyond the free rows wait in a queue of at most `max_queue`; `submit` raises
 `QueueFull` beyond it. An exception while handling one request ends that request with
@@ -45,7 +46,6 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from contextlib import nullcontext
 
-import numpy as np
 import torch
 
 from ..inference.cuda_graph import static_mode, use_cuda_graph
@@ -53,19 +53,20 @@ from ..inference.plan import refresh
 from ..threads import apply_threads
 from .cache import PrefixCache
 from .decode import Decoding
+from .forwards import Forwards
 from .intake import Intake
 from .metrics import Metrics
 from .params import EngineStopped, Event, QueueFull, SamplingParams
 from .prefill import WHOLE_MAX
 from .prefill_graphs import PrefillGraphs
-from .request import Completion, PromptTooLong, Request, Sequence
+from .request import Completion, Request, Sequence, prompt_ids
 from .slots import SlotPool
 
 PREFILL_TOKENS_CUDA = 16384  # the default prefill launch on CUDA (beside the decode steps)
 PREFILL_TOKENS = 2048  # elsewhere, where it adds to an iteration's time
 
 
-class Engine(Intake, Decoding):
+class Engine(Intake, Forwards, Decoding):
     """Continuous batching over `max_batch` state slots (module docstring).
 
     model: a MambaLM (eval mode; its device and dtype are the engine's).
@@ -236,30 +237,12 @@ class Engine(Intake, Decoding):
         through `deliver`) or to the request's `events()`. Raises ValueError naming the
         field, PromptTooLong, QueueFull or EngineStopped."""
         params = params or SamplingParams()
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.tolist()
-        if not isinstance(prompt, list | tuple) or not prompt:
-            raise ValueError("prompt must be a non-empty list of token ids")
-        types = set(map(type, prompt))  # one pass in C; the general check when not all int
-        if types != {int} and not all(isinstance(t, int) and not isinstance(t, bool)
-                                      for t in prompt):  # fmt: skip
-            raise ValueError("prompt must hold token ids (ints)")
-        try:  # read once, here, for the engine's loop too (`Request.ids`)
-            ids = np.asarray(prompt, dtype=np.int64)
-            lo, hi = int(ids.min()), int(ids.max())
-        except OverflowError:  # past int64: outside the vocabulary either way
-            lo, hi = min(prompt), max(prompt)
-        if lo < 0 or hi >= self.vocab:
-            raise ValueError(f"prompt token ids must lie in [0, {self.vocab}), got [{lo}, {hi}]")
-        if len(prompt) > self.max_prompt_tokens:
-            raise PromptTooLong(
-                f"prompt has {len(prompt)} tokens, more than the limit {self.max_prompt_tokens}"
-            )
+        prompt, ids = prompt_ids(prompt, self.vocab, self.max_prompt_tokens)
         if params.n > self.max_batch:
             raise ValueError(f"n must be at most max_batch {self.max_batch}, got {params.n}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
-        req = Request(list(prompt), params, sink, request_id, ids)
+        req = Request(prompt, params, sink, request_id, ids)
         with self._lock:
             if len(self._settings) > 4096:  # many distinct settings: only grouping suffers
                 self._settings.clear()
@@ -463,7 +446,6 @@ class Engine(Intake, Decoding):
         self._n_out = 0
         self._ttft = []
         self._itl = []
-        self._plans_fresh = False  # (true only inside an iteration)
 
     def _deliver(self, outbox: list[tuple[Request, Event]]) -> None:
         for req, ev in outbox:
@@ -477,12 +459,6 @@ class Engine(Intake, Decoding):
         if self._outbox:
             out, self._outbox = self._outbox, []
             self.deliver(out)
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        seq.finished = reason
-        seq.request.open -= 1
-        with self.metrics.lock:
-            self.metrics.finished[reason] += 1
 
     def _end_request(self, req: Request, reason: str, error: str | None = None) -> None:
         """End every open choice of `req` with `reason` and take it out of the engine."""
@@ -509,18 +485,3 @@ class Engine(Intake, Decoding):
                 with self.metrics.lock:
                     self.metrics.finished[reason] += 1
         self._free_rows()
-
-    def _free_rows(self) -> None:
-        """Drop finished choices from the pool, moving the last rows into the holes."""
-        rows, counts = self.rows, self._row_settings
-        for i in reversed(range(len(rows))):
-            if rows[i].finished is not None:
-                key = id(rows[i].request.sampling)
-                counts[key] -= 1
-                if not counts[key]:
-                    del counts[key]
-                last = len(rows) - 1
-                if i != last:
-                    self.pool.move(last, i)
-                    rows[i] = rows[last]
-                rows.pop()

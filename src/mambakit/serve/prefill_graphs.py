@@ -71,7 +71,7 @@ class PrefillGraphs:
             rows *= 2
         self.pack_rows = rows
         # tokens of a packed forward at most: twice the widest row (`warmup`, or the engine's
-        # prefill budget, `Intake._prefill_packed`)
+        # prefill budget, `Forwards._prefill_packed`)
         self.pack_tokens = 2 * PACK_MIN
         self.packed_in: dict[int, ModelState] = {}  # rows -> the rows' initial state buffer
         self.packed_out: tuple | None = None  # (state, logits) of pack_rows * slots rows

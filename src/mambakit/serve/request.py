@@ -26,6 +26,32 @@ class PromptTooLong(ValueError):
     """The prompt has more tokens than the engine's limit (HTTP 413)."""
 
 
+def prompt_ids(prompt, vocab: int, most: int) -> tuple[list[int], np.ndarray]:
+    """A submitted prompt checked (a non-empty list of ints, each in [0, vocab), at most
+    `most` of them; a tensor is read as its list): the list and its int64 array, read once
+    here for the engine's loop (`Request.ids`). Raises ValueError naming what is wrong, or
+    PromptTooLong."""
+    if isinstance(prompt, torch.Tensor):
+        prompt = prompt.tolist()
+    if not isinstance(prompt, list | tuple) or not prompt:
+        raise ValueError("prompt must be a non-empty list of token ids")
+    types = set(map(type, prompt))  # one pass in C; the general check when not all int
+    if types != {int} and not all(isinstance(t, int) and not isinstance(t, bool)
+                                  for t in prompt):  # fmt: skip
+        raise ValueError("prompt must hold token ids (ints)")
+    ids = None
+    try:
+        ids = np.asarray(prompt, dtype=np.int64)
+        lo, hi = int(ids.min()), int(ids.max())
+    except OverflowError:  # past int64: outside the vocabulary either way
+        lo, hi = min(prompt), max(prompt)
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"prompt token ids must lie in [0, {vocab}), got [{lo}, {hi}]")
+    if len(prompt) > most:
+        raise PromptTooLong(f"prompt has {len(prompt)} tokens, more than the limit {most}")
+    return list(prompt), ids
+
+
 @dataclass
 class Completion:
     """One finished choice, as `Engine.generate` returns it."""
