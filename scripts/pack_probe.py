@@ -2,7 +2,8 @@
 """Packed prefill forwards (rows of prompts end to end) against whole prompts padded into
 rows, on the device: the forwards (captured; timed as a caller sees them, and the device's
 own time, `timed(device=True)`), the scan alone with and without `states_at`, at 130m. Prints
-milliseconds."""
+milliseconds; `--profile`: also the kernels of one whole and one packed forward of the same
+rows (eager, the profiler's table of each), where their times part."""
 
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="130m")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default="8x2048", help="ROWSxN: the kernel tables of one "
+                    "whole and one packed forward of these rows ('' for none)")  # fmt: skip
     args = ap.parse_args()
     dev = torch.device("cuda")
     model = MambaLM(MambaConfig.preset(args.preset)).to(dev, torch.bfloat16).eval()
@@ -95,8 +98,40 @@ def main() -> None:
             )
     for k, v in res.items():
         print(f"{k:40s} {v:8.3f} ms")
+    if args.profile:
+        profile_tables(model, *map(int, args.profile.split("x")), dev)
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+def profile_tables(model, rows: int, n: int, dev) -> None:
+    """The profiler's kernel tables of an eager whole forward (`last_logits`, left filler
+    marked by seq_idx) and an eager packed one (`_states_at`, a prompt a row, every row's
+    PACK_SLOTS steps kept) of the same rows x n tokens."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from mambakit.serve.prefill import PACK_SLOTS
+
+    ids = torch.ones(rows, n, dtype=torch.int64, device=dev)
+    seq = torch.zeros(rows, n, dtype=torch.int32, device=dev)
+    pos = torch.arange(n - PACK_SLOTS, n, device=dev).expand(rows, -1).contiguous()
+    runs = {"whole (last_logits)": lambda: model.last_logits(ids, None, seq),
+            "packed (_states_at)": lambda: model._states_at(ids, pos, None, seq)}  # fmt: skip
+    with torch.no_grad():
+        for name, fn in runs.items():
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    fn()
+                torch.cuda.synchronize()
+            print(f"== {name} {rows}x{n}, 5 forwards")
+            print(
+                prof.key_averages().table(
+                    sort_by="self_device_time_total", row_limit=25, max_name_column_width=70
+                )
+            )
 
 
 if __name__ == "__main__":

@@ -255,3 +255,17 @@ def test_compiled_layer_keeps_nothing_for_inference(monkeypatch):
     y = layer(u.clone().requires_grad_(), state)
     with pytest.raises(RuntimeError, match="kept nothing for a backward"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["layer", "scan"])
+def test_compiled_core_leaves_the_parameters_resizable(whole, monkeypatch):
+    """FSDP frees and regrows a sharded parameter's storage: neither the compiled layer nor
+    the compiled scan alone (the path of a layer whose B, C norms are not plain) may mark a
+    parameter's as never resizable (as `.numpy()` on it would)."""
+    layer = make(torch.float32)
+    if not whole:  # a hook on a norm: the layer's op chain, with the compiled scan
+        layer.B_norm.register_forward_hook(lambda m, i, o: None)
+    out = layer(torch.randn(2, 5, 32, requires_grad=True))
+    out.sum().backward()
+    for p in layer.parameters():
+        p.untyped_storage().resize_(0)  # raises where the storage was marked

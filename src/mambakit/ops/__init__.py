@@ -33,6 +33,8 @@ from .decode import (
 )
 from .mamba_inner.reference import mamba_inner_chain
 from .mamba_step import StepWeights
+from .rms_norm.compiled import compiles as compiled_norm
+from .rms_norm.compiled import rms_norm_compiled
 from .rms_norm.reference import rms_norm_reference
 from .rms_norm_gated.reference import rms_norm_gated_reference
 from .selective_scan.reference import (
@@ -298,6 +300,8 @@ def _rms_norm(x, weight, eps, residual, out_dtype, backend):
         from .rms_norm import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, residual, out_dtype)
+    if compiled_norm(x, weight, residual, out_dtype):  # one call each way on the CPU
+        return rms_norm_compiled(x, weight, eps, residual)
     return rms_norm_reference(x, weight, eps, residual, out_dtype)
 
 

@@ -38,6 +38,7 @@ __all__ = [
     "compile_stack",
     "compiles",
     "compiles_stack",
+    "param_array",
     "rows_max",
 ]
 
@@ -69,6 +70,14 @@ def available() -> bool:
         warnings.warn(f"mambakit's compiled CPU steps are off: {exc}", stacklevel=2)
         return False
     return True
+
+
+def param_array(t: torch.Tensor):
+    """A parameter's values as an array of their own: `.numpy()` on the parameter itself
+    would mark its storage as never to be resized again, and FSDP frees and regrows the
+    storage of the parameters it shards (a copy of a norm's or a bias's few values costs
+    less than a microsecond more)."""
+    return t.detach().clone().numpy()
 
 
 def stack_layers(tensors) -> torch.Tensor:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from . import param_array
 from .common import JIT, exp, one, sigmoid, silu, sincos, threads, zero
 
 MAX_STATE_BYTES = 256 << 20  # every step's state kept for the backward, at most
@@ -65,11 +66,11 @@ def arrays(x, q, k, delta, A, trap, rate, qb, kb, D, z, angle0, ssm0, k0, x0) ->
     """The kernels' leading arguments from tensors: the inputs as arrays, zeros for an
     absent D or z ([H] and [1, 1, 1, 1]) and whether z is there."""
     f = x.numpy().dtype
-    Dv = D.numpy() if D is not None else np.zeros(x.shape[2], f)
+    Dv = param_array(D) if D is not None else np.zeros(x.shape[2], f)
     zv = z.numpy() if z is not None else np.zeros((1, 1, 1, 1), f)
-    head = (x, q, k, delta, A, trap, rate, qb, kb)
-    return (*(t.numpy() for t in head), Dv, zv, z is not None,
-            *(t.numpy() for t in (angle0, ssm0, k0, x0)))  # fmt: skip
+    head = (x, q, k, delta, A, trap, rate)
+    return (*(t.numpy() for t in head), param_array(qb), param_array(kb), Dv, zv,
+            z is not None, *(t.numpy() for t in (angle0, ssm0, k0, x0)))  # fmt: skip
 
 
 def backward(saved, kept, grads):

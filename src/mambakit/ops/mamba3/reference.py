@@ -311,14 +311,15 @@ class _Layer3(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, consts, zx, w_B, w_C, dt_bias, q_bias, k_bias, D, *state0):
-        from ..cpu_jit import scan3, terms3
+        from ..cpu_jit import param_array, scan3, terms3
 
         sizes, eps_B, eps_C, A_floor, grad = consts
         H, N = sizes[3], sizes[1]
         # what the backward reads (the start state's angle and ssm are copied into `kept`)
         ctx.save_for_backward(zx, w_B, w_C, dt_bias, q_bias, k_bias, D, *state0[2:])
-        zx_, w_B_, w_C_, dt_, D_ = (t.detach().numpy() for t in (zx, w_B, w_C, dt_bias, D))
-        qb, kb = q_bias.detach().numpy().reshape(H, N), k_bias.detach().numpy().reshape(H, N)
+        zx_ = zx.detach().numpy()
+        w_B_, w_C_, dt_, D_, qb, kb = map(param_array, (w_B, w_C, dt_bias, D, q_bias, k_bias))
+        qb, kb = qb.reshape(H, N), kb.reshape(H, N)
         x, z, q, k, delta, A, trap, rate, r_k, r_q = terms3.forward(
             zx_, w_B_, w_C_, eps_B, eps_C, dt_, A_floor, sizes
         )
@@ -333,7 +334,7 @@ class _Layer3(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, gy, g_angle, g_ssm, g_k, g_x):
-        from ..cpu_jit import scan3, terms3
+        from ..cpu_jit import param_array, scan3, terms3
 
         if ctx.arrays is None:
             raise RuntimeError(
@@ -348,8 +349,7 @@ class _Layer3(torch.autograd.Function):
         (g_xin, g_q, g_k_heads, g_delta, g_A, g_trap, g_rate, g_qb, g_kb, g_D, g_z,
          *g_state0) = scan3.backward_arrays(arrs, kept, grads)  # fmt: skip
         g_zx, g_wB, g_wC, g_dt = terms3.backward(
-            zx.detach().numpy(), w_B.detach().numpy(), w_C.detach().numpy(),
-            dt_bias.detach().numpy(),
+            zx.detach().numpy(), param_array(w_B), param_array(w_C), param_array(dt_bias),
             ctx.A_floor, r_k, r_q, g_xin, g_z, g_q, g_k_heads, g_delta, g_A, g_trap, g_rate,
         )  # fmt: skip
         t = torch.from_numpy
