@@ -255,10 +255,11 @@ def test_triton_states_across_segments_and_state_blocks(seg_tiles, N, seed, nan_
     assert (nseg > 1) == (seg_tiles < nc)
     # steps at segment ends and starts: with 1-tile segments every 4th step starts one
     pos = positions([[3, 4, 11, 12, 36, 0, 23], [7, 8, 5, 6, 35, 19, 20]])
-    slot, out = states_at_buffers(pos, T, c.Dn, N, torch.device(DEVICE))
+    at = states_at_buffers(pos, T, c.Dn, N, torch.device(DEVICE))
+    out = at[2]
     args = [inp[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")]
     y, hT, saved = K.scan_fwd(*args, True, inp["initial_state"], inp["seq_idx"], False, cfg=cfg,
-                              at=(slot, out))  # fmt: skip
+                              at=at)  # fmt: skip
     assert saved.numel() == 0 and out.shape == (2, 7, c.Dn, N)
     want = prefix_states(inp, pos)
     for b in range(2):
@@ -607,3 +608,47 @@ def test_states_at_under_autograd_refused_on_triton(randomize, monkeypatch):
         grads[backend] = {n: p.grad for n, p in model.named_parameters()}
     # the reference differentiates through every parameter
     assert all(g is not None and g.abs().sum() > 0 for g in grads["reference"].values())
+
+
+def test_states_at_slots_mark_steps_and_tiles():
+    """`states_at_buffers`: slot j at step positions[b, j] (-1 elsewhere) and each forward
+    tile's largest slot (-1: a tile that keeps none), against a loop; the last positions'
+    slots serve again while that tensor is unchanged and are made anew once it changes; a
+    scan launched with another tile size builds its own tiles (the states still right)."""
+    dev = torch.device(DEVICE)
+    pos = positions([[3, 9, 0], [17, 4, 5]])
+    tc = K.config(6, DEVICE != "cuda").fwd_tile
+    slot, tiles, out = states_at_buffers(pos, 19, 6, 3, dev)
+    want = torch.full((2, 19), -1, dtype=torch.int32)
+    for b in range(2):
+        for j, t in enumerate(pos[b].tolist()):
+            want[b, t] = j
+    assert torch.equal(slot.cpu(), want) and out.shape == (2, 3, 6, 3)
+    for b in range(2):
+        for c in range(-(-19 // tc)):
+            assert tiles[b, c].item() == want[b, c * tc : (c + 1) * tc].max().item()
+    again = states_at_buffers(pos, 19, 6, 3, dev)
+    assert again[0] is slot and again[1] is tiles and again[2] is not out
+    pos[0, 0] = 12  # in place: the version moves, the slots are made anew
+    moved = states_at_buffers(pos, 19, 6, 3, dev)
+    assert moved[0] is not slot and moved[0][0, 12].item() == 0 and moved[0][0, 3].item() == -1
+    other = K.tile_slots(moved[0], 2 * tc)
+    assert other.shape == (2, -(-19 // (2 * tc)))
+    assert other[0, 0].item() == moved[0][0, : 2 * tc].max().item()
+
+
+def test_triton_states_with_another_forward_tile(seed, nan_empty):
+    """A launch whose forward tile differs from the library's (a cfg of the caller's) builds
+    its own tiles from the slots: every state asked for is still written, right."""
+    c = ScanCase(Dn=5, N=4)
+    inp = scan_inputs(c)
+    base = K.config(c.Dn, DEVICE != "cuda")
+    cfg = dataclasses.replace(base, fwd_tile=2 * base.fwd_tile)
+    pos = positions([[3, 4, 11, 12, 36, 0, 23], [7, 8, 5, 6, 35, 19, 20]])
+    at = states_at_buffers(pos, T, c.Dn, c.N, torch.device(DEVICE))
+    args = [inp[k] for k in ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")]
+    K.scan_fwd(*args, True, inp["initial_state"], inp["seq_idx"], False, cfg=cfg, at=at)
+    want = prefix_states(inp, pos)
+    for b in range(2):
+        for j in range(7):
+            assert rel(at[2][b, j], want[b, j]) < TOL[F32], (b, j, pos[b, j].item())

@@ -117,9 +117,9 @@ def selective_scan(
             from .selective_scan import states_at_buffers
             from .selective_scan.launch import scan_fwd
 
-            slot, out = states_at_buffers(states_at, T, Dn, N, dev)
-            y, hT, _ = scan_fwd(*args, False, at=(slot, out))
-            return y, hT, out
+            at = states_at_buffers(states_at, T, Dn, N, dev)
+            y, hT, _ = scan_fwd(*args, False, at=at)
+            return y, hT, at[2]
         return selective_scan_states_at_reference(*args, states_at)
     if resolve_backend(backend, u) == "triton":
         from .selective_scan import selective_scan_triton

@@ -126,7 +126,7 @@ def mamba_inner_at_triton(
         at=at,
     )  # fmt: skip
     conv_at = conv_states_at_triton(x_in, positions, conv_weight.shape[1], conv_state, seq_idx)
-    return y, conv_out, ssm_out, conv_at, at[1]
+    return y, conv_out, ssm_out, conv_at, at[2]
 
 
 def mamba_inner_last_triton(

@@ -44,7 +44,7 @@ def _compose(h, p_P, p_hloc, b, nseg, count, Dn, N, off_dn, mdn):
 @triton.jit
 def _fwd_kernel(
     p_u, p_dt, p_A, p_B, p_C, p_D, p_z, p_bias, p_seq,
-    p_h0, p_states, p_hT, p_hloc, p_P, p_y, p_slot, p_at,
+    p_h0, p_states, p_hT, p_hloc, p_P, p_y, p_slot, p_tiles, p_at,
     T, Dn, N, Bsz, nc, ns, nseg, seg_chunks, n_at,
     s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b, s_z_t, s_seq_b, s_seq_t,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
@@ -56,9 +56,9 @@ def _fwd_kernel(
     state and decay product; else, from h0 (HAS_H0) and the summaries of the earlier segments
     (hloc, P: [B, nseg, D, N]), y, the state every TS steps (SAVE), h_T (last segment) and
     (HAS_AT) the state after every step t whose slot[b, t] (int32 [B, T]) is not negative, into
-    row slot[b, t] of b's n_at states ([B, n_at, D, N]): a tile with one stores it row by row
-    in a branch (a whole-tile masked store keeps [TC, BLOCK_N, BLOCK_D] addresses live in
-    registers on every tile and spills)."""
+    row slot[b, t] of b's n_at states ([B, n_at, D, N]): a tile with one (tiles[b, c] >= 0,
+    [B, nc]) stores it row by row in a branch (a whole-tile masked store keeps [TC, BLOCK_N,
+    BLOCK_D] addresses live in registers on every tile and spills)."""
     pid_d, s, b, pid_n, d, n, md, mn, mdn, A, bias = _program_block(
         p_A, p_bias, Dn, N, Bsz, HAS_BIAS, BLOCK_D, BLOCK_N
     )
@@ -95,9 +95,10 @@ def _fwd_kernel(
         # only needed for a LOCAL pass (unused, they compile away)
         bx = tl.where((rows == 0)[:, None, None], bx + a * h[None, :, :], bx)
         pa, hs = tl.associative_scan((a, bx), 0, _combine)
-        if HAS_AT:  # the states asked for inside this tile (rare: a branch, off the hot path)
-            sl = tl.load(p_slot + b * T + t, mask=mt, other=-1)
-            if tl.max(sl, axis=0) >= 0:
+        if HAS_AT:  # the states asked for inside this tile (rare: a branch, off the hot path,
+            # on one number a tile: its largest slot)
+            if tl.load(p_tiles + b * nc + c, mask=c < nc, other=-1) >= 0:
+                sl = tl.load(p_slot + b * T + t, mask=mt, other=-1)
                 for r in tl.static_range(TC):
                     s_r = tl.max(tl.where(rows == r, sl, -1), axis=0)
                     if s_r >= 0:

@@ -142,6 +142,14 @@ def _input_strides(u, delta, B, C, z, seq_idx) -> tuple[int, ...]:
     )
 
 
+def tile_slots(slot: torch.Tensor, tc: int) -> torch.Tensor:
+    """The largest of slot [B, T]'s entries in each tile of tc steps: [B, T / tc] (-1: a
+    tile that keeps no state)."""
+    Bsz, T = slot.shape
+    nc = cdiv(T, tc)
+    return torch.nn.functional.pad(slot, (0, nc * tc - T), value=-1).view(Bsz, nc, tc).amax(-1)
+
+
 def scan_fwd(
     u,
     delta,
@@ -160,8 +168,9 @@ def scan_fwd(
 ):
     """(y [B, T, D] in u.dtype, final state [B, D, N] f32, the states at every (KS TC)-th
     step [B, T/(KS TC), D, N] or an empty tensor). cfg: launch parameters other than the library's
-    (`config`), for scripts/scan_sweep.py and the tests. `at`: (slot int32 [B, T], out f32
-    [B, k, D, N]): the state after each step t with slot[b, t] >= 0 is written to
+    (`config`), for scripts/scan_sweep.py and the tests. `at`: (slot int32 [B, T], tiles
+    int32 [B, T / fwd_tile] (each tile's largest slot), out f32 [B, k, D, N];
+    `states_at_buffers`): the state after each step t with slot[b, t] >= 0 is written to
     out[b, slot[b, t]] (`states_at`)."""
     Bsz, T, Dn = u.shape
     N = A.shape[1]
@@ -205,10 +214,12 @@ def scan_fwd(
         )
     states = _new((Bsz, ns, Dn, N), f32, dev) if save_states else _new((0,), f32, dev)
     y = _new((Bsz, T, Dn), u.dtype, dev) if nb == 1 else _new((nb, Bsz, T, Dn), f32, dev)
-    slot, at_out = at if at is not None else (A, A)
+    slot, tiles, at_out = at if at is not None else (A, A, A)
+    if at is not None and tiles.shape[1] != nc:  # built for another tile (a cfg of the caller's)
+        tiles = tile_slots(slot, tc)
     sizes = (*sizes[:8], at_out.shape[1] if at is not None else 0, *sizes[8:])
     launch(_fwd_kernel, grid,
-        *ins, opt(h0, A), opt(states, A), hT, hloc, P, y, slot, at_out, *sizes,
+        *ins, opt(h0, A), opt(states, A), hT, hloc, P, y, slot, tiles, at_out, *sizes,
         HAS_H0=h0 is not None, LOCAL=False, SAVE=save_states, HAS_AT=at is not None, **flags,
     )  # fmt: skip
     if nb > 1:  # the state blocks' partial sums, then D u and the gate
@@ -240,7 +251,7 @@ def _summaries(u, delta, A, B, C, delta_bias, softplus, seq_idx, nseg, per, with
     launch(
         _fwd_kernel, (cdiv(Dn, bd), nseg if with_last else nseg - 1, Bsz * nb),
         u, delta, A, B, C, A, A, opt(delta_bias, A), opt(seq_idx, A), A, A, A, hloc, P, A, A, A,
-        T, Dn, N, Bsz, cdiv(T, tc * m), 1, nseg, per // m, 0,
+        A, T, Dn, N, Bsz, cdiv(T, tc * m), 1, nseg, per // m, 0,
         *_input_strides(u, delta, B, C, None, seq_idx),
         HAS_D=False, HAS_Z=False, HAS_BIAS=delta_bias is not None, SOFTPLUS=bool(softplus),
         HAS_SEQ=seq_idx is not None, HAS_H0=False, LOCAL=True, SAVE=False, HAS_AT=False,
