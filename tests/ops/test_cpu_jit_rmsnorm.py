@@ -110,3 +110,36 @@ def test_compiled_norm_leaves_the_weight_resizable():
     (out.sum() + r.sum()).backward()
     rms_norm_compiled(x, w, 1e-5, None)[0].sum().backward()
     w.untyped_storage().resize_(0)  # raises where the storage was marked
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_compiled_norm_second_derivatives_and_func_transforms(residual):
+    """A backward that is itself differentiated (create_graph) runs in PyTorch ops and gives
+    the reference's second derivatives; under torch.func's transforms the reference body
+    runs (a node with numpy inside cannot be traced)."""
+    g = torch.Generator().manual_seed(3)
+
+    def inputs():
+        x = torch.randn(3, 5, 12, generator=g, dtype=torch.float64, requires_grad=True)
+        w = (1 + 0.3 * torch.randn(12, generator=g, dtype=torch.float64)).requires_grad_()
+        res = torch.randn(3, 5, 12, generator=g, dtype=torch.float64, requires_grad=True)
+        return x, w, res if residual else None
+
+    x, w, res = inputs()
+    a = torch.randn(3, 5, 12, generator=g, dtype=torch.float64)
+    grads = []
+    for fn in (rms_norm_compiled, reference):
+        out, r = fn(x, w, 1e-5, res)
+        loss = (out * a).sum() + (r * r).sum()
+        gx, gw = torch.autograd.grad(loss, (x, w), create_graph=True)
+        grads.append(torch.autograd.grad((gx.square().sum() + gw.sum()), (x, w)))
+    for got, want in zip(*grads):
+        assert rel(got, want) < 1e-12
+    from torch.func import grad
+
+    def f(xx):
+        return ops.rms_norm(xx, w.detach(), 1e-5, None if res is None else res.detach())[0].sum()
+
+    got = grad(f)(x.detach())
+    want = torch.autograd.grad(reference(x, w, 1e-5, res)[0].sum(), x)[0]
+    assert rel(got, want) < 1e-12

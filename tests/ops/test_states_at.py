@@ -612,9 +612,8 @@ def test_states_at_under_autograd_refused_on_triton(randomize, monkeypatch):
 
 def test_states_at_slots_mark_steps_and_tiles():
     """`states_at_buffers`: slot j at step positions[b, j] (-1 elsewhere) and each forward
-    tile's largest slot (-1: a tile that keeps none), against a loop; the last positions'
-    slots serve again while that tensor is unchanged and are made anew once it changes; a
-    scan launched with another tile size builds its own tiles (the states still right)."""
+    tile's largest slot (-1: a tile that keeps none), against a loop; `tile_slots` for
+    another tile size likewise."""
     dev = torch.device(DEVICE)
     pos = positions([[3, 9, 0], [17, 4, 5]])
     tc = K.config(6, DEVICE != "cuda").fwd_tile
@@ -624,17 +623,11 @@ def test_states_at_slots_mark_steps_and_tiles():
         for j, t in enumerate(pos[b].tolist()):
             want[b, t] = j
     assert torch.equal(slot.cpu(), want) and out.shape == (2, 3, 6, 3)
-    for b in range(2):
-        for c in range(-(-19 // tc)):
-            assert tiles[b, c].item() == want[b, c * tc : (c + 1) * tc].max().item()
-    again = states_at_buffers(pos, 19, 6, 3, dev)
-    assert again[0] is slot and again[1] is tiles and again[2] is not out
-    pos[0, 0] = 12  # in place: the version moves, the slots are made anew
-    moved = states_at_buffers(pos, 19, 6, 3, dev)
-    assert moved[0] is not slot and moved[0][0, 12].item() == 0 and moved[0][0, 3].item() == -1
-    other = K.tile_slots(moved[0], 2 * tc)
-    assert other.shape == (2, -(-19 // (2 * tc)))
-    assert other[0, 0].item() == moved[0][0, : 2 * tc].max().item()
+    for size, got in ((tc, tiles), (2 * tc, K.tile_slots(slot, 2 * tc))):
+        assert got.shape == (2, -(-19 // size))
+        for b in range(2):
+            for c in range(got.shape[1]):
+                assert got[b, c].item() == want[b, c * size : (c + 1) * size].max().item()
 
 
 def test_triton_states_with_another_forward_tile(seed, nan_empty):

@@ -28,7 +28,7 @@ import torch
 from ..layers.block import RMSNorm
 from ..layers.plain import plain
 from ..ops._backend import forced_backend
-from ..ops.cpu_jit import compiles
+from ..ops.cpu_jit import compiles, param_array
 from .step_graph import _not_plain, _unchanged, _watch
 
 
@@ -141,18 +141,23 @@ def _ends(backbone, pad: float):
     if not compiles(w):
         return None
     M = w.shape[0]
-    consts = np.array([pad, backbone.norm_f.eps, 1.0 / M], dtype=w.numpy().dtype)
+    wa = param_array(w)
+    consts = np.array([pad, backbone.norm_f.eps, 1.0 / M], dtype=wa.dtype)
+    # copies (`param_array`), made again whenever a parameter changes (a new stack plan):
+    # `.numpy()` on a parameter would mark its storage as never to be resized (FSDP's)
     emb, proj = backbone.embeddings, backbone.input_proj
     if emb is not None:
         E = emb.weight.detach()
-        return None if E.dtype != w.dtype else (None, None, E.numpy(), w.numpy(), consts, w.dtype)
+        if E.dtype != w.dtype:
+            return None
+        return None, None, param_array(E), wa, consts, w.dtype
     if proj is None:
-        return None, None, None, w.numpy(), consts, w.dtype
+        return None, None, None, wa, consts, w.dtype
     if proj.weight.dtype != w.dtype:
         return None
     WT = proj.weight.detach().t().contiguous().numpy()
-    b = proj.bias.detach().numpy() if proj.bias is not None else np.zeros(M, WT.dtype)
-    return WT, b, None, w.numpy(), consts, w.dtype
+    b = param_array(proj.bias) if proj.bias is not None else np.zeros(M, WT.dtype)
+    return WT, b, None, wa, consts, w.dtype
 
 
 @cache

@@ -13,7 +13,8 @@ _DTYPES = (torch.float32, torch.float64)
 
 def compiles(x, weight, residual, out_dtype) -> bool:
     """Whether `rms_norm_compiled` takes these: plain CPU tensors of one float dtype (float32
-    or float64; out_dtype that one or None), none empty, outside torch.compile, numba there."""
+    or float64; out_dtype that one or None), none empty, outside torch.compile and
+    torch.func's transforms, numba there."""
     f = x.dtype
     if type(x) is not torch.Tensor or x.device.type != "cpu" or f not in _DTYPES:
         return False
@@ -21,8 +22,8 @@ def compiles(x, weight, residual, out_dtype) -> bool:
         return False
     if (out_dtype is not None and out_dtype != f) or x.numel() == 0:
         return False
-    if torch.compiler.is_compiling():
-        return False
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False  # (torch.func's transforms: the PyTorch body, which they trace)
     from ..cpu_jit import available
 
     return available()
@@ -60,16 +61,18 @@ class _AddNorm(torch.autograd.Function):
         k = rmsnorm.forward(_rows(x), _rows(residual), param_array(weight), eps, _rows(out),
                             _rows(r))  # fmt: skip
         ctx.save_for_backward(weight, r)
-        ctx.k = k
+        ctx.k, ctx.eps = k, eps
         ctx.set_materialize_grads(False)
         return out, r
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, g_out, g_r):
         from ..cpu_jit import param_array, rmsnorm
 
         weight, r = ctx.saved_tensors
+        if torch.is_grad_enabled():  # a backward to be differentiated (create_graph)
+            gin, gw = _differentiable_backward(g_out, g_r, r, weight, ctx.eps)
+            return gin, gin, gw, None
         gin = torch.empty_like(r)
         gw = rmsnorm.backward(_grad_rows(g_out, r), _grad_rows(g_r, r), _rows(r), ctx.k,
                               param_array(weight), _rows(gin))  # fmt: skip
@@ -85,17 +88,33 @@ class _Norm(torch.autograd.Function):
 
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         ctx.k = rmsnorm.forward(_rows(x), None, param_array(weight), eps, _rows(out), None)
+        ctx.eps = eps
         ctx.save_for_backward(x, weight)
         ctx.set_materialize_grads(False)
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, g_out):
         from ..cpu_jit import param_array, rmsnorm
 
         x, weight = ctx.saved_tensors
+        if torch.is_grad_enabled():  # a backward to be differentiated (create_graph)
+            gin, gw = _differentiable_backward(g_out, None, x, weight, ctx.eps)
+            return gin, gw, None
         gin = torch.empty_like(x, memory_format=torch.contiguous_format)
         gw = rmsnorm.backward(_grad_rows(g_out, x), None, _rows(x), ctx.k,
                               param_array(weight), _rows(gin))  # fmt: skip
         return gin, torch.from_numpy(gw), None
+
+
+def _differentiable_backward(g, gr, r, weight, eps):
+    """(dL/dr, dL/dw) in PyTorch ops, for a backward that is itself differentiated (r: the
+    saved residual stream or input, whose graph reaches the node's inputs)."""
+    k = torch.rsqrt(r.square().mean(-1, keepdim=True) + eps)
+    gin = torch.zeros_like(r) if g is None else k * g * weight
+    if g is not None:
+        gin = gin - k.pow(3) * r * (g * weight * r).mean(-1, keepdim=True)
+        gw = (g * r * k).reshape(-1, r.shape[-1]).sum(0)
+    else:
+        gw = torch.zeros_like(weight)
+    return (gin if gr is None else gin + gr), gw

@@ -166,29 +166,16 @@ def states_at_buffers(
     """What the forward kernel takes for `states_at` [B, k]: slot int32 [B, T] (j at step
     positions[b, j], -1 elsewhere), tiles int32 [B, T / TC] (the largest slot of each
     forward tile: -1 where the tile keeps no state, so a tile checks one number) and the
-    output [B, k, D, N] f32 it writes. The slots of the last `positions` asked for are
-    reused while it is the same tensor, unchanged (its version): a forward's layers share
-    them (in a CUDA graph, the first layer's capture builds them)."""
+    output [B, k, D, N] f32 it writes."""
     from .launch import tile_slots
     from .scan_config import config
 
     Bsz, k = positions.shape
-    tc = config(Dn, device.type != "cuda").fwd_tile
-    key = (positions._version, T, tc)
-    last = _SLOTS[0] if _SLOTS else None
-    if last is not None and last[0] is positions and last[1] == key:
-        slot, tiles = last[2], last[3]
-    else:
-        slot = torch.full((Bsz, T), -1, dtype=torch.int32, device=device)
-        rank = torch.arange(k, dtype=torch.int32, device=device).expand(Bsz, k)
-        slot.scatter_(1, positions, rank)
-        tiles = tile_slots(slot, tc)
-        _SLOTS[:] = [(positions, key, slot, tiles)]
+    slot = torch.full((Bsz, T), -1, dtype=torch.int32, device=device)
+    rank = torch.arange(k, dtype=torch.int32, device=device).expand(Bsz, k)
+    slot.scatter_(1, positions, rank)
+    tiles = tile_slots(slot, config(Dn, device.type != "cuda").fwd_tile)
     return slot, tiles, torch.empty(Bsz, k, Dn, N, dtype=torch.float32, device=device)
-
-
-# the last positions' slots (`states_at_buffers`): (positions, (version, T, TC), slot, tiles)
-_SLOTS: list = []
 
 
 def selective_scan_triton(

@@ -164,7 +164,7 @@ def scan_fwd(
     seq_idx,
     save_states: bool,
     cfg: ScanConfig | None = None,
-    at: tuple[torch.Tensor, torch.Tensor] | None = None,
+    at: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ):
     """(y [B, T, D] in u.dtype, final state [B, D, N] f32, the states at every (KS TC)-th
     step [B, T/(KS TC), D, N] or an empty tensor). cfg: launch parameters other than the library's
@@ -180,7 +180,8 @@ def scan_fwd(
         hT = initial_state.float().clone() if initial_state is not None else None
         hT = hT if hT is not None else torch.zeros(Bsz, Dn, N, dtype=f32, device=dev)
         return u.new_empty(Bsz, T, Dn), hT, _new((Bsz, 0, Dn, N) if save_states else (0,), f32, dev)
-    cfg = cfg if cfg is not None else config(Dn, not u.is_cuda)
+    cfg_given = cfg is not None
+    cfg = cfg if cfg_given else config(Dn, not u.is_cuda)
     B, C = _f32_bc(B, C)
     tc, ts, bd, bn = cfg.fwd_tile, save_interval(cfg), cfg.fwd_block_d, _block_n(N)
     nb, nc, ndb = cdiv(N, bn), cdiv(T, tc), cdiv(Dn, bd)
@@ -215,7 +216,7 @@ def scan_fwd(
     states = _new((Bsz, ns, Dn, N), f32, dev) if save_states else _new((0,), f32, dev)
     y = _new((Bsz, T, Dn), u.dtype, dev) if nb == 1 else _new((nb, Bsz, T, Dn), f32, dev)
     slot, tiles, at_out = at if at is not None else (A, A, A)
-    if at is not None and tiles.shape[1] != nc:  # built for another tile (a cfg of the caller's)
+    if at is not None and cfg_given:  # the tiles are the library's: a cfg's own may differ
         tiles = tile_slots(slot, tc)
     sizes = (*sizes[:8], at_out.shape[1] if at is not None else 0, *sizes[8:])
     launch(_fwd_kernel, grid,
