@@ -39,8 +39,8 @@ class _FakeGraph:
 
 
 class _Captures(list):
-    """The keys' first captures (one per key captured); `graphs`: every graph captured (a
-    key's ring slots and spare too)."""
+    """The keys' first captures (one per key captured, and one per input address read in
+    place); `graphs`: every graph captured (a key's ring slots and spare too)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -66,10 +66,13 @@ def fake_graphs(monkeypatch):
         captures.graphs.append(fn)
         ref = weakref.ref(buf)  # as a real graph, the replay holds no reference to it
         where = (buf.data_ptr(), buf.untyped_storage().nbytes())
+        reads_at = _inputs(fn)
 
         def replay():  # a real graph writes where the buffer was at its capture, any mode
             out = ref()
             assert (out.data_ptr(), out.untyped_storage().nbytes()) == where, "buffer moved"
+            # and reads its input where it was: the step's input must be there now
+            assert _inputs(fn) == reads_at, "input moved"
             for module, name, constants in read:
                 module = module()
                 if module is not None:
@@ -83,8 +86,8 @@ def fake_graphs(monkeypatch):
 
     first_capture = sg._capture
 
-    def counted_capture(*args):
-        entry = first_capture(*args)
+    def counted_capture(*args, **kw):
+        entry = first_capture(*args, **kw)
         captures.append(entry)
         return entry
 
@@ -98,6 +101,14 @@ def fake_graphs(monkeypatch):
     monkeypatch.setattr(sg, "graph_cache", lambda m, create=True: caches.setdefault(id(m), {
         "pool": None}) if create or id(m) in caches else None)  # fmt: skip
     return captures
+
+
+def _inputs(fn) -> list:
+    """Where the captured body reads its input (address, strides): the tensor in the
+    one-item list its closure holds (`step_graph._capture_slot`)."""
+    cells = [c.cell_contents for c in fn.__closure__ or ()]
+    return [(t.data_ptr(), t.stride()) for c in cells if isinstance(c, list) for t in c
+            if isinstance(t, torch.Tensor)]  # fmt: skip
 
 
 def run(model, xs, state, **kw):
@@ -274,6 +285,81 @@ def test_an_output_resized_through_its_alias_retires_its_graph(fake_graphs, how)
     # the first graph, and the one that took its place after the resize
     assert len(fake_graphs) == 1 and len(fake_graphs.graphs) == 2
     assert step_graph_status(m)["cloned"] == 0
+
+
+def _refill_loop(m, xs, state, buffers):
+    """Steps whose inputs are `buffers` refilled in turn with the rows of `xs` (an input read
+    where it is must be read at each step, not as it was at the capture)."""
+    outs = []
+    with torch.no_grad():
+        for i, x in enumerate(xs):
+            buf = buffers[i % len(buffers)]
+            buf.copy_(x)
+            y, _ = m.step(buf, state)
+            outs.append(y.clone())
+    return outs
+
+
+@pytest.mark.parametrize("mixer", list(MIXERS))
+def test_an_input_refilled_in_place_is_read_where_it_is(fake_graphs, mixer):
+    """A loop that refills the same two buffers: each address seen the third time on the
+    copying graph gets a graph reading it in place; every step equals the eager step and
+    the state advances once per call."""
+    m = backbone(mixer)
+    xs = torch.randn(16, 3, 12)
+    s_graph, s_eager = m.init_state(3), m.init_state(3)
+    buffers = [torch.empty(3, 12), torch.empty(3, 12)]
+    got = _refill_loop(m, xs, s_graph, buffers)
+    want = run(m, xs, s_eager, cuda_graph=False)
+    status = step_graph_status(m)
+    assert status["direct"] == 2 and len(status["graphs"]) == 1, status
+    assert len(fake_graphs) == 3  # the copying graph, then one per buffer
+    assert status["replays"] == len(xs) - sg.WARM_CALLS
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(s_graph._tensors(), s_eager._tensors()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_input_addresses_read_in_place_are_bounded_and_not_kept_alive(fake_graphs):
+    """More buffers than `DIRECT`: only that many get graphs of their own (the rest are
+    copied in, right as well); a graph reading an input in place holds no reference to it."""
+    m = backbone("mamba1")
+    n = sg.DIRECT + 2
+    xs = torch.randn(4 * n, 2, 12)
+    s_graph, s_eager = m.init_state(2), m.init_state(2)
+    buffers = [torch.empty(2, 12) for _ in range(n)]
+    got = _refill_loop(m, xs, s_graph, buffers)
+    want = run(m, xs, s_eager, cuda_graph=False)
+    assert step_graph_status(m)["direct"] == sg.DIRECT
+    assert len(fake_graphs) == 1 + sg.DIRECT
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    gone = [weakref.ref(b) for b in buffers]
+    del buffers
+    assert all(r() is None for r in gone)
+
+
+def test_an_input_at_a_known_address_with_other_strides_is_not_read_in_place(fake_graphs):
+    """The same memory read with other strides (a transposed view) is another input: it
+    goes through the copying graph, never a graph captured on the first layout."""
+    m = backbone("mamba1")
+    xs = torch.randn(8, 4, 12)
+    s_graph, s_eager = m.init_state(4), m.init_state(4)
+    buf = torch.empty(4, 12)
+    got = _refill_loop(m, xs[:6], s_graph, [buf])
+    assert step_graph_status(m)["direct"] == 1
+    flat = buf.view(-1)
+    other = flat.view(12, 4).t()  # [4, 12] at the same address, strides (1, 4)
+    assert other.data_ptr() == buf.data_ptr() and other.stride() != buf.stride()
+    with torch.no_grad():
+        for x in xs[6:]:
+            other.copy_(x)
+            got.append(m.step(other, s_graph)[0].clone())
+    want = run(m, xs, s_eager, cuda_graph=False)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert step_graph_status(m)["direct"] == 1
 
 
 def test_a_state_made_in_inference_mode_steps_under_no_grad(fake_graphs):
@@ -513,6 +599,30 @@ def test_gpu_graph_steps_equal_eager_steps(mixer, mode):
     for i, (a, b) in enumerate(zip(got, want)):
         assert a.isfinite().all() and b.isfinite().all(), (i, a.isfinite().all(), status)
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    for a, b in zip(s_graph._tensors(), s_eager._tensors()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mixer", list(MIXERS))
+def test_gpu_inputs_read_in_place_equal_eager_steps(mixer):
+    """Real graphs reading the input where it is: a buffer refilled in place each step, and
+    inputs made anew each step (the allocator hands out the same few blocks): every step
+    equals the eager one."""
+    m = backbone(mixer, "cuda")
+    xs = torch.randn(24, 4, 12, device="cuda")
+    s_graph, s_eager = m.init_state(4), m.init_state(4)
+    buf = torch.empty(4, 12, device="cuda")
+    got = _refill_loop(m, xs[:12], s_graph, [buf])
+    assert step_graph_status(m)["direct"] >= 1
+    with torch.no_grad():
+        for x in xs[12:]:
+            fresh = x * 1.0  # a new tensor, freed after the step
+            got.append(m.step(fresh, s_graph)[0].clone())
+            del fresh
+    want = run(m, xs, s_eager, cuda_graph=False)
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda e, i=i: f"{i}: {e}")
     for a, b in zip(s_graph._tensors(), s_eager._tensors()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 

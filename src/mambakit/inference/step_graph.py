@@ -13,7 +13,14 @@ eagerly, since a capture costs as much as dozens of eager steps.
 
 Per replay: the input is copied into the graph's own, the decode plan is refreshed from the
 parameters (an optimizer step in between is followed: `inference.plan`) and a graph
-replays. Its output is not copied: a key keeps up to `RING` graphs, each in a memory pool of
+replays. An input that comes back where an earlier one was (a loop that refills one
+buffer, or whose inputs the allocator hands the same few blocks) is read where it is: the
+third time one address, shape and stride come back, a graph reading the input there is
+captured (`DIRECT` such addresses a key at most), and a replay of it copies nothing (the
+copy is a launch of its own, a fifth of a batch-1 step's host time). Such a graph reads
+the address in stream order, as any kernel launched on the input would.
+
+A step's output is not copied: a key keeps up to `RING` graphs, each in a memory pool of
 its own writing its own output, and a step replays one whose output no alias handed out
 before (nor a view, export or saved copy of one) still reaches, and returns a new alias of
 it. A loop that rebinds `y, state = model.step(x, state)` alternates between two; a caller
@@ -45,11 +52,12 @@ from ..layers.plain import _GLOBAL_HOOKS, plain
 from .cuda_graph import capture, graph_cache, static_mode, use_cuda_graph
 from .plan import reads, record, rederive
 
-__all__ = ["WARM_CALLS", "MAX_GRAPHS", "RING", "step_graph_status", "graphed_step"]
+__all__ = ["WARM_CALLS", "MAX_GRAPHS", "RING", "DIRECT", "step_graph_status", "graphed_step"]
 
 WARM_CALLS = 2  # eager calls with one key before it is captured (the next call captures)
 MAX_GRAPHS = 8  # keys kept per model, the least recently used dropped first
 RING = 2  # graphs per key whose outputs are handed out as they are
+DIRECT = 4  # input addresses a key captures graphs reading the input in place for, at most
 _MAX_SEEN = 64  # keys counted while warming up; the table is cleared beyond this
 
 
@@ -109,17 +117,21 @@ class _Graph:
     """A key's graphs: `slots` (up to RING) hand their outputs out, `spare` (captured when
     every slot's output is held) has its output cloned; `spare` is False where its capture
     failed (the step then runs eagerly while every slot's output is held). All read the
-    static input `x` and the same parameters, plan and state. `others`: (weak reference to
-    the module, name, derivation) of each plan besides the backbone's step plan that the
-    capture read (the reference bodies' whole-stack weights)."""
+    same input, parameters, plan and state. `x`: the static input a caller's is copied
+    into, or None where the graphs read the caller's input where it is (a direct key's);
+    `src`: the one-item list the captured body reads its input from (`[x]`, or for a direct
+    key the caller's input during a call and None between calls, so the graph's tensors
+    never keep it alive). `others`: (weak reference to the module, name, derivation) of
+    each plan besides the backbone's step plan that the capture read (the reference
+    bodies' whole-stack weights)."""
 
-    __slots__ = ("slots", "spare", "x", "inference", "params", "plan", "extra", "watch",
-                 "others")  # fmt: skip
+    __slots__ = ("slots", "spare", "x", "src", "inference", "params", "plan", "extra",
+                 "watch", "others")  # fmt: skip
 
-    def __init__(self, slot, x, params, plan, extra, watch) -> None:
+    def __init__(self, slot, x, src, inference, params, plan, extra, watch) -> None:
         # an output that something else held at its capture cannot be watched: spare only
         self.slots, self.spare = ([slot], None) if _unheld(slot, _free_counts()) else ([], slot)
-        self.x, self.inference, self.params = x, x.is_inference(), params
+        self.x, self.src, self.inference, self.params = x, src, inference, params
         self.plan, self.extra, self.watch = plan, extra, watch
         self.others: tuple = ()  # filled from the capture's reads (`_with_reads`)
 
@@ -130,6 +142,11 @@ class _StepGraphs:
     def __init__(self) -> None:
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.seen: dict[tuple, int] = {}
+        # graphs reading the input where it is, by (key, address, strides); how often an
+        # address came back to a key's copying graph; how many a key has captured
+        self.direct: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.direct_seen: dict[tuple, int] = {}
+        self.direct_made: dict[tuple, int] = {}
         self.failed: set[tuple] = set()
         self.reason: str | None = None
         self.replays = 0
@@ -146,15 +163,17 @@ def _tables(model: nn.Module) -> _StepGraphs:
 
 def step_graph_status(model: nn.Module) -> dict:
     """What `model.step` does on CUDA: {"graphs": the keys captured (batch, input dtype,
-    compute dtype), "replays": steps replayed so far, "cloned": how many of those returned
-    a clone (every slot's output still held, `RING`), "reason": why the last step that
-    could not replay ran eagerly (None when every step could)}."""
+    compute dtype), "direct": how many graphs read the input where it is (`DIRECT`),
+    "replays": steps replayed so far, "cloned": how many of those returned a clone (every
+    slot's output still held, `RING`), "reason": why the last step that could not replay
+    ran eagerly (None when every step could)}."""
     cache = graph_cache(model, create=False)
     table = None if cache is None else cache.get("step")
     if table is None:
-        return {"graphs": [], "replays": 0, "cloned": 0, "reason": None}
+        return {"graphs": [], "direct": 0, "replays": 0, "cloned": 0, "reason": None}
     return {
         "graphs": [(k[0][0], k[1], k[2]) for k in table.graphs],  # (batch, dtype, autocast)
+        "direct": len(table.direct),
         "replays": table.replays,
         "cloned": table.cloned,
         "reason": table.reason,
@@ -207,15 +226,25 @@ def graphed_step(
         return None
     autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
     key = (x.shape, x.dtype, autocast, tuple(map(_data_ptr, state._tensors())))
+    where = (key, x.data_ptr(), x.stride())
+    if table.direct:
+        entry = table.direct.get(where)
+        if entry is not None:
+            if _stands(model, backbone, head, entry):
+                table.direct.move_to_end(where)
+                return _replay_at(table, entry, body, state, x)
+            del table.direct[where]
     entry = table.graphs.get(key)
     if entry is not None:
         if _stands(model, backbone, head, entry):
             table.graphs.move_to_end(key)
+            direct = _direct(table, key, where, model, backbone, body, x, state, head)
+            if direct is not None:
+                return _replay_at(table, direct, body, state, x)
             _load(entry, x)
             return _replay(table, entry, body, state)
-        del table.graphs[
-            key
-        ]  # stale: captured on modules, parameters or plan tensors since replaced
+        # stale: captured on modules, parameters or plan tensors since replaced
+        del table.graphs[key]
     name = _not_plain(backbone) or (None if head is None or plain(head) else "lm_head")
     if name is not None:
         table.reason = (
@@ -244,6 +273,42 @@ def graphed_step(
     return _replay(table, entry, body, state)
 
 
+def _direct(table, key, where, model, backbone, body, x, state, head) -> _Graph | None:
+    """The graph reading the input where it is (address and strides `where`), captured
+    the third time they come back to `key`'s copying graph, at most `DIRECT` of them for a
+    key; None before then, past them, or where the capture fails (the copying graph runs)."""
+    made = table.direct_made.get(key, 0)
+    if made >= DIRECT:
+        return None
+    seen = table.direct_seen.get(where, 0) + 1
+    if seen <= WARM_CALLS:
+        if len(table.direct_seen) >= _MAX_SEEN:
+            table.direct_seen.clear()
+        table.direct_seen[where] = seen
+        return None
+    table.direct_seen.pop(where, None)
+    table.direct_made[key] = made + 1
+    try:
+        entry = _capture(model, backbone, body, x, state, head, direct=True)
+    except Exception:  # noqa: BLE001 - the copying graph is there
+        table.direct_made[key] = DIRECT
+        return None
+    table.direct[where] = entry
+    while len(table.direct) > MAX_GRAPHS:
+        table.direct.popitem(last=False)
+    return entry
+
+
+def _replay_at(table: _StepGraphs, entry: _Graph, body, state, x) -> torch.Tensor | None:
+    """`_replay` of a direct key's graphs, the caller's input `x` where they read it (a
+    capture of another slot reads it through `entry.src`, which holds it for the call)."""
+    entry.src[0] = x
+    try:
+        return _replay(table, entry, body, state)
+    finally:
+        entry.src[0] = None
+
+
 def _load(entry: _Graph, x: torch.Tensor) -> None:
     """x into the graphs' static input (made in inference mode where the state was: then
     written in it, whatever mode the caller steps in)."""
@@ -255,12 +320,12 @@ def _load(entry: _Graph, x: torch.Tensor) -> None:
 
 
 def _replay(table: _StepGraphs, entry: _Graph, body, state) -> torch.Tensor | None:
-    """Replay one of the key's graphs (input already in `entry.x`) and return its output:
-    an alias of a slot's tensor (a new tensor object on the same memory: what the caller
-    does to it in place, to its shape or flags, stays with it) where nothing else holds
-    it, capturing another slot while there are fewer than RING; else a clone of the spare
-    graph's, captured the first time every slot's output is held. None (the caller runs
-    the eager step) where that capture fails.
+    """Replay one of the key's graphs (its input in `entry.x`, or read where it is) and
+    return its output: an alias of a slot's tensor (a new tensor object on the same memory:
+    what the caller does to it in place, to its shape or flags, stays with it) where
+    nothing else holds it, capturing another slot while there are fewer than RING; else a
+    clone of the spare graph's, captured the first time every slot's output is held. None
+    (the caller runs the eager step) where that capture fails.
 
     Readers of the output on another stream must be done before the next step on the
     caller's: a slot's memory is not the allocator's, so `record_stream` does not keep it."""
@@ -276,7 +341,7 @@ def _replay(table: _StepGraphs, entry: _Graph, body, state) -> torch.Tensor | No
     if entry.spare is None:
         try:
             with reads() as read:
-                slot = _capture_slot(body, entry.x, state)
+                slot = _capture_slot(body, entry.src, state)
             entry.others = _with_reads(entry, read)
         except Exception as exc:  # noqa: BLE001 - the eager step is always there
             entry.spare = False
@@ -391,8 +456,8 @@ def _others_current(entry: _Graph) -> bool:
     return True
 
 
-def _capture_slot(body, static_x, state) -> _Slot:
-    """Capture `body` on the static input and the caller's state. The warm-up runs on a
+def _capture_slot(body, src: list, state) -> _Slot:
+    """Capture `body` on the input `src[0]` and the caller's state. The warm-up runs on a
     copy of the state, so the caller's advances by replays alone.
 
     Into a memory pool of the graph's own: a graph sharing one would lay its output or its
@@ -414,23 +479,31 @@ def _capture_slot(body, static_x, state) -> _Slot:
     with mode, uncached:
         scratch = state.clone()
         graph, out = capture(
-            lambda: body(static_x, state), warmup=1, pool=None,
-            warm=lambda: body(static_x, scratch),
+            lambda: body(src[0], state), warmup=1, pool=None,
+            warm=lambda: body(src[0], scratch),
         )  # fmt: skip
     return _Slot(graph, out)
 
 
-def _capture(model, backbone, body, x, state, head) -> _Graph:
-    """A key's first graph, on a static copy of x."""
+def _capture(model, backbone, body, x, state, head, direct: bool = False) -> _Graph:
+    """A key's first graph: on a static copy of x, or (`direct`) on x where it is."""
     inference = any(t.is_inference() for t in state._tensors())
-    with torch.inference_mode() if inference else static_mode():
-        static_x = torch.empty_like(x, memory_format=torch.contiguous_format)
-        static_x.copy_(x)
-    with reads() as read:
-        slot = _capture_slot(body, static_x, state)
+    if direct:
+        static_x, src = None, [x]
+    else:
+        with torch.inference_mode() if inference else static_mode():
+            static_x = torch.empty_like(x, memory_format=torch.contiguous_format)
+            static_x.copy_(x)
+        src = [static_x]
+    try:
+        with reads() as read:
+            slot = _capture_slot(body, src, state)
+    finally:
+        if direct:
+            src[0] = None
     backbone._decode_plan()
     watch = _watch([backbone] if head is None else [backbone, head])
-    entry = _Graph(slot, static_x, _params(model), record(backbone, "step"),
+    entry = _Graph(slot, static_x, src, inference, _params(model), record(backbone, "step"),
                    _extra(backbone, head), watch)  # fmt: skip
     entry.others = _with_reads(entry, read)
     return entry
