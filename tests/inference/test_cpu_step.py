@@ -395,6 +395,21 @@ def test_lm_step_logits_of_a_row_do_not_depend_on_the_batch(name, numba_on, lm_c
     assert all(lm_compiled_calls)
 
 
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_lm_step_leaves_the_parameters_resizable(tie, numba_on, lm_compiled_calls):
+    """The compiled step and head read the weights without marking their storage as never
+    resizable (`.numpy()` on them would; FSDP frees and regrows a sharded parameter's)."""
+    model = lm("mamba1", tie=tie)
+    numba_on(True)
+    state = model.init_state(2)
+    with torch.no_grad():
+        for t in torch.randint(0, 97, (3, 2)):
+            model.step(t, state)
+    assert lm_compiled_calls and all(lm_compiled_calls)
+    for p in model.parameters():
+        p.untyped_storage().resize_(0)  # raises where the storage was marked
+
+
 def test_lm_step_ids_outside_the_vocabulary_raise_and_leave_the_state(numba_on):
     model = lm("mamba1")
     numba_on(True)

@@ -28,7 +28,7 @@ import torch
 from ..layers.block import RMSNorm
 from ..layers.plain import plain
 from ..ops._backend import forced_backend
-from ..ops.cpu_jit import compiles, param_array
+from ..ops.cpu_jit import borrowed_array, compiles, param_array
 from .step_graph import _not_plain, _unchanged, _watch
 
 
@@ -120,11 +120,11 @@ def head_rows(head: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
         )
     ):  # the module says what is wrong, or records the head's gradient
         return head(rows)
-    W = W.detach()
-    b = bias.detach() if bias is not None else W.new_empty(0)
+    b = borrowed_array(bias) if bias is not None else np.empty(0, rows.numpy().dtype)
     out = torch.empty(rows.shape[0], W.shape[0], dtype=rows.dtype)
     run_rows, linear_rows, parallel = _linear()
-    run_rows(linear_rows, parallel, rows.numpy(), W.numpy(), b.numpy(), out.numpy())
+    # the weights borrowed for the call (`.numpy()` would leave FSDP unable to resize them)
+    run_rows(linear_rows, parallel, rows.numpy(), borrowed_array(W), b, out.numpy())
     return out
 
 

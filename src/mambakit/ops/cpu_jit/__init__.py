@@ -27,6 +27,7 @@ import os
 import warnings
 from functools import cache
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -78,6 +79,35 @@ def param_array(t: torch.Tensor):
     storage of the parameters it shards (a copy of a norm's or a bias's few values costs
     less than a microsecond more)."""
     return t.detach().clone().numpy()
+
+
+class _Memory:
+    """What `np.asarray` reads an array from (numpy's array interface): the address, shape
+    and strides of a tensor's elements."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, t: torch.Tensor) -> None:
+        size = t.element_size()
+        self.__array_interface__ = {
+            "data": (t.data_ptr(), False),
+            "shape": tuple(t.shape),
+            "strides": tuple(s * size for s in t.stride()),
+            "typestr": np.dtype(_NUMPY[t.dtype]).str,
+            "version": 3,
+        }
+
+
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+def borrowed_array(t: torch.Tensor):
+    """A parameter's values as an array over its own memory, for one call: no copy, and
+    unlike `.numpy()` its storage stays resizable. The array holds no reference to `t`:
+    the caller keeps `t` alive, and its storage unresized, while the array is read (a
+    large weight read on every call, as an LM head's, where `param_array` would copy it
+    each time)."""
+    return np.asarray(_Memory(t))
 
 
 def stack_layers(tensors) -> torch.Tensor:
