@@ -164,6 +164,13 @@ def main() -> None:
     ap.add_argument("--no-segments", action="store_true", help="skip the segment sweep")
     ap.add_argument("--prefill", action="store_true", help="only the forward: 1 x T, 8 x 2048")
     ap.add_argument(
+        "--bwd",
+        type=json.loads,
+        default=None,
+        help="only these backward configs at 8 x 2048 (a JSON list of ScanConfig fields, e.g. "
+        '\'[{"bwd_block_d": 32, "bwd_warps": 4}]\'), each against the library\'s config',
+    )
+    ap.add_argument(
         "--once",
         action="store_true",
         help="one forward (saving states) and one backward, the library's config: for ncu",
@@ -175,6 +182,9 @@ def main() -> None:
         K.scan_bwd(gy, None, *a, True, None, None, states)
         torch.cuda.synchronize()
         return
+    if args.bwd is not None:
+        global BWD
+        BWD = [{}, *args.bwd]  # the library's config first: the others' gradients against it
     if args.prefill:
         rows = []
         prefill(rows)
@@ -185,7 +195,8 @@ def main() -> None:
     a, gy = shape_inputs(8, 2048, DN, N)
     base = K.config(DN, interpret=False)
     rows = []
-    wide_backward(rows)
+    if args.bwd is None:
+        wide_backward(rows)
     for fw in FWD:
         c = dataclasses.replace(base, **fw)
         ms = timed(lambda c=c: K.scan_fwd(*a, True, None, None, True, cfg=c))
@@ -219,6 +230,8 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
     print("best fwd", best_f, "best bwd", best_b, flush=True)
+    if args.bwd is not None:
+        return
     fields = {f.name for f in dataclasses.fields(K.ScanConfig)}
     pick = dataclasses.replace(
         base, **{k: best_f[k] for k in FWD[0]},
