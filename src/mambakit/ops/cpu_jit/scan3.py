@@ -214,7 +214,11 @@ def _backward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0,
     N, S = q.shape[3], rate.shape[2]
     dx, dz = np.empty_like(x), np.empty_like(z)  # (dz: z's shape, [1, 1, 1, 1] without z)
     dq, dk = np.empty((Bsz, H, T, N), x.dtype), np.empty((Bsz, H, T, N), x.dtype)
-    ddelta, dA, dtrap = np.empty_like(delta), np.empty_like(A), np.empty_like(trap)
+    # each head's d delta, dA and d trap in rows of its own, [B, H, 3, T], laid out as
+    # [B, T, H] after the heads' loop: written there at every step, the heads of a step
+    # share a cache line that the threads take from each other (at 1 x 32 x 16 heads on 2
+    # threads, the backward's median 210 us against 185 this way)
+    per_head = np.empty((Bsz, H, 3, T), x.dtype)
     drate = np.empty((Bsz, H, T, S), x.dtype)
     dqb, dkb = np.zeros((Bsz, H, N), x.dtype), np.zeros((Bsz, H, N), x.dtype)
     dD = np.empty((Bsz, H), x.dtype)
@@ -312,9 +316,9 @@ def _backward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0,
                 else:
                     dk0[b, h, n] = dkp[n]
             # the step's scalars: alpha = exp(A delta), late, gamma, lam = sigmoid(trap)
-            dA[b, t, h] = dalpha * alpha * dl
+            per_head[b, h, 1, t] = dalpha * alpha * dl
             ddl = dalpha * alpha * A[b, t, h] + dlate * (one(lam) - lam) + dgamma * lam
-            dtrap[b, t, h] = (dgamma - dlate) * dl * lam * (one(lam) - lam)
+            per_head[b, h, 2, t] = (dgamma - dlate) * dl * lam * (one(lam) - lam)
             # the turns: k~ = rot(k + kb, phi), q~ likewise
             for i in range(S):
                 c, s = cs[b, h, t, 0, i], cs[b, h, t, 1, i]
@@ -335,7 +339,7 @@ def _backward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0,
             for i in range(S):
                 drate[b, h, t, i] = gphi[i] * dl
                 ddl += gphi[i] * rate[b, t, i]
-            ddelta[b, t, h] = ddl
+            per_head[b, h, 0, t] = ddl
         dD[b, h] = gD
         for t in range(T):
             for p in range(P):
@@ -345,6 +349,13 @@ def _backward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0,
                 dssm0[b, h, p, n] = Gs[p, n]
         for i in range(S):
             dangle0[b, h, i] = gphi[i]
+    ddelta, dA, dtrap = np.empty_like(delta), np.empty_like(A), np.empty_like(trap)
+    for b in range(Bsz):
+        for t in range(T):
+            for h in range(H):
+                ddelta[b, t, h] = per_head[b, h, 0, t]
+                dA[b, t, h] = per_head[b, h, 1, t]
+                dtrap[b, t, h] = per_head[b, h, 2, t]
     for b in range(1, Bsz):  # the rows' shares, summed in row order (deterministic)
         for h in range(H):
             dD[0, h] += dD[b, h]
