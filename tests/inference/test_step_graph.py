@@ -340,6 +340,26 @@ def test_input_addresses_read_in_place_are_bounded_and_not_kept_alive(fake_graph
     assert all(r() is None for r in gone)
 
 
+def test_replaced_parameters_recapture_the_graphs_reading_the_input_in_place(fake_graphs):
+    """A weight replaced (`.data =`) after the graphs reading a buffer in place were
+    captured: they are stale, the steps stay right, and the buffer gets a graph of its own
+    again on the new weights (however often that happens)."""
+    m = backbone("mamba1")
+    xs = torch.randn(8 * (sg.DIRECT + 1), 2, 12)
+    s_graph, s_eager = m.init_state(2), m.init_state(2)
+    buf = torch.empty(2, 12)
+    w = m.layers[0].mixer.in_proj.weight
+    for i in range(sg.DIRECT + 1):
+        if i:
+            w.data = w.data * 0.9
+        chunk = xs[8 * i : 8 * (i + 1)]
+        got = _refill_loop(m, chunk, s_graph, [buf])
+        want = run(m, chunk, s_eager, cuda_graph=False)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert step_graph_status(m)["direct"] >= 1, i
+
+
 def test_an_input_at_a_known_address_with_other_strides_is_not_read_in_place(fake_graphs):
     """The same memory read with other strides (a transposed view) is another input: it
     goes through the copying graph, never a graph captured on the first layout."""

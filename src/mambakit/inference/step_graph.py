@@ -243,8 +243,10 @@ def graphed_step(
                 return _replay_at(table, direct, body, state, x)
             _load(entry, x)
             return _replay(table, entry, body, state)
-        # stale: captured on modules, parameters or plan tensors since replaced
+        # stale: captured on modules, parameters or plan tensors since replaced (the
+        # key's direct graphs will find so too; the new modules may have their own)
         del table.graphs[key]
+        table.direct_made.pop(key, None)
     name = _not_plain(backbone) or (None if head is None or plain(head) else "lm_head")
     if name is not None:
         table.reason = (
