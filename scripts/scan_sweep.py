@@ -197,7 +197,7 @@ def main() -> None:
     rows = []
     if args.bwd is None:
         wide_backward(rows)
-    for fw in FWD:
+    for fw in FWD if args.bwd is None else FWD[:1]:  # (--bwd: the library's forward alone)
         c = dataclasses.replace(base, **fw)
         ms = timed(lambda c=c: K.scan_fwd(*a, True, None, None, True, cfg=c))
         rows.append({"kernel": "fwd", **fw, "ms": ms})

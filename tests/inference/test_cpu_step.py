@@ -395,17 +395,28 @@ def test_lm_step_logits_of_a_row_do_not_depend_on_the_batch(name, numba_on, lm_c
     assert all(lm_compiled_calls)
 
 
-@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-def test_lm_step_leaves_the_parameters_resizable(tie, numba_on, lm_compiled_calls):
+@pytest.mark.parametrize("head", ["tied", "untied", "bias"])
+def test_lm_step_leaves_the_parameters_resizable(head, numba_on, lm_compiled_calls):
     """The compiled step and head read the weights without marking their storage as never
-    resizable (`.numpy()` on them would; FSDP frees and regrows a sharded parameter's)."""
-    model = lm("mamba1", tie=tie)
+    resizable (`.numpy()` on them would; FSDP frees and regrows a sharded parameter's), and
+    a head with a bias gives the logits of nn.Linear on the same rows."""
+    model = lm("mamba1", tie=head == "tied")
+    if head == "bias":
+        torch.manual_seed(1)
+        model.lm_head = torch.nn.Linear(128, 97)
     numba_on(True)
     state = model.init_state(2)
+    ids = torch.randint(0, 97, (3, 2))
     with torch.no_grad():
-        for t in torch.randint(0, 97, (3, 2)):
-            model.step(t, state)
+        got = [model.step(t, state)[0] for t in ids]
     assert lm_compiled_calls and all(lm_compiled_calls)
+    numba_on(False)
+    drop(model)
+    state = model.init_state(2)
+    with torch.no_grad():
+        want = [model.step(t, state)[0] for t in ids]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     for p in model.parameters():
         p.untyped_storage().resize_(0)  # raises where the storage was marked
 

@@ -641,6 +641,8 @@ def test_gpu_inputs_read_in_place_equal_eager_steps(mixer):
             got.append(m.step(fresh, s_graph)[0].clone())
             del fresh
     want = run(m, xs, s_eager, cuda_graph=False)
+    status = step_graph_status(m)
+    assert status["replays"] == len(xs) - sg.WARM_CALLS, status  # every later step replayed
     for i, (a, b) in enumerate(zip(got, want)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda e, i=i: f"{i}: {e}")
     for a, b in zip(s_graph._tensors(), s_eager._tensors()):

@@ -112,9 +112,19 @@ def head_rows(head: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
     if (
         not plain(head)
         or W.dtype != rows.dtype
+        or W.device.type != "cpu"
         or W.dim() != 2
         or W.shape[1] != rows.shape[1]
-        or (bias is not None and (bias.shape != W.shape[:1] or bias.dtype != W.dtype))
+        or W.is_neg()
+        or (
+            bias is not None
+            and (
+                bias.shape != W.shape[:1]
+                or bias.dtype != W.dtype
+                or bias.device != W.device
+                or bias.is_neg()
+            )
+        )
         or (
             torch.is_grad_enabled() and (W.requires_grad or bias is not None and bias.requires_grad)
         )

@@ -15,10 +15,11 @@ Per replay: the input is copied into the graph's own, the decode plan is refresh
 parameters (an optimizer step in between is followed: `inference.plan`) and a graph
 replays. An input that comes back where an earlier one was (a loop that refills one
 buffer, or whose inputs the allocator hands the same few blocks) is read where it is: the
-third time one address, shape and stride come back, a graph reading the input there is
-captured (`DIRECT` such addresses a key at most), and a replay of it copies nothing (the
-copy is a launch of its own, a fifth of a batch-1 step's host time). Such a graph reads
-the address in stream order, as any kernel launched on the input would.
+third time one address, shape and strides come back to a key's copying graph, a graph
+reading the input there is captured (`DIRECT` such addresses a key at most), and a
+replay of it copies nothing (the copy is a launch of its own, a fifth of a batch-1
+step's host time). Such a graph reads the address in stream order, as any kernel
+launched on the input would.
 
 A step's output is not copied: a key keeps up to `RING` graphs, each in a memory pool of
 its own writing its own output, and a step replays one whose output no alias handed out
@@ -232,21 +233,28 @@ def graphed_step(
         if entry is not None:
             if _stands(model, backbone, head, entry):
                 table.direct.move_to_end(where)
-                return _replay_at(table, entry, body, state, x)
-            del table.direct[where]
+                if key in table.graphs:  # the key is in use: its copying graph too
+                    table.graphs.move_to_end(key)
+                out = _replay_at(table, entry, body, state, x)
+                if out is not None:
+                    return out  # (None: every slot held and no spare; the copying graph)
+            else:
+                del table.direct[where]
     entry = table.graphs.get(key)
     if entry is not None:
         if _stands(model, backbone, head, entry):
             table.graphs.move_to_end(key)
             direct = _direct(table, key, where, model, backbone, body, x, state, head)
             if direct is not None:
-                return _replay_at(table, direct, body, state, x)
+                out = _replay_at(table, direct, body, state, x)
+                if out is not None:
+                    return out
             _load(entry, x)
             return _replay(table, entry, body, state)
-        # stale: captured on modules, parameters or plan tensors since replaced (the
-        # key's direct graphs will find so too; the new modules may have their own)
+        # stale: captured on modules, parameters or plan tensors since replaced; so are
+        # the key's direct graphs (the new modules may capture their own)
         del table.graphs[key]
-        table.direct_made.pop(key, None)
+        _drop_direct(table, key)
     name = _not_plain(backbone) or (None if head is None or plain(head) else "lm_head")
     if name is not None:
         table.reason = (
@@ -270,17 +278,27 @@ def graphed_step(
         return None
     table.graphs[key] = entry
     while len(table.graphs) > MAX_GRAPHS:
-        table.graphs.popitem(last=False)
+        _drop_direct(table, table.graphs.popitem(last=False)[0])
     _load(entry, x)
     return _replay(table, entry, body, state)
 
 
+def _drop_direct(table: _StepGraphs, key: tuple) -> None:
+    """Forget `key`'s direct graphs and their count (its copying graph is gone)."""
+    for where in [w for w in table.direct if w[0] == key]:
+        del table.direct[where]
+    table.direct_made.pop(key, None)
+
+
 def _direct(table, key, where, model, backbone, body, x, state, head) -> _Graph | None:
     """The graph reading the input where it is (address and strides `where`), captured
-    the third time they come back to `key`'s copying graph, at most `DIRECT` of them for a
-    key; None before then, past them, or where the capture fails (the copying graph runs)."""
+    the third time they come back to `key`'s copying graph (after that graph's own warm
+    calls and capture), `DIRECT` captures a key at most while its copying graph lives
+    (those evicted are not made again: addresses that keep changing would capture every
+    few steps); None before then, past them, or where the capture fails (the copying
+    graph runs)."""
     made = table.direct_made.get(key, 0)
-    if made >= DIRECT:
+    if made >= DIRECT or where in table.direct:  # (there: its outputs all held, no spare)
         return None
     seen = table.direct_seen.get(where, 0) + 1
     if seen <= WARM_CALLS:

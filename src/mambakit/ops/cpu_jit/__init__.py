@@ -88,9 +88,14 @@ class _Memory:
     __slots__ = ("__array_interface__",)
 
     def __init__(self, t: torch.Tensor) -> None:
+        if t.device.type != "cpu" or t.dtype not in _NUMPY or t.is_neg() or t.is_conj():
+            raise ValueError(
+                f"borrowed_array: a CPU float32 or float64 tensor without a lazy negation, "
+                f"got {t.dtype} on {t.device}"
+            )
         size = t.element_size()
         self.__array_interface__ = {
-            "data": (t.data_ptr(), False),
+            "data": (t.data_ptr(), True),  # read-only
             "shape": tuple(t.shape),
             "strides": tuple(s * size for s in t.stride()),
             "typestr": np.dtype(_NUMPY[t.dtype]).str,
@@ -102,8 +107,8 @@ _NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
 
 
 def borrowed_array(t: torch.Tensor):
-    """A parameter's values as an array over its own memory, for one call: no copy, and
-    unlike `.numpy()` its storage stays resizable. The array holds no reference to `t`:
+    """A parameter's values as a read-only array over its own memory, for one call: no
+    copy, and unlike `.numpy()` its storage stays resizable. The array holds no reference to `t`:
     the caller keeps `t` alive, and its storage unresized, while the array is read (a
     large weight read on every call, as an LM head's, where `param_array` would copy it
     each time)."""
