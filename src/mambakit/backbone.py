@@ -23,8 +23,11 @@ from .layers.block import MambaBlock, RMSNorm
 from .layers.init import init_model_weights
 from .ops import mamba_stack_step, resolve_backend
 from .ops._checks import check_seq_idx, check_tensor, state_dtype
+from .ops._dispatch import traced
+from .ops.mamba3.layers_compiled import mamba3_layers_compiled
+from .ops.mamba3.reference import scan_compiles
 from .ops.mamba_step.stack import stack_weights
-from .state import ModelState, check_state, init_state, state_class
+from .state import Mamba3ModelState, ModelState, check_state, init_state, state_class
 
 
 def compute_dtype(param_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -131,6 +134,11 @@ class MambaBackbone(nn.Module):
         h = self.embed(x)
         cdt = compute_dtype(self._param.dtype, x.device)
         backend = resolve_backend("auto", h)  # once per call, for every layer's ops
+        if seq_idx is None and at is None and stop is None:
+            window = self._compiled_window(h, state, cdt, backend)
+            if window is not None:  # the blocks as one node (a small model's training window)
+                h, residual, final = mamba3_layers_compiled(h, *window, state)
+                return h, residual, cdt, backend, final
         plan = (
             None  # without autograd, what the mixers derive from their weights (`inference.plan`)
         )
@@ -163,6 +171,30 @@ class MambaBackbone(nn.Module):
                 final = tuple(t.flatten(0, 1) for t in states)
             finals.append(final)
         return h, residual, cdt, backend, state_class(self.config).stack(finals)
+
+    def _compiled_window(self, h, state, cdt, backend) -> tuple | None:
+        """(each block's weights, each block's constants) where the blocks run as one
+        compiled node (`ops.mamba3.layers_compiled`): a forward on the CPU that autograd
+        records (a training window), every block a plain Mamba-3 one (`window_weights`) in
+        h's float32 or float64, no tracer, numba there and the scan's kept states within its
+        bound; else None."""
+        if h.device.type != "cpu" or backend != "reference" or cdt != h.dtype:
+            return None
+        if not torch.is_grad_enabled() or traced((h,)):
+            return None
+        if state is not None and (type(state) is not Mamba3ModelState or state.dtype != h.dtype):
+            return None
+        blocks = [b.window_weights(h) for b in self._modules["layers"]]
+        if not blocks or any(b is None for b in blocks):
+            return None
+        weights = [w for w, _ in blocks]
+        grad = h.requires_grad or any(t.requires_grad for w in weights for t in w)
+        if not (grad or (state is not None and state.requires_grad)):
+            return None  # (nothing to record: the inference path, with its plans)
+        E, N = blocks[0][1][4][:2]
+        if not scan_compiles(h, h.dtype, N, h.shape[0] * h.shape[1] * E, True):
+            return None
+        return weights, [c for _, c in blocks]
 
     def step(
         self, x: torch.Tensor, state: ModelState, *, cuda_graph: bool | str = "auto"

@@ -43,7 +43,7 @@ def run(layer, u, state, compiled: bool, monkeypatch):
     with monkeypatch.context() as m:
         if not compiled:
             m.setattr(Mamba3, "_compiled", lambda *a: None)
-            m.setattr(ref, "_compiled", lambda *a: False)
+            m.setattr(ref, "scan_compiles", lambda *a: False)
         u = u.clone().requires_grad_()
         st = None
         if state is not None:
@@ -105,7 +105,7 @@ def test_compiled_terms_at_their_edges(monkeypatch):
         z = zx.clone().requires_grad_()
         layer.zero_grad(set_to_none=True)
         with monkeypatch.context() as m:
-            m.setattr(ref, "_compiled", lambda *a: False if not compiled else True)
+            m.setattr(ref, "scan_compiles", lambda *a: False if not compiled else True)
             if compiled:
                 bn, cn = layer.B_norm, layer.C_norm
                 y, fin = ref.mamba3_layer_compiled(
@@ -221,7 +221,7 @@ def test_compiled_layer_leaves_what_it_cannot_take(monkeypatch):
     assert calls == [1]
     with monkeypatch.context() as m:
         m.setattr(Mamba3, "_compiled", lambda *a: None)
-        m.setattr(ref, "_compiled", lambda *a: False)
+        m.setattr(ref, "scan_compiles", lambda *a: False)
         want = layer(u)
     assert rel(got, want) < 1e-12
 

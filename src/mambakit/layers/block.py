@@ -13,9 +13,11 @@ from ..config import MambaConfig
 from ..ops import _rms_norm, rms_norm
 from .init import no_weight_decay
 from .mamba2 import Mamba2
-from .mamba3 import Mamba3
+from .mamba3 import Mamba3, _RMSNormN
 from .mixer import Mamba
 from .plain import hooked, plain
+
+_PLAIN = (torch.Tensor, nn.Parameter)
 
 
 class RMSNorm(nn.Module):
@@ -177,6 +179,38 @@ class MambaBlock(nn.Module):
             and not hooked(self)
             and not hooked(mixer)
         )
+
+    def window_weights(self, h: torch.Tensor) -> tuple | None:
+        """What the compiled stack of Mamba-3 blocks (`ops.mamba3.layers_compiled`) reads
+        of this block: (its norm's, in_proj's, the B and C norms', dt_bias, C_bias, B_bias,
+        D and out_proj's weights; (the norm's eps, the B and C norms' eps, A_floor, the
+        mixer's sizes)), where the block is a plain Mamba-3 one (every module of its exact
+        class, no hook: `layers/plain.py`), its projections without bias, and its weights
+        its own plain tensors in h's dtype on h's device; else None (the block is called).
+        (Checked on every forward, in a few us: a hook may come at any time.)"""
+        mixer, norm = self._modules["mixer"], self._modules["norm"]
+        if type(mixer) is not Mamba3 or type(norm) is not RMSNorm:
+            return None
+        mods, own = mixer._modules, mixer._parameters
+        in_proj, out_proj, bn, cn = (mods["in_proj"], mods["out_proj"], mods["B_norm"],
+                                     mods["C_norm"])  # fmt: skip
+        if type(in_proj) is not nn.Linear or type(out_proj) is not nn.Linear:
+            return None
+        if type(bn) is not _RMSNormN or type(cn) is not _RMSNormN:
+            return None
+        if any(map(hooked, (self, mixer, norm, in_proj, out_proj, bn, cn))):
+            return None
+        if in_proj.bias is not None or out_proj.bias is not None:
+            return None
+        weights = (
+            norm._parameters.get("weight"), in_proj._parameters.get("weight"),
+            bn._parameters.get("weight"), cn._parameters.get("weight"), own.get("dt_bias"),
+            own.get("C_bias"), own.get("B_bias"), own.get("D"), out_proj._parameters.get("weight"),
+        )  # fmt: skip
+        for w in weights:  # (None where a parametrization holds it; FSDP's DTensors)
+            if type(w) not in _PLAIN or w.dtype != h.dtype or w.device != h.device:
+                return None
+        return weights, (norm.eps, bn.eps, cn.eps, mixer.A_floor, mixer._sizes())
 
     def hooked(self) -> bool:
         """Whether a hook watches the block or its mixer: a step then runs as the forward

@@ -135,7 +135,7 @@ def mamba3_scan_reference(
         initial_state = Mamba3State.zeros(Bsz, H, P, N, S, x.device, f)
     ins = (x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z, *initial_state)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ins)
-    if seq_idx is None and _compiled(x, f, N, None, grad):  # compiled: `cpu_jit.scan3`
+    if seq_idx is None and scan_compiles(x, f, N, None, grad):  # compiled: `cpu_jit.scan3`
         rate = math.pi * torch.tanh(theta.to(f))  # the angles' rate, shared by the heads
         ins = (*ins[:6], rate, *ins[7:])
         ins = tuple(None if t is None else t.to(f).contiguous() for t in ins)
@@ -192,7 +192,7 @@ def mamba3_scan_reference(
     return y.to(x.dtype), final
 
 
-def _compiled(
+def scan_compiles(
     x: torch.Tensor, f: torch.dtype, N: int, values: int | None = None, grad: bool = True
 ) -> bool:
     """Whether the scan runs compiled (`cpu_jit.scan3`): numba there, plain CPU tensors of
@@ -287,7 +287,7 @@ def layer_compiles(zx: torch.Tensor, sizes: tuple, params: tuple, state: Mamba3S
     if not all(isinstance(t, torch.Tensor) and t.dtype == f for t in tensors):
         return False
     values = zx.shape[0] * zx.shape[1] * E if zx.dim() == 3 else 0
-    return f in _JIT_DTYPES and _compiled(zx, f, N, values, _needs_grad(zx, *tensors))
+    return f in _JIT_DTYPES and scan_compiles(zx, f, N, values, _needs_grad(zx, *tensors))
 
 
 def _needs_grad(*tensors: torch.Tensor) -> bool:

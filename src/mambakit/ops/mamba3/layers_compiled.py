@@ -1,0 +1,173 @@
+"""A stack of Mamba-3 blocks on the CPU as one autograd node: the training window of a small
+model (an RL policy's d_model 128 x 3 layers over T = 32 steps) in a few large calls.
+
+Per block l, from the previous block's output h and the residual stream r (the embedded
+input for both at the first block):
+
+    normed, r = rmsnorm(h + r) w_l          (rmsnorm(h) w_0 and r = h at the first)
+    zx        = normed in_proj_l^T
+    y, final  = the compiled Mamba-3 layer on zx (`cpu_jit.terms3`, then `cpu_jit.scan3`)
+    h         = y out_proj_l^T
+
+and (h, r) after the last block, with every block's final state. The kernels are the
+ones the blocks' modules run one node each (`ops.rms_norm.compiled`, the layer's node in
+`reference.py`, `nn.Linear`'s matmuls): the node computes what they compute, bit for bit,
+and its backward is theirs, in reverse block order. What it saves is the rest: at these
+sizes the module path spends more time in autograd's engine, PyTorch's dispatch and the
+modules' Python (some seventy nodes a window) than in its arithmetic.
+
+`MambaBackbone` runs it where every block is plain (`MambaBlock.window_weights`): it
+reads the weights and calls no module, so a hook, an adapter or a parametrization anywhere
+in the stack sends the window through the modules instead.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ...state import Mamba3ModelState
+
+WEIGHTS = 9  # per block: norm, in_proj, B and C norms, dt_bias, C_bias, B_bias, D, out_proj
+
+
+def mamba3_layers_compiled(
+    h: torch.Tensor,  # [B, T, M] the embedded input
+    weights: list[tuple],  # per block, `WEIGHTS` tensors (`MambaBlock.window_weights`)
+    consts: list[tuple],  # per block: (norm eps, B norm eps, C norm eps, A_floor, sizes)
+    state: Mamba3ModelState | None,  # [L, B, ...] start states (None: zeros)
+) -> tuple[torch.Tensor, torch.Tensor, Mamba3ModelState]:
+    """(the last block's output h [B, T, M], the residual stream r [B, T, M], the final
+    state [L, B, ...]), as the blocks compute them one by one, differentiable in h, every
+    weight and the start state."""
+    if state is None:
+        E, N, G, H, P, S = consts[0][4]
+        state = Mamba3ModelState.zeros(len(weights), h.shape[0], H, P, N, S, h.device, h.dtype)
+    flat = [t for w in weights for t in w]
+    out = _Layers3.apply(tuple(consts), h.contiguous(), *state._tensors(), *flat)
+    return out[0], out[1], Mamba3ModelState(*out[2:])
+
+
+def _array(t: torch.Tensor) -> np.ndarray:
+    """A parameter's (or a state's) values as an array of their own (`cpu_jit.param_array`:
+    `.numpy()` on a parameter would pin its storage's size)."""
+    return t.detach().contiguous().clone().numpy()
+
+
+def _grad_array(g: torch.Tensor | None, like: np.ndarray) -> np.ndarray:
+    """An output's gradient as a contiguous array of `like`'s dtype (zeros for None)."""
+    if g is None:
+        return np.zeros(like.shape, like.dtype)
+    return np.ascontiguousarray(g.detach().numpy(), like.dtype)
+
+
+class _Layers3(torch.autograd.Function):
+    """Inputs: consts, h, the start state's angle, ssm, k, x [L, B, ...], then each block's
+    weights; outputs: h, r and the final state's four fields [L, B, ...]."""
+
+    @staticmethod
+    def forward(ctx, consts, h, angle0, ssm0, k0, x0, *flat):
+        from ..cpu_jit import rmsnorm, scan3, terms3
+
+        Bsz, T, M = h.shape
+        rows = h.detach().reshape(Bsz * T, M)
+        grad = any(ctx.needs_input_grad)  # (else nothing is kept: no backward will come)
+        r = None
+        kept, finals = [], []
+        for l, (eps, eps_B, eps_C, A_floor, sizes) in enumerate(consts):
+            norm_w, W_in, w_B, w_C, dt_bias, C_bias, B_bias, D, W_out = _block(flat, l)
+            E, N, G, H, P, S = sizes
+            # the small weights as arrays of their own, kept for the backward (the weights
+            # are saved for it too: changed in place between the two, autograd raises)
+            small = tuple(map(_array, (norm_w, w_B, w_C, dt_bias)))
+            normed = torch.empty_like(rows)
+            r_new = rows if r is None else torch.empty_like(rows)
+            k_norm = rmsnorm.forward(
+                rows.numpy(), None if r is None else r.numpy(), small[0], eps, normed.numpy(),
+                None if r is None else r_new.numpy(),
+            )  # fmt: skip
+            r = r_new
+            zx = (normed @ W_in.detach().t()).view(Bsz, T, -1)
+            x, z, q, k, delta, A, trap, rate, r_k, r_q = terms3.forward(
+                zx.numpy(), small[1], small[2], eps_B, eps_C, small[3], A_floor, sizes
+            )
+            s0 = tuple(t[l].detach().contiguous().numpy() for t in (angle0, ssm0, k0, x0))
+            arrs = (x, q, k, delta, A, trap, rate, _array(C_bias).reshape(H, N),
+                    _array(B_bias).reshape(H, N), _array(D), z, True, *s0)  # fmt: skip
+            y, *final, scan_kept = scan3.forward_arrays(arrs, grad)
+            y_rows = torch.from_numpy(y).view(Bsz * T, E)
+            kept.append((k_norm, r, normed, zx, arrs, scan_kept, r_k, r_q, y_rows, small))
+            finals.append(final)
+            rows = y_rows @ W_out.detach().t()
+        ctx.kept = kept if grad else None
+        ctx.consts, ctx.shape = consts, h.shape
+        ctx.save_for_backward(*flat)
+        ctx.set_materialize_grads(False)
+        state = (torch.from_numpy(np.stack(f)) for f in zip(*finals))
+        return (rows.view(Bsz, T, M), r.view(Bsz, T, M), *state)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_h, g_r, g_angle, g_ssm, g_k, g_x):
+        from ..cpu_jit import rmsnorm, scan3, terms3
+
+        if ctx.kept is None:
+            raise RuntimeError(
+                "the compiled Mamba-3 stack kept nothing for a backward: its forward ran where "
+                "no backward was expected"
+            )
+        flat = ctx.saved_tensors
+        consts, kept = ctx.consts, ctx.kept
+        L = len(consts)
+        needs = ctx.needs_input_grad[6:]
+        Bsz, T, M = ctx.shape
+        # the gradients of a block's output (g_rows) and of the residual stream after it
+        g_rows = torch.zeros(Bsz * T, M, dtype=kept[-1][1].dtype) if g_h is None else g_h
+        g_rows = g_rows.reshape(Bsz * T, M)
+        g_res = None if g_r is None else g_r.reshape(Bsz * T, M).contiguous()
+        g_state = [None] * 4  # per field, [L, B, ...]: filled from the last block down
+        g_final = (g_angle, g_ssm, g_k, g_x)
+        grads: list = [None] * len(flat)
+        for l in range(L - 1, -1, -1):
+            norm_w, W_in, w_B, w_C, dt_bias, C_bias, B_bias, D, W_out = _block(flat, l)
+            A_floor = consts[l][3]
+            k_norm, r, normed, zx, arrs, scan_kept, r_k, r_q, y_rows, small = kept[l]
+            H, P = arrs[0].shape[2:]
+            n = l * WEIGHTS
+            if needs[n + 8]:
+                grads[n + 8] = g_rows.t() @ y_rows
+            g_y = (g_rows @ W_out.detach()).view(Bsz, T, H, P)
+            outs = (g_y, *(None if g is None else g[l] for g in g_final))
+            likes = (arrs[0], *arrs[12:])
+            g_scan = tuple(map(_grad_array, outs, likes))
+            (g_xin, g_q, g_k_heads, g_delta, g_A, g_trap, g_rate, g_qb, g_kb, g_D, g_z,
+             *g_s0) = scan3.backward_arrays(arrs, scan_kept, g_scan)  # fmt: skip
+            g_zx, g_wB, g_wC, g_dt = terms3.backward(
+                zx.numpy(), small[1], small[2], small[3], A_floor, r_k, r_q,
+                g_xin, g_z, g_q, g_k_heads, g_delta, g_A, g_trap, g_rate,
+            )  # fmt: skip
+            g_zx = torch.from_numpy(g_zx).view(Bsz * T, -1)
+            if needs[n + 1]:
+                grads[n + 1] = g_zx.t() @ normed
+            g_normed = g_zx @ W_in.detach()
+            g_in = torch.empty_like(g_normed)
+            g_w = rmsnorm.backward(
+                g_normed.numpy(), None if g_res is None else g_res.numpy(), r.numpy(), k_norm,
+                small[0], g_in.numpy(),
+            )  # fmt: skip
+            t = torch.from_numpy
+            grads[n] = t(g_w)
+            grads[n + 2 : n + 8] = (t(g_wB), t(g_wC), t(g_dt), t(g_qb).view_as(C_bias),
+                                    t(g_kb).view_as(B_bias), t(g_D))  # fmt: skip
+            for i, g in enumerate(g_s0):
+                if g_state[i] is None:
+                    g_state[i] = np.empty((L, *g.shape), g.dtype)
+                g_state[i][l] = g
+            g_rows, g_res = g_in, g_in  # the block's input and the residual before it
+        g_state = [torch.from_numpy(g) for g in g_state]
+        return (None, g_rows.view(Bsz, T, M), *g_state, *grads)
+
+
+def _block(flat: tuple, l: int) -> tuple:
+    """Block l's `WEIGHTS` tensors from the node's flat list."""
+    return flat[l * WEIGHTS : (l + 1) * WEIGHTS]

@@ -1,0 +1,181 @@
+"""The compiled stack of Mamba-3 blocks (`ops.mamba3.layers_compiled`): a training window's
+forward and backward on the CPU as one autograd node. Its oracle is the blocks called one
+by one (each tested against the float64 reference: test_mamba3.py, test_cpu_jit_scan3.py),
+which it must match bit for bit, values and gradients, and float64 gradcheck; wherever a
+block is not plain the model must call the blocks instead."""
+
+import pytest
+import torch
+from torch import nn
+
+import mambakit.backbone as backbone_module
+from mambakit import MambaBackbone, MambaConfig
+
+pytest.importorskip("numba")
+
+
+def backbone(dtype=torch.float32, seed=0, **kw) -> MambaBackbone:
+    torch.manual_seed(seed)
+    cfg = dict(d_model=32, n_layers=3, input_dim=6, mixer="mamba3", d_state=8, headdim=8,
+               ngroups=2)  # fmt: skip
+    model = MambaBackbone(MambaConfig(**{**cfg, **kw})).to(dtype)
+    with torch.no_grad():  # off the initial values (norms' and B/C biases' ones, D's ones)
+        for p in model.parameters():
+            if p.dim() != 2:
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The compiled stack's calls, counted."""
+    got = []
+    real = backbone_module.mamba3_layers_compiled
+    monkeypatch.setattr(
+        backbone_module, "mamba3_layers_compiled", lambda *a: got.append(1) or real(*a)
+    )
+    return got
+
+
+def window(model, x, state, blocks: bool = False, monkeypatch=None):
+    """(out, final state fields, the gradients of the parameters, x and the start state)
+    of one window with a loss on the output and the final state; `blocks`: the blocks
+    called one by one (the compiled stack turned off)."""
+    if blocks:
+        monkeypatch.setattr(MambaBackbone, "_compiled_window", lambda *a: None)
+    out, final = model(x, state)
+    if blocks:
+        monkeypatch.undo()
+    loss = (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).square().sum()
+    for t in final._tensors():  # the state carried on (its gradient reaches the start state)
+        loss = loss + (t * torch.linspace(0, 1, t.numel(), dtype=t.dtype).view_as(t)).sum()
+    leaves = [*model.parameters(), x, *state._tensors()]
+    grads = torch.autograd.grad(loss, leaves)
+    return out.detach(), [t.detach() for t in final._tensors()], grads
+
+
+def inputs(model, B=2, T=9, dtype=torch.float32):
+    torch.manual_seed(1)
+    x = torch.randn(B, T, model.config.input_dim, dtype=dtype, requires_grad=True)
+    state = model.init_state(B)
+    fields = (0.5 * torch.randn_like(t) for t in state._tensors())
+    return x, type(state)(*(t.requires_grad_() for t in fields))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_window_equals_the_blocks_bit_for_bit(dtype, calls, monkeypatch):
+    model = backbone(dtype)
+    x, state = inputs(model, dtype=dtype)
+    got = window(model, x, state)
+    assert calls == [1]
+    want = window(model, x, state, blocks=True, monkeypatch=monkeypatch)
+    assert calls == [1]
+    assert torch.equal(got[0], want[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    assert len(got[2]) == len(want[2]) == len(list(model.parameters())) + 5
+    for a, b in zip(got[2], want[2]):
+        assert torch.equal(a, b)
+
+
+def test_window_from_a_zero_state_equals_the_blocks(calls, monkeypatch):
+    model = backbone()
+    x = torch.randn(3, 7, 6)
+    out, final = model(x)
+    assert calls == [1]
+    monkeypatch.setattr(MambaBackbone, "_compiled_window", lambda *a: None)
+    want, want_final = model(x)
+    assert torch.equal(out, want)
+    assert all(torch.equal(a, b) for a, b in zip(final._tensors(), want_final._tensors()))
+
+
+def test_window_gradcheck_float64(calls):
+    """Gradients of the output and the final state in the input, the start state and the
+    weights (through `torch.func.functional_call`, still plain tensors) against finite
+    differences."""
+    model = backbone(torch.float64, d_model=16, n_layers=2)
+    x, state = inputs(model, B=1, T=5, dtype=torch.float64)
+    names = [n for n, _ in model.named_parameters()]
+    params = [p.detach().clone().requires_grad_() for p in model.parameters()]
+
+    def f(x, *tensors):
+        fields, weights = tensors[:4], tensors[4:]
+        st = type(state)(*fields)
+        out, final = torch.func.functional_call(model, dict(zip(names, weights)), (x, st))
+        return out, *final._tensors()
+
+    leaves = (x, *state._tensors(), *params)
+    assert torch.autograd.gradcheck(f, leaves, fast_mode=True)
+    assert calls  # the compiled stack ran
+
+
+@pytest.mark.parametrize(
+    "change", ["hook on a mixer", "hook on a block", "in_proj subclass", "in_proj bias",
+               "parametrized norm"],  # fmt: skip
+)
+def test_a_block_not_plain_is_called(change, calls, monkeypatch):
+    """A hook, an adapter-like module, a bias the node would ignore or a parametrization
+    anywhere in the stack: the blocks run as modules (the hook sees them), the same values
+    as the untouched model where the change computes the same."""
+    model = backbone()
+    x, state = inputs(model)
+    want = window(model, x, state)
+    assert calls == [1]
+    seen = []
+    block = model.layers[1]
+    if change == "hook on a mixer":
+        block.mixer.register_forward_hook(lambda *a: seen.append(1))
+    elif change == "hook on a block":
+        block.register_forward_pre_hook(lambda *a: seen.append(1))
+    elif change == "in_proj subclass":
+
+        class Wrapped(nn.Linear):
+            def forward(self, u):
+                seen.append(1)
+                return super().forward(u)
+
+        old = block.mixer.in_proj
+        new = Wrapped(old.in_features, old.out_features, bias=False)
+        new.weight = old.weight
+        block.mixer.in_proj = new
+    elif change == "in_proj bias":
+        old = block.mixer.in_proj
+        block.mixer.in_proj = nn.Linear(old.in_features, old.out_features)
+        with torch.no_grad():
+            block.mixer.in_proj.weight.copy_(old.weight)
+            block.mixer.in_proj.bias.zero_()
+        seen.append(1)
+    else:
+
+        class Same(nn.Module):
+            def forward(self, w):
+                seen.append(1)
+                return w
+
+        nn.utils.parametrize.register_parametrization(block.norm, "weight", Same())
+    got = window(model, x, state)
+    assert calls == [1] and seen
+    assert torch.equal(got[0], want[0])
+    if change != "in_proj bias":  # (a new weight: its gradient is the old one's, elsewhere)
+        for a, b in zip(got[2][-5:], want[2][-5:]):  # the input's and the state's
+            assert torch.equal(a, b)
+
+
+def test_no_recorded_gradient_runs_the_blocks(calls):
+    model = backbone()
+    x = torch.randn(2, 5, 6)
+    with torch.no_grad():
+        model(x)
+    model.requires_grad_(False)
+    model(x)  # grad mode on, nothing requiring grad
+    model(x, seq_idx=torch.zeros(2, 5, dtype=torch.int32))
+    assert calls == []
+
+
+def test_a_weight_changed_before_the_backward_raises(calls):
+    model = backbone()
+    out, _ = model(torch.randn(1, 4, 6))
+    assert calls == [1]
+    with torch.no_grad():
+        model.layers[0].mixer.dt_bias.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
