@@ -108,10 +108,11 @@ def test_window_gradcheck_float64(calls):
     assert calls  # the compiled stack ran
 
 
-@pytest.mark.parametrize(
-    "change", ["hook on a mixer", "hook on a block", "in_proj subclass", "in_proj bias",
-               "parametrized norm"],  # fmt: skip
-)
+CHANGES = ["hook on a mixer", "hook on a block", "in_proj subclass", "in_proj bias",
+           "parametrized norm"]  # fmt: skip
+
+
+@pytest.mark.parametrize("change", CHANGES)
 def test_a_block_not_plain_is_called(change, calls, monkeypatch):
     """A hook, an adapter-like module, a bias the node would ignore or a parametrization
     anywhere in the stack: the blocks run as modules (the hook sees them), the same values
