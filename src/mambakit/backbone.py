@@ -21,13 +21,29 @@ from .inference.plan import derived as derived_plan
 from .inference.step_graph import graphed_step
 from .layers.block import MambaBlock, RMSNorm
 from .layers.init import init_model_weights
+from .layers.plain import plain
 from .ops import mamba_stack_step, resolve_backend
 from .ops._checks import check_seq_idx, check_tensor, state_dtype
 from .ops._dispatch import traced
-from .ops.mamba3.layers_compiled import mamba3_layers_compiled
+from .ops.mamba3.layers_compiled import Ends, mamba3_layers_compiled
 from .ops.mamba3.reference import scan_compiles
 from .ops.mamba_step.stack import stack_weights
 from .state import Mamba3ModelState, ModelState, check_state, init_state, state_class
+
+
+def _own(module: nn.Module, ref: torch.Tensor, *optional: str) -> bool:
+    """Whether `module`'s weight (and each of `optional`, where not None) is a plain tensor
+    of its own in ref's dtype on ref's device (not a parametrization's, not FSDP's DTensor)."""
+    own = module._parameters
+    for name in ("weight", *optional):
+        t = own.get(name)
+        if t is None and name in optional and name in own:
+            continue
+        if type(t) not in (torch.Tensor, nn.Parameter) or t.dtype != ref.dtype:
+            return False
+        if t.device != ref.device:
+            return False
+    return True
 
 
 def compute_dtype(param_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -103,13 +119,19 @@ class MambaBackbone(nn.Module):
         seq_idx: torch.Tensor | None = None,  # [B, T] int32
     ) -> tuple[torch.Tensor, ModelState]:
         """(hidden [B, T, M] in the compute dtype, final MambaState)."""
-        h, residual, cdt, backend, state = self._forward_layers(x, state, seq_idx)
+        h, residual, cdt, backend, state = self._forward_layers(x, state, seq_idx, norm=True)
+        if residual is None:  # the blocks ran as one compiled node, norm_f in it
+            return h, state
         out, _ = self.norm_f(h, residual, cdt, backend=backend)
         return out, state
 
-    def _forward_layers(self, x, state, seq_idx, last: bool = False, at=None, stop=None) -> tuple:
+    def _forward_layers(
+        self, x, state, seq_idx, last: bool = False, at=None, stop=None, norm: bool = False
+    ) -> tuple:
         """`forward` up to norm_f: (the last block's output, the residual stream [B, T, M]
-        f32, compute dtype, backend, final state). `last`: only the last step's output is
+        f32, compute dtype, backend, final state). `norm`: the caller applies norm_f next,
+        which a compiled window (`_window`) may take in: it then gives norm_f's output and
+        None for the residual. `last`: only the last step's output is
         read; the last block may give that step's alone ([B, 1, M], `MambaBlock.forward`).
         `at` [B, k] int64 (Mamba-1 layers, checked by the caller): the state is instead the
         states after those steps, B * k rows (row b * k + j: after step at[b, j] of row b).
@@ -131,14 +153,17 @@ class MambaBackbone(nn.Module):
             check_state(state, self.config, Bsz, x.device)
         if seq_idx is not None:
             check_seq_idx(seq_idx, Bsz, T, x.device)
-        h = self.embed(x)
+        h = None
+        if norm and seq_idx is None and at is None and stop is None and not last:
+            h, window = self._window(x, state)
+            if window is not None:  # the blocks as one node (a small model's training window)
+                *out, final = mamba3_layers_compiled(h, window[0], window[1], state, window[2])
+                h, residual = out if len(out) == 2 else (out[0], None)
+                return h, residual, self._param.dtype, "reference", final
+        if h is None:
+            h = self.embed(x)
         cdt = compute_dtype(self._param.dtype, x.device)
         backend = resolve_backend("auto", h)  # once per call, for every layer's ops
-        if seq_idx is None and at is None and stop is None:
-            window = self._compiled_window(h, state, cdt, backend)
-            if window is not None:  # the blocks as one node (a small model's training window)
-                h, residual, final = mamba3_layers_compiled(h, *window, state)
-                return h, residual, cdt, backend, final
         plan = (
             None  # without autograd, what the mixers derive from their weights (`inference.plan`)
         )
@@ -172,29 +197,45 @@ class MambaBackbone(nn.Module):
             finals.append(final)
         return h, residual, cdt, backend, state_class(self.config).stack(finals)
 
-    def _compiled_window(self, h, state, cdt, backend) -> tuple | None:
-        """(each block's weights, each block's constants) where the blocks run as one
-        compiled node (`ops.mamba3.layers_compiled`): a forward on the CPU that autograd
-        records (a training window), every block a plain Mamba-3 one (`window_weights`) in
-        h's float32 or float64, no tracer, numba there and the scan's kept states within its
-        bound; else None."""
-        if h.device.type != "cpu" or backend != "reference" or cdt != h.dtype:
-            return None
-        if not torch.is_grad_enabled() or traced((h,)):
-            return None
-        if state is not None and (type(state) is not Mamba3ModelState or state.dtype != h.dtype):
-            return None
-        blocks = [b.window_weights(h) for b in self._modules["layers"]]
+    def _window(self, x: torch.Tensor, state) -> tuple:
+        """(the compiled node's input, its arguments: the blocks' weights and constants and
+        `Ends`) where `forward`'s blocks run as one node (`ops.mamba3.layers_compiled`): on
+        the CPU, autograd recording (a training window), every block a plain Mamba-3 one
+        (`MambaBlock.window_weights`) in the model's float32 or float64, no tracer, numba
+        there and the scan's kept states within its bound. The input projection and norm_f
+        go in with them where plain (`layers/plain.py`), else they are called. Otherwise
+        (the embedded input where it was computed, or None; None)."""
+        f, mods, ref = self._param.dtype, self._modules, self._param
+        if x.device.type != "cpu" or f not in (torch.float32, torch.float64):
+            return None, None
+        if not torch.is_grad_enabled() or traced((x,)) or compute_dtype(f, x.device) != f:
+            return None, None
+        if resolve_backend("auto", ref) != "reference":
+            return None, None
+        if state is not None and (type(state) is not Mamba3ModelState or state.dtype != f):
+            return None, None
+        blocks = [b.window_weights(ref) for b in mods["layers"]]
         if not blocks or any(b is None for b in blocks):
-            return None
-        weights = [w for w, _ in blocks]
-        grad = h.requires_grad or any(t.requires_grad for w in weights for t in w)
-        if not (grad or (state is not None and state.requires_grad)):
-            return None  # (nothing to record: the inference path, with its plans)
-        E, N = blocks[0][1][4][:2]
-        if not scan_compiles(h, h.dtype, N, h.shape[0] * h.shape[1] * E, True):
-            return None
-        return weights, [c for _, c in blocks]
+            return None, None
+        weights, consts = [w for w, _ in blocks], [c for _, c in blocks]
+        E, N = consts[0][4][:2]
+        if not scan_compiles(x, f, N, x.shape[0] * x.shape[1] * E, True):
+            return None, None
+        ends, proj, norm = Ends(), mods.get("input_proj"), mods["norm_f"]
+        if proj is not None and plain(proj) and x.dtype == f and _own(proj, ref, "bias"):
+            check_tensor("x", x, (*x.shape[:-1], self.config.input_dim))
+            ends, h = Ends(proj.weight, proj.bias), x
+        else:
+            h = self.embed(x)
+            if type(h) is not torch.Tensor or h.dtype != f:
+                return h, None
+        if plain(norm, RMSNorm) and _own(norm, ref):
+            ends = ends._replace(norm_w=norm.weight, norm_eps=norm.eps)
+        tensors = (h, *(t for w in weights for t in w), ends.in_w, ends.in_b, ends.norm_w)
+        if not any(t is not None and t.requires_grad for t in tensors):
+            if state is None or not state.requires_grad:  # (nothing to record: the
+                return (None if h is x else h), None  # inference path, with its plans)
+        return h, (weights, consts, ends)
 
     def step(
         self, x: torch.Tensor, state: ModelState, *, cuda_graph: bool | str = "auto"

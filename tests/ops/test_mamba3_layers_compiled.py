@@ -42,10 +42,11 @@ def window(model, x, state, blocks: bool = False, monkeypatch=None):
     of one window with a loss on the output and the final state; `blocks`: the blocks
     called one by one (the compiled stack turned off)."""
     if blocks:
-        monkeypatch.setattr(MambaBackbone, "_compiled_window", lambda *a: None)
-    out, final = model(x, state)
-    if blocks:
-        monkeypatch.undo()
+        with monkeypatch.context() as m:
+            m.setattr(MambaBackbone, "_window", lambda *a: (None, None))
+            out, final = model(x, state)
+    else:
+        out, final = model(x, state)
     loss = (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).square().sum()
     for t in final._tensors():  # the state carried on (its gradient reaches the start state)
         loss = loss + (t * torch.linspace(0, 1, t.numel(), dtype=t.dtype).view_as(t)).sum()
@@ -77,12 +78,54 @@ def test_window_equals_the_blocks_bit_for_bit(dtype, calls, monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("hooked", ["input_proj", "norm_f", "both"])
+def test_a_hooked_input_proj_or_norm_f_is_called_around_the_node(hooked, calls, monkeypatch):
+    """The blocks still run as one node; the hooked projection or norm runs as a module
+    around it (its hook sees it), the values and gradients those of the modules."""
+    model = backbone()
+    x, state = inputs(model)
+    want = window(model, x, state, blocks=True, monkeypatch=monkeypatch)
+    seen = []
+    for name in ("input_proj", "norm_f"):
+        if hooked in (name, "both"):
+            getattr(model, name).register_forward_hook(lambda *a, n=name: seen.append(n))
+    got = window(model, x, state)
+    assert calls == [1] and len(seen) == 1 + (hooked == "both")
+    assert torch.equal(got[0], want[0])
+    for a, b in zip(got[2], want[2]):
+        assert torch.equal(a, b)
+
+
+def test_lm_window_equals_the_blocks(calls, monkeypatch):
+    """A language model's window (embeddings called, then the node): logits and gradients
+    as the modules give them."""
+    from mambakit import MambaLM
+
+    torch.manual_seed(0)
+    cfg = MambaConfig(d_model=32, n_layers=2, vocab_size=40, pad_vocab_size_multiple=1,
+                      mixer="mamba3", d_state=8, headdim=8)  # fmt: skip
+    lm = MambaLM(cfg)
+    ids = torch.randint(0, 40, (2, 11))
+
+    def run():
+        logits = lm(ids).logits
+        grads = torch.autograd.grad(logits.square().mean(), list(lm.parameters()))
+        return logits.detach(), grads
+
+    got = run()
+    assert calls == [1]
+    monkeypatch.setattr(MambaBackbone, "_window", lambda *a: (None, None))
+    want = run()
+    assert torch.equal(got[0], want[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+
+
 def test_window_from_a_zero_state_equals_the_blocks(calls, monkeypatch):
     model = backbone()
     x = torch.randn(3, 7, 6)
     out, final = model(x)
     assert calls == [1]
-    monkeypatch.setattr(MambaBackbone, "_compiled_window", lambda *a: None)
+    monkeypatch.setattr(MambaBackbone, "_window", lambda *a: (None, None))
     want, want_final = model(x)
     assert torch.equal(out, want)
     assert all(torch.equal(a, b) for a, b in zip(final._tensors(), want_final._tensors()))

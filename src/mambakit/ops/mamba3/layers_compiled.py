@@ -23,6 +23,8 @@ in the stack sends the window through the modules instead.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -31,26 +33,45 @@ from ...state import Mamba3ModelState
 WEIGHTS = 9  # per block: norm, in_proj, B and C norms, dt_bias, C_bias, B_bias, D, out_proj
 
 
+class Ends(NamedTuple):
+    """What the node runs around the blocks: the input projection's weight [M, F] and bias
+    (or None: the input is the first block's), the final norm's weight and eps (or None:
+    the node gives the last block's output and the residual stream)."""
+
+    in_w: torch.Tensor | None = None
+    in_b: torch.Tensor | None = None
+    norm_w: torch.Tensor | None = None
+    norm_eps: float = 0.0
+
+
 def mamba3_layers_compiled(
-    h: torch.Tensor,  # [B, T, M] the embedded input
+    x: torch.Tensor,  # [B, T, F] the input (input_proj's) or [B, T, M] the embedded input
     weights: list[tuple],  # per block, `WEIGHTS` tensors (`MambaBlock.window_weights`)
     consts: list[tuple],  # per block: (norm eps, B norm eps, C norm eps, A_floor, sizes)
     state: Mamba3ModelState | None,  # [L, B, ...] start states (None: zeros)
-) -> tuple[torch.Tensor, torch.Tensor, Mamba3ModelState]:
-    """(the last block's output h [B, T, M], the residual stream r [B, T, M], the final
-    state [L, B, ...]), as the blocks compute them one by one, differentiable in h, every
-    weight and the start state."""
+    ends: Ends | None = None,
+) -> tuple:
+    """(out [B, T, M], the final state [L, B, ...]) where `ends` has the final norm, else
+    (the last block's output h [B, T, M], the residual stream r [B, T, M], the final
+    state), as the modules compute them one by one, differentiable in x, every weight and
+    the start state."""
+    ends = ends or Ends()
     if state is None:
         E, N, G, H, P, S = consts[0][4]
-        state = Mamba3ModelState.zeros(len(weights), h.shape[0], H, P, N, S, h.device, h.dtype)
-    flat = [t for w in weights for t in w]
-    out = _Layers3.apply(tuple(consts), h.contiguous(), *state._tensors(), *flat)
+        state = Mamba3ModelState.zeros(len(weights), x.shape[0], H, P, N, S, x.device, x.dtype)
+    has_in, has_norm = ends.in_w is not None, ends.norm_w is not None
+    flat = [*(ends.in_w, ends.in_b) * has_in, *(t for w in weights for t in w)]
+    flat += [ends.norm_w] * has_norm
+    meta = (tuple(consts), has_in, ends.norm_eps if has_norm else None)
+    out = _Layers3.apply(meta, x.contiguous(), *state._tensors(), *flat)
+    if has_norm:
+        return out[0], Mamba3ModelState(*out[1:])
     return out[0], out[1], Mamba3ModelState(*out[2:])
 
 
 def _array(t: torch.Tensor) -> np.ndarray:
-    """A parameter's (or a state's) values as an array of their own (`cpu_jit.param_array`:
-    `.numpy()` on a parameter would pin its storage's size)."""
+    """A parameter's values as an array of their own (`cpu_jit.param_array`: `.numpy()` on
+    a parameter would pin its storage's size)."""
     return t.detach().contiguous().clone().numpy()
 
 
@@ -62,20 +83,28 @@ def _grad_array(g: torch.Tensor | None, like: np.ndarray) -> np.ndarray:
 
 
 class _Layers3(torch.autograd.Function):
-    """Inputs: consts, h, the start state's angle, ssm, k, x [L, B, ...], then each block's
-    weights; outputs: h, r and the final state's four fields [L, B, ...]."""
+    """Inputs: (each block's constants, whether the input projection is there, the final
+    norm's eps or None), x, the start state's angle, ssm, k, x [L, B, ...], then the input
+    projection's weight and bias (where there), each block's weights and the final norm's
+    weight (where there); outputs: out (or h and r) and the final state's four fields."""
 
     @staticmethod
-    def forward(ctx, consts, h, angle0, ssm0, k0, x0, *flat):
+    def forward(ctx, meta, x, angle0, ssm0, k0, x0, *flat):
         from ..cpu_jit import rmsnorm, scan3, terms3
 
-        Bsz, T, M = h.shape
-        rows = h.detach().reshape(Bsz * T, M)
+        consts, has_in, norm_eps = meta
+        Bsz, T = x.shape[:2]
+        x_rows = x.detach().reshape(Bsz * T, -1)
+        rows = x_rows
+        if has_in:  # as nn.Linear: addmm with a bias, mm without
+            W, b = flat[0].detach(), flat[1]
+            rows = x_rows @ W.t() if b is None else torch.addmm(b.detach(), x_rows, W.t())
+        blocks = flat[2 * has_in :]
         grad = any(ctx.needs_input_grad)  # (else nothing is kept: no backward will come)
         r = None
         kept, finals = [], []
         for l, (eps, eps_B, eps_C, A_floor, sizes) in enumerate(consts):
-            norm_w, W_in, w_B, w_C, dt_bias, C_bias, B_bias, D, W_out = _block(flat, l)
+            norm_w, W_in, w_B, w_C, dt_bias, C_bias, B_bias, D, W_out = _block(blocks, l)
             E, N, G, H, P, S = sizes
             # the small weights as arrays of their own, kept for the backward (the weights
             # are saved for it too: changed in place between the two, autograd raises)
@@ -88,27 +117,38 @@ class _Layers3(torch.autograd.Function):
             )  # fmt: skip
             r = r_new
             zx = (normed @ W_in.detach().t()).view(Bsz, T, -1)
-            x, z, q, k, delta, A, trap, rate, r_k, r_q = terms3.forward(
+            xs, z, q, k, delta, A, trap, rate, r_k, r_q = terms3.forward(
                 zx.numpy(), small[1], small[2], eps_B, eps_C, small[3], A_floor, sizes
             )
             s0 = tuple(t[l].detach().contiguous().numpy() for t in (angle0, ssm0, k0, x0))
-            arrs = (x, q, k, delta, A, trap, rate, _array(C_bias).reshape(H, N),
+            arrs = (xs, q, k, delta, A, trap, rate, _array(C_bias).reshape(H, N),
                     _array(B_bias).reshape(H, N), _array(D), z, True, *s0)  # fmt: skip
             y, *final, scan_kept = scan3.forward_arrays(arrs, grad)
             y_rows = torch.from_numpy(y).view(Bsz * T, E)
             kept.append((k_norm, r, normed, zx, arrs, scan_kept, r_k, r_q, y_rows, small))
             finals.append(final)
             rows = y_rows @ W_out.detach().t()
-        ctx.kept = kept if grad else None
-        ctx.consts, ctx.shape = consts, h.shape
+        state = tuple(torch.from_numpy(np.stack(f)) for f in zip(*finals))
+        M = rows.shape[1]
+        ends = None
+        if norm_eps is not None:  # the final norm: out = rmsnorm(h + r) w
+            out, r_end = torch.empty_like(rows), torch.empty_like(rows)
+            w_end = _array(flat[-1])
+            k_end = rmsnorm.forward(rows.numpy(), r.numpy(), w_end, norm_eps, out.numpy(),
+                                    r_end.numpy())  # fmt: skip
+            ends = (k_end, r_end, w_end)
+            outs = (out.view(Bsz, T, M),)
+        else:
+            outs = (rows.view(Bsz, T, M), r.view(Bsz, T, M))
+        ctx.kept = (kept, ends, x_rows) if grad else None
+        ctx.meta, ctx.shape = meta, (Bsz, T, M)
         ctx.save_for_backward(*flat)
         ctx.set_materialize_grads(False)
-        state = (torch.from_numpy(np.stack(f)) for f in zip(*finals))
-        return (rows.view(Bsz, T, M), r.view(Bsz, T, M), *state)
+        return (*outs, *state)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, g_h, g_r, g_angle, g_ssm, g_k, g_x):
+    def backward(ctx, *grads_out):
         from ..cpu_jit import rmsnorm, scan3, terms3
 
         if ctx.kept is None:
@@ -117,23 +157,36 @@ class _Layers3(torch.autograd.Function):
                 "no backward was expected"
             )
         flat = ctx.saved_tensors
-        consts, kept = ctx.consts, ctx.kept
+        (consts, has_in, _), (kept, ends, x_rows) = ctx.meta, ctx.kept
         L = len(consts)
-        needs = ctx.needs_input_grad[6:]
         Bsz, T, M = ctx.shape
-        # the gradients of a block's output (g_rows) and of the residual stream after it
-        g_rows = torch.zeros(Bsz * T, M, dtype=kept[-1][1].dtype) if g_h is None else g_h
-        g_rows = g_rows.reshape(Bsz * T, M)
-        g_res = None if g_r is None else g_r.reshape(Bsz * T, M).contiguous()
-        g_state = [None] * 4  # per field, [L, B, ...]: filled from the last block down
-        g_final = (g_angle, g_ssm, g_k, g_x)
+        blocks = flat[2 * has_in : 2 * has_in + L * WEIGHTS]
+        needs = ctx.needs_input_grad[6:]  # flat's
         grads: list = [None] * len(flat)
+        # the gradients of a block's output (g_rows) and of the residual stream after it
+        if ends is not None:
+            g_out, g_final = grads_out[0], grads_out[1:]
+            k_end, r_end, w_end = ends
+            g_rows = torch.empty(Bsz * T, M, dtype=r_end.dtype)
+            g_out = torch.zeros_like(g_rows) if g_out is None else g_out.reshape(Bsz * T, M)
+            grads[-1] = torch.from_numpy(rmsnorm.backward(
+                np.ascontiguousarray(g_out.numpy()), None, r_end.numpy(), k_end, w_end,
+                g_rows.numpy(),
+            ))  # fmt: skip
+            g_res = g_rows
+        else:
+            g_h, g_r, g_final = grads_out[0], grads_out[1], grads_out[2:]
+            dtype = kept[-1][1].dtype
+            g_rows = torch.zeros(Bsz * T, M, dtype=dtype) if g_h is None else g_h
+            g_rows = g_rows.reshape(Bsz * T, M)
+            g_res = None if g_r is None else g_r.reshape(Bsz * T, M).contiguous()
+        g_state = [None] * 4  # per field, [L, B, ...]: filled from the last block down
         for l in range(L - 1, -1, -1):
-            norm_w, W_in, w_B, w_C, dt_bias, C_bias, B_bias, D, W_out = _block(flat, l)
+            norm_w, W_in, w_B, w_C, dt_bias, C_bias, B_bias, D, W_out = _block(blocks, l)
             A_floor = consts[l][3]
             k_norm, r, normed, zx, arrs, scan_kept, r_k, r_q, y_rows, small = kept[l]
             H, P = arrs[0].shape[2:]
-            n = l * WEIGHTS
+            n = 2 * has_in + l * WEIGHTS
             if needs[n + 8]:
                 grads[n + 8] = g_rows.t() @ y_rows
             g_y = (g_rows @ W_out.detach()).view(Bsz, T, H, P)
@@ -143,8 +196,8 @@ class _Layers3(torch.autograd.Function):
             (g_xin, g_q, g_k_heads, g_delta, g_A, g_trap, g_rate, g_qb, g_kb, g_D, g_z,
              *g_s0) = scan3.backward_arrays(arrs, scan_kept, g_scan)  # fmt: skip
             g_zx, g_wB, g_wC, g_dt = terms3.backward(
-                zx.numpy(), small[1], small[2], small[3], A_floor, r_k, r_q,
-                g_xin, g_z, g_q, g_k_heads, g_delta, g_A, g_trap, g_rate,
+                zx.numpy(), small[1], small[2], small[3], A_floor, r_k, r_q, g_xin, g_z, g_q,
+                g_k_heads, g_delta, g_A, g_trap, g_rate,
             )  # fmt: skip
             g_zx = torch.from_numpy(g_zx).view(Bsz * T, -1)
             if needs[n + 1]:
@@ -164,10 +217,18 @@ class _Layers3(torch.autograd.Function):
                     g_state[i] = np.empty((L, *g.shape), g.dtype)
                 g_state[i][l] = g
             g_rows, g_res = g_in, g_in  # the block's input and the residual before it
+        g_x = g_rows
+        if has_in:  # rows = x W^T + b
+            W, b = flat[0], flat[1]
+            if needs[0]:
+                grads[0] = g_rows.t() @ x_rows
+            if b is not None and needs[1]:
+                grads[1] = g_rows.sum(0)
+            g_x = g_rows @ W.detach()
         g_state = [torch.from_numpy(g) for g in g_state]
-        return (None, g_rows.view(Bsz, T, M), *g_state, *grads)
+        return (None, g_x.view(Bsz, T, -1), *g_state, *grads)
 
 
 def _block(flat: tuple, l: int) -> tuple:
-    """Block l's `WEIGHTS` tensors from the node's flat list."""
+    """Block l's `WEIGHTS` tensors from the blocks' flat list."""
     return flat[l * WEIGHTS : (l + 1) * WEIGHTS]
