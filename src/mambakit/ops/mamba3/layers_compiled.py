@@ -69,10 +69,18 @@ def mamba3_layers_compiled(
     return out[0], out[1], Mamba3ModelState(*out[2:])
 
 
-def _array(t: torch.Tensor) -> np.ndarray:
-    """A parameter's values as an array of their own (`cpu_jit.param_array`: `.numpy()` on
-    a parameter would pin its storage's size)."""
-    return t.detach().contiguous().clone().numpy()
+SMALL = (0, 2, 3, 4, 5, 6, 7)  # a block's small weights: the norms', dt_bias, C/B_bias, D
+
+
+def _arrays(tensors: list) -> list[np.ndarray]:
+    """Parameters' values as arrays of their own, in one copy (`cpu_jit.param_array`:
+    `.numpy()` on a parameter would pin its storage's size), each its tensor's shape."""
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors]).numpy()
+    out, at = [], 0
+    for t in tensors:
+        out.append(flat[at : at + t.numel()].reshape(t.shape))
+        at += t.numel()
+    return out
 
 
 def _grad_array(g: torch.Tensor | None, like: np.ndarray) -> np.ndarray:
@@ -103,12 +111,16 @@ class _Layers3(torch.autograd.Function):
         grad = any(ctx.needs_input_grad)  # (else nothing is kept: no backward will come)
         r = None
         kept, finals = [], []
+        # the small weights (and norm_f's) as arrays of their own, kept for the backward
+        # (the weights are saved for it too: changed in place between the two, autograd
+        # raises)
+        smalls = [blocks[l * WEIGHTS + i] for l in range(len(consts)) for i in SMALL]
+        smalls = _arrays(smalls + ([flat[-1]] if norm_eps is not None else []))
         for l, (eps, eps_B, eps_C, A_floor, sizes) in enumerate(consts):
-            norm_w, W_in, w_B, w_C, dt_bias, C_bias, B_bias, D, W_out = _block(blocks, l)
+            W_in, W_out = blocks[l * WEIGHTS + 1], blocks[l * WEIGHTS + 8]
             E, N, G, H, P, S = sizes
-            # the small weights as arrays of their own, kept for the backward (the weights
-            # are saved for it too: changed in place between the two, autograd raises)
-            small = tuple(map(_array, (norm_w, w_B, w_C, dt_bias)))
+            norm_w, w_B, w_C, dt_bias, C_bias, B_bias, D = smalls[l * 7 : l * 7 + 7]
+            small = (norm_w, w_B, w_C, dt_bias)
             normed = torch.empty_like(rows)
             r_new = rows if r is None else torch.empty_like(rows)
             k_norm = rmsnorm.forward(
@@ -121,8 +133,8 @@ class _Layers3(torch.autograd.Function):
                 zx.numpy(), small[1], small[2], eps_B, eps_C, small[3], A_floor, sizes
             )
             s0 = tuple(t[l].detach().contiguous().numpy() for t in (angle0, ssm0, k0, x0))
-            arrs = (xs, q, k, delta, A, trap, rate, _array(C_bias).reshape(H, N),
-                    _array(B_bias).reshape(H, N), _array(D), z, True, *s0)  # fmt: skip
+            arrs = (xs, q, k, delta, A, trap, rate, C_bias.reshape(H, N), B_bias.reshape(H, N),
+                    D, z, True, *s0)  # fmt: skip
             y, *final, scan_kept = scan3.forward_arrays(arrs, grad)
             y_rows = torch.from_numpy(y).view(Bsz * T, E)
             kept.append((k_norm, r, normed, zx, arrs, scan_kept, r_k, r_q, y_rows, small))
@@ -133,7 +145,7 @@ class _Layers3(torch.autograd.Function):
         ends = None
         if norm_eps is not None:  # the final norm: out = rmsnorm(h + r) w
             out, r_end = torch.empty_like(rows), torch.empty_like(rows)
-            w_end = _array(flat[-1])
+            w_end = smalls[-1]
             k_end = rmsnorm.forward(rows.numpy(), r.numpy(), w_end, norm_eps, out.numpy(),
                                     r_end.numpy())  # fmt: skip
             ends = (k_end, r_end, w_end)
