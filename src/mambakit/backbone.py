@@ -212,17 +212,29 @@ class MambaBackbone(nn.Module):
             return None, None
         if resolve_backend("auto", ref) != "reference":
             return None, None
-        if state is not None and (type(state) is not Mamba3ModelState or state.dtype != f):
+        if state is not None and (
+            type(state) is not Mamba3ModelState or any(t.dtype != f for t in state._tensors())
+        ):
             return None, None
-        blocks = [b.window_weights(ref) for b in mods["layers"]]
-        if not blocks or any(b is None for b in blocks):
+        layers = mods["layers"]  # (exactly blocks: a subclass's or a wrapper's forward runs)
+        if not len(layers) or any(type(b) is not MambaBlock for b in layers):
+            return None, None
+        blocks = [b.window_weights(ref) for b in layers]
+        if any(b is None for b in blocks):
             return None, None
         weights, consts = [w for w, _ in blocks], [c for _, c in blocks]
         E, N = consts[0][4][:2]
         if not scan_compiles(x, f, N, x.shape[0] * x.shape[1] * E, True):
             return None, None
         ends, proj, norm = Ends(), mods.get("input_proj"), mods["norm_f"]
-        if proj is not None and plain(proj) and x.dtype == f and _own(proj, ref, "bias"):
+        own_embed = type(self).embed is MambaBackbone.embed  # (a subclass's runs)
+        if (
+            proj is not None
+            and own_embed
+            and plain(proj)
+            and x.dtype == f
+            and _own(proj, ref, "bias")
+        ):
             check_tensor("x", x, (*x.shape[:-1], self.config.input_dim))
             ends, h = Ends(proj.weight, proj.bias), x
         else:

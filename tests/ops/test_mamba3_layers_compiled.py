@@ -223,3 +223,105 @@ def test_a_weight_changed_before_the_backward_raises(calls):
         model.layers[0].mixer.dt_bias.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("changed", ["x", "state"])
+def test_an_input_changed_before_the_backward_raises(changed, calls):
+    """As through the modules (which save them): the node's input and start state are
+    checked for in-place changes when its backward runs."""
+    model = backbone()
+    x, state = inputs(model)
+    out, _ = model(x.detach(), state)
+    assert calls == [1]
+    with torch.no_grad():
+        (x if changed == "x" else state.k).zero_()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_a_loss_on_the_final_state_alone_leaves_unused_weights_without_gradient(calls, monkeypatch):
+    """norm_f's weight and the last block's out_proj take no part in the final state: None
+    for their gradients, as through the modules, the rest equal bit for bit."""
+    model = backbone()
+    x, state = inputs(model)
+    params = list(model.parameters())
+
+    def grads():
+        _, final = model(x, state)
+        loss = sum((t * t).sum() for t in final._tensors())
+        return torch.autograd.grad(loss, params, allow_unused=True)
+
+    got = grads()
+    assert calls == [1]
+    monkeypatch.setattr(MambaBackbone, "_window", lambda *a: (None, None))
+    want = grads()
+    names = [n for n, _ in model.named_parameters()]
+    none = {n for n, g in zip(names, want) if g is None}
+    assert none == {"norm_f.weight", "layers.2.mixer.out_proj.weight"}
+    for n, a, b in zip(names, got, want):
+        assert (a is None and b is None) or torch.equal(a, b), n
+
+
+def test_a_block_subclass_a_wrapper_or_a_mixed_dtype_state_runs_the_modules(calls):
+    model = backbone()
+    x, state = inputs(model)
+
+    class Scaled(type(model.layers[0])):
+        def forward(self, *args, **kw):
+            out, *rest = super().forward(*args, **kw)
+            return (2 * out, *rest)
+
+    model.layers[1].__class__ = Scaled
+    model(x, state)
+    model.layers[1].__class__ = Scaled.__mro__[1]
+
+    class Wrapper(nn.Module):  # (as torch's checkpoint wrapper, which forwards attributes)
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self.inner, name)
+
+        def forward(self, *args, **kw):
+            return self.inner(*args, **kw)
+
+    inner = model.layers[2]
+    model.layers[2] = Wrapper(inner)
+    model(x, state)
+    model.layers[2] = inner
+    mixed = type(state)(state.angle.double(), state.ssm, state.k, state.x)
+    model(x, mixed)
+    assert calls == []
+    model(x, state)
+    assert calls == [1]
+
+
+def test_a_backbone_subclass_embed_is_called(calls):
+    model = backbone()
+    seen = []
+
+    class Mine(MambaBackbone):
+        def embed(self, x):
+            seen.append(1)
+            return super().embed(x)
+
+    model.__class__ = Mine
+    model(*inputs(model))
+    assert calls == [1] and seen == [1]
+
+
+def test_no_grad_forward_is_the_training_forward_bit_for_bit(calls):
+    """An RL policy acts under no_grad and recomputes its log-probs with grad: the two
+    forwards give the same values."""
+    model = backbone()
+    x, state = inputs(model, B=4, T=32)
+    with torch.no_grad():
+        want, want_final = model(x, state)
+    got, final = model(x, state)
+    assert calls == [1]
+    assert torch.equal(got.detach(), want)
+    assert all(torch.equal(a.detach(), b) for a, b in zip(final._tensors(), want_final._tensors()))

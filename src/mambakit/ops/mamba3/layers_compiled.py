@@ -154,7 +154,10 @@ class _Layers3(torch.autograd.Function):
             outs = (rows.view(Bsz, T, M), r.view(Bsz, T, M))
         ctx.kept = (kept, ends, x_rows) if grad else None
         ctx.meta, ctx.shape = meta, (Bsz, T, M)
-        ctx.save_for_backward(*flat)
+        # (x and the start state too, though the backward reads them through `kept`: so
+        # that autograd raises where they are changed in place before it, as it does for
+        # the modules, which save them)
+        ctx.save_for_backward(x, angle0, ssm0, k0, x0, *flat)
         ctx.set_materialize_grads(False)
         return (*outs, *state)
 
@@ -168,29 +171,32 @@ class _Layers3(torch.autograd.Function):
                 "the compiled Mamba-3 stack kept nothing for a backward: its forward ran where "
                 "no backward was expected"
             )
-        flat = ctx.saved_tensors
+        flat = ctx.saved_tensors[5:]  # (unpacking them checks that none was changed)
         (consts, has_in, _), (kept, ends, x_rows) = ctx.meta, ctx.kept
         L = len(consts)
         Bsz, T, M = ctx.shape
         blocks = flat[2 * has_in : 2 * has_in + L * WEIGHTS]
         needs = ctx.needs_input_grad[6:]  # flat's
         grads: list = [None] * len(flat)
-        # the gradients of a block's output (g_rows) and of the residual stream after it
+        # the gradients of a block's output (g_rows) and of the residual stream after it;
+        # where the output is not used (a loss on the final state alone) the last block's
+        # out_proj and the final norm get None, as they do through the modules
+        dtype = kept[-1][1].dtype
+        top = grads_out[0]  # out's (the final norm's), or the last block's h's
+        g_rows = torch.zeros(Bsz * T, M, dtype=dtype) if top is None else top
+        g_rows = g_rows.reshape(Bsz * T, M)
         if ends is not None:
-            g_out, g_final = grads_out[0], grads_out[1:]
-            k_end, r_end, w_end = ends
-            g_rows = torch.empty(Bsz * T, M, dtype=r_end.dtype)
-            g_out = torch.zeros_like(g_rows) if g_out is None else g_out.reshape(Bsz * T, M)
-            grads[-1] = torch.from_numpy(rmsnorm.backward(
-                np.ascontiguousarray(g_out.numpy()), None, r_end.numpy(), k_end, w_end,
-                g_rows.numpy(),
-            ))  # fmt: skip
-            g_res = g_rows
+            g_final, g_res = grads_out[1:], None
+            if top is not None:
+                k_end, r_end, w_end = ends
+                g_in = torch.empty(Bsz * T, M, dtype=dtype)
+                grads[-1] = torch.from_numpy(rmsnorm.backward(
+                    np.ascontiguousarray(g_rows.numpy()), None, r_end.numpy(), k_end, w_end,
+                    g_in.numpy(),
+                ))  # fmt: skip
+                g_rows, g_res = g_in, g_in
         else:
-            g_h, g_r, g_final = grads_out[0], grads_out[1], grads_out[2:]
-            dtype = kept[-1][1].dtype
-            g_rows = torch.zeros(Bsz * T, M, dtype=dtype) if g_h is None else g_h
-            g_rows = g_rows.reshape(Bsz * T, M)
+            g_r, g_final = grads_out[1], grads_out[2:]
             g_res = None if g_r is None else g_r.reshape(Bsz * T, M).contiguous()
         g_state = [None] * 4  # per field, [L, B, ...]: filled from the last block down
         for l in range(L - 1, -1, -1):
@@ -199,7 +205,7 @@ class _Layers3(torch.autograd.Function):
             k_norm, r, normed, zx, arrs, scan_kept, r_k, r_q, y_rows, small = kept[l]
             H, P = arrs[0].shape[2:]
             n = 2 * has_in + l * WEIGHTS
-            if needs[n + 8]:
+            if needs[n + 8] and (top is not None or l < L - 1):
                 grads[n + 8] = g_rows.t() @ y_rows
             g_y = (g_rows @ W_out.detach()).view(Bsz, T, H, P)
             outs = (g_y, *(None if g is None else g[l] for g in g_final))
