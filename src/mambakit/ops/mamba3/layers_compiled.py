@@ -9,7 +9,9 @@ input for both at the first block):
     y, final  = the compiled Mamba-3 layer on zx (`cpu_jit.terms3`, then `cpu_jit.scan3`)
     h         = y out_proj_l^T
 
-and (h, r) after the last block, with every block's final state. The kernels are the
+and (h, r) after the last block, with every block's final state; with `Ends`, the
+backbone's input projection (h = x W^T + b before the first block) and its final norm
+(out = rmsnorm(h + r) w after the last, the node's output then) go in too. The kernels are the
 ones the blocks' modules run one node each (`ops.rms_norm.compiled`, the layer's node in
 `reference.py`, `nn.Linear`'s matmuls): the node computes what they compute, bit for bit,
 and its backward is theirs, in reverse block order. What it saves is the rest: at these
