@@ -21,7 +21,7 @@ from .inference.plan import derived as derived_plan
 from .inference.step_graph import graphed_step
 from .layers.block import MambaBlock, RMSNorm
 from .layers.init import init_model_weights
-from .layers.plain import plain
+from .layers.plain import own_tensor, plain
 from .ops import mamba_stack_step, resolve_backend
 from .ops._checks import check_seq_idx, check_tensor, state_dtype
 from .ops._dispatch import traced
@@ -32,18 +32,13 @@ from .state import Mamba3ModelState, ModelState, check_state, init_state, state_
 
 
 def _own(module: nn.Module, ref: torch.Tensor, *optional: str) -> bool:
-    """Whether `module`'s weight (and each of `optional`, where not None) is a plain tensor
-    of its own in ref's dtype on ref's device (not a parametrization's, not FSDP's DTensor)."""
+    """Whether `module`'s weight (and each of `optional`, where not None) is a tensor a
+    fused path may read as it is (`layers.plain.own_tensor`)."""
     own = module._parameters
-    for name in ("weight", *optional):
-        t = own.get(name)
-        if t is None and name in optional and name in own:
-            continue
-        if type(t) not in (torch.Tensor, nn.Parameter) or t.dtype != ref.dtype:
-            return False
-        if t.device != ref.device:
-            return False
-    return True
+    return all(
+        (name in optional and name in own and own[name] is None) or own_tensor(own.get(name), ref)
+        for name in ("weight", *optional)
+    )
 
 
 def compute_dtype(param_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -206,6 +201,8 @@ class MambaBackbone(nn.Module):
         go in with them where plain (`layers/plain.py`), else they are called. Otherwise
         (the embedded input where it was computed, or None; None)."""
         f, mods, ref = self._param.dtype, self._modules, self._param
+        if self.config.mixer != "mamba3":
+            return None, None
         if x.device.type != "cpu" or f not in (torch.float32, torch.float64):
             return None, None
         if not torch.is_grad_enabled() or traced((x,)) or compute_dtype(f, x.device) != f:

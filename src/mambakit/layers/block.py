@@ -15,9 +15,7 @@ from .init import no_weight_decay
 from .mamba2 import Mamba2
 from .mamba3 import Mamba3, _RMSNormN
 from .mixer import Mamba
-from .plain import hooked, plain
-
-_PLAIN = (torch.Tensor, nn.Parameter)
+from .plain import hooked, own_tensor, plain
 
 
 class RMSNorm(nn.Module):
@@ -207,9 +205,8 @@ class MambaBlock(nn.Module):
             bn._parameters.get("weight"), cn._parameters.get("weight"), own.get("dt_bias"),
             own.get("C_bias"), own.get("B_bias"), own.get("D"), out_proj._parameters.get("weight"),
         )  # fmt: skip
-        for w in weights:  # (None where a parametrization holds it; FSDP's DTensors)
-            if type(w) not in _PLAIN or w.dtype != h.dtype or w.device != h.device:
-                return None
+        if not all(own_tensor(w, h) for w in weights):
+            return None
         return weights, (norm.eps, bn.eps, cn.eps, mixer.A_floor, mixer._sizes())
 
     def hooked(self) -> bool:

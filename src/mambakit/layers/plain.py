@@ -12,6 +12,7 @@ call the module instead.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.nn.modules import module as _module
 
@@ -40,3 +41,11 @@ def hooked(module: nn.Module) -> bool:
 def plain(module: nn.Module | None, kind: type = nn.Linear) -> bool:
     """True when `module` is exactly a `kind` (not a subclass) that no hook watches."""
     return type(module) is kind and not hooked(module)
+
+
+def own_tensor(t, ref: torch.Tensor) -> bool:
+    """True when `t` is a plain tensor (not None: a parametrization's; not a subclass: FSDP's
+    DTensor) in ref's dtype on ref's device, which a fused path may read as it is."""
+    return (
+        type(t) in (torch.Tensor, nn.Parameter) and t.dtype == ref.dtype and t.device == ref.device
+    )

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from ...state import Mamba3ModelState
+from .reference import _array_of
 
 WEIGHTS = 9  # per block: norm, in_proj, B and C norms, dt_bias, C_bias, B_bias, D, out_proj
 
@@ -83,13 +84,6 @@ def _arrays(tensors: list) -> list[np.ndarray]:
         out.append(flat[at : at + t.numel()].reshape(t.shape))
         at += t.numel()
     return out
-
-
-def _grad_array(g: torch.Tensor | None, like: np.ndarray) -> np.ndarray:
-    """An output's gradient as a contiguous array of `like`'s dtype (zeros for None)."""
-    if g is None:
-        return np.zeros(like.shape, like.dtype)
-    return np.ascontiguousarray(g.detach().numpy(), like.dtype)
 
 
 class _Layers3(torch.autograd.Function):
@@ -212,7 +206,7 @@ class _Layers3(torch.autograd.Function):
             g_y = (g_rows @ W_out.detach()).view(Bsz, T, H, P)
             outs = (g_y, *(None if g is None else g[l] for g in g_final))
             likes = (arrs[0], *arrs[12:])
-            g_scan = tuple(map(_grad_array, outs, likes))
+            g_scan = tuple(map(_array_of, outs, likes))
             (g_xin, g_q, g_k_heads, g_delta, g_A, g_trap, g_rate, g_qb, g_kb, g_D, g_z,
              *g_s0) = scan3.backward_arrays(arrs, scan_kept, g_scan)  # fmt: skip
             g_zx, g_wB, g_wC, g_dt = terms3.backward(
