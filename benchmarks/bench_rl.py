@@ -302,6 +302,17 @@ def bench_window_graphed(model, mixer: str, B: int, device: torch.device, args) 
     return row
 
 
+def cpu_jit_status() -> str:
+    """Whether the compiled CPU paths (numba: the step, the Mamba-3 window) run here."""
+    from mambakit.ops import cpu_jit
+
+    if not cpu_jit.available():
+        return "off: numba missing or unusable (the PyTorch bodies run)"
+    import numba
+
+    return f"numba {numba.__version__}"
+
+
 def load_1m() -> float | None:
     """The host's 1-minute load average: other work on the CPU moves the CPU figures (with
     torch's threads spin-waiting, one busy core slows every thread)."""
@@ -366,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         "window": WINDOW,
         "cpu_model": cpu_model_name(),
         "cpu_threads": torch.get_num_threads(),
+        "cpu_jit": cpu_jit_status(),
         "load_1m_at_start": load_1m(),
         "threads_source": "--threads" if args.threads else "torch's count (left alone)",
         "rounds": args.rounds,

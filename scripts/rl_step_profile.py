@@ -16,8 +16,11 @@ import argparse
 import dataclasses
 import importlib
 import statistics
+import sys
 import time
 from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -56,6 +59,9 @@ def main() -> None:
     ap.add_argument("--built", choices=["to", "on", "both"], default="to",
                     help="the model built on the CPU and moved (.to), built on the device as "
                          "bench_rl builds it (device=, seed 0), or each in turn")  # fmt: skip
+    ap.add_argument("--bench-rl", action="store_true",
+                    help="on CUDA, also bench_rl's own step benchmark on the same model, "
+                         "before and after this script's loop")  # fmt: skip
     ap.add_argument("--stand-in", action="store_true",
                     help="no CUDA: the replayed step's Python, with a stand-in graph")  # fmt: skip
     args = ap.parse_args()
@@ -100,11 +106,27 @@ def main() -> None:
                     print(f"== {mixer} batch {B} {'graph' if graph else 'eager'} (10 steps)")
                     print(prof.key_averages().table(sort_by=key, row_limit=args.rows))
                 if dev == "cuda":
+                    if args.bench_rl:
+                        bench_rl_step(model, mixer, B)
                     host_split(model, x, state, args.calls)
+                    if args.bench_rl:
+                        bench_rl_step(model, mixer, B)
                     if args.pieces:
                         pieces(model, x, state, args.calls)
                 if args.host_profile:
                     host_profile(model, x, state, args.host_profile)
+
+
+def bench_rl_step(model, mixer: str, B: int) -> None:
+    """benchmarks/bench_rl.py's step figure (its `bench_step`, default rounds) on this model."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_rl
+
+    args = SimpleNamespace(warmup=50, rounds=7, round_s=0.25)
+    row = bench_rl.bench_step(model, mixer, B, torch.device("cuda"), args)
+    print(f"bench_rl's bench_step: median {row['median_us']:.1f} us (p10 {row['p10_us']:.1f}, "
+          f"p90 {row['p90_us']:.1f}), {row['calls_per_round']} calls a round, "
+          f"{row['graph_replays']} replays")  # fmt: skip
 
 
 def per_call_us(fn, n: int) -> float:
