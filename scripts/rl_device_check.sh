@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The small recurrent models' device check in one call (issue: the RL step and window):
 #   run(command="bash scripts/rl_device_check.sh", carry=[".wheels"], timeout_s=600)
-# .wheels holds numba and llvmlite wheels for the device's Python (pip download ... -d
-# .wheels): the device image has no numba, so without them its CPU rows time the PyTorch
-# bodies, not the compiled paths a user with mambakit[cpu] gets. STAGES picks the stages.
+# .wheels (optional) holds numba and llvmlite wheels for the device's Python (pip download
+# ... -d .wheels), installed where the image has no numba: without it the CPU rows time the
+# PyTorch bodies, not the compiled paths a user with mambakit[cpu] gets. STAGES picks the
+# stages.
 set -uo pipefail
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"step threads cpu"}
 stage() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
-if ls .wheels/*.whl >/dev/null 2>&1; then
+if ! python -c "import numba" 2>/dev/null && ls .wheels/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/jit .wheels/*.whl 2>&1 | tail -2
   export PYTHONPATH=src:/tmp/jit
 fi
