@@ -5,14 +5,17 @@ what count the work wants, by mixer and batch (benchmarks/bench_rl.py's window).
 
 Each (mixer, batch) times every thread count in turn, `--passes` times over (the counts
 interleaved, so a machine that slows in the middle slows them all), `--reps` windows a
-timing; it prints the median per count (ms) and the count of the fastest. `--profile N`
-also prints the ops' self time of one batch-1 window at N threads."""
+timing; it prints the median per count (ms), the count of the fastest, and the library's
+own choice at torch's starting count ("lib": the compiled Mamba-3 window caps its threads
+by its size, `layers_compiled.window_threads`; the counts alone run uncapped). `--profile
+N` also prints the ops' self time of one batch-1 window at N threads."""
 
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +24,7 @@ from torch.profiler import profile
 
 from mambakit import MambaBackbone, MambaConfig
 from mambakit.ops import cpu_jit
+from mambakit.ops.mamba3 import layers_compiled
 
 try:
     import numba
@@ -48,6 +52,21 @@ def window(mixer: str, batch: int):
     return run
 
 
+LIB = "lib"  # the library's choice: torch's starting count, the window's own cap on
+
+
+@contextmanager
+def count(n, start: int):
+    """torch at n threads with the window's cap off, or (n = LIB) at `start` with it on."""
+    rows = layers_compiled.ROWS_PER_THREAD
+    torch.set_num_threads(start if n == LIB else n)
+    layers_compiled.ROWS_PER_THREAD = rows if n == LIB else 0
+    try:
+        yield
+    finally:
+        layers_compiled.ROWS_PER_THREAD = rows
+
+
 def time_ms(fn, reps: int) -> float:
     t0 = time.perf_counter()
     for _ in range(reps):
@@ -71,18 +90,20 @@ def main() -> None:
     for mixer in args.mixers:
         for batch in args.batches:
             run = window(mixer, batch)
-            times: dict[int, list[float]] = {n: [] for n in args.threads}
-            for n in args.threads:  # warm at each count (OpenMP's pool grows)
-                torch.set_num_threads(n)
-                time_ms(run, 3)
+            counts = [*args.threads, LIB]
+            times: dict = {n: [] for n in counts}
+            for n in counts:  # warm at each count (OpenMP's pool grows)
+                with count(n, start):
+                    time_ms(run, 3)
             for _ in range(args.passes):
-                for n in args.threads:
-                    torch.set_num_threads(n)
-                    times[n].append(time_ms(run, args.reps))
+                for n in counts:
+                    with count(n, start):
+                        times[n].append(time_ms(run, args.reps))
             med = {n: statistics.median(v) for n, v in times.items()}
-            best = min(med, key=med.get)
-            cells = "  ".join(f"{n}:{med[n]:7.2f}" for n in args.threads)
-            print(f"{mixer:<7} batch {batch:<3} ms by threads  {cells}   fastest {best}")
+            best = min(args.threads, key=med.get)
+            cells = "  ".join(f"{n}:{med[n]:7.2f}" for n in counts)
+            lib = layers_compiled.window_threads(batch * 32) if mixer == "mamba3" else start
+            print(f"{mixer:<7} batch {batch:<3} ms by threads  {cells} ({lib})   fastest {best}")
         if args.profile:
             torch.set_num_threads(args.profile)
             run = window(mixer, 1)

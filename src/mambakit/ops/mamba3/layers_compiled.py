@@ -31,9 +31,11 @@ import numpy as np
 import torch
 
 from ...state import Mamba3ModelState
+from ...threads import at_most
 from .reference import _array_of
 
 WEIGHTS = 9  # per block: norm, in_proj, B and C norms, dt_bias, C_bias, B_bias, D, out_proj
+ROWS_PER_THREAD = 16  # tokens of a window per thread (`window_threads`; 0: torch's count)
 
 
 class Ends(NamedTuple):
@@ -94,153 +96,170 @@ class _Layers3(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, meta, x, angle0, ssm0, k0, x0, *flat):
-        from ..cpu_jit import rmsnorm, scan3, terms3
-
-        consts, has_in, norm_eps = meta
-        Bsz, T = x.shape[:2]
-        x_rows = x.detach().reshape(Bsz * T, -1)
-        rows = x_rows
-        if has_in:  # as nn.Linear: addmm with a bias, mm without
-            W, b = flat[0].detach(), flat[1]
-            rows = x_rows @ W.t() if b is None else torch.addmm(b.detach(), x_rows, W.t())
-        blocks = flat[2 * has_in :]
-        grad = any(ctx.needs_input_grad)  # (else nothing is kept: no backward will come)
-        r = None
-        kept, finals = [], []
-        # the small weights (and norm_f's) as arrays of their own, kept for the backward
-        # (the weights are saved for it too: changed in place between the two, autograd
-        # raises)
-        smalls = [blocks[l * WEIGHTS + i] for l in range(len(consts)) for i in SMALL]
-        smalls = _arrays(smalls + ([flat[-1]] if norm_eps is not None else []))
-        for l, (eps, eps_B, eps_C, A_floor, sizes) in enumerate(consts):
-            W_in, W_out = blocks[l * WEIGHTS + 1], blocks[l * WEIGHTS + 8]
-            E, N, G, H, P, S = sizes
-            norm_w, w_B, w_C, dt_bias, C_bias, B_bias, D = smalls[l * 7 : l * 7 + 7]
-            small = (norm_w, w_B, w_C, dt_bias)
-            normed = torch.empty_like(rows)
-            r_new = rows if r is None else torch.empty_like(rows)
-            k_norm = rmsnorm.forward(
-                rows.numpy(), None if r is None else r.numpy(), small[0], eps, normed.numpy(),
-                None if r is None else r_new.numpy(),
-            )  # fmt: skip
-            r = r_new
-            zx = (normed @ W_in.detach().t()).view(Bsz, T, -1)
-            xs, z, q, k, delta, A, trap, rate, r_k, r_q = terms3.forward(
-                zx.numpy(), small[1], small[2], eps_B, eps_C, small[3], A_floor, sizes
-            )
-            s0 = tuple(t[l].detach().contiguous().numpy() for t in (angle0, ssm0, k0, x0))
-            arrs = (xs, q, k, delta, A, trap, rate, C_bias.reshape(H, N), B_bias.reshape(H, N),
-                    D, z, True, *s0)  # fmt: skip
-            y, *final, scan_kept = scan3.forward_arrays(arrs, grad)
-            y_rows = torch.from_numpy(y).view(Bsz * T, E)
-            kept.append((k_norm, r, normed, zx, arrs, scan_kept, r_k, r_q, y_rows, small))
-            finals.append(final)
-            rows = y_rows @ W_out.detach().t()
-        state = tuple(torch.from_numpy(np.stack(f)) for f in zip(*finals))
-        M = rows.shape[1]
-        ends = None
-        if norm_eps is not None:  # the final norm: out = rmsnorm(h + r) w
-            out, r_end = torch.empty_like(rows), torch.empty_like(rows)
-            w_end = smalls[-1]
-            k_end = rmsnorm.forward(rows.numpy(), r.numpy(), w_end, norm_eps, out.numpy(),
-                                    r_end.numpy())  # fmt: skip
-            ends = (k_end, r_end, w_end)
-            outs = (out.view(Bsz, T, M),)
-        else:
-            outs = (rows.view(Bsz, T, M), r.view(Bsz, T, M))
-        ctx.kept = (kept, ends, x_rows) if grad else None
-        ctx.meta, ctx.shape = meta, (Bsz, T, M)
-        # (x and the start state too, though the backward reads them through `kept`: so
-        # that autograd raises where they are changed in place before it, as it does for
-        # the modules, which save them)
-        ctx.save_for_backward(x, angle0, ssm0, k0, x0, *flat)
-        ctx.set_materialize_grads(False)
-        return (*outs, *state)
+        with at_most(window_threads(x.shape[0] * x.shape[1])):
+            return _forward(ctx, meta, x, angle0, ssm0, k0, x0, *flat)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads_out):
-        from ..cpu_jit import rmsnorm, scan3, terms3
-
         if ctx.kept is None:
             raise RuntimeError(
                 "the compiled Mamba-3 stack kept nothing for a backward: its forward ran where "
                 "no backward was expected"
             )
-        flat = ctx.saved_tensors[5:]  # (unpacking them checks that none was changed)
-        (consts, has_in, _), (kept, ends, x_rows) = ctx.meta, ctx.kept
-        L = len(consts)
-        Bsz, T, M = ctx.shape
-        blocks = flat[2 * has_in : 2 * has_in + L * WEIGHTS]
-        needs = ctx.needs_input_grad[6:]  # flat's
-        grads: list = [None] * len(flat)
-        # the gradients of a block's output (g_rows) and of the residual stream after it;
-        # where the output is not used (a loss on the final state alone) the last block's
-        # out_proj and the final norm get None, as they do through the modules
-        dtype = kept[-1][1].dtype
-        top = grads_out[0]  # out's (the final norm's), or the last block's h's
-        g_rows = torch.zeros(Bsz * T, M, dtype=dtype) if top is None else top
-        g_rows = g_rows.reshape(Bsz * T, M)
-        if ends is not None:
-            g_final, g_res = grads_out[1:], None
-            if top is not None:
-                k_end, r_end, w_end = ends
-                g_in = torch.empty(Bsz * T, M, dtype=dtype)
-                grads[-1] = torch.from_numpy(rmsnorm.backward(
-                    np.ascontiguousarray(g_rows.numpy()), None, r_end.numpy(), k_end, w_end,
-                    g_in.numpy(),
-                ))  # fmt: skip
-                g_rows, g_res = g_in, g_in
-        else:
-            g_r, g_final = grads_out[1], grads_out[2:]
-            g_res = None if g_r is None else g_r.reshape(Bsz * T, M).contiguous()
-        g_state = [None] * 4  # per field, [L, B, ...]: filled from the last block down
-        for l in range(L - 1, -1, -1):
-            norm_w, W_in, w_B, w_C, dt_bias, C_bias, B_bias, D, W_out = _block(blocks, l)
-            A_floor = consts[l][3]
-            k_norm, r, normed, zx, arrs, scan_kept, r_k, r_q, y_rows, small = kept[l]
-            H, P = arrs[0].shape[2:]
-            n = 2 * has_in + l * WEIGHTS
-            if needs[n + 8] and (top is not None or l < L - 1):
-                grads[n + 8] = g_rows.t() @ y_rows
-            g_y = (g_rows @ W_out.detach()).view(Bsz, T, H, P)
-            outs = (g_y, *(None if g is None else g[l] for g in g_final))
-            likes = (arrs[0], *arrs[12:])
-            g_scan = tuple(map(_array_of, outs, likes))
-            (g_xin, g_q, g_k_heads, g_delta, g_A, g_trap, g_rate, g_qb, g_kb, g_D, g_z,
-             *g_s0) = scan3.backward_arrays(arrs, scan_kept, g_scan)  # fmt: skip
-            g_zx, g_wB, g_wC, g_dt = terms3.backward(
-                zx.numpy(), small[1], small[2], small[3], A_floor, r_k, r_q, g_xin, g_z, g_q,
-                g_k_heads, g_delta, g_A, g_trap, g_rate,
-            )  # fmt: skip
-            g_zx = torch.from_numpy(g_zx).view(Bsz * T, -1)
-            if needs[n + 1]:
-                grads[n + 1] = g_zx.t() @ normed
-            g_normed = g_zx @ W_in.detach()
-            g_in = torch.empty_like(g_normed)
-            g_w = rmsnorm.backward(
-                g_normed.numpy(), None if g_res is None else g_res.numpy(), r.numpy(), k_norm,
-                small[0], g_in.numpy(),
-            )  # fmt: skip
-            t = torch.from_numpy
-            grads[n] = t(g_w)
-            grads[n + 2 : n + 8] = (t(g_wB), t(g_wC), t(g_dt), t(g_qb).view_as(C_bias),
-                                    t(g_kb).view_as(B_bias), t(g_D))  # fmt: skip
-            for i, g in enumerate(g_s0):
-                if g_state[i] is None:
-                    g_state[i] = np.empty((L, *g.shape), g.dtype)
-                g_state[i][l] = g
-            g_rows, g_res = g_in, g_in  # the block's input and the residual before it
-        g_x = g_rows
-        if has_in:  # rows = x W^T + b
-            W, b = flat[0], flat[1]
-            if needs[0]:
-                grads[0] = g_rows.t() @ x_rows
-            if b is not None and needs[1]:
-                grads[1] = g_rows.sum(0)
-            g_x = g_rows @ W.detach()
-        g_state = [torch.from_numpy(g) for g in g_state]
-        return (None, g_x.view(Bsz, T, -1), *g_state, *grads)
+        with at_most(window_threads(ctx.shape[0] * ctx.shape[1])):
+            return _backward(ctx, *grads_out)
+
+
+def window_threads(rows: int) -> int:
+    """The threads a window of `rows` tokens (batch x steps) runs on: one per
+    `ROWS_PER_THREAD` tokens, at most torch's count (`mambakit.threads`)."""
+    n = torch.get_num_threads()
+    return n if not ROWS_PER_THREAD else min(n, -(-rows // ROWS_PER_THREAD))
+
+
+def _forward(ctx, meta, x, angle0, ssm0, k0, x0, *flat):
+    from ..cpu_jit import rmsnorm, scan3, terms3
+
+    consts, has_in, norm_eps = meta
+    Bsz, T = x.shape[:2]
+    x_rows = x.detach().reshape(Bsz * T, -1)
+    rows = x_rows
+    if has_in:  # as nn.Linear: addmm with a bias, mm without
+        W, b = flat[0].detach(), flat[1]
+        rows = x_rows @ W.t() if b is None else torch.addmm(b.detach(), x_rows, W.t())
+    blocks = flat[2 * has_in :]
+    grad = any(ctx.needs_input_grad)  # (else nothing is kept: no backward will come)
+    r = None
+    kept, finals = [], []
+    # the small weights (and norm_f's) as arrays of their own, kept for the backward
+    # (the weights are saved for it too: changed in place between the two, autograd
+    # raises)
+    smalls = [blocks[l * WEIGHTS + i] for l in range(len(consts)) for i in SMALL]
+    smalls = _arrays(smalls + ([flat[-1]] if norm_eps is not None else []))
+    for l, (eps, eps_B, eps_C, A_floor, sizes) in enumerate(consts):
+        W_in, W_out = blocks[l * WEIGHTS + 1], blocks[l * WEIGHTS + 8]
+        E, N, G, H, P, S = sizes
+        norm_w, w_B, w_C, dt_bias, C_bias, B_bias, D = smalls[l * 7 : l * 7 + 7]
+        small = (norm_w, w_B, w_C, dt_bias)
+        normed = torch.empty_like(rows)
+        r_new = rows if r is None else torch.empty_like(rows)
+        k_norm = rmsnorm.forward(
+            rows.numpy(), None if r is None else r.numpy(), small[0], eps, normed.numpy(),
+            None if r is None else r_new.numpy(),
+        )  # fmt: skip
+        r = r_new
+        zx = (normed @ W_in.detach().t()).view(Bsz, T, -1)
+        xs, z, q, k, delta, A, trap, rate, r_k, r_q = terms3.forward(
+            zx.numpy(), small[1], small[2], eps_B, eps_C, small[3], A_floor, sizes
+        )
+        s0 = tuple(t[l].detach().contiguous().numpy() for t in (angle0, ssm0, k0, x0))
+        arrs = (xs, q, k, delta, A, trap, rate, C_bias.reshape(H, N), B_bias.reshape(H, N),
+                D, z, True, *s0)  # fmt: skip
+        y, *final, scan_kept = scan3.forward_arrays(arrs, grad)
+        y_rows = torch.from_numpy(y).view(Bsz * T, E)
+        kept.append((k_norm, r, normed, zx, arrs, scan_kept, r_k, r_q, y_rows, small))
+        finals.append(final)
+        rows = y_rows @ W_out.detach().t()
+    state = tuple(torch.from_numpy(np.stack(f)) for f in zip(*finals))
+    M = rows.shape[1]
+    ends = None
+    if norm_eps is not None:  # the final norm: out = rmsnorm(h + r) w
+        out, r_end = torch.empty_like(rows), torch.empty_like(rows)
+        w_end = smalls[-1]
+        k_end = rmsnorm.forward(rows.numpy(), r.numpy(), w_end, norm_eps, out.numpy(),
+                                r_end.numpy())  # fmt: skip
+        ends = (k_end, r_end, w_end)
+        outs = (out.view(Bsz, T, M),)
+    else:
+        outs = (rows.view(Bsz, T, M), r.view(Bsz, T, M))
+    ctx.kept = (kept, ends, x_rows) if grad else None
+    ctx.meta, ctx.shape = meta, (Bsz, T, M)
+    # (x and the start state too, though the backward reads them through `kept`: so
+    # that autograd raises where they are changed in place before it, as it does for
+    # the modules, which save them)
+    ctx.save_for_backward(x, angle0, ssm0, k0, x0, *flat)
+    ctx.set_materialize_grads(False)
+    return (*outs, *state)
+
+
+def _backward(ctx, *grads_out):
+    from ..cpu_jit import rmsnorm, scan3, terms3
+
+    flat = ctx.saved_tensors[5:]  # (unpacking them checks that none was changed)
+    (consts, has_in, _), (kept, ends, x_rows) = ctx.meta, ctx.kept
+    L = len(consts)
+    Bsz, T, M = ctx.shape
+    blocks = flat[2 * has_in : 2 * has_in + L * WEIGHTS]
+    needs = ctx.needs_input_grad[6:]  # flat's
+    grads: list = [None] * len(flat)
+    # the gradients of a block's output (g_rows) and of the residual stream after it;
+    # where the output is not used (a loss on the final state alone) the last block's
+    # out_proj and the final norm get None, as they do through the modules
+    dtype = kept[-1][1].dtype
+    top = grads_out[0]  # out's (the final norm's), or the last block's h's
+    g_rows = torch.zeros(Bsz * T, M, dtype=dtype) if top is None else top
+    g_rows = g_rows.reshape(Bsz * T, M)
+    if ends is not None:
+        g_final, g_res = grads_out[1:], None
+        if top is not None:
+            k_end, r_end, w_end = ends
+            g_in = torch.empty(Bsz * T, M, dtype=dtype)
+            grads[-1] = torch.from_numpy(rmsnorm.backward(
+                np.ascontiguousarray(g_rows.numpy()), None, r_end.numpy(), k_end, w_end,
+                g_in.numpy(),
+            ))  # fmt: skip
+            g_rows, g_res = g_in, g_in
+    else:
+        g_r, g_final = grads_out[1], grads_out[2:]
+        g_res = None if g_r is None else g_r.reshape(Bsz * T, M).contiguous()
+    g_state = [None] * 4  # per field, [L, B, ...]: filled from the last block down
+    for l in range(L - 1, -1, -1):
+        norm_w, W_in, w_B, w_C, dt_bias, C_bias, B_bias, D, W_out = _block(blocks, l)
+        A_floor = consts[l][3]
+        k_norm, r, normed, zx, arrs, scan_kept, r_k, r_q, y_rows, small = kept[l]
+        H, P = arrs[0].shape[2:]
+        n = 2 * has_in + l * WEIGHTS
+        if needs[n + 8] and (top is not None or l < L - 1):
+            grads[n + 8] = g_rows.t() @ y_rows
+        g_y = (g_rows @ W_out.detach()).view(Bsz, T, H, P)
+        outs = (g_y, *(None if g is None else g[l] for g in g_final))
+        likes = (arrs[0], *arrs[12:])
+        g_scan = tuple(map(_array_of, outs, likes))
+        (g_xin, g_q, g_k_heads, g_delta, g_A, g_trap, g_rate, g_qb, g_kb, g_D, g_z,
+         *g_s0) = scan3.backward_arrays(arrs, scan_kept, g_scan)  # fmt: skip
+        g_zx, g_wB, g_wC, g_dt = terms3.backward(
+            zx.numpy(), small[1], small[2], small[3], A_floor, r_k, r_q, g_xin, g_z, g_q,
+            g_k_heads, g_delta, g_A, g_trap, g_rate,
+        )  # fmt: skip
+        g_zx = torch.from_numpy(g_zx).view(Bsz * T, -1)
+        if needs[n + 1]:
+            grads[n + 1] = g_zx.t() @ normed
+        g_normed = g_zx @ W_in.detach()
+        g_in = torch.empty_like(g_normed)
+        g_w = rmsnorm.backward(
+            g_normed.numpy(), None if g_res is None else g_res.numpy(), r.numpy(), k_norm,
+            small[0], g_in.numpy(),
+        )  # fmt: skip
+        t = torch.from_numpy
+        grads[n] = t(g_w)
+        grads[n + 2 : n + 8] = (t(g_wB), t(g_wC), t(g_dt), t(g_qb).view_as(C_bias),
+                                t(g_kb).view_as(B_bias), t(g_D))  # fmt: skip
+        for i, g in enumerate(g_s0):
+            if g_state[i] is None:
+                g_state[i] = np.empty((L, *g.shape), g.dtype)
+            g_state[i][l] = g
+        g_rows, g_res = g_in, g_in  # the block's input and the residual before it
+    g_x = g_rows
+    if has_in:  # rows = x W^T + b
+        W, b = flat[0], flat[1]
+        if needs[0]:
+            grads[0] = g_rows.t() @ x_rows
+        if b is not None and needs[1]:
+            grads[1] = g_rows.sum(0)
+        g_x = g_rows @ W.detach()
+    g_state = [torch.from_numpy(g) for g in g_state]
+    return (None, g_x.view(Bsz, T, -1), *g_state, *grads)
 
 
 def _block(flat: tuple, l: int) -> tuple:
