@@ -228,3 +228,29 @@ def test_forward_and_step_with_a_state_trace_whole(seed, mixer):
     torch.testing.assert_close(got_step, want_step)
     for a, b in zip((*s1._tensors(), *s._tensors()), (*w1._tensors(), *w._tensors())):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("mixer", ["mamba1", "mamba2", "mamba3"])
+def test_a_projection_given_a_bias_is_in_the_step(mixer):
+    """A plain nn.Linear with a bias put in place of a mixer's in_proj and out_proj (which
+    the fused steps read without one): the step still computes what the modules say, the
+    forward over that one step (float64 oracle: the same model's forward)."""
+    torch.manual_seed(0)
+    kw = {} if mixer == "mamba1" else {"headdim": 8}
+    cfg = MambaConfig(d_model=32, n_layers=2, input_dim=6, mixer=mixer, d_state=8, **kw)
+    model = MambaBackbone(cfg).double()
+    for block in model.layers:
+        for name in ("in_proj", "out_proj"):
+            old = getattr(block.mixer, name)
+            new = torch.nn.Linear(old.in_features, old.out_features, dtype=torch.float64)
+            with torch.no_grad():
+                new.weight.copy_(old.weight)
+                new.bias.normal_()
+            setattr(block.mixer, name, new)
+    x = torch.randn(3, 1, 6, dtype=torch.float64)
+    with torch.no_grad():
+        want, want_state = model(x, model.init_state(3))
+        got, got_state = model.step(x[:, 0], model.init_state(3))
+    torch.testing.assert_close(got, want[:, 0], rtol=1e-9, atol=1e-10)
+    for a, b in zip(got_state._tensors(), want_state._tensors()):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)

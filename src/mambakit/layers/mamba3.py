@@ -384,11 +384,13 @@ class Mamba3(nn.Module):
 
     def fusable(self) -> bool:
         """Whether a decode step may read the projections' and the B and C norms' weights
-        (`decode_weights`: the fused step kernels); otherwise it calls the modules
-        (layers/plain.py)."""
+        (`decode_weights`: the fused step kernels, which take no projection bias); otherwise
+        it calls the modules (layers/plain.py)."""
         return (
             plain(self.in_proj)
             and plain(self.out_proj)
+            and self.in_proj.bias is None
+            and self.out_proj.bias is None
             and plain(self.B_norm, _RMSNormN)
             and plain(self.C_norm, _RMSNormN)
             and self.B_norm.eps == self.C_norm.eps  # the step kernels take one eps for both
