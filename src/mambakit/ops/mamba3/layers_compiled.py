@@ -18,6 +18,10 @@ and its backward is theirs, in reverse block order. What it saves is the rest: a
 sizes the module path spends more time in autograd's engine, PyTorch's dispatch and the
 modules' Python (some seventy nodes a window) than in its arithmetic.
 
+It runs on threads matched to its size (`window_threads`): on many cores a small window
+spends more in waking, sharing out and joining torch's and numba's threads than in its
+arithmetic.
+
 `MambaBackbone` runs it where every block is plain (`MambaBlock.window_weights`): it
 reads the weights and calls no module, so a hook, an adapter or a parametrization anywhere
 in the stack sends the window through the modules instead.
@@ -35,7 +39,11 @@ from ...threads import at_most
 from .reference import _array_of
 
 WEIGHTS = 9  # per block: norm, in_proj, B and C norms, dt_bias, C_bias, B_bias, D, out_proj
-ROWS_PER_THREAD = 16  # tokens of a window per thread (`window_threads`; 0: torch's count)
+# tokens of a window per thread (`window_threads`; 0: torch's count). On a 16-core Xeon
+# (d_model 128 x 3, T = 32: benchmarks/results/profiles/2026-12-07-rl-threads-3287c23-h100.txt)
+# a batch-1 window took 3.1 ms on 4 or 8 threads and 11.4 on 16; from batch 4 up, 8 to 16
+# threads were fastest
+ROWS_PER_THREAD = 8
 
 
 class Ends(NamedTuple):
