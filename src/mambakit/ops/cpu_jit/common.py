@@ -51,8 +51,11 @@ os.register_at_fork(after_in_child=_new_lock)
 @contextmanager
 def threads():
     """numba's threads as many as torch's (the library's choice: `mambakit.threads`),
-    and torch's count as it was after: numba's OpenMP layer (shared with torch's, so
-    neither pool spins against the other) sets OpenMP's count when it starts."""
+    and torch's count as it was after: numba's OpenMP layer may set OpenMP's count when
+    it starts. (With torch from pip, whose wheel bundles a libgomp of its own, numba's
+    OpenMP layer loads the system's: two pools, each spinning a while after its parallel
+    regions. Its workqueue layer, which does not spin, was up to twice as slow on a 2-core
+    machine; on many cores a small window caps its threads, `layers_compiled`.)"""
     n = torch.get_num_threads()
     with _LOCK:
         if numba.get_num_threads() != n:
