@@ -230,27 +230,38 @@ def test_forward_and_step_with_a_state_trace_whole(seed, mixer):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("when", ["swapped in", "given after steps"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("mixer", ["mamba1", "mamba2", "mamba3"])
-def test_a_projection_given_a_bias_is_in_the_step(mixer):
-    """A plain nn.Linear with a bias put in place of a mixer's in_proj and out_proj (which
-    the fused steps read without one): the step still computes what the modules say, the
-    forward over that one step (float64 oracle: the same model's forward)."""
+def test_a_projection_given_a_bias_is_in_the_step(mixer, dtype, when):
+    """A bias on a mixer's in_proj and out_proj (which the fused steps read without one):
+    a plain nn.Linear with one put in their place, or a bias given to the model's own
+    projections after it has stepped (its decode plans made without one). The step still
+    computes what the modules say: the forward over that one step (the same model's)."""
     torch.manual_seed(0)
     kw = {} if mixer == "mamba1" else {"headdim": 8}
     cfg = MambaConfig(d_model=32, n_layers=2, input_dim=6, mixer=mixer, d_state=8, **kw)
-    model = MambaBackbone(cfg).double()
+    model = MambaBackbone(cfg).to(dtype)
+    x = torch.randn(3, 1, 6, dtype=dtype)
+    if when == "given after steps":
+        with torch.no_grad():
+            for _ in range(3):
+                model.step(x[:, 0], model.init_state(3))
     for block in model.layers:
         for name in ("in_proj", "out_proj"):
             old = getattr(block.mixer, name)
-            new = torch.nn.Linear(old.in_features, old.out_features, dtype=torch.float64)
+            if when == "given after steps":
+                old.bias = torch.nn.Parameter(torch.randn(old.out_features, dtype=dtype))
+                continue
+            new = torch.nn.Linear(old.in_features, old.out_features, dtype=dtype)
             with torch.no_grad():
                 new.weight.copy_(old.weight)
                 new.bias.normal_()
             setattr(block.mixer, name, new)
-    x = torch.randn(3, 1, 6, dtype=torch.float64)
+    tol = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
     with torch.no_grad():
         want, want_state = model(x, model.init_state(3))
         got, got_state = model.step(x[:, 0], model.init_state(3))
-    torch.testing.assert_close(got, want[:, 0], rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(got, want[:, 0], **tol)
     for a, b in zip(got_state._tensors(), want_state._tensors()):
-        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(a, b, **tol)

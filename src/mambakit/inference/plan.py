@@ -64,17 +64,17 @@ class _Plan:
     """One derived value and what it was derived from."""
 
     __slots__ = (
-        "build", "key", "in_place", "slots", "params", "watched", "versions", "ptrs", "extra",
+        "build", "key", "in_place", "slots", "held", "params", "watched", "versions", "ptrs",
+        "extra",
         "value", "owned", "addresses", "constants",
     )  # fmt: skip
 
     def fresh(self, module: nn.Module) -> bool:
         # maps of C functions, no Python frame per parameter: a batch-1 step pays this
-        params = self.params
         return (
-            all(map(operator.is_, map(dict.get, *self.slots), params))
+            all(map(operator.is_, map(dict.get, *self.slots), self.held))
             and tuple(map(_version, self.watched)) == self.versions
-            and tuple(map(_data_ptr, params)) == self.ptrs
+            and tuple(map(_data_ptr, self.params)) == self.ptrs
             and (self.key is None or self.key(module) == self.extra)
         )
 
@@ -108,7 +108,8 @@ def derived(
     if plan is not None and plan.fresh(module):
         return plan.value
     slots = _slots(module)
-    params = [d[n] for d, n in slots]
+    held = tuple(d[n] for d, n in slots)  # (None in a slot that holds none: a bias given later)
+    params = [p for p in held if p is not None]
     slots = (tuple(d for d, _ in slots), tuple(n for _, n in slots))  # for `map(dict.get, ...)`
     with torch.no_grad():
         value = build(module)
@@ -116,7 +117,8 @@ def derived(
     if plan is not None:
         value = _refresh_into(plan.value, value, plan.owned)
     new = _Plan()
-    new.build, new.key, new.in_place, new.slots, new.params = build, key, in_place, slots, params
+    new.build, new.key, new.in_place, new.slots = build, key, in_place, slots
+    new.held, new.params = held, params
     tensors = _tensors(value)
     spans = [s for s in map(_span, tensors) if s is not None] if in_place else []
     new.watched = tuple(p for p in params if not _viewed(p, spans))
@@ -203,14 +205,10 @@ def _moved() -> None:
 
 
 def _slots(module: nn.Module) -> list[tuple[dict, str]]:
-    """(parameter dict, name) of every parameter under `module` (a parametrized weight's
-    `original` included: the weight is computed from it)."""
-    return [
-        (m._parameters, name)
-        for m in module.modules()
-        for name, p in m._parameters.items()
-        if p is not None
-    ]
+    """(parameter dict, name) of every parameter slot under `module`: a parametrized weight's
+    `original` included (the weight is computed from it), and a slot that holds None (a
+    Linear's absent bias: one given later changes what the module computes)."""
+    return [(m._parameters, name) for m in module.modules() for name in m._parameters]
 
 
 def _span(t: torch.Tensor) -> tuple[int, int] | None:
