@@ -6,8 +6,9 @@ what count the work wants, by mixer and batch (benchmarks/bench_rl.py's window).
 Each (mixer, batch) times every thread count in turn, `--passes` times over (the counts
 interleaved, so a machine that slows in the middle slows them all), `--reps` windows a
 timing; it prints the median per count (ms), the count of the fastest, and the library's
-own choice at torch's starting count ("lib": the compiled Mamba-3 window caps its threads
-by its size, `layers_compiled.window_threads`; the counts alone run uncapped). `--profile
+own choice at torch's starting count ("lib": the compiled Mamba-3 window caps the threads
+of its compiled calls by its size, `layers_compiled.window_threads`; the counts' columns
+set torch's count for the whole process, the cap off). `--profile
 N` also prints the ops' self time of one batch-1 window at N threads."""
 
 from __future__ import annotations
@@ -104,12 +105,12 @@ def main() -> None:
             cells = "  ".join(f"{n}:{med[n]:7.2f}" for n in counts)
             lib = layers_compiled.window_threads(batch * 32) if mixer == "mamba3" else start
             print(f"{mixer:<7} batch {batch:<3} ms by threads  {cells} ({lib})   fastest {best}")
-        if args.profile:
-            torch.set_num_threads(args.profile)
+        if args.profile:  # uncapped, as the counts' columns
             run = window(mixer, 1)
-            time_ms(run, 5)
-            with profile() as prof:
-                time_ms(run, 10)
+            with count(args.profile, start):
+                time_ms(run, 5)
+                with profile() as prof:
+                    time_ms(run, 10)
             print(f"== {mixer} batch 1, {args.profile} threads, 10 windows")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
     if numba is not None and cpu_jit.available():

@@ -12,7 +12,7 @@ mkdir -p "$OUT"
 STAGES=${STAGES:-"step threads cpu"}
 stage() { case " $STAGES " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 if ! python -c "import numba" 2>/dev/null && ls .wheels/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/jit .wheels/*.whl 2>&1 | tail -2
+  python -m pip install -q --no-index --no-deps --target /tmp/jit .wheels/*.whl 2>&1 | tail -2
   export PYTHONPATH=src:/tmp/jit
 fi
 python -c "import numba, numpy, torch; print('numba', numba.__version__, 'numpy', numpy.__version__, 'torch', torch.__version__)"

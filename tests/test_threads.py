@@ -118,15 +118,3 @@ def test_generate_on_cpu_applies_the_policy(monkeypatch):
     out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, seed=0)
     assert out.shape == (1, 5)
     assert torch.get_num_threads() == 1
-
-
-def test_at_most_caps_the_count_for_its_body_and_restores_it():
-    torch.set_num_threads(2)
-    with threads.at_most(1):
-        assert torch.get_num_threads() == 1
-    assert torch.get_num_threads() == 2
-    with threads.at_most(4):  # never raises the count
-        assert torch.get_num_threads() == 2
-    with pytest.raises(KeyError), threads.at_most(1):
-        raise KeyError("inside")
-    assert torch.get_num_threads() == 2

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -128,19 +126,3 @@ def apply_threads(threads: int | None = None, name: str = "threads") -> str:
     if source != _TORCH:  # a count set on torch stays the user's: not recorded as ours
         _applied = n
     return f"threads: {n} ({source})"
-
-
-@contextmanager
-def at_most(n: int) -> Iterator[None]:
-    """torch's intra-op threads (and so numba's, `ops.cpu_jit.common.threads`) capped at `n`
-    for the body, the count restored after: for work too small to share out among more
-    (each thread's wake-up, share and join cost more than its part of the arithmetic)."""
-    current = torch.get_num_threads()
-    if n >= current:
-        yield
-        return
-    torch.set_num_threads(max(1, n))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(current)

@@ -327,20 +327,28 @@ def test_no_grad_forward_is_the_training_forward_bit_for_bit(calls):
     assert all(torch.equal(a.detach(), b) for a, b in zip(final._tensors(), want_final._tensors()))
 
 
-@pytest.mark.parametrize("rows_per_thread, want", [(9, 2), (18, 1), (0, 2)])
+@pytest.mark.parametrize("rows_per_thread, want", [(17, 2), (18, 1), (0, 2)])
 def test_the_window_runs_on_threads_matched_to_its_size(rows_per_thread, want, calls,
                                                         monkeypatch):  # fmt: skip
-    """A window of B x T = 18 tokens on torch's 2 threads: one thread per `ROWS_PER_THREAD`
-    tokens (0: torch's count) in the forward and the backward, torch's count kept after."""
+    """A window of B x T = 18 tokens with torch at 2 threads: its compiled calls (the scan's,
+    forward and backward) on one numba thread per `ROWS_PER_THREAD` tokens, rounded up (0:
+    torch's count); torch's own count left as it was, inside and after."""
+    import numba
+
     from mambakit.ops.cpu_jit import scan3
+    from mambakit.ops.cpu_jit.common import threads
     from mambakit.ops.mamba3 import layers_compiled
 
     seen = []
     for name in ("forward_arrays", "backward_arrays"):
         real = getattr(scan3, name)
-        monkeypatch.setattr(
-            scan3, name, lambda *a, real=real: seen.append(torch.get_num_threads()) or real(*a)
-        )
+
+        def counted(*a, real=real):
+            with threads():  # numba's count as the call sets it
+                seen.append((numba.get_num_threads(), torch.get_num_threads()))
+            return real(*a)
+
+        monkeypatch.setattr(scan3, name, counted)
     monkeypatch.setattr(layers_compiled, "ROWS_PER_THREAD", rows_per_thread)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -349,7 +357,9 @@ def test_the_window_runs_on_threads_matched_to_its_size(rows_per_thread, want, c
         x, state = inputs(model)
         window(model, x, state)
         assert calls == [1]
-        assert seen == [want] * 6  # 3 blocks, forward and backward
+        assert seen == [(want, 2)] * 6  # 3 blocks, forward and backward
         assert torch.get_num_threads() == 2
+        with threads():  # outside the window: torch's count again
+            assert numba.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

@@ -48,23 +48,42 @@ def _new_lock() -> None:
 os.register_at_fork(after_in_child=_new_lock)
 
 
+_cap = threading.local()  # `capped`'s count on this thread (n: None where there is none)
+
+
 @contextmanager
 def threads():
-    """numba's threads as many as torch's (the library's choice: `mambakit.threads`),
-    and torch's count as it was after: numba's OpenMP layer may set OpenMP's count when
-    it starts. (With torch from pip, whose wheel bundles a libgomp of its own, numba's
-    OpenMP layer loads the system's: two pools, each spinning a while after its parallel
-    regions. Its workqueue layer, which does not spin, was up to twice as slow on a 2-core
-    machine; on many cores a small window caps its threads, `layers_compiled`.)"""
+    """numba's threads as many as torch's (the library's choice: `mambakit.threads`) or
+    fewer where `capped` says, and torch's count as it was after: numba's OpenMP layer may
+    set OpenMP's count when it starts. (With torch from pip, whose wheel bundles a libgomp
+    of its own, numba's OpenMP layer loads the system's: two pools, each spinning a while
+    after its parallel regions. Its workqueue layer, which does not spin, was up to twice
+    as slow on a 2-core machine.)"""
     n = torch.get_num_threads()
+    cap = getattr(_cap, "n", None)
+    want = n if cap is None else max(1, min(n, cap))
     with _LOCK:
-        if numba.get_num_threads() != n:
-            numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        if numba.get_num_threads() != want:
+            numba.set_num_threads(min(want, numba.config.NUMBA_NUM_THREADS))
         try:
             yield
         finally:
             if torch.get_num_threads() != n:
                 torch.set_num_threads(n)
+
+
+@contextmanager
+def capped(n: int):
+    """numba's threads at most `n` for the compiled calls in the body, on this thread (for
+    work too small to share out among more: each thread's wake-up, share and join cost
+    more than its part). torch's count is left alone: changing it makes libgomp end the
+    threads a smaller team does not use and start them again for the next larger one."""
+    outer = getattr(_cap, "n", None)
+    _cap.n = n if outer is None else min(n, outer)
+    try:
+        yield
+    finally:
+        _cap.n = outer
 
 
 PARALLEL_ROWS = 2  # rows from which a compiled step runs them on numba's threads

@@ -18,9 +18,9 @@ and its backward is theirs, in reverse block order. What it saves is the rest: a
 sizes the module path spends more time in autograd's engine, PyTorch's dispatch and the
 modules' Python (some seventy nodes a window) than in its arithmetic.
 
-It runs on threads matched to its size (`window_threads`): on many cores a small window
-spends more in waking, sharing out and joining torch's and numba's threads than in its
-arithmetic.
+Its compiled calls run on threads matched to its size (`window_threads`, through
+`cpu_jit.common.capped`): on many cores a small window spends more in waking, sharing out
+and joining numba's threads than in its arithmetic.
 
 `MambaBackbone` runs it where every block is plain (`MambaBlock.window_weights`): it
 reads the weights and calls no module, so a hook, an adapter or a parametrization anywhere
@@ -35,14 +35,13 @@ import numpy as np
 import torch
 
 from ...state import Mamba3ModelState
-from ...threads import at_most
 from .reference import _array_of
 
 WEIGHTS = 9  # per block: norm, in_proj, B and C norms, dt_bias, C_bias, B_bias, D, out_proj
-# tokens of a window per thread (`window_threads`; 0: torch's count). On a 16-core Xeon
-# (d_model 128 x 3, T = 32: benchmarks/results/profiles/2026-12-07-rl-threads-3287c23-h100.txt)
-# a batch-1 window took 3.1 ms on 4 or 8 threads and 11.4 on 16; from batch 4 up, 8 to 16
-# threads were fastest
+# tokens of a window per thread of its compiled calls (`window_threads`; 0: torch's count).
+# On a 16-core Xeon (d_model 128 x 3, T = 32, the whole process at each count:
+# benchmarks/results/profiles/2026-12-07-rl-threads-3287c23-h100.txt) a batch-1 window took
+# 3.1 ms on 4 or 8 threads and 11.4 on 16; from batch 4 up, 8 to 16 threads were fastest
 ROWS_PER_THREAD = 8
 
 
@@ -104,7 +103,9 @@ class _Layers3(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, meta, x, angle0, ssm0, k0, x0, *flat):
-        with at_most(window_threads(x.shape[0] * x.shape[1])):
+        from ..cpu_jit.common import capped
+
+        with capped(window_threads(x.shape[0] * x.shape[1])):
             return _forward(ctx, meta, x, angle0, ssm0, k0, x0, *flat)
 
     @staticmethod
@@ -115,13 +116,15 @@ class _Layers3(torch.autograd.Function):
                 "the compiled Mamba-3 stack kept nothing for a backward: its forward ran where "
                 "no backward was expected"
             )
-        with at_most(window_threads(ctx.shape[0] * ctx.shape[1])):
+        from ..cpu_jit.common import capped
+
+        with capped(window_threads(ctx.shape[0] * ctx.shape[1])):
             return _backward(ctx, *grads_out)
 
 
 def window_threads(rows: int) -> int:
-    """The threads a window of `rows` tokens (batch x steps) runs on: one per
-    `ROWS_PER_THREAD` tokens, at most torch's count (`mambakit.threads`)."""
+    """The threads a window of `rows` tokens (batch x steps) runs its compiled calls on: one
+    per `ROWS_PER_THREAD` tokens, at most torch's count (`mambakit.threads`)."""
     n = torch.get_num_threads()
     return n if not ROWS_PER_THREAD else min(n, -(-rows // ROWS_PER_THREAD))
 
