@@ -60,6 +60,38 @@ def test_step_loop_equals_forward_with_state_in_and_out():
         torch.testing.assert_close(getattr(s, name), getattr(final, name), rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("projection", ["biased", "hooked"])
+def test_no_grad_step_with_projections_not_plain_calls_them_and_fuses_the_rest(
+    projection, monkeypatch
+):
+    """A no-grad step whose in_proj has a bias, or whose out_proj a hook watches: the
+    projections are called (the bias and the hook act), the rest of the step is still the
+    fused one (`ops.mamba3_step_raw`), and it equals the forward over one token."""
+    import mambakit.layers.mamba3 as mamba3_module
+
+    m = layer()
+    if projection == "biased":
+        lin = torch.nn.Linear(16, m.in_proj.out_features, dtype=torch.float64)
+        with torch.no_grad():
+            lin.weight.copy_(m.in_proj.weight)
+        m.in_proj = lin
+    else:
+        m.out_proj.register_forward_hook(lambda mod, args, out: out * 2)
+    fused = []
+    real = mamba3_module.mamba3_step_raw
+    monkeypatch.setattr(mamba3_module, "mamba3_step_raw", lambda *a: fused.append(1) or real(*a))
+    u = torch.randn(3, 1, 16, dtype=torch.float64)
+    st = m.init_state(3)
+    with torch.no_grad():
+        y, final = m(u, st, return_state=True)
+        out, stepped = m.step(u[:, 0], m.init_state(3))
+    assert fused == [1]
+    torch.testing.assert_close(out, y[:, 0], rtol=1e-10, atol=1e-10)
+    for name in Mamba3State._fields:
+        torch.testing.assert_close(getattr(stepped, name), getattr(final, name), rtol=1e-10,
+                                   atol=1e-10)  # fmt: skip
+
+
 def test_chunks_with_carried_state_equal_the_whole_values_and_gradients():
     m = layer()
     u = torch.randn(2, 14, 16, dtype=torch.float64)

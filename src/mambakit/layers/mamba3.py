@@ -334,8 +334,9 @@ class Mamba3(nn.Module):
                 x, q, k, delta, A, trap, theta, self.C_bias[:, 0], self.B_bias[:, 0], self.D, z,
                 state,
             )  # fmt: skip
-        elif self.fusable():
-            y = mamba3_step_raw(state, self.in_proj(u), self.decode_weights(), backend)
+        elif self._inner_plain():  # the projections called, whatever they are
+            w = self.decode_weights(projections=False)
+            y = mamba3_step_raw(state, self.in_proj(u), w, backend)
         else:
             x, q, k, delta, A, trap, theta, z = self._inputs(u)
             y = mamba3_state_update(
@@ -369,31 +370,47 @@ class Mamba3(nn.Module):
         mods = self._modules
         return (self.A_floor, mods["B_norm"].eps, mods["C_norm"].eps)
 
-    def decode_weights(self, norm: nn.Module | None = None) -> Mamba3StepWeights:
+    def decode_weights(
+        self, norm: nn.Module | None = None, projections: bool = True
+    ) -> Mamba3StepWeights:
         """The tensors a decode step reads (views of the parameters), with the block's
-        `norm` (its RMSNorm) when given; only for a `fusable()` layer."""
+        `norm` (its RMSNorm) when given. The projections' weights only with `projections`
+        (a `fusable()` layer: the model's decode plan); without, they are None and the
+        caller calls the modules (`_inner_plain()` is all the step then needs)."""
         norm_w = None if norm is None else _p(norm, "weight")
         eps = 0.0 if norm is None else norm.eps
         bn, cn = self._modules["B_norm"], self._modules["C_norm"]
+        mods = self._modules
+        in_w = _p(mods["in_proj"], "weight") if projections else None
+        out_w = _p(mods["out_proj"], "weight") if projections else None
         return Mamba3StepWeights(
-            norm_w, eps, _p(self._modules["in_proj"], "weight"),
-            _p(self._modules["out_proj"], "weight"), _p(self, "C_bias")[:, 0],
+            norm_w, eps, in_w, out_w, _p(self, "C_bias")[:, 0],
             _p(self, "B_bias")[:, 0], _p(self, "D"), _p(self, "dt_bias"), self.A_floor,
             _p(cn, "weight"), _p(bn, "weight"), bn.eps, self._sizes(),
         )  # fmt: skip
 
-    def fusable(self) -> bool:
-        """Whether a decode step may read the projections' and the B and C norms' weights
-        (`decode_weights`: the fused step kernels, which take no projection bias); otherwise
-        it calls the modules (layers/plain.py)."""
+    def _inner_plain(self) -> bool:
+        """Whether the decode step may read the B and C norms' weights (each a plain module:
+        layers/plain.py, with one eps, which the step kernels take for both); otherwise it
+        calls them."""
+        mods = self._modules
         return (
-            plain(self.in_proj)
-            and plain(self.out_proj)
-            and self.in_proj.bias is None
-            and self.out_proj.bias is None
-            and plain(self.B_norm, _RMSNormN)
-            and plain(self.C_norm, _RMSNormN)
-            and self.B_norm.eps == self.C_norm.eps  # the step kernels take one eps for both
+            plain(mods["B_norm"], _RMSNormN)
+            and plain(mods["C_norm"], _RMSNormN)
+            and mods["B_norm"].eps == mods["C_norm"].eps
+        )
+
+    def fusable(self) -> bool:
+        """Whether a decode step may read every weight of the layer (`decode_weights`: the
+        model's decode plan and the stack step, which take no projection bias); otherwise
+        it calls the modules."""
+        mods = self._modules
+        return (
+            plain(mods["in_proj"])
+            and plain(mods["out_proj"])
+            and mods["in_proj"].bias is None
+            and mods["out_proj"].bias is None
+            and self._inner_plain()
         )
 
     def _check_state(self, state: Mamba3State, batch: int, device) -> None:

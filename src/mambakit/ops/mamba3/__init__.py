@@ -56,8 +56,8 @@ class Mamba3StepWeights(NamedTuple):
 
     norm_w: torch.Tensor  # [M] the block's RMSNorm weight
     eps: float
-    in_w: torch.Tensor  # [2E + 2GN + 3H + S, M]; its dtype is the compute dtype
-    out_w: torch.Tensor  # [M, E]
+    in_w: torch.Tensor | None  # [2E + 2GN + 3H + S, M], the compute dtype (None: a layer's
+    out_w: torch.Tensor | None  # [M, E]                      own step calls the modules)
     q_bias: torch.Tensor  # [H, N] (C_bias)
     k_bias: torch.Tensor  # [H, N] (B_bias)
     D: torch.Tensor  # [H]
