@@ -230,14 +230,17 @@ def test_forward_and_step_with_a_state_trace_whole(seed, mixer):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["numba", "torch"])
 @pytest.mark.parametrize("when", ["swapped in", "given after steps"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("mixer", ["mamba1", "mamba2", "mamba3"])
-def test_a_projection_given_a_bias_is_in_the_step(mixer, dtype, when):
+def test_a_projection_given_a_bias_is_in_the_step(mixer, dtype, when, compiled, numba_on):
     """A bias on a mixer's in_proj and out_proj (which the fused steps read without one):
     a plain nn.Linear with one put in their place, or a bias given to the model's own
-    projections after it has stepped (its decode plans made without one). The step still
-    computes what the modules say: the forward over that one step (the same model's)."""
+    projections after it has stepped (its decode plans made without one). The step, the
+    compiled CPU one or the PyTorch bodies', still computes what the modules say: the
+    forward over that one step (the same model's)."""
+    numba_on(compiled)
     torch.manual_seed(0)
     kw = {} if mixer == "mamba1" else {"headdim": 8}
     cfg = MambaConfig(d_model=32, n_layers=2, input_dim=6, mixer=mixer, d_state=8, **kw)

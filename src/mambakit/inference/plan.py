@@ -5,8 +5,9 @@ A decode step at batch 1 is bound by per-call overhead, so it should not recompu
 A = -exp(A_log), cast D and the dt bias to f32, or look up and transpose its weights on
 every token. `derived(module, name, build)` runs `build(module)` once (without autograd)
 and returns its result again while every parameter of `module` keeps its identity,
-storage and version, and `key(module)` (non-parameter inputs of the build, such as the
-norms' eps) is unchanged. An optimizer step, a load or a `.to()` moves one of those, and
+storage and version, every empty parameter slot stays empty (a bias given to a Linear
+built without one is seen), and `key(module)` (non-parameter inputs of the build, such as
+the norms' eps) is unchanged. An optimizer step, a load or a `.to()` moves one of those, and
 the next call derives the plan again. A plan whose build takes some parameters only as
 they are (`in_place`: views such as the GEMM weights) sees their new values through those
 views, so only the other parameters' versions are watched: fewer reads per step.

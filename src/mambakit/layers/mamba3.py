@@ -379,8 +379,8 @@ class Mamba3(nn.Module):
         caller calls the modules (`_inner_plain()` is all the step then needs)."""
         norm_w = None if norm is None else _p(norm, "weight")
         eps = 0.0 if norm is None else norm.eps
-        bn, cn = self._modules["B_norm"], self._modules["C_norm"]
         mods = self._modules
+        bn, cn = mods["B_norm"], mods["C_norm"]
         in_w = _p(mods["in_proj"], "weight") if projections else None
         out_w = _p(mods["out_proj"], "weight") if projections else None
         return Mamba3StepWeights(
