@@ -56,8 +56,10 @@ class Mamba3StepWeights(NamedTuple):
 
     norm_w: torch.Tensor  # [M] the block's RMSNorm weight
     eps: float
-    in_w: torch.Tensor | None  # [2E + 2GN + 3H + S, M], the compute dtype (None: a layer's
-    out_w: torch.Tensor | None  # [M, E]                      own step calls the modules)
+    # in_proj's and out_proj's weights, in the compute dtype; None where a layer's own step
+    # calls the modules (`Mamba3.decode_weights(projections=False)`)
+    in_w: torch.Tensor | None  # [2E + 2GN + 3H + S, M]
+    out_w: torch.Tensor | None  # [M, E]
     q_bias: torch.Tensor  # [H, N] (C_bias)
     k_bias: torch.Tensor  # [H, N] (B_bias)
     D: torch.Tensor  # [H]
