@@ -16,11 +16,11 @@ Mamba-2 in 8 heads of 32), at batch 1, 16 and 64, on the CPU and on CUDA:
                 what mamba-rs's training figures time.
 
 Each figure is the median over `--rounds` rounds, with p10 / p90 and min / max; a round
-times a loop of calls long enough to last about `--round-s` seconds. Per model the batches
-run smallest first, every workload at one batch before the next: on a 2-core machine the
-Mamba-3 batch-1 forward + backward read 3.7-5.5 ms timed after the batch-16 and 64 windows
-in one process and 2.5-2.7 ms in processes that ran batch 1 alone, and a process serving
-one policy runs one batch. The CPU runs with the
+times a loop of calls long enough to last about `--round-s` seconds. The batches run
+smallest first, every mixer's every workload at one batch before the next batch: on a
+2-core machine the Mamba-3 batch-1 forward + backward read 3.7-5.5 ms timed after larger
+batches in one process and 2.5-2.7 ms in processes that ran batch 1 alone, and a process
+serving one policy runs one batch. The CPU runs with the
 thread count torch has (`MambaBackbone` leaves it alone; `--threads N` sets it), recorded
 per figure. Also counted, once each: the aten ops of one CPU step, the CUDA kernels of
 one eager step (`cuda_graph=False`) and of one training window.
@@ -410,22 +410,24 @@ def main(argv: list[str] | None = None) -> int:
           f"cpu: {context['cpu_model']}", flush=True)  # fmt: skip
     for dev_name in devices:
         device = torch.device(dev_name)
+        models = {}
         for mixer in args.mixers:
             torch.manual_seed(0)
-            model = MambaBackbone(make_config(mixer), device=device)
-            benches = [bench_step] + ([] if args.no_train else [bench_window, bench_fwd_bwd])
-            if (device.type == "cuda" or args.dry) and not args.no_train:  # (dry: the path)
-                benches.append(bench_window_graphed)
-            for B in sorted(args.batches):  # each batch's rows before any larger batch's
+            models[mixer] = MambaBackbone(make_config(mixer), device=device)
+        benches = [bench_step] + ([] if args.no_train else [bench_window, bench_fwd_bwd])
+        if (device.type == "cuda" or args.dry) and not args.no_train:  # (dry: the path)
+            benches.append(bench_window_graphed)
+        for B in sorted(args.batches):  # every model's rows at a batch before a larger one
+            for mixer, model in models.items():
                 for bench in benches:
                     row = bench(model, mixer, B, device, args)
                     row["load_1m"] = load_1m()
                     rows.append(row)
                     print(row, flush=True)
                     save()
-            del model
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        del models
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     print(f"\n{'dev':<4} {'mixer':<6} {'workload':<34} {'batch':<5} "
           f"{'median (p10, p90)':>36}   mamba-rs, another machine")  # fmt: skip
     for row in rows:
