@@ -19,11 +19,9 @@ import time
 from contextlib import contextmanager
 
 import torch
-import torch.nn.functional as F
-from torch import nn
+from rl_cpu_timing import MIXERS, window  # (scripts/: this script's folder)
 from torch.profiler import profile
 
-from mambakit import MambaBackbone, MambaConfig
 from mambakit.ops import cpu_jit
 from mambakit.ops.mamba3 import layers_compiled
 
@@ -31,27 +29,6 @@ try:
     import numba
 except ImportError:
     numba = None
-
-MIXERS = {"mamba1": {}, "mamba3": {"headdim": 16}, "mamba2": {"headdim": 32}}
-
-
-def window(mixer: str, batch: int):
-    """A forward + backward of a T=32 window (MSE of a Linear(128, 8) head), gradients dropped."""
-    torch.manual_seed(0)
-    cfg = MambaConfig(d_model=128, n_layers=3, input_dim=64, mixer=mixer, **MIXERS[mixer])
-    model, head = MambaBackbone(cfg), nn.Linear(128, 8)
-    params = [*model.parameters(), *head.parameters()]
-    x, target = torch.randn(batch, 32, 64), torch.randn(batch, 32, 8)
-    state = model.init_state(batch)
-
-    def run() -> None:
-        out, _ = model(x, state)
-        F.mse_loss(head(out), target).backward()
-        for p in params:
-            p.grad = None
-
-    return run
-
 
 LIB = "lib"  # the library's choice: torch's starting count, the window's own cap on
 

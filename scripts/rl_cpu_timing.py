@@ -36,21 +36,27 @@ def step_us(mixer: str) -> list[float]:
                 for _ in range(15)]  # fmt: skip
 
 
-def fwd_bwd_ms(mixer: str) -> list[float]:
+def window(mixer: str, batch: int = 1):
+    """A forward + backward of a T=32 window (MSE of a Linear(128, 8) head), gradients dropped."""
     m = model(mixer)
     head = nn.Linear(128, 8)
     params = [*m.parameters(), *head.parameters()]
-    x, target, state = torch.randn(1, 32, 64), torch.randn(1, 32, 8), m.init_state(1)
+    x, target, state = torch.randn(batch, 32, 64), torch.randn(batch, 32, 8), m.init_state(batch)
 
-    def window():
+    def run() -> None:
         out, _ = m(x, state)
         F.mse_loss(head(out), target).backward()
         for p in params:
             p.grad = None
 
+    return run
+
+
+def fwd_bwd_ms(mixer: str) -> list[float]:
+    run = window(mixer)
     for _ in range(10):
-        window()
-    return [timeit.timeit(window, number=20) / 20 * 1e3 for _ in range(9)]
+        run()
+    return [timeit.timeit(run, number=20) / 20 * 1e3 for _ in range(9)]
 
 
 def main() -> None:
