@@ -25,6 +25,12 @@ if stage threads; then  # the CPU window's time by thread count
     --batches 1 4 16 64 --passes 4 --reps 8 --profile 16 ${THREADS_ARGS:-} 2>&1 | grep -v USDT \
     | tee "$OUT/rl_threads.txt"
 fi
+if stage pools; then  # the batch-1 window at torch's and numba's counts set apart
+  for spin in ${POOLS_SPINS:-""}; do
+    timeout ${T_POOLS:-120} python scripts/rl_cpu_pools.py ${spin:+--numba-spin $spin} \
+      ${POOLS_ARGS:-} 2>&1 | tee -a "$OUT/rl_pools.txt"
+  done
+fi
 if stage cpu; then  # bench_rl's CPU rows
   timeout ${T_CPU:-200} python benchmarks/bench_rl.py --device cpu --mixers mamba3 mamba1 \
     --out "$OUT/bench_rl_cpu.json" ${CPU_ARGS:-} 2>&1 | grep -v "^{" | tee "$OUT/bench_rl_cpu.txt"

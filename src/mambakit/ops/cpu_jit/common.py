@@ -50,6 +50,32 @@ os.register_at_fork(after_in_child=_new_lock)
 
 _cap = threading.local()  # `capped`'s count on this thread (n: None where there is none)
 
+# How long (busy-wait iterations) a thread of numba's OpenMP pool spins after a parallel
+# region before it sleeps. libgomp's own default, 300,000 (a few hundred microseconds), is
+# read when the library loads, which for numba's pool is when its threading layer starts:
+# `_start_pool` gives it this count then, unless the user's environment names one
+# (GOMP_SPINCOUNT or OMP_WAIT_POLICY). torch's pool spins as well, each pool's spinning
+# threads take the cores the other's need, and a batch-1 T=32 Mamba-3 window on a 16-core
+# host at torch's 16 threads took 14.6 ms at libgomp's count against 4.4 sleeping at once
+# (`scripts/rl_cpu_pools.py`).
+POOL_SPINCOUNT = 10_000
+_pool_started = False
+
+
+def _start_pool() -> None:
+    """numba's threading layer started (under `_LOCK`), with `POOL_SPINCOUNT` in the
+    environment its OpenMP runtime reads as it loads; the environment restored after."""
+    global _pool_started
+    _pool_started = True
+    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
+        numba.get_num_threads()
+        return
+    os.environ["GOMP_SPINCOUNT"] = str(POOL_SPINCOUNT)
+    try:
+        numba.get_num_threads()  # launches the layer
+    finally:
+        del os.environ["GOMP_SPINCOUNT"]
+
 
 @contextmanager
 def threads():
@@ -57,12 +83,14 @@ def threads():
     fewer where `capped` says, and torch's count as it was after: numba's OpenMP layer may
     set OpenMP's count when it starts. (With torch from pip, whose wheel bundles a libgomp
     of its own, numba's OpenMP layer loads the system's: two pools, each spinning a while
-    after its parallel regions. Its workqueue layer, which does not spin, was up to twice
-    as slow on a 2-core machine.)"""
+    after its parallel regions, numba's for `POOL_SPINCOUNT`. Its workqueue layer, which
+    does not spin, was up to twice as slow on a 2-core machine.)"""
     n = torch.get_num_threads()
     cap = getattr(_cap, "n", None)
     want = n if cap is None else max(1, min(n, cap))
     with _LOCK:
+        if not _pool_started:
+            _start_pool()
         if numba.get_num_threads() != want:
             numba.set_num_threads(min(want, numba.config.NUMBA_NUM_THREADS))
         try:
