@@ -5,44 +5,26 @@ what count the work wants, by mixer and batch (benchmarks/bench_rl.py's window).
 
 Each (mixer, batch) times every thread count in turn, `--passes` times over (the counts
 interleaved, so a machine that slows in the middle slows them all), `--reps` windows a
-timing; it prints the median per count (ms), the count of the fastest, and the library's
-own choice at torch's starting count ("lib": the compiled Mamba-3 window caps the threads
-of its compiled calls by its size, `layers_compiled.window_threads`; the counts' columns
-set torch's count for the whole process, the cap off). `--profile
-N` also prints the ops' self time of one batch-1 window at N threads."""
+timing; it prints the median per count (ms) and the count of the fastest. Each count is
+torch's for the whole process (the compiled calls run numba on as many). `--profile N`
+also prints the ops' self time of one batch-1 window at N threads."""
 
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
-from contextlib import contextmanager
 
 import torch
 from rl_cpu_timing import MIXERS, window  # (scripts/: this script's folder)
 from torch.profiler import profile
 
 from mambakit.ops import cpu_jit
-from mambakit.ops.mamba3 import layers_compiled
 
 try:
     import numba
 except ImportError:
     numba = None
-
-LIB = "lib"  # the library's choice: torch's starting count, the window's own cap on
-
-
-@contextmanager
-def count(n, start: int):
-    """torch at n threads with the window's cap off, or (n = LIB) at `start` with it on."""
-    rows = layers_compiled.ROWS_PER_THREAD
-    torch.set_num_threads(start if n == LIB else n)
-    layers_compiled.ROWS_PER_THREAD = rows if n == LIB else 0
-    try:
-        yield
-    finally:
-        layers_compiled.ROWS_PER_THREAD = rows
 
 
 def time_ms(fn, reps: int) -> float:
@@ -68,26 +50,25 @@ def main() -> None:
     for mixer in args.mixers:
         for batch in args.batches:
             run = window(mixer, batch)
-            counts = [*args.threads, LIB]
+            counts = args.threads
             times: dict = {n: [] for n in counts}
             for n in counts:  # warm at each count (OpenMP's pool grows)
-                with count(n, start):
-                    time_ms(run, 3)
+                torch.set_num_threads(n)
+                time_ms(run, 3)
             for _ in range(args.passes):
                 for n in counts:
-                    with count(n, start):
-                        times[n].append(time_ms(run, args.reps))
+                    torch.set_num_threads(n)
+                    times[n].append(time_ms(run, args.reps))
             med = {n: statistics.median(v) for n, v in times.items()}
             best = min(args.threads, key=med.get)
             cells = "  ".join(f"{n}:{med[n]:7.2f}" for n in counts)
-            lib = layers_compiled.window_threads(batch * 32) if mixer == "mamba3" else start
-            print(f"{mixer:<7} batch {batch:<3} ms by threads  {cells} ({lib})   fastest {best}")
-        if args.profile:  # uncapped, as the counts' columns
+            print(f"{mixer:<7} batch {batch:<3} ms by threads  {cells}   fastest {best}")
+        if args.profile:
             run = window(mixer, 1)
-            with count(args.profile, start):
-                time_ms(run, 5)
-                with profile() as prof:
-                    time_ms(run, 10)
+            torch.set_num_threads(args.profile)
+            time_ms(run, 5)
+            with profile() as prof:
+                time_ms(run, 10)
             print(f"== {mixer} batch 1, {args.profile} threads, 10 windows")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14))
     if numba is not None and cpu_jit.available():

@@ -9,8 +9,6 @@ tensor hash it replaces. The model's step on it: tests/inference/test_cpu_step.p
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from stack_helpers import STEPS, assert_close, random_stack, stream_and_states
@@ -157,40 +155,3 @@ def test_compiled_softplus_against_torch(dtype):
     got = torch.empty_like(special)
     run(special.numpy(), got.numpy())
     assert got[0].isnan() and got[1] == float("inf")
-
-
-def test_numba_pool_starts_with_the_library_spin_count_unless_the_user_named_one(monkeypatch):
-    """numba's OpenMP runtime reads GOMP_SPINCOUNT as its threading layer starts: the first
-    `threads()` starts it with `POOL_SPINCOUNT` in the environment, then removes it; a
-    count or wait policy the user set is left as it was."""
-    from mambakit.ops.cpu_jit import common
-
-    seen = []
-    real = common.numba.get_num_threads
-
-    def get_num_threads():
-        seen.append((os.environ.get("GOMP_SPINCOUNT"), os.environ.get("OMP_WAIT_POLICY")))
-        return real()
-
-    monkeypatch.setattr(common.numba, "get_num_threads", get_num_threads)
-    for env, during in [
-        ({}, (str(common.POOL_SPINCOUNT), None)),
-        ({"GOMP_SPINCOUNT": "123"}, ("123", None)),
-        ({"OMP_WAIT_POLICY": "PASSIVE"}, (None, "PASSIVE")),
-    ]:
-        for key in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):
-            monkeypatch.delenv(key, raising=False)
-        for key, value in env.items():
-            monkeypatch.setenv(key, value)
-        monkeypatch.setattr(common, "_pool_started", False)
-        seen.clear()
-        with common.threads():
-            pass
-        assert seen[0] == during, env
-        assert {k: os.environ.get(k) for k in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")} == {
-            "GOMP_SPINCOUNT": env.get("GOMP_SPINCOUNT"),
-            "OMP_WAIT_POLICY": env.get("OMP_WAIT_POLICY"),
-        }
-        with common.threads():  # started once
-            pass
-        assert common._pool_started and all(s == seen[-1] for s in seen[1:])

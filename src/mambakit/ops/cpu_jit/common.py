@@ -48,70 +48,25 @@ def _new_lock() -> None:
 os.register_at_fork(after_in_child=_new_lock)
 
 
-_cap = threading.local()  # `capped`'s count on this thread (n: None where there is none)
-
-# How long (busy-wait iterations) a thread of numba's OpenMP pool spins after a parallel
-# region before it sleeps. libgomp's own default, 300,000 (a few hundred microseconds), is
-# read when the library loads, which for numba's pool is when its threading layer starts:
-# `_start_pool` gives it this count then, unless the user's environment names one
-# (GOMP_SPINCOUNT or OMP_WAIT_POLICY). torch's pool spins as well, each pool's spinning
-# threads take the cores the other's need, and a batch-1 T=32 Mamba-3 window on a 16-core
-# host at torch's 16 threads took 14.6 ms at libgomp's count against 4.4 sleeping at once
-# (`scripts/rl_cpu_pools.py`).
-POOL_SPINCOUNT = 10_000
-_pool_started = False
-
-
-def _start_pool() -> None:
-    """numba's threading layer started (under `_LOCK`), with `POOL_SPINCOUNT` in the
-    environment its OpenMP runtime reads as it loads; the environment restored after."""
-    global _pool_started
-    _pool_started = True
-    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
-        numba.get_num_threads()
-        return
-    os.environ["GOMP_SPINCOUNT"] = str(POOL_SPINCOUNT)
-    try:
-        numba.get_num_threads()  # launches the layer
-    finally:
-        del os.environ["GOMP_SPINCOUNT"]
-
-
 @contextmanager
 def threads():
-    """numba's threads as many as torch's (the library's choice: `mambakit.threads`) or
-    fewer where `capped` says, and torch's count as it was after: numba's OpenMP layer may
-    set OpenMP's count when it starts. (With torch from pip, whose wheel bundles a libgomp
-    of its own, numba's OpenMP layer loads the system's: two pools, each spinning a while
-    after its parallel regions, numba's for `POOL_SPINCOUNT`. Its workqueue layer, which
-    does not spin, was up to twice as slow on a 2-core machine.)"""
+    """numba's threads as many as torch's (the library's choice: `mambakit.threads`), and
+    torch's count as it was after: numba's OpenMP layer may set OpenMP's count when it
+    starts. Never fewer than torch's, however small the work: where numba's OpenMP layer
+    loads the libgomp torch's wheel brought (one pool), a smaller team makes libgomp end
+    the threads it leaves out and start them again at torch's next parallel region
+    (`mambakit.ops.mamba3.layers_compiled`). Where it loads the system's (two pools), each
+    spins a while after its parallel regions; numba's workqueue layer, which does not spin,
+    was up to twice as slow on a 2-core machine."""
     n = torch.get_num_threads()
-    cap = getattr(_cap, "n", None)
-    want = n if cap is None else max(1, min(n, cap))
     with _LOCK:
-        if not _pool_started:
-            _start_pool()
-        if numba.get_num_threads() != want:
-            numba.set_num_threads(min(want, numba.config.NUMBA_NUM_THREADS))
+        if numba.get_num_threads() != n:
+            numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
         try:
             yield
         finally:
             if torch.get_num_threads() != n:
                 torch.set_num_threads(n)
-
-
-@contextmanager
-def capped(n: int):
-    """numba's threads at most `n` for the compiled calls in the body, on this thread (for
-    work too small to share out among more: each thread's wake-up, share and join cost
-    more than its part). torch's count is left alone: changing it makes libgomp end the
-    threads a smaller team does not use and start them again for the next larger one."""
-    outer = getattr(_cap, "n", None)
-    _cap.n = n if outer is None else min(n, outer)
-    try:
-        yield
-    finally:
-        _cap.n = outer
 
 
 PARALLEL_ROWS = 2  # rows from which a compiled step runs them on numba's threads

@@ -18,9 +18,11 @@ and its backward is theirs, in reverse block order. What it saves is the rest: a
 sizes the module path spends more time in autograd's engine, PyTorch's dispatch and the
 modules' Python (some seventy nodes a window) than in its arithmetic.
 
-Its compiled calls run on threads matched to its size (`window_threads`, through
-`cpu_jit.common.capped`): on many cores a small window spends more in waking, sharing out
-and joining numba's threads than in its arithmetic.
+Its compiled calls run on torch's thread count (`cpu_jit.common.threads`), never fewer:
+where numba's OpenMP layer and torch share one libgomp, a smaller team for numba makes
+libgomp end the threads it leaves out and start them again at torch's next parallel
+region (on a 16-core host a batch-1 window took 4-15 ms with both at 16 threads, 7-11 ms
+with numba's compiled calls at 4 and 75-102 ms at 1: `scripts/rl_cpu_pools.py`).
 
 `MambaBackbone` runs it where every block is plain (`MambaBlock.window_weights`): it
 reads the weights and calls no module, so a hook, an adapter or a parametrization anywhere
@@ -38,11 +40,6 @@ from ...state import Mamba3ModelState
 from .reference import _array_of
 
 WEIGHTS = 9  # per block: norm, in_proj, B and C norms, dt_bias, C_bias, B_bias, D, out_proj
-# tokens of a window per thread of its compiled calls (`window_threads`; 0: torch's count).
-# On a 16-core Xeon (d_model 128 x 3, T = 32, the whole process at each count:
-# benchmarks/results/profiles/2026-12-07-rl-threads-3287c23-h100.txt) a batch-1 window took
-# 3.1 ms on 4 or 8 threads and 11.4 on 16; from batch 4 up, 8 to 16 threads were fastest
-ROWS_PER_THREAD = 8
 
 
 class Ends(NamedTuple):
@@ -103,10 +100,7 @@ class _Layers3(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, meta, x, angle0, ssm0, k0, x0, *flat):
-        from ..cpu_jit.common import capped
-
-        with capped(window_threads(x.shape[0] * x.shape[1])):
-            return _forward(ctx, meta, x, angle0, ssm0, k0, x0, *flat)
+        return _forward(ctx, meta, x, angle0, ssm0, k0, x0, *flat)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -116,17 +110,7 @@ class _Layers3(torch.autograd.Function):
                 "the compiled Mamba-3 stack kept nothing for a backward: its forward ran where "
                 "no backward was expected"
             )
-        from ..cpu_jit.common import capped
-
-        with capped(window_threads(ctx.shape[0] * ctx.shape[1])):
-            return _backward(ctx, *grads_out)
-
-
-def window_threads(rows: int) -> int:
-    """The threads a window of `rows` tokens (batch x steps) runs its compiled calls on: one
-    per `ROWS_PER_THREAD` tokens, at most torch's count (`mambakit.threads`)."""
-    n = torch.get_num_threads()
-    return n if not ROWS_PER_THREAD else min(n, -(-rows // ROWS_PER_THREAD))
+        return _backward(ctx, *grads_out)
 
 
 def _forward(ctx, meta, x, angle0, ssm0, k0, x0, *flat):
