@@ -354,10 +354,6 @@ def engine_for(model, clients: int, args, cache: bool) -> Engine:
     more = (
         {} if args.prefills_in_flight is None else {"prefills_in_flight": args.prefills_in_flight}
     )
-    if args.switch_interval is not None:  # "none": Python's own interval, left as it is
-        more["switch_interval"] = (
-            None if args.switch_interval == "none" else float(args.switch_interval)
-        )
     engine = Engine(model, max_batch=clients, block_size=args.block_size,
                     prefill_tokens=args.prefill_tokens, max_queue=1 << 20, **more,
                     cache_bytes=int(args.cache_gib * (1 << 30)) if cache else 0,
@@ -428,9 +424,6 @@ def main() -> None:
     ap.add_argument("--http-procs", type=int, default=4)
     ap.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, small loads")
     ap.add_argument("--no-prefix", action="store_true", help="skip the shared-prefix load")
-    ap.add_argument("--switch-interval", default=None, metavar="SECONDS|none",
-                    help="the engine's GIL switch interval (default: the engine's own; none: "
-                    "Python's, left alone)")  # fmt: skip
     ap.add_argument("--no-static", action="store_true",
                     help="skip the static batches through generate (engine settings compared "
                          "in one run)")  # fmt: skip

@@ -4,7 +4,6 @@ for that request alone (the oracle), the prefix cache, cancellation, limits, fau
 from __future__ import annotations
 
 import random
-import sys
 import types
 
 import numpy as np
@@ -22,7 +21,6 @@ from mambakit.serve import (
 )
 from mambakit.serve.cache import prefix_hashes
 from mambakit.serve.detok import StopText
-from mambakit.serve.engine import SWITCH_INTERVAL
 from mambakit.serve.prefill import (
     piece_lengths,
     plan_groups,
@@ -623,29 +621,6 @@ def test_shutdown_drains_then_refuses(model_dirs, load):
     req = engine.submit([1, 2, 3], SamplingParams(max_tokens=100_000, temperature=0))
     assert engine.shutdown(timeout=0.2) is False
     assert [e.finish_reason for e in req.events(timeout=5)][-1] == "abort"
-
-
-def test_switch_interval_while_the_loop_runs(model_dirs, load):
-    """The GIL's switch interval is the engine's while its thread runs and the caller's
-    again after shutdown; None leaves it; a bad value is refused before anything runs."""
-    outer = sys.getswitchinterval()
-    model = load(model_dirs["tiny"])
-    engine = Engine(model, max_batch=2).start()
-    assert outer != SWITCH_INTERVAL  # (Python's default: 5 ms)
-    assert abs(sys.getswitchinterval() - SWITCH_INTERVAL) < 1e-9
-    out = engine.generate([1, 2, 3], SamplingParams(max_tokens=4, temperature=0))
-    assert (
-        out[0].token_ids == alone(model, [1, 2, 3], SamplingParams(max_tokens=4, temperature=0))[0]
-    )
-    engine.shutdown(timeout=30)
-    assert sys.getswitchinterval() == outer
-    engine = Engine(model, max_batch=2, switch_interval=None).start()
-    assert sys.getswitchinterval() == outer
-    engine.shutdown(timeout=30)
-    for bad in (0, -1.0, 2.0, True, "5ms"):
-        with pytest.raises(ValueError, match="switch_interval"):
-            Engine(model, switch_interval=bad)
-    assert sys.getswitchinterval() == outer
 
 
 def test_prefill_pieces_share_forwards():

@@ -39,7 +39,6 @@ state and logits agree up to the rounding of f32 sums in a batch of another size
 from __future__ import annotations
 
 import random
-import sys
 import threading
 import time
 import traceback
@@ -65,7 +64,6 @@ from .slots import SlotPool
 
 PREFILL_TOKENS_CUDA = 16384  # the default prefill launch on CUDA (beside the decode steps)
 PREFILL_TOKENS = 2048  # elsewhere, where it adds to an iteration's time
-SWITCH_INTERVAL = 0.0005  # seconds: the GIL's switch interval while the loop runs
 
 
 class Engine(Intake, Forwards, Decoding):
@@ -90,12 +88,6 @@ class Engine(Intake, Forwards, Decoding):
         1: the next launch waits for the last one's join. 2 or more: a prompt that arrives
         while a launch runs is launched behind it on the prefill stream (less time to first
         token for it, smaller launches; not yet measured on a GPU against 1).
-    switch_interval: the interpreter's thread switch interval (`sys.setswitchinterval`,
-        seconds) while the engine's thread runs, restored at `shutdown` (None: left as it
-        is). A thread that wants the GIL waits up to this long for the thread holding it:
-        the engine's thread, back from a wait on the device, waits for the server's or
-        the caller's threads, and they for it. Python's default, 5 ms, is twenty decode
-        steps of a small model.
     """
 
     def __init__(
@@ -112,7 +104,6 @@ class Engine(Intake, Forwards, Decoding):
         max_prompt_tokens: int = 32768,
         cuda_graph: bool | str = "auto",
         prefills_in_flight: int = 1,
-        switch_interval: float | None = SWITCH_INTERVAL,
     ) -> None:
         if not hasattr(model, "last_logits") or not hasattr(model, "step"):
             raise TypeError(f"model must be a MambaLM, got {type(model).__name__}")
@@ -126,16 +117,6 @@ class Engine(Intake, Forwards, Decoding):
                             ("prefills_in_flight", prefills_in_flight, 1)):  # fmt: skip
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
-        if switch_interval is not None and (
-            isinstance(switch_interval, bool)
-            or not isinstance(switch_interval, (int, float))
-            or not 0 < switch_interval <= 1
-        ):
-            raise ValueError(
-                f"switch_interval must be None or seconds in (0, 1], got {switch_interval!r}"
-            )
-        self.switch_interval = switch_interval
-        self._outer_interval: float | None = None  # the interval `start` replaced
         vocab = model.config.vocab_size
         if eos_token_id is not None and not 0 <= eos_token_id < vocab:
             raise ValueError(f"eos_token_id must lie in [0, {vocab}), got {eos_token_id}")
@@ -288,9 +269,6 @@ class Engine(Intake, Forwards, Decoding):
     def start(self) -> Engine:
         """Run the loop on a thread of its own."""
         if self._thread is None:
-            if self.switch_interval is not None:
-                self._outer_interval = sys.getswitchinterval()
-                sys.setswitchinterval(self.switch_interval)
             self._thread = threading.Thread(target=self._run, name="mambakit-engine", daemon=True)
             self._thread.start()
         return self
@@ -352,9 +330,6 @@ class Engine(Intake, Forwards, Decoding):
             self._thread.join(timeout=10)
         else:
             self.step()
-        outer, self._outer_interval = self._outer_interval, None
-        if outer is not None and abs(sys.getswitchinterval() - self.switch_interval) < 1e-7:
-            sys.setswitchinterval(outer)  # (unless someone set another meanwhile)
         return drained
 
     @property
