@@ -41,8 +41,8 @@ def numba_at(n: int):
     def threads():
         t = torch.get_num_threads()
         with common._LOCK:
-            if numba.get_num_threads() != n:
-                numba.set_num_threads(n)
+            if numba.get_num_threads() != min(n, numba.config.NUMBA_NUM_THREADS):
+                numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
             try:
                 yield
             finally:
@@ -85,11 +85,13 @@ def main() -> None:
         print(f"{tag}linear 32x128 @ 128x384 alone, torch {t:2d} threads: {us:7.1f} us", flush=True)
     for mixer in args.mixers:
         run = window(mixer)
+        run()  # numba's threading layer loads: its libgomp is in the maps below
         if args.steps:
             torch.set_num_threads(args.torch[0])
             us = statistics.median(step_us(mixer))
             print(f"{tag}{mixer} batch 1 step, torch {args.torch[0]} threads: {us:6.1f} us")
-        grid = [(t, n) for t in args.torch for n in args.numba if n <= t]
+        most = numba.config.NUMBA_NUM_THREADS
+        grid = [(t, n) for t in args.torch for n in args.numba if n <= t and n <= most]
         times: dict[tuple[int, int], list[float]] = {g: [] for g in grid}
         for _ in range(args.passes):
             for t, n in grid:

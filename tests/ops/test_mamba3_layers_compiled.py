@@ -328,28 +328,33 @@ def test_no_grad_forward_is_the_training_forward_bit_for_bit(calls):
 
 
 def test_the_window_runs_on_torchs_thread_count(calls, monkeypatch):
-    """A small window (B x T = 18 tokens) with torch at 2 threads: numba's count is set to
-    torch's for its compiled calls and to nothing else, forward and backward (a smaller
-    team, in a libgomp shared with torch, ends and restarts threads); torch's count is
-    left as it was."""
+    """A window of 4 tokens (B x T = 1 x 4, less than any share of work per thread) with
+    torch at 2 threads: every compiled scan call, forward and backward, runs on 2 numba
+    threads, torch's count, never fewer; torch's count is left as it was."""
     import numba
 
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("numba has one thread here")
-    from mambakit.ops.cpu_jit import common
+    from mambakit.ops.cpu_jit import scan3
 
-    counts = []
-    real = common.numba.set_num_threads
-    monkeypatch.setattr(common.numba, "set_num_threads", lambda n: counts.append(n) or real(n))
+    seen = []
+    for name in ("_forward", "_backward"):  # the parallel kernels, entered under threads()
+        kernel = getattr(scan3, name)
+
+        def spy(*a, kernel=kernel):
+            seen.append((numba.get_num_threads(), torch.get_num_threads()))
+            return kernel(*a)
+
+        monkeypatch.setattr(scan3, name, spy)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        real(1)  # so that the window's first compiled call sets it
+        numba.set_num_threads(1)  # so that a call left at numba's last count would show
         model = backbone()
-        x, state = inputs(model)
+        x, state = inputs(model, B=1, T=4)
         window(model, x, state)
         assert calls == [1]
-        assert counts == [2] and numba.get_num_threads() == 2
+        assert seen == [(2, 2)] * 6  # 3 blocks, forward and backward, inside each call
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
