@@ -52,12 +52,13 @@ os.register_at_fork(after_in_child=_new_lock)
 def threads():
     """numba's threads as many as torch's (the library's choice: `mambakit.threads`), and
     torch's count as it was after: numba's OpenMP layer may set OpenMP's count when it
-    starts. Never fewer than torch's, however small the work: where numba's OpenMP layer
-    loads the libgomp torch's wheel brought (one pool), a smaller team makes libgomp end
-    the threads it leaves out and start them again at torch's next parallel region
-    (`mambakit.ops.mamba3.layers_compiled`). Where it loads the system's (two pools), each
-    spins a while after its parallel regions; numba's workqueue layer, which does not spin,
-    was up to twice as slow on a 2-core machine."""
+    starts. Never fewer than torch's, however small the work: a smaller numba team was not
+    faster on 16-core hosts (`mambakit.ops.mamba3.layers_compiled`), and where numba's
+    OpenMP layer and torch use one libgomp, a team smaller than the last makes libgomp end
+    the threads it leaves out and start them again. Where they use two (torch's wheel
+    bundles one; numba's layer may load the system's), each pool spins a while after its
+    parallel regions; numba's workqueue layer, which does not spin, was up to twice as slow
+    on a 2-core machine."""
     n = torch.get_num_threads()
     with _LOCK:
         if numba.get_num_threads() != n:

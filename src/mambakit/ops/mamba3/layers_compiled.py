@@ -18,11 +18,10 @@ and its backward is theirs, in reverse block order. What it saves is the rest: a
 sizes the module path spends more time in autograd's engine, PyTorch's dispatch and the
 modules' Python (some seventy nodes a window) than in its arithmetic.
 
-Its compiled calls run on torch's thread count (`cpu_jit.common.threads`), never fewer:
-where numba's OpenMP layer and torch share one libgomp, a smaller team for numba makes
-libgomp end the threads it leaves out and start them again at torch's next parallel
-region (on a 16-core host a batch-1 window took 4-15 ms with both at 16 threads, 7-11 ms
-with numba's compiled calls at 4 and 75-102 ms at 1: `scripts/rl_cpu_pools.py`).
+Its compiled calls run on torch's thread count (`cpu_jit.common.threads`), however small
+the window: on two 16-core hosts a batch-1 window with numba at 4 threads against torch's
+16 took 7.4-10.7 ms, with both at 16 3.6-14.6 ms, with numba at 1 75-102 ms
+(`scripts/rl_cpu_pools.py`; benchmarks/results/profiles/2026-12-07-rl-pools-h100-h200.txt).
 
 `MambaBackbone` runs it where every block is plain (`MambaBlock.window_weights`): it
 reads the weights and calls no module, so a hook, an adapter or a parametrization anywhere
