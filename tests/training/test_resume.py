@@ -245,6 +245,26 @@ def test_resume_into_another_model_names_the_tensor_and_changes_nothing(tmp_path
     assert trainer.step == 0
 
 
+def test_resume_refuses_an_optimizer_state_of_another_model_before_changing_weights(tmp_path):
+    """A checkpoint of an untied model resumed into a tied one: every tensor fits (the tied
+    model's lm_head is its embedding), the optimizer state does not (an lm_head of its
+    own); resume names it, and the weights, embedding included, are as they were."""
+    model = tiny_lm(vocab=256, tie_embeddings=False)
+    trainer = Trainer(model, tcfg(steps=4, batch_size=2, seqlen=16, run_dir=str(tmp_path)),
+                      RowBatches(text_rows(), 2, seed=0))  # fmt: skip
+    trainer.train_step()
+    trainer.save()
+    tied = tiny_lm(seed=5, vocab=256, tie_embeddings=True)
+    before = weights_of(tied)
+    again = Trainer(tied, tcfg(steps=4, batch_size=2, seqlen=16, run_dir=str(tmp_path)),
+                    RowBatches(text_rows(), 2, seed=0))  # fmt: skip
+    with pytest.raises(ValueError, match="optimizer state .* does not fit .*lm_head"):
+        again.resume()
+    for n, w in weights_of(tied).items():
+        assert torch.equal(w, before[n]), n
+    assert again.step == 0
+
+
 def lrs_of_steps(trainer: Trainer, until: int) -> list[float]:
     """The lr each step up to `until` applies (the optimizer's), checked against the logged
     one (`last_lr`)."""

@@ -123,8 +123,33 @@ class CheckpointMixin:
             return get_optimizer_state_dict(self.model, self.optimizer, options=opts)
         return _named(self.optimizer.state_dict(), self._param_names())
 
+    def _check_optimizer_state(self, sd: dict[str, Any], path: Path) -> None:
+        """Raise ValueError, naming the parameters, where the optimizer state `sd` does not
+        fit this model's optimizer: called before anything of the model is changed."""
+        groups = self.optimizer.param_groups
+        if len(sd["param_groups"]) != len(groups):
+            raise ValueError(
+                f"resume: the optimizer state in {path} has {len(sd['param_groups'])} "
+                f"parameter groups, this model's optimizer {len(groups)}"
+            )
+        names = self._param_names()
+        start = 0
+        for g, saved in zip(groups, sd["param_groups"]):
+            own = names[start : start + len(g["params"])]
+            start += len(g["params"])
+            theirs = saved["params"]
+            if all(isinstance(p, str) for p in theirs):
+                off = sorted(set(own) ^ set(theirs))
+            else:  # numbered (older checkpoints): only the count can be checked
+                off = [] if len(theirs) == len(own) else [f"{len(theirs)} != {len(own)}"]
+            if off:
+                raise ValueError(
+                    f"resume: the optimizer state in {path} does not fit this model: {off}"
+                )
+
     def _load_optimizer_state(self, sd: dict[str, Any]) -> None:
-        """Load `_optimizer_state`'s format (or the numbered one of older checkpoints)."""
+        """Load `_optimizer_state`'s format (or the numbered one of older checkpoints),
+        checked by `_check_optimizer_state`."""
         names = self._param_names()
         index = {n: i for i, n in enumerate(names)}
         named = all(isinstance(p, str) for g in sd["param_groups"] for p in g["params"])
@@ -144,11 +169,6 @@ class CheckpointMixin:
             for g, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
                 own = names[start : start + len(g["params"])]
                 start += len(g["params"])
-                if set(own) != set(saved["params"]):
-                    raise ValueError(
-                        "resume: the checkpoint's optimizer state does not fit this model: "
-                        f"{sorted(set(own) ^ set(saved['params']))}"
-                    )
                 numbered.append({**saved, "params": [index[n] for n in own]})
             sd = {"state": {index[n]: v for n, v in sd["state"].items()}, "param_groups": numbered}
         self.optimizer.load_state_dict(sd)
@@ -215,6 +235,8 @@ class CheckpointMixin:
                     f"resume: tensor {k!r} has shape {list(v.shape)} in {path}, "
                     f"the model has {list(own[k].shape)}"
                 )
+        if self.dist.mode != "fsdp":  # (FSDP2's loader checks its own)
+            self._check_optimizer_state(st["optimizer"], path)
         if skipped and self.dist.main:  # the rank that writes checkpoints tidies run_dir
             # out of the fallback and rotation's count for good: a later save must not keep
             # an unreadable checkpoint in place of the one this run resumed from
