@@ -352,6 +352,36 @@ def test_failed_config_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert_same_weights(MambaLM.from_pretrained(tmp_path), old)
 
 
+@pytest.mark.parametrize("first", [True, False], ids=["over-a-checkpoint", "first-save"])
+def test_save_interrupted_between_its_renames_keeps_both_old_files(tmp_path, monkeypatch, first):
+    """Ctrl-C after the first of the two files was renamed into place: the folder holds the
+    previous checkpoint (both files as they were; nothing at all on a first save), never the
+    new weights beside the old config, and no temporary file."""
+    from mambakit.hf import io as hio
+
+    target = tmp_path / "ckpt"
+    old = save_ours(target, seed_value=1) if first else None
+    before = {p.name: p.read_bytes() for p in target.iterdir()} if first else {}
+    real, calls = os.replace, []
+
+    def interrupted(a, b):
+        calls.append(b)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(a, b)
+
+    monkeypatch.setattr(hio.os, "replace", interrupted)
+    torch.manual_seed(2)
+    new = MambaLM(MambaConfig(d_model=20, n_layers=3, vocab_size=40, d_state=2, d_conv=4))
+    with pytest.raises(KeyboardInterrupt):
+        new.save_pretrained(target)
+    monkeypatch.undo()
+    after = {p.name: p.read_bytes() for p in target.iterdir()} if target.exists() else {}
+    assert after == before
+    if first:
+        assert_same_weights(MambaLM.from_pretrained(target), old)
+
+
 def test_failed_first_save_leaves_no_weights_file(tmp_path, monkeypatch):
     _failing_writes(monkeypatch)
     model = MambaLM(MambaConfig(d_model=16, n_layers=1, vocab_size=32, d_state=2))

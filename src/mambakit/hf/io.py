@@ -105,7 +105,9 @@ def umask() -> int:
 def _atomic_write(files: dict[Path, Callable[[str], None]]) -> None:
     """Write every file through `write(tmp_path)` to a temporary name beside it, with the
     modes a plain new file gets (mkstemp's are 0600); only when all are complete, rename
-    them into place (a failed write leaves the old files)."""
+    them into place. A failed write leaves the old files; so does an exception between the
+    renames (Ctrl-C): each old file is kept under a second name (a hard link) until every
+    new one is in place, and put back if one is not."""
     tmps: dict[Path, str] = {}
     mode = 0o666 & ~umask()
     try:
@@ -118,12 +120,52 @@ def _atomic_write(files: dict[Path, Callable[[str], None]]) -> None:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
     except BaseException:
-        for tmp in tmps.values():
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        _remove(tmps.values())
         raise
-    for target, tmp in tmps.items():
-        os.replace(tmp, target)
+    kept: dict[Path, tuple[bool, str | None]] = {}  # target -> (existed, its second name)
+    try:
+        for target in tmps:
+            existed, old = target.exists(), None
+            kept[target] = (existed, old)
+            if existed:
+                try:
+                    os.link(target, tmps[target] + ".old")
+                    old = tmps[target] + ".old"
+                except OSError:  # no hard links here: no way back for this one
+                    pass
+                kept[target] = (existed, old)
+        for target, tmp in tmps.items():
+            os.replace(tmp, target)
+    except BaseException:
+        for target, (existed, old) in kept.items():  # the old files back, the new ones gone
+            if old is not None:
+                os.replace(old, target)
+            elif not existed and not os.path.exists(tmps[target]) and target.exists():
+                target.unlink()  # new here, and renamed into place before the failure
+        _remove([*tmps.values(), *(old for _, old in kept.values() if old is not None)])
+        raise
+    _remove(old for _, old in kept.values() if old is not None)
+    _sync_dir(next(iter(tmps)).parent)
+
+
+def _remove(paths) -> None:
+    for p in paths:
+        if os.path.exists(p):
+            os.unlink(p)
+
+
+def _sync_dir(path: Path) -> None:
+    """The folder's entries (the renames) on disk, where the platform allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def write_pretrained(path, cfg: MambaConfig, state_dict: dict[str, torch.Tensor]) -> None:
