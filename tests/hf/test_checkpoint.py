@@ -437,3 +437,15 @@ def test_a_float64_checkpoint_loads_as_float64_exactly(tmp_path):
     again = MambaLM.from_pretrained(tmp_path, dtype=torch.float64)
     for (k, a), b in zip(model.state_dict().items(), again.state_dict().values()):
         assert b.dtype == torch.float64 and torch.equal(a, b), k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_saved_config_names_the_weights_dtype(tmp_path, dtype):
+    """config.json's torch_dtype is the dtype the weights were written in, so transformers
+    loads a bf16 checkpoint in bf16 (as for one it saved itself), not at twice the memory."""
+    model = MambaLM(MambaConfig(d_model=16, n_layers=2, vocab_size=32, d_state=4)).to(dtype)
+    model.save_pretrained(tmp_path)
+    meta = json.loads((tmp_path / "config.json").read_text())
+    assert meta["torch_dtype"] == str(dtype).removeprefix("torch.")
+    assert {t.dtype for t in load_file(tmp_path / "model.safetensors").values()} == {dtype}
+    assert MambaForCausalLM.from_pretrained(tmp_path).dtype == dtype

@@ -172,10 +172,17 @@ def write_pretrained(path, cfg: MambaConfig, state_dict: dict[str, torch.Tensor]
     """config.json + model.safetensors, written atomically (both files or neither); a config
     no format runs faithfully raises CheckpointError before anything is written."""
     meta, fmt = checkpoint_json(cfg)
+    sd = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+    if "torch_dtype" in meta:  # the weights' own (the most of them, by elements)
+        count: dict[torch.dtype, int] = {}
+        for v in sd.values():
+            if v.is_floating_point():
+                count[v.dtype] = count.get(v.dtype, 0) + v.numel()
+        if count:
+            meta["torch_dtype"] = str(max(count, key=count.get)).removeprefix("torch.")
     cfg_json = json.dumps(meta, indent=2) + "\n"
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight", None)  # transformers writes tied checkpoints without it
     if fmt == "state-spaces":
