@@ -265,6 +265,21 @@ def test_resume_refuses_an_optimizer_state_of_another_model_before_changing_weig
     assert again.step == 0
 
 
+def test_resume_refuses_a_model_that_computes_otherwise(tmp_path):
+    """Same tensors, another norm eps: the checkpoint's config.json says what the weights
+    were trained with, and resume names the field and changes nothing."""
+    trained_with_checkpoint(tmp_path)
+    model = tiny_lm(seed=5, vocab=256, rms_norm_eps=0.5)
+    before = weights_of(model)
+    trainer = Trainer(model, tcfg(steps=6, batch_size=2, seqlen=16, run_dir=str(tmp_path)),
+                      RowBatches(text_rows(), 2, seed=0))  # fmt: skip
+    with pytest.raises(ValueError, match=r"another config .*rms_norm_eps: 1e-05 -> 0\.5"):
+        trainer.resume()
+    for n, w in weights_of(model).items():
+        assert torch.equal(w, before[n]), n
+    assert trainer.step == 0
+
+
 def lrs_of_steps(trainer: Trainer, until: int) -> list[float]:
     """The lr each step up to `until` applies (the optimizer's), checked against the logged
     one (`last_lr`)."""

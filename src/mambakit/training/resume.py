@@ -13,6 +13,7 @@ files themselves (folders, `latest`, rotation, the run lock) are `checkpoint.py`
 
 from __future__ import annotations
 
+import json
 import pickle
 from dataclasses import asdict
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..hf import CheckpointError, read_state_dict
+from ..hf import CheckpointError, config_from_json, read_state_dict
 from . import distributed as dist_
 from .checkpoint import (
     RunLock,
@@ -33,6 +34,30 @@ from .checkpoint import (
 )
 from .config import CheckpointUnreadable, TrainingDiverged
 from .process import in_process_state
+
+# MambaConfig fields that change what a model of the same tensor shapes computes (the
+# shapes themselves are checked tensor by tensor): a resumed model must have the
+# checkpoint's. Init-only fields (dt_init, initializer_range, ...) and tiling (chunk_size)
+# may change between runs.
+_COMPUTES = (
+    "mixer", "rms_norm_eps", "tie_embeddings", "headdim", "ngroups", "d_ssm", "rope_fraction",
+    "A_floor", "D_has_hdim", "rmsnorm", "norm_before_gate", "dt_limit",
+)  # fmt: skip
+
+
+def config_changes(path: Path, model) -> list[str]:
+    """The `_COMPUTES` fields in which the checkpoint folder's config.json differs from
+    `model.config`, as "field: checkpoint's -> model's"; none where the model has no
+    MambaConfig or the folder no config.json."""
+    own = getattr(model, "config", None)
+    if not hasattr(own, "__dataclass_fields__") or not (path / "config.json").is_file():
+        return []
+    try:
+        theirs, _ = config_from_json(json.loads((path / "config.json").read_text()))
+    except (CheckpointError, ValueError, TypeError) as e:
+        raise CheckpointUnreadable(f"{path / 'config.json'}: {e}") from e
+    a, b = asdict(theirs), asdict(own)
+    return [f"{k}: {a[k]!r} -> {b[k]!r}" for k in _COMPUTES if k in a and a[k] != b.get(k)]
 
 
 def _named(sd: dict[str, Any], names: list[str]) -> dict[str, Any]:
@@ -237,6 +262,12 @@ class CheckpointMixin:
                 )
         if self.dist.mode != "fsdp":  # (FSDP2's loader checks its own)
             self._check_optimizer_state(st["optimizer"], path)
+        changed = config_changes(path, self.model)
+        if changed:
+            raise ValueError(
+                f"resume: checkpoint {path} was written by a model of another config "
+                f"(checkpoint's -> this model's): {'; '.join(changed)}"
+            )
         if skipped and self.dist.main:  # the rank that writes checkpoints tidies run_dir
             # out of the fallback and rotation's count for good: a later save must not keep
             # an unreadable checkpoint in place of the one this run resumed from
