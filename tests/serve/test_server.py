@@ -206,6 +206,30 @@ def test_a_chat_prompt_gets_no_bos_from_the_tokenizer(model_dirs, load, running)
     assert text["usage"]["prompt_tokens"] == 1 + len(b"Hi")
 
 
+def test_request_faults_name_their_field(model_dirs, load, running):
+    """A chat template that fails on a message's shape (a loop over tool_calls: 5) is a 400
+    naming messages, not a 500; a chat prompt over the limit is a 413 naming messages; a
+    completion without max_tokens takes min(16, the server's limit)."""
+    template = ("{% for m in messages %}{% if m.tool_calls %}{% for t in m.tool_calls %}"
+                "{{ t }}{% endfor %}{% endif %}{{ m['content'] }}{% endfor %}")  # fmt: skip
+    engine = Engine(load(model_dirs["tiny"]), tokenizer=ByteTokenizer(), max_batch=2,
+                    max_prompt_tokens=64)  # fmt: skip
+    app = create_app(engine, model_name="tiny", tokenizer=ByteTokenizer(),
+                     chat_template=ChatTemplate(template), max_tokens_limit=8)  # fmt: skip
+    with running(app) as url:
+        msgs = [{"role": "assistant", "content": None, "tool_calls": 5}]
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                       json={"messages": msgs, "max_tokens": 2})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        long = [{"role": "user", "content": "x" * 100}]
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                       json={"messages": long, "max_tokens": 2})  # fmt: skip
+        assert r.status_code == 413 and r.json()["error"]["param"] == "messages", r.text
+        r = httpx.post(f"{url}/v1/completions", timeout=60, json={"prompt": "a"})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 8
+
+
 class _TextOnlyTokenizer(ByteTokenizer):
     """A tokenizer written to the older interface: encode(text), no keywords."""
 
@@ -284,6 +308,10 @@ def test_an_hf_tokenizer_leaves_out_its_special_tokens_when_asked(tmp_path):
         ({"prompt": "a", "n": 9}, 400, "n"),  # more choices than slots
         ({"prompt": "a", "seed": -1}, 400, "seed"),
         ({"prompt": "a", "logprobs": 2}, 400, "logprobs"),
+        ({"prompt": "a", "logprobs": 0}, 400, "logprobs"),  # the sampled token's, in OpenAI's
+        ({"prompt": "a", "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"prompt": "a", "tool_choice": "auto"}, 400, "tool_choice"),
+        ({"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
         ({"prompt": "a", "stream": "yes"}, 400, "stream"),
         ({"max_tokens": 3}, 400, "prompt"),
         ({"prompt": [1, 999]}, 400, "prompt"),
@@ -314,13 +342,31 @@ def test_body_limits_json_and_a_full_queue(server):
     assert r.status_code == 413
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": "hi"}, headers=AUTH)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    engine.max_queue = 0
+    with engine._lock:  # a queue full now: as many waiting as it holds
+        engine._n_waiting += engine.max_queue
     try:
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "a"}, headers=AUTH)
     finally:
-        engine.max_queue = 1024
+        with engine._lock:
+            engine._n_waiting -= engine.max_queue
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
     assert metric(url, 'requests_rejected_total{reason="queue_full"}') >= 1
+
+
+def test_more_prompts_than_the_queue_holds_are_refused_whole(server):
+    """A list of prompts the queue could never hold is a 400 naming the prompt, not a 429
+    a client would retry for ever; and none of its prompts runs or is counted. A list that
+    fits runs whole."""
+    url, engine, _ = server
+    requests = metric(url, "requests_total")
+    body = {"prompt": ["a"] * (engine.max_queue + 1), "max_tokens": 1}
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert metric(url, "requests_total") == requests
+    body = {"prompt": ["a", "b", "c"], "max_tokens": 2, "temperature": 0}
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3
+    assert metric(url, "requests_total") == requests + 3
 
 
 def test_disconnect_frees_the_slot(server):

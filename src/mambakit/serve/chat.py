@@ -56,7 +56,8 @@ class ChatTemplate:
 
     def render(self, messages: list[dict]) -> str:
         """The prompt of `messages`, ending where the assistant's reply starts. Raises
-        ValueError with the template's message when it refuses the messages."""
+        ValueError with the template's message when it refuses the messages or fails on
+        them."""
         from jinja2.exceptions import TemplateError
 
         try:
@@ -68,6 +69,11 @@ class ChatTemplate:
             )
         except TemplateError as e:
             raise ValueError(f"the chat template refused the messages: {e}") from None
+        except (TypeError, KeyError, AttributeError, IndexError, ArithmeticError) as e:
+            # a message of a shape the template does not expect (tool_calls: 5 where it
+            # loops over them): the request's fault, not the server's
+            name = type(e).__name__
+            raise ValueError(f"the chat template failed on the messages: {name}: {e}") from None
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> ChatTemplate | None:

@@ -236,29 +236,52 @@ class Engine(Intake, Forwards, Decoding):
         """Queue a prompt (token ids); events go to `sink` (called on the engine thread
         through `deliver`) or to the request's `events()`. Raises ValueError naming the
         field, PromptTooLong, QueueFull or EngineStopped."""
+        return self.submit_many([prompt], params, [sink], request_id)[0]
+
+    def submit_many(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | None = None,
+        sinks: list[Callable[[Event], None] | None] | None = None,
+        request_id: str | None = None,
+    ) -> list[Request]:
+        """`submit` for several prompts with the same settings (a completions request
+        with a list of prompts), all or none: each is checked first, and they join the
+        queue together only where it has room for all of them (QueueFull otherwise)."""
         params = params or SamplingParams()
-        prompt, ids = prompt_ids(prompt, self.vocab, self.max_prompt_tokens)
+        sinks = sinks if sinks is not None else [None] * len(prompts)
+        if len(sinks) != len(prompts):
+            raise ValueError(f"sinks must be one a prompt: {len(sinks)} for {len(prompts)}")
         if params.n > self.max_batch:
             raise ValueError(f"n must be at most max_batch {self.max_batch}, got {params.n}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
-        req = Request(prompt, params, sink, request_id, ids)
+        reqs = []
+        for k, (prompt, sink) in enumerate(zip(prompts, sinks)):
+            prompt, ids = prompt_ids(prompt, self.vocab, self.max_prompt_tokens)
+            rid = request_id if request_id is None or len(prompts) == 1 else f"{request_id}-{k}"
+            reqs.append(Request(prompt, params, sink, rid, ids))
         with self._lock:
             if len(self._settings) > 4096:  # many distinct settings: only grouping suffers
                 self._settings.clear()
-            req.sampling = self._settings.setdefault(params.sampling, params.sampling)
+            sampling = self._settings.setdefault(params.sampling, params.sampling)
             if self._draining or self._stop:
                 self.metrics.rejected["draining"] += 1
                 raise EngineStopped("the engine is shutting down")
-            if self._n_waiting >= self.max_queue:
+            if self._n_waiting + len(reqs) > self.max_queue:
                 self.metrics.rejected["queue_full"] += 1
-                raise QueueFull(f"{self._n_waiting} requests are waiting (the limit)")
-            self._n_waiting += 1
-            self._inbox.append(req)
-            self.metrics.requests += 1
-            self.metrics.prompt_tokens += len(prompt)
+                raise QueueFull(
+                    f"{self._n_waiting} requests are waiting, the limit is {self.max_queue}"
+                    + (f" ({len(reqs)} more asked for)" if len(reqs) > 1 else "")
+                )
+            for req in reqs:
+                req.sampling = sampling
+                self._inbox.append(req)
+                self.metrics.prompt_tokens += len(req.prompt)
+            self._n_waiting += len(reqs)
+            self.metrics.requests += len(reqs)
             self._wake.notify()
-        return req
+        return reqs
 
     def cancel(self, req: Request) -> None:
         """End `req` (its client went away): its rows are freed at the next iteration."""

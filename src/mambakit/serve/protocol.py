@@ -4,8 +4,8 @@
 `SamplingParams` and the server's options, raising `APIError` (400) that names the field
 of the first bad value. Parameters the engine does not implement (`logprobs`, `echo`,
 `best_of`, non-zero `presence_penalty` and `frequency_penalty`, a `logit_bias`, a
-`suffix`) are refused by name rather than silently ignored; unknown fields are ignored,
-as the OpenAI API does.
+`suffix`, tools and tool choice, a `response_format` other than text) are refused by
+name rather than silently ignored; unknown fields are ignored, as the OpenAI API does.
 """
 
 from __future__ import annotations
@@ -62,7 +62,9 @@ class Options:
 
 
 _REFUSED = {  # field -> the values that mean "off", which are accepted
-    "logprobs": (None, False, 0),
+    # (chat's logprobs is a boolean; the completions API's an int, where 0 still returns
+    # the sampled token's logprob: there only null is off, `parse_request`)
+    "logprobs": (None, False),
     "top_logprobs": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
@@ -72,6 +74,9 @@ _REFUSED = {  # field -> the values that mean "off", which are accepted
     "logit_bias": (None,),
     "tools": (None,),
     "functions": (None,),
+    "tool_choice": (None, "none"),
+    "function_call": (None, "none"),
+    "response_format": (None,),  # and {"type": "text"}, the default (`parse_request`)
 }
 
 
@@ -82,8 +87,12 @@ def parse_request(body, chat: bool, default_max_tokens: int, max_tokens_limit: i
         raise bad("body", "the request body must be a JSON object")
     for name, off in _REFUSED.items():
         v = body.get(name)
-        if name == "logit_bias" and v == {}:
+        if (name == "logit_bias" and v == {}) or (
+            name == "response_format" and v == {"type": "text"}
+        ):
             continue
+        if name == "logprobs" and not chat and v is not None:
+            raise bad(name, f"logprobs is not supported by this server (got {v!r})")
         if isinstance(v, bool):
             is_off = v is False and False in off
         else:
@@ -145,6 +154,8 @@ def parse_request(body, chat: bool, default_max_tokens: int, max_tokens_limit: i
     if so is not None:
         if not isinstance(so, dict):
             raise bad("stream_options", "stream_options must be an object")
+        if not flags["stream"]:
+            raise bad("stream_options", "stream_options is only allowed with stream: true")
         iu = so.get("include_usage", False)
         if not isinstance(iu, bool):
             raise bad("stream_options.include_usage", "include_usage must be a boolean")

@@ -163,39 +163,37 @@ def create_app(
             raise bad(field, "the prompt encodes to no tokens")
         return ids
 
-    def submit_all(prompts: list[list[int]], params) -> tuple[list, asyncio.Queue]:
-        """The engine's requests, and one asyncio queue of (prompt number, event)."""
+    def submit_all(prompts: list[list[int]], params, field: str) -> tuple[list, asyncio.Queue]:
+        """The engine's requests, all or none, and one asyncio queue of (prompt number,
+        event); `field`: the request's field the prompts came from, named in errors."""
+        if len(prompts) > engine.max_queue:  # never fits: a retry would not help
+            raise bad(field, f"{len(prompts)} prompts in one request, more than the server's "
+                             f"queue holds ({engine.max_queue})")  # fmt: skip
         events: asyncio.Queue = asyncio.Queue()
-        reqs = []
+        sinks = [functools.partial(_put, events, k) for k in range(len(prompts))]
         try:
-            for k, ids in enumerate(prompts):
-                sink = functools.partial(_put, events, k)
-                reqs.append(engine.submit(ids, params, sink=sink))
-        except Exception as e:
-            for r in reqs:
-                engine.cancel(r)
-            if isinstance(e, QueueFull):
-                raise APIError(
-                    429,
-                    f"the server is busy: {e}",
-                    kind="rate_limit_error",
-                    code="queue_full",
-                    headers={"Retry-After": "1"},
-                ) from None
-            if isinstance(e, EngineStopped):
-                raise APIError(503, str(e), kind="server_error", code="shutting_down") from None
-            if isinstance(e, PromptTooLong):
-                raise APIError(413, str(e), param="prompt", code="prompt_too_long") from None
-            if isinstance(e, ValueError):
-                field = str(e).split(" ")[0]
-                raise bad(field if field in ("prompt", "n", "stop") else "prompt", str(e)) from None
-            raise
+            reqs = engine.submit_many(prompts, params, sinks)
+        except QueueFull as e:
+            raise APIError(
+                429,
+                f"the server is busy: {e}",
+                kind="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            ) from None
+        except EngineStopped as e:
+            raise APIError(503, str(e), kind="server_error", code="shutting_down") from None
+        except PromptTooLong as e:
+            raise APIError(413, str(e), param=field, code="prompt_too_long") from None
+        except ValueError as e:
+            named = str(e).split(" ")[0]
+            raise bad(named if named in ("n", "stop") else field, str(e)) from None
         return reqs, events
 
     async def completion(request: Request, chat: bool):
         body = await read_json(request)
         check_model(body)
-        default = max_tokens_limit if chat else 16
+        default = max_tokens_limit if chat else min(16, max_tokens_limit)
         params, opts = parse_request(body, chat, default, max_tokens_limit, engine.max_batch)
         if chat:
             if chat_template is None:
@@ -208,7 +206,7 @@ def create_app(
             prompts = [await encode(text, "messages", special=False)]
         else:
             prompts = [await encode(p, "prompt") for p in parse_prompts(body)]
-        reqs, events = submit_all(prompts, params)
+        reqs, events = submit_all(prompts, params, "messages" if chat else "prompt")
         rid = new_id("chatcmpl" if chat else "cmpl")
         if opts.stream:
             return StreamingResponse(stream(reqs, events, params, opts, rid, chat),
