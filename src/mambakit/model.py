@@ -265,13 +265,28 @@ class MambaLM(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, device=None, dtype: torch.dtype | None = None
+        cls, path: str | Path, device=None, dtype: torch.dtype | str | None = None
     ) -> MambaLM:
         """Load a Hugging Face (`model.safetensors`, sharded or not) or state-spaces
         (`pytorch_model.bin`) checkpoint directory. Every tensor is checked (missing,
-        unexpected, misshaped, not floating point) before the model is materialised."""
+        unexpected, misshaped, not floating point) before the model is materialised.
+        `dtype`: a floating torch dtype or its name ("bfloat16"), "auto" for the one the
+        checkpoint's tensors are stored in (the most of them), None for float32."""
         from .hf import CheckpointError, read_pretrained
 
+        if isinstance(dtype, str) and dtype != "auto":
+            named = getattr(torch, dtype, None)
+            if not isinstance(named, torch.dtype):
+                raise ValueError(f"dtype must be a floating torch dtype, its name or 'auto', "
+                                 f"got {dtype!r}")  # fmt: skip
+            dtype = named
+        if (
+            dtype is not None
+            and dtype != "auto"
+            and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point)
+        ):
+            raise ValueError(f"dtype must be a floating torch dtype, its name or 'auto', "
+                             f"got {dtype!r}")  # fmt: skip
         cfg, sd = read_pretrained(path)
         model = cls(cfg, device="meta")
         expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -293,6 +308,11 @@ class MambaLM(nn.Module):
                 )
             if not sd[k].is_floating_point():
                 raise CheckpointError(f"tensor {k!r} has non-float dtype {sd[k].dtype}")
+        if dtype == "auto":
+            count: dict[torch.dtype, int] = {}
+            for v in sd.values():
+                count[v.dtype] = count.get(v.dtype, 0) + v.numel()
+            dtype = max(count, key=count.get)
         dtype = dtype or torch.float32
         model = model.to(dtype=dtype).to_empty(device=device or "cpu")  # no pass through f32
         with torch.no_grad():

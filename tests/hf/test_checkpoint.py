@@ -449,3 +449,31 @@ def test_saved_config_names_the_weights_dtype(tmp_path, dtype):
     assert meta["torch_dtype"] == str(dtype).removeprefix("torch.")
     assert {t.dtype for t in load_file(tmp_path / "model.safetensors").values()} == {dtype}
     assert MambaForCausalLM.from_pretrained(tmp_path).dtype == dtype
+
+
+def test_from_pretrained_dtype_by_name_auto_and_refused(tmp_path):
+    """dtype as a torch dtype's name, "auto" (the stored one), and what is not a floating
+    dtype refused by name before anything is read."""
+    model = MambaLM(MambaConfig(d_model=16, n_layers=2, vocab_size=32, d_state=4))
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    for dtype, want in [("float32", torch.float32), ("bfloat16", torch.bfloat16),
+                        ("auto", torch.bfloat16), (None, torch.float32)]:  # fmt: skip
+        got = MambaLM.from_pretrained(tmp_path, dtype=dtype)
+        assert {p.dtype for p in got.parameters()} == {want}, dtype
+    assert_same_weights(MambaLM.from_pretrained(tmp_path, dtype="auto"), model)
+    for bad in ("int8", "nonsense", "Tensor", torch.int32, 16):
+        with pytest.raises(ValueError, match="dtype must be"):
+            MambaLM.from_pretrained(tmp_path / "absent", dtype=bad)
+
+
+def test_mamba3_config_of_a_wrong_type_is_a_checkpoint_error(tmp_path):
+    from mambakit.hf import CheckpointError
+
+    MambaLM(MambaConfig(d_model=16, n_layers=2, vocab_size=32, d_state=4, mixer="mamba3",
+                        headdim=8)).save_pretrained(tmp_path)  # fmt: skip
+    meta = json.loads((tmp_path / "config.json").read_text())
+    key = next(k for k in meta if "eps" in k)
+    meta[key] = None
+    (tmp_path / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="config.json"):
+        MambaLM.from_pretrained(tmp_path)

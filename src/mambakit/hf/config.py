@@ -104,7 +104,7 @@ def config_from_json(cfg: dict[str, Any]) -> tuple[MambaConfig, str]:
         extra = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
         try:
             out = MambaConfig(mixer="mamba3", pad_vocab_size_multiple=1, extra=extra, **fields)
-        except ValueError as e:
+        except (ValueError, TypeError) as e:  # TypeError: a field of the wrong type (null)
             raise CheckpointError(f"config.json: {e}") from e
         return out, "mambakit-mamba3"
     if "hidden_size" in cfg:
