@@ -552,6 +552,29 @@ def test_stops_end_a_choice(model_dirs, load):
     assert text == bytes(ref[: ref.index(ref[i])]).decode("utf-8", "replace")
 
 
+def test_any_of_several_end_ids_ends_a_choice(model_dirs, load):
+    """eos_token_id as a list (a chat model's end of turn and end of text): the first of
+    them drawn ends the choice with "stop"; ignore_eos runs past all; ids outside the
+    vocabulary are refused naming the argument."""
+    model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
+    prompt = list(b"def main():\n    ")
+    sp = SamplingParams(max_tokens=40, temperature=0.9, seed=3)
+    ref = alone(oracle, prompt, sp)[0]
+    late, early = ref[12], ref[5]
+    engine = Engine(model, tokenizer=ByteTokenizer(), eos_token_id=[late, early])
+    by_eos = engine.submit(prompt, sp)
+    ignore = engine.submit(prompt, SamplingParams(**{**_kw(sp), "ignore_eos": True}))
+    run_all(engine, [by_eos, ignore])
+    end = min(ref.index(late), ref.index(early))
+    evs = list(by_eos.events(timeout=5))
+    assert [t for e in evs for t in e.token_ids] == ref[: end + 1]
+    assert evs[-1].finish_reason == "stop"
+    assert tokens(ignore)[0] == ref
+    for bad in ([1, model.config.vocab_size], [True], "1"):
+        with pytest.raises(ValueError, match="eos_token_id"):
+            Engine(model, eos_token_id=bad)
+
+
 def _kw(sp: SamplingParams) -> dict:
     return dict(max_tokens=sp.max_tokens, temperature=sp.temperature, seed=sp.seed)
 

@@ -128,9 +128,9 @@ def load_model(args: argparse.Namespace) -> tuple[MambaLM, Path, torch.device]:
     return MambaLM.from_pretrained(ckpt, device=device, dtype=dtype).eval(), ckpt, device
 
 
-def end_token(args: argparse.Namespace, model: MambaLM) -> int | None:
-    """--eos-token-id, else the checkpoint's (the first of a list); None outside the
-    vocabulary."""
+def end_tokens(args: argparse.Namespace, model: MambaLM) -> list[int]:
+    """--eos-token-id, else the checkpoint's (every one of a list: a chat model's end of
+    turn beside its end of text), those inside the vocabulary; none for -1."""
     eos = args.eos_token_id
     vocab = model.config.vocab_size
     if eos is not None and not -1 <= eos < vocab:  # what the user asked for, not a default
@@ -140,11 +140,14 @@ def end_token(args: argparse.Namespace, model: MambaLM) -> int | None:
         )
     if eos is None:
         eos = model.config.extra.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-    if eos is not None and not 0 <= eos < model.config.vocab_size:
-        eos = None
-    return eos
+    ids = eos if isinstance(eos, list) else [eos]
+    return [t for t in ids if isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab]
+
+
+def end_token(args: argparse.Namespace, model: MambaLM) -> int | None:
+    """`end_tokens`' first (generate stops at one), or None."""
+    ids = end_tokens(args, model)
+    return ids[0] if ids else None
 
 
 def run(args: argparse.Namespace) -> int:

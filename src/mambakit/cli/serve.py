@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     from ..serve import Engine
     from ..serve.chat import ChatTemplate
     from ..serve.server import create_app, serve
-    from .generate import end_token, find_tokenizer, load_model
+    from .generate import end_tokens, find_tokenizer, load_model
 
     model, ckpt, device = load_model(args)
     vocab = model.config.vocab_size
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
             raise
         tokenizer = None
         print("mambakit serve: no tokenizer found: prompts must be token ids", file=sys.stderr)
-    eos = end_token(args, model)
+    eos = end_tokens(args, model)
     try:
         chat = ChatTemplate.from_folder(ckpt)
     except ImportError:

@@ -72,7 +72,8 @@ class Engine(Intake, Forwards, Decoding):
     model: a MambaLM (eval mode; its device and dtype are the engine's).
     tokenizer: encodes nothing here, but turns tokens into text for the events and stop
         strings (`mambakit.text`); None: token ids only.
-    eos_token_id: a choice that draws it ends with "stop" (unless `ignore_eos`).
+    eos_token_id: a choice that draws it ends with "stop" (unless `ignore_eos`); a list:
+        any of them (a chat model's end of turn beside its end of text).
     block_size: prefill pieces never cross a multiple of it; the prefix cache keeps the
         state at each multiple inside a prompt and at the prompt's end.
     prefill_tokens: prompt tokens in one prefill launch at most (None: 16,384 on CUDA,
@@ -95,7 +96,7 @@ class Engine(Intake, Forwards, Decoding):
         model,
         *,
         tokenizer=None,
-        eos_token_id: int | None = None,
+        eos_token_id: int | list[int] | tuple[int, ...] | None = None,
         max_batch: int = 64,
         block_size: int = 256,
         prefill_tokens: int | None = None,
@@ -118,11 +119,17 @@ class Engine(Intake, Forwards, Decoding):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
         vocab = model.config.vocab_size
-        if eos_token_id is not None and not 0 <= eos_token_id < vocab:
-            raise ValueError(f"eos_token_id must lie in [0, {vocab}), got {eos_token_id}")
+        eos = () if eos_token_id is None else eos_token_id
+        eos = tuple(eos) if isinstance(eos, list | tuple) else (eos,)
+        for t in eos:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(
+                    f"eos_token_id must be ids in [0, {vocab}) (one or a list), "
+                    f"got {eos_token_id!r}"
+                )
         self.model = model
         self.tokenizer = tokenizer
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos
         self.vocab = vocab
         self.max_batch = max_batch
         self.block_size = block_size

@@ -278,7 +278,7 @@ class Intake:
             self.reserved -= req.params.n
             p = req.params
             base = p.seed if p.seed is not None else self._rng.getrandbits(62)
-            req.seqs = [Sequence(req, i, base + i, self.tokenizer, self.eos_token_id)
+            req.seqs = [Sequence(req, i, base + i, self.tokenizer, self.eos_token_ids)
                         for i in range(p.n)]  # fmt: skip
             seqs += req.seqs
         try:

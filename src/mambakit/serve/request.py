@@ -67,7 +67,7 @@ class Sequence:
     """One choice of a request: its tokens, text and row in the pool while it runs."""
 
     def __init__(
-        self, request: Request, index: int, seed: int, tokenizer, eos_token_id: int | None
+        self, request: Request, index: int, seed: int, tokenizer, eos_token_ids: tuple[int, ...]
     ) -> None:
         self.request = request
         self.index = index
@@ -77,8 +77,8 @@ class Sequence:
         # what push checks per token, worked out once: the ids that end the choice, and
         # whether there is text at all (no tokenizer: none, and no stop strings)
         stop_ids = set(p.stop_token_ids)
-        if eos_token_id is not None and not p.ignore_eos:
-            stop_ids.add(eos_token_id)
+        if not p.ignore_eos:
+            stop_ids.update(eos_token_ids)
         self.stop_ids = frozenset(stop_ids)
         self.max_tokens = p.max_tokens
         self.text = tokenizer is not None
