@@ -212,14 +212,39 @@ def test_resume_without_checkpoint_or_run_dir(tmp_path):
 
 
 def test_resume_refuses_data_of_another_size(tmp_path):
+    """...before it changes the model or the optimizer."""
     _, _, path = trained_with_checkpoint(tmp_path)
+    model = tiny_lm(seed=5, vocab=256)
+    before = weights_of(model)
     other = Trainer(
-        tiny_lm(vocab=256),
+        model,
         tcfg(steps=6, batch_size=2, seqlen=16, run_dir=str(tmp_path)),
         RowBatches(text_rows(seqlen=8), 2, seed=0),
     )
     with pytest.raises(ValueError, match="rows"):
         other.resume()
+    for n, w in weights_of(model).items():
+        assert torch.equal(w, before[n]), n
+    assert other.step == 0 and not other.optimizer.state
+
+
+@pytest.mark.parametrize("mixer", [dict(mixer="mamba2", headdim=8, d_ssm=32),
+                                   dict(mixer="mamba3", headdim=8), dict(headdim=8)],
+                         ids=["mamba2-d_ssm", "mamba3", "mamba1-headdim"])  # fmt: skip
+def test_resume_takes_back_its_own_checkpoint(tmp_path, mixer):
+    """A run resumes from its own checkpoint whatever fields the checkpoint's format leaves
+    out (a Mamba-2 d_ssm equal to its width, a field its mixer does not read)."""
+    model = tiny_lm(vocab=256, **mixer)
+    trainer = Trainer(model, tcfg(steps=4, batch_size=2, seqlen=16, run_dir=str(tmp_path)),
+                      RowBatches(text_rows(), 2, seed=0))  # fmt: skip
+    trainer.train_step()
+    trainer.save()
+    again = Trainer(tiny_lm(seed=5, vocab=256, **mixer),
+                    tcfg(steps=4, batch_size=2, seqlen=16, run_dir=str(tmp_path)),
+                    RowBatches(text_rows(), 2, seed=0))  # fmt: skip
+    assert again.resume() and again.step == 1
+    for n, w in weights_of(again.model).items():
+        assert torch.equal(w, weights_of(model)[n]), n
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from ..hf import CheckpointError, config_from_json, read_state_dict
+from ..config import MambaConfig
+from ..hf import CheckpointError, checkpoint_json, config_from_json, read_state_dict
 from . import distributed as dist_
 from .checkpoint import (
     RunLock,
@@ -45,19 +46,33 @@ _COMPUTES = (
 )  # fmt: skip
 
 
-def config_changes(path: Path, model) -> list[str]:
-    """The `_COMPUTES` fields in which the checkpoint folder's config.json differs from
-    `model.config`, as "field: checkpoint's -> model's"; none where the model has no
-    MambaConfig or the folder no config.json."""
-    own = getattr(model, "config", None)
-    if not hasattr(own, "__dataclass_fields__") or not (path / "config.json").is_file():
-        return []
+def checkpoint_config(path: Path):
+    """The MambaConfig of a checkpoint folder's config.json, or None where it has none;
+    CheckpointUnreadable where it does not parse."""
+    if not (path / "config.json").is_file():
+        return None
     try:
-        theirs, _ = config_from_json(json.loads((path / "config.json").read_text()))
+        cfg, _ = config_from_json(json.loads((path / "config.json").read_text()))
     except (CheckpointError, ValueError, TypeError) as e:
         raise CheckpointUnreadable(f"{path / 'config.json'}: {e}") from e
-    a, b = asdict(theirs), asdict(own)
-    return [f"{k}: {a[k]!r} -> {b[k]!r}" for k in _COMPUTES if k in a and a[k] != b.get(k)]
+    return cfg
+
+
+def config_changes(theirs, model) -> list[str]:
+    """The `_COMPUTES` fields in which a checkpoint's config (`checkpoint_config`) differs
+    from `model.config`, as "field: checkpoint's -> model's"; none where either is not a
+    MambaConfig. The model's is compared as its own checkpoint would hold it (written and
+    read back: a field the format leaves out, or one its mixer does not read, is dropped
+    alike on both sides)."""
+    own = getattr(model, "config", None)
+    if not isinstance(theirs, MambaConfig) or not isinstance(own, MambaConfig):
+        return []
+    try:
+        mine, _ = config_from_json(checkpoint_json(own)[0])
+    except (CheckpointError, ValueError, TypeError):
+        mine = own
+    a, b = asdict(theirs), asdict(mine)
+    return [f"{k}: {a[k]!r} -> {b[k]!r}" for k in _COMPUTES if a[k] != b[k]]
 
 
 def _named(sd: dict[str, Any], names: list[str]) -> dict[str, Any]:
@@ -198,8 +213,9 @@ class CheckpointMixin:
             sd = {"state": {index[n]: v for n, v in sd["state"].items()}, "param_groups": numbered}
         self.optimizer.load_state_dict(sd)
 
-    def _read_checkpoint(self, path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """(weights, trainer state) of a checkpoint folder; read errors propagate."""
+    def _read_checkpoint(self, path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], Any]:
+        """(weights, trainer state, config or None) of a checkpoint folder; read errors
+        propagate."""
         if not path.is_dir():
             raise FileNotFoundError(f"{path} does not exist")
         for name in ("model.safetensors", "trainer_state.pt"):
@@ -213,7 +229,7 @@ class CheckpointMixin:
             st = load_trainer_state(path, self.device)
         except (RuntimeError, EOFError, pickle.UnpicklingError, OSError) as e:
             raise CheckpointUnreadable(f"{path / 'trainer_state.pt'}: {e}") from e
-        return weights, st
+        return weights, st, checkpoint_config(path)
 
     @in_process_state
     def resume(self, path: str | Path | None = None) -> bool:
@@ -224,7 +240,7 @@ class CheckpointMixin:
         skipped: list[tuple[Path, str]] = []  # run_dir's checkpoints that failed to load
         if path is not None:
             path = Path(path)
-            weights, st = self._read_checkpoint(path)
+            weights, st, saved_cfg = self._read_checkpoint(path)
         else:
             if self.run_dir is None:
                 raise ValueError("resume: no path given and TrainConfig.run_dir is not set")
@@ -233,7 +249,7 @@ class CheckpointMixin:
                 return False
             for path in candidates:
                 try:
-                    weights, st = self._read_checkpoint(path)
+                    weights, st, saved_cfg = self._read_checkpoint(path)
                     break
                 except (FileNotFoundError, CheckpointUnreadable) as e:
                     skipped.append((path, str(e).splitlines()[0]))
@@ -262,12 +278,21 @@ class CheckpointMixin:
                 )
         if self.dist.mode != "fsdp":  # (FSDP2's loader checks its own)
             self._check_optimizer_state(st["optimizer"], path)
-        changed = config_changes(path, self.model)
+        changed = config_changes(saved_cfg, self.model)
         if changed:
             raise ValueError(
                 f"resume: checkpoint {path} was written by a model of another config "
                 f"(checkpoint's -> this model's): {'; '.join(changed)}"
             )
+        if self.scaler.is_enabled() and not st["scaler"]:
+            raise ValueError(
+                f"resume: checkpoint {path} was written without a loss scaler (not in f16); "
+                "this run scales its loss: resume it in the precision it was trained in"
+            )
+        # the data cursor first of what changes: the one load left that refuses (data of
+        # another size), and nothing else has changed when it does
+        if "data" in st and hasattr(self.train_data, "load_state_dict"):
+            self.train_data.load_state_dict(st["data"])
         if skipped and self.dist.main:  # the rank that writes checkpoints tidies run_dir
             # out of the fallback and rotation's count for good: a later save must not keep
             # an unreadable checkpoint in place of the one this run resumed from
@@ -301,8 +326,6 @@ class CheckpointMixin:
         self.schedule = self._lr_schedule(int(st["step"]))
         self.scaler.load_state_dict(st["scaler"])
         self._load_rng_state(st)
-        if "data" in st and hasattr(self.train_data, "load_state_dict"):
-            self.train_data.load_state_dict(st["data"])
         self.step = int(st["step"])
         self.skipped_steps = int(st["skipped_steps"])  # zeroes the on-device count too
         self._streak_host = 0
