@@ -352,8 +352,10 @@ def test_failed_config_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert_same_weights(MambaLM.from_pretrained(tmp_path), old)
 
 
+@pytest.mark.parametrize("links", [True, False], ids=["hard-links", "no-hard-links"])
 @pytest.mark.parametrize("first", [True, False], ids=["over-a-checkpoint", "first-save"])
-def test_save_interrupted_between_its_renames_keeps_both_old_files(tmp_path, monkeypatch, first):
+def test_save_interrupted_between_its_renames_keeps_both_old_files(tmp_path, monkeypatch, first,
+                                                                   links):  # fmt: skip
     """Ctrl-C after the first of the two files was renamed into place: the folder holds the
     previous checkpoint (both files as they were; nothing at all on a first save), never the
     new weights beside the old config, and no temporary file."""
@@ -365,12 +367,18 @@ def test_save_interrupted_between_its_renames_keeps_both_old_files(tmp_path, mon
     real, calls = os.replace, []
 
     def interrupted(a, b):
-        calls.append(b)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
+        if str(a).endswith(".tmp"):  # a new file going into place (not an old one aside)
+            calls.append(b)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
         return real(a, b)
 
+    def no_link(a, b):
+        raise OSError("hard links not supported here")
+
     monkeypatch.setattr(hio.os, "replace", interrupted)
+    if not links:
+        monkeypatch.setattr(hio.os, "link", no_link)
     torch.manual_seed(2)
     new = MambaLM(MambaConfig(d_model=20, n_layers=3, vocab_size=40, d_state=2, d_conv=4))
     with pytest.raises(KeyboardInterrupt):

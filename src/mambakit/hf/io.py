@@ -122,29 +122,28 @@ def _atomic_write(files: dict[Path, Callable[[str], None]]) -> None:
     except BaseException:
         _remove(tmps.values())
         raise
-    kept: dict[Path, tuple[bool, str | None]] = {}  # target -> (existed, its second name)
+    # target -> (whether it existed, the second name its old file is kept under, or None)
+    kept: dict[Path, tuple[bool, str | None]] = {}
     try:
         for target in tmps:
-            existed, old = target.exists(), None
-            kept[target] = (existed, old)
-            if existed:
+            old = tmps[target] + ".old"
+            kept[target] = (target.exists(), old)
+            if kept[target][0]:
                 try:
-                    os.link(target, tmps[target] + ".old")
-                    old = tmps[target] + ".old"
-                except OSError:  # no hard links here: no way back for this one
-                    pass
-                kept[target] = (existed, old)
+                    os.link(target, old)  # the old file stays in place meanwhile
+                except OSError:  # no hard links here: moved aside instead
+                    os.replace(target, old)
         for target, tmp in tmps.items():
             os.replace(tmp, target)
     except BaseException:
         for target, (existed, old) in kept.items():  # the old files back, the new ones gone
-            if old is not None:
+            if existed and os.path.exists(old):
                 os.replace(old, target)
             elif not existed and not os.path.exists(tmps[target]) and target.exists():
                 target.unlink()  # new here, and renamed into place before the failure
-        _remove([*tmps.values(), *(old for _, old in kept.values() if old is not None)])
+        _remove([*tmps.values(), *(old for _, old in kept.values())])
         raise
-    _remove(old for _, old in kept.values() if old is not None)
+    _remove(old for _, old in kept.values())
     _sync_dir(next(iter(tmps)).parent)
 
 
