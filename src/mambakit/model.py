@@ -27,6 +27,8 @@ from .ops.decode import _norm_linear
 from .state import ModelState
 from .targets import next_token_targets
 
+_LOAD_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # from_pretrained's
+
 
 @dataclass
 class MambaLMOutput:
@@ -274,19 +276,14 @@ class MambaLM(nn.Module):
         checkpoint's tensors are stored in (the most of them), None for float32."""
         from .hf import CheckpointError, read_pretrained
 
+        given = dtype
         if isinstance(dtype, str) and dtype != "auto":
-            named = getattr(torch, dtype, None)
-            if not isinstance(named, torch.dtype):
-                raise ValueError(f"dtype must be a floating torch dtype, its name or 'auto', "
-                                 f"got {dtype!r}")  # fmt: skip
-            dtype = named
-        if (
-            dtype is not None
-            and dtype != "auto"
-            and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point)
-        ):
-            raise ValueError(f"dtype must be a floating torch dtype, its name or 'auto', "
-                             f"got {dtype!r}")  # fmt: skip
+            dtype = getattr(torch, dtype.removeprefix("torch."), None)
+        if given is not None and given != "auto" and dtype not in _LOAD_DTYPES:
+            raise ValueError(
+                "dtype must be torch.float32, float64, float16 or bfloat16, its name, or "
+                f"'auto', got {given!r}"
+            )
         cfg, sd = read_pretrained(path)
         model = cls(cfg, device="meta")
         expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}

@@ -469,7 +469,9 @@ def test_from_pretrained_dtype_by_name_auto_and_refused(tmp_path):
         got = MambaLM.from_pretrained(tmp_path, dtype=dtype)
         assert {p.dtype for p in got.parameters()} == {want}, dtype
     assert_same_weights(MambaLM.from_pretrained(tmp_path, dtype="auto"), model)
-    for bad in ("int8", "nonsense", "Tensor", torch.int32, 16):
+    got = MambaLM.from_pretrained(tmp_path, dtype="torch.bfloat16")
+    assert {p.dtype for p in got.parameters()} == {torch.bfloat16}
+    for bad in ("int8", "nonsense", "Tensor", torch.int32, 16, torch.float8_e4m3fn):
         with pytest.raises(ValueError, match="dtype must be"):
             MambaLM.from_pretrained(tmp_path / "absent", dtype=bad)
 

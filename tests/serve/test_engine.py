@@ -570,9 +570,14 @@ def test_any_of_several_end_ids_ends_a_choice(model_dirs, load):
     assert [t for e in evs for t in e.token_ids] == ref[: end + 1]
     assert evs[-1].finish_reason == "stop"
     assert tokens(ignore)[0] == ref
-    for bad in ([1, model.config.vocab_size], [True], "1"):
+    for bad in ([1, model.config.vocab_size], [True], "1", 2.0):
         with pytest.raises(ValueError, match="eos_token_id"):
             Engine(model, eos_token_id=bad)
+    assert Engine(model, eos_token_id=np.int64(3)).eos_token_ids == (3,)
+    with pytest.raises(ValueError, match=r"prompts: 3 at once, more than the queue holds \(2\)"):
+        Engine(model, max_queue=2).submit_many([[1], [2], [3]])
+    with pytest.raises(ValueError, match=r"prompt\[1\] token ids must lie"):
+        Engine(model).submit_many([[1], [1, model.config.vocab_size]])
 
 
 def _kw(sp: SamplingParams) -> dict:

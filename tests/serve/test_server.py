@@ -363,6 +363,10 @@ def test_more_prompts_than_the_queue_holds_are_refused_whole(server):
     r = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
     assert metric(url, "requests_total") == requests
+    r = httpx.post(f"{url}/v1/completions", headers=AUTH,
+                   json={"prompt": [[1, 2], [1, 999]], "max_tokens": 1})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]", r.text
+    assert metric(url, "requests_total") == requests
     body = {"prompt": ["a", "b", "c"], "max_tokens": 2, "temperature": 0}
     r = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60)
     assert r.status_code == 200 and len(r.json()["choices"]) == 3

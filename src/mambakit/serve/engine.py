@@ -38,6 +38,7 @@ state and logits agree up to the rounding of f32 sums in a batch of another size
 
 from __future__ import annotations
 
+import operator
 import random
 import threading
 import time
@@ -121,8 +122,14 @@ class Engine(Intake, Forwards, Decoding):
         vocab = model.config.vocab_size
         eos = () if eos_token_id is None else eos_token_id
         eos = tuple(eos) if isinstance(eos, list | tuple) else (eos,)
+        try:  # ints of any kind (numpy's too), never bools
+            if any(isinstance(t, bool) for t in eos):
+                raise TypeError
+            eos = tuple(operator.index(t) for t in eos)
+        except TypeError:
+            eos = (None,)
         for t in eos:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+            if t is None or not 0 <= t < vocab:
                 raise ValueError(
                     f"eos_token_id must be ids in [0, {vocab}) (one or a list), "
                     f"got {eos_token_id!r}"
@@ -263,9 +270,18 @@ class Engine(Intake, Forwards, Decoding):
             raise ValueError(f"n must be at most max_batch {self.max_batch}, got {params.n}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none")
+        if len(prompts) > self.max_queue:  # QueueFull would be a retry that never succeeds
+            raise ValueError(
+                f"prompts: {len(prompts)} at once, more than the queue holds ({self.max_queue})"
+            )
         reqs = []
         for k, (prompt, sink) in enumerate(zip(prompts, sinks)):
-            prompt, ids = prompt_ids(prompt, self.vocab, self.max_prompt_tokens)
+            try:
+                prompt, ids = prompt_ids(prompt, self.vocab, self.max_prompt_tokens)
+            except ValueError as e:  # which prompt, where there are several
+                if len(prompts) == 1 or not str(e).startswith("prompt "):
+                    raise
+                raise type(e)(f"prompt[{k}]{str(e)[len('prompt') :]}") from None
             rid = request_id if request_id is None or len(prompts) == 1 else f"{request_id}-{k}"
             reqs.append(Request(prompt, params, sink, rid, ids))
         with self._lock:

@@ -165,10 +165,8 @@ def create_app(
 
     def submit_all(prompts: list[list[int]], params, field: str) -> tuple[list, asyncio.Queue]:
         """The engine's requests, all or none, and one asyncio queue of (prompt number,
-        event); `field`: the request's field the prompts came from, named in errors."""
-        if len(prompts) > engine.max_queue:  # never fits: a retry would not help
-            raise bad(field, f"{len(prompts)} prompts in one request, more than the server's "
-                             f"queue holds ({engine.max_queue})")  # fmt: skip
+        event); `field`: the request's field the prompts came from, named in errors (the
+        prompt's number with it where there are several: `prompt[1]`)."""
         events: asyncio.Queue = asyncio.Queue()
         sinks = [functools.partial(_put, events, k) for k in range(len(prompts))]
         try:
@@ -184,10 +182,16 @@ def create_app(
         except EngineStopped as e:
             raise APIError(503, str(e), kind="server_error", code="shutting_down") from None
         except PromptTooLong as e:
-            raise APIError(413, str(e), param=field, code="prompt_too_long") from None
-        except ValueError as e:
+            named = str(e).split(" ")[0]  # prompt[1] where there are several
+            param = field + named[len("prompt") :] if named.startswith("prompt[") else field
+            raise APIError(413, str(e), param=param, code="prompt_too_long") from None
+        except ValueError as e:  # "prompt[1] token ids must ...", "n must be ..."
             named = str(e).split(" ")[0]
-            raise bad(named if named in ("n", "stop") else field, str(e)) from None
+            if named.startswith("prompt["):
+                param = field + named[len("prompt") :]
+            else:
+                param = named if named in ("n", "stop") else field
+            raise bad(param, str(e)) from None
         return reqs, events
 
     async def completion(request: Request, chat: bool):
@@ -205,7 +209,11 @@ def create_app(
                 raise bad("messages", str(e)) from None
             prompts = [await encode(text, "messages", special=False)]
         else:
-            prompts = [await encode(p, "prompt") for p in parse_prompts(body)]
+            texts = parse_prompts(body)
+            if len(texts) > engine.max_queue:  # never fits: a retry would not help
+                raise bad("prompt", f"{len(texts)} prompts in one request, more than the "
+                                    f"server's queue holds ({engine.max_queue})")  # fmt: skip
+            prompts = [await encode(p, "prompt") for p in texts]
         reqs, events = submit_all(prompts, params, "messages" if chat else "prompt")
         rid = new_id("chatcmpl" if chat else "cmpl")
         if opts.stream:
