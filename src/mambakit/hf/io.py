@@ -144,7 +144,7 @@ def _atomic_write(files: dict[Path, Callable[[str], None]]) -> None:
         _remove([*tmps.values(), *(old for _, old in kept.values())])
         raise
     _remove(old for _, old in kept.values())
-    _sync_dir(next(iter(tmps)).parent)
+    fsync_dir(next(iter(tmps)).parent)
 
 
 def _remove(paths) -> None:
@@ -153,8 +153,9 @@ def _remove(paths) -> None:
             os.unlink(p)
 
 
-def _sync_dir(path: Path) -> None:
-    """The folder's entries (the renames) on disk, where the platform allows it."""
+def fsync_dir(path: Path) -> None:
+    """The folder's entries (renames, new files) on disk, where the platform allows it (a
+    folder that cannot be opened or synced is left as it is)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

@@ -38,22 +38,11 @@ from typing import Any
 
 import torch
 
-from ..hf.io import umask
+from ..hf.io import fsync_dir, umask
 
 LATEST = "latest"
 LOCK = ".lock"
 CHECKPOINT_NAME = re.compile(r"step_(\d+)")  # the whole name; `step_7.corrupt` is not one
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _open_up(path: Path) -> None:
@@ -89,7 +78,7 @@ def save_checkpoint(
             model.save_pretrained(tmp, state_dict=weights)
         torch.save(trainer_state, tmp / "trainer_state.pt")
         _open_up(tmp)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         final = run_dir / name
         if final.exists():
             shutil.rmtree(final)
@@ -113,7 +102,7 @@ def point_latest(run_dir: Path, name: str) -> None:
         os.fsync(f.fileno())
     _open_up(Path(tmp_latest))
     os.replace(tmp_latest, run_dir / LATEST)
-    _fsync_dir(run_dir)
+    fsync_dir(run_dir)
 
 
 def checkpoint_step(path: Path) -> int | None:
@@ -159,7 +148,7 @@ def set_aside(path: Path) -> Path:
             f"cannot rename the unreadable checkpoint {path} to {aside.name} ({e}): move it "
             f"out of {path.parent} (rotation would count it among the kept ones)"
         ) from e
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return aside
 
 
