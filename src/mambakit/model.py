@@ -274,7 +274,7 @@ class MambaLM(nn.Module):
         unexpected, misshaped, not floating point) before the model is materialised.
         `dtype`: a floating torch dtype or its name ("bfloat16"), "auto" for the one the
         checkpoint's tensors are stored in (the most of them), None for float32."""
-        from .hf import CheckpointError, read_pretrained
+        from .hf import CheckpointError, read_pretrained, stored_dtype
 
         given = dtype
         if isinstance(dtype, str) and dtype != "auto":
@@ -306,10 +306,7 @@ class MambaLM(nn.Module):
             if not sd[k].is_floating_point():
                 raise CheckpointError(f"tensor {k!r} has non-float dtype {sd[k].dtype}")
         if dtype == "auto":
-            count: dict[torch.dtype, int] = {}
-            for v in sd.values():
-                count[v.dtype] = count.get(v.dtype, 0) + v.numel()
-            dtype = max(count, key=count.get)
+            dtype = stored_dtype(sd.values())
         dtype = dtype or torch.float32
         model = model.to(dtype=dtype).to_empty(device=device or "cpu")  # no pass through f32
         with torch.no_grad():

@@ -73,6 +73,22 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return {_KEY_ALIASES.get(k, k): v for k, v in sd.items()}
 
 
+def stored_dtype(tensors) -> torch.dtype | None:
+    """The dtype most of the floating tensors' elements are in (None: there are none)."""
+    count: dict[torch.dtype, int] = {}
+    for v in tensors:
+        if v.is_floating_point():
+            count[v.dtype] = count.get(v.dtype, 0) + v.numel()
+    return max(count, key=count.get) if count else None
+
+
+def read_config(path) -> MambaConfig:
+    """The MambaConfig of a checkpoint directory's config.json (CheckpointError where it
+    does not parse or describe a model)."""
+    cfg, _fmt = config_from_json(_read_json(Path(path) / "config.json"))
+    return cfg
+
+
 def read_pretrained(path) -> tuple[MambaConfig, dict[str, torch.Tensor]]:
     """(config, tensors) of a Hugging Face (`model.safetensors`, sharded or not) or
     state-spaces (`pytorch_model.bin`) checkpoint directory, tensors as stored; the model
@@ -82,8 +98,7 @@ def read_pretrained(path) -> tuple[MambaConfig, dict[str, torch.Tensor]]:
         raise CheckpointError(f"checkpoint path {str(path)!r} is not a directory")
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: missing config.json")
-    cfg, _fmt = config_from_json(_read_json(path / "config.json"))
-    return cfg, read_state_dict(path)
+    return read_config(path), read_state_dict(path)
 
 
 def umask() -> int:
@@ -173,13 +188,9 @@ def write_pretrained(path, cfg: MambaConfig, state_dict: dict[str, torch.Tensor]
     no format runs faithfully raises CheckpointError before anything is written."""
     meta, fmt = checkpoint_json(cfg)
     sd = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-    if "torch_dtype" in meta:  # the weights' own (the most of them, by elements)
-        count: dict[torch.dtype, int] = {}
-        for v in sd.values():
-            if v.is_floating_point():
-                count[v.dtype] = count.get(v.dtype, 0) + v.numel()
-        if count:
-            meta["torch_dtype"] = str(max(count, key=count.get)).removeprefix("torch.")
+    dtype = stored_dtype(sd.values())
+    if "torch_dtype" in meta and dtype is not None:  # the weights' own
+        meta["torch_dtype"] = str(dtype).removeprefix("torch.")
     cfg_json = json.dumps(meta, indent=2) + "\n"
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

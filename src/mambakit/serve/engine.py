@@ -38,7 +38,6 @@ state and logits agree up to the rounding of f32 sums in a batch of another size
 
 from __future__ import annotations
 
-import operator
 import random
 import threading
 import time
@@ -60,7 +59,7 @@ from .metrics import Metrics
 from .params import EngineStopped, Event, QueueFull, SamplingParams
 from .prefill import WHOLE_MAX
 from .prefill_graphs import PrefillGraphs
-from .request import Completion, Request, Sequence, prompt_ids
+from .request import Completion, Request, Sequence, end_ids, make_requests
 from .slots import SlotPool
 
 PREFILL_TOKENS_CUDA = 16384  # the default prefill launch on CUDA (beside the decode steps)
@@ -120,23 +119,9 @@ class Engine(Intake, Forwards, Decoding):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
         vocab = model.config.vocab_size
-        eos = () if eos_token_id is None else eos_token_id
-        eos = tuple(eos) if isinstance(eos, list | tuple) else (eos,)
-        try:  # ints of any kind (numpy's too), never bools
-            if any(isinstance(t, bool) for t in eos):
-                raise TypeError
-            eos = tuple(operator.index(t) for t in eos)
-        except TypeError:
-            eos = (None,)
-        for t in eos:
-            if t is None or not 0 <= t < vocab:
-                raise ValueError(
-                    f"eos_token_id must be ids in [0, {vocab}) (one or a list), "
-                    f"got {eos_token_id!r}"
-                )
         self.model = model
         self.tokenizer = tokenizer
-        self.eos_token_ids = eos
+        self.eos_token_ids = end_ids(eos_token_id, vocab)
         self.vocab = vocab
         self.max_batch = max_batch
         self.block_size = block_size
@@ -274,16 +259,7 @@ class Engine(Intake, Forwards, Decoding):
             raise ValueError(
                 f"prompts: {len(prompts)} at once, more than the queue holds ({self.max_queue})"
             )
-        reqs = []
-        for k, (prompt, sink) in enumerate(zip(prompts, sinks)):
-            try:
-                prompt, ids = prompt_ids(prompt, self.vocab, self.max_prompt_tokens)
-            except ValueError as e:  # which prompt, where there are several
-                if len(prompts) == 1 or not str(e).startswith("prompt "):
-                    raise
-                raise type(e)(f"prompt[{k}]{str(e)[len('prompt') :]}") from None
-            rid = request_id if request_id is None or len(prompts) == 1 else f"{request_id}-{k}"
-            reqs.append(Request(prompt, params, sink, rid, ids))
+        reqs = make_requests(prompts, params, sinks, request_id, self.vocab, self.max_prompt_tokens)
         with self._lock:
             if len(self._settings) > 4096:  # many distinct settings: only grouping suffers
                 self._settings.clear()

@@ -6,6 +6,7 @@ A `Request` is one prompt with its `SamplingParams`; each of its `n` choices is 
 
 from __future__ import annotations
 
+import numbers
 import queue
 import time
 import uuid
@@ -24,6 +25,35 @@ from .params import Event, SamplingParams
 
 class PromptTooLong(ValueError):
     """The prompt has more tokens than the engine's limit (HTTP 413)."""
+
+
+def end_ids(eos_token_id, vocab: int) -> tuple[int, ...]:
+    """The end ids of an engine (`Engine`'s eos_token_id: None, one id or a list), checked
+    to lie in the vocabulary; ints of any kind (numpy's too), never bools."""
+    ids = () if eos_token_id is None else eos_token_id
+    ids = tuple(ids) if isinstance(ids, list | tuple) else (ids,)
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < vocab
+               for t in ids):  # fmt: skip
+        raise ValueError(
+            f"eos_token_id must be ids in [0, {vocab}) (one or a list), got {eos_token_id!r}"
+        )
+    return tuple(int(t) for t in ids)
+
+
+def make_requests(prompts, params, sinks, request_id, vocab: int, most: int) -> list[Request]:
+    """A `Request` per prompt (checked by `prompt_ids`; errors name the prompt's number
+    where there are several: "prompt[1] ..."), ids `request_id-k` where one is given."""
+    reqs = []
+    for k, (prompt, sink) in enumerate(zip(prompts, sinks)):
+        try:
+            prompt, ids = prompt_ids(prompt, vocab, most)
+        except ValueError as e:  # which prompt, where there are several
+            if len(prompts) == 1 or not str(e).startswith("prompt "):
+                raise
+            raise type(e)(f"prompt[{k}]{str(e)[len('prompt') :]}") from None
+        rid = request_id if request_id is None or len(prompts) == 1 else f"{request_id}-{k}"
+        reqs.append(Request(prompt, params, sink, rid, ids))
+    return reqs
 
 
 def prompt_ids(prompt, vocab: int, most: int) -> tuple[list[int], np.ndarray]:

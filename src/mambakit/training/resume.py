@@ -13,7 +13,6 @@ files themselves (folders, `latest`, rotation, the run lock) are `checkpoint.py`
 
 from __future__ import annotations
 
-import json
 import pickle
 from dataclasses import asdict
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 import torch
 
 from ..config import MambaConfig
-from ..hf import CheckpointError, checkpoint_json, config_from_json, read_state_dict
+from ..hf import CheckpointError, checkpoint_json, config_from_json, read_config, read_state_dict
 from . import distributed as dist_
 from .checkpoint import (
     RunLock,
@@ -52,10 +51,9 @@ def checkpoint_config(path: Path):
     if not (path / "config.json").is_file():
         return None
     try:
-        cfg, _ = config_from_json(json.loads((path / "config.json").read_text()))
-    except (CheckpointError, ValueError, TypeError) as e:
+        return read_config(path)
+    except (CheckpointError, ValueError, TypeError, OSError) as e:
         raise CheckpointUnreadable(f"{path / 'config.json'}: {e}") from e
-    return cfg
 
 
 def config_changes(theirs, model) -> list[str]:
@@ -163,6 +161,15 @@ class CheckpointMixin:
             return get_optimizer_state_dict(self.model, self.optimizer, options=opts)
         return _named(self.optimizer.state_dict(), self._param_names())
 
+    def _paired_groups(self, sd: dict[str, Any]) -> list[tuple[list[str], dict[str, Any]]]:
+        """(the names of this optimizer's group's parameters, the saved group) for each
+        group of `sd`, in order (`self.params` lists the groups' parameters in order)."""
+        names, start, pairs = self._param_names(), 0, []
+        for g, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
+            pairs.append((names[start : start + len(g["params"])], saved))
+            start += len(g["params"])
+        return pairs
+
     def _check_optimizer_state(self, sd: dict[str, Any], path: Path) -> None:
         """Raise ValueError, naming the parameters, where the optimizer state `sd` does not
         fit this model's optimizer: called before anything of the model is changed."""
@@ -172,11 +179,7 @@ class CheckpointMixin:
                 f"resume: the optimizer state in {path} has {len(sd['param_groups'])} "
                 f"parameter groups, this model's optimizer {len(groups)}"
             )
-        names = self._param_names()
-        start = 0
-        for g, saved in zip(groups, sd["param_groups"]):
-            own = names[start : start + len(g["params"])]
-            start += len(g["params"])
+        for own, saved in self._paired_groups(sd):
             theirs = saved["params"]
             if all(isinstance(p, str) for p in theirs):
                 off = sorted(set(own) ^ set(theirs))
@@ -205,11 +208,10 @@ class CheckpointMixin:
             set_optimizer_state_dict(self.model, self.optimizer, sd, options=opts)
             return
         if named:  # numbered; load_state_dict pairs each group's parameters by position
-            numbered, start = [], 0  # self.params lists the groups' parameters in order
-            for g, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
-                own = names[start : start + len(g["params"])]
-                start += len(g["params"])
-                numbered.append({**saved, "params": [index[n] for n in own]})
+            numbered = [
+                {**saved, "params": [index[n] for n in own]}
+                for own, saved in self._paired_groups(sd)
+            ]
             sd = {"state": {index[n]: v for n, v in sd["state"].items()}, "param_groups": numbered}
         self.optimizer.load_state_dict(sd)
 
