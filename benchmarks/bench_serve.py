@@ -33,6 +33,7 @@ Prints a table and writes a results record (`--out`, JSON: benchmarks/common.py)
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import queue
 import random
@@ -101,6 +102,21 @@ class Track:
             self.done.put(self)
 
 
+REPORT_S = 30.0  # a load still running after this long reports its progress and stacks
+# (--report-s)
+
+
+def progress(engine: Engine, finished: int, total: int, elapsed: float) -> None:
+    """One line of the engine's state, then every thread's stack (to stderr): what a load
+    that runs far longer than it should is doing."""
+    m = engine.metrics
+    gauges = {k: v for k, (_help, v) in engine.gauges().items()}
+    print(f"  ... {elapsed:.0f} s: {finished}/{total} requests done, {m.iterations} "
+          f"iterations, {m.prefill_tokens} prompt tokens prefilled, {m.generation_tokens} "
+          f"generated; {gauges}", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+
+
 def run_engine(engine: Engine, load, clients: int) -> dict:
     """The load through the engine by `clients` closed-loop clients."""
     done: queue.Queue = queue.Queue()
@@ -128,10 +144,19 @@ def run_engine(engine: Engine, load, clients: int) -> dict:
                 if pending:
                     send()
     else:
-        for _ in range(len(load)):
-            done.get(timeout=3600)
-            if pending:
-                send()
+        finished, last = 0, t0
+        while finished < len(load):
+            try:
+                done.get(timeout=REPORT_S)
+            except queue.Empty:
+                pass
+            else:
+                finished += 1
+                if pending:
+                    send()
+            if time.perf_counter() - last >= REPORT_S:  # a load that takes long says where
+                last = time.perf_counter()
+                progress(engine, finished, len(load), last - t0)
     wall = time.perf_counter() - t0
     ttft = [t.times[0] - t.t0 for t in tracks if t.times]
     itl = [b - a for t in tracks for a, b in zip(t.times, t.times[1:])]
@@ -418,6 +443,9 @@ def main() -> None:
     ap.add_argument("--cache-gib", type=float, default=4.0)
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--report-s", type=float, default=30.0,
+                    help="a load running longer prints its progress and every thread's stack "
+                    "this often")  # fmt: skip
     ap.add_argument("--http", action="store_true",
                     help="also run the mixed loads through the HTTP server (streaming clients "
                          "in --http-procs processes)")  # fmt: skip
@@ -445,6 +473,8 @@ def main() -> None:
                          "make the decode stream's priority the default one")  # fmt: skip
     ap.add_argument("--out", default=None, help="write the results record (JSON) here")
     args = ap.parse_args()
+    global REPORT_S
+    REPORT_S = args.report_s
     if args.prefill_hold is not None:
         try:
             prefill_hold(args.prefill_hold)
