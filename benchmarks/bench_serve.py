@@ -111,9 +111,13 @@ def progress(engine: Engine, finished: int, total: int, elapsed: float) -> None:
     that runs far longer than it should is doing."""
     m = engine.metrics
     gauges = {k: v for k, (_help, v) in engine.gauges().items()}
-    print(f"  ... {elapsed:.0f} s: {finished}/{total} requests done, {m.iterations} "
-          f"iterations, {m.prefill_tokens} prompt tokens prefilled, {m.generation_tokens} "
-          f"generated; {gauges}", file=sys.stderr, flush=True)
+    print(
+        f"  ... {elapsed:.0f} s: {finished}/{total} requests done, {m.iterations} "
+        f"iterations, {m.prefill_tokens} prompt tokens prefilled, {m.generation_tokens} "
+        f"generated; {gauges}",
+        file=sys.stderr,
+        flush=True,
+    )
     faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
 
