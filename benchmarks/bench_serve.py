@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import os
 import queue
 import random
 import sys
@@ -148,7 +149,7 @@ def run_engine(engine: Engine, load, clients: int) -> dict:
                 if pending:
                     send()
     else:
-        finished, last = 0, t0
+        finished, last, iterations = 0, t0, engine.metrics.iterations
         while finished < len(load):
             try:
                 done.get(timeout=REPORT_S)
@@ -161,6 +162,11 @@ def run_engine(engine: Engine, load, clients: int) -> dict:
             if time.perf_counter() - last >= REPORT_S:  # a load that takes long says where
                 last = time.perf_counter()
                 progress(engine, finished, len(load), last - t0)
+                if engine.metrics.iterations == iterations:  # not one iteration since the last
+                    print(f"the engine made no progress in {REPORT_S:.0f} s: stalled",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                    os._exit(3)  # a hung device would keep an orderly exit waiting too
+                iterations = engine.metrics.iterations
     wall = time.perf_counter() - t0
     ttft = [t.times[0] - t.t0 for t in tracks if t.times]
     itl = [b - a for t in tracks for a, b in zip(t.times, t.times[1:])]

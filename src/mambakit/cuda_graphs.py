@@ -10,9 +10,16 @@ import torch
 
 
 @contextlib.contextmanager
-def graph_capture(graph: torch.cuda.CUDAGraph, pool=None) -> Iterator[None]:
-    """`torch.cuda.graph(graph, pool=pool)`, except that a capture that fails does not leave
-    the caller's stream or the CUDA random generator unusable.
+def graph_capture(graph: torch.cuda.CUDAGraph, pool=None, stream=None) -> Iterator[None]:
+    """`torch.cuda.graph(graph, pool=pool, stream=stream)`, except that a capture that fails
+    does not leave the caller's stream or the CUDA random generator unusable.
+
+    `stream`: the capture stream (None: torch's one default capture stream). cuBLAS keeps
+    its workspace per stream, and a graph keeps the address of the workspace of the stream
+    it was captured on: graphs that are replayed at the same time on different streams
+    must be captured on different streams, or their GEMMs share one workspace (at 1.4b
+    the serving engine's prefill and decode graphs, captured on the default one, hung the
+    device within a second of running beside each other).
 
     When the captured code raises (a host sync, say), torch.cuda.graph's exit can fail in
     `capture_end` before two things it would have done: putting back the caller's stream
@@ -24,7 +31,7 @@ def graph_capture(graph: torch.cuda.CUDAGraph, pool=None) -> Iterator[None]:
     numbers no longer advance the default generator's offset."""
     stream = torch.cuda.current_stream()
     try:
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
             yield
     except BaseException:
         if torch.cuda.current_stream() != stream:  # capture_end failed before its epilogue

@@ -1049,20 +1049,34 @@ def test_timeline_is_ignored_off_cuda(model_dirs, load):
     assert engine.timeline == []
 
 
-def stand_in(fn, warmup=2, pool=None):
+def stand_in(fn, warmup=2, pool=None, stream=None):
     """`capture` on the CPU: a graph whose replay reruns the call into the captured
-    outputs, as a graph writes its static outputs."""
+    outputs, as a graph writes its static outputs. Each capture's stream is kept in
+    `captured_on` (the graph's place in it: `Graph.number`)."""
     for _ in range(warmup):
         fn()
     out = fn()
+    captured_on.append(stream)
 
     class Graph:
+        number = len(captured_on) - 1
+
         def replay(self):
             new = fn()
             if out is not None:  # a call that returns its outputs (not one that copies)
                 out.copy_(new)
 
     return Graph(), out
+
+
+captured_on: list = []  # the stream of every stand-in capture
+
+
+class FakeStream:
+    """`torch.cuda.Stream` on the CPU: an object that only needs to be told apart."""
+
+    def __init__(self, device=None, priority=0):
+        self.device = device
 
 
 def test_packed_graphs_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, monkeypatch):
@@ -1079,6 +1093,7 @@ def test_packed_graphs_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, 
     monkeypatch.setattr(cg, "capture", stand_in)
     monkeypatch.setattr(slots, "capture", stand_in)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
     engine = Engine(model, max_batch=12, block_size=16, prefill_tokens=300, cache_bytes=1 << 24)
     engine.packed = True
@@ -1154,6 +1169,8 @@ def test_graph_paths_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, mo
     monkeypatch.setattr(cg, "capture", stand_in)
     monkeypatch.setattr(slots, "capture", stand_in)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    captured_on.clear()
     model, oracle = load(model_dirs[preset]), load(model_dirs[preset])
     engine = Engine(model, max_batch=6, block_size=16, prefill_tokens=40, cache_bytes=1 << 24)
     with static_mode():
@@ -1168,6 +1185,14 @@ def test_graph_paths_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, mo
     work = mixed_requests(2, 12)
     served_alone(engine, oracle, work)
     assert engine.prefill_graphs.graphs  # the pieces ran from the stand-in graphs
+    # the decode graphs and the prefill graphs, replayed beside each other on CUDA, are
+    # captured on two streams of their own (cuBLAS keeps a workspace per capture stream)
+    decode_on = {id(captured_on[g.number]) for g, _out in engine.pool.graphs.values()}
+    prefill_on = {id(captured_on[v[0].number]) for v in engine.prefill_graphs.graphs.values()}
+    assert decode_on == {id(engine.pool.capture_stream)}
+    assert prefill_on == {id(engine.prefill_graphs.capture_stream)}
+    assert isinstance(engine.pool.capture_stream, FakeStream)
+    assert engine.pool.capture_stream is not engine.prefill_graphs.capture_stream
     assert any(k[2] == "spans" for k in engine.prefill_graphs.graphs) == spans
     # rows 1, 2; pieces 1 ... 16 (and on Mamba-1 pieces of different lengths up to 2 ...
     # 16), and whole prompts of 16 ... 64 tokens

@@ -52,13 +52,19 @@ def use_cuda_graph(cuda_graph: bool | str, device: torch.device) -> bool:
 
 
 def capture(
-    fn: Callable[[], Any], warmup: int = 2, pool=None, warm: Callable[[], Any] | None = None
+    fn: Callable[[], Any],
+    warmup: int = 2,
+    pool=None,
+    warm: Callable[[], Any] | None = None,
+    stream: torch.cuda.Stream | None = None,
 ) -> tuple[torch.cuda.CUDAGraph, Any]:
     """Warm `fn` up on a side stream, then capture one call: (graph, what the call returned).
 
     `fn` must read and write only tensors that outlive the graph (static buffers);
     the warm-up runs it for real, so reload those buffers before the first replay, or
-    give `warm`, which the warm-up runs instead (the same work on other buffers)."""
+    give `warm`, which the warm-up runs instead (the same work on other buffers).
+    `stream`: the capture stream (`graph_capture`); graphs replayed beside each other on
+    different streams need different ones."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -66,7 +72,7 @@ def capture(
             (warm or fn)()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with graph_capture(graph, pool=pool):
+    with graph_capture(graph, pool=pool, stream=stream):
         out = fn()
     return graph, out
 

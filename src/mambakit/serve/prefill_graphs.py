@@ -48,6 +48,9 @@ class PrefillGraphs:
         # an iteration, `Engine._refresh_plans`)
         self.refresh_plans = partial(refresh, model)
         self.pool = torch.cuda.graph_pool_handle()
+        # the capture stream of every prefill graph: they run beside the decode graphs, which
+        # must not share their cuBLAS workspace (`graph_capture`)
+        self.capture_stream = torch.cuda.Stream(next(model.parameters()).device)
         self.graphs: dict[tuple[int, int], tuple] = {}  # (rows, n) -> (graph, ids buffer)
         self.buffers: dict[int, tuple] = {}  # rows -> (state in, state out, logits)
         self.enabled = True  # the pieces' graphs
@@ -113,7 +116,7 @@ class PrefillGraphs:
             state_out.copy_(state)
             logits_out.copy_(logits)
 
-        graph, _ = capture(fn, warmup=2, pool=self.pool)
+        graph, _ = capture(fn, warmup=2, pool=self.pool, stream=self.capture_stream)
         self.graphs[key] = (graph, ids, last if spans else seq)
         return self.graphs[key]
 
@@ -150,7 +153,7 @@ class PrefillGraphs:
                 dst[:, :n].copy_(src)
             logits_out[:n].copy_(logits.flatten(0, 1))
 
-        graph, _ = capture(fn, warmup=2, pool=self.pool)
+        graph, _ = capture(fn, warmup=2, pool=self.pool, stream=self.capture_stream)
         self.graphs[key] = (graph, ids, seq, pos)
         return self.graphs[key]
 

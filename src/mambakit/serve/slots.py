@@ -111,6 +111,9 @@ class SlotPool:
         # an iteration, `Engine._refresh_plans`)
         self.refresh_plans = partial(refresh, model)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # the decode graphs' own capture stream: they run beside the prefill graphs, which
+        # must not share their cuBLAS workspace (`graph_capture`)
+        self.capture_stream = torch.cuda.Stream(device) if graphs else None
         if graphs:
             pool = torch.cuda.graph_pool_handle()
             for b in self.buckets:
@@ -120,7 +123,7 @@ class SlotPool:
                 def step(view=view, tok=tok):
                     return self.model.step(tok, view, cuda_graph=False)[0]
 
-                self.graphs[b] = capture(step, warmup=2, pool=pool)
+                self.graphs[b] = capture(step, warmup=2, pool=pool, stream=self.capture_stream)
             self.state.zero_()  # the warm-up ran the step for real
 
     def bucket(self, n: int) -> int:
