@@ -17,9 +17,7 @@ def graph_capture(graph: torch.cuda.CUDAGraph, pool=None, stream=None) -> Iterat
     `stream`: the capture stream (None: torch's one default capture stream). cuBLAS keeps
     its workspace per stream, and a graph keeps the address of the workspace of the stream
     it was captured on: graphs that are replayed at the same time on different streams
-    must be captured on different streams, or their GEMMs share one workspace (at 1.4b
-    the serving engine's prefill and decode graphs, captured on the default one, hung the
-    device within a second of running beside each other).
+    must be captured on different streams, or their GEMMs share one workspace.
 
     When the captured code raises (a host sync, say), torch.cuda.graph's exit can fail in
     `capture_end` before two things it would have done: putting back the caller's stream
@@ -29,14 +27,14 @@ def graph_capture(graph: torch.cuda.CUDAGraph, pool=None, stream=None) -> Iterat
     Then the stream is restored and the generator gets a fresh state at its seed and
     offset. Graphs captured before keep the generator's old state object, so their random
     numbers no longer advance the default generator's offset."""
-    stream = torch.cuda.current_stream()
+    caller = torch.cuda.current_stream()
     try:
         with torch.cuda.graph(graph, pool=pool, stream=stream):
             yield
     except BaseException:
-        if torch.cuda.current_stream() != stream:  # capture_end failed before its epilogue
-            torch.cuda.set_stream(stream)
-            _reset_generator(stream.device)
+        if torch.cuda.current_stream() != caller:  # capture_end failed before its epilogue
+            torch.cuda.set_stream(caller)
+            _reset_generator(caller.device)
         raise
 
 

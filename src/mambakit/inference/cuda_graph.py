@@ -65,12 +65,12 @@ def capture(
     give `warm`, which the warm-up runs instead (the same work on other buffers).
     `stream`: the capture stream (`graph_capture`); graphs replayed beside each other on
     different streams need different ones."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
         for _ in range(warmup):
             (warm or fn)()
-    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with graph_capture(graph, pool=pool, stream=stream):
         out = fn()
