@@ -1227,7 +1227,10 @@ def test_engine_on_cuda_gives_generate_alone(model_dirs, preset, packed):
 
     model = MambaLM.from_pretrained(model_dirs[preset], device="cuda").eval()
     oracle = MambaLM.from_pretrained(model_dirs[preset], device="cuda").eval()
-    engine = Engine(model, max_batch=8, block_size=16, prefill_tokens=40, cache_bytes=1 << 26)
+    # packed: a budget of several rows of the narrowest packed width (`PACK_MIN`, 32 tokens);
+    # 40 tokens would fit one row a forward
+    budget = 300 if packed else 40
+    engine = Engine(model, max_batch=8, block_size=16, prefill_tokens=budget, cache_bytes=1 << 26)
     assert engine.graphs and engine.prefill_graphs is not None
     engine.packed = packed
     graphs = engine.prefill_graphs
