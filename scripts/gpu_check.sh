@@ -155,9 +155,9 @@ if stage savetiles; then  # the scan's saved-state interval: kernels, then the t
     2>&1 | grep -v "^ \|^-" | tee -a "$LOG"
 fi
 if stage serve; then  # the serving engine: mixed and shared-prefix loads beside static generate
-  # (1.4b takes more than 330 s: two calls, SERVE_PRESETS=1.4b T_SERVE=560 with
-  # SERVE_ARGS="--clients 256 --no-prefix", then SERVE_ARGS="--clients none"; the record is
-  # rewritten after every row, so a time limit keeps the rows so far)
+  # (1.4b, the whole benchmark: about 280 s on a warm H100, SERVE_PRESETS=1.4b T_SERVE=400;
+  # the record is rewritten after every row, so a time limit keeps the rows so far; a load
+  # that stalls prints the engine's stacks and ends the run: bench_serve --report-s)
   for preset in ${SERVE_PRESETS:-130m}; do
     echo "== bench_serve $preset" | tee -a "$LOG"
     timeout ${T_SERVE:-300} python benchmarks/bench_serve.py --preset $preset --device cuda \
