@@ -1232,6 +1232,10 @@ def test_engine_on_cuda_gives_generate_alone(model_dirs, preset, packed):
     budget = 300 if packed else 40
     engine = Engine(model, max_batch=8, block_size=16, prefill_tokens=budget, cache_bytes=1 << 26)
     assert engine.graphs and engine.prefill_graphs is not None
+    # each kind of graph captured on the stream it runs on: two streams, two cuBLAS workspaces
+    assert engine.pool.capture_stream is engine.decode_stream
+    assert engine.prefill_graphs.capture_stream is engine.prefill_stream
+    assert engine.decode_stream.cuda_stream != engine.prefill_stream.cuda_stream
     engine.packed = packed
     graphs = engine.prefill_graphs
     graphs.slots = 2  # few states a row: several rows to a packed forward

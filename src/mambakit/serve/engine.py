@@ -134,13 +134,29 @@ class Engine(Intake, Forwards, Decoding):
         self.cache = PrefixCache(cache_bytes)
         self.metrics = Metrics()
         pin = self.device.type == "cuda"
+        # on CUDA the prefill runs on a stream of its own, beside the decode steps (which
+        # run on a stream of higher priority): a prefill delays no decode step but for
+        # the share of the device it takes. A launched prefill is joined at the first
+        # iteration that finds its event done; up to `prefills_in_flight` run at once.
+        # Each kind of graph is captured on the stream it is replayed on: cuBLAS keeps a
+        # workspace per stream and a graph keeps its capture stream's (`graph_capture`), so
+        # the decode and prefill graphs, replayed beside each other, must be captured on two
+        # streams (the two priorities' stream pools give two different ones).
+        self.async_prefill = self.device.type == "cuda"
+        self.decode_stream = self.prefill_stream = None
+        if self.device.type == "cuda":
+            with self._on_device():
+                self.decode_stream = torch.cuda.Stream(self.device, priority=-1)
+                self.prefill_stream = torch.cuda.Stream(self.device)
         # buffers written in place by the loop: ordinary tensors even when the engine is
         # built under inference_mode; CUDA graphs captured on the model's device
         with static_mode(), self._on_device():
-            self.pool = SlotPool(model, max_batch, self.graphs)
+            self.pool = SlotPool(model, max_batch, self.graphs, self.decode_stream)
             self._zero = model.init_state(1)
             self._host = [torch.zeros(max_batch, dtype=torch.int64, pin_memory=pin) for _ in "ab"]
-        self.prefill_graphs = PrefillGraphs(model, block_size) if self.graphs else None
+        self.prefill_graphs = (
+            PrefillGraphs(model, block_size, self.prefill_stream) if self.graphs else None
+        )
         # the plans the graphs read (`inference.plan`) brought up to date once an iteration,
         # at its first replay, rather than at every replay: a check of every parameter, about
         # 0.1-0.16 ms at 130m, before each decode step and each prefill forward otherwise
@@ -148,16 +164,6 @@ class Engine(Intake, Forwards, Decoding):
         self.pool.refresh_plans = self._refresh_plans
         if self.prefill_graphs is not None:
             self.prefill_graphs.refresh_plans = self._refresh_plans
-        # on CUDA the prefill runs on a stream of its own, beside the decode steps (which
-        # run on a stream of higher priority): a prefill delays no decode step but for
-        # the share of the device it takes. A launched prefill is joined at the first
-        # iteration that finds its event done; up to `prefills_in_flight` run at once.
-        self.async_prefill = self.device.type == "cuda"
-        self.decode_stream = self.prefill_stream = None
-        if self.device.type == "cuda":
-            with self._on_device():
-                self.decode_stream = torch.cuda.Stream(self.device, priority=-1)
-                self.prefill_stream = torch.cuda.Stream(self.device)
         # (event, requests whose prompt it completes, its cache items) of each prefill
         # launched, not joined
         self._pending: deque[tuple] = deque()

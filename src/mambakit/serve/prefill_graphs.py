@@ -42,15 +42,17 @@ class PrefillGraphs:
     memory they hold is two states of the bucket's rows, whatever the number of piece
     lengths; the buckets stop where those buffers would pass `GRAPH_STATE_BYTES`."""
 
-    def __init__(self, model, block_size: int) -> None:
+    def __init__(self, model, block_size: int, capture_stream=None) -> None:
+        """`capture_stream`: the stream every prefill graph is captured on (None: one of
+        their own), not that of graphs replayed beside them (`graph_capture`)."""
         self.model = model
         # brings the plans the graphs read up to date before a replay (the engine's: once
         # an iteration, `Engine._refresh_plans`)
         self.refresh_plans = partial(refresh, model)
         self.pool = torch.cuda.graph_pool_handle()
-        # the capture stream of every prefill graph: they run beside the decode graphs, which
-        # must not share their cuBLAS workspace (`graph_capture`)
-        self.capture_stream = torch.cuda.Stream(next(model.parameters()).device)
+        self.capture_stream = capture_stream
+        if capture_stream is None:
+            self.capture_stream = torch.cuda.Stream(next(model.parameters()).device)
         self.graphs: dict[tuple[int, int], tuple] = {}  # (rows, n) -> (graph, ids buffer)
         self.buffers: dict[int, tuple] = {}  # rows -> (state in, state out, logits)
         self.enabled = True  # the pieces' graphs

@@ -94,7 +94,9 @@ def decode_buckets(max_batch: int) -> list[int]:
 class SlotPool:
     """B state rows and the per-row decode inputs, and the batched step over rows 0 .. n-1."""
 
-    def __init__(self, model, max_batch: int, graphs: bool) -> None:
+    def __init__(self, model, max_batch: int, graphs: bool, capture_stream=None) -> None:
+        """`capture_stream`: the stream the decode graphs are captured on (None: one of
+        their own), not that of graphs replayed beside them (`graph_capture`)."""
         self.model = model
         self.max_batch = max_batch
         device = next(model.parameters()).device
@@ -111,9 +113,11 @@ class SlotPool:
         # an iteration, `Engine._refresh_plans`)
         self.refresh_plans = partial(refresh, model)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        # the decode graphs' own capture stream: they run beside the prefill graphs, which
-        # must not share their cuBLAS workspace (`graph_capture`)
-        self.capture_stream = torch.cuda.Stream(device) if graphs else None
+        self.capture_stream = None
+        if graphs:
+            self.capture_stream = capture_stream
+            if capture_stream is None:
+                self.capture_stream = torch.cuda.Stream(device)
         if graphs:
             pool = torch.cuda.graph_pool_handle()
             for b in self.buckets:
