@@ -218,6 +218,18 @@ def test_ragged_batch_equals_each_prompt_alone(lm, kw):
     assert all(torch.equal(a, b) for a, b in zip(same, out))
 
 
+def test_prompt_lengths_all_shorter_than_the_padding_equal_the_prompts_alone(lm):
+    """A right-padded batch whose prompts share one length below its width: the padding is
+    no part of any prompt (greedy against each prompt run alone)."""
+    rows = prompts_of([3, 3], seed=3)  # a draw whose greedy tokens the filler changes
+    padded = torch.full((2, 8), 7)
+    padded[:, :3] = torch.stack(rows)
+    out = generate(lm, padded, max_new_tokens=6, prompt_lengths=[3, 3], temperature=0)
+    for b, r in enumerate(rows):
+        alone = generate(lm, r[None], max_new_tokens=6, temperature=0)[0]
+        assert torch.equal(out[b], alone), b
+
+
 # --- eos -------------------------------------------------------------------------------
 
 
@@ -294,6 +306,22 @@ def test_sampling_frequencies_follow_the_filtered_distribution():
         freq = torch.bincount(tok, minlength=5).float() / 20000
         sigma = (want * (1 - want) / 20000).sqrt()
         assert ((freq - want).abs() <= 4 * sigma + 1e-9).all(), (kw, freq, want)
+
+
+def test_noise_is_finite_and_an_improbable_or_filtered_token_is_not_drawn():
+    """The uniforms behind the Gumbel noise stay inside (0, 1) at the hash's extremes (24
+    bits put the largest at exactly 1: noise +inf, drawn whatever its probability, or NaN
+    beside a filtered-out token's -inf); seed 467143 drew token 20 at step 0 that way."""
+    from mambakit.inference.sampling import uniform
+
+    u = uniform(torch.tensor([0, 1, (1 << 32) - 2, (1 << 32) - 1]))
+    assert (u > 0).all() and (u < 1).all()
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()
+    logits = torch.zeros(1, 64)
+    logits[0, 0], logits[0, 20] = 20.0, -20.0  # p(20) ~ 1e-17; p(0) ~ 1
+    seeds, step = torch.tensor([467143]), torch.zeros(1, dtype=torch.int64)
+    for kw in [dict(), dict(top_p=0.5), dict(min_p=0.5), dict(temperature=0.1, top_p=0.9)]:
+        assert sample(logits, SamplingConfig(**kw), seeds, step).item() == 0, kw
 
 
 def test_candidate_sampling_equals_full_vocabulary_gumbel_max():

@@ -78,6 +78,11 @@ def parse_prompts(input_ids, prompt_lengths, device: torch.device, vocab: int) -
                     raise ValueError(f"prompt_lengths must be ints in [1, {T}], got {n!r}")
                 lengths.append(n)
             as_list = True
+            # the padding past the longest prompt dropped first: with every prompt of one
+            # length shorter than T, the rows would otherwise start behind filler that no
+            # document boundary cuts off (the batch is not ragged)
+            T = max(lengths)
+            ids = ids[:, :T]
             # right-padded in, left-padded inside: shift each row's prompt to the end
             pos = torch.arange(T, device=device)
             shift = torch.tensor([T - n for n in lengths], device=device)

@@ -150,8 +150,15 @@ def gumbel_noise(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     (key of the row, token id) only, so a token draws the same noise whichever candidates
     surround it."""
     x = _mix32(keys[:, None] ^ _mix32(token_ids * _VOCAB_SALT + 1))
-    u = ((x >> 8).float() + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1)
-    return -torch.log(-torch.log(u))
+    return -torch.log(-torch.log(uniform(x)))
+
+
+def uniform(x: torch.Tensor) -> torch.Tensor:
+    """Hashes x in [0, 2**32) (int64) -> f32 uniform in (0, 1), from their top 23 bits:
+    (2**23 - 0.5) / 2**23 is exact in f32, where 24 bits' largest, (2**24 - 0.5) / 2**24,
+    rounds to 1 and its noise to +inf (a token that wins whatever its probability, or NaN
+    beside a filtered-out one's -inf)."""
+    return ((x >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def _noise(seeds: torch.Tensor, step: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

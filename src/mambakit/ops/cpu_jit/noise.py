@@ -24,11 +24,11 @@ def _mix32(x, c):
 
 @njit(**JIT)
 def uniforms(seeds, step, ids, c, out):
-    """out [B, C] float32: ((hash >> 8) + 0.5) / 2**24 of (seeds[b], the token number
+    """out [B, C] float32: ((hash >> 9) + 0.5) / 2**23 of (seeds[b], the token number
     step[b] (or step[0] for step [1]), the token id ids[b, j] (or ids[j] for ids [C])), as
     `sampling.gumbel_noise(row_keys(seeds, step), ids)` draws it before its logarithms.
     c: the hash's constants (`sampling._CONSTANTS`)."""
-    scale = np.float32(1.0 / (1 << 24))
+    scale = np.float32(1.0 / (1 << 23))
     for b in range(out.shape[0]):
         seed = seeds[b]
         s = _mix32((step[0] if step.shape[0] == 1 else step[b]) + c[3], c)
@@ -36,4 +36,4 @@ def uniforms(seeds, step, ids, c, out):
         for j in range(out.shape[1]):
             v = ids[j] if ids.ndim == 1 else ids[b, j]
             x = _mix32(key ^ _mix32(v * c[4] + 1, c), c)
-            out[b, j] = (np.float32(x >> 8) + np.float32(0.5)) * scale
+            out[b, j] = (np.float32(x >> 9) + np.float32(0.5)) * scale
