@@ -149,7 +149,7 @@ def run_engine(engine: Engine, load, clients: int) -> dict:
                 if pending:
                     send()
     else:
-        finished, last, iterations = 0, t0, engine.metrics.iterations
+        finished, last, iterations, stalled = 0, t0, engine.metrics.iterations, 0
         while finished < len(load):
             try:
                 done.get(timeout=REPORT_S)
@@ -162,9 +162,12 @@ def run_engine(engine: Engine, load, clients: int) -> dict:
             if time.perf_counter() - last >= REPORT_S:  # a load that takes long says where
                 last = time.perf_counter()
                 progress(engine, finished, len(load), last - t0)
-                if engine.metrics.iterations == iterations:  # not one iteration since the last
-                    print(f"the engine made no progress in {REPORT_S:.0f} s: stalled",
+                # not one iteration over two reports (one may be a capture and a compile)
+                stalled = stalled + 1 if engine.metrics.iterations == iterations else 0
+                if stalled >= 2:
+                    print(f"the engine made no progress in {2 * REPORT_S:.0f} s: stalled",
                           file=sys.stderr, flush=True)  # fmt: skip
+                    sys.stdout.flush()
                     os._exit(3)  # a hung device would keep an orderly exit waiting too
                 iterations = engine.metrics.iterations
     wall = time.perf_counter() - t0
@@ -404,6 +407,11 @@ def engine_for(model, clients: int, args, cache: bool) -> Engine:
         prefill, decode = {"same": (0, 0), "high": (-1, 0)}[args.prefill_priority]
         engine.prefill_stream = torch.cuda.Stream(engine.device, priority=prefill)
         engine.decode_stream = torch.cuda.Stream(engine.device, priority=decode)
+        # the prefill graphs (captured by the warm-up below) on the stream they will run on;
+        # the decode graphs stay on the first decode stream they were captured on: a stream
+        # of its own too (a pool's streams come round again only every 32 draws)
+        if engine.prefill_graphs is not None:
+            engine.prefill_graphs.capture_stream = engine.prefill_stream
     engine.warmup()
     if engine.prefill_graphs is not None:
         print(f"prefill forward's fixed cost: {engine.prefill_graphs.forward_tokens} tokens' worth")
@@ -454,8 +462,8 @@ def main() -> None:
     ap.add_argument("--no-cuda-graph", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--report-s", type=float, default=30.0,
-                    help="a load running longer prints its progress and every thread's stack "
-                    "this often")  # fmt: skip
+                    help="a load running longer prints its progress and every thread's "
+                    "stack this often; two reports without an iteration end the run")  # fmt: skip
     ap.add_argument("--http", action="store_true",
                     help="also run the mixed loads through the HTTP server (streaming clients "
                          "in --http-procs processes)")  # fmt: skip
@@ -484,6 +492,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the results record (JSON) here")
     args = ap.parse_args()
     global REPORT_S
+    if not args.report_s > 0:
+        ap.error(f"--report-s must be > 0, got {args.report_s}")
     REPORT_S = args.report_s
     if args.prefill_hold is not None:
         try:

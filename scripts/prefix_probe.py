@@ -47,7 +47,7 @@ def stand_in() -> None:
     import mambakit.inference.cuda_graph as cg
     from mambakit.serve import slots
 
-    def capture(fn, warmup=2, pool=None):
+    def capture(fn, warmup=2, pool=None, stream=None):
         return _NoReplay(), fn()
 
     cg.capture = slots.capture = capture

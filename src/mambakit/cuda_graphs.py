@@ -26,15 +26,32 @@ def graph_capture(graph: torch.cuda.CUDAGraph, pool=None, stream=None) -> Iterat
     device raises "Offset increment outside graph capture encountered unexpectedly").
     Then the stream is restored and the generator gets a fresh state at its seed and
     offset. Graphs captured before keep the generator's old state object, so their random
-    numbers no longer advance the default generator's offset."""
+    numbers no longer advance the default generator's offset. (That the exit failed is
+    what tells: the capture stream may be the caller's own, so the current stream cannot.)"""
     caller = torch.cuda.current_stream()
+    context = torch.cuda.graph(graph, pool=pool, stream=stream)
     try:
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            yield
+        context.__enter__()
     except BaseException:
-        if torch.cuda.current_stream() != caller:  # capture_end failed before its epilogue
+        if torch.cuda.current_stream() != caller:  # capture_begin failed on its stream
             torch.cuda.set_stream(caller)
-            _reset_generator(caller.device)
+        raise
+    try:
+        yield
+    except BaseException as e:
+        _exit(context, caller, (type(e), e, e.__traceback__))
+        raise
+    _exit(context, caller, (None, None, None))
+
+
+def _exit(context, caller, exc_info) -> None:
+    """The capture context's exit; where it raises, the caller's stream is put back and the
+    default generator reset before the exit's error goes on."""
+    try:
+        context.__exit__(*exc_info)
+    except BaseException:
+        torch.cuda.set_stream(caller)
+        _reset_generator(caller.device)
         raise
 
 

@@ -1093,7 +1093,6 @@ def test_packed_graphs_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, 
     monkeypatch.setattr(cg, "capture", stand_in)
     monkeypatch.setattr(slots, "capture", stand_in)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     model, oracle = load(model_dirs["tiny"]), load(model_dirs["tiny"])
     engine = Engine(model, max_batch=12, block_size=16, prefill_tokens=300, cache_bytes=1 << 24)
     engine.packed = True
@@ -1169,13 +1168,12 @@ def test_graph_paths_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, mo
     monkeypatch.setattr(cg, "capture", stand_in)
     monkeypatch.setattr(slots, "capture", stand_in)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     captured_on.clear()
     model, oracle = load(model_dirs[preset]), load(model_dirs[preset])
     engine = Engine(model, max_batch=6, block_size=16, prefill_tokens=40, cache_bytes=1 << 24)
-    with static_mode():
-        engine.pool = slots.SlotPool(model, 6, graphs=True)
-        engine.prefill_graphs = PrefillGraphs(model, 16)
+    with static_mode():  # each kind on the stream it runs on, as the engine makes them on CUDA
+        engine.pool = slots.SlotPool(model, 6, graphs=True, capture_stream=FakeStream())
+        engine.prefill_graphs = PrefillGraphs(model, 16, FakeStream())
         engine.prefill_graphs.max_rows = 2  # groups of 3 and more run in parts
     engine.pool.refresh_plans = engine.prefill_graphs.refresh_plans = engine._refresh_plans
     engine.spans = engine.prefill_graphs.spans_enabled = spans
@@ -1186,7 +1184,7 @@ def test_graph_paths_on_the_cpu_with_a_stand_in_for_capture(model_dirs, load, mo
     served_alone(engine, oracle, work)
     assert engine.prefill_graphs.graphs  # the pieces ran from the stand-in graphs
     # the decode graphs and the prefill graphs, replayed beside each other on CUDA, are
-    # captured on two streams of their own (cuBLAS keeps a workspace per capture stream)
+    # captured on the streams given (cuBLAS keeps a workspace per capture stream)
     decode_on = {id(captured_on[g.number]) for g, _out in engine.pool.graphs.values()}
     prefill_on = {id(captured_on[v[0].number]) for v in engine.prefill_graphs.graphs.values()}
     assert decode_on == {id(engine.pool.capture_stream)}

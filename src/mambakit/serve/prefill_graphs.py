@@ -44,15 +44,16 @@ class PrefillGraphs:
 
     def __init__(self, model, block_size: int, capture_stream=None) -> None:
         """`capture_stream`: the stream every prefill graph is captured on (None: one of
-        their own), not that of graphs replayed beside them (`graph_capture`)."""
+        their own on CUDA), not that of graphs replayed beside them (`graph_capture`)."""
         self.model = model
         # brings the plans the graphs read up to date before a replay (the engine's: once
         # an iteration, `Engine._refresh_plans`)
         self.refresh_plans = partial(refresh, model)
         self.pool = torch.cuda.graph_pool_handle()
         self.capture_stream = capture_stream
-        if capture_stream is None:
-            self.capture_stream = torch.cuda.Stream(next(model.parameters()).device)
+        device = next(model.parameters()).device
+        if capture_stream is None and device.type == "cuda":
+            self.capture_stream = torch.cuda.Stream(device)
         self.graphs: dict[tuple[int, int], tuple] = {}  # (rows, n) -> (graph, ids buffer)
         self.buffers: dict[int, tuple] = {}  # rows -> (state in, state out, logits)
         self.enabled = True  # the pieces' graphs

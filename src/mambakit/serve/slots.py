@@ -96,7 +96,7 @@ class SlotPool:
 
     def __init__(self, model, max_batch: int, graphs: bool, capture_stream=None) -> None:
         """`capture_stream`: the stream the decode graphs are captured on (None: one of
-        their own), not that of graphs replayed beside them (`graph_capture`)."""
+        their own on CUDA), not that of graphs replayed beside them (`graph_capture`)."""
         self.model = model
         self.max_batch = max_batch
         device = next(model.parameters()).device
@@ -116,7 +116,7 @@ class SlotPool:
         self.capture_stream = None
         if graphs:
             self.capture_stream = capture_stream
-            if capture_stream is None:
+            if capture_stream is None and device.type == "cuda":
                 self.capture_stream = torch.cuda.Stream(device)
         if graphs:
             pool = torch.cuda.graph_pool_handle()
