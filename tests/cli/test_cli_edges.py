@@ -12,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from mambakit import MambaConfig, MambaLM
 from mambakit.hf import CheckpointError
@@ -77,6 +78,7 @@ def test_seqlen_below_two_is_refused_as_a_flag(tmp_path):
         (("--max-new-tokens", "-5"), "--max-new-tokens must be at least 1, got -5"),
         (("--top-p", "1.5"), "--top-p must lie in (0, 1]"),
         (("--temperature", "-1"), "--temperature must be a finite number >= 0"),
+        (("--seed", "-1"), "--seed must be an int in [0, 2**63 - 1), got -1"),
     ],
 )
 def test_generate_flags_are_refused_before_the_model_loads(tmp_path, flags, message):
@@ -145,6 +147,23 @@ def test_a_fresh_models_checkpoint_names_no_special_tokens(tmp_path):
     transformers = pytest.importorskip("transformers")
     hf = transformers.MambaForCausalLM.from_pretrained(tmp_path / "m")
     assert hf.config.eos_token_id is None
+
+
+def test_generate_stops_at_every_end_id_of_the_checkpoint(tmp_path):
+    """A checkpoint whose eos_token_id lists two ids (end of text, end of turn): `mambakit
+    generate` stops at the second one too, where greedy decoding draws it."""
+    model = MambaLM(MambaConfig.preset("tiny", n_layers=1)).eval()
+    prompt = list(b"def ")
+    greedy = model.generate(torch.tensor([prompt]), 12, temperature=0)[0, len(prompt) :]
+    end = int(greedy[3])
+    first = greedy.tolist().index(end)  # where the end of turn is first drawn
+    never = next(t for t in range(256) if t not in greedy.tolist())
+    model.config.extra["eos_token_id"] = [never, end]
+    model.save_pretrained(tmp_path / "m")
+    got = mambakit("generate", "--model", str(tmp_path / "m"), "--prompt", "def ",
+                   "--max-new-tokens", "12", "--temperature", "0", "--device", "cpu")  # fmt: skip
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert f"[{first + 1} tokens" in got.stderr, got.stderr
 
 
 def test_a_hybrid_checkpoint_is_refused_naming_what_is_supported():

@@ -111,17 +111,17 @@ def test_prefill_hold_flag_reads_as_the_engine_takes_it():
 
 def test_serve_stops_at_every_end_id_of_the_checkpoint():
     """A checkpoint whose eos_token_id is a list (end of text, end of turn): serve's engine
-    gets every one inside the vocabulary (generate stops at the first); --eos-token-id
-    overrides it, -1 for none."""
+    and `mambakit generate` get every one inside the vocabulary; --eos-token-id overrides
+    it, -1 for none."""
     import argparse
 
     from mambakit import MambaConfig, MambaLM
-    from mambakit.cli.generate import end_token, end_tokens
+    from mambakit.cli.generate import end_tokens
 
     model = MambaLM(MambaConfig(d_model=16, n_layers=1, vocab_size=32, d_state=4,
                                 extra={"eos_token_id": [3, 999, 5, True]}))  # fmt: skip
     args = argparse.Namespace(eos_token_id=None)
-    assert end_tokens(args, model) == [3, 5] and end_token(args, model) == 3
+    assert end_tokens(args, model) == [3, 5]
     assert end_tokens(argparse.Namespace(eos_token_id=7), model) == [7]
     assert end_tokens(argparse.Namespace(eos_token_id=-1), model) == []
     model.config.extra["eos_token_id"] = 4

@@ -105,6 +105,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.eos_token_id is not None and args.eos_token_id < -1:
         raise UsageError(f"--eos-token-id must be >= 0, or -1 for never, got {args.eos_token_id}")
+    if args.seed is not None and not 0 <= args.seed < (1 << 63) - 1:
+        raise UsageError(f"--seed must be an int in [0, 2**63 - 1), got {args.seed}")
     try:
         SamplingConfig(
             temperature=args.temperature,
@@ -144,18 +146,12 @@ def end_tokens(args: argparse.Namespace, model: MambaLM) -> list[int]:
     return [t for t in ids if isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab]
 
 
-def end_token(args: argparse.Namespace, model: MambaLM) -> int | None:
-    """`end_tokens`' first (generate stops at one), or None."""
-    ids = end_tokens(args, model)
-    return ids[0] if ids else None
-
-
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
     model, ckpt, device = load_model(args)
     vocab = model.config.vocab_size
     tokenizer = find_tokenizer(args.tokenizer, ckpt, vocab)
-    eos = end_token(args, model)
+    ends = end_tokens(args, model)  # the stream stops at the first; the loop at any
     prompt_ids = tokenizer.encode(args.prompt)
     if not prompt_ids:
         raise UsageError("--prompt encodes to no tokens")
@@ -173,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         min_p=args.min_p,
         repetition_penalty=args.repetition_penalty,
-        eos_token_id=eos,
+        eos_token_id=ends[0] if ends else None,
         seed=args.seed,
         cuda_graph=False if args.no_cuda_graph else "auto",
     )
@@ -188,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         if t_first is None:
             t_first = time.perf_counter()
         n += 1
-        if token == eos:
+        if token in ends:
             break
         sys.stdout.write(out.push(token))
         sys.stdout.flush()
