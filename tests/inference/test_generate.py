@@ -465,6 +465,44 @@ def test_graph_decode_logic_on_cpu_with_a_fake_graph(lm, monkeypatch):
         assert all(torch.equal(got[b, : len(want[b])], want[b]) for b in range(3))
 
 
+def test_a_run_longer_than_its_first_buffer_grows_it(lm, monkeypatch):
+    """A decoder holds FIRST_CAPACITY new tokens at first and doubles its room as a run goes
+    on (eager, and through the graph path with a stand-in graph): the tokens equal those of
+    one buffer of the whole length; a limit far past what memory holds, cut short by the
+    end token, allocates no buffer of its size."""
+    gen = importlib.import_module("mambakit.inference.generate")
+    rows = prompts_of([2, 6, 3])
+    kw = dict(seed=4, top_k=9, repetition_penalty=1.2, eos_token_id=5)
+    whole = generate(lm, rows, max_new_tokens=23, cuda_graph=False, **kw)
+    monkeypatch.setattr(gen, "FIRST_CAPACITY", 4)
+    assert all(
+        torch.equal(a, b) for a, b in zip(generate(lm, rows, 23, cuda_graph=False, **kw), whole)
+    )
+    streamed = torch.stack(list(stream(lm, rows, max_new_tokens=23, cuda_graph=False, **kw)), 1)
+    assert all(torch.equal(streamed[b, : len(w) - len(r)], w[len(r) :])
+               for b, (w, r) in enumerate(zip(whole, rows)))  # fmt: skip
+    captures = []
+
+    def fake_capture(fn, warmup=2, pool=None):
+        for _ in range(warmup):
+            fn()
+        captures.append(fn)
+        return _FakeGraph(fn), None
+
+    monkeypatch.setattr(gen, "capture", fake_capture)
+    monkeypatch.setattr(gen, "use_cuda_graph", lambda flag, device: flag is not False)
+    monkeypatch.setattr(gen, "graph_cache", lambda model, _c={"pool": None}: _c)
+    monkeypatch.setattr(gen, "GRAPH_MIN_CAPACITY", 2)
+    out = generate(lm, rows, max_new_tokens=23, cuda_graph=True, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(out, whole))
+    assert len(captures) == 1 + 4  # the prefill; decoders of room 4, 8, 16, 23 (32)
+    first = greedy_oracle(lm, rows[1][None], 3)[0, -3:]
+    end = int(first[2])  # greedy draws it within three tokens
+    got = generate(lm, rows[1][None], max_new_tokens=10**15, temperature=0, eos_token_id=end,
+                   cuda_graph=False)  # fmt: skip
+    assert got.shape[1] <= len(rows[1]) + 3 and int(got[0, -1]) == end
+
+
 def test_bucketed_prefill_equals_the_prompts_alone(lm):
     """Prompts left-padded to their power-of-two bucket (filler as document 0) give each
     prompt's own last logits and final state."""

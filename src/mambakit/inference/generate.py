@@ -58,6 +58,10 @@ EOS_CHECK_EVERY = 16  # tokens between host checks of "has every row emitted eos
 PREFILL_GRAPH_TOKENS = 4096  # batch x bucket up to which the prefill is padded to its bucket
 PREFILL_GRAPHS_KEPT = 4  # captured prefill graphs cached per model (the newest)
 GRAPH_MIN_CAPACITY = 256  # a captured decoder holds room for at least this many new tokens
+# new tokens a decoder holds at first, whatever max_new_tokens: a run that goes on past it
+# moves to a decoder of twice the room (`_Run._grow`), so a large limit that an end token
+# cuts short costs no buffer of the limit's size
+FIRST_CAPACITY = 4096
 _SEED_LIMIT = 1 << 63
 
 
@@ -287,7 +291,8 @@ class _Run:
             logits, state = _prefill_bucketed(self.model, self.prompts, self.graphs)
         else:
             logits, state = _prefill(self.model, self.prompts, self.chunk)
-        self.dec = _decoder(self.model, self.prompts, self.cfg, self.n_new, self.graphs)
+        room = min(self.n_new, FIRST_CAPACITY)
+        self.dec = _decoder(self.model, self.prompts, self.cfg, room, self.graphs)
         self.dec.owner = weakref.ref(self)
         self.active = True
         self.dec.load(state, self.prompts, self.seeds)
@@ -297,9 +302,26 @@ class _Run:
 
     @static_mode()
     def next(self) -> torch.Tensor:
+        if self.n_done == self.dec.capacity:
+            self._grow()
         self.dec.advance()
         self.n_done += 1
         return self.dec.tok
+
+    def _grow(self) -> None:
+        """Carry on in a decoder of twice the room (up to the run's limit): its buffers
+        loaded from the full one's (captured anew on CUDA: a graph writes into its own)."""
+        old = self.dec
+        room = min(2 * old.capacity, self.n_new)
+        new = _decoder(self.model, self.prompts, self.cfg, room, self.graphs)
+        new.owner = weakref.ref(self)
+        new.state.copy_(old.state)
+        for name in ("tok", "step", "seeds", "seen", "finished"):
+            if getattr(new, name) is not None:
+                getattr(new, name).copy_(getattr(old, name))
+        new.out[:, : old.capacity].copy_(old.out)
+        old.owner = _dead_ref
+        self.dec = new
 
     @static_mode()
     def result(self):
