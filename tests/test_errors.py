@@ -100,6 +100,8 @@ def test_lm_step_bad_inputs(lm):
         lm.step(torch.zeros(2), state())
     with pytest.raises(ERRORS, match="ids"):
         lm.step(torch.zeros(2, 3, 4, dtype=torch.long), state())
+    with pytest.raises(TypeError, match=r"state must be a state \(init_state"):  # not "or None"
+        lm.step(torch.zeros(2, dtype=torch.long), None)
 
 
 def test_lm_init_state_bad_batch(lm):

@@ -297,6 +297,9 @@ class MambaBackbone(nn.Module):
             raise ValueError(f"step: {name} must be a {want_dim}-d tensor {shape}, got {got}")
         if x.device != self._param.device:
             raise ValueError(f"step: input is on {x.device} but the model on {self._param.device}")
+        if state is None:  # a step advances a state in place: there must be one
+            raise TypeError("step: state must be a state (init_state(batch) gives a zero one), "
+                            "got None")  # fmt: skip
         check_state(state, self.config, x.shape[0], x.device)
 
     def _step_records_grad(self, state) -> bool:
