@@ -308,6 +308,8 @@ class MambaLM(nn.Module):
         if dtype == "auto":
             dtype = stored_dtype(sd.values())
         dtype = dtype or torch.float32
+        # to_empty makes the parameters anew: the no-weight-decay marks are carried by name
+        marks = {n for n, p in model.named_parameters() if getattr(p, "_no_weight_decay", False)}
         model = model.to(dtype=dtype).to_empty(device=device or "cpu")  # no pass through f32
         with torch.no_grad():
             for k, p in model.state_dict(keep_vars=True).items():
@@ -315,7 +317,11 @@ class MambaLM(nn.Module):
                     p.copy_(sd[k].to(dtype))
         if cfg.tie_embeddings:  # to_empty keeps the tie only by identity; re-tie explicitly
             model.lm_head.weight = model.backbone.embeddings.weight
-        return model.to(dtype=dtype)
+        model = model.to(dtype=dtype)
+        for n, p in model.named_parameters():
+            if n in marks:
+                p._no_weight_decay = True
+        return model
 
     def save_pretrained(
         self, path: str | Path, state_dict: dict[str, torch.Tensor] | None = None

@@ -235,6 +235,27 @@ def test_weight_decay_groups():
         assert decay_of[n] == 0.07, n
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mamba3"])
+def test_a_loaded_checkpoint_has_the_fresh_models_weight_decay_groups(tmp_path, preset):
+    """from_pretrained makes its parameters anew (to_empty): A_log (Mamba-1, 2-d) and the B
+    and C biases (Mamba-3, 3-d) stay out of weight decay, as in the model it was saved from."""
+    from mambakit import MambaConfig
+    from mambakit.training.optim import param_groups
+
+    def groups(model):
+        names = {id(p): n for n, p in model.named_parameters()}
+        return [sorted(names[id(p)] for p in g["params"]) for g in param_groups(model, 0.1)]
+
+    model = MambaLM(MambaConfig.preset(preset, n_layers=1))
+    model.save_pretrained(tmp_path / "m")
+    loaded = MambaLM.from_pretrained(tmp_path / "m")
+    assert groups(loaded) == groups(model)
+    no_decay = groups(model)[1]
+    assert any(n.endswith(("A_log", "B_bias")) and "layers.0" in n for n in no_decay)
+    assert all(getattr(p, "_no_weight_decay", False) == getattr(q, "_no_weight_decay", False)
+               for p, q in zip(model.parameters(), loaded.parameters()))  # fmt: skip
+
+
 def test_tied_head_is_optimized_once():
     model = MambaLM(tiny_cfg(tie_embeddings=True))
     trainer = Trainer(model, tcfg(), ListData([random_batch()]))

@@ -7,15 +7,22 @@ import math
 import torch
 from torch import nn
 
+# the parameters of more than one dimension that are not decayed, by name (A_log of Mamba-1
+# is [D, N]; Mamba-3's B and C biases are [H, 1, N]): a parameter made anew (`to_empty`,
+# a conversion that swaps tensors) loses the `_no_weight_decay` mark but keeps its name
+NO_DECAY_NAMES = ("A_log", "B_bias", "C_bias")
+
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """No decay on norms, biases, A_log, D and the dt bias (`_no_weight_decay` or 1-d)."""
+    """No decay on norms, biases, A_log, D and the dt bias (`_no_weight_decay`, 1-d, or named
+    in `NO_DECAY_NAMES`)."""
     decay, no_decay, seen = [], [], set()
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        if getattr(p, "_no_weight_decay", False) or p.dim() < 2:
+        named = name.rsplit(".", 1)[-1] in NO_DECAY_NAMES
+        if getattr(p, "_no_weight_decay", False) or p.dim() < 2 or named:
             no_decay.append(p)
         else:
             decay.append(p)
