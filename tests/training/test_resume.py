@@ -247,6 +247,21 @@ def test_resume_takes_back_its_own_checkpoint(tmp_path, mixer):
         assert torch.equal(w, weights_of(model)[n]), n
 
 
+def test_fit_of_a_finished_run_runs_no_step_and_returns(tmp_path):
+    """fit() with no step left (a finished run resumed, or fit called again) trains nothing,
+    saves nothing new and returns (it raised UnboundLocalError)."""
+    cfg = tcfg(steps=2, batch_size=2, seqlen=16, run_dir=str(tmp_path))
+    trainer = Trainer(tiny_lm(vocab=256), cfg, RowBatches(text_rows(), 2, seed=0))
+    trainer.fit(progress=False)
+    weights = weights_of(trainer.model)
+    assert trainer.step == 2 and trainer.fit(progress=False) == {} and trainer.step == 2
+    again = Trainer(tiny_lm(seed=5, vocab=256), cfg, RowBatches(text_rows(), 2, seed=0))
+    assert again.resume() and again.fit(progress=False) == {} and again.step == 2
+    for n, w in weights_of(again.model).items():
+        assert torch.equal(w, weights[n]), n
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_0000002"]
+
+
 @pytest.mark.parametrize(
     "other",
     [dict(n_layers=1), dict(n_layers=3), dict(d_model=24), dict(tie_embeddings=False)],

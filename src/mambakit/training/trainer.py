@@ -215,6 +215,7 @@ class Trainer(StepMixin, CheckpointMixin, ProcessMixin):
         # on CUDA the skip streak lives on the device: read it only with a metric line
         streak_on_host = self._streak_dev is None
         last: dict[str, Any] = {}
+        stop = False  # no step left (a finished run resumed, fit called again): none runs
         try:
             with self._signals_stop_training():
                 while self.step < cfg.steps:
