@@ -204,6 +204,24 @@ def test_grad_accum_weights_every_token_equally():
     assert max_rel_diff(g_acc, g_big) < 1e-9
 
 
+@pytest.mark.parametrize("bad", [-1, -7, V, V + 3])
+def test_targets_outside_the_vocabulary_are_refused_before_the_step(bad):
+    """A target that is neither a token id nor -100 is refused naming it, before the weights
+    change (the loss clamps targets, so -1 trained as token 0 and raised nothing)."""
+    batch = random_batch()
+    batch["targets"][1, 5] = bad
+    model = tiny_lm()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = Trainer(model, tcfg(), ListData([batch]))
+    with pytest.raises(
+        ValueError, match=rf"targets must be token ids in \[0, {V}\) or -100 .*got {bad}"
+    ):
+        trainer.train_step()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    batch["targets"][1, 5] = -100  # ignored, as documented
+    trainer.train_step()
+
+
 # -- optimizer: groups and schedule ---------------------------------------------------------
 
 

@@ -50,6 +50,21 @@ def count_targets(batch: Batch) -> torch.Tensor:
     return torch.full((), first.shape[0] * first.shape[1], device=first.device)
 
 
+def check_targets(batch: Batch, vocab: int | None) -> None:
+    """A batch's targets are token ids in [0, vocab) or -100 (ignored): anything else would be
+    trained as some token (the loss clamps them) rather than refused. Read on the host."""
+    t = batch.get("targets")
+    if t is None or t.is_floating_point():
+        return
+    bad = (t < 0) & (t != -100)
+    if vocab is not None:
+        bad |= t >= vocab
+    if bool(bad.any()):
+        v = int(t[bad][0])
+        where = "[0, vocab)" if vocab is None else f"[0, {vocab})"
+        raise ValueError(f"targets must be token ids in {where} or -100 (ignored), got {v}")
+
+
 def lm_loss(model: nn.Module, batch: Batch, state: MambaState | None):
     """Summed next-token cross-entropy of a MambaLM; targets are already shifted."""
     loss_sum = getattr(model, "loss_sum", None)
@@ -130,6 +145,9 @@ class StepMixin:
         """One optimizer step on fresh batches; returns (loss, grad norm) as tensors."""
         self.model.train()
         host = [self.train_data.next() for _ in range(self.cfg.grad_accum)]
+        if self.loss_fn is lm_loss:  # a loss of the user's may read its targets otherwise
+            for b in host:
+                check_targets(b, self.model.config.vocab_size)
         n_tokens = sum(int(count_targets(b)) for b in host)  # counted on the host: no sync
         host = [dist_.shard_rows(b, self.dist) for b in host]  # this rank's rows
         # the lr this step uses, on the host (with cuda_graph the group's lr is a device tensor)
