@@ -70,6 +70,8 @@ def test_seqlen_below_two_is_refused_as_a_flag(tmp_path):
     got = mambakit("train", "--seqlen", "1", "--runs-dir", str(tmp_path))
     assert error_line(got, "train").endswith("--seqlen must be at least 2, got 1")
     assert "data:" not in got.stdout  # refused before the corpus was read
+    got = mambakit("train", "--seed", "-1", "--runs-dir", str(tmp_path))  # not at the sample
+    assert error_line(got, "train").endswith("--seed must be an int in [0, 2**63 - 1), got -1")
 
 
 @pytest.mark.parametrize(

@@ -384,6 +384,16 @@ def test_row_sampler_state_round_trip(k):
         assert torch.equal(a.next(), b.next())
 
 
+def test_row_sampler_takes_every_seed_and_keeps_the_order_of_small_ones():
+    """A large seed shuffles (its mix overflowed torch's 64-bit seed); a small one keeps the
+    order it always had, so runs resume into the same batches."""
+    big = RowSampler(9, batch_size=3, seed=(1 << 63) - 2)
+    assert sorted(torch.cat([big.next() for _ in range(3)]).tolist()) == list(range(9))
+    small = RowSampler(9, batch_size=3, seed=7)
+    g = torch.Generator().manual_seed(7 * 1_000_003)
+    assert torch.equal(torch.cat([small.next() for _ in range(3)]), torch.randperm(9, generator=g))
+
+
 def test_row_batches_state_round_trip():
     rows = pack_documents(["the quick brown fox jumps over the lazy dog " * 5], ByteTokenizer(), 8)
     a = RowBatches(rows, 3, seed=4)

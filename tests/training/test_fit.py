@@ -102,6 +102,8 @@ def test_precision_auto_is_f32_on_cpu():
         ("betas", (0.9,)),
         ("seed", 1.5),
         ("seed", "x"),
+        ("seed", -1),  # the sample after training (generate) takes seeds in [0, 2**63 - 1)
+        ("seed", 1 << 63),
         ("device", "foo"),
         ("compile", "yes"),
         ("deterministic", "no"),

@@ -160,6 +160,8 @@ def _check_args(args) -> None:
     for flag in ("batch_size", "grad_accum"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1")
+    if not 0 <= args.seed < (1 << 63) - 1:  # generate's range: the sample after training
+        raise UsageError(f"--seed must be an int in [0, 2**63 - 1), got {args.seed}")
     if args.seqlen < 2:  # a row needs a token to predict from and one to predict
         raise UsageError(f"--seqlen must be at least 2, got {args.seqlen}")
     if args.steps is not None and args.steps < 1:

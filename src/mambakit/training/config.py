@@ -95,8 +95,11 @@ class TrainConfig:
         if not (isinstance(b, (tuple, list, np.ndarray)) and len(b) == 2
                 and all(_number(x) and 0 <= x < 1 for x in b)):  # fmt: skip
             raise ValueError(f"TrainConfig.betas must be two numbers in [0, 1), got {b!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
-            raise ValueError(f"TrainConfig.seed must be an int, got {self.seed!r}")
+        if (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
+                or not 0 <= self.seed < (1 << 63) - 1):  # fmt: skip
+            # (a seed of generate's range: the samples drawn after training take it)
+            raise ValueError(f"TrainConfig.seed must be an int in [0, 2**63 - 1), got "
+                             f"{self.seed!r}")  # fmt: skip
         for name in ("compile", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TrainConfig.{name} must be True or False, "

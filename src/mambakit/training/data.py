@@ -210,7 +210,8 @@ class RowSampler:
         self._perm = self._permutation()
 
     def _permutation(self) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        # modulo 2**64, the seeds a generator takes (the same value below it as before)
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % (1 << 64))
         return torch.randperm(self.n_rows, generator=g)
 
     def next(self) -> torch.Tensor:
