@@ -270,9 +270,10 @@ def _train(
         batches = RowBatches(train_rows, args.batch_size * d.world, seed=args.seed)
     except ValueError as e:
         raise UsageError(f"--batch-size {args.batch_size}: {e}") from None
-    trainer = Trainer(
-        model, tcfg, batches, eval_batches(val_rows, args.batch_size, tcfg.eval_batches)
-    )
+    # validation: the first rows of as many global batches, whatever the processes (each
+    # process runs them all in batches of its own size), so its loss compares across runs
+    val = eval_batches(val_rows, args.batch_size, tcfg.eval_batches * d.world)
+    trainer = Trainer(model, tcfg, batches, val)
     if args.resume:
         if not trainer.resume():  # check_run_folder saw one: it went while we started
             raise UsageError(f"--resume: {run_dir} holds no checkpoint")

@@ -33,7 +33,7 @@ class TrainConfig:
     tbptt_grad_chunks: int = 1  # chunks per backward; 0 keeps the graph across all chunks
     grad_accum: int = 1  # micro-batches per optimizer step
     lr: float = 3e-3  # peak learning rate
-    min_lr_ratio: float = 0.1  # final lr = min_lr_ratio * lr (cosine)
+    min_lr_ratio: float = 0.1  # the cosine reaches min_lr_ratio * lr at `steps` (after the last)
     warmup_steps: int = 50
     weight_decay: float = 0.1  # not applied to norms, biases, A_log, D, dt bias
     betas: tuple[float, float] = (0.9, 0.95)
