@@ -222,6 +222,25 @@ def test_targets_outside_the_vocabulary_are_refused_before_the_step(bad):
     trainer.train_step()
 
 
+def test_compile_compiles_the_loss_and_trains_as_eager(monkeypatch):
+    """TrainConfig(compile=True) runs the step's loss through torch.compile (dynamo captures
+    a graph; the compiled module's loss_sum had been the eager method), with eager's losses.
+    Dynamo's graphs run by its eager backend here: inductor's compile takes a minute."""
+    import functools
+
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    torch._dynamo.reset()
+    counters.clear()
+    losses = {}
+    for compile in (False, True):
+        trainer = Trainer(tiny_lm(), tcfg(compile=compile), ListData([random_batch()]))
+        losses[compile] = [float(trainer.train_step()[0]) for _ in range(2)]
+    assert counters["stats"]["unique_graphs"] >= 1
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
 # -- optimizer: groups and schedule ---------------------------------------------------------
 
 

@@ -179,7 +179,7 @@ class StepMixin:
         distributed."""
         if self.dist.active:
             return self.module(batch, state)
-        return self.loss_fn(self.forward_model, batch, state)
+        return self.compiled_loss(self.forward_model, batch, state)
 
     def _grad_sync(self, last: bool):
         """Distributed: gradients are reduced over the ranks only by the step's last backward

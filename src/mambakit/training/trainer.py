@@ -121,7 +121,10 @@ class Trainer(StepMixin, CheckpointMixin, ProcessMixin):
         self.train_data = train_data
         self.val_batches = val_batches or []
         self.loss_fn = loss_fn
-        self.forward_model = torch.compile(self.model) if config.compile else self.model
+        self.forward_model = self.model
+        # compile: the loss function with the model's forward inside it (a compiled module's
+        # `loss_sum`, which lm_loss calls, would be the module's own method, uncompiled)
+        self.compiled_loss = torch.compile(loss_fn) if config.compile else loss_fn
         # distributed: the engine's module around model + loss (FSDP2 shards the model here,
         # so the optimizer is built after it, on the sharded parameters)
         self.module = dist_.wrap(self.model, loss_fn, self.dist, self.device)
