@@ -179,7 +179,18 @@ class StepMixin:
         distributed."""
         if self.dist.active:
             return self.module(batch, state)
-        return self.compiled_loss(self.forward_model, batch, state)
+        return self._step_loss()(self.forward_model, batch, state)
+
+    def _step_loss(self):
+        """`loss_fn`, compiled with the model's forward inside it where the config says so
+        (a compiled module's `loss_sum`, which lm_loss calls, would be the module's own
+        method, uncompiled); compiled again if loss_fn is replaced."""
+        fn = self.loss_fn
+        if not self.cfg.compile:
+            return fn
+        if self._compiled[0] is not fn:
+            self._compiled = (fn, torch.compile(fn))
+        return self._compiled[1]
 
     def _grad_sync(self, last: bool):
         """Distributed: gradients are reduced over the ranks only by the step's last backward

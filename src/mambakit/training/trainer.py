@@ -122,9 +122,7 @@ class Trainer(StepMixin, CheckpointMixin, ProcessMixin):
         self.val_batches = val_batches or []
         self.loss_fn = loss_fn
         self.forward_model = self.model
-        # compile: the loss function with the model's forward inside it (a compiled module's
-        # `loss_sum`, which lm_loss calls, would be the module's own method, uncompiled)
-        self.compiled_loss = torch.compile(loss_fn) if config.compile else loss_fn
+        self._compiled: tuple = (None, None)  # (loss_fn, its compiled form): `_step_loss`
         # distributed: the engine's module around model + loss (FSDP2 shards the model here,
         # so the optimizer is built after it, on the sharded parameters)
         self.module = dist_.wrap(self.model, loss_fn, self.dist, self.device)
