@@ -427,23 +427,31 @@ class _FakeGraph:
         self.replay = fn
 
 
-def test_graph_decode_logic_on_cpu_with_a_fake_graph(lm, monkeypatch):
-    """The cached-graph path (warm-up that dirties the buffers, reload, reuse, recapture
-    for more tokens, a second interleaved run) with a stand-in graph."""
-    gen = importlib.import_module("mambakit.inference.generate")  # the module, not the function
-
+def fake_graphs(monkeypatch, gen, min_capacity: int) -> list:
+    """generate's graph path on the CPU: captures by a stand-in whose replay reruns the call
+    (after a warm-up that runs it for real on the static buffers, as the real one does);
+    returns the list the captured calls go into."""
     captures = []
 
     def fake_capture(fn, warmup=2, pool=None):
         for _ in range(warmup):
-            fn()  # like the real warm-up: runs for real on the static buffers
+            fn()
         captures.append(fn)
         return _FakeGraph(fn), None
 
     monkeypatch.setattr(gen, "capture", fake_capture)
     monkeypatch.setattr(gen, "use_cuda_graph", lambda flag, device: flag is not False)
     monkeypatch.setattr(gen, "graph_cache", lambda model, _c={"pool": None}: _c)
-    monkeypatch.setattr(gen, "GRAPH_MIN_CAPACITY", 16)
+    monkeypatch.setattr(gen, "GRAPH_MIN_CAPACITY", min_capacity)
+    return captures
+
+
+def test_graph_decode_logic_on_cpu_with_a_fake_graph(lm, monkeypatch):
+    """The cached-graph path (warm-up that dirties the buffers, reload, reuse, recapture
+    for more tokens, a second interleaved run) with a stand-in graph."""
+    gen = importlib.import_module("mambakit.inference.generate")  # the module, not the function
+
+    captures = fake_graphs(monkeypatch, gen, min_capacity=16)
     rows = prompts_of([2, 6, 3])
     kw = dict(seed=4, top_k=9, repetition_penalty=1.2, eos_token_id=5)
     eager = generate(lm, rows, max_new_tokens=20, cuda_graph=False, **kw)
@@ -481,18 +489,7 @@ def test_a_run_longer_than_its_first_buffer_grows_it(lm, monkeypatch):
     streamed = torch.stack(list(stream(lm, rows, max_new_tokens=23, cuda_graph=False, **kw)), 1)
     assert all(torch.equal(streamed[b, : len(w) - len(r)], w[len(r) :])
                for b, (w, r) in enumerate(zip(whole, rows)))  # fmt: skip
-    captures = []
-
-    def fake_capture(fn, warmup=2, pool=None):
-        for _ in range(warmup):
-            fn()
-        captures.append(fn)
-        return _FakeGraph(fn), None
-
-    monkeypatch.setattr(gen, "capture", fake_capture)
-    monkeypatch.setattr(gen, "use_cuda_graph", lambda flag, device: flag is not False)
-    monkeypatch.setattr(gen, "graph_cache", lambda model, _c={"pool": None}: _c)
-    monkeypatch.setattr(gen, "GRAPH_MIN_CAPACITY", 2)
+    captures = fake_graphs(monkeypatch, gen, min_capacity=2)
     out = generate(lm, rows, max_new_tokens=23, cuda_graph=True, **kw)
     assert all(torch.equal(a, b) for a, b in zip(out, whole))
     assert len(captures) == 1 + 4  # the prefill; decoders of room 4, 8, 16, 23 (32)
