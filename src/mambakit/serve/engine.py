@@ -24,7 +24,8 @@ One thread (the engine loop) does all the model work. Each iteration:
 
 Step 2 is `decode.py`'s (`Decoding`), step 3 `intake.py`'s (`Intake`, with the forwards of
 a launch in `forwards.py`'s `Forwards`): the engine's two sides, methods of `Engine` on the
-state its constructor sets up.
+state its constructor sets up; the loop's thread, the drain and the stop are
+`lifecycle.py`'s (`Lifecycle`).
 
 Requests beyond the free rows wait in a queue of at most `max_queue`; `submit` raises
 `QueueFull` beyond it. An exception while handling one request ends that request with
@@ -55,6 +56,7 @@ from .cache import PrefixCache
 from .decode import Decoding
 from .forwards import Forwards
 from .intake import Intake
+from .lifecycle import Lifecycle
 from .metrics import Metrics
 from .params import EngineStopped, Event, QueueFull, SamplingParams
 from .prefill import WHOLE_MAX
@@ -66,7 +68,7 @@ PREFILL_TOKENS_CUDA = 16384  # the default prefill launch on CUDA (beside the de
 PREFILL_TOKENS = 2048  # elsewhere, where it adds to an iteration's time
 
 
-class Engine(Intake, Forwards, Decoding):
+class Engine(Intake, Forwards, Decoding, Lifecycle):
     """Continuous batching over `max_batch` state slots (module docstring).
 
     model: a MambaLM (eval mode; its device and dtype are the engine's).
@@ -294,13 +296,6 @@ class Engine(Intake, Forwards, Decoding):
             self._cancels.append(req)
             self._wake.notify()
 
-    def start(self) -> Engine:
-        """Run the loop on a thread of its own."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="mambakit-engine", daemon=True)
-            self._thread.start()
-        return self
-
     @static_mode()
     def warmup(self) -> None:
         """Capture the prefill graphs of every rows bucket and piece length now (on CUDA;
@@ -330,44 +325,6 @@ class Engine(Intake, Forwards, Decoding):
         device's streams), or nothing on the CPU."""
         return torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
 
-    def begin_drain(self) -> None:
-        """Take no new requests (`submit` raises EngineStopped); the running ones go on."""
-        with self._lock:
-            self._draining = True
-
-    def shutdown(self, timeout: float = 30.0) -> bool:
-        """Take no new requests, let the running ones finish for up to `timeout` seconds,
-        end the rest ("abort") and stop the loop. True when everything finished in time."""
-        with self._shutting:  # SIGTERM's drain thread and the app's own shutdown: one at a time
-            return self._shutdown(timeout)
-
-    def _shutdown(self, timeout: float) -> bool:
-        self.begin_drain()
-        deadline = time.monotonic() + timeout
-        while not self.idle and time.monotonic() < deadline:
-            if self._thread is None:
-                self.step()
-            else:
-                time.sleep(0.01)
-        drained = self.idle
-        with self._lock:
-            self._abort = True
-            self._stop = True
-            self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        else:
-            self.step()
-        return drained
-
-    @property
-    def draining(self) -> bool:
-        return self._draining
-
-    @property
-    def idle(self) -> bool:
-        return not (self.rows or self.prefilling or self._n_waiting)
-
     def generate(self, prompt: list[int], params: SamplingParams | None = None) -> list[Completion]:
         """Submit and wait: the request's choices when every one has ended."""
         params = params or SamplingParams()
@@ -396,26 +353,6 @@ class Engine(Intake, Forwards, Decoding):
         }
 
     # ---- the engine thread -------------------------------------------------------------
-
-    def _run(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        while True:
-            with self._lock:
-                if self._stop and not self._abort:
-                    break
-                if not (self._inbox or self._cancels or self.rows or self.prefilling
-                        or self.waiting or self._abort or self._pending
-                        or self._to_cache):  # fmt: skip
-                    self._wake.wait(timeout=0.5)
-                    continue
-            try:
-                self.step()
-            except Exception:  # step() ends the requests it cannot serve; the loop goes on
-                traceback.print_exc()
-            with self._lock:
-                if self._stop and self.idle:
-                    break
 
     @static_mode()
     def step(self) -> None:
