@@ -44,6 +44,65 @@ def test_invalid_construction_names_the_problem():
         MambaState(torch.zeros(2, 3, 1, 4), torch.zeros(2, 3, 6, 5))
 
 
+def test_fields_of_another_dtype_are_refused_naming_the_field():
+    """A state's fields share one floating dtype (an int32 conv field was taken and its
+    values truncated by the step)."""
+    with pytest.raises(TypeError, match=r"MambaState.ssm is torch.int32 but MambaState.conv"):
+        MambaState(torch.zeros(2, 3, 1, 4), torch.zeros(2, 3, 4, 5, dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"MambaState.ssm is torch.bfloat16"):
+        MambaState(torch.zeros(2, 3, 1, 4), torch.zeros(2, 3, 4, 5, dtype=torch.bfloat16))
+
+
+def test_copy_takes_a_state_of_the_same_kind_and_shapes():
+    """copy_ refuses a state whose fields would broadcast (torch's copy_ put a 1-layer,
+    1-row state into every layer and row) and one of another kind."""
+    s = MambaState.zeros(n_layers=2, batch_size=4, d_inner=10, d_state=4, d_conv=3)
+    small = MambaState.zeros(n_layers=1, batch_size=1, d_inner=10, d_state=4, d_conv=3)
+    with pytest.raises(ValueError, match=r"MambaState.copy_: conv has shape \[1, 1, 2, 10\]"):
+        s.copy_(small)
+    with pytest.raises(TypeError, match="copy_ takes a MambaState"):
+        s.copy_((s.conv, s.ssm))
+    other = MambaState(torch.randn(2, 4, 2, 10), torch.randn(2, 4, 10, 4))
+    assert s.copy_(other) is s and torch.equal(s.ssm, other.ssm)
+
+
+@pytest.mark.parametrize("mixer", ["mamba1", "mamba2", "mamba3"])
+def test_step_refuses_an_expanded_state_and_keeps_the_inputs_gradient(tiny_config, mixer):
+    """step() writes the state in place: an expanded one (one initial state broadcast over
+    the rows) is refused naming the field, where the compiled CPU step wrote every row
+    into the same memory. An input that requires grad (an encoder in front of a frozen
+    backbone) keeps its gradient through step, as through the forward."""
+    kw = {} if mixer == "mamba1" else dict(headdim=8, d_state=8)
+    cfg = tiny_config(d_model=16, n_layers=2, input_dim=5, mixer=mixer, **kw)
+    torch.manual_seed(0)
+    bb = MambaBackbone(cfg).eval().requires_grad_(False)
+    one = bb.init_state(1)
+    shared = type(one)(*(t.expand(-1, 3, *t.shape[2:]) for t in one._tensors()))
+    with pytest.raises(ValueError, match=r"step: state\.\w+ shares memory"):
+        bb.step(torch.randn(3, 5), shared)
+    x = torch.randn(3, 5, requires_grad=True)
+    out, _ = bb.step(x, shared.clone())
+    assert out.grad_fn is not None
+    (g,) = torch.autograd.grad(out.square().sum(), x)
+    ref, _ = bb(x[:, None], bb.init_state(3))
+    (want,) = torch.autograd.grad(ref.square().sum(), x)
+    torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-6)
+
+
+def test_x_of_another_float_dtype_is_cast_to_the_input_projection(tiny_config):
+    """f64 observations into an f32 model with an input projection: cast, as without one
+    (nn.Linear raised 'mat1 and mat2 must have the same dtype')."""
+    torch.manual_seed(0)
+    bb = MambaBackbone(tiny_config(d_model=16, n_layers=1, input_dim=5)).eval()
+    x = torch.randn(2, 4, 5)
+    with torch.no_grad():
+        want, _ = bb(x)
+        got, _ = bb(x.double())
+        step, _ = bb.step(x[:, 0].double(), bb.init_state(2))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(step, want[:, 0], rtol=1e-5, atol=1e-6)
+
+
 def test_clone_is_independent():
     s = MambaState(torch.randn(2, 3, 1, 4), torch.randn(2, 3, 4, 5))
     c = s.clone()

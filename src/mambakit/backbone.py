@@ -105,7 +105,15 @@ class MambaBackbone(nn.Module):
             return self.embeddings(x)
         width = cfg.input_dim if self.input_proj is not None else cfg.d_model
         check_tensor("x", x, (*x.shape[:-1], width), device=self._param.device)
-        return self.input_proj(x) if self.input_proj is not None else x
+        if self.input_proj is None:
+            return x
+        # x of another float dtype than the projection's weights (f64 observations into an
+        # f32 model): cast, as the blocks cast it where there is no projection; autocast
+        # casts both itself
+        dtype = next(self.input_proj.parameters()).dtype
+        if x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
+            x = x.to(dtype)
+        return self.input_proj(x)
 
     def forward(
         self,
@@ -257,7 +265,7 @@ class MambaBackbone(nn.Module):
         `inference.step_graph_status(model)` says why a step ran eagerly."""
         self._check_step(x, state)
         use_cuda_graph(cuda_graph, x.device)  # checks the argument
-        if self._step_records_grad(state):
+        if self._step_records_grad(state, x):
             out, new_state = self.forward(x.unsqueeze(1), state)
             return out[:, 0], new_state
         out = graphed_step(self, self, self._step_rows, x, state, cuda_graph)
@@ -301,14 +309,23 @@ class MambaBackbone(nn.Module):
             raise TypeError("step: state must be a state (init_state(batch) gives a zero one), "
                             "got None")  # fmt: skip
         check_state(state, self.config, x.shape[0], x.device)
+        for name, t in state._items():  # a step writes the state in place, row by row
+            st = t.stride()
+            if 0 in st and any(s == 0 and n > 1 for s, n in zip(st, t.shape)):
+                raise ValueError(
+                    f"step: state.{name} shares memory between its elements (expanded?): a "
+                    "step writes the state in place; pass a copy (state.clone())"
+                )
 
-    def _step_records_grad(self, state) -> bool:
+    def _step_records_grad(self, state, x: torch.Tensor | None = None) -> bool:
         """Whether a step must record a gradient (then it runs functionally, the forward over
         one step): grad mode on and any parameter (an adapter's, when the base weights are
-        frozen) or the state requiring one."""
+        frozen), the state or the input (an encoder's output in front) requiring one."""
         if not torch.is_grad_enabled():
             return False
         if self._param.requires_grad or state.requires_grad:
+            return True
+        if x is not None and x.requires_grad:
             return True
         return any(p.requires_grad for p in self.parameters())
 

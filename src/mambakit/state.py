@@ -176,6 +176,12 @@ class ModelState:
                 )
             if t.device != first.device:
                 raise ValueError(f"{name}.{f} is on {t.device} but the rest on {first.device}")
+            if t.dtype != first.dtype or not t.is_floating_point():
+                first_name = self.layer_type._fields[0]
+                raise TypeError(
+                    f"{name}.{f} is {t.dtype} but {name}.{first_name} {first.dtype}: a state's "
+                    "fields share one floating dtype"
+                )
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
@@ -237,7 +243,16 @@ class ModelState:
         return self._new(t.to(*args, **kwargs) for t in self._tensors())
 
     def copy_(self, other) -> Any:
-        """Overwrite in place (keeps addresses for CUDA graphs)."""
+        """Overwrite in place (keeps addresses for CUDA graphs) with a state of the same kind
+        and shapes (torch's copy_ would broadcast a smaller one over every layer and row)."""
+        name = type(self).__name__
+        if type(other) is not type(self):
+            raise TypeError(f"{name}.copy_ takes a {name}, got {type(other).__name__}")
+        for (f, a), b in zip(self._items(), other._tensors()):
+            if a.shape != b.shape:
+                raise ValueError(
+                    f"{name}.copy_: {f} has shape {list(b.shape)}, this state's {list(a.shape)}"
+                )
         for a, b in zip(self._tensors(), other._tensors()):
             a.copy_(b)
         return self

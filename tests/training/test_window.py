@@ -94,6 +94,26 @@ def test_windows_equal_the_loop_by_hand(mixer):
     assert step.graph_reason == "not on a CUDA device"
 
 
+@pytest.mark.parametrize("mixer", ["mamba1", "mamba2", "mamba3"])
+def test_acting_after_windows_of_a_fused_optimizer_reads_the_new_weights(mixer):
+    """A fused AdamW updates the weights behind autograd's back: after the windows, step()
+    (whose decode weights are derived from the parameters and kept until one changes)
+    acts on the new weights, as a fresh copy of the trained model does."""
+    model = Policy(mixer)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model.step(x, model.init_state(4))  # the decode weights derived before training
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    step = WindowStep(model, opt, loss_fn, 4, grad_clip=1.0)
+    for w in windows(3):
+        step(w)
+    fresh = copy.deepcopy(model)
+    with torch.no_grad():
+        got, _ = model.step(x, model.init_state(4))
+        want, _ = fresh.step(x, fresh.init_state(4))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_bad_arguments():
     model = Policy()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
