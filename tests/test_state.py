@@ -101,6 +101,10 @@ def test_x_of_another_float_dtype_is_cast_to_the_input_projection(tiny_config):
         step, _ = bb.step(x[:, 0].double(), bb.init_state(2))
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(step, want[:, 0], rtol=1e-5, atol=1e-6)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # never casts a float64
+        want, _ = bb(x)
+        got, _ = bb(x.double())
+    torch.testing.assert_close(got, want)
 
 
 def test_clone_is_independent():

@@ -109,9 +109,10 @@ class MambaBackbone(nn.Module):
             return x
         # x of another float dtype than the projection's weights (f64 observations into an
         # f32 model): cast, as the blocks cast it where there is no projection; autocast
-        # casts both itself
+        # casts the others itself, but never a float64
         dtype = next(self.input_proj.parameters()).dtype
-        if x.dtype != dtype and not torch.is_autocast_enabled(x.device.type):
+        autocast = torch.is_autocast_enabled(x.device.type)
+        if x.dtype != dtype and (not autocast or x.dtype == torch.float64):
             x = x.to(dtype)
         return self.input_proj(x)
 

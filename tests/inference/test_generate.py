@@ -493,6 +493,9 @@ def test_a_run_longer_than_its_first_buffer_grows_it(lm, monkeypatch):
     out = generate(lm, rows, max_new_tokens=23, cuda_graph=True, **kw)
     assert all(torch.equal(a, b) for a, b in zip(out, whole))
     assert len(captures) == 1 + 4  # the prefill; decoders of room 4, 8, 16, 23 (32)
+    again = generate(lm, rows, max_new_tokens=23, cuda_graph=True, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(again, whole))
+    assert len(captures) == 1 + 4  # the grown decoder was cached: nothing captured again
     first = greedy_oracle(lm, rows[1][None], 3)[0, -3:]
     end = int(first[2])  # greedy draws it within three tokens
     got = generate(lm, rows[1][None], max_new_tokens=10**15, temperature=0, eos_token_id=end,

@@ -239,6 +239,25 @@ def test_compile_compiles_the_loss_and_trains_as_eager(monkeypatch):
         losses[compile] = [float(trainer.train_step()[0]) for _ in range(2)]
     assert counters["stats"]["unique_graphs"] >= 1
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+    trainer.loss_fn = lambda model, batch, state: (model.loss_sum(**batch, state=state)[0] * 0,
+                                                   None)  # fmt: skip
+    assert float(trainer.train_step()[0]) == 0.0  # a replaced loss_fn is compiled and used
+
+
+def test_the_default_loss_trains_a_model_without_a_config():
+    """lm_loss's path for any module whose forward gives .logits and .state (no .config,
+    no loss_sum): the targets are checked without a vocabulary there."""
+
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = tiny_lm()
+
+        def forward(self, ids, state=None, seq_idx=None):
+            return self.lm(ids, state=state, seq_idx=seq_idx)
+
+    trainer = Trainer(Wrap(), tcfg(), ListData([random_batch()]))
+    assert math.isfinite(float(trainer.train_step()[0]))
 
 
 # -- optimizer: groups and schedule ---------------------------------------------------------

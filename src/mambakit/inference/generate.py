@@ -321,6 +321,11 @@ class _Run:
                 getattr(new, name).copy_(getattr(old, name))
         new.out[:, : old.capacity].copy_(old.out)
         old.owner = _dead_ref
+        if self.graphs:  # the grown graph replaces the run's own in the cache: a later
+            cache = graph_cache(self.model)  # long run finds it rather than capturing again
+            key = (self.prompts.batch, self.cfg)
+            if cache.get(key) is old:
+                cache[key] = new
         self.dec = new
 
     @static_mode()

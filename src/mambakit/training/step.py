@@ -146,8 +146,9 @@ class StepMixin:
         self.model.train()
         host = [self.train_data.next() for _ in range(self.cfg.grad_accum)]
         if self.loss_fn is lm_loss:  # a loss of the user's may read its targets otherwise
+            vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
             for b in host:
-                check_targets(b, self.model.config.vocab_size)
+                check_targets(b, vocab)
         n_tokens = sum(int(count_targets(b)) for b in host)  # counted on the host: no sync
         host = [dist_.shard_rows(b, self.dist) for b in host]  # this rank's rows
         # the lr this step uses, on the host (with cuda_graph the group's lr is a device tensor)

@@ -136,8 +136,8 @@ class WindowStep:
             torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
         self.optimizer.step()
         # a fused optimizer updates in place behind autograd's back: the versions tell the
-        # decode plans (`step`'s weights) that the parameters changed (a host-side count, so
-        # in a capture it does nothing: the replay bumps them)
+        # decode plans (`step`'s weights) that the parameters changed (a host-side count: in a
+        # capture it counts once, and each replay bumps them again)
         _increment_versions(self.params)
         with torch.no_grad():
             self.state.copy_(final.detach())
