@@ -44,13 +44,18 @@ def test_invalid_construction_names_the_problem():
         MambaState(torch.zeros(2, 3, 1, 4), torch.zeros(2, 3, 6, 5))
 
 
-def test_fields_of_another_dtype_are_refused_naming_the_field():
-    """A state's fields share one floating dtype (an int32 conv field was taken and its
-    values truncated by the step)."""
-    with pytest.raises(TypeError, match=r"MambaState.ssm is torch.int32 but MambaState.conv"):
-        MambaState(torch.zeros(2, 3, 1, 4), torch.zeros(2, 3, 4, 5, dtype=torch.int32))
-    with pytest.raises(TypeError, match=r"MambaState.ssm is torch.bfloat16"):
-        MambaState(torch.zeros(2, 3, 1, 4), torch.zeros(2, 3, 4, 5, dtype=torch.bfloat16))
+def test_fields_of_another_dtype_are_refused_naming_the_field(tiny_config):
+    """A state's fields are floating tensors (an int32 conv field was taken and its values
+    truncated by the step), and a model takes f32 or f64 ones in every field (a bf16 field
+    broke the compiled CPU step); f32 and f64 may mix."""
+    with pytest.raises(TypeError, match=r"MambaState.conv must be a floating tensor"):
+        MambaState(torch.zeros(2, 3, 1, 4, dtype=torch.int32), torch.zeros(2, 3, 4, 5))
+    model = MambaBackbone(tiny_config(d_model=8, n_layers=2, d_state=4, expand=2)).eval()
+    s = model.init_state(3)
+    with pytest.raises(TypeError, match=r"state.conv must be float32 \(or float64\), got "):
+        model.step(torch.randn(3, 8), MambaState(s.conv.bfloat16(), s.ssm))
+    with torch.no_grad():
+        model.step(torch.randn(3, 8), MambaState(s.conv.double(), s.ssm))
 
 
 def test_copy_takes_a_state_of_the_same_kind_and_shapes():
