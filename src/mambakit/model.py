@@ -20,6 +20,7 @@ from .inference.cpu_step import compiled_rows, head_rows
 from .inference.cuda_graph import use_cuda_graph
 from .inference.step_graph import graphed_step
 from .layers.block import RMSNorm
+from .layers.init import no_decay_marks_kept
 from .layers.plain import plain
 from .ops import linear_cross_entropy
 from .ops._checks import check_positions
@@ -308,19 +309,15 @@ class MambaLM(nn.Module):
         if dtype == "auto":
             dtype = stored_dtype(sd.values())
         dtype = dtype or torch.float32
-        # to_empty makes the parameters anew: the no-weight-decay marks are carried by name
-        marks = {n for n, p in model.named_parameters() if getattr(p, "_no_weight_decay", False)}
-        model = model.to(dtype=dtype).to_empty(device=device or "cpu")  # no pass through f32
-        with torch.no_grad():
-            for k, p in model.state_dict(keep_vars=True).items():
-                if k in sd:
-                    p.copy_(sd[k].to(dtype))
-        if cfg.tie_embeddings:  # to_empty keeps the tie only by identity; re-tie explicitly
-            model.lm_head.weight = model.backbone.embeddings.weight
-        model = model.to(dtype=dtype)
-        for n, p in model.named_parameters():
-            if n in marks:
-                p._no_weight_decay = True
+        with no_decay_marks_kept(model):  # to_empty makes the parameters anew
+            model = model.to(dtype=dtype).to_empty(device=device or "cpu")  # not through f32
+            with torch.no_grad():
+                for k, p in model.state_dict(keep_vars=True).items():
+                    if k in sd:
+                        p.copy_(sd[k].to(dtype))
+            if cfg.tie_embeddings:  # to_empty keeps the tie only by identity; re-tie it
+                model.lm_head.weight = model.backbone.embeddings.weight
+            model = model.to(dtype=dtype)
         return model
 
     def save_pretrained(

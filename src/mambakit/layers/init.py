@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -70,3 +72,14 @@ def no_weight_decay(p: nn.Parameter) -> nn.Parameter:
     """Mark a parameter that AdamW must not decay (A_log, D, dt bias, norms, biases)."""
     p._no_weight_decay = True
     return p
+
+
+@contextlib.contextmanager
+def no_decay_marks_kept(model: nn.Module) -> Iterator[None]:
+    """Within it `model`'s parameters may be made anew (`to_empty`, sharding), which drops
+    their `no_weight_decay` marks: after it they are put back, by name."""
+    keep = {n for n, p in model.named_parameters() if getattr(p, "_no_weight_decay", False)}
+    yield
+    for n, p in model.named_parameters():
+        if n in keep:
+            p._no_weight_decay = True

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..layers.init import no_decay_marks_kept
+
 MODES = ("none", "ddp", "fsdp")
 ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -115,15 +117,11 @@ def wrap(model: nn.Module, loss_fn, d: Dist, device: torch.device) -> nn.Module:
         # a block's final state (conv state) is a view; nothing writes into it in place (the
         # model stacks the layers' states into new tensors), so FSDP2's warning is moot
         warnings.filterwarnings("ignore", "FSDP2-wrapped module .*MambaBlock.* view tensor")
-        # sharding replaces the parameters: carry over the no-weight-decay marks by name
-        keep = {n for n, p in model.named_parameters() if getattr(p, "_no_weight_decay", False)}
         layers = getattr(getattr(model, "backbone", None), "layers", None)
-        for block in layers if layers is not None else []:
-            fully_shard(block)
-        fully_shard(module)
-        for n, p in model.named_parameters():
-            if n in keep:
-                p._no_weight_decay = True
+        with no_decay_marks_kept(model):  # sharding replaces the parameters
+            for block in layers if layers is not None else []:
+                fully_shard(block)
+            fully_shard(module)
     return module
 
 
