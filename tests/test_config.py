@@ -116,6 +116,8 @@ def test_derived_fields():
         ("rms_norm_eps", float("nan")),
         ("pad_vocab_size_multiple", 0),
         ("dt_init", "xavier"),
+        ("dt_scale", -1.0),
+        ("initializer_range", None),
         ("d_model", 2.5),
         ("n_layers", True),
     ],
@@ -146,6 +148,17 @@ def test_dict_and_file_round_trip(tmp_path):
     assert extra.extra == {"some_future_key": 1} and extra.d_model == 24
 
 
+def test_file_round_trip_keeps_extra(tmp_path):
+    """`load` puts unknown keys in `extra` (a checkpoint's token ids); `save` writes them, so
+    a saved config loads back equal."""
+    extra = {"eos_token_id": 0, "bos_token_id": None}
+    cfg = MambaConfig(d_model=24, n_layers=3, vocab_size=50, extra=dict(extra))
+    cfg.save(tmp_path / "c.json")
+    again = MambaConfig.load(tmp_path / "c.json")
+    assert again.extra == extra and again == cfg
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json"]  # no temporary left
+
+
 @pytest.mark.parametrize(
     "field, value, message",
     [("norm_before_gate", "false", "True or False"), ("rmsnorm", 1, "True or False"),
@@ -154,3 +167,13 @@ def test_dict_and_file_round_trip(tmp_path):
 def test_mamba2_fields_are_checked_by_name(field, value, message):
     with pytest.raises(ValueError, match=f"{field}.*{message}|{message}"):
         MambaConfig.preset("tiny-mamba2", **{field: value})
+
+
+def test_mamba3_refuses_the_bias_it_has_no_place_for():
+    """bias (in_proj and out_proj) is a field every mixer reads but Mamba-3's, whose
+    projections have none (mamba_ssm's Mamba3): asking for it is an error, not a model
+    built and saved without it."""
+    with pytest.raises(ValueError, match="bias"):
+        MambaConfig.preset("tiny-mamba3", bias=True)
+    model = MambaLM(MambaConfig.preset("tiny-mamba3", n_layers=1))
+    assert not any(n.endswith(".bias") for n, _ in model.named_parameters())

@@ -113,6 +113,10 @@ class MambaConfig:
             )
         if self.dt_init_floor <= 0:
             raise ValueError(f"MambaConfig.dt_init_floor must be > 0, got {self.dt_init_floor}")
+        for name in ("dt_scale", "initializer_range"):  # init scales: the model's constructor
+            v = getattr(self, name)  # would fail on them with an error that names neither
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ValueError(f"MambaConfig.{name} must be a finite number >= 0, got {v!r}")
         if self.dt_init not in ("random", "constant"):
             raise ValueError(
                 f"MambaConfig.dt_init must be 'random' or 'constant', got {self.dt_init!r}"
@@ -164,6 +168,11 @@ class MambaConfig:
                 raise ValueError(f"MambaConfig.d_state={self.d_state} leaves no rotary pair")
             if not self.A_floor > 0:
                 raise ValueError(f"MambaConfig.A_floor must be > 0, got {self.A_floor}")
+            if self.bias:  # a shared field, not another mixer's: asked for, it would be lost
+                raise ValueError(
+                    "MambaConfig.bias=True: the mamba3 mixer's in_proj and out_proj have no "
+                    "bias (as mamba_ssm's Mamba3)"
+                )
         if self.vocab_size % self.pad_vocab_size_multiple:
             m = self.pad_vocab_size_multiple
             self.vocab_size += m - self.vocab_size % m
@@ -266,7 +275,12 @@ class MambaConfig:
         return cls(**known, extra=extra)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        """The fields and the `extra` keys (token ids, ...), which `load` puts back in `extra`;
+        written to a temporary file and renamed into place, as checkpoints are."""
+        from .hf.io import _atomic_write  # (hf imports this module)
+
+        text = json.dumps({**self.extra, **self.to_dict()}, indent=2) + "\n"
+        _atomic_write({Path(path): lambda tmp: Path(tmp).write_text(text)})
 
     @classmethod
     def load(cls, path: str | Path) -> MambaConfig:

@@ -179,8 +179,10 @@ def test_a_mamba1_activation_other_than_silu_refused(tmp_path, randomize):
 
 @pytest.mark.parametrize(
     "field, value",
-    [("layer_norm_epsilon", None), ("layer_norm_epsilon", "1e-5"), ("time_step_min", None)],
-)
+    [("layer_norm_epsilon", None), ("layer_norm_epsilon", "1e-5"), ("time_step_min", None),
+     ("hidden_size", None), ("hidden_size", "24"), ("time_step_scale", "x"),
+     ("initializer_range", None)],
+)  # fmt: skip
 def test_a_config_value_of_the_wrong_type_is_a_checkpoint_error(tmp_path, randomize, field,
                                                                 value):  # fmt: skip
     from mambakit.hf.errors import CheckpointError
@@ -246,6 +248,40 @@ def test_truncated_safetensors_named(tmp_path):
     with pytest.raises(Exception, match=r"model\.safetensors") as info:
         MambaLM.from_pretrained(tmp_path)
     assert isinstance(info.value, (ValueError, OSError, RuntimeError)), type(info.value)
+
+
+def test_malformed_shard_index_named(tmp_path, randomize):
+    """An index that is not an object, or whose weight_map names no file for a tensor: a
+    CheckpointError naming the index, not an AttributeError or TypeError from inside."""
+    from mambakit.hf import CheckpointError
+
+    hf_model(randomize).save_pretrained(tmp_path, max_shard_size="10KB")
+    index = tmp_path / "model.safetensors.index.json"
+    meta = json.loads(index.read_text())
+    for bad in ([meta], {**meta, "weight_map": {**meta["weight_map"], "lm_head.weight": 3}}):
+        index.write_text(json.dumps(bad))
+        with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json"):
+            MambaLM.from_pretrained(tmp_path)
+
+
+def test_config_json_read_as_utf8_whatever_the_locale(tmp_path, randomize):
+    """config.json is JSON, so UTF-8 (a byte-order mark too) whatever the locale's encoding;
+    bytes that are not UTF-8 are a CheckpointError naming the file."""
+    from mambakit.hf import CheckpointError
+
+    hf = hf_model(randomize)
+    hf.save_pretrained(tmp_path)
+    cfg = tmp_path / "config.json"
+    text = cfg.read_text(encoding="utf-8")
+    cfg.write_bytes(text.encode("utf-8-sig"))
+    ids = torch.randint(0, 56, (2, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            MambaLM.from_pretrained(tmp_path)(ids).logits, hf_logits(hf, ids), **TOL
+        )
+    cfg.write_bytes(text.replace('"mamba"', '"mamba\xe9"').encode("latin-1"))
+    with pytest.raises(CheckpointError, match=r"config\.json"):
+        MambaLM.from_pretrained(tmp_path)
 
 
 def test_missing_files_named(tmp_path):

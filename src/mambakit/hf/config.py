@@ -112,22 +112,15 @@ def config_from_json(cfg: dict[str, Any]) -> tuple[MambaConfig, str]:
             raise CheckpointError(
                 f"config.json: hidden_act {cfg['hidden_act']!r} is not supported (silu only)"
             )
-        d_model = _require(cfg, "hidden_size")
-        expand = cfg.get("expand", 2)
-        inter = cfg.get("intermediate_size")
-        if inter is not None and inter != expand * d_model:
-            raise CheckpointError(
-                f"config.json: intermediate_size {inter} != expand {expand} * hidden_size {d_model}"
-            )
         rank = cfg.get("time_step_rank", "auto")
         out = _build(
             MambaConfig,
-            d_model=d_model,
+            d_model=_require(cfg, "hidden_size"),
             n_layers=_require(cfg, "num_hidden_layers"),
             vocab_size=_require(cfg, "vocab_size"),
             d_state=cfg.get("state_size", 16),
             d_conv=cfg.get("conv_kernel", 4),
-            expand=expand,
+            expand=cfg.get("expand", 2),
             dt_rank=rank,  # "auto": MambaConfig's rule
             rms_norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
             conv_bias=cfg.get("use_conv_bias", True),
@@ -143,6 +136,14 @@ def config_from_json(cfg: dict[str, Any]) -> tuple[MambaConfig, str]:
             rescale_prenorm_residual=cfg.get("rescale_prenorm_residual", True),
             extra={k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg},
         )
+        # after the build: hidden_size and expand are checked ints there (a null or a string
+        # would fail the product, or repeat the string)
+        inter = cfg.get("intermediate_size")
+        if inter is not None and inter != out.d_inner:
+            raise CheckpointError(
+                f"config.json: intermediate_size {inter} != expand {out.expand} * hidden_size "
+                f"{out.d_model}"
+            )
         return out, "hf"
     if "d_model" in cfg:
         ssm = cfg.get("ssm_cfg") or {}

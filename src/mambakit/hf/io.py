@@ -30,9 +30,9 @@ _KEY_ALIASES = {"backbone.embedding.weight": "backbone.embeddings.weight"}  # st
 
 
 def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    try:  # bytes: JSON's own encoding (UTF-8, or the UTF-16/32 json detects), not the locale's
+        return json.loads(path.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path.name}: not valid JSON ({e})") from e
 
 
@@ -49,9 +49,13 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     if (path / "model.safetensors").is_file():
         sd = _load_safetensors(path / "model.safetensors")
     elif index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        meta = _read_json(index)
+        weight_map = meta.get("weight_map") if isinstance(meta, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index.name}: missing 'weight_map'")
+        bad = sorted(k for k, v in weight_map.items() if not isinstance(v, str))
+        if bad:
+            raise CheckpointError(f"{index.name}: 'weight_map' names no shard file for {bad}")
         sd = {}
         for shard in sorted(set(weight_map.values())):
             part = _load_safetensors(path / shard)
