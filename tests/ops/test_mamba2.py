@@ -491,6 +491,41 @@ def test_raw_dt_with_its_bias_equals_the_made_delta(nan_empty, backend, limit):
     assert rel(leaves[1].grad, leaves64[1].grad) < 1e-5
 
 
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a view with stride 2 in its last dim (every other element of a buffer)."""
+    buf = torch.full((*t.shape[:-1], 2 * t.shape[-1]), float("nan"), dtype=t.dtype,
+                     device=t.device)  # fmt: skip
+    buf[..., ::2] = t
+    return buf[..., ::2]
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "autograd"])
+@pytest.mark.parametrize("name", ["delta", "A", "D", "dt_bias"])
+def test_kernels_take_inputs_strided_in_their_last_dim(nan_empty, name, grad):
+    """delta [B, T, H], A [H], D [H] and dt_bias [H] as views of stride 2 (which the checks
+    accept: only x's layout is the kernels' own concern) give the float64 oracle's y and
+    final state, on the forward without autograd (the SSD kernels, which index them by head)
+    and with it."""
+    inp, seq_idx = make(Bn=2, T=37, H=4, P=4, G=2, N=8, seq=True, seed=4)
+    g = torch.Generator().manual_seed(2)
+    dt = torch.randn(2, 37, 4, generator=g, dtype=torch.float64) - 1
+    bias = torch.randn(4, generator=g, dtype=torch.float64)
+    made = inp["delta"] if name != "dt_bias" else torch.nn.functional.softplus(dt + bias)
+    y64, f64 = mamba2_scan_naive(**{**inp, "delta": made}, seq_idx=seq_idx)
+    args = {k: v.to(DEVICE, torch.float32) for k, v in inp.items()}
+    extra = {}
+    if name == "dt_bias":
+        args["delta"] = dt.to(DEVICE, torch.float32)
+        extra["dt_bias"] = _strided(bias.to(DEVICE, torch.float32))
+    else:
+        args[name] = _strided(args[name])
+    with torch.set_grad_enabled(grad):
+        if grad:
+            args["x"].requires_grad_()
+        y, final = mamba2_scan(**args, **extra, seq_idx=seq_idx.to(DEVICE), backend="triton")
+    assert rel(y, y64) < 1e-5 and rel(final, f64) < 1e-5
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [(dict(dt_bias=torch.zeros(3)), "dt_bias"), (dict(dt_limit=(0.5, 0.1)), "dt_limit"),

@@ -266,6 +266,48 @@ def test_layer_step_kernel_equals_reference_over_tokens():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_step_kernels_take_a_strided_D_and_dt_bias(nan_empty):
+    """The Triton decode steps with D [H] and dt_bias [H] as views of stride 2: the step on
+    made inputs (`mamba3_state_update`) against the float64 reference step, and the step
+    from in_proj's rows (`mamba3_step_raw`) against the float64 reference body."""
+    from mambakit.layers.mamba3 import Mamba3
+    from mambakit.ops.mamba3 import mamba3_state_update, mamba3_step_raw
+
+    def strided(t):
+        buf = torch.full((2 * t.shape[0],), float("nan"), dtype=t.dtype, device=t.device)
+        buf[::2] = t
+        return buf[::2]
+
+    inp, st = make(T=1, seed=2)
+    one = {k: (v[:, 0] if v.dim() > 2 else v) for k, v in inp.items()}
+    y64, next64 = mamba3_step_reference(**one, state=st)
+    args = {k: v.to(DEVICE, torch.float32) for k, v in one.items()}
+    args["D"] = strided(args["D"])
+    dev = Mamba3State(*(t.to(DEVICE, torch.float32) for t in st))
+    y = mamba3_state_update(dev, **args, backend="triton")
+    torch.testing.assert_close(y.cpu().double(), y64, rtol=1e-5, atol=1e-5)
+    for name, got, want in zip(Mamba3State._fields, dev, next64):
+        torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5, msg=name)
+
+    torch.manual_seed(0)
+    layer = Mamba3(16, d_state=8, headdim=4, ngroups=2)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+        zxbc = layer.in_proj(torch.randn(2, 16))
+        want = layer.init_state(2)
+        st64 = Mamba3State(*(t.double() for t in want))
+        w64 = layer.double().decode_weights(projections=False)
+        y64 = mamba3_step_raw(st64, zxbc.double(), w64, "reference")
+        w = layer.float().to(DEVICE).decode_weights(projections=False)
+        w = w._replace(D=strided(w.D), dt_bias=strided(w.dt_bias))
+        dev = Mamba3State(*(t.to(DEVICE) for t in want))
+        y = mamba3_step_raw(dev, zxbc.to(DEVICE), w, "triton")
+    torch.testing.assert_close(y.cpu().double(), y64, rtol=1e-5, atol=1e-5)
+    for name, got, want in zip(Mamba3State._fields, dev, st64):
+        torch.testing.assert_close(got.cpu().double(), want, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def _kernel_case(T_, G_, seq, state_in, gate, seed=5, Pn=16, Nn=16):
     """Inputs of the kernel tests (f32, CPU): (scan inputs, initial state or None, seq_idx)."""
     Bn, Hn, Sn = 2, 4, 4
@@ -475,6 +517,51 @@ def _check_kernel_gradients(inp, state, seq_idx, cfg=None):
         got = outs["kernel"][name]
         err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
         assert err < 1e-5, f"{name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "autograd"])
+@pytest.mark.parametrize("layout", ["q-batch-minor", "k-batch-minor", "D-strided"])
+def test_public_scan_takes_q_and_k_of_other_strides_and_a_strided_D(nan_empty, layout, grad):
+    """`mamba3_scan` on the Triton body with q and k of different strides (one of them
+    stored time-major: [B, T, G, N] over a [T, B, G, N] buffer, last stride 1 for both) or
+    D [H] a view of stride 2, which the checks accept: y and the final state equal the
+    float64 oracle's (`mamba3_scan_naive`) on the same values, and under autograd the
+    gradients of q, k and D too."""
+    from mambakit.ops.mamba3 import mamba3_scan
+    from mambakit.ops.mamba3.naive import mamba3_scan_naive
+
+    inp, st = make(T=21, seed=3)
+    seq_idx = torch.zeros(B, 21, dtype=torch.int32)
+    seq_idx[0, 8:] = 1
+    leaves64 = {k: v.clone().requires_grad_(grad) for k, v in inp.items()}
+    y64, f64 = mamba3_scan_naive(**leaves64, initial_state=st, seq_idx=seq_idx)
+    leaves = {k: v.to(DEVICE, torch.float32).requires_grad_(grad) for k, v in inp.items()}
+    args = dict(leaves)
+    if layout == "D-strided":
+        buf = torch.full((2 * H,), float("nan"), device=DEVICE)
+        buf[::2] = leaves["D"]
+        args["D"] = buf[::2]
+    else:
+        name = layout[0]
+        args[name] = leaves[name].transpose(0, 1).contiguous().transpose(0, 1)
+        assert args["q"].stride() != args["k"].stride()
+    st32 = Mamba3State(*(t.to(DEVICE, torch.float32) for t in st))
+    with torch.set_grad_enabled(grad):
+        y, final = mamba3_scan(**args, initial_state=st32, seq_idx=seq_idx.to(DEVICE),
+                               backend="triton")  # fmt: skip
+    torch.testing.assert_close(y.cpu().double(), y64.detach(), rtol=1e-5, atol=1e-5)
+    for name, got, want in zip(Mamba3State._fields, final, f64):
+        if name == "angle":  # mod 2 pi
+            got, want = torch.stack([got.cos(), got.sin()]), torch.stack([want.cos(), want.sin()])
+        torch.testing.assert_close(got.cpu().double(), want.detach(), rtol=1e-5, atol=1e-5,
+                                   msg=name)  # fmt: skip
+    if grad:
+        cot = torch.randn(y64.shape, generator=torch.Generator().manual_seed(1), dtype=y64.dtype)
+        (y64 * cot).sum().backward()
+        (y * cot.to(y)).sum().backward()
+        for name in ("q", "k", "D"):
+            torch.testing.assert_close(leaves[name].grad.cpu().double(), leaves64[name].grad,
+                                       rtol=1e-4, atol=1e-5, msg=name)  # fmt: skip
 
 
 def test_layer_runs_the_chunk_kernels_with_and_without_autograd(monkeypatch):

@@ -177,6 +177,10 @@ def mamba2_scan_kernel(x, delta, A, B, C, D=None, z=None, initial_state=None, se
     xs = x if x.stride(-1) == 1 else x.contiguous()
     zs = z if z is None or z.stride(-1) == 1 else z.contiguous()
     s0 = initial_state.float().contiguous()
+    # the kernels index delta's heads, A, D and dt_bias with unit stride
+    delta = delta if delta.stride(-1) == 1 else delta.contiguous()
+    A, D_h = A.contiguous(), D_h.contiguous() if D_h is not None else None
+    dt_bias = dt_bias.contiguous() if dt_bias is not None else None
     args = (xs, delta, A, B, C, D_h, zs, s0, seq)
     if not grad:
         lo, hi = dt_limit

@@ -148,6 +148,7 @@ def mamba3_scan_kernel(x, q, k, delta, A, trap, theta, q_bias, k_bias, D=None, z
     xs = x if x.stride(-1) == 1 else x.contiguous()
     zs = z if z is None or z.stride(-1) == 1 else z.contiguous()
     angle0, s0, k0, x0 = (t.float().contiguous() for t in initial_state)
+    D = D.contiguous() if D is not None else None  # the kernels read D[h] with unit stride
     args = (xs, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, s0, k0, x0, D, zs, seq,
             _config_id(cfg))  # fmt: skip
     tensors = (x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z, *initial_state)

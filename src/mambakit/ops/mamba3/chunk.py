@@ -39,7 +39,7 @@ from .scan_config import (
     _parallel,
     _precision,
 )
-from .terms import _Terms, token_terms_kernel
+from .terms import _Terms, same_strides, token_terms_kernel
 
 
 def _launch_fwd_chunks(x, qr, kr, adt, gamma, late, seq_idx, D, z, s0, k0, x0, y, L, cfg):
@@ -330,7 +330,8 @@ def scan_train_backward(dy, dphi_T, dsT, dkT, inputs, saved, cfg: Mamba3ScanConf
     its four outputs (None where none reached them), its inputs and what it kept."""
     x, q, k, delta, A, trap, theta, q_bias, k_bias, angle0, s0, k0, x0, D, z, seq = inputs
     phi, qr, kr, adt, gamma, late, pre, states = saved
-    q, k, trap, theta = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, trap, theta))
+    q, k = same_strides(q, k)
+    trap, theta = (t if t.stride(-1) == 1 else t.contiguous() for t in (trap, theta))
     delta, A = delta.float().contiguous(), A.float().contiguous()
     q_bias, k_bias = q_bias.contiguous(), k_bias.contiguous()
     terms = _Ctx((q, k, delta, A, trap, theta, q_bias, k_bias, seq, phi), cfg=cfg.terms,

@@ -91,7 +91,7 @@ def state_update_raw(
     kernel as `Mamba3._inputs` makes them (the RMSNorms of C and B, softplus(dd_dt +
     dt_bias), -max(heavy_tail(dd_A), A_floor)), which would be a dozen small launches a
     layer and token otherwise."""
-    raw = (dt_bias, _unit_last(C_weight), _unit_last(B_weight), A_floor, eps)
+    raw = (_unit_last(dt_bias), _unit_last(C_weight), _unit_last(B_weight), A_floor, eps)
     return _launch(state, x, C, B, dd_dt, dd_A, trap, theta, q_bias, k_bias, D, z, raw, cfg)
 
 
@@ -105,6 +105,7 @@ def _launch(state, x, q, k, delta, A, trap, theta, q_bias, k_bias, D, z, raw, cf
     x, q, k, theta, q_bias, k_bias = map(_unit_last, (x, q, k, theta, q_bias, k_bias))
     delta, A, trap = map(_unit_last, (delta, A, trap))
     z = _unit_last(z) if z is not None else None
+    D = _unit_last(D) if D is not None else None
     Bsz, H, P = x.shape
     G, N = q.shape[1], q.shape[2]
     S = theta.shape[1]

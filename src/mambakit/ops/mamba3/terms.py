@@ -82,7 +82,7 @@ class _Terms(torch.autograd.Function):
         Bsz, T, G, N = q.shape
         H, S = delta.shape[-1], theta.shape[-1]
         f = dict(device=q.device, dtype=torch.float32)
-        q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))
+        q, k = same_strides(q, k)
         delta, A = (t.float().contiguous() for t in (delta, A))
         trap, theta = (t if t.stride(-1) == 1 else t.contiguous() for t in (trap, theta))
         q_bias, k_bias = q_bias.contiguous(), k_bias.contiguous()
@@ -170,6 +170,14 @@ class _Terms(torch.autograd.Function):
                    M, BLOCK_E=cfg.sum_block)  # fmt: skip
         return (dq, dk, ddelta, dA, dtrap.to(trd), dtheta, dq_bias, dk_bias, dangle0.to(ad),
                 None, None, None)  # fmt: skip
+
+
+def same_strides(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k as the turn kernels read them: with unit last stride and one set of strides
+    (q's), copied when they differ."""
+    if q.stride() != k.stride() or q.stride(-1) != 1:
+        return q.contiguous(), k.contiguous()
+    return q, k
 
 
 def token_terms_kernel(q, k, delta, A, trap, theta, q_bias, k_bias, angle0, seq,
