@@ -6,6 +6,9 @@ shapes). Summing over channels with `tl.sum` costs log2(BLOCK_D) shuffles for ev
 thread holds; the reduce-scatter halves the values at each level instead and leaves every
 lane finished sums to store. `reduce_scatter_fits` (launch.py) says on the host when the layout
 allows it; otherwise `_store_channel_sum` sums with `tl.sum`.
+
+`_sum_partials_kernel` then sums every per-program partial of the backward in one launch:
+dB and dC over the channel blocks, dA, dD and d delta_bias over rows and segments.
 """
 
 import triton
@@ -96,3 +99,42 @@ def _store_channel_sum(
             tl.store(ptr + off, r, mask=((t0 + tt) < T) & (nn < N))
     else:
         _st(_tile_ptrs(ptr, 0, N, 0, t0, rows, n, 1), tl.sum(p, axis=2), mtn, EVEN)
+
+
+@triton.jit
+def _sum_rows(src, dst, P, M, pid, BLOCK_E: tl.constexpr):
+    """dst[m] = sum_p src[p, m] over block `pid` of m (src [P, M] f32, contiguous), in the
+    order of p (deterministic), stored in dst's dtype."""
+    offs = pid * BLOCK_E + tl.arange(0, BLOCK_E)
+    mask = offs < M
+    acc = tl.zeros([BLOCK_E], tl.float32)
+    ptrs = src + offs
+    for _ in tl.range(P, num_stages=4):
+        acc += tl.load(ptrs, mask=mask, other=0.0)
+        ptrs += M  # 64-bit pointers: no overflow past 2^31 elements
+    tl.store(dst + offs, acc.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_partials_kernel(
+    p_dBp, p_dCp, p_dB, p_dC, P, M, p_dAp, p_dA, PA, MA, p_dDp, p_dD, PD, MD, p_dbp, p_db,
+    Pb, Mb, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    """Every sum of the backward's partials in one launch: dB and dC over the channel blocks
+    (program axis 1 = 0 and 1), and on axis 1 = 2 the parameters' gradients over rows and
+    segments, their blocks one after the other along axis 0: dA, then dD, then d delta_bias."""
+    job = tl.program_id(1)
+    pid = tl.program_id(0)
+    if job == 0:
+        _sum_rows(p_dBp, p_dB, P, M, pid, BLOCK_E)
+    elif job == 1:
+        _sum_rows(p_dCp, p_dC, P, M, pid, BLOCK_E)
+    else:
+        nA = tl.cdiv(MA, BLOCK_E)
+        nD = tl.cdiv(MD, BLOCK_E) if HAS_D else 0
+        if pid < nA:
+            _sum_rows(p_dAp, p_dA, PA, MA, pid, BLOCK_E)
+        elif pid < nA + nD:
+            _sum_rows(p_dDp, p_dD, PD, MD, pid - nA, BLOCK_E)
+        elif HAS_BIAS:
+            _sum_rows(p_dbp, p_db, Pb, Mb, pid - nA - nD, BLOCK_E)

@@ -34,15 +34,17 @@ Exponentials use exp2 with log2(e) folded into A.
 The kernels live next to this file: forward.py (`_fwd_kernel`), backward.py (`_bwd_kernel`,
 `_bwd_local_kernel`), replay.py (the tile-start states from sparser saved ones), carry.py
 (the backward's scan over segments), channel_sum.py (the backward's warp reduce-scatter over
-channels), tiles.py (tile loads, decays, scan combines) and step.py (the decode step's state
-update). They are imported here, so this module names every kernel of the scan.
+channels, and the one launch that sums its partials), tiles.py (tile loads, decays, scan
+combines) and step.py (the decode step's state update). They are imported here, so this
+module names every kernel of the scan.
 """
 
 import torch
 
-from .._triton import cdiv, launch, next_power_of_2, opt, sm_count, strides, sum_blocks_kernel
+from .._triton import cdiv, launch, next_power_of_2, opt, sm_count, strides
 from .backward import _bwd_kernel, _bwd_local_kernel
 from .carry import _carry_bwd_kernel
+from .channel_sum import _sum_partials_kernel
 from .forward import _fwd_kernel, _fwd_last_kernel
 from .replay import _replay_kernel
 from .scan_config import ScanConfig, config, save_interval
@@ -447,12 +449,18 @@ def scan_bwd(
                 dz = dz_out.copy_(dz)
     dB = _new((Bsz, T, N), B.dtype, dev)
     dC = _new((Bsz, T, N), C.dtype, dev)
+    dA = torch.empty(Dn, N, dtype=f32, device=dev)
+    dD = torch.empty(Dn, dtype=f32, device=dev) if D is not None else None
+    dbias = torch.empty(Dn, dtype=f32, device=dev) if delta_bias is not None else None
     M = Bsz * T * N
     block = 1024 if u.is_cuda else 64
-    launch(sum_blocks_kernel, (cdiv(M, block), 2), dBp, dCp, dB, dC, ndb, M, BLOCK_E=block)
-    dA = dAp.sum((0, 1))
-    dD = dDp.sum((0, 1)) if dDp is not None else None
-    dbias = dbp.sum((0, 1, 2)) if delta_bias is not None else None
+    rows = Bsz * nseg  # the parameters' partials: one row per (row, segment)
+    n_par = cdiv(Dn * N, block) + 2 * cdiv(Dn, block)  # dA's blocks, dD's, d delta_bias's
+    launch(_sum_partials_kernel, (max(cdiv(M, block), n_par), 3),
+        dBp, dCp, dB, dC, ndb, M, dAp, dA, rows, Dn * N, opt(dDp, A), opt(dD, A), rows, Dn,
+        dbp, opt(dbias, A), nb * rows, Dn,
+        HAS_D=D is not None, HAS_BIAS=delta_bias is not None, BLOCK_E=block,
+    )  # fmt: skip
     return du, ddt, dA, dB, dC, dD, dz, dbias, dh0
 
 
