@@ -160,6 +160,8 @@ def test_train_cli_errors_name_the_problem(tmp_path, corpus, tiny_json, capsys):
         (train_args(corpus, tiny_json, runs, "--max-minutes", "0"), "--max-minutes"),
         (train_args(corpus, tiny_json, runs, "--lr", "-1"), "--lr must be a positive"),
         (train_args(corpus, tiny_json, runs, "--batch-size", "100000"), "--batch-size 100000"),
+        # both: it trained eagerly without a word
+        (train_args(corpus, tiny_json, runs, "--cuda-graph", "--no-cuda-graph"), "contradict"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv

@@ -107,6 +107,9 @@ def test_precision_auto_is_f32_on_cpu():
         ("device", "foo"),
         ("compile", "yes"),
         ("deterministic", "no"),
+        ("cuda_graph", 0),  # == False, but `is not False`: it read as on
+        ("cuda_graph", 1),
+        ("cuda_graph", "yes"),
     ],
 )
 def test_bad_train_config_names_the_field(field, value):

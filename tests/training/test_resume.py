@@ -9,14 +9,17 @@ Tiny models (d_model 16, 2 layers) on CPU.
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 
+import numpy as np
 import pytest
 import torch
 from training_helpers import ListData, random_batch, tcfg, tiny_cfg, tiny_lm, weights_of
 
 from mambakit import MambaLM
 from mambakit.text import ByteTokenizer
-from mambakit.training import RowBatches, Trainer
+from mambakit.training import RowBatches, Trainer, lm_loss
+from mambakit.training.config import TrainingDiverged
 from mambakit.training.data import pack_documents
 
 
@@ -350,3 +353,167 @@ def test_resume_continues_the_lr_schedule(tmp_path, changed):
     if not changed:
         straight = Trainer(tiny_lm(), tcfg(**{**base, "run_dir": None}), ListData([random_batch()]))
         assert before + after == lrs_of_steps(straight, 8)
+
+
+# -- what a resumed run takes from its own config -------------------------------------------
+
+
+def test_resume_takes_the_optimizer_settings_of_its_own_config_and_device(tmp_path):
+    """Loading an optimizer state puts the saved groups' settings in place of the optimizer's:
+    a run resumed with another weight decay, betas or eps trained with the checkpoint's, and
+    one resumed on another device kept the fused and capturable flags of the device that
+    wrote it (on CUDA, a CPU checkpoint's unfused AdamW ignores the skip of non-finite
+    steps). The oracle: the groups of the optimizer a fresh run of the same config builds."""
+    first = Trainer(tiny_lm(), tcfg(run_dir=str(tmp_path)), ListData([random_batch()]))
+    first.train_step()
+    path = first.save()
+    st = torch.load(path / "trainer_state.pt", weights_only=True)
+    for g in st["optimizer"]["param_groups"]:  # as a CUDA run writes them
+        g.update(fused=True, capturable=True)
+    torch.save(st, path / "trainer_state.pt")
+    cfg = tcfg(run_dir=str(tmp_path), weight_decay=0.0, betas=(0.8, 0.9), eps=1e-6)
+    resumed = Trainer(tiny_lm(seed=1), cfg, ListData([random_batch()]))
+    assert resumed.resume() and resumed.step == 1
+    fresh = Trainer(tiny_lm(seed=1), cfg, ListData([random_batch()]))
+
+    def settings(g):
+        return {k: v for k, v in g.items() if k not in ("params", "lr", "initial_lr")}
+
+    groups = resumed.optimizer.param_groups
+    assert [settings(g) for g in groups] == [settings(g) for g in fresh.optimizer.param_groups]
+    assert [g["weight_decay"] for g in groups] == [0.0, 0.0] and groups[0]["eps"] == 1e-6
+    assert resumed.optimizer.state  # the moments and step counts are the checkpoint's
+    resumed.train_step()
+
+
+def poison_batches(poisoned: set[int], n: int = 8) -> ListData:
+    """Batch i adds NaN to the loss when i is in `poisoned` (read by `poisonable_loss`)."""
+    batches = []
+    for i in range(n):
+        b = random_batch(seed=i)
+        b["poison"] = torch.full(b["targets"].shape, float("nan") if i in poisoned else 0.0)
+        batches.append(b)
+    return ListData(batches)
+
+
+def poisonable_loss(model, batch, state):
+    loss, state = lm_loss(model, batch, state)
+    return loss + batch["poison"].sum(), state
+
+
+def test_resume_keeps_the_streak_of_skipped_steps(tmp_path):
+    """max_skipped_steps counts consecutive skipped steps across a checkpoint: a run saved in
+    the middle of a streak and resumed stops at the step an uninterrupted one stops at
+    (the streak restarted from 0 on resume)."""
+    cfg = tcfg(steps=8, max_skipped_steps=3, run_dir=str(tmp_path / "straight"))
+    straight = Trainer(tiny_lm(), cfg, poison_batches({2, 3, 4, 5}), loss_fn=poisonable_loss)
+    with pytest.raises(TrainingDiverged, match="3 consecutive"):
+        straight.fit(progress=False)
+    assert straight.step == 5
+
+    cfg = tcfg(steps=8, max_skipped_steps=3, run_dir=str(tmp_path / "cut"))
+    first = Trainer(tiny_lm(), cfg, poison_batches({2, 3, 4, 5}), loss_fn=poisonable_loss)
+    for _ in range(4):  # two applied steps, then two skipped ones
+        first.train_step()
+    assert first.consecutive_skipped_steps == 2
+    first.save()
+    resumed = Trainer(tiny_lm(), cfg, poison_batches({2, 3, 4, 5}), loss_fn=poisonable_loss)
+    assert resumed.resume() and resumed.consecutive_skipped_steps == 2
+    with pytest.raises(TrainingDiverged, match="3 consecutive"):
+        resumed.fit(progress=False)
+    assert resumed.step == straight.step and resumed.skipped_steps == straight.skipped_steps
+
+
+def test_numpy_numbers_in_the_config_train_save_and_resume(tmp_path):
+    """TrainConfig takes numpy's numbers (an lr of np.logspace, a seed of np.int64) and keeps
+    them as Python's: numpy scalars in the trainer state made every checkpoint of the run
+    unreadable to torch.load(weights_only=True), a numpy seed failed to seed the run, and
+    mixed betas were refused by AdamW."""
+    cfg = tcfg(
+        run_dir=str(tmp_path),
+        lr=np.logspace(-4, -2, 3)[1],
+        min_lr_ratio=np.float32(0.5),
+        weight_decay=np.float32(0.05),
+        betas=(np.float32(0.9), 0.95),
+        eps=np.float64(1e-8),
+        grad_clip=np.float64(1.0),
+        seed=np.int64(3),
+        max_seconds=np.float64(100.0),
+        ckpt_every_minutes=np.float32(1.0),
+    )
+    for name, v in asdict(cfg).items():
+        values = v if isinstance(v, tuple) else (v,)
+        assert all(type(x) in (int, float, str, bool, type(None)) for x in values), name
+    assert cfg.lr == 1e-3 and cfg.betas == (float(np.float32(0.9)), 0.95) and cfg.seed == 3
+    first = Trainer(tiny_lm(), cfg, ListData([random_batch()]))
+    first.train_step()
+    first.save()
+    resumed = Trainer(tiny_lm(seed=1), cfg, ListData([random_batch()]))
+    assert resumed.resume() and resumed.step == 1
+    for n, w in weights_of(resumed.model).items():
+        assert torch.equal(w, weights_of(first.model)[n]), n
+
+
+def test_trainer_state_is_on_disk_before_the_checkpoint_is_renamed_into_place(
+    tmp_path, monkeypatch
+):
+    """The model's files are synced by their writer; trainer_state.pt was not: after a
+    power loss, `latest` could name a checkpoint whose trainer state is empty (with
+    keep_last=1, the run's only one)."""
+    import os
+
+    events, real_fsync, real_replace = [], os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(dst)))
+        return real_replace(src, dst)
+
+    trainer = Trainer(
+        tiny_lm(), tcfg(run_dir=str(tmp_path), keep_last=1), ListData([random_batch()])
+    )
+    trainer.train_step()
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    trainer.save()
+    synced = [
+        i for i, (e, p) in enumerate(events) if e == "fsync" and p.endswith("trainer_state.pt")
+    ]
+    renamed = events.index(("replace", str(tmp_path / "step_0000001")))
+    assert synced and synced[0] < renamed
+
+
+def test_a_failed_save_over_a_checkpoint_of_the_same_step_keeps_it(tmp_path, monkeypatch):
+    """Saving a step that has a checkpoint already (save() called again, or a run resumed
+    from an earlier step reaching a later one's) removed the old folder before the new one
+    was in place: a failure then left `latest` naming nothing (with keep_last=1, the run's
+    only checkpoint gone)."""
+    import os
+
+    cfg = tcfg(run_dir=str(tmp_path), keep_last=1)
+    trainer = Trainer(tiny_lm(), cfg, ListData([random_batch()]))
+    trainer.train_step()
+    path = trainer.save()
+    saved = weights_of(trainer.model)
+    with torch.no_grad():
+        next(trainer.model.parameters()).add_(1.0)
+    real_replace, failed = os.replace, []
+
+    def replace(src, dst):  # the new folder's rename into place fails, once
+        if str(dst) == str(path) and not failed:
+            failed.append(src)
+            raise OSError("disk full (simulated)")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="disk full"):
+        trainer.save()
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", path.name]
+    again = Trainer(tiny_lm(seed=1), cfg, ListData([random_batch()]))
+    assert again.resume() and again.step == 1
+    for n, w in weights_of(again.model).items():
+        assert torch.equal(w, saved[n]), n

@@ -175,6 +175,8 @@ def _check_args(args) -> None:
         raise UsageError(f"--ckpt-minutes must be >= 0, got {args.ckpt_minutes:g}")
     if args.sample_tokens < 0:
         raise UsageError(f"--sample-tokens must be >= 0, got {args.sample_tokens}")
+    if args.cuda_graph and args.no_cuda_graph:
+        raise UsageError("--cuda-graph and --no-cuda-graph contradict each other: pass one")
 
 
 def _resume_command(args) -> str:

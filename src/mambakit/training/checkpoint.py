@@ -77,12 +77,22 @@ def save_checkpoint(
         else:
             model.save_pretrained(tmp, state_dict=weights)
         torch.save(trainer_state, tmp / "trainer_state.pt")
+        with open(tmp / "trainer_state.pt", "rb") as f:  # on disk before the rename makes the
+            os.fsync(f.fileno())  # folder the checkpoint (the model's files are, by their writer)
         _open_up(tmp)
         fsync_dir(tmp)
         final = run_dir / name
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        if final.exists():  # this step's checkpoint, saved before: kept until the new one is
+            old = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=run_dir))  # in place
+            os.replace(final, old)
+            try:
+                os.replace(tmp, final)
+            except BaseException:
+                os.replace(old, final)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -121,7 +121,7 @@ class TrainConfig:
             raise ValueError(
                 f"TrainConfig.precision must be auto, bf16, f16 or f32, got {self.precision!r}"
             )
-        if self.cuda_graph not in ("auto", True, False):
+        if not (isinstance(self.cuda_graph, bool) or self.cuda_graph == "auto"):  # (0 == False)
             raise ValueError(
                 f"TrainConfig.cuda_graph must be 'auto', True or False, got {self.cuda_graph!r}"
             )
@@ -143,6 +143,15 @@ class TrainConfig:
             )
         if self.distributed != "none" and self.compile:
             raise ValueError("TrainConfig.compile is not supported with distributed training")
+        # plain Python numbers from here on: numpy's (np.logspace's lrs, say) would reach the
+        # checkpoint's trainer state, which torch.load(weights_only=True) refuses to read back
+        for name in ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "eps"):
+            setattr(self, name, float(getattr(self, name)))
+        self.betas = (float(b[0]), float(b[1]))
+        self.seed = int(self.seed)
+        self.ckpt_every_minutes = float(self.ckpt_every_minutes)
+        if self.max_seconds is not None:
+            self.max_seconds = float(self.max_seconds)
 
 
 def _number(v) -> bool:

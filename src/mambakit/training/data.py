@@ -223,7 +223,12 @@ class RowSampler:
         return idx
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "offset": self.offset, "n_rows": self.n_rows}
+        return {
+            "epoch": self.epoch,
+            "offset": self.offset,
+            "n_rows": self.n_rows,
+            "seed": int(self.seed),
+        }
 
     def load_state_dict(self, sd: dict[str, int]) -> None:
         if sd["n_rows"] != self.n_rows:
@@ -231,6 +236,8 @@ class RowSampler:
                 f"resume: the data has {self.n_rows} rows but the checkpoint was "
                 f"taken on {sd['n_rows']}"
             )
+        # the cursor is a place in the checkpoint's order: its seed's (older checkpoints: none)
+        self.seed = int(sd.get("seed", self.seed))
         self.epoch, self.offset = int(sd["epoch"]), int(sd["offset"])
         self._perm = self._permutation()
 

@@ -1,10 +1,12 @@
 """The Trainer's side of checkpoints: what a checkpoint holds of a run, writing one, and
 continuing from one bit for bit.
 
-`trainer_state` is everything besides the weights: step, skipped steps, tokens seen, the
-optimizer's state with its parameters named (full tensors, so N ranks resume on M and any
-engine loads it), the lr schedule, the loss scaler, the run's RNG stream, the config and
-the data cursor. `save` refuses weights that are not finite and writes through
+`trainer_state` is everything besides the weights: step, skipped steps (and the current
+streak of them), tokens seen, the optimizer's state with its parameters named (full
+tensors, so N ranks resume on M and any engine loads it), the lr schedule, the loss
+scaler, the run's RNG stream, the config and the data cursor. The optimizer's settings
+(weight decay, betas, eps, fused) are the resuming run's, from its config and device.
+`save` refuses weights that are not finite and writes through
 `checkpoint.save_checkpoint` (rank 0 only); `resume` reads a named folder, or the one
 run_dir's `latest` names, falling back past unreadable ones (which it sets aside), checks
 that every tensor fits the model before it changes anything, and restores the rest. The
@@ -91,6 +93,7 @@ class CheckpointMixin:
         state = {
             "step": self.step,
             "skipped_steps": self.skipped_steps,
+            "skip_streak": self.consecutive_skipped_steps,  # max_skipped_steps counts across
             "tokens_seen": self.tokens_seen,
             "optimizer": self._optimizer_state(),
             "schedule": self.schedule.state_dict(),
@@ -318,11 +321,17 @@ class CheckpointMixin:
             with torch.no_grad():
                 for k, v in weights.items():
                     own[k].copy_(v)
-        # the groups' lr as make_optimizer sets it (a tensor for graphs), then the schedule of
-        # this run's config at the step (a resumed run may extend steps or change lr)
-        lr_tensor = isinstance(self.optimizer.param_groups[0]["lr"], torch.Tensor)
+        # the groups' settings as this run's config and device make them (loading puts the
+        # checkpoint's in their place: its weight decay, betas and eps, and its device's fused
+        # and capturable flags), the lr a tensor for graphs; then the schedule of this run's
+        # config at the step (a resumed run may extend steps or change lr)
+        own_groups = [
+            {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
+        ]
         self._load_optimizer_state(st["optimizer"])
-        for g in self.optimizer.param_groups:
+        for g, own in zip(self.optimizer.param_groups, own_groups):
+            g.update(own)
+            lr_tensor = isinstance(g["lr"], torch.Tensor)
             g["lr"] = torch.tensor(self.cfg.lr, device=self.device) if lr_tensor else self.cfg.lr
             g.pop("initial_lr", None)
         self.schedule = self._lr_schedule(int(st["step"]))
@@ -330,9 +339,9 @@ class CheckpointMixin:
         self._load_rng_state(st)
         self.step = int(st["step"])
         self.skipped_steps = int(st["skipped_steps"])  # zeroes the on-device count too
-        self._streak_host = 0
+        self._streak_host = int(st.get("skip_streak", 0))  # (older checkpoints: none)
         if self._streak_dev is not None:
-            self._streak_dev.zero_()
+            self._streak_dev.fill_(self._streak_host)
         self.tokens_seen = int(st["tokens_seen"])
         self._saved_step = self.step
         self._graph = None
