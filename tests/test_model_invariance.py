@@ -188,6 +188,31 @@ def test_step_is_differentiable(seed, tiny_config, randomize):
         torch.testing.assert_close(p.grad, g_full[k], rtol=1e-8, atol=1e-10, msg=k)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_step_records_a_trainable_head_over_a_frozen_backbone(
+    seed, tiny_config, randomize, monkeypatch, backend
+):
+    """Head-only fine-tuning through step(): an untied trainable head over a frozen
+    backbone, grad mode on. The logits carry the head's gradient, that of the float64
+    model's full forward, on every backend (the Triton one fused the head into a kernel
+    that records nothing: the logits came back without a gradient)."""
+    monkeypatch.setenv("MAMBAKIT_BACKEND", backend)
+    model = make_model(tiny_config, randomize, torch.float32, tie_embeddings=False)
+    model.backbone.requires_grad_(False)
+    oracle = make_model(tiny_config, randomize, torch.float64, tie_embeddings=False)
+    oracle.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 24, (2, 4))
+    oracle(ids).logits.pow(2).sum().backward()
+    g_full = oracle.lm_head.weight.grad.float()
+    state, total = model.init_state(2), 0.0
+    for t in range(4):
+        lt, state = model.step(ids[:, t], state)
+        assert lt.requires_grad
+        total = total + lt.pow(2).sum()
+    total.backward()
+    torch.testing.assert_close(model.lm_head.weight.grad, g_full, **tol(torch.float32))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_seq_idx_packing_equals_documents_one_by_one(seed, tiny_config, randomize, dtype):
     model = make_model(tiny_config, randomize, dtype, d_conv=4)

@@ -184,3 +184,40 @@ def test_detach_cuts_the_graph(seed, tiny_config):
     model(ids2, state=out.state).logits.pow(2).sum().backward()
     differs = [k for k, p in model.named_parameters() if not torch.allclose(p.grad, g_detached[k])]
     assert differs
+
+
+@pytest.mark.parametrize("mixer", ["mamba1", "mamba2", "mamba3"])
+def test_a_saved_state_loads_with_weights_only_and_carries_on(tmp_path, tiny_config, mixer):
+    """torch.save of a model state (a prompt's prefix, an RL episode's) and torch.load with
+    weights_only=True (torch's default from 2.6): the same class and tensors, and the
+    sequence carried on from the loaded state equals the full forward. Layer states
+    (`state.layer(i)`) load too. (The classes were not allowed: UnpicklingError.)"""
+    kw = {} if mixer == "mamba1" else dict(headdim=8, d_state=8)
+    torch.manual_seed(0)
+    model = MambaLM(tiny_config(d_model=16, mixer=mixer, **kw)).eval()
+    ids = torch.randint(0, 24, (2, 7))
+    with torch.no_grad():
+        full = model(ids).logits
+        state = model(ids[:, :4]).state
+    torch.save({"state": state, "layer": state.layer(1)}, tmp_path / "s.pt")
+    loaded = torch.load(tmp_path / "s.pt", weights_only=True)
+    got = loaded["state"]
+    assert type(got) is type(state) and type(loaded["layer"]) is type(state.layer(1))
+    for a, b in zip(got._tensors(), state._tensors()):
+        assert torch.equal(a, b)
+    for a, b in zip(loaded["layer"], state.layer(1)):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        rest = model(ids[:, 4:], state=got).logits
+    torch.testing.assert_close(rest, full[:, 4:], rtol=1e-5, atol=1e-6)
+
+
+def test_bad_reset_masks_and_batch_sizes_are_refused_naming_the_argument(tiny_config):
+    """reset_ with a list (AttributeError: 'list' object has no attribute 'dim') and
+    init_state(True) (a state of one row) are refused, naming the argument."""
+    s = MambaState(torch.randn(2, 3, 1, 4), torch.randn(2, 3, 4, 5))
+    with pytest.raises(TypeError, match="reset_ mask must be a tensor"):
+        s.reset_([True, False, True])
+    model = MambaLM(tiny_config())
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        model.init_state(True)

@@ -78,7 +78,7 @@ class MambaBackbone(nn.Module):
     def init_state(self, batch_size: int, device=None) -> ModelState:
         """Zero state for `batch_size` rows: f32 (f64 for a float64 model) on the model device;
         a MambaState, or a Mamba3ModelState when the mixer is Mamba-3 (state.py)."""
-        if not isinstance(batch_size, int) or batch_size <= 0:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         p = self._param
         return init_state(self.config, batch_size, device or p.device, state_dtype(p))

@@ -206,14 +206,21 @@ class MambaLM(nn.Module):
         bb = self.backbone
         bb._check_step(input_ids, state)
         use_cuda_graph(cuda_graph, input_ids.device)  # checks the argument
-        if bb._step_records_grad(state):
-            hidden, state = bb.step(input_ids, state)
+        if bb._step_records_grad(state) or self._head_records_grad():
+            # (a trainable head over a frozen backbone: the backbone steps in place, the
+            # head is called, not fused into a kernel or a graph that records nothing)
+            hidden, state = bb.step(input_ids, state, cuda_graph=cuda_graph)
             return self.lm_head(hidden), state
         out = graphed_step(self, bb, self._step_logits, input_ids, state, cuda_graph,
                            self.lm_head)  # fmt: skip
         if out is None:
             out = self._step_logits(input_ids, state)
         return out, state
+
+    def _head_records_grad(self) -> bool:
+        """Whether grad mode is on and a parameter of the LM head requires a gradient (an
+        untied head trained over a frozen backbone)."""
+        return torch.is_grad_enabled() and any(p.requires_grad for p in self.lm_head.parameters())
 
     def _step_logits(self, input_ids: torch.Tensor, state: ModelState) -> torch.Tensor:
         """The no-grad step's logits [B, V], the state advanced in place: on the CPU the

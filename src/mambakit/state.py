@@ -266,6 +266,8 @@ class ModelState:
         In place when the state carries no gradient (buffers keep their addresses);
         when it does, the buffers are replaced by masked copies so autograd stays exact.
         """
+        if not isinstance(mask, torch.Tensor):
+            raise TypeError(f"reset_ mask must be a tensor [B] of bools, got {type(mask).__name__}")
         if mask.dim() != 1 or mask.shape[0] != self.batch_size:
             raise ValueError(
                 f"reset_ mask must have shape [{self.batch_size}], got {tuple(mask.shape)}"
@@ -378,5 +380,10 @@ class Mamba3ModelState(ModelState):
 for _cls in (MambaState, Mamba2ModelState, Mamba3ModelState):
     torch.export.register_dataclass(_cls, serialized_type_name=f"mambakit.{_cls.__name__}")
 del _cls
+# a state saved with torch.save loads with torch.load's default weights_only=True (torch 2.6
+# on), as the tensors it holds do
+torch.serialization.add_safe_globals(
+    [MambaState, Mamba2ModelState, Mamba3ModelState, MambaLayerState, Mamba2State, Mamba3State]
+)
 
 _STATE_CLASSES = {"mamba2": Mamba2ModelState, "mamba3": Mamba3ModelState}

@@ -20,9 +20,10 @@ that are parameters or views of them (the GEMM weights) are read by the graph di
 Code that replays a graph calls `refresh(model)` first (`inference.cuda_graph`), since no
 Python runs inside a replay. Code that updates parameters where PyTorch does not see it
 must move their version counters (`torch.autograd.graph.increment_version`), or the plan
-would not notice: a replayed CUDA graph of an optimizer step, the fused AdamW
-(`fused=True` writes without moving them; the Trainer moves them after every step), an
-in-place op on `p.data`. Assigning `p.data = other` is seen (the storage moves).
+would not notice: a replayed CUDA graph of an optimizer step (the Trainer moves them after
+every step), an in-place op on `p.data`. Assigning `p.data = other` is seen (the storage
+moves). A fused optimizer (`fused=True`) writes without moving them: a hook after every
+optimizer step moves those of its fused groups' parameters (`_after_optimizer_step`).
 
 Plans live in a table beside the module (keyed on its id, the entry dropped when the
 module dies), so they are never pickled, saved or deep-copied with it.
@@ -39,6 +40,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 __all__ = ["derived", "drop", "reads", "record", "refresh", "rederive"]
 
@@ -291,3 +293,22 @@ def _refresh_into(old: Any, new: Any, owned: set[int]) -> Any:
 
 class _Mismatch(Exception):
     pass
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Move the version counters of the parameters a fused optimizer step wrote (its
+    kernels write them in place unseen by autograd): a plan derived from them before the
+    step is then derived again, rather than read stale by every later no-grad forward and
+    decode step (a user's own loop with `AdamW(fused=True)`, as the Trainer's)."""
+    params = [p for group in optimizer.param_groups if group.get("fused") for p in group["params"]]
+    if not params:
+        return
+    if _VERSIONS_OF_A_LIST:
+        torch.autograd.graph.increment_version(params)
+    else:
+        for p in params:
+            torch.autograd.graph.increment_version(p)
+
+
+_VERSIONS_OF_A_LIST = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 5)
+register_optimizer_step_post_hook(_after_optimizer_step)
