@@ -12,7 +12,7 @@ import mambakit
 ROOT = Path(mambakit.__file__).parent
 # the parts of the package, lowest first; a part imports only from its own rank or below
 RANKS = {
-    "config": 0, "cuda_graphs": 0, "targets": 0, "text": 0, "threads": 0, "state": 0,
+    "config": 0, "cuda_graphs": 0, "files": 0, "targets": 0, "text": 0, "threads": 0, "state": 0,
     "ops": 1,
     "layers": 2,
     "hf": 3, "inference": 3,

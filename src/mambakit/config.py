@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .files import atomic_write
+
 # d_model / n_layers of the released state-spaces/mamba checkpoints
 # (all with d_state 16, d_conv 4, expand 2).
 MIXERS = ("mamba1", "mamba2", "mamba3")
@@ -277,10 +279,8 @@ class MambaConfig:
     def save(self, path: str | Path) -> None:
         """The fields and the `extra` keys (token ids, ...), which `load` puts back in `extra`;
         written to a temporary file and renamed into place, as checkpoints are."""
-        from .hf.io import _atomic_write  # (hf imports this module)
-
         text = json.dumps({**self.extra, **self.to_dict()}, indent=2) + "\n"
-        _atomic_write({Path(path): lambda tmp: Path(tmp).write_text(text)})
+        atomic_write({Path(path): lambda tmp: Path(tmp).write_text(text)})
 
     @classmethod
     def load(cls, path: str | Path) -> MambaConfig:

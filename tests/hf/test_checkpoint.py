@@ -395,7 +395,7 @@ def test_save_interrupted_between_its_renames_keeps_both_old_files(tmp_path, mon
     """Ctrl-C after the first of the two files was renamed into place: the folder holds the
     previous checkpoint (both files as they were; nothing at all on a first save), never the
     new weights beside the old config, and no temporary file."""
-    from mambakit.hf import io as hio
+    from mambakit import files as hio  # the atomic write, whose os calls are patched
 
     target = tmp_path / "ckpt"
     old = save_ours(target, seed_value=1) if first else None

@@ -13,9 +13,6 @@ Mamba-3 model (mambakit's own `model_type`) and a Mamba-2 model transformers can
 from __future__ import annotations
 
 import json
-import os
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..config import MambaConfig
+from ..files import atomic_write
 from .config import CheckpointError, checkpoint_json, config_from_json
 
 _KEY_ALIASES = {"backbone.embedding.weight": "backbone.embeddings.weight"}  # state-spaces name
@@ -105,88 +103,6 @@ def read_pretrained(path) -> tuple[MambaConfig, dict[str, torch.Tensor]]:
     return read_config(path), read_state_dict(path)
 
 
-def umask() -> int:
-    """The process's umask: from /proc/self/status where Linux gives it (reading it by
-    setting it and setting it back would give another thread's new files 0o022's modes
-    for that moment), else that way."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _atomic_write(files: dict[Path, Callable[[str], None]]) -> None:
-    """Write every file through `write(tmp_path)` to a temporary name beside it, with the
-    modes a plain new file gets (mkstemp's are 0600); only when all are complete, rename
-    them into place. A failed write leaves the old files; so does an exception between the
-    renames (Ctrl-C): each old file is kept under a second name (a hard link) until every
-    new one is in place, and put back if one is not."""
-    tmps: dict[Path, str] = {}
-    mode = 0o666 & ~umask()
-    try:
-        for target, write in files.items():
-            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-            os.close(fd)
-            tmps[target] = tmp
-            write(tmp)
-            os.chmod(tmp, mode)  # after the write: a writer may make the file anew
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-    except BaseException:
-        _remove(tmps.values())
-        raise
-    # target -> (whether it existed, the second name its old file is kept under, or None)
-    kept: dict[Path, tuple[bool, str | None]] = {}
-    try:
-        for target in tmps:
-            old = tmps[target] + ".old"
-            kept[target] = (target.exists(), old)
-            if kept[target][0]:
-                try:
-                    os.link(target, old)  # the old file stays in place meanwhile
-                except OSError:  # no hard links here: moved aside instead
-                    os.replace(target, old)
-        for target, tmp in tmps.items():
-            os.replace(tmp, target)
-    except BaseException:
-        for target, (existed, old) in kept.items():  # the old files back, the new ones gone
-            if existed and os.path.exists(old):
-                os.replace(old, target)
-            elif not existed and not os.path.exists(tmps[target]) and target.exists():
-                target.unlink()  # new here, and renamed into place before the failure
-        _remove([*tmps.values(), *(old for _, old in kept.values())])
-        raise
-    _remove(old for _, old in kept.values())
-    fsync_dir(next(iter(tmps)).parent)
-
-
-def _remove(paths) -> None:
-    for p in paths:
-        if os.path.exists(p):
-            os.unlink(p)
-
-
-def fsync_dir(path: Path) -> None:
-    """The folder's entries (renames, new files) on disk, where the platform allows it (a
-    folder that cannot be opened or synced is left as it is)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_pretrained(path, cfg: MambaConfig, state_dict: dict[str, torch.Tensor]) -> None:
     """config.json + model.safetensors, written atomically (both files or neither); a config
     no format runs faithfully raises CheckpointError before anything is written."""
@@ -203,7 +119,7 @@ def write_pretrained(path, cfg: MambaConfig, state_dict: dict[str, torch.Tensor]
     if fmt == "state-spaces":
         names = {v: k for k, v in _KEY_ALIASES.items()}
         sd = {names.get(k, k): v for k, v in sd.items()}
-    _atomic_write(
+    atomic_write(
         {
             path / "model.safetensors": lambda tmp: save_file(sd, tmp, metadata={"format": "pt"}),
             path / "config.json": lambda tmp: Path(tmp).write_text(cfg_json),

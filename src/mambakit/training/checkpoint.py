@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ..hf.io import fsync_dir, umask
+from ..files import fsync_dir, umask
 
 LATEST = "latest"
 LOCK = ".lock"
