@@ -19,7 +19,9 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))  # bytes have no special tokens
 
     def decode(self, ids) -> str:
-        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+        """The text of the bytes `ids`; an id past the bytes (a vocabulary padded beyond 256)
+        decodes to nothing, as an id outside a tokenizer.json's vocabulary does."""
+        return bytes(i for i in map(int, ids) if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
@@ -79,8 +81,8 @@ class TextStream:
     def push(self, token: int) -> str:
         if self.tok is None:
             return ""
-        if self.byte:
-            return self.utf8.decode(bytes([token]))
+        if self.byte:  # an id past the bytes gives no text (`ByteTokenizer.decode`)
+            return self.utf8.decode(bytes([token])) if 0 <= token < 256 else ""
         self.ids.append(token)
         before = self.tok.decode(self.ids[self.prefix : self.read])
         text = self.tok.decode(self.ids[self.prefix :])

@@ -168,6 +168,24 @@ def test_generate_stops_at_every_end_id_of_the_checkpoint(tmp_path):
     assert f"[{first + 1} tokens" in got.stderr, got.stderr
 
 
+def test_generate_with_bytes_over_a_padded_vocabulary(tmp_path):
+    """A byte-level run of a preset with a word vocabulary (`train --preset 130m`: 50280 ids,
+    tokenizer.txt 'byte'): the ids past 255 the model draws print nothing, not an error."""
+    torch.manual_seed(0)
+    model = MambaLM(MambaConfig(d_model=16, n_layers=1, d_state=4, vocab_size=50280)).eval()
+    prompt = torch.tensor([list(b"def ")])
+    drawn = model.generate(prompt, 20, seed=0)[0, 4:].tolist()
+    assert max(drawn) > 255  # the run below draws these ids
+    model.save_pretrained(tmp_path / "m")
+    (tmp_path / "m" / "tokenizer.txt").write_text("byte\n")
+    got = mambakit("generate", "--model", str(tmp_path / "m"), "--prompt", "def ",
+                   "--max-new-tokens", "20", "--seed", "0", "--device", "cpu")  # fmt: skip
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert "[20 tokens" in got.stderr, got.stderr
+    want = bytes(t for t in drawn if t < 256).decode("utf-8", errors="replace")
+    assert got.stdout == "def " + want + "\n"
+
+
 def test_a_hybrid_checkpoint_is_refused_naming_what_is_supported():
     with pytest.raises(CheckpointError, match="not a Mamba-1, Mamba-2 or Mamba-3 model"):
         config_from_json({"model_type": "zamba2", "hidden_size": 64})

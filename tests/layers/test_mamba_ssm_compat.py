@@ -140,6 +140,46 @@ def test_step_in_mamba_ssm_layout_equals_mambakit_step():
         m.step(torch.randn(3, 1, 24), own_conv, ssm)
 
 
+def test_float64_layer_steps_in_float64():
+    """A float64 layer's caches are float64 and its mamba_ssm-form steps compute in float64,
+    as its own step does: prefill + steps equal one forward to float64 rounding."""
+    torch.manual_seed(4)
+    m = Mamba(16, d_state=4, layer_idx=0).double()
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    with torch.no_grad():
+        full = m(x)
+        params = InferenceParams(max_seqlen=9, max_batch_size=2)
+        outs = [m(x[:, :3], params)]
+        assert params.key_value_memory_dict[0][0].dtype == torch.float64
+        for t in range(3, 9):
+            params.seqlen_offset = t
+            outs.append(m(x[:, t : t + 1], params))
+    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-12, atol=1e-13)
+
+
+def test_a_new_prefill_may_change_the_batch_size():
+    """One InferenceParams reused (mamba_ssm's `reset`: seqlen_offset back to 0) for a batch of
+    another size: the prefill overwrites the whole cache, so it takes the new size; a step of
+    a batch the cache does not hold is refused naming the state."""
+    torch.manual_seed(5)
+    m = Mamba(16, d_state=4, layer_idx=1)
+    params = InferenceParams(max_seqlen=8, max_batch_size=3)
+    with torch.no_grad():
+        m(torch.randn(2, 5, 16), params)
+        for batch in (3, 1):
+            x = torch.randn(batch, 7, 16)
+            full = m(x)
+            params.seqlen_offset = 0
+            outs = [m(x[:, :4], params)]
+            for t in range(4, 7):
+                params.seqlen_offset = t
+                outs.append(m(x[:, t : t + 1], params))
+            torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-5, atol=1e-6)
+        conv, ssm = m.allocate_inference_cache(2, 8)
+        with pytest.raises(ValueError, match="ssm_state must be"):
+            m.step(torch.randn(2, 1, 16), conv, ssm[:1])
+
+
 def test_inference_params_need_a_layer_idx():
     m = Mamba(16)
     with pytest.raises(ValueError, match="layer_idx"):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mambakit.text import ByteTokenizer, HFTokenizer, load_tokenizer
+from mambakit.text import ByteTokenizer, HFTokenizer, TextStream, load_tokenizer
 from mambakit.training import (
     PackedRows,
     RowBatches,
@@ -38,6 +38,17 @@ def test_byte_tokenizer_round_trip(text):
 def test_byte_tokenizer_decodes_a_cut_character_without_raising():
     ids = ByteTokenizer().encode("é")[:1]
     assert ByteTokenizer().decode(ids) == "\ufffd"
+
+
+def test_byte_tokenizer_skips_ids_past_the_bytes():
+    """A byte-level model with a padded vocabulary (`mambakit train --preset 130m`: 50280)
+    can draw an id past 255: it decodes to nothing, as an id outside a tokenizer.json's
+    vocabulary does, in `decode` and in a `TextStream` alike."""
+    tok = ByteTokenizer()
+    ids = [*"é".encode(), 300, *b"a", 50279]
+    assert tok.decode(ids) == "éa"
+    stream = TextStream(tok, [])
+    assert "".join(stream.push(t) for t in ids) + stream.flush() == "éa"
 
 
 def test_load_tokenizer_byte():

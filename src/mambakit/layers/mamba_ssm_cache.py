@@ -12,13 +12,15 @@ K = d_conv, N = d_state):
     ssm [B, D, N] in both
 
 so mambakit's conv state is `conv[..., 1:].mT`. The caches keep mamba_ssm's dtypes
-(the module's, unless `dtype` is given); each step computes in f32 as mambakit's own
-step does and writes the cache back.
+(the module's, unless `dtype` is given); each step computes in the state dtype as
+mambakit's own step does (f32; f64 for a float64 model) and writes the cache back.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..ops._checks import state_dtype
 
 
 def allocate(layer, batch_size: int, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,11 +53,18 @@ def states_from_cache(layer, params, batch_size: int, initialize_states: bool = 
 
 
 def cached_forward(layer, hidden: torch.Tensor, params) -> torch.Tensor:
-    """mamba_ssm's forward with `inference_params`: the prefill fills the cache, a later
-    call (seqlen_offset > 0) steps one token."""
+    """mamba_ssm's forward with `inference_params`: the prefill fills the cache (made anew
+    for a batch of another size than the cache's), a later call (seqlen_offset > 0) steps
+    one token."""
     conv, ssm = states_from_cache(layer, params, hidden.shape[0])
     if params.seqlen_offset > 0:
         return step(layer, hidden, conv, ssm)[0]
+    if conv.shape[0] != hidden.shape[0]:  # a new batch size: the prefill overwrites it all
+        conv, ssm = (
+            conv.new_zeros(hidden.shape[0], *conv.shape[1:]),
+            ssm.new_zeros(hidden.shape[0], *ssm.shape[1:]),
+        )
+        params.key_value_memory_dict[layer.layer_idx] = (conv, ssm)
     out, (conv_out, ssm_out) = layer(hidden, return_state=True)
     K, T = layer.d_conv, hidden.shape[1]
     with torch.no_grad():
@@ -81,8 +90,14 @@ def step(layer, hidden: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor):
             f"Mamba.step: conv_state must be mamba_ssm's [B, D, K] = "
             f"{[hidden.shape[0], D, K]}, got {list(conv.shape)}"
         )
-    history = conv[..., 1:].mT.float().contiguous()  # mambakit's [B, K-1, D] (a copy)
-    state = ssm.float().contiguous()
+    if ssm.shape != (hidden.shape[0], D, layer.d_state):
+        raise ValueError(
+            f"Mamba.step: ssm_state must be [B, D, N] = "
+            f"{[hidden.shape[0], D, layer.d_state]}, got {list(ssm.shape)}"
+        )
+    f = state_dtype(layer.A_log)  # f32; f64 for a float64 model
+    history = conv[..., 1:].mT.to(f).contiguous()  # mambakit's [B, K-1, D] (a copy)
+    state = ssm.to(f).contiguous()
     out = layer.step(hidden[:, 0], history, state)
     with torch.no_grad():
         conv[..., 0].copy_(conv[..., 1])  # the window moves on: its oldest input drops out
