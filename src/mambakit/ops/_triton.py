@@ -1,7 +1,8 @@
 """Helpers shared by the Triton kernels and their launchers: `launch` (the kernel launch fast
 path), `sm_count`, `opt`, `strides`, `next_power_of_2`, `cdiv`, programmatic dependent launch
 (`pdl_args`, `pdl_start`, `pdl_wait`), the jit functions `fast_rcp`, `fast_sigmoid`,
-`fast_cos_sin`, and `sum_blocks_kernel` (per-block partial sums added in a fixed order).
+`fast_cos_sin`, `sum_rows` and `sum_blocks_kernel` (per-block partial sums added in a fixed
+order).
 
 `kernel[grid](*args, **kwargs)` costs about 27 us of host time per call on the H200 host
 (Triton 3.6: argument binding, per-argument specialization, the cache key, the launch), 11 us
@@ -240,22 +241,26 @@ def pdl_wait(PDL: tl.constexpr):
 
 
 @triton.jit
-def sum_blocks_kernel(p_pb, p_pc, p_ob, p_oc, P, M, BLOCK_E: tl.constexpr):
-    """Sums of per-block partials [P, M] (contiguous, f32): out[m] = sum_p part[p, m], in
-    order (deterministic), stored in the output's dtype; the first pair (pb -> ob) on
-    program axis 1 = 0, the second (pc -> oc) on 1 (one launch for two sums, as the scan's
-    dB and dC; a grid of one along axis 1 sums only the first)."""
-    offs = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+def sum_rows(src, dst, P, M, pid, BLOCK_E: tl.constexpr):
+    """dst[m] = sum_p src[p, m] over block `pid` of m (src [P, M] f32, contiguous), in the
+    order of p (deterministic), stored in dst's dtype."""
+    offs = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     mask = offs < M
-    if tl.program_id(1) == 0:
-        src = p_pb
-        dst = p_ob
-    else:
-        src = p_pc
-        dst = p_oc
     acc = tl.zeros([BLOCK_E], tl.float32)
     ptrs = src + offs
     for _ in tl.range(P, num_stages=4):
         acc += tl.load(ptrs, mask=mask, other=0.0)
         ptrs += M  # 64-bit pointers: no overflow past 2^31 elements
     tl.store(dst + offs, acc.to(dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def sum_blocks_kernel(p_pb, p_pc, p_ob, p_oc, P, M, BLOCK_E: tl.constexpr):
+    """Sums of per-block partials [P, M] (contiguous, f32): out[m] = sum_p part[p, m], in
+    order (deterministic), stored in the output's dtype; the first pair (pb -> ob) on
+    program axis 1 = 0, the second (pc -> oc) on 1 (one launch for two sums; a grid of one
+    along axis 1 sums only the first, as Mamba-3's per-head sums do)."""
+    if tl.program_id(1) == 0:
+        sum_rows(p_pb, p_ob, P, M, tl.program_id(0), BLOCK_E)
+    else:
+        sum_rows(p_pc, p_oc, P, M, tl.program_id(0), BLOCK_E)

@@ -14,6 +14,7 @@ dB and dC over the channel blocks, dA, dD and d delta_bias over rows and segment
 import triton
 import triton.language as tl
 
+from .._triton import sum_rows
 from .tiles import _st, _tile_ptrs
 
 # fmt: off
@@ -102,20 +103,6 @@ def _store_channel_sum(
 
 
 @triton.jit
-def _sum_rows(src, dst, P, M, pid, BLOCK_E: tl.constexpr):
-    """dst[m] = sum_p src[p, m] over block `pid` of m (src [P, M] f32, contiguous), in the
-    order of p (deterministic), stored in dst's dtype."""
-    offs = pid * BLOCK_E + tl.arange(0, BLOCK_E)
-    mask = offs < M
-    acc = tl.zeros([BLOCK_E], tl.float32)
-    ptrs = src + offs
-    for _ in tl.range(P, num_stages=4):
-        acc += tl.load(ptrs, mask=mask, other=0.0)
-        ptrs += M  # 64-bit pointers: no overflow past 2^31 elements
-    tl.store(dst + offs, acc.to(dst.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _sum_partials_kernel(
     p_dBp, p_dCp, p_dB, p_dC, P, M, p_dAp, p_dA, PA, MA, p_dDp, p_dD, PD, MD, p_dbp, p_db,
     Pb, Mb, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -126,15 +113,15 @@ def _sum_partials_kernel(
     job = tl.program_id(1)
     pid = tl.program_id(0)
     if job == 0:
-        _sum_rows(p_dBp, p_dB, P, M, pid, BLOCK_E)
+        sum_rows(p_dBp, p_dB, P, M, pid, BLOCK_E)
     elif job == 1:
-        _sum_rows(p_dCp, p_dC, P, M, pid, BLOCK_E)
+        sum_rows(p_dCp, p_dC, P, M, pid, BLOCK_E)
     else:
         nA = tl.cdiv(MA, BLOCK_E)
         nD = tl.cdiv(MD, BLOCK_E) if HAS_D else 0
         if pid < nA:
-            _sum_rows(p_dAp, p_dA, PA, MA, pid, BLOCK_E)
+            sum_rows(p_dAp, p_dA, PA, MA, pid, BLOCK_E)
         elif pid < nA + nD:
-            _sum_rows(p_dDp, p_dD, PD, MD, pid - nA, BLOCK_E)
+            sum_rows(p_dDp, p_dD, PD, MD, pid - nA, BLOCK_E)
         elif HAS_BIAS:
-            _sum_rows(p_dbp, p_db, Pb, Mb, pid - nA - nD, BLOCK_E)
+            sum_rows(p_dbp, p_db, Pb, Mb, pid - nA - nD, BLOCK_E)
