@@ -23,7 +23,7 @@ from .layers.block import RMSNorm
 from .layers.init import no_decay_marks_kept
 from .layers.plain import plain
 from .ops import linear_cross_entropy
-from .ops._checks import check_positions
+from .ops._checks import check_positions, state_dtype
 from .ops.decode import _norm_linear
 from .state import ModelState
 from .targets import next_token_targets
@@ -111,9 +111,8 @@ class MambaLM(nn.Module):
         if plain(self.lm_head):
             return linear_cross_entropy(hidden, self.lm_head.weight, targets)
         logits = self.lm_head(hidden) if logits is None else logits
-        return F.cross_entropy(
-            logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="sum"
-        )
+        logits = logits.flatten(0, 1).to(state_dtype(logits))  # f32 (f64 for a float64 model)
+        return F.cross_entropy(logits, targets.flatten(), ignore_index=-100, reduction="sum")
 
     def last_logits(
         self,

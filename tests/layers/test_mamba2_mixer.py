@@ -392,6 +392,37 @@ def test_lora_and_a_conv_hook_are_honoured(backend):
             m(u, seq_idx=torch.zeros(2, 9, dtype=torch.int32, device=DEVICE), backend=backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_lora_adapter_on_the_conv_is_honoured(backend):
+    """peft's LoRA on conv1d (a module of its own, which has no `kernel_size`, in the
+    conv's place): the forward (values, final state, every gradient) and step equal the
+    oracle run on the adapted conv module, called on the window as mamba_ssm's conv is."""
+    peft = pytest.importorskip("peft")
+    base = layer_for(backend)
+    K, Cd = base.d_conv, base.conv_dim
+    # (peft takes a rank that is a multiple of the conv's groups)
+    cfg = peft.LoraConfig(r=Cd, lora_alpha=Cd, target_modules=["conv1d"],
+                          init_lora_weights=False)  # fmt: skip
+    m = peft.get_peft_model(base, cfg).base_model.model.to(DTYPES[backend])
+    m64 = copy.deepcopy(m).double()
+
+    def conv(x):  # x [B, K-1+T, C]: the adapted module over the window, padded K-1 both sides
+        return m64.conv1d(x.mT)[..., K - 1 : x.shape[1]].mT
+
+    u = inputs(m, 2, 9)
+    st0 = random_state(m, 2)
+    limit = 1e-10 if backend == "reference" else 1e-5
+    compare_with_oracle(m, m64, u, st0, limit, backend=backend, conv=conv)
+    lora = {k: p.grad for k, p in m.named_parameters() if "lora_" in k}
+    assert len(lora) == 2 and all(g is not None and g.abs().sum() > 0 for g in lora.values())
+    with torch.no_grad():
+        want = oracle(m64, u, st0, conv=conv)[0]
+        assert rel(oracle(m64, u, st0)[0], want) > 1e-2  # the adapter matters
+        st = Mamba2State(*(t.clone() for t in st0))
+        outs = [m.step(u[:, t], st, backend=backend)[0] for t in range(9)]
+        assert rel(torch.stack(outs, 1), want) < limit
+
+
 def test_compiles_fullgraph_forward_and_backward(monkeypatch):
     """torch.compile(fullgraph=True) of the layer's forward and backward on the Triton
     backend (the scan's custom ops `mambakit::mamba2_scan_train` / `_bwd`): no graph break,

@@ -24,6 +24,11 @@ would not notice: a replayed CUDA graph of an optimizer step (the Trainer moves 
 every step), an in-place op on `p.data`. Assigning `p.data = other` is seen (the storage
 moves). A fused optimizer (`fused=True`) writes without moving them: a hook after every
 optimizer step moves those of its fused groups' parameters (`_after_optimizer_step`).
+An adapter merged into the weights writes them through `p.data` too (peft's
+`merge_and_unload`), between putting its module in a projection's place and the base
+module back: every plan is derived again after a module takes another's place in its
+parent anywhere (`_after_replacement`), so a plan derived before the adapter came is not
+read after its merge.
 
 Plans live in a table beside the module (keyed on its id, the entry dropped when the
 module dies), so they are never pickled, saved or deep-copied with it.
@@ -40,6 +45,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_module_registration_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 __all__ = ["derived", "drop", "reads", "record", "refresh", "rederive"]
@@ -51,6 +57,7 @@ _PLANS: dict[int, dict[str, _Plan]] = {}
 # root that have plans): `refresh` walks a model's modules once, not per replay
 _ROOTS: dict[int, tuple[int, list]] = {}
 _generation = 0  # moves whenever a module gains its first plan or one with plans dies
+_replacements = 0  # moves whenever a module takes another's place (`_after_replacement`)
 
 
 class _Local(threading.local):
@@ -68,7 +75,7 @@ class _Plan:
 
     __slots__ = (
         "build", "key", "in_place", "slots", "held", "params", "watched", "versions", "ptrs",
-        "extra",
+        "extra", "replacements",
         "value", "owned", "addresses", "constants",
     )  # fmt: skip
 
@@ -79,6 +86,7 @@ class _Plan:
             and tuple(map(_version, self.watched)) == self.versions
             and tuple(map(_data_ptr, self.params)) == self.ptrs
             and (self.key is None or self.key(module) == self.extra)
+            and self.replacements == _replacements
         )
 
 
@@ -128,6 +136,7 @@ def derived(
     new.versions = tuple(map(_version, new.watched))
     new.ptrs = tuple(map(_data_ptr, params))
     new.extra = None if key is None else key(module)
+    new.replacements = _replacements
     # the plan's own tensors: those sharing no storage with a parameter when derived
     new.owned = {id(t) for t in tensors if t.untyped_storage().data_ptr() not in storages}
     new.value = value
@@ -312,3 +321,19 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> Non
 
 _VERSIONS_OF_A_LIST = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 5)
 register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+def _after_replacement(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+    """Where `submodule` takes the place of another child of `module` (not a first
+    registration, as a constructor's), every plan is derived again on its next use: peft
+    puts its adapter in a projection's place, merges it into the base weights through
+    `p.data` (which moves no version counter) and puts the base module back, the same
+    parameters with new values, which a plan's copies (the reference bodies' transposed
+    weights) would not see."""
+    global _replacements
+    old = module._modules.get(name)
+    if old is not None and old is not submodule:
+        _replacements += 1
+
+
+register_module_module_registration_hook(_after_replacement)

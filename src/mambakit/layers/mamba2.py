@@ -202,7 +202,7 @@ class Mamba2(nn.Module):
             after = torch.arange(u.shape[1], device=u.device) > stop[:, None]
             dt = dt.masked_fill(after[..., None], FREEZE_DT)
             conv_at = conv_states_at(xBC, stop[:, None], self.d_conv, conv_state)[:, 0]
-        xBC, conv_final = conv_silu(self.conv1d, xBC, conv_state, seq_idx, backend)
+        xBC, conv_final = conv_silu(self.conv1d, xBC, conv_state, seq_idx, backend, self.d_conv)
         if stop is not None:
             conv_final = conv_at
         x, B, C, dt, A, D = self._ssm_inputs(xBC, dt, raw_dt=True)

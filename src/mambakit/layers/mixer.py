@@ -177,7 +177,7 @@ class Mamba(nn.Module):
         with `at` the conv and ssm states after those steps."""
         Dn, N, R = self.d_inner, self.d_state, self.dt_rank
         x_in, z = xz[..., :Dn], xz[..., Dn:]
-        u, conv_out = conv_silu(self.conv1d, x_in, conv_state, seq_idx, backend)
+        u, conv_out = conv_silu(self.conv1d, x_in, conv_state, seq_idx, backend, self.d_conv)
         dt_r, B, C = self.x_proj(u).split([R, N, N], dim=-1)
         delta = self.dt_proj(dt_r)  # with dt_proj's own bias
         A, D, _ = self._ssm_params()
@@ -319,6 +319,7 @@ def conv_silu(
     conv_state: torch.Tensor | None,  # [B, K-1, D]
     seq_idx: torch.Tensor | None,
     backend: str,
+    d_conv: int,  # K: the layer's (a wrapper, peft's LoRA conv, may not say its kernel_size)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """silu(causal conv of x_in) and the final conv state [B, K-1, D]: `ops.causal_conv1d` on
     the weights of a plain conv1d, else the module itself (its adapters and hooks run)."""
@@ -327,7 +328,7 @@ def conv_silu(
             x_in, conv.weight.squeeze(1), conv.bias, initial_state=conv_state, seq_idx=seq_idx,
             activation="silu", return_final_state=True, backend=backend,
         )  # fmt: skip
-    return _conv_module(conv, x_in, conv_state, seq_idx)
+    return _conv_module(conv, x_in, conv_state, seq_idx, d_conv)
 
 
 def conv_silu_step(
@@ -340,7 +341,7 @@ def conv_silu_step(
     if plain(conv, nn.Conv1d):
         return causal_conv1d_update(conv_state, x_in, conv.weight.squeeze(1), conv.bias, "silu",
                                     backend=backend)  # fmt: skip
-    out, new = _conv_module(conv, x_in[:, None], conv_state, None)
+    out, new = _conv_module(conv, x_in[:, None], conv_state, None, conv_state.shape[1] + 1)
     conv_state.copy_(new)
     return out[:, 0]
 
@@ -350,6 +351,7 @@ def _conv_module(
     x_in: torch.Tensor,  # [B, T, D]
     conv_state: torch.Tensor | None,  # [B, K-1, D]
     seq_idx: torch.Tensor | None,
+    K: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The causal conv and its SiLU through the conv1d module itself (wrapped or hooked):
     (silu(conv) [B, T, D], final state [B, K-1, D]). The module pads K-1 on both sides,
@@ -360,7 +362,6 @@ def _conv_module(
             "it): the module cannot reset its window at document starts"
         )
     Bsz, T, Dn = x_in.shape
-    K = conv.kernel_size[0]
     if conv_state is None:
         conv_state = x_in.new_zeros(Bsz, K - 1, Dn)
     window = torch.cat([conv_state.to(x_in.dtype), x_in], 1)  # [B, K-1+T, D]
