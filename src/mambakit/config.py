@@ -115,8 +115,9 @@ class MambaConfig:
             )
         if self.dt_init_floor <= 0:
             raise ValueError(f"MambaConfig.dt_init_floor must be > 0, got {self.dt_init_floor}")
-        for name in ("dt_scale", "initializer_range"):  # init scales: the model's constructor
-            v = getattr(self, name)  # would fail on them with an error that names neither
+        # the init scales: the model's constructor would fail on them naming neither
+        for name in ("dt_scale", "initializer_range"):
+            v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise ValueError(f"MambaConfig.{name} must be a finite number >= 0, got {v!r}")
         if self.dt_init not in ("random", "constant"):

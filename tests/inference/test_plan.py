@@ -190,6 +190,33 @@ def test_steps_and_forwards_follow_a_fused_optimizer_step(mixer):
             assert torch.equal(y1, y2), t
 
 
+def test_a_compiled_fused_optimizer_step_is_followed_and_other_models_are_left_alone():
+    """The hook after a fused step runs after a compiled one too (traced, it moved no
+    version), and moves the versions of watched parameters only: a model without plans in
+    the same process keeps its versions, so a second backward through a graph that saved
+    its parameters still runs after a fused step, as it did without mambakit."""
+    torch.manual_seed(0)
+    bb = backbone()
+    opt = torch.optim.AdamW(bb.parameters(), lr=0.05, fused=True)
+    step = torch.compile(opt.step)
+    x = torch.randn(2, 5)
+    with torch.no_grad():
+        bb.step(x, bb.init_state(2))  # plans made
+    bb(x[:, None])[0].square().sum().backward()
+    step()
+    fresh = copy.deepcopy(bb)
+    with torch.no_grad():
+        y1, _ = bb.step(x, bb.init_state(2))
+        y2, _ = fresh.step(x, fresh.init_state(2))
+    assert torch.equal(y1, y2)
+    other = torch.nn.Linear(3, 3)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=0.1, fused=True)
+    loss = other(torch.randn(2, 3, requires_grad=True)).square().sum()  # saves the weight
+    loss.backward(retain_graph=True)
+    other_opt.step()
+    loss.backward()  # raises if the step had moved the weight's version
+
+
 def test_a_model_with_plans_copies_and_pickles_without_them(tmp_path):
     """Plans live beside the model: torch.save of the whole module and copy.deepcopy (an
     RL target network) carry none, and the copy derives its own, equal ones; updating the

@@ -23,7 +23,8 @@ must move their version counters (`torch.autograd.graph.increment_version`), or 
 would not notice: a replayed CUDA graph of an optimizer step (the Trainer moves them after
 every step), an in-place op on `p.data`. Assigning `p.data = other` is seen (the storage
 moves). A fused optimizer (`fused=True`) writes without moving them: a hook after every
-optimizer step moves those of its fused groups' parameters (`_after_optimizer_step`).
+optimizer step, eager or compiled, moves those of its fused groups' parameters that a plan
+watches (`_after_optimizer_step`).
 An adapter merged into the weights writes them through `p.data` too (peft's
 `merge_and_unload`), between putting its module in a projection's place and the base
 module back: every plan is derived again after a module takes another's place in its
@@ -58,6 +59,8 @@ _PLANS: dict[int, dict[str, _Plan]] = {}
 _ROOTS: dict[int, tuple[int, list]] = {}
 _generation = 0  # moves whenever a module gains its first plan or one with plans dies
 _replacements = 0  # moves whenever a module takes another's place (`_after_replacement`)
+# the parameters some plan watches the versions of, by id (`_after_optimizer_step`)
+_WATCHED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
 class _Local(threading.local):
@@ -134,6 +137,7 @@ def derived(
     spans = [s for s in map(_span, tensors) if s is not None] if in_place else []
     new.watched = tuple(p for p in params if not _viewed(p, spans))
     new.versions = tuple(map(_version, new.watched))
+    _WATCHED.update((id(p), p) for p in new.watched)
     new.ptrs = tuple(map(_data_ptr, params))
     new.extra = None if key is None else key(module)
     new.replacements = _replacements
@@ -304,12 +308,20 @@ class _Mismatch(Exception):
     pass
 
 
+@torch.compiler.disable  # run after a compiled step too (traced, it would move nothing)
 def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """Move the version counters of the parameters a fused optimizer step wrote (its
-    kernels write them in place unseen by autograd): a plan derived from them before the
-    step is then derived again, rather than read stale by every later no-grad forward and
-    decode step (a user's own loop with `AdamW(fused=True)`, as the Trainer's)."""
-    params = [p for group in optimizer.param_groups if group.get("fused") for p in group["params"]]
+    kernels write them in place unseen by autograd) that some plan watches: the plan is then
+    derived again, rather than read stale by every later no-grad forward and decode step (a
+    user's own loop with `AdamW(fused=True)`, as the Trainer's). Other parameters are left
+    alone: a model without plans in the same process keeps its versions as it had them."""
+    params = [
+        p
+        for group in optimizer.param_groups
+        if group.get("fused")
+        for p in group["params"]
+        if _WATCHED.get(id(p)) is p
+    ]
     if not params:
         return
     if _VERSIONS_OF_A_LIST:
@@ -320,7 +332,8 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> Non
 
 
 _VERSIONS_OF_A_LIST = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 5)
-register_optimizer_step_post_hook(_after_optimizer_step)
+# the hooks' handles (`.remove()` takes one away)
+_optimizer_hook = register_optimizer_step_post_hook(_after_optimizer_step)
 
 
 def _after_replacement(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
@@ -336,4 +349,4 @@ def _after_replacement(module: nn.Module, name: str, submodule: nn.Module | None
         _replacements += 1
 
 
-register_module_module_registration_hook(_after_replacement)
+_module_hook = register_module_module_registration_hook(_after_replacement)

@@ -77,13 +77,16 @@ def save_checkpoint(
         else:
             model.save_pretrained(tmp, state_dict=weights)
         torch.save(trainer_state, tmp / "trainer_state.pt")
-        with open(tmp / "trainer_state.pt", "rb") as f:  # on disk before the rename makes the
-            os.fsync(f.fileno())  # folder the checkpoint (the model's files are, by their writer)
+        # on disk before the rename makes the folder the checkpoint (the model's files are,
+        # by their writer)
+        with open(tmp / "trainer_state.pt", "rb") as f:
+            os.fsync(f.fileno())
         _open_up(tmp)
         fsync_dir(tmp)
         final = run_dir / name
-        if final.exists():  # this step's checkpoint, saved before: kept until the new one is
-            old = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=run_dir))  # in place
+        if final.exists():
+            # this step's checkpoint, saved before: kept until the new one is in place
+            old = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=run_dir))
             os.replace(final, old)
             try:
                 os.replace(tmp, final)

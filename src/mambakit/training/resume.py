@@ -93,7 +93,8 @@ class CheckpointMixin:
         state = {
             "step": self.step,
             "skipped_steps": self.skipped_steps,
-            "skip_streak": self.consecutive_skipped_steps,  # max_skipped_steps counts across
+            # the current run of skipped steps: max_skipped_steps counts across a resume
+            "skip_streak": self.consecutive_skipped_steps,
             "tokens_seen": self.tokens_seen,
             "optimizer": self._optimizer_state(),
             "schedule": self.schedule.state_dict(),
