@@ -211,6 +211,8 @@ def test_mamba_inner_op_bad_inputs():
         ("conv_state", dict(conv_state=torch.zeros(2, 3, 16))),
         ("ssm_state", dict(ssm_state=torch.zeros(3, 16, 4))),
         ("seq_idx", dict(seq_idx=torch.zeros(2, 6, dtype=torch.int32))),
+        ("A must", dict(A=A[None])),
+        ("conv_weight", dict(conv_weight=w["conv_weight"][:, :1], conv_state=None)),  # K = 1
     ]
     for name, change in bad:
         kw = {"xz": xz, **w, **change}

@@ -245,3 +245,35 @@ def test_fused_compiles_fullgraph(seed, randomize, triton_backend):
     for (k, p), g in zip(m.named_parameters(), eager):
         assert torch.equal(p.grad, g), k
     assert torch.equal(leaves[0].grad, leaves[1].grad)
+
+
+def test_fused_reads_strided_vectors(seed, randomize):
+    """ops.mamba_inner on Triton with D and dt_bias given as strided views (columns of a
+    stacked tensor): the same values and gradients as with their contiguous copies (the
+    dt_proj and scan kernels index them densely)."""
+    from mambakit.ops import mamba_inner
+
+    m = make(randomize, d_model=8, d_state=3)  # D 16, N 3
+    A, D, dt_bias = (t.detach() for t in m._ssm_params())
+    Dn, K = D.shape[0], m.conv1d.weight.shape[-1]
+    w = dict(
+        conv_weight=m.conv1d.weight.detach().squeeze(1), conv_bias=m.conv1d.bias.detach(),
+        x_proj_weight=m.x_proj.weight.detach(), dt_proj_weight=m.dt_proj.weight.detach(), A=A,
+    )  # fmt: skip
+    xz = torch.randn(2, 7, 2 * Dn, device=DEVICE)
+    states = (torch.randn(2, K - 1, Dn, device=DEVICE), torch.randn(2, Dn, 3, device=DEVICE))
+    results = []
+    for strided in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (xz, D, dt_bias, *states)]
+        x, d, b, conv0, ssm0 = leaves
+        if strided:  # the same values at stride 2
+            d, b = (torch.stack([t, torch.zeros_like(t)], 1)[:, 0] for t in (d, b))
+            assert d.stride(0) == b.stride(0) == 2
+        out = mamba_inner(
+            x, **w, D=d, dt_bias=b, conv_state=conv0, ssm_state=ssm0, backend="triton"
+        )
+        sum(o.square().sum() for o in out).backward()
+        results.append([*out, *(t.grad for t in leaves)])
+    names = ("y", "conv", "ssm", "dxz", "dD", "d dt_bias", "d conv_state", "d ssm_state")
+    for name, a, b in zip(names, *results):
+        assert rel(b, a) < 1e-6, name

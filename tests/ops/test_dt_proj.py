@@ -72,6 +72,20 @@ def test_dt_proj_strided_rows(nan_empty):
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
 
 
+def test_dt_proj_strided_bias(nan_empty):
+    """dt_bias as a strided view (a column of a stacked tensor) adds the same values as
+    its contiguous copy: the kernel reads the bias densely."""
+    gen = torch.Generator().manual_seed(3)
+    Bsz, T, D, R, N = 2, 19, 24, 3, 4
+    x_dbl = torch.randn(Bsz, T, R + 2 * N, generator=gen).to(DEVICE)
+    w = torch.randn(D, R, generator=gen).to(DEVICE)
+    bias = torch.randn(D, 2, generator=gen).to(DEVICE)[:, 0]
+    assert bias.stride(0) == 2
+    got = dt_proj(x_dbl, w, bias, True)
+    ref = dt_proj(x_dbl, w, bias.contiguous(), True)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 4096, 1536, 48), (3, 700, 4096, 128)], ids=["130m", "1.4b"])
 def test_dt_proj_real_shapes(shape, nan_empty):

@@ -228,6 +228,19 @@ def test_layer_step_rejects_bad_input():
         mamba_layer_step(h, None, w, conv, ssm.double())
     with pytest.raises(TypeError, match="weights"):
         mamba_layer_step(h, None, tuple(w), conv, ssm)
+    # the weights themselves, on both bodies: the fused kernels index them without checks
+    bad_weights = {
+        "weights.in_w": w._replace(in_w=torch.randn(50, 16)),
+        "weights.x_w": w._replace(x_w=torch.randn(11, 24)),
+        "weights.dt_bias": w._replace(dt_bias=torch.randn(23)),
+        "weights.out_w": w._replace(out_w=torch.randn(16, 25)),
+        "weights.A": w._replace(A=w.A.t().contiguous().t()),  # transposed storage
+        "weights.D": w._replace(D=torch.randn(24, 2)[:, 0]),  # stride 2
+    }
+    for name, wb in bad_weights.items():
+        for backend in ("reference", "triton"):
+            with pytest.raises(ValueError, match=name):
+                mamba_layer_step(h, None, wb, conv.clone(), ssm.clone(), backend=backend)
     with pytest.raises(ValueError, match="x must have shape"):
         norm_linear(torch.randn(2, 5), torch.randn(7, 6))
 

@@ -185,12 +185,16 @@ def mamba_inner(
     final ssm state [B, D, N]); the projections run in xz.dtype, the states are f32 (f64
     on the oracle path). On "triton" one fused autograd node (ops/mamba_inner), on
     "reference" the chain of ops."""
+    check_tensor("A", A, (None, None))
     Dn, N = A.shape
     check_tensor("xz", xz, (None, None, 2 * Dn), last_dim_contiguous=True)
     Bsz, dev = xz.shape[0], xz.device
+    check_tensor("A", A, device=dev)
     check_tensor("conv_weight", conv_weight, (Dn, None), device=dev)
     check_tensor("dt_proj_weight", dt_proj_weight, (Dn, None), device=dev)
     K, R = conv_weight.shape[1], dt_proj_weight.shape[1]
+    if K < 2:
+        raise ValueError(f"conv_weight: d_conv must be at least 2, got {K}")
     check_tensor("x_proj_weight", x_proj_weight, (R + 2 * N, Dn), device=dev)
     for name, t in (("conv_bias", conv_bias), ("D", D), ("dt_bias", dt_bias)):
         if t is not None:

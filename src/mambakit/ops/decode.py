@@ -99,6 +99,7 @@ def mamba_layer_step(
     Dn, N = w.A.shape
     check_tensor("hidden", hidden, (None, M), last_dim_contiguous=True)
     Bsz = hidden.shape[0]
+    _check_step_weights(w, M, Dn, N, hidden.device)
     f = state_dtype(w.in_w)
     if residual is not None:
         check_tensor("residual", residual, (Bsz, M), device=hidden.device,
@@ -117,6 +118,23 @@ def mamba_layer_step(
 
         return mamba_layer_step_triton(hidden, residual, w, conv_state, ssm_state)
     return mamba_layer_step_reference(hidden, residual, w, conv_state, ssm_state)
+
+
+def _check_step_weights(w: StepWeights, M: int, Dn: int, N: int, device) -> None:
+    """Each of a block's decode weights has its shape, the device and stride 1 in its last
+    dim (the fused kernels index rows of the projections, A and the vectors densely)."""
+    dt_w = w.dt_w
+    R = dt_w.shape[1] if isinstance(dt_w, torch.Tensor) and dt_w.dim() == 2 else None
+    shapes = {
+        "norm_w": (M,), "in_w": (2 * Dn, M), "in_b": (2 * Dn,), "conv_w": (Dn, None),
+        "conv_b": (Dn,), "dt_w": (Dn, None), "x_w": (None if R is None else R + 2 * N, Dn),
+        "dt_bias": (Dn,), "A": (Dn, N), "D": (Dn,), "out_w": (M, Dn), "out_b": (M,),
+    }  # fmt: skip
+    for name, shape in shapes.items():
+        t = getattr(w, name)
+        if t is not None or name not in ("in_b", "conv_b", "out_b"):
+            check_tensor(f"weights.{name}", t, shape, device=device,
+                         last_dim_contiguous=name != "conv_w")  # fmt: skip
 
 
 def _mamba_mixer_step(x, weights, conv_state, ssm_state, backend):

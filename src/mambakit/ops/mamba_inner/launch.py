@@ -66,6 +66,7 @@ def dt_proj(
     if M == 0:
         return delta, bc
     x2 = x_dbl.reshape(M, W)  # a view for the layer's contiguous x_dbl
+    dt_bias = dt_bias.contiguous() if dt_bias is not None else None  # the kernel reads it densely
     cfg = cfg or config(not x_dbl.is_cuda)
     bm, bd, tiles = cfg.block_m, cfg.block_d, cfg.d_tiles
     launch(_dt_proj_kernel, (cdiv(M, bm), cdiv(D, bd * tiles)),

@@ -128,6 +128,12 @@ def _f32_bc(B: torch.Tensor, C: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return B.float(), C.float()
 
 
+def _contiguous(*params: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """A [D, N], D and delta_bias [D] as the kernels index them (row-major, no strides):
+    a strided view (a column of a stacked parameter, an expanded scalar) is copied."""
+    return tuple(p.contiguous() if p is not None else None for p in params)
+
+
 def _input_strides(u, delta, B, C, z, seq_idx) -> tuple[int, ...]:
     """The scan kernels' stride arguments of its [B, T, *] inputs: rows and steps of each."""
     return (
@@ -189,7 +195,7 @@ def scan_fwd(
     nb, nc, ndb = cdiv(N, bn), cdiv(T, tc), cdiv(Dn, bd)
     ns = cdiv(T, ts)
     nseg, per = _segments(nc, Bsz * ndb * nb, cfg.fwd_seg_target_per_sm, cfg, dev)
-    A = A.contiguous()
+    A, D, delta_bias = _contiguous(A, D, delta_bias)
     h0 = initial_state.contiguous() if initial_state is not None else None
     flags = dict(
         HAS_D=D is not None,
@@ -283,7 +289,7 @@ def scan_last(
     bn = _block_n(N)
     nc, nprog = cdiv(T, cfg.fwd_tile), Bsz * cdiv(Dn, cfg.fwd_block_d) * cdiv(N, bn)
     nseg, per = _segments(nc, nprog, cfg.fwd_seg_target_per_sm, cfg, dev)
-    A = A.contiguous()
+    A, D = _contiguous(A, D)
     hloc, P = _summaries(u, delta, A, B, C, None, False, seq_idx, nseg, per, True, cfg)
     hT = _new((Bsz, Dn, N), f32, dev)
     y = _new((Bsz, Dn), u.dtype, dev)
@@ -374,7 +380,7 @@ def scan_bwd(
         )
     nseg, per = _segments(nc, Bsz * ndb * nb, cfg.seg_target_per_sm, cfg, dev)
     f32 = torch.float32
-    A = A.contiguous()
+    A, D, delta_bias = _contiguous(A, D, delta_bias)
     DN = Dn * N
     common = dict(
         HAS_Z=z is not None,
@@ -449,9 +455,9 @@ def scan_bwd(
                 dz = dz_out.copy_(dz)
     dB = _new((Bsz, T, N), B.dtype, dev)
     dC = _new((Bsz, T, N), C.dtype, dev)
-    dA = torch.empty(Dn, N, dtype=f32, device=dev)
-    dD = torch.empty(Dn, dtype=f32, device=dev) if D is not None else None
-    dbias = torch.empty(Dn, dtype=f32, device=dev) if delta_bias is not None else None
+    dA = _new((Dn, N), f32, dev)
+    dD = _new((Dn,), f32, dev) if D is not None else None
+    dbias = _new((Dn,), f32, dev) if delta_bias is not None else None
     M = Bsz * T * N
     block = 1024 if u.is_cuda else 64
     rows = Bsz * nseg  # the parameters' partials: one row per (row, segment)
