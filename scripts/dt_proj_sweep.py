@@ -67,7 +67,7 @@ def sweep(name: str, Bsz: int, T: int, D: int, R: int, g: torch.Generator) -> li
 
     def chain():
         r = F.linear(dt_r, w)
-        b32, c32 = KS._f32_bc(B, C)
+        b32, c32 = KS.bc_f32(B, C)
         return KS.scan_fwd(u, r, A, b32, c32, Dv, z, bias, True, None, None, False)
 
     def ours():
@@ -80,7 +80,7 @@ def sweep(name: str, Bsz: int, T: int, D: int, R: int, g: torch.Generator) -> li
                  y_max=y_old.abs().max().item())]  # fmt: skip
     pieces = {
         "cuBLAS dt_proj": lambda: F.linear(dt_r, w),
-        "widen B, C": lambda: KS._f32_bc(B, C),
+        "widen B, C": lambda: KS.bc_f32(B, C),
         "scan, softplus inside": scan_old,
         "scan, delta given": scan_new,
         "chain": chain,

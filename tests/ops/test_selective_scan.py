@@ -269,19 +269,20 @@ def test_segments_fill_whole_waves(monkeypatch):
     allow and never more (one segment over puts a few programs in a wave of their own),
     and the segments cover every tile once."""
     from mambakit.ops.selective_scan import launch as K
+    from mambakit.ops.selective_scan import programs as P
 
-    monkeypatch.setattr(K, "sm_count", lambda index: 132)
+    monkeypatch.setattr(P, "sm_count", lambda index: 132)
     cfg = K.config(1536, interpret=False)
     cuda = torch.device("cuda", 0)
     for per_sm in (cfg.fwd_seg_target_per_sm, cfg.seg_target_per_sm):
         target = per_sm * 132
         for programs in (48, 64, 100, 128, 200):
-            nseg, per = K._segments(512, programs, per_sm, cfg, cuda)
+            nseg, per = K.time_segments(512, programs, per_sm, cfg, cuda)
             assert programs * nseg <= target
             assert programs * nseg > target // 2
             assert per * nseg >= 512 and per * (nseg - 1) < 512
     # enough programs already: one segment
-    assert K._segments(512, 2 * 264, cfg.fwd_seg_target_per_sm, cfg, cuda) == (1, 512)
+    assert K.time_segments(512, 2 * 264, cfg.fwd_seg_target_per_sm, cfg, cuda) == (1, 512)
 
 
 @pytest.mark.parametrize(

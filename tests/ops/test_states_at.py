@@ -25,6 +25,7 @@ from mambakit.ops.causal_conv1d.reference import conv_states_at
 from mambakit.ops.mamba_inner.reference import mamba_inner_chain
 from mambakit.ops.selective_scan import launch as K
 from mambakit.ops.selective_scan import states_at_buffers
+from mambakit.ops.selective_scan.programs import MAX_BLOCK_N
 from mambakit.state import MambaState
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -239,7 +240,7 @@ def test_reference_states_carry_gradients(seed):
 
 @pytest.mark.parametrize(
     "seg_tiles, N",
-    [(1, 5), (3, K.MAX_BLOCK_N + 8), (1 << 20, 5)],
+    [(1, 5), (3, MAX_BLOCK_N + 8), (1 << 20, 5)],
     ids=["segments-of-1-tile", "segments-of-3-tiles-N-split", "one-segment"],
 )
 def test_triton_states_across_segments_and_state_blocks(seg_tiles, N, seed, nan_empty):
@@ -251,7 +252,7 @@ def test_triton_states_across_segments_and_state_blocks(seg_tiles, N, seed, nan_
     base = K.config(c.Dn, DEVICE != "cuda")
     cfg = dataclasses.replace(base, seg_tiles=seg_tiles)
     nc = -(-T // cfg.fwd_tile)
-    nseg, _ = K._segments(nc, 2, cfg.fwd_seg_target_per_sm, cfg, torch.device(DEVICE))
+    nseg, _ = K.time_segments(nc, 2, cfg.fwd_seg_target_per_sm, cfg, torch.device(DEVICE))
     assert (nseg > 1) == (seg_tiles < nc)
     # steps at segment ends and starts: with 1-tile segments every 4th step starts one
     pos = positions([[3, 4, 11, 12, 36, 0, 23], [7, 8, 5, 6, 35, 19, 20]])

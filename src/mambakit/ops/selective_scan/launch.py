@@ -41,19 +41,27 @@ module names every kernel of the scan.
 
 import torch
 
-from .._triton import cdiv, launch, next_power_of_2, opt, sm_count, strides
+from .._triton import cdiv, launch, next_power_of_2, opt, strides
 from .backward import _bwd_kernel, _bwd_local_kernel
 from .carry import _carry_bwd_kernel
 from .channel_sum import _sum_partials_kernel
 from .forward import _fwd_kernel, _fwd_last_kernel
+from .programs import (
+    bc_f32,
+    contiguous_params,
+    input_strides,
+    reduce_scatter_fits,
+    state_block,
+    tile_slots,
+    time_segments,
+    whole_tiles,
+)
 from .replay import _replay_kernel
 from .scan_config import ScanConfig, config, save_interval
 from .step import _state_update_kernel
 
 __all__ = ["ScanConfig", "config", "save_interval", "state_chunk", "scan_fwd", "scan_last",
            "scan_bwd", "state_update", "reduce_scatter_fits"]  # fmt: skip
-
-MAX_BLOCK_N = 32  # states per program; larger N is split over programs
 
 
 def state_chunk(Dn: int, is_cuda: bool) -> int:
@@ -65,97 +73,6 @@ def state_chunk(Dn: int, is_cuda: bool) -> int:
 def _new(shape, dtype, device) -> torch.Tensor:
     """Every buffer a kernel fills; tests swap it for a NaN-filled one."""
     return torch.empty(shape, dtype=dtype, device=device)
-
-
-def _segments(
-    nc: int, programs: int, per_sm: int, cfg: ScanConfig, device: torch.device
-) -> tuple[int, int]:
-    """(segments, tiles per segment) for nc tiles and `programs` programs per segment.
-
-    The target is a whole number of waves (per_sm programs per SM, with one-warp
-    programs at about 250 registers 8 fit on an SM at once), so the count rounds down: one
-    segment more puts a few programs in a wave of their own (H200, 1 x 4096 at D 4096: 17
-    segments, 2176 programs in 3 waves of 1056, made the output pass 164 us against the
-    summaries' 91 us)."""
-    per = cfg.seg_tiles
-    if per <= 0:
-        sms = sm_count(device.index or 0) if device.type == "cuda" else 0
-        below = cfg.seg_below_per_sm * sms
-        target = max(below, per_sm * sms)
-        nseg = 1 if programs >= below else max(1, min(nc, target // programs))
-        per = cdiv(nc, nseg)
-    per = max(1, min(per, nc))
-    return cdiv(nc, per), per
-
-
-def _even(T, Dn, N, tc, bd, bn, whole_segments) -> bool:
-    """Every tile of every program lies inside the tensors: the kernels drop their masks."""
-    return T % tc == 0 and Dn % bd == 0 and N % bn == 0 and whole_segments
-
-
-def _block_n(N: int) -> int:
-    return min(next_power_of_2(N), MAX_BLOCK_N)
-
-
-def reduce_scatter_fits(tc: int, bd: int, bn: int, warps: int) -> bool:
-    """Whether the channel sums of a [tc, bn, bd] tile can use `_store_channel_sum`'s
-    reduce-scatter: one warp whose tiles put the bd channels on the low lane bits and 32 / bd
-    states on the others, every lane busy."""
-    if warps != 1 or bd < 2 or bd > 32 or 32 % bd:
-        return False
-    nl = 32 // bd
-    return bn % nl == 0 and tc * (bn // nl) >= bd
-
-
-def _f32_bc(B: torch.Tensor, C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """B and C as f32, for the forward kernel: it broadcasts every (t, n) value to all the
-    channels of a warp, and widening bf16 after that broadcast costs about 1.5 instructions
-    per state element and step (a quarter of the loop); one [B, T, 2N] conversion costs a
-    few microseconds. B, C side by side in one tensor (x_proj's output) convert in one op."""
-    if B.dtype == torch.float32 and C.dtype == torch.float32:
-        return B, C
-    N = B.shape[-1]
-    adjacent = (
-        B.dtype == C.dtype
-        and B.shape == C.shape
-        and B.stride() == C.stride()
-        and B.stride(-1) == 1
-        and C.data_ptr() == B.data_ptr() + N * B.element_size()
-    )
-    if adjacent:
-        BC = B.as_strided((*B.shape[:-1], 2 * N), B.stride()).float()
-        return BC[..., :N], BC[..., N:]
-    return B.float(), C.float()
-
-
-def _contiguous(*params: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    """A [D, N], D and delta_bias [D] as the kernels index them (row-major, no strides):
-    a strided view (a column of a stacked parameter, an expanded scalar) is copied."""
-    return tuple(p.contiguous() if p is not None else None for p in params)
-
-
-def _input_strides(u, delta, B, C, z, seq_idx) -> tuple[int, ...]:
-    """The scan kernels' stride arguments of its [B, T, *] inputs: rows and steps of each."""
-    return (
-        u.stride(0),
-        u.stride(1),
-        delta.stride(0),
-        delta.stride(1),
-        B.stride(0),
-        B.stride(1),
-        C.stride(0),
-        C.stride(1),
-        *strides(z, 2),
-        *strides(seq_idx, 2),
-    )
-
-
-def tile_slots(slot: torch.Tensor, tc: int) -> torch.Tensor:
-    """The largest of slot [B, T]'s entries in each tile of tc steps: [B, T / tc] (-1: a
-    tile that keeps no state)."""
-    Bsz, T = slot.shape
-    nc = cdiv(T, tc)
-    return torch.nn.functional.pad(slot, (0, nc * tc - T), value=-1).view(Bsz, nc, tc).amax(-1)
 
 
 def scan_fwd(
@@ -190,12 +107,12 @@ def scan_fwd(
         return u.new_empty(Bsz, T, Dn), hT, _new((Bsz, 0, Dn, N) if save_states else (0,), f32, dev)
     cfg_given = cfg is not None
     cfg = cfg if cfg_given else config(Dn, not u.is_cuda)
-    B, C = _f32_bc(B, C)
-    tc, ts, bd, bn = cfg.fwd_tile, save_interval(cfg), cfg.fwd_block_d, _block_n(N)
+    B, C = bc_f32(B, C)
+    tc, ts, bd, bn = cfg.fwd_tile, save_interval(cfg), cfg.fwd_block_d, state_block(N)
     nb, nc, ndb = cdiv(N, bn), cdiv(T, tc), cdiv(Dn, bd)
     ns = cdiv(T, ts)
-    nseg, per = _segments(nc, Bsz * ndb * nb, cfg.fwd_seg_target_per_sm, cfg, dev)
-    A, D, delta_bias = _contiguous(A, D, delta_bias)
+    nseg, per = time_segments(nc, Bsz * ndb * nb, cfg.fwd_seg_target_per_sm, cfg, dev)
+    A, D, delta_bias = contiguous_params(A, D, delta_bias)
     h0 = initial_state.contiguous() if initial_state is not None else None
     flags = dict(
         HAS_D=D is not None,
@@ -208,12 +125,12 @@ def scan_fwd(
         TS=ts,
         BLOCK_D=bd,
         BLOCK_N=bn,
-        EVEN=_even(T, Dn, N, tc, bd, bn, nseg * per == nc),
+        EVEN=whole_tiles(T, Dn, N, tc, bd, bn, nseg * per == nc),
         num_warps=cfg.fwd_warps,
     )
     grid = (ndb, nseg, Bsz * nb)
     ins = (u, delta, A, B, C, opt(D, A), opt(z, u), opt(delta_bias, A), opt(seq_idx, A))
-    sizes = (T, Dn, N, Bsz, nc, ns, nseg, per, *_input_strides(u, delta, B, C, z, seq_idx))
+    sizes = (T, Dn, N, Bsz, nc, ns, nseg, per, *input_strides(u, delta, B, C, z, seq_idx))
     hT = _new((Bsz, Dn, N), f32, dev)
     hloc = P = A  # segment summaries: none with one segment
     if nseg > 1:  # each segment's summary; the output pass composes those before its segment
@@ -248,20 +165,20 @@ def _summaries(u, delta, A, B, C, delta_bias, softplus, seq_idx, nseg, per, with
     segments before the last lie inside the sequence, so only D and N may need masks there."""
     Bsz, T, Dn = u.shape
     N = A.shape[1]
-    tc, bd, bn = cfg.fwd_tile, cfg.fwd_block_d, _block_n(N)
+    tc, bd, bn = cfg.fwd_tile, cfg.fwd_block_d, state_block(N)
     nb = cdiv(N, bn)
     m = cfg.fwd_local_tiles if per % cfg.fwd_local_tiles == 0 else 1
     if with_last:
-        even = _even(T, Dn, N, tc * m, bd, bn, nseg * per == cdiv(T, tc))
+        even = whole_tiles(T, Dn, N, tc * m, bd, bn, nseg * per == cdiv(T, tc))
     else:
-        even = _even(0, Dn, N, 1, bd, bn, True)
+        even = whole_tiles(0, Dn, N, 1, bd, bn, True)
     hloc = torch.empty(Bsz, nseg, Dn, N, dtype=torch.float32, device=u.device)
     P = torch.empty_like(hloc)
     launch(
         _fwd_kernel, (cdiv(Dn, bd), nseg if with_last else nseg - 1, Bsz * nb),
         u, delta, A, B, C, A, A, opt(delta_bias, A), opt(seq_idx, A), A, A, A, hloc, P, A, A, A,
         A, T, Dn, N, Bsz, cdiv(T, tc * m), 1, nseg, per // m, 0,
-        *_input_strides(u, delta, B, C, None, seq_idx),
+        *input_strides(u, delta, B, C, None, seq_idx),
         HAS_D=False, HAS_Z=False, HAS_BIAS=delta_bias is not None, SOFTPLUS=bool(softplus),
         HAS_SEQ=seq_idx is not None, HAS_H0=False, LOCAL=True, SAVE=False, HAS_AT=False,
         SPLIT_N=nb > 1,
@@ -285,11 +202,11 @@ def scan_last(
     dev = u.device
     f32 = torch.float32
     cfg = cfg if cfg is not None else config(Dn, not u.is_cuda)
-    B, C = _f32_bc(B, C)
-    bn = _block_n(N)
+    B, C = bc_f32(B, C)
+    bn = state_block(N)
     nc, nprog = cdiv(T, cfg.fwd_tile), Bsz * cdiv(Dn, cfg.fwd_block_d) * cdiv(N, bn)
-    nseg, per = _segments(nc, nprog, cfg.fwd_seg_target_per_sm, cfg, dev)
-    A, D = _contiguous(A, D)
+    nseg, per = time_segments(nc, nprog, cfg.fwd_seg_target_per_sm, cfg, dev)
+    A, D = contiguous_params(A, D)
     hloc, P = _summaries(u, delta, A, B, C, None, False, seq_idx, nseg, per, True, cfg)
     hT = _new((Bsz, Dn, N), f32, dev)
     y = _new((Bsz, Dn), u.dtype, dev)
@@ -314,11 +231,11 @@ def replay_states(u, delta, A, B, delta_bias, delta_softplus, seq_idx, saved, cf
     channel block and row). A: [D, N] contiguous."""
     Bsz, T, Dn = u.shape
     N = A.shape[1]
-    tc, ks, bn = cfg.bwd_tile, cfg.bwd_save_tiles, _block_n(N)
+    tc, ks, bn = cfg.bwd_tile, cfg.bwd_save_tiles, state_block(N)
     bd = min(cfg.fwd_block_d, next_power_of_2(Dn))
     nc, n_saved = cdiv(T, tc), saved.shape[1]
     states = _new((Bsz, nc, Dn, N), torch.float32, u.device)
-    even = _even(T, Dn, N, tc * ks, bd, bn, True)  # whole intervals
+    even = whole_tiles(T, Dn, N, tc * ks, bd, bn, True)  # whole intervals
     for k0 in range(0, n_saved, MAX_GRID_Y):
         launch(_replay_kernel, (cdiv(Dn, bd), min(n_saved - k0, MAX_GRID_Y), Bsz * cdiv(N, bn)),
             u, delta, A, B, opt(delta_bias, A), opt(seq_idx, A), saved, states,
@@ -370,7 +287,7 @@ def scan_bwd(
             z32.clone() if delta_bias is not None else None, dh0,
         )  # fmt: skip
     cfg = cfg if cfg is not None else config(Dn, not u.is_cuda)
-    tc, bd, bn, ks = cfg.bwd_tile, cfg.bwd_block_d, _block_n(N), cfg.bwd_save_tiles
+    tc, bd, bn, ks = cfg.bwd_tile, cfg.bwd_block_d, state_block(N), cfg.bwd_save_tiles
     nb, nc, ndb = cdiv(N, bn), cdiv(T, tc), cdiv(Dn, bd)
     ns = cdiv(T, tc * ks)
     if tuple(states.shape) != (Bsz, ns, Dn, N):
@@ -378,9 +295,9 @@ def scan_bwd(
             f"states: expected the forward's saved states of shape {(Bsz, ns, Dn, N)} "
             f"(one every {tc * ks} steps), got {tuple(states.shape)}"
         )
-    nseg, per = _segments(nc, Bsz * ndb * nb, cfg.seg_target_per_sm, cfg, dev)
+    nseg, per = time_segments(nc, Bsz * ndb * nb, cfg.seg_target_per_sm, cfg, dev)
     f32 = torch.float32
-    A, D, delta_bias = _contiguous(A, D, delta_bias)
+    A, D, delta_bias = contiguous_params(A, D, delta_bias)
     DN = Dn * N
     common = dict(
         HAS_Z=z is not None,
@@ -390,12 +307,12 @@ def scan_bwd(
         TC=tc,
         BLOCK_D=bd,
         BLOCK_N=bn,
-        EVEN=_even(T, Dn, N, tc, bd, bn, nseg * per == nc),
+        EVEN=whole_tiles(T, Dn, N, tc, bd, bn, nseg * per == nc),
         num_warps=cfg.bwd_warps,
     )
     grid = (ndb, nseg, Bsz * nb)
     cap = dict(maxnreg=cfg.bwd_maxnreg) if cfg.bwd_maxnreg else {}
-    s_in = _input_strides(u, delta, B, C, z, seq_idx)
+    s_in = input_strides(u, delta, B, C, z, seq_idx)
     s_dy = gy.stride()
     if ks > 1:  # a state per tile again, for this backward only
         states = replay_states(u, delta, A, B, delta_bias, delta_softplus, seq_idx, states, cfg)
