@@ -1,5 +1,6 @@
-"""CUDA-graph capture that keeps the stream and the random generator usable when it fails:
-what the Trainer's captured step and the graph decode share."""
+"""CUDA-graph capture that keeps the stream and the random generator usable when it fails,
+and the version counters of tensors a replay (or a fused kernel) writes unseen: what the
+Trainer's captured step and the graph decode share."""
 
 from __future__ import annotations
 
@@ -61,3 +62,18 @@ def _reset_generator(device: torch.device) -> None:
     fresh = torch.Generator(device=device)
     fresh.set_state(gen.get_state())
     gen.graphsafe_set_state(fresh)
+
+
+def increment_versions(tensors: list[torch.Tensor]) -> None:
+    """Move the autograd version counters of tensors written in place where autograd does
+    not see it (a graph replay, a fused optimizer's kernels), so what is keyed on them (the
+    decode plans of `inference.plan`) is derived again. One call from torch 2.5, one per
+    tensor before."""
+    if _VERSIONS_OF_A_LIST:
+        torch.autograd.graph.increment_version(tensors)
+    else:
+        for t in tensors:
+            torch.autograd.graph.increment_version(t)
+
+
+_VERSIONS_OF_A_LIST = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 5)

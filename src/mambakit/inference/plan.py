@@ -49,6 +49,8 @@ from torch import nn
 from torch.nn.modules.module import register_module_module_registration_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ..cuda_graphs import increment_versions
+
 __all__ = ["derived", "drop", "reads", "record", "refresh", "rederive"]
 
 # id(module) -> {name: _Plan}, removed when the module dies (a plain dict: a weak-keyed
@@ -322,16 +324,10 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> Non
         for p in group["params"]
         if _WATCHED.get(id(p)) is p
     ]
-    if not params:
-        return
-    if _VERSIONS_OF_A_LIST:
-        torch.autograd.graph.increment_version(params)
-    else:
-        for p in params:
-            torch.autograd.graph.increment_version(p)
+    if params:
+        increment_versions(params)
 
 
-_VERSIONS_OF_A_LIST = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 5)
 # the hooks' handles (`.remove()` takes one away)
 _optimizer_hook = register_optimizer_step_post_hook(_after_optimizer_step)
 

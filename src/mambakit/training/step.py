@@ -28,9 +28,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.graph import increment_version
 
-from ..cuda_graphs import graph_capture
+from ..cuda_graphs import graph_capture, increment_versions
 from ..state import MambaState
 from . import distributed as dist_
 from .config import PRECISIONS
@@ -86,18 +85,6 @@ def split_time(batch: Batch, chunk: int | None) -> list[Batch]:
     if chunk is None or chunk >= T:
         return [batch]
     return [{k: v[:, t : t + chunk] for k, v in batch.items()} for t in range(0, T, chunk)]
-
-
-def _increment_versions(tensors: list[torch.Tensor]) -> None:
-    """increment_version over a list: one call from torch 2.5, one per tensor before."""
-    if _VERSIONS_OF_A_LIST:
-        increment_version(tensors)
-    else:
-        for t in tensors:
-            increment_version(t)
-
-
-_VERSIONS_OF_A_LIST = tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 5)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -246,12 +233,11 @@ class StepMixin:
         norm = _full(nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True))
         if self._found_inf is not None:  # decided on the device: no sync, capturable
             self._found_inf.copy_(~(torch.isfinite(norm) & torch.isfinite(loss)))
-            self.optimizer.step()  # reads optimizer.found_inf: a skip changes no state
-            # the fused AdamW writes the parameters without moving their version counters:
-            # move them, or the decode plan keyed on them (`inference.plan`: A = -exp(A_log),
-            # D and dt bias, the decode weights) would keep serving the old values (a replay
-            # runs no Python: `_graph_step` does this after it)
-            _increment_versions(self.params)
+            # reads optimizer.found_inf: a skip changes no state. The fused AdamW writes the
+            # parameters without moving their version counters; its post-step hook
+            # (`inference.plan`) moves those a decode plan watches, and after a replay, which
+            # runs no Python, `_graph_step` moves them
+            self.optimizer.step()
             skipped = self._found_inf.to(torch.int64)
             self._skipped_dev += skipped
             self._streak_dev.add_(1).mul_(skipped)  # +1 on a skip, 0 on an applied step
@@ -265,7 +251,6 @@ class StepMixin:
             skipped = not bool(torch.isfinite(norm) & torch.isfinite(loss))
             if not skipped:
                 self.optimizer.step()
-        _increment_versions(self.params)  # as above (a fused optimizer)
         self._skipped_host += skipped
         self._streak_host = self._streak_host + 1 if skipped else 0
         return norm
@@ -321,9 +306,9 @@ class StepMixin:
             for key, v in src.items():
                 dst[key].copy_(v, non_blocking=True)
         self._graph.replay()
-        # the replay updated the parameters in place behind PyTorch's back: move their
-        # version counters, as `_clip_and_step` does on the eager path
-        _increment_versions(self.params)
+        # the replay updated the parameters in place behind PyTorch's back (and ran no
+        # optimizer hook): move their version counters
+        increment_versions(self.params)
         # copies: the graph's outputs are overwritten by the next replay
         return self._static["loss"].clone(), self._static["norm"].clone()
 

@@ -32,9 +32,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..cuda_graphs import graph_capture
+from ..cuda_graphs import graph_capture, increment_versions
 from ..inference.cuda_graph import use_cuda_graph
-from .step import _increment_versions
 
 __all__ = ["WindowStep"]
 
@@ -109,7 +108,7 @@ class WindowStep:
                 for k, v in inputs.items():
                     self._static[k].copy_(v)
                 self._graph.replay()
-                _increment_versions(self.params)  # updated in place behind autograd's back
+                increment_versions(self.params)  # updated in place behind autograd's back
                 return self._loss.clone()
         return self._eager(inputs)
 
@@ -134,11 +133,10 @@ class WindowStep:
         loss.backward()
         if self.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip, foreach=True)
+        # a fused optimizer updates in place behind autograd's back: its post-step hook
+        # (`inference.plan`) moves the versions the decode plans watch; a replay runs no
+        # hook, and `__call__` moves them after it
         self.optimizer.step()
-        # a fused optimizer updates in place behind autograd's back: the versions tell the
-        # decode plans (`step`'s weights) that the parameters changed (a host-side count: in a
-        # capture it counts once, and each replay bumps them again)
-        _increment_versions(self.params)
         with torch.no_grad():
             self.state.copy_(final.detach())
         return loss.detach()
