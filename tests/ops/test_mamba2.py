@@ -505,25 +505,38 @@ def test_kernels_take_inputs_strided_in_their_last_dim(nan_empty, name, grad):
     """delta [B, T, H], A [H], D [H] and dt_bias [H] as views of stride 2 (which the checks
     accept: only x's layout is the kernels' own concern) give the float64 oracle's y and
     final state, on the forward without autograd (the SSD kernels, which index them by head)
-    and with it."""
+    and with it, where the strided view and x are leaves whose gradients match float64's."""
     inp, seq_idx = make(Bn=2, T=37, H=4, P=4, G=2, N=8, seq=True, seed=4)
     g = torch.Generator().manual_seed(2)
     dt = torch.randn(2, 37, 4, generator=g, dtype=torch.float64) - 1
     bias = torch.randn(4, generator=g, dtype=torch.float64)
-    made = inp["delta"] if name != "dt_bias" else torch.nn.functional.softplus(dt + bias)
-    y64, f64 = mamba2_scan_naive(**{**inp, "delta": made}, seq_idx=seq_idx)
+    key = name if name != "dt_bias" else "bias"
+    leaves64 = {"x": inp["x"].clone(), key: bias.clone() if name == "dt_bias" else inp[name]}
+    leaves64 = {k: v.clone().requires_grad_(grad) for k, v in leaves64.items()}
+    inp64 = {**inp, **{k: v for k, v in leaves64.items() if k != "bias"}}
+    if name == "dt_bias":
+        inp64["delta"] = torch.nn.functional.softplus(dt + leaves64["bias"])
+    with torch.set_grad_enabled(grad):
+        y64, f64 = mamba2_scan_reference(**inp64, seq_idx=seq_idx)
     args = {k: v.to(DEVICE, torch.float32) for k, v in inp.items()}
     extra = {}
     if name == "dt_bias":
         args["delta"] = dt.to(DEVICE, torch.float32)
-        extra["dt_bias"] = _strided(bias.to(DEVICE, torch.float32))
+        extra["dt_bias"] = leaf = _strided(bias.to(DEVICE, torch.float32))
     else:
-        args[name] = _strided(args[name])
+        args[name] = leaf = _strided(args[name])
     with torch.set_grad_enabled(grad):
         if grad:
             args["x"].requires_grad_()
+            leaf.requires_grad_()  # a view of a buffer that records no graph: a leaf
         y, final = mamba2_scan(**args, **extra, seq_idx=seq_idx.to(DEVICE), backend="triton")
     assert rel(y, y64) < 1e-5 and rel(final, f64) < 1e-5
+    if grad:
+        (y64.sum() + f64.square().sum()).backward()
+        (y.sum() + final.square().sum()).backward()
+        assert leaf.grad.shape == leaf.shape
+        assert rel(leaf.grad, leaves64[key].grad) < 1e-5, name
+        assert rel(args["x"].grad, leaves64["x"].grad) < 1e-5
 
 
 @pytest.mark.parametrize(
