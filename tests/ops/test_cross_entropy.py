@@ -146,6 +146,30 @@ def test_chunk_ops_match_reference(dtype):
     assert rel(got, want) <= {F32: 1e-6, F16: 1e-3, BF16: 8e-3}[dtype]  # <= 1 ulp
 
 
+def test_masked_logits_leading_a_row():
+    """Logits masked to -inf (a padded vocabulary, banned tokens) over the whole first block
+    of a row, or all but one column: the loss and the gradient are the oracle's, not NaN
+    (the running maximum starts at -inf)."""
+    V = 200  # the interpreter's blocks are 64 columns, the GPU's 2048
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, V, generator=gen, dtype=torch.float64)
+    logits[0, :150] = float("-inf")
+    logits[1, :-1] = float("-inf")
+    logits[2, 64:] = float("-inf")
+    targets = torch.tensor([170, V - 1, 3])
+    want_loss = F.cross_entropy(logits, targets, reduction="none")
+    want_lse = torch.logsumexp(logits, -1)
+    x = logits.to(DEVICE, torch.float32)
+    loss, lse = cross_entropy_fwd_triton(x, targets.to(DEVICE))
+    assert torch.isfinite(loss).all()
+    torch.testing.assert_close(loss.double().cpu(), want_loss, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse.double().cpu(), want_lse, rtol=1e-6, atol=1e-6)
+    g = torch.tensor(1.0, device=DEVICE)
+    got = cross_entropy_bwd_triton(x.clone(), targets.to(DEVICE), lse, g)
+    want = torch.softmax(logits, -1) - F.one_hot(targets, V)
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-5, atol=1e-6)
+
+
 def test_target_out_of_range_gives_nan():
     """The kernel never reads outside the row: a bad target yields NaN, not a fault."""
     logits = torch.randn(3, 10, device=DEVICE)

@@ -446,8 +446,9 @@ def test_non_finite_gradient_step_is_skipped(precision, value, grad_clip):
 def test_evaluation_after_fused_optimizer_steps_sees_the_new_weights():
     """A fused AdamW (the Trainer's on CUDA) writes the parameters without moving their
     version counters. The post-step hook of `inference.plan` moves those a plan watches, so
-    what no-grad forwards keep from the parameters (the decode plan: A = -exp(A_log), D, dt bias) follows:
-    `evaluate()` after training equals the loss of a fresh copy of the weights."""
+    what no-grad forwards keep from the parameters (the decode plan: A = -exp(A_log), D,
+    dt bias) follows: `evaluate()` after training equals the loss of a fresh copy of the
+    weights."""
     trainer = Trainer(tiny_lm(), tcfg(lr=5e-2), ListData([random_batch(seed=s) for s in range(2)]))
     val = [random_batch(seed=9)]
     trainer.val_batches = val

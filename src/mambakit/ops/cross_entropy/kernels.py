@@ -45,7 +45,9 @@ def _ce_fwd_kernel(
         b_x = tl.load(p_row + v0 + cols, mask=v0 + cols < V, other=float("-inf"))
         b_x = b_x.to(tl.float32) * LOG2E  # [BLOCK_V]
         b_m_new = tl.maximum(b_m, tl.max(b_x, axis=0))
-        b_s = b_s * tl.exp2(b_m - b_m_new) + tl.sum(tl.exp2(b_x - b_m_new), axis=0)
+        # while every logit so far is -inf the sum stays 0 (exp2(-inf - -inf) would be NaN)
+        b_ref = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_s = b_s * tl.exp2(b_m - b_ref) + tl.sum(tl.exp2(b_x - b_ref), axis=0)
         b_m = b_m_new
     b_lse = (b_m + tl.log2(b_s)) / LOG2E
     tgt = tl.load(p_tgt + row)
