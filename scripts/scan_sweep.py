@@ -159,6 +159,36 @@ def wide_backward(rows: list) -> None:
         print(rows[-1], flush=True)
 
 
+def long_rows(rows: list) -> None:
+    """Forward (saving states) + backward of long single rows, where time is cut into
+    segments: channels per backward program (which set its registers, so how many programs
+    an SM holds: 12 at 8 channels, 8 at 16) against the segments' target programs per SM
+    (a target that is not a whole number of an SM's programs leaves a part-filled wave)."""
+    base = K.config(DN, interpret=False)
+    for Bsz, T in ((1, 65536), (1, 16384), (1, 4096), (2, 8192)):
+        a, gy = shape_inputs(Bsz, T, DN, N)
+        first = None
+        for bd in (8, 16):
+            for target in (8, 12, 16, 24, 32):
+                c = dataclasses.replace(base, bwd_block_d=bd, seg_target_per_sm=target)
+                _, _, st = K.scan_fwd(*a, True, None, None, True, cfg=c)
+                f = timed(lambda c=c, a=a: K.scan_fwd(*a, True, None, None, True, cfg=c))
+                b = timed(
+                    lambda c=c, a=a, st=st, gy=gy: K.scan_bwd(gy, None, *a, True, None, None, st,
+                                                              cfg=c)
+                )  # fmt: skip
+                grads = [g.float() for g in K.scan_bwd(gy, None, *a, True, None, None, st, cfg=c)
+                         if g is not None]  # fmt: skip
+                first = first if first is not None else grads
+                err = max(((g - f0).norm() / f0.norm()).item() for g, f0 in zip(grads, first))
+                row = {"kernel": "long", "shape": f"{Bsz}x{T}", "bwd_block_d": bd,
+                       "seg_target_per_sm": target, "fwd_ms": f, "bwd_ms": b, "ms": f + b,
+                       "rel_err_vs_first": err}  # fmt: skip
+                rows.append(row)
+                print(row, flush=True)
+        del a, gy, st
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
@@ -176,7 +206,19 @@ def main() -> None:
         action="store_true",
         help="one forward (saving states) and one backward, the library's config: for ncu",
     )
+    ap.add_argument(
+        "--long",
+        action="store_true",
+        help="only long single rows: backward channels against the segments' target per SM",
+    )
     args = ap.parse_args()
+    if args.long:
+        rows = []
+        long_rows(rows)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     if args.once:
         a, gy = shape_inputs(8, 2048, DN, N)
         _, _, states = K.scan_fwd(*a, True, None, None, True)
