@@ -74,6 +74,13 @@ def test_seqlen_below_two_is_refused_as_a_flag(tmp_path):
     assert error_line(got, "train").endswith("--seed must be an int in [0, 2**63 - 1), got -1")
 
 
+def test_demo_refuses_a_seed_out_of_range_naming_it():
+    got = mambakit("demo", "--seed", "99999999999999999999")
+    assert error_line(got, "demo").endswith(
+        "--seed must be an int in [0, 2**63 - 1), got 99999999999999999999"
+    )
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [

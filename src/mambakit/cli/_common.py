@@ -39,6 +39,12 @@ def check_run_folder(run_dir: Path, resume: bool) -> None:
 _FLAGS = {"ckpt_every_minutes": "--ckpt-minutes", "max_seconds": "--max-minutes (x 60)"}
 
 
+def check_seed(seed: int | None) -> None:
+    """A --seed every generator here takes (torch's, numpy's, the sampler's): [0, 2**63 - 1)."""
+    if seed is not None and not 0 <= seed < (1 << 63) - 1:
+        raise UsageError(f"--seed must be an int in [0, 2**63 - 1), got {seed}")
+
+
 def flag_names(message: str) -> str:
     """`TrainConfig.batch_size must ...` -> `--batch-size must ...` (what the user typed); the
     same for MambaConfig fields that are flags (`task`'s --d-model, --headdim, ...)."""

@@ -11,7 +11,7 @@ import torch
 from ..config import MambaConfig
 from ..model import MambaLM
 from ..ops import resolve_backend
-from ._common import UsageError, add_threads_flag, check_device, set_threads
+from ._common import UsageError, add_threads_flag, check_device, check_seed, set_threads
 
 
 def add_parser(sub) -> None:
@@ -34,6 +34,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.seqlen < 1 or args.steps < 1:
         raise UsageError(f"--seqlen and --steps must be positive, got {args.seqlen}, {args.steps}")
+    check_seed(args.seed)
     device = check_device(args.device)
     args.device = str(device)
     print(set_threads(args.threads))

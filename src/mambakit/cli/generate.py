@@ -17,7 +17,7 @@ import torch
 from ..inference.sampling import SamplingConfig
 from ..model import MambaLM
 from ..text import ByteTokenizer, HFTokenizer, TextStream, load_tokenizer
-from ._common import UsageError, add_threads_flag, check_device, set_threads
+from ._common import UsageError, add_threads_flag, check_device, check_seed, set_threads
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -105,8 +105,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.eos_token_id is not None and args.eos_token_id < -1:
         raise UsageError(f"--eos-token-id must be >= 0, or -1 for never, got {args.eos_token_id}")
-    if args.seed is not None and not 0 <= args.seed < (1 << 63) - 1:
-        raise UsageError(f"--seed must be an int in [0, 2**63 - 1), got {args.seed}")
+    check_seed(args.seed)
     try:
         SamplingConfig(
             temperature=args.temperature,

@@ -38,6 +38,7 @@ from ._common import (
     add_threads_flag,
     check_device,
     check_run_folder,
+    check_seed,
     flag_names,
     set_threads,
 )
@@ -160,8 +161,7 @@ def _check_args(args) -> None:
     for flag in ("batch_size", "grad_accum"):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1")
-    if not 0 <= args.seed < (1 << 63) - 1:  # generate's range: the sample after training
-        raise UsageError(f"--seed must be an int in [0, 2**63 - 1), got {args.seed}")
+    check_seed(args.seed)  # generate's range: the sample after training
     if args.seqlen < 2:  # a row needs a token to predict from and one to predict
         raise UsageError(f"--seqlen must be at least 2, got {args.seqlen}")
     if args.steps is not None and args.steps < 1:
