@@ -5,10 +5,12 @@ for that request alone on a second copy of the model."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import re
 import time
+import types
 
 import httpx
 import openai
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 from mambakit.inference import generate
-from mambakit.serve import Engine
+from mambakit.serve import Engine, protocol
 from mambakit.serve.chat import ChatTemplate
 from mambakit.serve.server import create_app
 from mambakit.text import ByteTokenizer
@@ -131,6 +133,24 @@ def test_stream_usage_and_stop_string(server):
     assert text == bytes(ref[: ref.index(ref[i])]).decode("utf-8", "replace")
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
     assert chunks[-1]["usage"]["completion_tokens"] == ref.index(ref[i]) + 1
+
+
+def test_every_chunk_of_a_stream_has_the_same_created(server, monkeypatch):
+    """The OpenAI API: each chunk of a stream has the same `created` (and id), even where
+    the stream crosses a second (a clock that ticks at every reading here)."""
+    url, *_ = server
+    clock = itertools.count(1_700_000_000)
+    monkeypatch.setattr(protocol, "time", types.SimpleNamespace(time=lambda: next(clock)))
+    for path, body in (
+        ("completions", {"prompt": [1, 2, 3]}),
+        ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ):
+        body = {**body, "max_tokens": 4, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        with httpx.stream("POST", f"{url}/v1/{path}", json=body, headers=AUTH) as r:
+            chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+        assert len(chunks) >= 2  # a chunk of tokens or more, and the usage
+        assert len({(c["id"], c["created"]) for c in chunks}) == 1, path
 
 
 def test_chat_completions_with_the_template(server):

@@ -273,8 +273,10 @@ def create_app(
 
     async def stream(reqs, events, params, opts, rid, chat):
         """Server-sent events: the events waiting when the stream gets to write are merged
-        per choice into one chunk (a client that reads slowly gets fewer, larger chunks)."""
+        per choice into one chunk (a client that reads slowly gets fewer, larger chunks).
+        Every chunk has the same id and `created`, as the OpenAI API's."""
         n = params.n
+        head = envelope(rid, model_name, chat, chunk=True)
         completion_tokens = 0
         started = set()
         left = n * len(reqs)
@@ -300,7 +302,7 @@ def create_app(
                     completion_tokens += len(ids)
                     if not text and not ids and reason is None:
                         continue
-                    out = envelope(rid, model_name, chat, chunk=True)
+                    out = dict(head)
                     first = i not in started
                     c = choice(i, text, reason, chat, True, first=first)
                     started.add(i)
@@ -315,7 +317,7 @@ def create_app(
                                code="internal_error")  # fmt: skip
                 yield f"data: {json.dumps(err.body())}\n\n"
             elif opts.include_usage:
-                out = envelope(rid, model_name, chat, chunk=True)
+                out = dict(head)
                 out["choices"] = []
                 out["usage"] = usage(sum(len(r.prompt) for r in reqs), completion_tokens)
                 yield f"data: {json.dumps(out)}\n\n"
