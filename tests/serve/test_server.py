@@ -133,6 +133,8 @@ def test_stream_usage_and_stop_string(server):
     assert text == bytes(ref[: ref.index(ref[i])]).decode("utf-8", "replace")
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
     assert chunks[-1]["usage"]["completion_tokens"] == ref.index(ref[i]) + 1
+    # the OpenAI API: with include_usage, every other chunk has a usage of null
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
 
 
 def test_every_chunk_of_a_stream_has_the_same_created(server, monkeypatch):

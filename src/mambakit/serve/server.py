@@ -274,9 +274,12 @@ def create_app(
     async def stream(reqs, events, params, opts, rid, chat):
         """Server-sent events: the events waiting when the stream gets to write are merged
         per choice into one chunk (a client that reads slowly gets fewer, larger chunks).
-        Every chunk has the same id and `created`, as the OpenAI API's."""
+        Every chunk has the same id and `created`, as the OpenAI API's; with
+        `include_usage`, each has a `usage`, null but in the last."""
         n = params.n
         head = envelope(rid, model_name, chat, chunk=True)
+        if opts.include_usage:
+            head["usage"] = None
         completion_tokens = 0
         started = set()
         left = n * len(reqs)
