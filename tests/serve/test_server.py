@@ -335,6 +335,9 @@ def test_an_hf_tokenizer_leaves_out_its_special_tokens_when_asked(tmp_path):
         ({"prompt": "a", "tool_choice": "auto"}, 400, "tool_choice"),
         ({"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
         ({"prompt": "a", "stream": "yes"}, 400, "stream"),
+        ({"prompt": "a", "stop_token_ids": 0}, 400, "stop_token_ids"),  # not a list, though falsy
+        ({"prompt": "a", "stop_token_ids": False}, 400, "stop_token_ids"),
+        ({"prompt": "a", "stop_token_ids": {}}, 400, "stop_token_ids"),
         ({"max_tokens": 3}, 400, "prompt"),
         ({"prompt": [1, 999]}, 400, "prompt"),
         ({"prompt": "a", "model": "gpt-4"}, 404, "model"),

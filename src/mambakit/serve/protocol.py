@@ -138,7 +138,9 @@ def parse_request(body, chat: bool, default_max_tokens: int, max_tokens_limit: i
     if len(stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stop):
         raise bad("stop", f"stop takes at most {MAX_STOPS} strings of {MAX_STOP_CHARS} "
                           "characters each")  # fmt: skip
-    stop_ids = body.get("stop_token_ids") or []
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is None:
+        stop_ids = []
     if not isinstance(stop_ids, list) or not all(_is_int(i) and i >= 0 for i in stop_ids):
         raise bad("stop_token_ids", "stop_token_ids must be a list of ints >= 0")
     if len(stop_ids) > MAX_STOPS:
