@@ -392,6 +392,13 @@ def test_more_prompts_than_the_queue_holds_are_refused_whole(server):
                    json={"prompt": [[1, 2], [1, 999]], "max_tokens": 1})  # fmt: skip
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]", r.text
     assert metric(url, "requests_total") == requests
+    # text prompts too: the one that encodes to nothing, or is too long to encode
+    r = httpx.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": ["a", ""]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt[1]", r.text
+    long = "a" * (engine.max_prompt_tokens * 64 + 1)
+    r = httpx.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": ["a", long]})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "prompt[1]", r.text
+    assert metric(url, "requests_total") == requests
     body = {"prompt": ["a", "b", "c"], "max_tokens": 2, "temperature": 0}
     r = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60)
     assert r.status_code == 200 and len(r.json()["choices"]) == 3

@@ -213,7 +213,9 @@ def create_app(
             if len(texts) > engine.max_queue:  # never fits: a retry would not help
                 raise bad("prompt", f"{len(texts)} prompts in one request, more than the "
                                     f"server's queue holds ({engine.max_queue})")  # fmt: skip
-            prompts = [await encode(p, "prompt") for p in texts]
+            # errors name the prompt's number where there are several, as `submit_all`'s
+            names = [f"prompt[{k}]" if len(texts) > 1 else "prompt" for k in range(len(texts))]
+            prompts = [await encode(p, name) for p, name in zip(texts, names)]
         reqs, events = submit_all(prompts, params, "messages" if chat else "prompt")
         rid = new_id("chatcmpl" if chat else "cmpl")
         if opts.stream:
