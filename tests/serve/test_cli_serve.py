@@ -76,6 +76,8 @@ def test_flag_errors_are_one_line(model_dirs):
         (["--max-batch", "0"], "--max-batch must be at least 1"),
         (["--cache-gib", "-1"], "--cache-gib must be a finite number >= 0"),
         (["--cache-gib", "inf"], "--cache-gib must be a finite number >= 0"),
+        (["--drain-timeout", "nan"], "--drain-timeout must be a finite number >= 0"),
+        (["--drain-timeout", "-1"], "--drain-timeout must be a finite number >= 0"),
         (["--eos-token-id", "256"], "--eos-token-id must lie in [0, 256)"),
         (["--eos-token-id", "-7"], "--eos-token-id must lie in [0, 256)"),
         (["--prefill-hold", "soon"], "--prefill-hold must be auto, none or TOKENS,MS"),

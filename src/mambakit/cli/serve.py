@@ -98,8 +98,8 @@ def _check_args(args) -> None:
         raise UsageError(f"--port must lie in [0, 65535], got {args.port}")
     if not (args.cache_gib >= 0 and math.isfinite(args.cache_gib)):
         raise UsageError(f"--cache-gib must be a finite number >= 0, got {args.cache_gib}")
-    if args.drain_timeout < 0:
-        raise UsageError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
+    if not (args.drain_timeout >= 0 and math.isfinite(args.drain_timeout)):
+        raise UsageError(f"--drain-timeout must be a finite number >= 0, got {args.drain_timeout}")
     if isinstance(args.prefill_hold, str):
         args.prefill_hold = prefill_hold(args.prefill_hold)
 
