@@ -341,6 +341,7 @@ def test_an_hf_tokenizer_leaves_out_its_special_tokens_when_asked(tmp_path):
         ({"max_tokens": 3}, 400, "prompt"),
         ({"prompt": [1, 999]}, 400, "prompt"),
         ({"prompt": "a", "model": "gpt-4"}, 404, "model"),
+        ({"prompt": "a", "model": 5}, 400, "model"),  # not a name at all
         ({"prompt": list(range(200)) * 3}, 413, "prompt"),
         ({"prompt": "a" * (512 * 64 + 1)}, 413, "prompt"),  # refused before it is encoded
     ],

@@ -131,6 +131,8 @@ def create_app(
 
     def check_model(body: dict) -> None:
         name = body.get("model")
+        if name is not None and not isinstance(name, str):
+            raise bad("model", f"model must be a string, got {name!r}")
         if name is not None and name != model_name:
             raise APIError(404, f"model {name!r} does not exist; this server has {model_name!r}",
                            param="model", code="model_not_found")  # fmt: skip
