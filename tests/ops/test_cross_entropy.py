@@ -150,13 +150,13 @@ def test_masked_logits_leading_a_row():
     """Logits masked to -inf (a padded vocabulary, banned tokens) over the whole first block
     of a row, or all but one column: the loss and the gradient are the oracle's, not NaN
     (the running maximum starts at -inf)."""
-    V = 200  # the interpreter's blocks are 64 columns, the GPU's 2048
+    V = 2 * 2048 + 200  # blocks of 64 columns under the interpreter, up to 2048 on a GPU
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(3, V, generator=gen, dtype=torch.float64)
-    logits[0, :150] = float("-inf")
+    logits[0, :2100] = float("-inf")  # past the first block at either size
     logits[1, :-1] = float("-inf")
     logits[2, 64:] = float("-inf")
-    targets = torch.tensor([170, V - 1, 3])
+    targets = torch.tensor([2170, V - 1, 3])
     want_loss = F.cross_entropy(logits, targets, reduction="none")
     want_lse = torch.logsumexp(logits, -1)
     x = logits.to(DEVICE, torch.float32)

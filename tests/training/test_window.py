@@ -94,16 +94,37 @@ def test_windows_equal_the_loop_by_hand(mixer):
     assert step.graph_reason == "not on a CUDA device"
 
 
-@pytest.mark.parametrize("mixer", ["mamba1", "mamba2", "mamba3"])
-def test_acting_after_windows_of_a_fused_optimizer_reads_the_new_weights(mixer):
-    """A fused AdamW updates the weights behind autograd's back: after the windows, step()
-    (whose decode weights are derived from the parameters and kept until one changes)
-    acts on the new weights, as a fresh copy of the trained model does."""
+class DataSGD(torch.optim.Optimizer):
+    """SGD writing through `p.data`, as some third-party optimizers do: no version moves."""
+
+    def __init__(self, params, lr: float):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-group["lr"])
+
+
+@pytest.mark.parametrize(
+    "mixer, optimizer",
+    [("mamba1", "fused"), ("mamba2", "fused"), ("mamba3", "fused"), ("mamba1", "p.data")],
+)
+def test_acting_after_windows_of_a_fused_optimizer_reads_the_new_weights(mixer, optimizer):
+    """A fused AdamW, or an optimizer writing through `p.data`, updates the weights behind
+    autograd's back: after the windows, step() (whose decode weights are derived from the
+    parameters and kept until one changes) acts on the new weights, as a fresh copy of the
+    trained model does."""
     model = Policy(mixer)
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         model.step(x, model.init_state(4))  # the decode weights derived before training
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    if optimizer == "fused":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    else:
+        opt = DataSGD(model.parameters(), lr=1e-1)
     step = WindowStep(model, opt, loss_fn, 4, grad_clip=1.0)
     for w in windows(3):
         step(w)

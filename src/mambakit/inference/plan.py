@@ -20,11 +20,11 @@ that are parameters or views of them (the GEMM weights) are read by the graph di
 Code that replays a graph calls `refresh(model)` first (`inference.cuda_graph`), since no
 Python runs inside a replay. Code that updates parameters where PyTorch does not see it
 must move their version counters (`torch.autograd.graph.increment_version`), or the plan
-would not notice: a replayed CUDA graph of an optimizer step (the Trainer moves them after
-every step), an in-place op on `p.data`. Assigning `p.data = other` is seen (the storage
-moves). A fused optimizer (`fused=True`) writes without moving them: a hook after every
-optimizer step, eager or compiled, moves those of its fused groups' parameters that a plan
-watches (`_after_optimizer_step`).
+would not notice: a replayed CUDA graph of an optimizer step (the Trainer and the window
+trainer move them after every replay), an in-place op on `p.data`. Assigning
+`p.data = other` is seen (the storage moves). A fused optimizer (`fused=True`), or one
+that writes through `p.data`, does not move them: a hook after every optimizer step, eager
+or compiled, moves those of its parameters that a plan watches (`_after_optimizer_step`).
 An adapter merged into the weights writes them through `p.data` too (peft's
 `merge_and_unload`), between putting its module in a projection's place and the base
 module back: every plan is derived again after a module takes another's place in its
@@ -312,17 +312,15 @@ class _Mismatch(Exception):
 
 @torch.compiler.disable  # run after a compiled step too (traced, it would move nothing)
 def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Move the version counters of the parameters a fused optimizer step wrote (its
-    kernels write them in place unseen by autograd) that some plan watches: the plan is then
-    derived again, rather than read stale by every later no-grad forward and decode step (a
-    user's own loop with `AdamW(fused=True)`, as the Trainer's). Other parameters are left
-    alone: a model without plans in the same process keeps its versions as it had them."""
+    """Move the version counters of the parameters an optimizer step wrote that some plan
+    watches: the plan is then derived again, rather than read stale by every later no-grad
+    forward and decode step. A fused optimizer's kernels (`AdamW(fused=True)`, as the
+    Trainer's) and an optimizer writing through `p.data` (third-party ones) write in place
+    unseen by autograd; for one whose writes are seen, the plan was to be derived again
+    anyway. Other parameters are left alone: a model without plans in the same process
+    keeps its versions as it had them."""
     params = [
-        p
-        for group in optimizer.param_groups
-        if group.get("fused")
-        for p in group["params"]
-        if _WATCHED.get(id(p)) is p
+        p for group in optimizer.param_groups for p in group["params"] if _WATCHED.get(id(p)) is p
     ]
     if params:
         increment_versions(params)

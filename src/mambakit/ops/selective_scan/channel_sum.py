@@ -4,7 +4,7 @@ A [TC, BLOCK_N, BLOCK_D] tile of the backward puts its BLOCK_D channels on the l
 of one warp and NL = 32 / BLOCK_D states on the others (Triton's default layout for these
 shapes). Summing over channels with `tl.sum` costs log2(BLOCK_D) shuffles for every value a
 thread holds; the reduce-scatter halves the values at each level instead and leaves every
-lane finished sums to store. `reduce_scatter_fits` (launch.py) says on the host when the layout
+lane finished sums to store. `reduce_scatter_fits` (programs.py) says on the host when the layout
 allows it; otherwise `_store_channel_sum` sums with `tl.sum`.
 
 `_sum_partials_kernel` then sums every per-program partial of the backward in one launch:
