@@ -212,9 +212,9 @@ def main() -> None:
         help="only long single rows: backward channels against the segments' target per SM",
     )
     args = ap.parse_args()
-    if args.long:
+    if args.long or args.prefill:  # one sweep alone
         rows = []
-        long_rows(rows)
+        (long_rows if args.long else prefill)(rows)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(rows, f, indent=1)
@@ -228,13 +228,6 @@ def main() -> None:
     if args.bwd is not None:
         global BWD
         BWD = [{}, *args.bwd]  # the library's config first: the others' gradients against it
-    if args.prefill:
-        rows = []
-        prefill(rows)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(rows, f, indent=1)
-        return
     a, gy = shape_inputs(8, 2048, DN, N)
     base = K.config(DN, interpret=False)
     rows = []
