@@ -184,6 +184,17 @@ def test_api_key_and_open_routes(server):
     assert httpx.get(f"{url}/v1/models").status_code == 401
     models = httpx.get(f"{url}/v1/models", headers=AUTH).json()
     assert [m["id"] for m in models["data"]] == ["tiny"]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    assert client.models.retrieve("tiny").id == "tiny"
+    assert httpx.get(f"{url}/v1/models/tiny").status_code == 401
+    r = httpx.get(f"{url}/v1/models/other", headers=AUTH)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    # the framework's own errors are the OpenAI error object too
+    r = httpx.post(f"{url}/v1/embeddings", json={}, headers=AUTH)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+    r = httpx.get(f"{url}/v1/completions", headers=AUTH)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert "POST" in r.headers["allow"]
     assert httpx.post(f"{url}/v1/completions", json=body, headers=AUTH).status_code == 200
     assert httpx.get(f"{url}/health").json() == {"status": "ok"}
     text = httpx.get(f"{url}/metrics").text

@@ -32,6 +32,7 @@ import threading
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from .engine import Engine
 from .params import EngineStopped, Event, QueueFull
@@ -100,6 +101,14 @@ def create_app(
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        """The framework's own errors (an unknown route, a method a route does not take) as
+        the OpenAI error object too, with their headers (405's Allow)."""
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return await api_error(request, APIError(e.status_code, str(e.detail), code=code,
+                                                 headers=e.headers))  # fmt: skip
 
     def authorize(request: Request) -> None:
         if api_key is None:
@@ -344,11 +353,18 @@ def create_app(
         authorize(request)
         return await completion(request, chat=True)
 
+    model_card = {"id": model_name, "object": "model", "created": 0, "owned_by": "mambakit"}
+
     @app.get("/v1/models")
     async def models(request: Request):
         authorize(request)
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "mambakit"}]}  # fmt: skip
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(request: Request, name: str):
+        authorize(request)
+        check_model({"model": name})
+        return model_card
 
     @app.get("/health")
     async def health():
