@@ -346,6 +346,18 @@ def test_repetition_penalty_closed_form():
     torch.testing.assert_close(out, torch.tensor([[4.0, -0.5, 0.0, 3.0, -4.0]]))
 
 
+def test_float64_logits_are_not_rounded_to_float32_by_the_penalty():
+    # the top two differ below f32's resolution: a float64 model's greedy choice must not
+    # change when a penalty on an unrelated token is on (nor sampling round them to ties)
+    logits = torch.tensor([[1.0, 1.0 + 1e-12, -3.0]], dtype=torch.float64)
+    seen = torch.tensor([[False, False, True]])
+    assert apply_repetition_penalty(logits, seen, 1.3).dtype == torch.float64
+    assert sample(logits, SamplingConfig(temperature=0)).item() == 1
+    greedy = SamplingConfig(temperature=0, repetition_penalty=1.3)
+    assert sample(logits, greedy, seen=seen).item() == 1
+    assert filter_logits(logits, SamplingConfig(top_k=1))[0, 1] == 1.0 + 1e-12
+
+
 # --- bad arguments ---------------------------------------------------------------------
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..ops import cpu_jit
+from ..ops._checks import state_dtype
 from ..ops.argmax import argmax_rows
 
 _M32 = 0xFFFFFFFF
@@ -87,8 +88,9 @@ def apply_repetition_penalty(
     penalty: float,
 ) -> torch.Tensor:
     """CTRL (Keskar et al. 2019) as in transformers: a seen token's logit l becomes
-    l / penalty when l > 0 and l * penalty otherwise. Returns f32 [B, V]."""
-    x = logits.float()
+    l / penalty when l > 0 and l * penalty otherwise. Returns f32 [B, V] (f64 for f64
+    logits: a float64 model's greedy choice is not rounded to f32's ties)."""
+    x = logits.to(state_dtype(logits))
     if penalty == 1.0:
         return x
     return torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
@@ -116,10 +118,10 @@ def filter_sorted(
 
 
 def filter_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """Full-vocabulary scores [B, V] (f32) after temperature, top-k, top-p and min-p:
-    the distribution `sample` draws from is softmax of this. A readable reference for
-    tests; `sample` does the same on the top-k candidates only."""
-    scores = logits.float() / (cfg.temperature or 1.0)
+    """Full-vocabulary scores [B, V] (f32; f64 for f64 logits) after temperature, top-k,
+    top-p and min-p: the distribution `sample` draws from is softmax of this. A readable
+    reference for tests; `sample` does the same on the top-k candidates only."""
+    scores = logits.to(state_dtype(logits)) / (cfg.temperature or 1.0)
     V = scores.shape[-1]
     order = torch.argsort(scores, dim=-1, descending=True, stable=True)
     sorted_scores = scores.gather(-1, order)
@@ -184,7 +186,7 @@ def sample(
     """Next tokens [B] int64, on the logits' device, with no host sync."""
     if cfg.greedy and cfg.repetition_penalty == 1.0:
         return argmax_rows(logits)  # one kernel, in the logits' dtype
-    scores = logits.float()
+    scores = logits.to(state_dtype(logits))  # f32, or f64 for a float64 model
     if cfg.repetition_penalty != 1.0:
         if seen is None:
             raise ValueError("sample: repetition_penalty != 1 needs the `seen` mask")
