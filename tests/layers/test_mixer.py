@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mambakit import Mamba
+from mambakit import Mamba, Mamba2
+from mambakit.layers.mamba3 import Mamba3
 
 
 def oracle(mixer, x, conv_state=None, ssm_state=None, seq_idx=None):
@@ -177,6 +178,22 @@ def test_init_follows_mamba_ssm(seed):
     torch.testing.assert_close(
         c.dt_proj.weight.detach(), torch.full_like(c.dt_proj.weight, 2.0 * 4**-0.5)
     )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Mamba(d_model=8, dt_init_floor=math.nan),
+        lambda: Mamba2(d_model=8, headdim=4, dt_init_floor=math.nan),
+        lambda: Mamba3(d_model=8, headdim=4, dt_init_floor=math.nan),
+        lambda: Mamba3(d_model=8, headdim=4, A_floor=math.nan),
+    ],
+    ids=["mamba1", "mamba2", "mamba3", "mamba3-A_floor"],
+)
+def test_nan_floors_raise(make):
+    # a NaN floor passed the `<= 0` checks and made every dt bias NaN (every output NaN)
+    with pytest.raises(ValueError, match="floor"):
+        make()
 
 
 def test_return_state_defaults_and_dtype_args():

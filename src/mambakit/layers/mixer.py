@@ -79,7 +79,7 @@ class Mamba(nn.Module):
             raise ValueError(f"Mamba: d_conv must be an int >= 2, got {d_conv!r}")
         if not (0 < dt_min <= dt_max):
             raise ValueError(f"Mamba: need 0 < dt_min <= dt_max, got {dt_min}, {dt_max}")
-        if dt_init_floor <= 0:
+        if not dt_init_floor > 0:  # (NaN too: it would make every dt bias NaN)
             raise ValueError(f"Mamba: dt_init_floor must be > 0, got {dt_init_floor}")
         self.d_model = d_model
         self.d_state = d_state
