@@ -196,6 +196,15 @@ def test_nan_floors_raise(make):
         make()
 
 
+@pytest.mark.parametrize("name", ["d_model", "d_state", "expand", "dt_rank"])
+def test_bool_sizes_raise_naming_them(name):
+    # True is an int to isinstance: d_state=True built a layer of one state, d_model=True
+    # failed inside torch.empty naming no argument (Mamba2 and Mamba3 refuse bools)
+    kw = {"d_model": 8, name: True}
+    with pytest.raises(ValueError, match=name):
+        Mamba(**kw)
+
+
 def test_return_state_defaults_and_dtype_args():
     m = Mamba(d_model=8, d_state=4, d_conv=3, dtype=torch.float64)
     assert all(p.dtype == torch.float64 for p in m.parameters())

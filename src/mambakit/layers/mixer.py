@@ -73,7 +73,7 @@ class Mamba(nn.Module):
         super().__init__()
         self.use_fast_path = use_fast_path
         for name, v in (("d_model", d_model), ("d_state", d_state), ("expand", expand)):
-            if not isinstance(v, int) or v <= 0:
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"Mamba: {name} must be a positive int, got {v!r}")
         if not isinstance(d_conv, int) or d_conv < 2:
             raise ValueError(f"Mamba: d_conv must be an int >= 2, got {d_conv!r}")
@@ -86,7 +86,7 @@ class Mamba(nn.Module):
         self.d_conv = d_conv
         self.d_inner = expand * d_model
         self.dt_rank = auto_dt_rank(d_model) if dt_rank == "auto" else dt_rank
-        if not isinstance(self.dt_rank, int) or self.dt_rank <= 0:
+        if isinstance(self.dt_rank, bool) or not isinstance(self.dt_rank, int) or self.dt_rank <= 0:
             raise ValueError(f"Mamba: dt_rank must be 'auto' or a positive int, got {dt_rank!r}")
         self.layer_idx = layer_idx
         fk = {"device": device, "dtype": dtype}
