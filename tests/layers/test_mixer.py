@@ -248,3 +248,25 @@ def test_gradcheck_mixer_parameters_through_final_state(seed, randomize):
         return y, ssm
 
     assert torch.autograd.gradcheck(f, tuple(params[k] for k in names), eps=1e-6, atol=1e-5)
+
+
+def test_step_with_autograd_equals_forward_values_and_gradients(seed, randomize):
+    # with a gradient recorded the step ran in place over the states autograd had saved, so
+    # backward raised (Mamba2's and Mamba3's steps run as the forward over one step there)
+    m = make_mixer(randomize, d_model=6, d_state=3, d_conv=3, expand=2)
+    x = torch.randn(2, 4, 6, dtype=torch.float64, requires_grad=True)
+    conv0 = torch.randn(2, 2, 12, dtype=torch.float64, requires_grad=True)
+    ssm0 = torch.randn(2, 12, 3, dtype=torch.float64, requires_grad=True)
+    leaves = [x, conv0, ssm0, *m.parameters()]
+
+    out, (conv, ssm) = m(x, conv0, ssm0, return_state=True)
+    want = torch.autograd.grad(out.sum() + conv.pow(2).sum() + ssm.pow(2).sum(), leaves)
+
+    conv_s, ssm_s = conv0.clone(), ssm0.clone()
+    ys = torch.stack([m.step(x[:, t], conv_s, ssm_s) for t in range(4)], 1)
+    torch.testing.assert_close(ys, out)
+    torch.testing.assert_close(conv_s, conv)
+    torch.testing.assert_close(ssm_s, ssm)
+    got = torch.autograd.grad(ys.sum() + conv_s.pow(2).sum() + ssm_s.pow(2).sum(), leaves)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)

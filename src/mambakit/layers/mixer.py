@@ -245,7 +245,9 @@ class Mamba(nn.Module):
         ssm_state: torch.Tensor,  # [B, D, N], updated in place
         backend: str = "auto",
     ):
-        """One timestep of decode: the states advance in place; returns [B, M].
+        """One timestep of decode: the states advance in place; returns [B, M]. Where a
+        gradient is recorded it is the forward over one step, its final states copied into
+        the ones passed in (a leaf state that requires grad cannot be: pass a clone).
 
         Given mamba_ssm's form, x [B, 1, M] with its conv cache [B, D, K], it is mamba_ssm's
         step: returns (out [B, 1, M], conv_state, ssm_state) (`mamba_ssm_cache.step`).
@@ -255,6 +257,18 @@ class Mamba(nn.Module):
         parameters (`ops.mamba_step.chain`) when every module is plain, else calls them."""
         if x.dim() == 3:
             return mamba_ssm_cache.step(self, x, conv_state, ssm_state)
+        if torch.is_grad_enabled() and (
+            x.requires_grad
+            or conv_state.requires_grad
+            or ssm_state.requires_grad
+            or any(p.requires_grad for p in self.parameters())
+        ):  # recorded: the forward over one step on copies (which autograd may keep), then
+            # the states written back (the in-place step would overwrite what it saved)
+            out, (conv, ssm) = self(x[:, None], conv_state.clone(), ssm_state.clone(),
+                                    return_state=True, backend=backend)  # fmt: skip
+            conv_state.copy_(conv)
+            ssm_state.copy_(ssm)
+            return out[:, 0]
         if not self.fusable():
             return self._step_modules(x, conv_state, ssm_state, backend)
         return _mamba_mixer_step(x, self.decode_weights(), conv_state, ssm_state, backend)
