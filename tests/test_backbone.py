@@ -268,3 +268,23 @@ def test_a_projection_given_a_bias_is_in_the_step(mixer, dtype, when, compiled, 
     torch.testing.assert_close(got, want[:, 0], **tol)
     for a, b in zip(got_state._tensors(), want_state._tensors()):
         torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("mixer", ["mamba1", "mamba2", "mamba3"])
+def test_f32_input_into_a_float64_model_without_input_proj_runs_in_float64(
+    seed, tiny_config, mixer
+):
+    """Without input_proj, x went into the first block as it came: f32 observations into a
+    float64 model ran the first norm in f32 (5e-8 off the f64 result), f64 ones into an f32
+    model kept the residual stream in f64. x is cast to the model's dtype, as with one."""
+    kw = dict(mixer=mixer, headdim=4, chunk_size=4, d_state=8) if mixer != "mamba1" else {}
+    bb = MambaBackbone(tiny_config(**kw)).double()
+    x = torch.randn(2, 5, 12)
+    with torch.no_grad():
+        want, want_state = bb(x.double())
+        got, state = bb(x)
+        step, _ = bb.step(x[:, 0], bb.init_state(2))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+    for a, b in zip(state._tensors(), want_state._tensors()):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(step, want[:, 0], rtol=1e-12, atol=1e-13)

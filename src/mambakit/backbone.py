@@ -105,16 +105,16 @@ class MambaBackbone(nn.Module):
             return self.embeddings(x)
         width = cfg.input_dim if self.input_proj is not None else cfg.d_model
         check_tensor("x", x, (*x.shape[:-1], width), device=self._param.device)
-        if self.input_proj is None:
-            return x
-        # x of another float dtype than the projection's weights (f64 observations into an
-        # f32 model): cast, as the blocks cast it where there is no projection; autocast
-        # casts the others itself, but never a float64
-        dtype = next(self.input_proj.parameters()).dtype
+        # x of another float dtype than the projection's weights, or the model's without one
+        # (f64 observations into an f32 model, f32 ones into a float64 model): cast, so the
+        # first norm and the residual stream run in the model's precision; autocast casts
+        # the others itself, but never a float64
+        proj = self.input_proj
+        dtype = (self._param if proj is None else next(proj.parameters())).dtype
         autocast = torch.is_autocast_enabled(x.device.type)
         if x.dtype != dtype and (not autocast or x.dtype == torch.float64):
             x = x.to(dtype)
-        return self.input_proj(x)
+        return x if proj is None else proj(x)
 
     def forward(
         self,
