@@ -196,6 +196,21 @@ def test_nan_floors_raise(make):
         make()
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Mamba(d_model=8, dt_max=math.inf),
+        lambda: Mamba2(d_model=8, headdim=4, dt_max=math.inf),
+        lambda: Mamba3(d_model=8, headdim=4, dt_max=math.inf),
+    ],
+    ids=["mamba1", "mamba2", "mamba3"],
+)
+def test_infinite_dt_max_raises(make):
+    # passed `dt_min <= dt_max`: every dt bias was inf and every output NaN
+    with pytest.raises(ValueError, match="dt_max"):
+        make()
+
+
 @pytest.mark.parametrize("name", ["d_model", "d_state", "expand", "dt_rank"])
 def test_bool_sizes_raise_naming_them(name):
     # True is an int to isinstance: d_state=True built a layer of one state, d_model=True

@@ -101,8 +101,8 @@ class Mamba2(nn.Module):
         nheads = d_ssm // headdim
         if nheads % ngroups:
             raise ValueError(f"Mamba2: the {nheads} heads do not split into ngroups={ngroups}")
-        if not (0 < dt_min <= dt_max) or not dt_init_floor > 0:  # (NaN fails too)
-            raise ValueError("Mamba2: need 0 < dt_min <= dt_max and dt_init_floor > 0")
+        if not (0 < dt_min <= dt_max < math.inf) or not dt_init_floor > 0:  # (NaN fails too)
+            raise ValueError("Mamba2: need 0 < dt_min <= dt_max < inf and dt_init_floor > 0")
         lo, hi = (float(v) for v in dt_limit)
         if not 0 <= lo < hi:
             raise ValueError(f"Mamba2: dt_limit must satisfy 0 <= low < high, got {dt_limit}")

@@ -92,8 +92,10 @@ class Mamba3(nn.Module):
         n_angles = _n_angles(d_state, rope_fraction)
         if n_angles <= 0:
             raise ValueError(f"Mamba3: d_state={d_state} leaves no rotary pair")
-        if not (0 < dt_min <= dt_max and dt_init_floor > 0 and A_floor > 0):  # (NaN fails too)
-            raise ValueError("Mamba3: need 0 < dt_min <= dt_max, dt_init_floor > 0, A_floor > 0")
+        if not (0 < dt_min <= dt_max < math.inf and dt_init_floor > 0 and A_floor > 0):  # (NaN too)
+            raise ValueError(
+                "Mamba3: need 0 < dt_min <= dt_max < inf, dt_init_floor > 0, A_floor > 0"
+            )
         self.d_model, self.d_state, self.d_inner = d_model, d_state, d_inner
         self.headdim, self.nheads, self.ngroups = headdim, nheads, ngroups
         self.n_angles, self.A_floor, self.chunk_size = n_angles, A_floor, chunk_size

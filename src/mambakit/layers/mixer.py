@@ -7,6 +7,8 @@ mamba_ssm `Mamba`, so state dicts map one to one.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -77,8 +79,8 @@ class Mamba(nn.Module):
                 raise ValueError(f"Mamba: {name} must be a positive int, got {v!r}")
         if not isinstance(d_conv, int) or d_conv < 2:
             raise ValueError(f"Mamba: d_conv must be an int >= 2, got {d_conv!r}")
-        if not (0 < dt_min <= dt_max):
-            raise ValueError(f"Mamba: need 0 < dt_min <= dt_max, got {dt_min}, {dt_max}")
+        if not (0 < dt_min <= dt_max < math.inf):  # (an infinite dt_max: every dt bias inf)
+            raise ValueError(f"Mamba: need 0 < dt_min <= dt_max < inf, got {dt_min}, {dt_max}")
         if not dt_init_floor > 0:  # (NaN too: it would make every dt bias NaN)
             raise ValueError(f"Mamba: dt_init_floor must be > 0, got {dt_init_floor}")
         self.d_model = d_model
