@@ -211,6 +211,22 @@ def test_infinite_dt_max_raises(make):
         make()
 
 
+@pytest.mark.parametrize(
+    "make, name",
+    [
+        (lambda: Mamba(d_model=8, dt_scale=-1.0), "dt_scale"),
+        (lambda: Mamba(d_model=8, dt_scale=math.nan), "dt_scale"),
+        (lambda: Mamba2(d_model=8, headdim=4, conv_init=-0.5), "conv_init"),
+        (lambda: Mamba2(d_model=8, headdim=4, A_init_range=(1.0, math.inf)), "A_init_range"),
+    ],
+    ids=["dt_scale-negative", "dt_scale-nan", "conv_init-negative", "A_init_range-inf"],
+)
+def test_bad_init_scales_raise_naming_them(make, name):
+    # they failed inside uniform_ ("from is out of bounds for float"), naming no argument
+    with pytest.raises(ValueError, match=name):
+        make()
+
+
 @pytest.mark.parametrize("name", ["d_model", "d_state", "expand", "dt_rank"])
 def test_bool_sizes_raise_naming_them(name):
     # True is an int to isinstance: d_state=True built a layer of one state, d_model=True

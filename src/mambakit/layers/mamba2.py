@@ -107,10 +107,13 @@ class Mamba2(nn.Module):
         if not 0 <= lo < hi:
             raise ValueError(f"Mamba2: dt_limit must satisfy 0 <= low < high, got {dt_limit}")
         a0, a1 = A_init_range
-        if not 0 < a0 <= a1:
+        if not 0 < a0 <= a1 < math.inf:
             raise ValueError(
-                f"Mamba2: A_init_range must satisfy 0 < low <= high, got {A_init_range}"
+                f"Mamba2: A_init_range must satisfy 0 < low <= high < inf, got {A_init_range}"
             )
+        if conv_init is not None and not 0 <= conv_init < math.inf:  # (uniform_ named none)
+            raise ValueError(f"Mamba2: conv_init must be None or a finite number >= 0, "
+                             f"got {conv_init!r}")  # fmt: skip
         self.d_model, self.d_state, self.d_conv, self.d_inner = d_model, d_state, d_conv, d_inner
         self.d_ssm, self.headdim, self.nheads, self.ngroups = d_ssm, headdim, nheads, ngroups
         self.d_mlp = d_inner - d_ssm

@@ -81,6 +81,8 @@ class Mamba(nn.Module):
             raise ValueError(f"Mamba: d_conv must be an int >= 2, got {d_conv!r}")
         if not (0 < dt_min <= dt_max < math.inf):  # (an infinite dt_max: every dt bias inf)
             raise ValueError(f"Mamba: need 0 < dt_min <= dt_max < inf, got {dt_min}, {dt_max}")
+        if isinstance(dt_scale, bool) or not 0 <= dt_scale < math.inf:  # (uniform_ named none)
+            raise ValueError(f"Mamba: dt_scale must be a finite number >= 0, got {dt_scale!r}")
         if not dt_init_floor > 0:  # (NaN too: it would make every dt bias NaN)
             raise ValueError(f"Mamba: dt_init_floor must be > 0, got {dt_init_floor}")
         self.d_model = d_model
