@@ -422,10 +422,13 @@ def test_disconnect_frees_the_slot(server):
     aborted = metric(url, 'requests_finished_total{reason="abort"}')
     body = {"prompt": [5, 6, 7], "max_tokens": 90_000, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r:
-        for i, _ in enumerate(r.iter_lines()):
-            if i > 4:
+        lines = []
+        for line in r.iter_lines():
+            lines.append(line)
+            if len(lines) > 5:
                 break
-        assert len(engine.rows) == 1
+        # a stream that ended by itself would show why here
+        assert len(lines) > 5 and len(engine.rows) == 1, (lines, engine.rows)
     deadline = time.monotonic() + 10
     while engine.rows and time.monotonic() < deadline:
         time.sleep(0.01)
