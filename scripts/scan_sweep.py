@@ -170,7 +170,8 @@ def long_rows(rows: list) -> None:
         first = None
         for bd in (8, 16):
             for target in (12, 16, 24):
-                c = dataclasses.replace(base, bwd_block_d=bd, seg_target_per_sm=target)
+                c = dataclasses.replace(base, bwd_block_d=bd, bwd_block_d_seg=bd,
+                                        seg_target_per_sm=target)  # fmt: skip
                 _, _, st = K.scan_fwd(*a, True, None, None, True, cfg=c)
                 f = timed(lambda c=c, a=a: K.scan_fwd(*a, True, None, None, True, cfg=c))
                 b = timed(

@@ -220,6 +220,7 @@ def test_sum_loss(c: Case, seed):
         ({"bwd_save_tiles": 1}, None),
         ({"bwd_save_tiles": 3, "seg_tiles": 2}, None),
         ({"bwd_save_tiles": 4, "bwd_tile": 2, "seg_tiles": 1 << 20}, None),
+        ({"bwd_block_d_seg": 2, "seg_tiles": 2}, None),
     ],
     ids=[
         "seg1",
@@ -231,6 +232,7 @@ def test_sum_loss(c: Case, seed):
         "a-state-per-tile",
         "a-state-per-3-tiles-segments",
         "a-state-per-4-tiles-one-segment",
+        "segments-take-their-own-channel-block",
     ],
 )
 @pytest.mark.slow
@@ -262,6 +264,33 @@ def test_tilings_and_segments_agree(over: dict, reduce_scatter: bool | None, see
     for a, b in zip(*outs):
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_segmented_backward_takes_its_channel_block(monkeypatch):
+    """`bwd_block_d_seg`: the backward's programs take that many channels where time is cut
+    into segments, and `bwd_block_d` where a row is one segment."""
+    from mambakit.ops.selective_scan import launch as K
+
+    c = Case(T=40, N=3)
+    inp = make_inputs(c)
+    args = [inp[k] for k in ARGS]
+    gy = torch.randn(c.Bsz, c.T, c.Dn, device=DEVICE)
+    base = dataclasses.replace(K.config(c.Dn, DEVICE != "cuda"), bwd_block_d_seg=2)
+    blocks = []
+    real = K.launch
+
+    def spy(kernel, grid, *a, **kw):
+        if kernel is K._bwd_kernel:
+            blocks.append((kw["BLOCK_D"], grid[0], grid[1]))
+        return real(kernel, grid, *a, **kw)
+
+    monkeypatch.setattr(K, "launch", spy)
+    for seg_tiles in (2, 1 << 20):
+        cfg = dataclasses.replace(base, seg_tiles=seg_tiles)
+        _, _, states = K.scan_fwd(*args, True, None, None, True, cfg=cfg)
+        K.scan_bwd(gy, None, *args, True, None, None, states, cfg=cfg)
+    nseg = -(-c.T // (2 * base.bwd_tile))
+    assert blocks == [(2, -(-c.Dn // 2), nseg), (base.bwd_block_d, 1, 1)]
 
 
 def test_segments_fill_whole_waves(monkeypatch):

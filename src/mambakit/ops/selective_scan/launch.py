@@ -289,13 +289,17 @@ def scan_bwd(
     cfg = cfg if cfg is not None else config(Dn, not u.is_cuda)
     tc, bd, bn, ks = cfg.bwd_tile, cfg.bwd_block_d, state_block(N), cfg.bwd_save_tiles
     nb, nc, ndb = cdiv(N, bn), cdiv(T, tc), cdiv(Dn, bd)
+    nseg, per = time_segments(nc, Bsz * ndb * nb, cfg.seg_target_per_sm, cfg, dev)
+    if nseg > 1 and cfg.bwd_block_d_seg and cfg.bwd_block_d_seg != bd:  # a long row
+        bd = cfg.bwd_block_d_seg
+        ndb = cdiv(Dn, bd)
+        nseg, per = time_segments(nc, Bsz * ndb * nb, cfg.seg_target_per_sm, cfg, dev)
     ns = cdiv(T, tc * ks)
     if tuple(states.shape) != (Bsz, ns, Dn, N):
         raise ValueError(
             f"states: expected the forward's saved states of shape {(Bsz, ns, Dn, N)} "
             f"(one every {tc * ks} steps), got {tuple(states.shape)}"
         )
-    nseg, per = time_segments(nc, Bsz * ndb * nb, cfg.seg_target_per_sm, cfg, dev)
     f32 = torch.float32
     A, D, delta_bias = contiguous_params(A, D, delta_bias)
     DN = Dn * N

@@ -33,6 +33,8 @@ class ScanConfig:
     seg_target_per_sm: int  # into enough segments for this many programs per SM (backward)
     fwd_seg_target_per_sm: int  # the same for the forward
     bwd_maxnreg: int = 0  # registers per thread the backward is capped at (0: the compiler's)
+    bwd_block_d_seg: int = 0  # channels per backward program where time is cut into segments
+    # (rows x channel blocks at bwd_block_d fill too few programs: long rows); 0: bwd_block_d
 
     def __post_init__(self) -> None:
         # the forward stores a state at a tile's start or at rows inside its tile: the save
@@ -82,12 +84,18 @@ def config(Dn: int, interpret: bool) -> ScanConfig:
     # one run): 8 x 2048 x 1536 0.866 ms against 0.958 (8 channels capped at 128 registers:
     # 0.935; 16 capped at 168: 1.347, spilling); 4 x 2048 x 4096 with its replay 1.307 ms
     # at 16 against 1.669 at 8 (1.503 capped at 128).
+    # Where time is cut into segments (long rows), 16 channels a program at every width
+    # (H100, scripts/scan_sweep.py --long, D 1536, fwd + bwd): 1 x 65536 6.78 ms against
+    # 9.01 at 8 (8 aiming at 24 per SM: 7.55; 16 aiming at 24: 6.99), 1 x 16384 1.73 against
+    # 2.29, 1 x 4096 0.618 against 0.759: fewer programs over more segments, each tile's
+    # channel sums over twice the channels.
     wide = Dn >= 4096
     return ScanConfig(
         fwd_tile=8, fwd_local_tiles=2, bwd_tile=4, bwd_save_tiles=8 if wide else 1,
         fwd_block_d=min(32, p2), bwd_block_d=min(16 if wide else 8, p2),
         fwd_warps=1, bwd_warps=1, carry_block=256, carry_rows=16,
         seg_tiles=0, seg_below_per_sm=2, seg_target_per_sm=16, fwd_seg_target_per_sm=8,
+        bwd_block_d_seg=min(16, p2),
     )  # fmt: skip
 
 
