@@ -293,6 +293,35 @@ def test_segmented_backward_takes_its_channel_block(monkeypatch):
     assert blocks == [(2, -(-c.Dn // 2), nseg), (base.bwd_block_d, 1, 1)]
 
 
+def test_backward_int64_offsets_agree(monkeypatch):
+    """The backward's per-tile offsets in int64 (taken where a row's steps pass int32) give
+    the same gradients as in int32, bit for bit."""
+    from mambakit.ops.selective_scan import launch as K
+
+    c = Case(T=45, N=3)
+    inp = make_inputs(c)
+    args = [inp[k] for k in ARGS]
+    h0, seq = inp["initial_state"], inp["seq_idx"]
+    gy = torch.randn(c.Bsz, c.T, c.Dn, device=DEVICE)
+    gT = torch.randn(c.Bsz, c.Dn, c.N, device=DEVICE)
+    _, _, states = K.scan_fwd(*args, True, h0, seq, True)
+    flags, real = [], K.launch
+
+    def spy(kernel, grid, *a, **kw):
+        if kernel is K._bwd_kernel:
+            flags.append(kw["OFF64"])
+        return real(kernel, grid, *a, **kw)
+
+    monkeypatch.setattr(K, "launch", spy)
+    narrow = K.scan_bwd(gy, gT, *args, True, h0, seq, states)
+    monkeypatch.setattr(K, "steps_need_int64", lambda *a: True)
+    wide = K.scan_bwd(gy, gT, *args, True, h0, seq, states)
+    assert flags == [False, True]
+    for a, b in zip(narrow, wide):
+        if a is not None:
+            assert torch.equal(a, b)
+
+
 def test_segments_fill_whole_waves(monkeypatch):
     """A long single sequence is cut into segments, as many as the target programs per SM
     allow and never more (one segment over puts a few programs in a wave of their own),

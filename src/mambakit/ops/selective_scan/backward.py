@@ -26,6 +26,7 @@ from .tiles import (
     _mul,
     _program_block,
     _reverse_scan,
+    _row_ptrs,
     _second,
     _st,
     _tile_decay,
@@ -93,33 +94,34 @@ def _bwd_local_kernel(
 
 @triton.jit
 def _bwd_loads(
-    c, rows, b, d, n, md, mn, T, p_u, p_dt, p_B, p_C, p_z, p_dy,
-    s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b, s_z_t, s_dy_b,
-    s_dy_t, s_dy_d, HAS_Z: tl.constexpr, TC: tl.constexpr, EVEN: tl.constexpr,
+    q_dt, q_u, q_B, q_C, q_dy, q_z, q_h, t0, c, rows, md, mn, mdn, T, ns,
+    s_dt_t, s_u_t, s_B_t, s_C_t, s_dy_t, s_z_t, s_h, HAS_Z: tl.constexpr, EVEN: tl.constexpr,
+    OFF64: tl.constexpr,
 ):
-    """The inputs of backward tile c, as f32: raw delta, u, B, C, dy, z (dy without z)."""
-    t0 = c * TC
+    """The inputs of backward tile c (steps t0..), as f32: raw delta, u, B, C, dy, z (dy
+    without z) and the state at its start. q_*: each tensor's pointers at step 0 of the row
+    (computed once), s_*: its step strides (the states': a tile's); OFF64: the offsets
+    t0 s_* need int64."""
     mt = (t0 + rows) < T
+    if OFF64:
+        c = c.to(tl.int64)
+        t0 = t0.to(tl.int64)
     m2 = mt[:, None] & md[None, :]
     mtn = mt[:, None] & mn[None, :]
-    raw = _ld(_tile_ptrs(p_dt, s_dt_b, s_dt_t, b, t0, rows, d, 1), m2, EVEN)
-    u = _tile_rows(p_u, s_u_b, s_u_t, b, t0, rows, d, m2, EVEN)
-    Bt = _tile_rows(p_B, s_B_b, s_B_t, b, t0, rows, n, mtn, EVEN)
-    Ct = _tile_rows(p_C, s_C_b, s_C_t, b, t0, rows, n, mtn, EVEN)
-    dy = _ld(_tile_ptrs(p_dy, s_dy_b, s_dy_t, b, t0, rows, d, s_dy_d), m2, EVEN)
+    raw = _ld(q_dt + t0 * s_dt_t, m2, EVEN)
+    u = _ld(q_u + t0 * s_u_t, m2, EVEN)
+    Bt = _ld(q_B + t0 * s_B_t, mtn, EVEN)
+    Ct = _ld(q_C + t0 * s_C_t, mtn, EVEN)
+    dy = _ld(q_dy + t0 * s_dy_t, m2, EVEN)
     if HAS_Z:
-        z = _tile_rows(p_z, s_z_b, s_z_t, b, t0, rows, d, m2, EVEN)
+        z = _ld(q_z + t0 * s_z_t, m2, EVEN)
     else:
         z = dy
-    return raw, u, Bt, Ct, dy, z
-
-
-@triton.jit
-def _tile_start(c, b, off_h, mdn, Dn, N, ns, p_states):
-    """The state at the start of tile c ([B, ns, D, N]: a scalar int64 base and the tile's
-    int32 offsets)."""
-    base = p_states + (b * ns + c) * Dn * N
-    return tl.load(base + off_h, mask=_in_range(mdn, c, ns), other=0.0)
+    if EVEN:  # every tile of every segment has its state
+        h0 = tl.load(q_h + c * s_h)
+    else:
+        h0 = tl.load(q_h + c * s_h, mask=_in_range(mdn, c, ns), other=0.0)
+    return raw, u, Bt, Ct, dy, z, h0
 
 
 @triton.jit
@@ -132,7 +134,7 @@ def _bwd_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_SEQ: tl.constexpr, HAS_G: tl.constexpr, HAS_H0: tl.constexpr, SPLIT_N: tl.constexpr,
     TC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    EVEN: tl.constexpr, RS: tl.constexpr, RS_ASM: tl.constexpr,
+    EVEN: tl.constexpr, RS: tl.constexpr, RS_ASM: tl.constexpr, OFF64: tl.constexpr,
 ):
     """Every gradient of one segment, tiles last to first: states by a forward scan from the
     tile's start state (p_states: [B, ns, D, N], one per tile), adjoints by a reverse scan
@@ -157,30 +159,39 @@ def _bwd_kernel(
     part_base = (pid_d * Bsz + b) * T * N  # [n_dblocks, B, T, N]
     c0 = s * seg_chunks
     c_last = c0 + seg_chunks - 1
-    off_h = d[None, :] * N + n[:, None]
-    # a tile's loads are issued one iteration ahead, behind the previous tile's arithmetic:
-    # few warps per SM are resident at this register count to hide them
-    nx_raw, nx_u, nx_B, nx_C, nx_dy, nx_z = _bwd_loads(
-        c_last, rows, b, d, n, md, mn, T, p_u, p_dt, p_B, p_C, p_z, p_dy,
-        s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b,
-        s_z_t, s_dy_b, s_dy_t, s_dy_d, HAS_Z, TC, EVEN,
+    # each tensor's pointers at step 0 of this row, computed once; a tile adds its steps'
+    # offset (int32 unless OFF64: the launcher checks whether each tensor's row fits). A
+    # tile's loads are issued one iteration ahead, behind the previous tile's arithmetic: few
+    # warps per SM are resident at this register count to hide them
+    q_dt = _row_ptrs(p_dt, s_dt_b, s_dt_t, b, rows, d, 1)
+    q_u = _row_ptrs(p_u, s_u_b, s_u_t, b, rows, d, 1)
+    q_B = _row_ptrs(p_B, s_B_b, s_B_t, b, rows, n, 1)
+    q_C = _row_ptrs(p_C, s_C_b, s_C_t, b, rows, n, 1)
+    q_dy = _row_ptrs(p_dy, s_dy_b, s_dy_t, b, rows, d, s_dy_d)
+    q_z = _row_ptrs(p_z, s_z_b, s_z_t, b, rows, d, 1)
+    q_h = p_states + b * ns * Dn * N + (d[None, :] * N + n[:, None])
+    w_du = _row_ptrs(p_du + out_base, 0, Dn, b, rows, d, 1)
+    w_ddt = _row_ptrs(p_ddt + out_base, 0, Dn, b, rows, d, 1)
+    w_ys = _row_ptrs(p_ys + out_base, 0, Dn, b, rows, d, 1)
+    w_dz = _row_ptrs(p_dz, s_dz_b, s_dz_t, b, rows, d, 1)
+    nx_raw, nx_u, nx_B, nx_C, nx_dy, nx_z, nx_h0 = _bwd_loads(
+        q_dt, q_u, q_B, q_C, q_dy, q_z, q_h, c_last * TC, c_last, rows, md, mn, mdn, T, ns,
+        s_dt_t, s_u_t, s_B_t, s_C_t, s_dy_t, s_z_t, Dn * N, HAS_Z, EVEN, OFF64,
     )
-    nx_h0 = _tile_start(c_last, b, off_h, mdn, Dn, N, ns, p_states)
     for i in tl.range(seg_chunks, num_stages=1):  # loads run one tile ahead by hand (above)
         c = c_last - i
         raw, u, Bt, Ct, dy, z, h0 = nx_raw, nx_u, nx_B, nx_C, nx_dy, nx_z, nx_h0
         c_nx = tl.maximum(c - 1, c0)  # the next tile (the first again on the last iteration)
-        nx_raw, nx_u, nx_B, nx_C, nx_dy, nx_z = _bwd_loads(
-            c_nx, rows, b, d, n, md, mn, T, p_u, p_dt, p_B, p_C, p_z, p_dy,
-            s_u_b, s_u_t, s_dt_b, s_dt_t, s_B_b, s_B_t, s_C_b, s_C_t, s_z_b,
-            s_z_t, s_dy_b, s_dy_t, s_dy_d, HAS_Z, TC, EVEN,
+        nx_raw, nx_u, nx_B, nx_C, nx_dy, nx_z, nx_h0 = _bwd_loads(
+            q_dt, q_u, q_B, q_C, q_dy, q_z, q_h, c_nx * TC, c_nx, rows, md, mn, mdn, T, ns,
+            s_dt_t, s_u_t, s_B_t, s_C_t, s_dy_t, s_z_t, Dn * N, HAS_Z, EVEN, OFF64,
         )
-        nx_h0 = _tile_start(c_nx, b, off_h, mdn, Dn, N, ns, p_states)
         t0 = c * TC
         t = t0 + rows
         mt = t < T
         mtn = mt[:, None] & mn[None, :]
         m2 = mt[:, None] & md[None, :]
+        t0w = t0.to(tl.int64) if OFF64 else t0  # the stores' offsets
         raw, dt = _delta_of(raw, m2, bias, HAS_BIAS, SOFTPLUS, EVEN)
         a = tl.exp2(dt[:, None, :] * A2[None, :, :])
         if HAS_SEQ:
@@ -206,12 +217,12 @@ def _bwd_kernel(
         if HAS_Z:
             ys = tl.sum(hs * Ct[:, :, None], axis=1)
             if SPLIT_N:  # y needs every state block: dz is finished outside
-                _st(_tile_ptrs(p_ys + out_base, 0, Dn, b, t0, rows, d, 1), ys, m2, EVEN)
+                _st(w_ys + t0w * Dn, ys, m2, EVEN)
             else:
                 if HAS_D:
                     ys += Dv[None, :] * u
                 dz = dy * ys * sz * (1.0 + z * (1.0 - sz))
-                _st(_tile_ptrs(p_dz, s_dz_b, s_dz_t, b, t0, rows, d, 1), dz, m2, EVEN)
+                _st(w_dz + t0w * s_dz_t, dz, m2, EVEN)
         xhb = x * (hs - bx)  # g_t a_t h_{t-1}
         xB = tl.sum(x * Bt[:, :, None], axis=1)
         ddt = u * xB + tl.sum(xhb * A[None, :, :], axis=1)
@@ -225,8 +236,8 @@ def _bwd_kernel(
             db_acc += tl.sum(ddt, axis=0)
         else:
             db_acc += tl.sum(tl.where(m2, ddt, 0.0), axis=0)
-        _st(_tile_ptrs(p_du + out_base, 0, Dn, b, t0, rows, d, 1), du, m2, EVEN)
-        _st(_tile_ptrs(p_ddt + out_base, 0, Dn, b, t0, rows, d, 1), ddt, m2, EVEN)
+        _st(w_du + t0w * Dn, du, m2, EVEN)
+        _st(w_ddt + t0w * Dn, ddt, m2, EVEN)
         _store_channel_sum(p_dB + part_base, x * dtu[:, None, :], t0, rows, n, mtn, T, N,
                            pid_n, TC, BLOCK_N, BLOCK_D, RS, RS_ASM, EVEN)
         _store_channel_sum(p_dC + part_base, hs * gy[:, None, :], t0, rows, n, mtn, T, N,

@@ -52,6 +52,7 @@ from .programs import (
     input_strides,
     reduce_scatter_fits,
     state_block,
+    steps_need_int64,
     tile_slots,
     time_segments,
     whole_tiles,
@@ -354,6 +355,11 @@ def scan_bwd(
     dDp = _new((Bsz, nseg, Dn), f32, dev) if D is not None else None
     dbp = _new((nb, Bsz, nseg, Dn), f32, dev)
     dh0 = _new((Bsz, Dn, N), f32, dev) if initial_state is not None else None
+    # the kernel adds t0 * (step stride) in int32 unless some tile's offset passes it (the
+    # segments cover nseg * per tiles, the last one may run past T)
+    steps = nseg * per * tc
+    off64 = steps_need_int64(steps, Dn, *s_in[1:10:2], s_dy[1], *strides(dz, 2)[1:])
+    off64 = off64 or nseg * per * DN >= 2**31  # the tile-start states, one [D, N] a tile
     launch(_bwd_kernel, grid,
         u, delta, A, B, C, opt(D, A), opt(z, u), opt(delta_bias, A), opt(seq_idx, A), gy,
         states, opt(gin, A), du, ddt, opt(dz, du), opt(ys, du), dBp, dCp, dAp,
@@ -362,7 +368,8 @@ def scan_bwd(
         *strides(dz, 2),
         HAS_D=D is not None, HAS_G=gin is not None, HAS_H0=dh0 is not None, SPLIT_N=nb > 1,
         RS=reduce_scatter_fits(tc, bd, bn, cfg.bwd_warps),
-        RS_ASM=u.is_cuda, **common, **cap,
+        RS_ASM=u.is_cuda, OFF64=off64,
+        **common, **cap,
     )  # fmt: skip
     if nb > 1:
         du = du.sum(0).to(u.dtype)

@@ -94,6 +94,12 @@ def input_strides(u, delta, B, C, z, seq_idx) -> tuple[int, ...]:
     )
 
 
+def steps_need_int64(T: int, *step_strides: int) -> bool:
+    """Whether some offset t s (t < T, s one of a kernel's step strides) passes int32: the
+    kernel then computes its per-tile offsets in int64."""
+    return any(T * abs(s) >= 2**31 for s in step_strides)
+
+
 def tile_slots(slot: torch.Tensor, tc: int) -> torch.Tensor:
     """The largest of slot [B, T]'s entries in each tile of tc steps: [B, T / tc] (-1: a
     tile that keeps no state)."""

@@ -181,6 +181,13 @@ def _tile_ptrs(ptr, s_b, s_t, b, t0, rows, cols, s_c):
 
 
 @triton.jit
+def _row_ptrs(ptr, s_b, s_t, b, rows, cols, s_c):
+    """Pointers of the [TC, len(cols)] tile at steps rows of row b of a [B, T, cols] tensor
+    (a kernel's loop adds each tile's t0 s_t to them)."""
+    return (ptr + b * s_b) + (rows[:, None] * s_t + cols[None, :] * s_c)
+
+
+@triton.jit
 def _tile_rows(ptr, s_b, s_t, b, t0, rows, cols, mask, EVEN: tl.constexpr):
     """A [TC, len(cols)] tile of a [B, T, cols] tensor, as f32."""
     return _ld(_tile_ptrs(ptr, s_b, s_t, b, t0, rows, cols, 1), mask, EVEN)
