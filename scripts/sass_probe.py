@@ -131,6 +131,12 @@ def main() -> None:
         metavar="FIELD=INT",
         help="a ScanConfig field other than the library's (repeatable)",
     )
+    ap.add_argument(
+        "--sms",
+        type=int,
+        default=132,
+        help="SMs the launch geometry assumes (time segments; H100 132, H200 132)",
+    )
     ap.add_argument("--dump", help="write each kernel's SASS and TTGIR here")
     args = ap.parse_args()
     Bsz, T, Dn, N = _parse_shape(args.shape)
@@ -139,6 +145,7 @@ def main() -> None:
     triton.runtime.driver.set_active(_Sm90Driver(args.capability))
 
     from mambakit.ops.selective_scan import launch as scan_launch
+    from mambakit.ops.selective_scan import programs
     from mambakit.ops.selective_scan.scan_config import config
 
     cfg = config(Dn, False)
@@ -161,6 +168,11 @@ def main() -> None:
         compiled[name] = kernel.warmup(*a, grid=grid, **kw)
 
     scan_launch.launch = compile_only
+    programs.sm_count = lambda index=0: args.sms
+    cut = programs.time_segments  # cuts time only on a CUDA device: tell it it is on one
+    scan_launch.time_segments = lambda nc, n, per_sm, c, device: cut(
+        nc, n, per_sm, c, torch.device("cuda", 0)
+    )
     bf16 = torch.bfloat16
     u = torch.randn(Bsz, T, Dn, dtype=bf16)
     delta = torch.randn(Bsz, T, Dn, dtype=bf16)

@@ -293,6 +293,40 @@ def test_segmented_backward_takes_its_channel_block(monkeypatch):
     assert blocks == [(2, -(-c.Dn // 2), nseg), (base.bwd_block_d, 1, 1)]
 
 
+def test_short_last_segment_without_masks(monkeypatch):
+    """Whole tiles (T, D, N multiples of the tiles) but a last segment shorter than the others
+    (its programs walk only the tiles that hold steps): the kernels run unmasked and give
+    the results of one segment per row."""
+    from mambakit.ops.selective_scan import launch as K
+
+    c = Case(T=40, Dn=8, N=4)
+    inp = make_inputs(c)
+    args = [inp[k] for k in ARGS]
+    h0, seq = inp["initial_state"], inp["seq_idx"]
+    gy = torch.randn(c.Bsz, c.T, c.Dn, device=DEVICE)
+    gT = torch.randn(c.Bsz, c.Dn, c.N, device=DEVICE)
+    base = K.config(c.Dn, DEVICE != "cuda")
+    cfg = dataclasses.replace(base, seg_tiles=3)
+    assert -(-c.T // cfg.bwd_tile) % 3 and -(-c.T // cfg.fwd_tile) % 3  # both passes: short
+    even, real = [], K.launch
+
+    def spy(kernel, grid, *a, **kw):
+        if kernel in (K._fwd_kernel, K._bwd_kernel, K._bwd_local_kernel):
+            even.append(kw["EVEN"])
+        return real(kernel, grid, *a, **kw)
+
+    monkeypatch.setattr(K, "launch", spy)
+    outs = []
+    for run_cfg in (cfg, dataclasses.replace(base, seg_tiles=1 << 20)):
+        y, hT, states = K.scan_fwd(*args, True, h0, seq, True, cfg=run_cfg)
+        grads = K.scan_bwd(gy, gT, *args, True, h0, seq, states, cfg=run_cfg)
+        outs.append((y, hT, *grads))
+    assert even and all(even)
+    for a, b in zip(*outs):
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_backward_int64_offsets_agree(monkeypatch):
     """The backward's per-tile offsets in int64 (taken where a row's steps pass int32) give
     the same gradients as in int32, bit for bit."""

@@ -72,8 +72,9 @@ def _bwd_local_kernel(
     G = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     p = tl.full([BLOCK_N, BLOCK_D], 1.0, tl.float32)
     c0 = s * seg_chunks
-    for i in tl.range(seg_chunks, num_stages=1):
-        c = c0 + seg_chunks - 1 - i
+    n_here = tl.minimum(seg_chunks, tl.cdiv(T, TC) - c0)  # the last segment may be short
+    for i in tl.range(n_here, num_stages=1):
+        c = c0 + n_here - 1 - i
         t0 = c * TC
         t = t0 + rows
         mt = t < T
@@ -94,7 +95,7 @@ def _bwd_local_kernel(
 
 @triton.jit
 def _bwd_loads(
-    q_dt, q_u, q_B, q_C, q_dy, q_z, q_h, t0, c, rows, md, mn, mdn, T, ns,
+    q_dt, q_u, q_B, q_C, q_dy, q_z, q_h, t0, c, rows, md, mn, mdn, T,
     s_dt_t, s_u_t, s_B_t, s_C_t, s_dy_t, s_z_t, s_h, HAS_Z: tl.constexpr, EVEN: tl.constexpr,
     OFF64: tl.constexpr,
 ):
@@ -117,10 +118,10 @@ def _bwd_loads(
         z = _ld(q_z + t0 * s_z_t, m2, EVEN)
     else:
         z = dy
-    if EVEN:  # every tile of every segment has its state
+    if EVEN:
         h0 = tl.load(q_h + c * s_h)
     else:
-        h0 = tl.load(q_h + c * s_h, mask=_in_range(mdn, c, ns), other=0.0)
+        h0 = tl.load(q_h + c * s_h, mask=mdn, other=0.0)
     return raw, u, Bt, Ct, dy, z, h0
 
 
@@ -158,7 +159,8 @@ def _bwd_kernel(
     out_base = (pid_n * Bsz + b) * T * Dn  # [nb, B, T, D] (nb = 1: [B, T, D])
     part_base = (pid_d * Bsz + b) * T * N  # [n_dblocks, B, T, N]
     c0 = s * seg_chunks
-    c_last = c0 + seg_chunks - 1
+    n_here = tl.minimum(seg_chunks, ns - c0)  # the tiles of this segment (the last may be short)
+    c_last = c0 + n_here - 1
     # each tensor's pointers at step 0 of this row, computed once; a tile adds its steps'
     # offset (int32 unless OFF64: the launcher checks whether each tensor's row fits). A
     # tile's loads are issued one iteration ahead, behind the previous tile's arithmetic: few
@@ -175,15 +177,15 @@ def _bwd_kernel(
     w_ys = _row_ptrs(p_ys + out_base, 0, Dn, b, rows, d, 1)
     w_dz = _row_ptrs(p_dz, s_dz_b, s_dz_t, b, rows, d, 1)
     nx_raw, nx_u, nx_B, nx_C, nx_dy, nx_z, nx_h0 = _bwd_loads(
-        q_dt, q_u, q_B, q_C, q_dy, q_z, q_h, c_last * TC, c_last, rows, md, mn, mdn, T, ns,
+        q_dt, q_u, q_B, q_C, q_dy, q_z, q_h, c_last * TC, c_last, rows, md, mn, mdn, T,
         s_dt_t, s_u_t, s_B_t, s_C_t, s_dy_t, s_z_t, Dn * N, HAS_Z, EVEN, OFF64,
     )
-    for i in tl.range(seg_chunks, num_stages=1):  # loads run one tile ahead by hand (above)
+    for i in tl.range(n_here, num_stages=1):  # loads run one tile ahead by hand (above)
         c = c_last - i
         raw, u, Bt, Ct, dy, z, h0 = nx_raw, nx_u, nx_B, nx_C, nx_dy, nx_z, nx_h0
         c_nx = tl.maximum(c - 1, c0)  # the next tile (the first again on the last iteration)
         nx_raw, nx_u, nx_B, nx_C, nx_dy, nx_z, nx_h0 = _bwd_loads(
-            q_dt, q_u, q_B, q_C, q_dy, q_z, q_h, c_nx * TC, c_nx, rows, md, mn, mdn, T, ns,
+            q_dt, q_u, q_B, q_C, q_dy, q_z, q_h, c_nx * TC, c_nx, rows, md, mn, mdn, T,
             s_dt_t, s_u_t, s_B_t, s_C_t, s_dy_t, s_z_t, Dn * N, HAS_Z, EVEN, OFF64,
         )
         t0 = c * TC

@@ -79,8 +79,9 @@ def _fwd_kernel(
         Dv = tl.load(p_D + d, mask=_in_range(md, pid_n, 1), other=0.0)
     y_base = p_y + (pid_n * Bsz + b) * T * Dn  # [nb, B, T, D] (nb = 1: [B, T, D])
     c0 = s * seg_chunks
-    for i in tl.range(seg_chunks, num_stages=3):  # pipelined: later tiles load during this one
-        c = c0 + i  # past the last tile (c >= nc) every row is masked: an identity
+    n_here = tl.minimum(seg_chunks, tl.cdiv(T, TC) - c0)  # the last segment may be short
+    for i in tl.range(n_here, num_stages=3):  # pipelined: later tiles load during this one
+        c = c0 + i
         t0 = c * TC
         t = t0 + rows
         mt = t < T

@@ -126,7 +126,7 @@ def scan_fwd(
         TS=ts,
         BLOCK_D=bd,
         BLOCK_N=bn,
-        EVEN=whole_tiles(T, Dn, N, tc, bd, bn, nseg * per == nc),
+        EVEN=whole_tiles(T, Dn, N, tc, bd, bn),
         num_warps=cfg.fwd_warps,
     )
     grid = (ndb, nseg, Bsz * nb)
@@ -170,9 +170,9 @@ def _summaries(u, delta, A, B, C, delta_bias, softplus, seq_idx, nseg, per, with
     nb = cdiv(N, bn)
     m = cfg.fwd_local_tiles if per % cfg.fwd_local_tiles == 0 else 1
     if with_last:
-        even = whole_tiles(T, Dn, N, tc * m, bd, bn, nseg * per == cdiv(T, tc))
+        even = whole_tiles(T, Dn, N, tc * m, bd, bn)
     else:
-        even = whole_tiles(0, Dn, N, 1, bd, bn, True)
+        even = whole_tiles(0, Dn, N, 1, bd, bn)
     hloc = torch.empty(Bsz, nseg, Dn, N, dtype=torch.float32, device=u.device)
     P = torch.empty_like(hloc)
     launch(
@@ -236,7 +236,7 @@ def replay_states(u, delta, A, B, delta_bias, delta_softplus, seq_idx, saved, cf
     bd = min(cfg.fwd_block_d, next_power_of_2(Dn))
     nc, n_saved = cdiv(T, tc), saved.shape[1]
     states = _new((Bsz, nc, Dn, N), torch.float32, u.device)
-    even = whole_tiles(T, Dn, N, tc * ks, bd, bn, True)  # whole intervals
+    even = whole_tiles(T, Dn, N, tc * ks, bd, bn)  # whole intervals
     for k0 in range(0, n_saved, MAX_GRID_Y):
         launch(_replay_kernel, (cdiv(Dn, bd), min(n_saved - k0, MAX_GRID_Y), Bsz * cdiv(N, bn)),
             u, delta, A, B, opt(delta_bias, A), opt(seq_idx, A), saved, states,
@@ -312,7 +312,7 @@ def scan_bwd(
         TC=tc,
         BLOCK_D=bd,
         BLOCK_N=bn,
-        EVEN=whole_tiles(T, Dn, N, tc, bd, bn, nseg * per == nc),
+        EVEN=whole_tiles(T, Dn, N, tc, bd, bn),
         num_warps=cfg.bwd_warps,
     )
     grid = (ndb, nseg, Bsz * nb)
@@ -355,11 +355,9 @@ def scan_bwd(
     dDp = _new((Bsz, nseg, Dn), f32, dev) if D is not None else None
     dbp = _new((nb, Bsz, nseg, Dn), f32, dev)
     dh0 = _new((Bsz, Dn, N), f32, dev) if initial_state is not None else None
-    # the kernel adds t0 * (step stride) in int32 unless some tile's offset passes it (the
-    # segments cover nseg * per tiles, the last one may run past T)
-    steps = nseg * per * tc
-    off64 = steps_need_int64(steps, Dn, *s_in[1:10:2], s_dy[1], *strides(dz, 2)[1:])
-    off64 = off64 or nseg * per * DN >= 2**31  # the tile-start states, one [D, N] a tile
+    # the kernel adds t0 * (step stride) in int32 unless some tile's offset passes it
+    off64 = steps_need_int64(nc * tc, Dn, *s_in[1:10:2], s_dy[1], *strides(dz, 2)[1:])
+    off64 = off64 or nc * DN >= 2**31  # the tile-start states, one [D, N] a tile
     launch(_bwd_kernel, grid,
         u, delta, A, B, C, opt(D, A), opt(z, u), opt(delta_bias, A), opt(seq_idx, A), gy,
         states, opt(gin, A), du, ddt, opt(dz, du), opt(ys, du), dBp, dCp, dAp,

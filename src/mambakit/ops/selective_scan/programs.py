@@ -32,9 +32,10 @@ def time_segments(
     return cdiv(nc, per), per
 
 
-def whole_tiles(T, Dn, N, tc, bd, bn, whole_segments) -> bool:
-    """Every tile of every program lies inside the tensors: the kernels drop their masks."""
-    return T % tc == 0 and Dn % bd == 0 and N % bn == 0 and whole_segments
+def whole_tiles(T, Dn, N, tc, bd, bn) -> bool:
+    """Every tile of every program lies inside the tensors: the kernels drop their masks (a
+    program walks only its segment's tiles that hold steps: the last segment may be short)."""
+    return T % tc == 0 and Dn % bd == 0 and N % bn == 0
 
 
 def state_block(N: int) -> int:
