@@ -201,7 +201,8 @@ def scan_kernels(shape: str, sets: list[str], sms: int, sass_dir: str | None) ->
     def compile_only(kernel, grid, *a, **kw):
         if "RS_ASM" in kw:  # the launchers pass u.is_cuda: these are CPU tensors
             kw["RS_ASM"] = True
-        compiled.setdefault(kernel.fn.__name__, kernel.warmup(*a, grid=grid, **kw))
+        name = kernel.fn.__name__ + (" (LOCAL)" if kw.get("LOCAL") else "")
+        compiled.setdefault(name, kernel.warmup(*a, grid=grid, **kw))
 
     K.launch = compile_only
     programs.sm_count = lambda index=0: sms
@@ -215,11 +216,12 @@ def scan_kernels(shape: str, sets: list[str], sms: int, sass_dir: str | None) ->
     K.scan_fwd(u, delta, A, B, C, D, z, bias, True, None, None, True, cfg=cfg)
     try:
         K.scan_bwd(gy, None, u, delta, A, B, C, D, z, bias, True, None, None, states, cfg=cfg)
-    except Exception:  # the sums after the kernels read buffers that nothing filled
-        pass
+    except Exception as e:  # the torch ops after the kernels (nothing ran: CPU tensors)
+        print(f"scan_bwd stopped after its kernels: {type(e).__name__}: {e}")
     print(f"{shape}: {cfg}")
     for name, k in compiled.items():
-        report(name, k.asm["cubin"], os.path.join(sass_dir, f"{name}.sass") if sass_dir else None)
+        path = os.path.join(sass_dir, name.replace(" ", "") + ".sass") if sass_dir else None
+        report(name, k.asm["cubin"], path)
 
 
 if __name__ == "__main__":

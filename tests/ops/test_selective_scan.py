@@ -208,6 +208,30 @@ def test_sum_loss(c: Case, seed):
     check_case(c, sum_loss=True)
 
 
+def scan_inputs(c: Case):
+    """The scan's inputs for case c, with a gradient for y and one for the final state."""
+    inp = make_inputs(c)
+    gy = torch.randn(c.Bsz, c.T, c.Dn, device=DEVICE)
+    gT = torch.randn(c.Bsz, c.Dn, c.N, device=DEVICE)
+    return [inp[k] for k in ARGS], inp["initial_state"], inp["seq_idx"], gy, gT
+
+
+def assert_configs_agree(K, inputs, cfgs) -> None:
+    """The forward (saving states) and backward under each launch config give the first's
+    results (y, h_T and every gradient)."""
+    args, h0, seq, gy, gT = inputs
+    outs = []
+    for cfg in cfgs:
+        y, hT, states = K.scan_fwd(*args, True, h0, seq, True, cfg=cfg)
+        assert states.shape == (len(y), -(-y.shape[1] // K.save_interval(cfg)), *hT.shape[1:])
+        grads = K.scan_bwd(gy, gT, *args, True, h0, seq, states, cfg=cfg)
+        outs.append((y, hT, *grads))
+    for out in outs[1:]:
+        for a, b in zip(outs[0], out):
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "over, reduce_scatter",
     [
@@ -245,39 +269,33 @@ def test_tilings_and_segments_agree(over: dict, reduce_scatter: bool | None, see
     from mambakit.ops.selective_scan.launch import reduce_scatter_fits
 
     c = Case(T=45, N=3)
-    inp = make_inputs(c)
-    args = [inp[k] for k in ARGS]
-    h0, seq = inp["initial_state"], inp["seq_idx"]
-    gy = torch.randn(c.Bsz, c.T, c.Dn, device=DEVICE)
-    gT = torch.randn(c.Bsz, c.Dn, c.N, device=DEVICE)
     base = K.config(c.Dn, DEVICE != "cuda")
     cfg = dataclasses.replace(base, **over)
     if reduce_scatter is not None:
         rs = reduce_scatter_fits(cfg.bwd_tile, cfg.bwd_block_d, 4, cfg.bwd_warps)
         assert rs == reduce_scatter
-    outs = []
-    for run_cfg in (cfg, dataclasses.replace(base, seg_tiles=1 << 20)):  # the latter: one segment
-        y, hT, states = K.scan_fwd(*args, True, h0, seq, True, cfg=run_cfg)
-        assert states.shape == (c.Bsz, -(-c.T // K.save_interval(run_cfg)), c.Dn, c.N)
-        grads = K.scan_bwd(gy, gT, *args, True, h0, seq, states, cfg=run_cfg)
-        outs.append((y, hT, *grads))
-    for a, b in zip(*outs):
-        if a is not None:
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # the latter: one segment a row
+    assert_configs_agree(K, scan_inputs(c), [cfg, dataclasses.replace(base, seg_tiles=1 << 20)])
 
 
 def test_segmented_backward_takes_its_channel_block(monkeypatch):
-    """`bwd_block_d_seg`: the backward's programs take that many channels where time is cut
-    into segments, and `bwd_block_d` where a row is one segment."""
+    """`bwd_block_d_seg`: where rows x channel blocks are too few programs for the device,
+    the backward's programs take that many channels and time is cut again for that many
+    programs (segments by SMs, as on a GPU: here 4 of them); a row with programs enough is
+    one segment at `bwd_block_d`. Both give the gradients of one segment."""
     from mambakit.ops.selective_scan import launch as K
+    from mambakit.ops.selective_scan import programs
 
-    c = Case(T=40, N=3)
-    inp = make_inputs(c)
-    args = [inp[k] for k in ARGS]
-    gy = torch.randn(c.Bsz, c.T, c.Dn, device=DEVICE)
-    base = dataclasses.replace(K.config(c.Dn, DEVICE != "cuda"), bwd_block_d_seg=2)
-    blocks = []
-    real = K.launch
+    c = Case(T=200, N=3)
+    base = K.config(c.Dn, DEVICE != "cuda")
+    cfg = dataclasses.replace(base, seg_tiles=0, seg_below_per_sm=2, seg_target_per_sm=16,
+                              bwd_block_d_seg=2)  # fmt: skip
+    monkeypatch.setattr(programs, "sm_count", lambda index=0: 4)
+    cut = programs.time_segments  # cuts time only on a CUDA device: tell it it is on one
+    monkeypatch.setattr(
+        K, "time_segments", lambda nc, n, per, cf, dev: cut(nc, n, per, cf, torch.device("cuda"))
+    )
+    blocks, real = [], K.launch
 
     def spy(kernel, grid, *a, **kw):
         if kernel is K._bwd_kernel:
@@ -285,12 +303,11 @@ def test_segmented_backward_takes_its_channel_block(monkeypatch):
         return real(kernel, grid, *a, **kw)
 
     monkeypatch.setattr(K, "launch", spy)
-    for seg_tiles in (2, 1 << 20):
-        cfg = dataclasses.replace(base, seg_tiles=seg_tiles)
-        _, _, states = K.scan_fwd(*args, True, None, None, True, cfg=cfg)
-        K.scan_bwd(gy, None, *args, True, None, None, states, cfg=cfg)
-    nseg = -(-c.T // (2 * base.bwd_tile))
-    assert blocks == [(2, -(-c.Dn // 2), nseg), (base.bwd_block_d, 1, 1)]
+    # the latter: one segment a row
+    assert_configs_agree(K, scan_inputs(c), [cfg, dataclasses.replace(cfg, seg_below_per_sm=0)])
+    # 25 tiles: 2 rows x 1 block of 8 channels want 32 segments (25); 2 x 3 blocks of 2, 10
+    # segments of 3 tiles: 9
+    assert blocks == [(2, 3, 9), (base.bwd_block_d, 1, 1)]
 
 
 def test_short_last_segment_without_masks(monkeypatch):
@@ -300,11 +317,6 @@ def test_short_last_segment_without_masks(monkeypatch):
     from mambakit.ops.selective_scan import launch as K
 
     c = Case(T=40, Dn=8, N=4)
-    inp = make_inputs(c)
-    args = [inp[k] for k in ARGS]
-    h0, seq = inp["initial_state"], inp["seq_idx"]
-    gy = torch.randn(c.Bsz, c.T, c.Dn, device=DEVICE)
-    gT = torch.randn(c.Bsz, c.Dn, c.N, device=DEVICE)
     base = K.config(c.Dn, DEVICE != "cuda")
     cfg = dataclasses.replace(base, seg_tiles=3)
     assert -(-c.T // cfg.bwd_tile) % 3 and -(-c.T // cfg.fwd_tile) % 3  # both passes: short
@@ -316,15 +328,8 @@ def test_short_last_segment_without_masks(monkeypatch):
         return real(kernel, grid, *a, **kw)
 
     monkeypatch.setattr(K, "launch", spy)
-    outs = []
-    for run_cfg in (cfg, dataclasses.replace(base, seg_tiles=1 << 20)):
-        y, hT, states = K.scan_fwd(*args, True, h0, seq, True, cfg=run_cfg)
-        grads = K.scan_bwd(gy, gT, *args, True, h0, seq, states, cfg=run_cfg)
-        outs.append((y, hT, *grads))
+    assert_configs_agree(K, scan_inputs(c), [cfg, dataclasses.replace(base, seg_tiles=1 << 20)])
     assert even and all(even)
-    for a, b in zip(*outs):
-        if a is not None:
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_backward_int64_offsets_agree(monkeypatch):
@@ -348,9 +353,26 @@ def test_backward_int64_offsets_agree(monkeypatch):
 
     monkeypatch.setattr(K, "launch", spy)
     narrow = K.scan_bwd(gy, gT, *args, True, h0, seq, states)
+    # the launcher asks about every step stride the kernel multiplies by t0: strided views
+    # (u, z in one [B, T, 2D] tensor, dz into one too) give each its own
+    asked, real_need = [], K.steps_need_int64
+    monkeypatch.setattr(
+        K, "steps_need_int64", lambda T, *st: asked.append((T, st)) or real_need(T, *st)
+    )
+    xz = torch.randn(c.Bsz, c.T + 3, 2 * c.Dn + 1, device=DEVICE)[:, : c.T]
+    u, z = xz[..., : c.Dn], xz[..., c.Dn : 2 * c.Dn]
+    dxz = torch.empty(c.Bsz, c.T, 3 * c.Dn, device=DEVICE)
+    gy_s = torch.randn(c.Bsz, c.T, 2 * c.Dn, device=DEVICE)[..., : c.Dn]
+    sargs = dict(zip(ARGS, args)) | {"u": u, "z": z}
+    K.scan_bwd(gy_s, gT, *[sargs[k] for k in ARGS], True, h0, seq, states,
+               dz_out=dxz[..., c.Dn : 2 * c.Dn])  # fmt: skip
+    T_, strides = asked[-1]
+    assert T_ >= c.T and {c.Dn, c.N, u.stride(1), z.stride(1), gy_s.stride(1)} <= set(strides)
+    assert dxz.stride(1) in strides and inp["delta"].stride(1) in strides
+    assert inp["B"].stride(1) in strides and inp["C"].stride(1) in strides
     monkeypatch.setattr(K, "steps_need_int64", lambda *a: True)
     wide = K.scan_bwd(gy, gT, *args, True, h0, seq, states)
-    assert flags == [False, True]
+    assert flags == [False, False, True]
     for a, b in zip(narrow, wide):
         if a is not None:
             assert torch.equal(a, b)
@@ -995,6 +1017,19 @@ def test_unused_final_state_sends_no_gradient(seed, monkeypatch):
     for k, leaf in leaves.items():
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
             assert rel(leaf.grad, oleaves[k].grad) < TOL[c.dtype], k
+
+
+def test_channel_blocks_must_be_powers_of_two():
+    """A program's channels are a tl.arange: a block that is not a power of two is refused
+    when the config is made, naming the field (bwd_block_d_seg 0: bwd_block_d)."""
+    from mambakit.ops.selective_scan import launch as K
+
+    gpu = K.config(1536, interpret=False)
+    assert dataclasses.replace(gpu, bwd_block_d_seg=0).bwd_block_d_seg == 0
+    for field in ("fwd_block_d", "bwd_block_d", "bwd_block_d_seg"):
+        for v in (3, 12, -8):
+            with pytest.raises(ValueError, match=field):
+                dataclasses.replace(gpu, **{field: v})
 
 
 def test_save_interval_must_fit_the_forward_tile():

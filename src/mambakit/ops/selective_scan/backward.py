@@ -193,7 +193,7 @@ def _bwd_kernel(
         mt = t < T
         mtn = mt[:, None] & mn[None, :]
         m2 = mt[:, None] & md[None, :]
-        t0w = t0.to(tl.int64) if OFF64 else t0  # the stores' offsets
+        t0w = t0.to(tl.int64) if OFF64 else t0  # the stores' offsets (dB, dC partials too)
         raw, dt = _delta_of(raw, m2, bias, HAS_BIAS, SOFTPLUS, EVEN)
         a = tl.exp2(dt[:, None, :] * A2[None, :, :])
         if HAS_SEQ:
@@ -240,9 +240,9 @@ def _bwd_kernel(
             db_acc += tl.sum(tl.where(m2, ddt, 0.0), axis=0)
         _st(w_du + t0w * Dn, du, m2, EVEN)
         _st(w_ddt + t0w * Dn, ddt, m2, EVEN)
-        _store_channel_sum(p_dB + part_base, x * dtu[:, None, :], t0, rows, n, mtn, T, N,
+        _store_channel_sum(p_dB + part_base, x * dtu[:, None, :], t0w, rows, n, mtn, T, N,
                            pid_n, TC, BLOCK_N, BLOCK_D, RS, RS_ASM, EVEN)
-        _store_channel_sum(p_dC + part_base, hs * gy[:, None, :], t0, rows, n, mtn, T, N,
+        _store_channel_sum(p_dC + part_base, hs * gy[:, None, :], t0w, rows, n, mtn, T, N,
                            pid_n, TC, BLOCK_N, BLOCK_D, RS, RS_ASM, EVEN)
         dA_acc += tl.sum(xhb * dt[:, None, :], axis=0)
     tl.store(p_dA + off_seg, dA_acc, mask=mdn)  # [B, nseg, D, N] partials

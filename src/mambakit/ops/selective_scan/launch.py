@@ -355,8 +355,9 @@ def scan_bwd(
     dDp = _new((Bsz, nseg, Dn), f32, dev) if D is not None else None
     dbp = _new((nb, Bsz, nseg, Dn), f32, dev)
     dh0 = _new((Bsz, Dn, N), f32, dev) if initial_state is not None else None
-    # the kernel adds t0 * (step stride) in int32 unless some tile's offset passes it
-    off64 = steps_need_int64(nc * tc, Dn, *s_in[1:10:2], s_dy[1], *strides(dz, 2)[1:])
+    # the kernel adds t0 * (step stride) in int32 unless some tile's offset passes it (Dn: du,
+    # d delta, ys; N: the dB, dC partials)
+    off64 = steps_need_int64(nc * tc, Dn, N, *s_in[1:10:2], s_dy[1], *strides(dz, 2)[1:])
     off64 = off64 or nc * DN >= 2**31  # the tile-start states, one [D, N] a tile
     launch(_bwd_kernel, grid,
         u, delta, A, B, C, opt(D, A), opt(z, u), opt(delta_bias, A), opt(seq_idx, A), gy,

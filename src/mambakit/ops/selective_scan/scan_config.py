@@ -45,6 +45,10 @@ class ScanConfig:
                 f"ScanConfig: bwd_save_tiles * bwd_tile = {self.bwd_save_tiles} * "
                 f"{self.bwd_tile} must be a multiple or a divisor of fwd_tile {self.fwd_tile}"
             )
+        for name in ("fwd_block_d", "bwd_block_d", "bwd_block_d_seg"):
+            v = getattr(self, name)
+            if v < 0 or v & (v - 1) or (v == 0 and name != "bwd_block_d_seg"):
+                raise ValueError(f"ScanConfig: {name} = {v} must be a power of two")
 
 
 @functools.cache
