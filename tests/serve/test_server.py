@@ -349,6 +349,9 @@ def test_an_hf_tokenizer_leaves_out_its_special_tokens_when_asked(tmp_path):
         ({"prompt": "a", "stop_token_ids": 0}, 400, "stop_token_ids"),  # not a list, though falsy
         ({"prompt": "a", "stop_token_ids": False}, 400, "stop_token_ids"),
         ({"prompt": "a", "stop_token_ids": {}}, 400, "stop_token_ids"),
+        ({"prompt": "a", "presence_penalty": False}, 400, "presence_penalty"),  # not a number
+        ({"prompt": "a", "frequency_penalty": True}, 400, "frequency_penalty"),
+        ({"prompt": "a", "best_of": True}, 400, "best_of"),  # True == 1, the accepted value
         ({"max_tokens": 3}, 400, "prompt"),
         ({"prompt": [1, 999]}, 400, "prompt"),
         ({"prompt": "a", "model": "gpt-4"}, 404, "model"),

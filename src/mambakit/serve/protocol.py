@@ -93,8 +93,8 @@ def parse_request(body, chat: bool, default_max_tokens: int, max_tokens_limit: i
             continue
         if name == "logprobs" and not chat and v is not None:
             raise bad(name, f"logprobs is not supported by this server (got {v!r})")
-        if isinstance(v, bool):
-            is_off = v is False and False in off
+        if isinstance(v, bool):  # `False in (0,)` holds: a number's off values take no bool
+            is_off = v is False and any(o is False for o in off)
         else:
             is_off = v is None or (not isinstance(v, dict | list) and v in off)
         if not is_off:
