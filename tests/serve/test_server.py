@@ -239,6 +239,44 @@ def test_a_chat_prompt_gets_no_bos_from_the_tokenizer(model_dirs, load, running)
     assert text["usage"]["prompt_tokens"] == 1 + len(b"Hi")
 
 
+def test_a_chat_template_renders_off_the_event_loop(model_dirs, load, running):
+    """A chat template renders in a worker thread, as the tokenizer encodes: while one
+    renders (here it waits until /health has answered), the server answers other requests."""
+    import threading
+
+    answered = threading.Event()
+    threads = []
+
+    class Waiting(ChatTemplate):
+        def render(self, messages):
+            threads.append(threading.current_thread())
+            answered.wait(timeout=30)  # on the event loop this would hold /health back
+            return super().render(messages)
+
+    engine = Engine(load(model_dirs["tiny"]), tokenizer=ByteTokenizer(), max_batch=2)
+    app = create_app(engine, model_name="tiny", tokenizer=ByteTokenizer(),
+                     chat_template=Waiting(TEMPLATE))  # fmt: skip
+    msgs = [{"role": "user", "content": "Hi"}]
+    with running(app) as url:
+        with httpx.Client(timeout=60) as client:
+            box = {}
+            chat = threading.Thread(
+                target=lambda: box.update(
+                    r=client.post(
+                        f"{url}/v1/chat/completions", json={"messages": msgs, "max_tokens": 1}
+                    )
+                )
+            )
+            chat.start()
+            while not threads:
+                time.sleep(0.01)
+            health = httpx.get(f"{url}/health", timeout=20)
+            answered.set()
+            chat.join(timeout=60)
+    assert health.status_code == 200
+    assert box["r"].status_code == 200, box["r"].text
+
+
 def test_request_faults_name_their_field(model_dirs, load, running):
     """A chat template that fails on a message's shape (a loop over tool_calls: 5) is a 400
     naming messages, not a 500; a chat prompt over the limit is a 413 naming messages; a

@@ -214,8 +214,9 @@ def create_app(
             if chat_template is None:
                 raise bad("messages", "this model's tokenizer has no chat template: "
                                       "use /v1/completions")  # fmt: skip
-            try:
-                text = chat_template.render(parse_messages(body))
+            try:  # off the event loop, as the tokenizer's encode: a template's loops are
+                # the user's (over the messages, inside a body of up to the size limit)
+                text = await asyncio.to_thread(chat_template.render, parse_messages(body))
             except ValueError as e:
                 raise bad("messages", str(e)) from None
             prompts = [await encode(text, "messages", special=False)]
