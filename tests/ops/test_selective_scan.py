@@ -359,17 +359,22 @@ def test_backward_int64_offsets_agree(monkeypatch):
     monkeypatch.setattr(
         K, "steps_need_int64", lambda T, *st: asked.append((T, st)) or real_need(T, *st)
     )
-    xz = torch.randn(c.Bsz, c.T + 3, 2 * c.Dn + 1, device=DEVICE)[:, : c.T]
-    u, z = xz[..., : c.Dn], xz[..., c.Dn : 2 * c.Dn]
-    dxz = torch.empty(c.Bsz, c.T, 3 * c.Dn, device=DEVICE)
-    gy_s = torch.randn(c.Bsz, c.T, 2 * c.Dn, device=DEVICE)[..., : c.Dn]
-    sargs = dict(zip(ARGS, args)) | {"u": u, "z": z}
+
+    # every input a view with a step stride of its own, none equal to Dn (5) or N (3)
+    def strided(x, width):
+        return torch.zeros(*x.shape[:2], width, dtype=x.dtype, device=DEVICE)[
+            ..., : x.shape[2]
+        ].copy_(x)
+
+    sargs = dict(zip(ARGS, args))
+    widths = {"u": 11, "delta": 13, "B": 7, "C": 8, "z": 17}
+    sargs |= {k: strided(sargs[k], w) for k, w in widths.items()}
+    gy_s = strided(gy, 10)
+    dxz = torch.empty(c.Bsz, c.T, 15, device=DEVICE)
     K.scan_bwd(gy_s, gT, *[sargs[k] for k in ARGS], True, h0, seq, states,
-               dz_out=dxz[..., c.Dn : 2 * c.Dn])  # fmt: skip
+               dz_out=dxz[..., : c.Dn])  # fmt: skip
     T_, strides = asked[-1]
-    assert T_ >= c.T and {c.Dn, c.N, u.stride(1), z.stride(1), gy_s.stride(1)} <= set(strides)
-    assert dxz.stride(1) in strides and inp["delta"].stride(1) in strides
-    assert inp["B"].stride(1) in strides and inp["C"].stride(1) in strides
+    assert T_ >= c.T and {c.Dn, c.N, 10, 15, *widths.values()} <= set(strides), strides
     monkeypatch.setattr(K, "steps_need_int64", lambda *a: True)
     wide = K.scan_bwd(gy, gT, *args, True, h0, seq, states)
     assert flags == [False, False, True]

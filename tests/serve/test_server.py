@@ -244,12 +244,11 @@ def test_a_chat_template_renders_off_the_event_loop(model_dirs, load, running):
     renders (here it waits until /health has answered), the server answers other requests."""
     import threading
 
-    answered = threading.Event()
-    threads = []
+    started, answered = threading.Event(), threading.Event()
 
     class Waiting(ChatTemplate):
         def render(self, messages):
-            threads.append(threading.current_thread())
+            started.set()
             answered.wait(timeout=30)  # on the event loop this would hold /health back
             return super().render(messages)
 
@@ -257,20 +256,20 @@ def test_a_chat_template_renders_off_the_event_loop(model_dirs, load, running):
     app = create_app(engine, model_name="tiny", tokenizer=ByteTokenizer(),
                      chat_template=Waiting(TEMPLATE))  # fmt: skip
     msgs = [{"role": "user", "content": "Hi"}]
-    with running(app) as url:
-        with httpx.Client(timeout=60) as client:
-            box = {}
-            chat = threading.Thread(
-                target=lambda: box.update(
-                    r=client.post(
-                        f"{url}/v1/chat/completions", json={"messages": msgs, "max_tokens": 1}
-                    )
+    box = {}
+    with running(app) as url, httpx.Client(timeout=60) as client:
+        chat = threading.Thread(
+            target=lambda: box.update(
+                r=client.post(
+                    f"{url}/v1/chat/completions", json={"messages": msgs, "max_tokens": 1}
                 )
             )
-            chat.start()
-            while not threads:
-                time.sleep(0.01)
+        )
+        chat.start()
+        try:
+            assert started.wait(timeout=30), "the chat request never reached its template"
             health = httpx.get(f"{url}/health", timeout=20)
+        finally:
             answered.set()
             chat.join(timeout=60)
     assert health.status_code == 200
@@ -390,6 +389,7 @@ def test_an_hf_tokenizer_leaves_out_its_special_tokens_when_asked(tmp_path):
         ({"prompt": "a", "presence_penalty": False}, 400, "presence_penalty"),  # not a number
         ({"prompt": "a", "frequency_penalty": True}, 400, "frequency_penalty"),
         ({"prompt": "a", "best_of": True}, 400, "best_of"),  # True == 1, the accepted value
+        ({"prompt": "a", "echo": 0}, 400, "echo"),  # 0 == False, the accepted value
         ({"max_tokens": 3}, 400, "prompt"),
         ({"prompt": [1, 999]}, 400, "prompt"),
         ({"prompt": "a", "model": "gpt-4"}, 404, "model"),

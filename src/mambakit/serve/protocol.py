@@ -10,6 +10,7 @@ name rather than silently ignored; unknown fields are ignored, as the OpenAI API
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -92,13 +93,20 @@ def parse_request(body, chat: bool, default_max_tokens: int, max_tokens_limit: i
         ):
             continue
         if name == "logprobs" and not chat and v is not None:
-            raise bad(name, f"logprobs is not supported by this server (got {v!r})")
-        if isinstance(v, bool):  # `False in (0,)` holds: a number's off values take no bool
-            is_off = v is False and any(o is False for o in off)
+            raise bad(name, f"logprobs is not supported by this server (got {json.dumps(v)})")
+        # `False == 0` and `True == 1`: a bool matches only a bool among the off values
+        # (false for echo, never for a number), a number only a number
+        if isinstance(v, bool):
+            is_off = any(o is v for o in off)
         else:
-            is_off = v is None or (not isinstance(v, dict | list) and v in off)
+            is_off = v is None or (
+                not isinstance(v, dict | list)
+                and any(o == v and not isinstance(o, bool) for o in off if o is not None)
+            )
         if not is_off:
-            raise bad(name, f"{name} is not supported by this server (got {v!r})")
+            allowed = " or ".join(json.dumps(o) for o in off)
+            raise bad(name, f"{name} is not supported by this server: it must be {allowed} "
+                            f"(got {json.dumps(v)})")  # fmt: skip
     max_tokens = body.get("max_completion_tokens") if chat else None
     name = "max_completion_tokens" if max_tokens is not None else "max_tokens"
     if max_tokens is None:
