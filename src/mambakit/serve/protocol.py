@@ -94,15 +94,15 @@ def parse_request(body, chat: bool, default_max_tokens: int, max_tokens_limit: i
             continue
         if name == "logprobs" and not chat and v is not None:
             raise bad(name, f"logprobs is not supported by this server (got {json.dumps(v)})")
-        # `False == 0` and `True == 1`: a bool matches only a bool among the off values
-        # (false for echo, never for a number), a number only a number
-        if isinstance(v, bool):
-            is_off = any(o is v for o in off)
-        else:
-            is_off = v is None or (
-                not isinstance(v, dict | list)
-                and any(o == v and not isinstance(o, bool) for o in off if o is not None)
+        # `False == 0` and `True == 1`: a value matches an off value of its own kind only
+        # (a bool a bool, false for echo; a number a number)
+        is_off = (
+            v is None
+            or not isinstance(v, dict | list)
+            and any(
+                o == v and isinstance(o, bool) == isinstance(v, bool) for o in off if o is not None
             )
+        )
         if not is_off:
             allowed = " or ".join(json.dumps(o) for o in off)
             raise bad(name, f"{name} is not supported by this server: it must be {allowed} "
