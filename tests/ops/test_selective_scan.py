@@ -334,7 +334,8 @@ def test_short_last_segment_without_masks(monkeypatch):
 
 def test_backward_int64_offsets_agree(monkeypatch):
     """The backward's per-tile offsets in int64 (taken where a row's steps pass int32) give
-    the same gradients as in int32, bit for bit."""
+    the same gradients as in int32, bit for bit: its main pass and, with time cut into
+    segments, the segments' first pass."""
     from mambakit.ops.selective_scan import launch as K
 
     c = Case(T=45, N=3)
@@ -343,17 +344,19 @@ def test_backward_int64_offsets_agree(monkeypatch):
     h0, seq = inp["initial_state"], inp["seq_idx"]
     gy = torch.randn(c.Bsz, c.T, c.Dn, device=DEVICE)
     gT = torch.randn(c.Bsz, c.Dn, c.N, device=DEVICE)
-    _, _, states = K.scan_fwd(*args, True, h0, seq, True)
+    base = K.config(c.Dn, DEVICE != "cuda")
+    cfg = dataclasses.replace(base, seg_tiles=2)  # segments: the first pass runs too
+    _, _, states = K.scan_fwd(*args, True, h0, seq, True, cfg=cfg)
     flags, real = [], K.launch
 
     def spy(kernel, grid, *a, **kw):
-        if kernel is K._bwd_kernel:
-            flags.append(kw["OFF64"])
+        if kernel in (K._bwd_kernel, K._bwd_local_kernel):
+            flags.append(("local" if kernel is K._bwd_local_kernel else "main", kw["OFF64"]))
         return real(kernel, grid, *a, **kw)
 
     monkeypatch.setattr(K, "launch", spy)
-    narrow = K.scan_bwd(gy, gT, *args, True, h0, seq, states)
-    # the launcher asks about every step stride the kernel multiplies by t0: strided views
+    narrow = K.scan_bwd(gy, gT, *args, True, h0, seq, states, cfg=cfg)
+    # the launcher asks about every step stride the kernels multiply by t0: strided views
     # (u, z in one [B, T, 2D] tensor, dz into one too) give each its own
     asked, real_need = [], K.steps_need_int64
     monkeypatch.setattr(
@@ -371,13 +374,16 @@ def test_backward_int64_offsets_agree(monkeypatch):
     sargs |= {k: strided(sargs[k], w) for k, w in widths.items()}
     gy_s = strided(gy, 10)
     dxz = torch.empty(c.Bsz, c.T, 15, device=DEVICE)
-    K.scan_bwd(gy_s, gT, *[sargs[k] for k in ARGS], True, h0, seq, states,
+    K.scan_bwd(gy_s, gT, *[sargs[k] for k in ARGS], True, h0, seq, states, cfg=cfg,
                dz_out=dxz[..., : c.Dn])  # fmt: skip
-    T_, strides = asked[-1]
-    assert T_ >= c.T and {c.Dn, c.N, 10, 15, *widths.values()} <= set(strides), strides
+    # the inputs' strides decide both passes; the outputs' the main one
+    (T_in, inputs), (T_out, outputs) = asked
+    assert T_in >= c.T and T_out >= c.T
+    assert {10, *widths.values()} <= set(inputs), inputs
+    assert {c.Dn, c.N, 15} <= set(outputs), outputs
     monkeypatch.setattr(K, "steps_need_int64", lambda *a: True)
-    wide = K.scan_bwd(gy, gT, *args, True, h0, seq, states)
-    assert flags == [False, False, True]
+    wide = K.scan_bwd(gy, gT, *args, True, h0, seq, states, cfg=cfg)
+    assert flags == [("local", False), ("main", False)] * 2 + [("local", True), ("main", True)]
     for a, b in zip(narrow, wide):
         if a is not None:
             assert torch.equal(a, b)

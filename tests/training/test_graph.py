@@ -251,3 +251,34 @@ def test_graph_step_peaks_no_higher_than_the_eager_step(restore_determinism):
         del trainer, model
     assert weight_bytes > 150e6
     assert peaks[True] - peaks[False] < 0.5 * weight_bytes, (peaks, weight_bytes)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("clip", [0.05, 1e3], ids=["binds", "loose"])
+def test_clip_in_the_fused_adamw_equals_clipping_the_gradients_first(clip, restore_determinism):
+    """On CUDA the clip rides in the fused AdamW (`grad_scale`: each gradient divided by
+    max(1, (norm + 1e-6) / max_norm) as the step reads it). Its steps equal those of
+    clip_grad_norm_ followed by the step: to a rounding of the quotient where the clip binds
+    (a division against a product), bit for bit where it does not (a division by 1)."""
+    batches = [random_batch(seed=s) for s in range(3)]
+    runs = {}
+    for fold in (True, False):
+        trainer = gpu_trainer(ListData(batches), False, grad_clip=clip)
+        assert (trainer._grad_scale is not None) and trainer.optimizer.grad_scale is not None
+        if not fold:  # clip_grad_norm_ scales the gradients, then the step reads them as they are
+            trainer._grad_scale = None
+            del trainer.optimizer.grad_scale
+        norms = [float(trainer.train_step()[1]) for _ in range(4)]
+        runs[fold] = norms, weights_of(trainer.model)
+    (norms, w), (norms_ref, w_ref) = runs[True], runs[False]
+    assert norms[0] == norms_ref[0]  # the first step's gradients are the same tensors
+    binds = clip < norms_ref[0]
+    assert binds == (clip == 0.05)
+    init = weights_of(tiny_lm())
+    assert any(not torch.equal(v.cpu(), init[n]) for n, v in w.items())  # it trained
+    for n, v in w.items():
+        if binds:
+            torch.testing.assert_close(v, w_ref[n], rtol=1e-5, atol=1e-6, msg=n)
+        else:
+            assert torch.equal(v, w_ref[n]), n

@@ -230,7 +230,14 @@ class StepMixin:
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         if self.scaler.is_enabled():
             self.scaler.unscale_(self.optimizer)  # clip the true gradients
-        norm = _full(nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True))
+        if self._grad_scale is not None:
+            # clip_grad_norm_'s factor min(1, max_norm / (norm + 1e-6)), applied by the fused
+            # AdamW as a division by its inverse while it reads the gradients
+            grads = [p.grad for p in self.params if p.grad is not None]
+            norm = _full(nn.utils.get_total_norm(grads, foreach=True))
+            torch.clamp((norm + 1e-6) / max_norm, min=1.0, out=self._grad_scale)
+        else:
+            norm = _full(nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True))
         if self._found_inf is not None:  # decided on the device: no sync, capturable
             self._found_inf.copy_(~(torch.isfinite(norm) & torch.isfinite(loss)))
             # reads optimizer.found_inf: a skip changes no state. The fused AdamW writes the

@@ -29,28 +29,9 @@ from .tiles import (
     _row_ptrs,
     _second,
     _st,
-    _tile_decay,
-    _tile_ptrs,
-    _tile_rows,
 )
 
 # fmt: off
-
-
-@triton.jit
-def _tile_gate(p_dy, s_dy_b, s_dy_t, s_dy_d, p_z, s_z_b, s_z_t, b, t0, rows, d, m2,
-               HAS_Z: tl.constexpr, EVEN: tl.constexpr):
-    """dy, z, sigmoid(z), gy = dy * silu(z) (the gradient reaching y before the gate)."""
-    dy = _ld(_tile_ptrs(p_dy, s_dy_b, s_dy_t, b, t0, rows, d, s_dy_d), m2, EVEN)
-    if HAS_Z:
-        z = _tile_rows(p_z, s_z_b, s_z_t, b, t0, rows, d, m2, EVEN)
-        sz = fast_sigmoid(z)
-        gy = dy * z * sz
-    else:
-        z = dy
-        sz = dy
-        gy = dy
-    return dy, z, sz, gy
 
 
 @triton.jit
@@ -60,15 +41,21 @@ def _bwd_local_kernel(
     s_dt_b, s_dt_t, s_C_b, s_C_t, s_z_b, s_z_t, s_seq_b, s_seq_t, s_dy_b, s_dy_t, s_dy_d,
     HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, HAS_SEQ: tl.constexpr,
     TC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
+    OFF64: tl.constexpr,
 ):
     """A segment's reverse recurrence from a zero carry: W = a_first g_first, and the segment's
-    decay product P (the carry into its end reaches its start times P)."""
+    decay product P (the carry into its end reaches its start times P). Pointers as in
+    `_bwd_kernel`: each tensor's at step 0 of the row once, a tile adds its steps' offset."""
     pid_d, s, b, pid_n, d, n, md, mn, mdn, A, bias = _program_block(
         p_A, p_bias, Dn, N, Bsz, HAS_BIAS, BLOCK_D, BLOCK_N
     )
     s += 1  # segments 1.. (the first one's summary is never used)
     A2 = A * LOG2E
     rows = tl.arange(0, TC)
+    q_dt = _row_ptrs(p_dt, s_dt_b, s_dt_t, b, rows, d, 1)
+    q_C = _row_ptrs(p_C, s_C_b, s_C_t, b, rows, n, 1)
+    q_dy = _row_ptrs(p_dy, s_dy_b, s_dy_t, b, rows, d, s_dy_d)
+    q_z = _row_ptrs(p_z, s_z_b, s_z_t, b, rows, d, 1)
     G = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     p = tl.full([BLOCK_N, BLOCK_D], 1.0, tl.float32)
     c0 = s * seg_chunks
@@ -78,14 +65,19 @@ def _bwd_local_kernel(
         t0 = c * TC
         t = t0 + rows
         mt = t < T
-        m2, _raw, _dt, a = _tile_decay(
-            t0, rows, mt, b, d, md, p_dt, s_dt_b, s_dt_t, p_seq, s_seq_b, s_seq_t, A2, bias,
-            HAS_BIAS, SOFTPLUS, HAS_SEQ, EVEN,
-        )
-        _dy, _z, _sz, gy = _tile_gate(
-            p_dy, s_dy_b, s_dy_t, s_dy_d, p_z, s_z_b, s_z_t, b, t0, rows, d, m2, HAS_Z, EVEN
-        )
-        Ct = _tile_rows(p_C, s_C_b, s_C_t, b, t0, rows, n, mt[:, None] & mn[None, :], EVEN)
+        m2 = mt[:, None] & md[None, :]
+        t0o = t0.to(tl.int64) if OFF64 else t0
+        raw, dt = _delta_of(_ld(q_dt + t0o * s_dt_t, m2, EVEN), m2, bias, HAS_BIAS, SOFTPLUS,
+                            EVEN)  # fmt: skip
+        a = tl.exp2(dt[:, None, :] * A2[None, :, :])
+        if HAS_SEQ:
+            starts = _doc_starts(t, mt, b, p_seq, s_seq_b, s_seq_t)
+            a = tl.where(starts[:, None, None], 0.0, a)
+        gy = _ld(q_dy + t0o * s_dy_t, m2, EVEN)
+        if HAS_Z:
+            z = _ld(q_z + t0o * s_z_t, m2, EVEN)
+            gy = gy * z * fast_sigmoid(z)
+        Ct = _ld(q_C + t0o * s_C_t, mt[:, None] & mn[None, :], EVEN)
         _g, G = _reverse_scan(Ct[:, :, None] * gy[:, None, :], a, G, rows, TC)
         p = p * tl.reduce(a, 0, _mul)
     off_seg = ((b * nseg + s) * Dn + d[None, :]) * N + n[:, None]

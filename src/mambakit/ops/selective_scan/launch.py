@@ -322,13 +322,16 @@ def scan_bwd(
     if ks > 1:  # a state per tile again, for this backward only
         states = replay_states(u, delta, A, B, delta_bias, delta_softplus, seq_idx, states, cfg)
     gin = g_final.contiguous() if g_final is not None else None
+    # the kernels add t0 * (step stride) in int32 unless some tile's offset passes it: the
+    # inputs' here, and below the outputs' (Dn: du, d delta, ys; N: the dB, dC partials)
+    off64 = steps_need_int64(nc * tc, *s_in[1:10:2], s_dy[1])
     if nseg > 1:  # each segment's summary, then the carry into every segment's end
         W = torch.empty(Bsz, nseg, Dn, N, dtype=f32, device=dev)
         P = torch.empty_like(W)
         # the first segment's summary is never used (its start is dL/d initial_state)
         launch(_bwd_local_kernel, (ndb, nseg - 1, Bsz * nb),
             delta, A, C, opt(z, u), opt(delta_bias, A), opt(seq_idx, A), gy, W, P,
-            T, Dn, N, Bsz, nseg, per, *s_in[2:4], *s_in[6:], *s_dy, **common,
+            T, Dn, N, Bsz, nseg, per, *s_in[2:4], *s_in[6:], *s_dy, OFF64=off64, **common,
         )  # fmt: skip
         G = torch.empty_like(W)
         launch(_carry_bwd_kernel, (cdiv(DN, cfg.carry_block), Bsz),
@@ -355,9 +358,7 @@ def scan_bwd(
     dDp = _new((Bsz, nseg, Dn), f32, dev) if D is not None else None
     dbp = _new((nb, Bsz, nseg, Dn), f32, dev)
     dh0 = _new((Bsz, Dn, N), f32, dev) if initial_state is not None else None
-    # the kernel adds t0 * (step stride) in int32 unless some tile's offset passes it (Dn: du,
-    # d delta, ys; N: the dB, dC partials)
-    off64 = steps_need_int64(nc * tc, Dn, N, *s_in[1:10:2], s_dy[1], *strides(dz, 2)[1:])
+    off64 = off64 or steps_need_int64(nc * tc, Dn, N, *strides(dz, 2)[1:])
     off64 = off64 or nc * DN >= 2**31  # the tile-start states, one [D, N] a tile
     launch(_bwd_kernel, grid,
         u, delta, A, B, C, opt(D, A), opt(z, u), opt(delta_bias, A), opt(seq_idx, A), gy,
