@@ -253,21 +253,31 @@ def test_graph_step_peaks_no_higher_than_the_eager_step(restore_determinism):
     assert peaks[True] - peaks[False] < 0.5 * weight_bytes, (peaks, weight_bytes)
 
 
-@pytest.mark.gpu
-@needs_cuda
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])],
+)
 @pytest.mark.parametrize("clip", [0.05, 1e3], ids=["binds", "loose"])
-def test_clip_in_the_fused_adamw_equals_clipping_the_gradients_first(clip, restore_determinism):
-    """On CUDA the clip rides in the fused AdamW (`grad_scale`: each gradient divided by
-    max(1, (norm + 1e-6) / max_norm) as the step reads it). Its steps equal those of
-    clip_grad_norm_ followed by the step: to a rounding of the quotient where the clip binds
-    (a division against a product), bit for bit where it does not (a division by 1)."""
+def test_clip_in_the_fused_adamw_equals_clipping_the_gradients_first(
+    device, clip, restore_determinism
+):
+    """The Trainer's AdamW is fused (CUDA, and the CPU where PyTorch has the kernel) and the
+    clip rides in it (`grad_scale`: each gradient divided by max(1, (norm + 1e-6) /
+    max_norm) as the step reads it). Its steps equal those of clip_grad_norm_ followed by
+    the step: to a rounding of the quotient where the clip binds (a division against a
+    product), bit for bit where it does not (a division by 1)."""
     batches = [random_batch(seed=s) for s in range(3)]
     runs = {}
     for fold in (True, False):
-        trainer = gpu_trainer(ListData(batches), False, grad_clip=clip)
-        assert (trainer._grad_scale is not None) and trainer.optimizer.grad_scale is not None
+        if device == "cuda":
+            trainer = gpu_trainer(ListData(batches), False, grad_clip=clip)
+        else:
+            trainer = Trainer(tiny_lm(), tcfg(grad_clip=clip, lr=1e-2), ListData(batches),
+                              log=lambda s: None)  # fmt: skip
+        assert all(g["fused"] for g in trainer.optimizer.param_groups)
+        assert trainer._grad_scale is not None
+        assert trainer.optimizer.grad_scale is trainer._grad_scale
         if not fold:  # clip_grad_norm_ scales the gradients, then the step reads them as they are
-            trainer._grad_scale = None
             del trainer.optimizer.grad_scale
         norms = [float(trainer.train_step()[1]) for _ in range(4)]
         runs[fold] = norms, weights_of(trainer.model)
@@ -282,3 +292,22 @@ def test_clip_in_the_fused_adamw_equals_clipping_the_gradients_first(clip, resto
             torch.testing.assert_close(v, w_ref[n], rtol=1e-5, atol=1e-6, msg=n)
         else:
             assert torch.equal(v, w_ref[n]), n
+
+
+def test_an_optimizer_put_in_the_trainers_place_still_clips():
+    """The clip is folded only into the optimizer the Trainer made: one put in its place
+    gets clip_grad_norm_, so a binding clip still binds (the update of a step with the
+    clip at 1e-3 is smaller than without it)."""
+    batches = [random_batch(seed=s) for s in range(2)]
+    moved = {}
+    for clip in (1e-3, 0.0):
+        trainer = Trainer(tiny_lm(), tcfg(grad_clip=clip, lr=1e-2), ListData(batches),
+                          log=lambda s: None)  # fmt: skip
+        trainer.optimizer = torch.optim.SGD(trainer.params, lr=1.0)
+        before = [p.detach().clone() for p in trainer.params]  # (tied weights once)
+        trainer.train_step()
+        moved[clip] = (
+            sum(float((p.detach() - b).norm() ** 2) for p, b in zip(trainer.params, before)) ** 0.5
+        )
+    assert moved[1e-3] == pytest.approx(1e-3, rel=1e-3)  # SGD at lr 1 moves by the clipped norm
+    assert moved[0.0] > 1e-2

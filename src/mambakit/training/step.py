@@ -230,7 +230,9 @@ class StepMixin:
         max_norm = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
         if self.scaler.is_enabled():
             self.scaler.unscale_(self.optimizer)  # clip the true gradients
-        if self._grad_scale is not None:
+        if self._grad_scale is not None and getattr(self.optimizer, "grad_scale", None) is (
+            self._grad_scale
+        ):  # (an optimizer put in the trainer's place afterwards gets clip_grad_norm_)
             # clip_grad_norm_'s factor min(1, max_norm / (norm + 1e-6)), applied by the fused
             # AdamW as a division by its inverse while it reads the gradients
             grads = [p.grad for p in self.params if p.grad is not None]

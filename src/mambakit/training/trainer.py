@@ -146,10 +146,18 @@ class Trainer(StepMixin, CheckpointMixin, ProcessMixin):
             self._skipped_dev = torch.zeros((), dtype=torch.int64, device=self.device)
             self._streak_dev = torch.zeros((), dtype=torch.int64, device=self.device)
             self.optimizer.found_inf = self._found_inf
-        # the clip rides in the fused AdamW, which divides each gradient by `grad_scale` as
-        # it reads it: one pass over the gradients fewer than scaling them first (`_clip_and_step`)
+        # the clip rides in a fused AdamW, which divides each gradient by `grad_scale` as it
+        # reads it: one pass over the gradients fewer than scaling them first
+        # (`_clip_and_step`). Not with f16 (GradScaler sets grad_scale) or FSDP2 (sharded
+        # gradients: clip_grad_norm_ scales them)
         self._grad_scale = None
-        if self._found_inf is not None and config.grad_clip > 0 and self.dist.mode != "fsdp":
+        fused = all(g.get("fused") for g in self.optimizer.param_groups)
+        if (
+            fused
+            and config.grad_clip > 0
+            and not self.scaler.is_enabled()
+            and self.dist.mode != "fsdp"
+        ):
             self._grad_scale = torch.ones((), device=self.device)
             self.optimizer.grad_scale = self._grad_scale
         self.step = 0
