@@ -180,7 +180,7 @@ class Mamba(nn.Module):
         their adapters and hooks take part: (y [B, T, D], final conv and ssm states), and
         with `at` the conv and ssm states after those steps."""
         Dn, N, R = self.d_inner, self.d_state, self.dt_rank
-        x_in, z = xz[..., :Dn], xz[..., Dn:]
+        x_in, z = xz.split(Dn, dim=-1)  # (the backward of two slices: two zero-filled [B, T, 2D])
         u, conv_out = conv_silu(self.conv1d, x_in, conv_state, seq_idx, backend, self.d_conv)
         dt_r, B, C = self.x_proj(u).split([R, N, N], dim=-1)
         delta = self.dt_proj(dt_r)  # with dt_proj's own bias

@@ -41,22 +41,28 @@ def make_optimizer(
     capturable: bool = False,
 ) -> torch.optim.AdamW:
     """AdamW over `param_groups`, fused (one kernel a step) where PyTorch has the kernel for
-    the parameters' device and dtype: CUDA, and the CPU (the step of the CPU fused kernel
-    is 2.7x the foreach one's speed at d_model 128 x 3 layers, 5.4x at 130m, clip included:
-    `Trainer` folds the clip into it), else the foreach implementation."""
+    the parameters' device: CUDA, and the CPU (on 2 cores the clip and step of the fused
+    kernel take 0.78 ms at d_model 128 x 3 layers against 2.09 for foreach, 114 ms at 130m
+    against 612, with `Trainer` folding the clip into it), else the foreach one."""
     device = next(model.parameters()).device
     kwargs: dict = {"betas": betas, "eps": eps}
     if device.type == "cuda" and capturable:
         # CUDA-graph replay: lr lives in a tensor the schedule fills in place
         kwargs["capturable"] = True
         lr = torch.tensor(lr, device=device)
-    groups = param_groups(model, weight_decay)
+    if _fused_kernels(device):
+        kwargs["fused"] = True
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, **kwargs)
+
+
+def _fused_kernels(device: torch.device) -> bool:
+    """Whether PyTorch has fused optimizer kernels for this device (it checks only at the
+    first step)."""
     try:
-        return torch.optim.AdamW(groups, lr=lr, fused=True, **kwargs)
-    except RuntimeError:  # no fused kernel for this device or dtype
-        if device.type == "cuda":
-            raise
-        return torch.optim.AdamW(groups, lr=lr, **kwargs)
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:  # a PyTorch without the list
+        return device.type == "cuda"
+    return device.type in _get_fused_kernels_supported_devices()
 
 
 class WarmupCosine:

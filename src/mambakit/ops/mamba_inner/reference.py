@@ -30,7 +30,8 @@ def mamba_inner_chain(
 
     Dn, N = A.shape
     R = dt_proj_weight.shape[1]
-    x_in, z = xz[..., :Dn], xz[..., Dn:]
+    # split, not two slices: its backward is one cat, a slice's a zero-filled [B, T, 2D] each
+    x_in, z = xz.split(Dn, dim=-1)
     u, conv_out = causal_conv1d(
         x_in,
         conv_weight,
