@@ -311,3 +311,35 @@ def test_an_optimizer_put_in_the_trainers_place_still_clips():
         )
     assert moved[1e-3] == pytest.approx(1e-3, rel=1e-3)  # SGD at lr 1 moves by the clipped norm
     assert moved[0.0] > 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=["f64", "bf16"])
+def test_clip_of_a_model_not_in_float32_steps_as_clip_grad_norm_then_adamw(dtype):
+    """A float64 or bf16 model keeps clip_grad_norm_ (the fused kernel's scale is float32):
+    with a clip that binds, its step equals clipping first and then an unfused AdamW of the
+    same groups and settings (to rounding: float64 tight, bf16 parameters to their
+    precision)."""
+    from mambakit.training.optim import param_groups
+
+    batch = random_batch(seed=3)
+    weights = {}
+    for fused in (True, False):
+        model = tiny_lm().to(dtype)
+        cfg = tcfg(grad_clip=0.05, lr=1e-2)
+        trainer = Trainer(model, cfg, ListData([batch]), log=lambda s: None)
+        assert trainer._grad_scale is None
+        if not fused:  # the oracle: foreach AdamW, clip_grad_norm_ by the trainer
+            trainer.optimizer = torch.optim.AdamW(
+                param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps
+            )
+        if fused:
+            assert all(g["fused"] for g in trainer.optimizer.param_groups)
+        _, norm = trainer.train_step()
+        assert float(norm) > 0.05  # the clip binds
+        weights[fused] = weights_of(model)
+    init = weights_of(tiny_lm().to(dtype))
+    tol = dict(rtol=1e-12, atol=1e-14) if dtype == torch.float64 else dict(rtol=2e-2, atol=1e-3)
+    for n, v in weights[True].items():
+        assert torch.isfinite(v).all(), n
+        torch.testing.assert_close(v, weights[False][n], **tol, msg=n)
+    assert any(not torch.equal(v, init[n]) for n, v in weights[True].items())

@@ -148,17 +148,20 @@ class Trainer(StepMixin, CheckpointMixin, ProcessMixin):
             self.optimizer.found_inf = self._found_inf
         # the clip rides in a fused AdamW, which divides each gradient by `grad_scale` as it
         # reads it: one pass over the gradients fewer than scaling them first
-        # (`_clip_and_step`). Not with f16 (GradScaler sets grad_scale) or FSDP2 (sharded
-        # gradients: clip_grad_norm_ scales them)
+        # (`_clip_and_step`). For float32 parameters (the kernel takes a float32 scale, which
+        # would round a float64 model's clip), without f16 (GradScaler sets grad_scale) or
+        # FSDP2 (sharded gradients), and with PyTorch's get_total_norm (2.6 on)
         self._grad_scale = None
-        fused = all(g.get("fused") for g in self.optimizer.param_groups)
-        if (
-            fused
+        fold = (
+            all(g.get("fused") for g in self.optimizer.param_groups)
+            and all(p.dtype == torch.float32 for p in self.params)
             and config.grad_clip > 0
             and not self.scaler.is_enabled()
             and self.dist.mode != "fsdp"
-        ):
-            self._grad_scale = torch.ones((), device=self.device)
+            and hasattr(nn.utils, "get_total_norm")
+        )
+        if fold:
+            self._grad_scale = torch.ones((), dtype=torch.float32, device=self.device)
             self.optimizer.grad_scale = self._grad_scale
         self.step = 0
         self._skipped_host = 0
