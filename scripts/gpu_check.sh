@@ -8,7 +8,7 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/mambakit_out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"sweep conv dtproj scan model tests train decode dprofile"}
-# opt-in stages: savetiles model14 model3 model14m3 m3layer residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve servepack serveprof servetl servehold serveflight serveprobe packprobe rl rlprof gemmprobe prefillhost stepsweep
+# opt-in stages: optim savetiles model14 model3 model14m3 m3layer residual rms ncu tasks m3 m3step m3fwd m2 m2fwd serve servepack serveprof servetl servehold serveflight serveprobe packprobe rl rlprof gemmprobe prefillhost stepsweep
 LOG="$OUT/gpu_check.log"
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,driver_version --format=csv
@@ -253,5 +253,10 @@ fi
 if stage prefillhost; then  # an eager prefill's host time, ours and mamba_ssm's: enqueue, graph, CPU profile
   echo "== prefill_host" | tee -a "$LOG"
   timeout ${T_PHOST:-240} python scripts/prefill_host.py ${PHOST_ARGS:-} --out "$OUT/prefill_host.txt" 2>&1 | tail -${PHOST_LINES:-200} | tee -a "$LOG"
+fi
+if stage optim; then  # the clip + AdamW step: foreach, fused, fused with the clip folded in (the Trainer's)
+  echo "== optimizer_timing" | tee -a "$LOG"
+  timeout ${T_OPTIM:-120} python scripts/optimizer_timing.py --device cuda --models ${OPTIM_MODELS:-130m 1.4b} \
+    --out "$OUT/optimizer_timing.json" 2>&1 | tee -a "$LOG"
 fi
 echo "== done" | tee -a "$LOG"
