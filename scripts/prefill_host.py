@@ -1,7 +1,8 @@
 """Where an eager prefill's host time goes: mambakit's 1 x T forward (f32 weights under bf16
 autocast, as `benchmarks/bench_model.py` times it) beside mamba_ssm's, each timed eagerly,
 replayed from a graph, by its host enqueue alone (the call without a sync: above the GPU
-time, the forward is host-bound), and profiled on the host (self CPU time per op).
+time, the forward is host-bound; behind a sleep kernel, the host's own work), and profiled
+on the host (self CPU time per op, idle device and busy device).
 `--mamba3-layer D` does the same for one Mamba-3 layer's forward + backward at `--shape`
 (bf16, as `benchmarks/bench_mamba3.py` times it), beside upstream's with the same weights.
 
@@ -42,10 +43,60 @@ def enqueue_ms(fn, iters: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def host_table(fn, rows: int) -> str:
+def sleep_cycles(ms: float) -> int:
+    """GPU clock cycles that `torch.cuda._sleep` spins for about `ms` milliseconds."""
+    probe = 10_000_000
+    torch.cuda._sleep(probe)  # warm up the kernel
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    end.synchronize()
+    return int(probe * ms / start.elapsed_time(end))
+
+
+def busy_enqueue_ms(fn, cycles: int, iters: int = 5) -> float:
+    """Median host time of fn() returning while the device still runs a sleep kernel queued
+    before it (about 30 ms): the host's own work, free of any wait on kernels in flight. A
+    figure near the sleep's length means the call waited on the device (a sync, or a full
+    launch queue); one near the idle enqueue means the host time is the host's."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2]
+
+
+def synced_ops(fn) -> str:
+    """The ops of one call that synchronize with the device (torch's sync debug mode)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    found = sorted({str(w.message).splitlines()[0] for w in caught})
+    return "; ".join(found) if found else "none"
+
+
+def host_table(fn, rows: int, cycles: int = 0) -> str:
+    """Self CPU time per op of one call; with `cycles`, the device busy with a sleep kernel
+    queued before the call (so no op's time is a wait on the call's own kernels)."""
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
+        if cycles:
+            torch.cuda._sleep(cycles)
         fn()
         torch.cuda.synchronize()
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
@@ -70,14 +121,21 @@ def report(name: str, model, ids, rows: int, python: bool = False, fn=None) -> l
     fn = fn or forward_fn(model, ids)
     eager = cuda_time_ms(fn, warmup=2, iters=5)
     host = enqueue_ms(fn)
+    cycles = sleep_cycles(30.0)
+    busy = busy_enqueue_ms(fn, cycles)
+    syncs = synced_ops(fn)
     try:
         graph = graph_time_ms(fn)
     except Exception as e:  # an op that cannot be captured: the eager figures still stand
         print(f"{name}: no graph ({type(e).__name__}: {e})", flush=True)
         graph = float("nan")
-    head = f"== {name}: eager {eager:.2f} ms, host enqueue {host:.2f} ms, graph {graph:.2f} ms"
+    head = (
+        f"== {name}: eager {eager:.2f} ms, host enqueue {host:.2f} ms (behind a 30 ms sleep "
+        f"kernel {busy:.2f} ms), graph {graph:.2f} ms; syncing ops: {syncs}"
+    )
     print(head, flush=True)
-    tables = [host_table(fn, rows)] + ([python_table(fn, rows)] if python else [])
+    tables = [host_table(fn, rows), "behind a 30 ms sleep kernel:\n" + host_table(fn, rows, cycles)]
+    tables += [python_table(fn, rows)] if python else []
     for table in tables:
         print(table, flush=True)
     return [head, *tables]
