@@ -565,16 +565,21 @@ def test_public_scan_takes_q_and_k_of_other_strides_and_a_strided_D(nan_empty, l
 
 
 def test_layer_runs_the_chunk_kernels_with_and_without_autograd(monkeypatch):
-    """`Mamba3.forward` on the Triton backend runs the chunk kernels: the fused forward
-    under no_grad, the differentiable kernel scan when gradients are recorded; both equal
-    the reference backend, the second in every parameter's and the input's gradient."""
+    """`Mamba3.forward` on the Triton backend runs the chunk kernels (and delta and A's):
+    the fused forward under no_grad, the differentiable kernel scan when gradients are
+    recorded; both equal the reference backend, the second in every parameter's and the
+    input's gradient."""
     from mambakit.layers import mamba3 as layer_mod
     from mambakit.ops import mamba3 as m3
+    from mambakit.ops.mamba3 import activations
 
-    calls = []
+    calls, fused = [], []
     kernel = m3.mamba3_scan_kernel  # `ops.mamba3._mamba3_scan` looks it up there
     monkeypatch.setattr(m3, "mamba3_scan_kernel",
                         lambda *a, **kw: calls.append(1) or kernel(*a, **kw))  # fmt: skip
+    dt_and_A = activations.dt_and_A  # the layer imports it at each call
+    monkeypatch.setattr(activations, "dt_and_A",
+                        lambda *a: fused.append(1) or dt_and_A(*a))  # fmt: skip
     monkeypatch.setenv("MAMBAKIT_BACKEND", "triton")
     torch.manual_seed(0)
     layer = layer_mod.Mamba3(32, d_state=16, headdim=16, ngroups=2, chunk_size=8)
@@ -593,6 +598,7 @@ def test_layer_runs_the_chunk_kernels_with_and_without_autograd(monkeypatch):
         grads = {k: p.grad.clone() for k, p in layer.named_parameters()}
         runs[name] = (y.detach(), st, ug.grad, grads)
     assert calls == [1, 1]
+    assert fused == [1, 1]  # delta and A from their kernel, with and without autograd
     y_k, s_k, gu_k, g_k = runs["triton"]
     y_r, s_r, gu_r, g_r = runs["reference"]
     torch.testing.assert_close(y_nograd, y_r, rtol=1e-5, atol=1e-6)

@@ -231,12 +231,19 @@ class Mamba3(nn.Module):
         """in_proj, split and activated: the scan's inputs over u's leading dims."""
         return self._terms(self.in_proj(u))
 
-    def _terms(self, zx: torch.Tensor):
-        """in_proj's rows split and activated: the scan's inputs."""
+    def _terms(self, zx: torch.Tensor, backend: str = "reference"):
+        """in_proj's rows split and activated: the scan's inputs. With the Triton backend,
+        delta and A come from one kernel (`ops.mamba3.activations`) instead of the chain."""
         z, x, B, C, dd_dt, dd_A, trap, theta = _split(zx, self._sizes())
         k = self.B_norm(B)
         q = self.C_norm(C)
         f = state_dtype(zx)
+        if backend == "triton" and f == torch.float32:
+            from ..ops.mamba3.activations import dt_and_A, fusable
+
+            if fusable(dd_dt, dd_A):
+                delta, A = dt_and_A(dd_dt, dd_A, self.dt_bias, self.A_floor)
+                return x, q, k, delta, A, trap, theta, z
         A = -heavy_tail(dd_A.to(f)).clamp(min=self.A_floor)  # min(-f(dd_A), -A_floor)
         delta = F.softplus(dd_dt.to(f) + self.dt_bias.to(f))
         return x, q, k, delta, A, trap, theta, z
@@ -278,7 +285,7 @@ class Mamba3(nn.Module):
                 zx, self._sizes(), norms, dt_bias, self.A_floor, C_bias, B_bias, D, state
             )
         else:
-            x, q, k, delta, A, trap, theta, z = self._terms(zx)
+            x, q, k, delta, A, trap, theta, z = self._terms(zx, resolve_backend(backend, zx))
             args = (x, q, k, delta, A, trap, theta, self.C_bias[:, 0], self.B_bias[:, 0],
                     self.D, z)  # fmt: skip
             y, final = _mamba3_scan(*args, state, seq_idx, self.chunk_size, backend)

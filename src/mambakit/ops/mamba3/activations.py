@@ -1,0 +1,152 @@
+"""The Mamba-3 layer's step size and decay from in_proj's rows in one kernel each way:
+
+    delta = softplus(dd_dt + dt_bias)                  (torch's: u itself above 20)
+    A     = -max(f(dd_A), A_floor),  f = `reference.heavy_tail`
+
+in f32 from dd_dt, dd_A [..., H] (two views of in_proj's output with one row stride).
+As PyTorch ops that chain is about a dozen launches forward and as many backward, each of
+a few microseconds on the device and more than that on the host (an eager Mamba-3 layer's
+forward + backward at 8 x 2048 is about 90 launches). `_dt_A_fwd_kernel` writes delta and A
+[R, H]; `_dt_A_bwd_kernel` writes dd_dt's and dd_A's gradients in their dtype and each
+program's share of dt_bias's gradient [programs, H] (summed after, in a fixed order). The
+gradients are the chain's autograd's, ties included: clamp passes its gradient where the
+input equals the bound, so f'(0) = 2 (both of f's pieces), and A's clamp passes it where
+f(dd_A) = A_floor.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._triton import launch, next_power_of_2
+
+BLOCK_R = 64  # rows (tokens) per program
+
+# fmt: off
+
+
+@triton.jit
+def _softplus_parts(u):
+    """(softplus(u), its derivative) as torch computes them (threshold 20)."""
+    e = tl.exp(tl.minimum(u, 20.0))
+    # log(1 + e) loses e below f32's epsilon: there softplus(u) = e to f32 precision
+    sp = tl.where(u > 20.0, u, tl.where(u < -15.0, e, tl.log(1.0 + e)))
+    return sp, tl.where(u > 20.0, 1.0, e / (e + 1.0))
+
+
+@triton.jit
+def _dt_A_fwd_kernel(
+    p_dt, p_da, p_bias, p_delta, p_A, R, H, s_r, A_floor,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    h = tl.arange(0, BLOCK_H)
+    mh = h < H
+    m = (r < R)[:, None] & mh[None, :]
+    src = r.to(tl.int64)[:, None] * s_r + h[None, :]
+    u = tl.load(p_dt + src, mask=m, other=0.0).to(tl.float32)
+    u += tl.load(p_bias + h, mask=mh, other=0.0).to(tl.float32)[None, :]
+    a = tl.load(p_da + src, mask=m, other=0.0).to(tl.float32)
+    delta, _ = _softplus_parts(u)
+    f = tl.maximum(a, 0.0) + 1.0 / (1.0 - tl.minimum(a, 0.0))
+    dst = r.to(tl.int64)[:, None] * H + h[None, :]
+    tl.store(p_delta + dst, delta, mask=m)
+    tl.store(p_A + dst, -tl.maximum(f, A_floor), mask=m)
+
+
+@triton.jit
+def _dt_A_bwd_kernel(
+    p_dt, p_da, p_bias, p_gdelta, p_gA, p_ddt, p_dda, p_dbias, R, H, s_r, A_floor,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    h = tl.arange(0, BLOCK_H)
+    mh = h < H
+    m = (r < R)[:, None] & mh[None, :]
+    src = r.to(tl.int64)[:, None] * s_r + h[None, :]
+    dst = r.to(tl.int64)[:, None] * H + h[None, :]
+    u = tl.load(p_dt + src, mask=m, other=0.0).to(tl.float32)
+    u += tl.load(p_bias + h, mask=mh, other=0.0).to(tl.float32)[None, :]
+    a = tl.load(p_da + src, mask=m, other=0.0).to(tl.float32)
+    gdelta = tl.load(p_gdelta + dst, mask=m, other=0.0)
+    gA = tl.load(p_gA + dst, mask=m, other=0.0)
+    _, slope = _softplus_parts(u)
+    du = gdelta * slope
+    neg = tl.minimum(a, 0.0)
+    rcp = 1.0 / (1.0 - neg)
+    f = tl.maximum(a, 0.0) + rcp
+    gf = tl.where(f >= A_floor, -gA, 0.0)
+    df = tl.where(a >= 0.0, 1.0, 0.0) + tl.where(a <= 0.0, rcp * rcp, 0.0)
+    tl.store(p_ddt + dst, du.to(p_ddt.dtype.element_ty), mask=m)
+    tl.store(p_dda + dst, (gf * df).to(p_dda.dtype.element_ty), mask=m)
+    tl.store(p_dbias + pid * H + h, tl.sum(tl.where(m, du, 0.0), axis=0), mask=mh)
+
+
+# fmt: on
+
+
+def _rows(t: torch.Tensor) -> int | None:
+    """The stride between t's rows when its leading dims read as one and its last is
+    contiguous, else None."""
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        return None
+    stride = t.stride(-2) if t.dim() > 1 else t.shape[-1]
+    expect = stride
+    for size, s in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
+        if size > 1 and s != expect:
+            return None
+        expect *= size
+    return stride
+
+
+def fusable(dd_dt: torch.Tensor, dd_A: torch.Tensor) -> bool:
+    """The kernels read dd_dt and dd_A (same shape, one row stride, rows contiguous); under
+    torch.compile the chain is compiled instead."""
+    return (
+        dd_dt.shape == dd_A.shape
+        and dd_dt.dim() >= 1
+        and _rows(dd_dt) is not None
+        and _rows(dd_dt) == _rows(dd_A)
+        and not torch.compiler.is_compiling()
+    )
+
+
+class _DtA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dd_dt, dd_A, dt_bias, A_floor):
+        H = dd_dt.shape[-1]
+        R = dd_dt.numel() // max(H, 1)
+        f32 = dict(device=dd_dt.device, dtype=torch.float32)
+        delta, A = torch.empty(dd_dt.shape, **f32), torch.empty(dd_dt.shape, **f32)
+        if R > 0 and H > 0:
+            launch(_dt_A_fwd_kernel, (-(-R // BLOCK_R),), dd_dt, dd_A, dt_bias, delta, A, R, H,
+                   _rows(dd_dt), float(A_floor), BLOCK_R=BLOCK_R,
+                   BLOCK_H=next_power_of_2(H))  # fmt: skip
+        ctx.save_for_backward(dd_dt, dd_A, dt_bias)
+        ctx.A_floor = float(A_floor)
+        return delta, A
+
+    @staticmethod
+    def backward(ctx, g_delta, g_A):
+        dd_dt, dd_A, dt_bias = ctx.saved_tensors
+        H = dd_dt.shape[-1]
+        R = dd_dt.numel() // max(H, 1)
+        P = -(-R // BLOCK_R)
+        d_dt = torch.empty(dd_dt.shape, device=dd_dt.device, dtype=dd_dt.dtype)
+        d_A = torch.empty(dd_A.shape, device=dd_A.device, dtype=dd_A.dtype)
+        shares = torch.empty(P, H, device=dd_dt.device, dtype=torch.float32)
+        if R > 0 and H > 0:
+            launch(_dt_A_bwd_kernel, (P,), dd_dt, dd_A, dt_bias, g_delta.contiguous(),
+                   g_A.contiguous(), d_dt, d_A, shares, R, H, _rows(dd_dt), ctx.A_floor,
+                   BLOCK_R=BLOCK_R, BLOCK_H=next_power_of_2(H))  # fmt: skip
+        d_bias = shares.sum(0).to(dt_bias.dtype)
+        return d_dt, d_A, d_bias, None
+
+
+def dt_and_A(dd_dt: torch.Tensor, dd_A: torch.Tensor, dt_bias: torch.Tensor, A_floor: float):
+    """(delta, A) in f32, shaped like dd_dt: the module docstring's; differentiable in dd_dt,
+    dd_A and dt_bias [H]. Needs `fusable(dd_dt, dd_A)`."""
+    return _DtA.apply(dd_dt, dd_A, dt_bias, A_floor)
