@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from common import write_record  # noqa: E402
 
 from mambakit import MambaBackbone, MambaConfig, MambaLM  # noqa: E402
-from mambakit.training.optim import param_groups  # noqa: E402
+from mambakit.training.optim import clip_factor, param_groups  # noqa: E402
 
 MODELS = {
     "rl-128x3": lambda: MambaBackbone(MambaConfig(d_model=128, n_layers=3, input_dim=64)),
@@ -46,8 +46,7 @@ def stepper(params: list[torch.Tensor], model, way: str, clip: float, device):
 
     def step():
         if way == "fused+fold":
-            norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-            torch.clamp((norm + 1e-6) / clip, min=1.0, out=scale)
+            clip_factor(grads, clip, scale)
             opt.grad_scale = scale
         else:
             torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)

@@ -78,3 +78,12 @@ class WarmupCosine:
         span = max(1, self.total - self.warmup)
         progress = min(1.0, (step - self.warmup) / span)
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def clip_factor(grads: list[torch.Tensor], max_norm: float, out: torch.Tensor) -> torch.Tensor:
+    """The gradients' total 2-norm, with max(1, (norm + 1e-6) / max_norm) written into `out`:
+    the inverse of `clip_grad_norm_`'s factor, which a fused AdamW applies as its
+    `grad_scale` (it divides each gradient by it as it reads it)."""
+    norm = nn.utils.get_total_norm(grads, foreach=True)
+    torch.clamp((norm + 1e-6) / max_norm, min=1.0, out=out)
+    return norm

@@ -33,7 +33,7 @@ from ..cuda_graphs import graph_capture, increment_versions
 from ..state import MambaState
 from . import distributed as dist_
 from .config import PRECISIONS
-from .optim import WarmupCosine
+from .optim import WarmupCosine, clip_factor
 from .process import in_process_state
 
 Batch = dict[str, torch.Tensor]
@@ -233,11 +233,10 @@ class StepMixin:
         if self._grad_scale is not None and getattr(self.optimizer, "grad_scale", None) is (
             self._grad_scale
         ):  # (an optimizer put in the trainer's place afterwards gets clip_grad_norm_)
-            # clip_grad_norm_'s factor min(1, max_norm / (norm + 1e-6)), applied by the fused
-            # AdamW as a division by its inverse while it reads the gradients
+            # clip_grad_norm_'s factor, applied by the fused AdamW as a division by its
+            # inverse while it reads the gradients
             grads = [p.grad for p in self.params if p.grad is not None]
-            norm = _full(nn.utils.get_total_norm(grads, foreach=True))
-            torch.clamp((norm + 1e-6) / max_norm, min=1.0, out=self._grad_scale)
+            norm = _full(clip_factor(grads, max_norm, self._grad_scale))
         else:
             norm = _full(nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True))
         if self._found_inf is not None:  # decided on the device: no sync, capturable
