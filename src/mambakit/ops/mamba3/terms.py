@@ -129,18 +129,22 @@ class _Terms(torch.autograd.Function):
         dqr, dkr = grad(dqr, (Bsz, T, H, N)), grad(dkr, (Bsz, T, H, N))
         dadt, dgam, dlate = (grad(t, (Bsz, T, H)) for t in (dadt, dgam, dlate))
         dphiT = dphiT.float().contiguous() if dphiT is not None else None
-        # through the turn first: q and k per group, dphi per head, the biases' block sums
+        qd, kd, trd, thd, ad = ctx.dtypes
+        # through the turn first: q and k per group (summed over its heads in f32, stored in
+        # their dtypes), dphi per head, the biases' block sums
         nt = -(-T // cfg.turn_block_t)
-        dqg, dkg = torch.empty(Bsz, T, G, N, **f), torch.empty(Bsz, T, G, N, **f)
+        dq = torch.empty(Bsz, T, G, N, device=q.device, dtype=qd)
+        dk = torch.empty(Bsz, T, G, N, device=q.device, dtype=kd)
         dphi = torch.empty(Bsz, T, H, S, **f)
         dqb, dkb = torch.empty(nt, Bsz, H, N, **f), torch.empty(nt, Bsz, H, N, **f)
         if T > 0:
             launch(_unturn_kernel, (nt, Bsz, G),
-                q, k, q_bias, k_bias, phi, dqr, dkr, dqg, dkg, dphi, dqb, dkb,
+                q, k, q_bias, k_bias, phi, dqr, dkr, dq, dk, dphi, dqb, dkb,
                 T, H, G, N, S, q.stride(0), q.stride(1), q.stride(2),
                 BT=cfg.turn_block_t, BLOCK_H2=_h2(N), num_warps=cfg.unturn_warps,
             )  # fmt: skip
-        ddelta, dA, dtrap = (torch.empty(Bsz, T, H, **f) for _ in range(3))
+        ddelta, dA = torch.empty(Bsz, T, H, **f), torch.empty(Bsz, T, H, **f)
+        dtrap = torch.empty(Bsz, T, H, device=q.device, dtype=trd)  # stored in trap's dtype
         dth = torch.empty(H, Bsz, T, S, **f)  # per head, summed below
         dangle0 = torch.empty(Bsz, H, S, **f)
         seqt = seq if seq is not None else delta
@@ -157,8 +161,6 @@ class _Terms(torch.autograd.Function):
         if C > 1:  # what reaches each chunk's first step from inside it, all but the first
             launch(_terms_bwd_kernel, (Bsz, H, C - 1), *args, 1, *strides, SUMS=True, **flags)
         launch(_terms_bwd_kernel, (Bsz, H, C), *args, 0, *strides, SUMS=False, **flags)
-        qd, kd, trd, thd, ad = ctx.dtypes
-        dq, dk = dqg.to(qd), dkg.to(kd)
         dq_bias = dqb.sum((0, 1)).to(q_bias.dtype)
         dk_bias = dkb.sum((0, 1)).to(k_bias.dtype)
         # theta's gradient: the heads' in order, in one pass (torch's sum over the middle
@@ -168,7 +170,7 @@ class _Terms(torch.autograd.Function):
         if M > 0:
             launch(sum_blocks_kernel, (-(-M // cfg.sum_block), 1), dth, dth, dtheta, dtheta, H,
                    M, BLOCK_E=cfg.sum_block)  # fmt: skip
-        return (dq, dk, ddelta, dA, dtrap.to(trd), dtheta, dq_bias, dk_bias, dangle0.to(ad),
+        return (dq, dk, ddelta, dA, dtrap, dtheta, dq_bias, dk_bias, dangle0.to(ad),
                 None, None, None)  # fmt: skip
 
 

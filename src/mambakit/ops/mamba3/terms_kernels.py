@@ -56,12 +56,13 @@ def _halves(p_v, rows, mask):
 
 @triton.jit
 def _store_halves(p_v, rows, mask, ve, vo):
-    """Even and odd halves [BT, BLOCK_H2] stored interleaved as rows of v: one contiguous
-    store."""
+    """Even and odd halves [BT, BLOCK_H2] stored interleaved as rows of v (in v's dtype):
+    one contiguous store."""
     BT: tl.constexpr = mask.shape[0]
     W: tl.constexpr = mask.shape[1]
     j = tl.arange(0, W)
-    tl.store(p_v + rows[:, None] + j[None, :], tl.reshape(tl.join(ve, vo), [BT, W]), mask=mask)
+    v = tl.reshape(tl.join(ve, vo), [BT, W]).to(p_v.dtype.element_ty)
+    tl.store(p_v + rows[:, None] + j[None, :], v, mask=mask)
 
 
 @triton.jit
@@ -240,7 +241,8 @@ def _terms_bwd_kernel(
             ddelta += dadt * A + dgam * lam + dlate * (1.0 - lam)
             tl.store(p_ddelta + out, ddelta, mask=mt)
             tl.store(p_dA + out, dadt * delta, mask=mt)
-            tl.store(p_dtrap + out, (dgam - dlate) * delta * lam * (1.0 - lam), mask=mt)
+            dtrap = (dgam - dlate) * delta * lam * (1.0 - lam)
+            tl.store(p_dtrap + out, dtrap.to(p_dtrap.dtype.element_ty), mask=mt)
     if SUMS:
         tl.store(p_sum + (bh * C + c) * S + i, acc, mask=mr)
     elif c == 0:
