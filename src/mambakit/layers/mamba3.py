@@ -286,7 +286,7 @@ class Mamba3(nn.Module):
             )
         else:
             x, q, k, delta, A, trap, theta, z = self._terms(zx, resolve_backend(backend, zx))
-            args = (x, q, k, delta, A, trap, theta, self.C_bias[:, 0], self.B_bias[:, 0],
+            args = (x, q, k, delta, A, trap, theta, self.C_bias.squeeze(1), self.B_bias.squeeze(1),
                     self.D, z)  # fmt: skip
             y, final = _mamba3_scan(*args, state, seq_idx, self.chunk_size, backend)
         if stop is not None:
@@ -301,7 +301,7 @@ class Mamba3(nn.Module):
         rows = torch.arange(zx.shape[0], device=zx.device)
         f = final.ssm.dtype
         k = self.B_norm(B[rows, stop]).to(f)  # [B, G, N]
-        k = k.repeat_interleave(self.nheads // self.ngroups, dim=1) + self.B_bias[:, 0].to(f)
+        k = k.repeat_interleave(self.nheads // self.ngroups, dim=1) + self.B_bias.squeeze(1).to(f)
         return Mamba3State(final.angle, final.ssm, rotate_pairs(k, final.angle),
                            x[rows, stop].to(f))  # fmt: skip
 
@@ -340,8 +340,8 @@ class Mamba3(nn.Module):
         if records:
             x, q, k, delta, A, trap, theta, z = self._inputs(u)
             y, state = mamba3_step_reference(
-                x, q, k, delta, A, trap, theta, self.C_bias[:, 0], self.B_bias[:, 0], self.D, z,
-                state,
+                x, q, k, delta, A, trap, theta, self.C_bias.squeeze(1),
+                self.B_bias.squeeze(1), self.D, z, state,
             )  # fmt: skip
         elif self._inner_plain():  # the projections called, whatever they are
             w = self.decode_weights(projections=False)
@@ -349,8 +349,8 @@ class Mamba3(nn.Module):
         else:
             x, q, k, delta, A, trap, theta, z = self._inputs(u)
             y = mamba3_state_update(
-                state, x, q, k, delta, A, trap, theta, self.C_bias[:, 0], self.B_bias[:, 0],
-                self.D, z, backend,
+                state, x, q, k, delta, A, trap, theta, self.C_bias.squeeze(1),
+                self.B_bias.squeeze(1), self.D, z, backend,
             )  # fmt: skip
         return self.out_proj(y.flatten(-2).to(self.out_proj.weight.dtype)), state
 

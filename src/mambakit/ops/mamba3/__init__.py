@@ -18,6 +18,7 @@ layers, which checked once. README.md says which kernel runs where.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -140,8 +141,11 @@ def mamba3_scan_kernel(x, q, k, delta, A, trap, theta, q_bias, k_bias, D=None, z
     other than the library's (scan_config.py's `Mamba3ScanConfig`)."""
     Bsz, T, H, P = x.shape
     N, S = q.shape[-1], theta.shape[-1]
-    if initial_state is None:
-        initial_state = Mamba3State.zeros(Bsz, H, P, N, S, x.device, torch.float32)
+    if initial_state is None:  # views of one buffer: one launch (they never leave this call)
+        shapes = Mamba3State.shapes(Bsz, H, P, N, S).values()
+        sizes = [math.prod(v) for v in shapes]
+        flat = torch.zeros(sum(sizes), device=x.device, dtype=torch.float32)
+        initial_state = Mamba3State(*(t.view(v) for t, v in zip(flat.split(sizes), shapes)))
     if T == 0:
         return x.new_empty(x.shape), Mamba3State(*(t.float().clone() for t in initial_state))
     seq = seq_idx.to(torch.int32).contiguous() if seq_idx is not None else None
