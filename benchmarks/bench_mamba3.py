@@ -63,19 +63,23 @@ def prune_upstream_autotune() -> None:
                 tuner.configs = (pick or tuner.configs)[:1]
 
 
-def layer_rows(batch: int, seqlen: int, d_model: int, iters: int) -> list[dict]:
-    mod = _upstream_module()
+def layer_pair(d_model: int, peer: bool = True) -> dict:
+    """bf16 Mamba3 layers at the 130m-mamba3 settings and `d_model`: {"mambakit": ours} and,
+    with `peer` and upstream importable, "mamba_ssm": upstream's, ours built from its
+    weights (seed 0 either way)."""
+    mod = _upstream_module() if peer else None
     dtype = torch.bfloat16
     torch.manual_seed(0)
-    layers = {}
-    if mod is not None:
-        up = _upstream_layer(mod, d_model, dtype)
-        layers["mamba_ssm"] = up
-        ours = Mamba3.from_upstream_state_dict(up.state_dict(), device="cuda", dtype=dtype)
-    else:
-        ours = Mamba3(d_model, d_state=128, headdim=64, device="cuda", dtype=dtype)
-    layers = {"mambakit": ours, **layers}
-    u = torch.randn(batch, seqlen, d_model, device="cuda", dtype=dtype)
+    if mod is None:
+        return {"mambakit": Mamba3(d_model, d_state=128, headdim=64, device="cuda", dtype=dtype)}
+    up = _upstream_layer(mod, d_model, dtype)
+    ours = Mamba3.from_upstream_state_dict(up.state_dict(), device="cuda", dtype=dtype)
+    return {"mambakit": ours, "mamba_ssm": up}
+
+
+def layer_rows(batch: int, seqlen: int, d_model: int, iters: int) -> list[dict]:
+    layers = layer_pair(d_model)
+    u = torch.randn(batch, seqlen, d_model, device="cuda", dtype=torch.bfloat16)
     return timed_layer_rows("Mamba3 layer", layers, u, iters)
 
 
@@ -83,19 +87,14 @@ def profile_layer(batch: int, seqlen: int, d_model: int, path: str) -> None:
     """Per-kernel GPU time of one mambakit Mamba3 layer forward + backward (bf16), and of
     upstream's with the same weights (to path with "-peer" before its suffix) when it is
     there."""
-    mod = _upstream_module()
-    torch.manual_seed(0)
-    dtype = torch.bfloat16
-    u = torch.randn(batch, seqlen, d_model, device="cuda", dtype=dtype)
-    if mod is None:
-        profile_fwd_bwd(Mamba3(d_model, d_state=128, headdim=64, device="cuda", dtype=dtype),
-                        u, path)  # fmt: skip
-        return
-    up = _upstream_layer(mod, d_model, dtype)
-    profile_fwd_bwd(Mamba3.from_upstream_state_dict(up.state_dict(), device="cuda", dtype=dtype),
-                    u, path)  # fmt: skip
-    stem = Path(path)
-    profile_fwd_bwd(up, u, str(stem.with_name(f"{stem.stem}-peer{stem.suffix}")))
+    layers = layer_pair(d_model)
+    u = torch.randn(batch, seqlen, d_model, device="cuda", dtype=torch.bfloat16)
+    profile_fwd_bwd(layers["mambakit"], u, path)
+    if "mamba_ssm" in layers:
+        stem = Path(path)
+        profile_fwd_bwd(
+            layers["mamba_ssm"], u, str(stem.with_name(f"{stem.stem}-peer{stem.suffix}"))
+        )
 
 
 def _upstream_layer(mod, d_model: int, dtype):

@@ -146,20 +146,11 @@ def mamba3_layer(d_model: int, shape: str, rows: int, peer: bool, prune: bool) -
     import bench_mamba3 as bm  # benchmarks/
 
     batch, seqlen = (int(v) for v in shape.lower().split("x"))
-    mod = bm._upstream_module() if peer else None
-    if mod is not None and prune:
+    if peer and prune and bm._upstream_module() is not None:
         bm.prune_upstream_autotune()
-    torch.manual_seed(0)
-    dtype = torch.bfloat16
-    layers = {}
-    if mod is not None:
-        up = bm._upstream_layer(mod, d_model, dtype)
-        layers["mamba_ssm"] = up
-        ours = bm.Mamba3.from_upstream_state_dict(up.state_dict(), device="cuda", dtype=dtype)
-    else:
-        ours = bm.Mamba3(d_model, d_state=128, headdim=64, device="cuda", dtype=dtype)
-    layers = {"mambakit": ours, **layers}
-    u = torch.randn(batch, seqlen, d_model, device="cuda", dtype=dtype, requires_grad=True)
+    layers = bm.layer_pair(d_model, peer)
+    u = torch.randn(batch, seqlen, d_model, device="cuda", dtype=torch.bfloat16,
+                    requires_grad=True)  # fmt: skip
     cot = torch.randn_like(u)
     out: list[str] = []
     for name, layer in layers.items():
