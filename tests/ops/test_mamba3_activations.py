@@ -38,7 +38,7 @@ def rows(B, T, H, dtype, seed=0, width=None):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("shape", [(2, 9, 5), (1, 70, 24), (3, 1, 1)], ids=str)
-def test_values_and_gradients_equal_the_float64_chain(dtype, shape):
+def test_values_and_gradients_equal_the_float64_chain(dtype, shape, nan_empty):
     B, T, H = shape
     dd_dt, dd_A = rows(B, T, H, dtype)
     g = torch.Generator().manual_seed(1)
@@ -63,7 +63,7 @@ def test_values_and_gradients_equal_the_float64_chain(dtype, shape):
         torch.testing.assert_close(a.grad.double(), b.grad, **tol, msg=name)
 
 
-def test_gradient_ties_follow_torch_autograd():
+def test_gradient_ties_follow_torch_autograd(nan_empty):
     """At dd_A = 0 both of heavy_tail's clamps pass the gradient (slope 2), and where
     heavy_tail(dd_A) equals A_floor the floor's clamp passes it: as torch's autograd of the
     chain in f32, exactly."""
@@ -94,3 +94,25 @@ def test_fusable_only_for_one_row_stride():
     t = zx.transpose(0, 1)[..., :3]  # leading dims that do not read as one
     assert not fusable(t, zx.transpose(0, 1)[..., 3:6])
     assert not fusable(zx[..., 0:6:2], zx[..., 1:7:2])  # columns not contiguous
+
+
+def test_softplus_keeps_its_relative_precision_for_small_steps(nan_empty):
+    """delta = softplus(u) for u in [-19, -3] (dt_min's 1e-3 is u = -6.9): within a few f32
+    ulps of the float64 value, relative, where log(1 + e^u) would lose most of them."""
+    u = torch.linspace(-19.0, -3.0, 97, device=DEVICE)[None, :]
+    zeros = torch.zeros_like(u)
+    delta, _ = dt_and_A(u, zeros, torch.zeros(u.shape[-1], device=DEVICE), 0.0)
+    torch.testing.assert_close(delta.double(), F.softplus(u.double()), rtol=1e-6, atol=0)
+
+
+def test_nan_stays_nan_and_a_strided_bias_is_read_by_its_stride(nan_empty):
+    zx = torch.randn(2, 5, 12, device=DEVICE)
+    zx[0, 1, 0] = float("nan")  # dd_dt
+    zx[1, 3, 4] = float("nan")  # dd_A
+    dd_dt, dd_A = zx[..., 0:4], zx[..., 4:8]
+    wide = torch.randn(8, device=DEVICE)
+    delta, A = dt_and_A(dd_dt, dd_A, wide[::2], 0.1)  # the bias: every other element
+    delta64, A64 = chain(dd_dt.double(), dd_A.double(), wide[::2].double(), 0.1)
+    assert bool(delta[0, 1, 0].isnan()) and bool(A[1, 3, 0].isnan())
+    torch.testing.assert_close(delta.double(), delta64, rtol=2e-6, atol=1e-7, equal_nan=True)
+    torch.testing.assert_close(A.double(), A64, rtol=2e-6, atol=1e-7, equal_nan=True)

@@ -393,8 +393,8 @@ class Mamba3(nn.Module):
         in_w = _p(mods["in_proj"], "weight") if projections else None
         out_w = _p(mods["out_proj"], "weight") if projections else None
         return Mamba3StepWeights(
-            norm_w, eps, in_w, out_w, _p(self, "C_bias")[:, 0],
-            _p(self, "B_bias")[:, 0], _p(self, "D"), _p(self, "dt_bias"), self.A_floor,
+            norm_w, eps, in_w, out_w, _p(self, "C_bias").squeeze(1),
+            _p(self, "B_bias").squeeze(1), _p(self, "D"), _p(self, "dt_bias"), self.A_floor,
             _p(cn, "weight"), _p(bn, "weight"), bn.eps, self._sizes(),
         )  # fmt: skip
 

@@ -142,10 +142,13 @@ def mamba3_scan_kernel(x, q, k, delta, A, trap, theta, q_bias, k_bias, D=None, z
     Bsz, T, H, P = x.shape
     N, S = q.shape[-1], theta.shape[-1]
     if initial_state is None:  # views of one buffer: one launch (they never leave this call)
-        shapes = Mamba3State.shapes(Bsz, H, P, N, S).values()
-        sizes = [math.prod(v) for v in shapes]
+        shapes = Mamba3State.shapes(Bsz, H, P, N, S)
+        sizes = [-(-math.prod(v) // 4) * 4 for v in shapes.values()]  # each 16-byte aligned
         flat = torch.zeros(sum(sizes), device=x.device, dtype=torch.float32)
-        initial_state = Mamba3State(*(t.view(v) for t, v in zip(flat.split(sizes), shapes)))
+        parts = dict(zip(shapes, flat.split(sizes)))
+        initial_state = Mamba3State(
+            **{k: parts[k][: math.prod(v)].view(v) for k, v in shapes.items()}
+        )
     if T == 0:
         return x.new_empty(x.shape), Mamba3State(*(t.float().clone() for t in initial_state))
     seq = seq_idx.to(torch.int32).contiguous() if seq_idx is not None else None

@@ -11,7 +11,7 @@ forward + backward at 8 x 2048 is about 90 launches). `_dt_A_fwd_kernel` writes 
 program's share of dt_bias's gradient [programs, H] (summed after, in a fixed order). The
 gradients are the chain's autograd's, ties included: clamp passes its gradient where the
 input equals the bound, so f'(0) = 2 (both of f's pieces), and A's clamp passes it where
-f(dd_A) = A_floor.
+f(dd_A) = A_floor. A NaN in dd_dt or dd_A stays NaN (the clamps are selects, not min/max).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from .._triton import launch, next_power_of_2
 
@@ -29,11 +30,22 @@ BLOCK_R = 64  # rows (tokens) per program
 
 @triton.jit
 def _softplus_parts(u):
-    """(softplus(u), its derivative) as torch computes them (threshold 20)."""
-    e = tl.exp(tl.minimum(u, 20.0))
-    # log(1 + e) loses e below f32's epsilon: there softplus(u) = e to f32 precision
-    sp = tl.where(u > 20.0, u, tl.where(u < -15.0, e, tl.log(1.0 + e)))
-    return sp, tl.where(u > 20.0, 1.0, e / (e + 1.0))
+    """(softplus(u), its derivative): u above 20, else log1p(e^u) (log(w) e / (w - 1) with
+    w = 1 + e, which keeps log1p's precision where e is small), and e / (e + 1); a NaN
+    stays NaN."""
+    e = tl.exp(tl.where(u > 20.0, 20.0, u))
+    w = 1.0 + e
+    sp = tl.where(w == 1.0, e, tl.log(w) * tl.math.div_rn(e, w - 1.0))
+    return tl.where(u > 20.0, u, sp), tl.where(u > 20.0, 1.0, tl.math.div_rn(e, w))
+
+
+@triton.jit
+def _heavy_tail_parts(a):
+    """(f(a), 1 / (1 - min(a, 0))): the heavy tail and its negative branch's reciprocal,
+    correctly rounded as torch's reciprocal is (so f's ties with A_floor are torch's); a
+    NaN stays NaN."""
+    rcp = tl.math.div_rn(1.0, 1.0 - tl.where(a > 0.0, 0.0, a))
+    return tl.where(a < 0.0, 0.0, a) + rcp, rcp
 
 
 @triton.jit
@@ -50,10 +62,10 @@ def _dt_A_fwd_kernel(
     u += tl.load(p_bias + h, mask=mh, other=0.0).to(tl.float32)[None, :]
     a = tl.load(p_da + src, mask=m, other=0.0).to(tl.float32)
     delta, _ = _softplus_parts(u)
-    f = tl.maximum(a, 0.0) + 1.0 / (1.0 - tl.minimum(a, 0.0))
+    f, _ = _heavy_tail_parts(a)
     dst = r.to(tl.int64)[:, None] * H + h[None, :]
     tl.store(p_delta + dst, delta, mask=m)
-    tl.store(p_A + dst, -tl.maximum(f, A_floor), mask=m)
+    tl.store(p_A + dst, -tl.where(f < A_floor, A_floor, f), mask=m)
 
 
 @triton.jit
@@ -75,9 +87,7 @@ def _dt_A_bwd_kernel(
     gA = tl.load(p_gA + dst, mask=m, other=0.0)
     _, slope = _softplus_parts(u)
     du = gdelta * slope
-    neg = tl.minimum(a, 0.0)
-    rcp = 1.0 / (1.0 - neg)
-    f = tl.maximum(a, 0.0) + rcp
+    f, rcp = _heavy_tail_parts(a)
     gf = tl.where(f >= A_floor, -gA, 0.0)
     df = tl.where(a >= 0.0, 1.0, 0.0) + tl.where(a <= 0.0, rcp * rcp, 0.0)
     tl.store(p_ddt + dst, du.to(p_ddt.dtype.element_ty), mask=m)
@@ -105,31 +115,31 @@ def _rows(t: torch.Tensor) -> int | None:
 def fusable(dd_dt: torch.Tensor, dd_A: torch.Tensor) -> bool:
     """The kernels read dd_dt and dd_A (same shape, one row stride, rows contiguous); under
     torch.compile the chain is compiled instead."""
-    return (
-        dd_dt.shape == dd_A.shape
-        and dd_dt.dim() >= 1
-        and _rows(dd_dt) is not None
-        and _rows(dd_dt) == _rows(dd_A)
-        and not torch.compiler.is_compiling()
-    )
+    if torch.compiler.is_compiling() or dd_dt.shape != dd_A.shape or dd_dt.dim() == 0:
+        return False
+    stride = _rows(dd_dt)
+    return stride is not None and stride == _rows(dd_A)
 
 
 class _DtA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dd_dt, dd_A, dt_bias, A_floor):
+        dt_bias = dt_bias.contiguous()  # read as [H]
+        s_r = _rows(dd_dt)
         H = dd_dt.shape[-1]
         R = dd_dt.numel() // max(H, 1)
         f32 = dict(device=dd_dt.device, dtype=torch.float32)
         delta, A = torch.empty(dd_dt.shape, **f32), torch.empty(dd_dt.shape, **f32)
         if R > 0 and H > 0:
             launch(_dt_A_fwd_kernel, (-(-R // BLOCK_R),), dd_dt, dd_A, dt_bias, delta, A, R, H,
-                   _rows(dd_dt), float(A_floor), BLOCK_R=BLOCK_R,
+                   s_r, float(A_floor), BLOCK_R=BLOCK_R,
                    BLOCK_H=next_power_of_2(H))  # fmt: skip
         ctx.save_for_backward(dd_dt, dd_A, dt_bias)
-        ctx.A_floor = float(A_floor)
+        ctx.A_floor, ctx.s_r = float(A_floor), s_r
         return delta, A
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g_delta, g_A):
         dd_dt, dd_A, dt_bias = ctx.saved_tensors
         H = dd_dt.shape[-1]
@@ -140,7 +150,7 @@ class _DtA(torch.autograd.Function):
         shares = torch.empty(P, H, device=dd_dt.device, dtype=torch.float32)
         if R > 0 and H > 0:
             launch(_dt_A_bwd_kernel, (P,), dd_dt, dd_A, dt_bias, g_delta.contiguous(),
-                   g_A.contiguous(), d_dt, d_A, shares, R, H, _rows(dd_dt), ctx.A_floor,
+                   g_A.contiguous(), d_dt, d_A, shares, R, H, ctx.s_r, ctx.A_floor,
                    BLOCK_R=BLOCK_R, BLOCK_H=next_power_of_2(H))  # fmt: skip
         d_bias = shares.sum(0).to(dt_bias.dtype)
         return d_dt, d_A, d_bias, None
