@@ -17,85 +17,12 @@ f(dd_A) = A_floor. A NaN in dd_dt or dd_A stays NaN (the clamps are selects, not
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from .._triton import launch, next_power_of_2
+from .activations_kernels import _dt_A_bwd_kernel, _dt_A_fwd_kernel
 
 BLOCK_R = 64  # rows (tokens) per program
-
-# fmt: off
-
-
-@triton.jit
-def _softplus_parts(u):
-    """(softplus(u), its derivative): u above 20, else log1p(e^u) (log(w) e / (w - 1) with
-    w = 1 + e, which keeps log1p's precision where e is small), and e / (e + 1); a NaN
-    stays NaN."""
-    e = tl.exp(tl.where(u > 20.0, 20.0, u))
-    w = 1.0 + e
-    sp = tl.where(w == 1.0, e, tl.log(w) * tl.math.div_rn(e, w - 1.0))
-    return tl.where(u > 20.0, u, sp), tl.where(u > 20.0, 1.0, tl.math.div_rn(e, w))
-
-
-@triton.jit
-def _heavy_tail_parts(a):
-    """(f(a), 1 / (1 - min(a, 0))): the heavy tail and its negative branch's reciprocal,
-    correctly rounded as torch's reciprocal is (so f's ties with A_floor are torch's); a
-    NaN stays NaN."""
-    rcp = tl.math.div_rn(1.0, 1.0 - tl.where(a > 0.0, 0.0, a))
-    return tl.where(a < 0.0, 0.0, a) + rcp, rcp
-
-
-@triton.jit
-def _dt_A_fwd_kernel(
-    p_dt, p_da, p_bias, p_delta, p_A, R, H, s_r, A_floor,
-    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    h = tl.arange(0, BLOCK_H)
-    mh = h < H
-    m = (r < R)[:, None] & mh[None, :]
-    src = r.to(tl.int64)[:, None] * s_r + h[None, :]
-    u = tl.load(p_dt + src, mask=m, other=0.0).to(tl.float32)
-    u += tl.load(p_bias + h, mask=mh, other=0.0).to(tl.float32)[None, :]
-    a = tl.load(p_da + src, mask=m, other=0.0).to(tl.float32)
-    delta, _ = _softplus_parts(u)
-    f, _ = _heavy_tail_parts(a)
-    dst = r.to(tl.int64)[:, None] * H + h[None, :]
-    tl.store(p_delta + dst, delta, mask=m)
-    tl.store(p_A + dst, -tl.where(f < A_floor, A_floor, f), mask=m)
-
-
-@triton.jit
-def _dt_A_bwd_kernel(
-    p_dt, p_da, p_bias, p_gdelta, p_gA, p_ddt, p_dda, p_dbias, R, H, s_r, A_floor,
-    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    h = tl.arange(0, BLOCK_H)
-    mh = h < H
-    m = (r < R)[:, None] & mh[None, :]
-    src = r.to(tl.int64)[:, None] * s_r + h[None, :]
-    dst = r.to(tl.int64)[:, None] * H + h[None, :]
-    u = tl.load(p_dt + src, mask=m, other=0.0).to(tl.float32)
-    u += tl.load(p_bias + h, mask=mh, other=0.0).to(tl.float32)[None, :]
-    a = tl.load(p_da + src, mask=m, other=0.0).to(tl.float32)
-    gdelta = tl.load(p_gdelta + dst, mask=m, other=0.0)
-    gA = tl.load(p_gA + dst, mask=m, other=0.0)
-    _, slope = _softplus_parts(u)
-    du = gdelta * slope
-    f, rcp = _heavy_tail_parts(a)
-    gf = tl.where(f >= A_floor, -gA, 0.0)
-    df = tl.where(a >= 0.0, 1.0, 0.0) + tl.where(a <= 0.0, rcp * rcp, 0.0)
-    tl.store(p_ddt + dst, du.to(p_ddt.dtype.element_ty), mask=m)
-    tl.store(p_dda + dst, (gf * df).to(p_dda.dtype.element_ty), mask=m)
-    tl.store(p_dbias + pid * H + h, tl.sum(tl.where(m, du, 0.0), axis=0), mask=mh)
-
-
-# fmt: on
 
 
 def _rows(t: torch.Tensor) -> int | None:

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from .._triton import fast_cos_sin, pdl_start, pdl_wait
+from .activations_kernels import delta_and_A
 
 PI = tl.constexpr(math.pi)
 TWO_PI = tl.constexpr(2 * math.pi)
@@ -78,9 +79,7 @@ def _step_kernel(
     k, k_pair = _load_pair(p_k + b * s_k_b + g * s_k_g, n, pair, N)
     q, q_pair = _load_pair(p_q + b * s_q_b + g * s_q_g, n, pair, N)
     if RAW:
-        delta += dt_bias
-        delta = tl.where(delta > 20.0, delta, tl.log(1.0 + tl.exp(delta)))  # softplus
-        A = -tl.maximum(tl.maximum(A, 0.0) + 1.0 / (1.0 - tl.minimum(A, 0.0)), A_floor)
+        delta, A = delta_and_A(delta + dt_bias, A, A_floor)
         # a row's statistics once: the pair's values are the same row's, permuted
         rstd_k = 1.0 / tl.sqrt(tl.sum(k * k, axis=0) / N + eps)
         rstd_q = 1.0 / tl.sqrt(tl.sum(q * q, axis=0) / N + eps)
